@@ -1,0 +1,81 @@
+"""The `pagedserve` command."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+
+def add_engine_args(parser: argparse.ArgumentParser) -> None:
+    """Engine flags, with vLLM's names where they mean the same thing."""
+    parser.add_argument("--model", default=None, help="Hugging Face model directory (default: the built-in model)")
+    parser.add_argument("--tokenizer", default=None)
+    parser.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
+    parser.add_argument("--device", default="auto")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--max-model-len", type=int, default=None)
+    parser.add_argument("--block-size", type=int, default=16)
+    parser.add_argument("--max-num-seqs", type=int, default=256)
+    parser.add_argument("--max-num-batched-tokens", type=int, default=None)
+    parser.add_argument("--no-enable-chunked-prefill", dest="enable_chunked_prefill", action="store_false")
+    parser.add_argument("--gpu-memory-utilization", type=float, default=0.9)
+    parser.add_argument("--kv-cache-memory-bytes", type=int, default=None)
+    parser.add_argument("--num-gpu-blocks-override", type=int, default=None)
+
+
+ENGINE_KEYS = ("model", "tokenizer", "dtype", "device", "seed", "max_model_len", "block_size", "max_num_seqs",
+               "max_num_batched_tokens", "enable_chunked_prefill", "gpu_memory_utilization",
+               "kv_cache_memory_bytes", "num_gpu_blocks_override")
+
+
+def engine_options(args: argparse.Namespace) -> dict:
+    return {key: getattr(args, key) for key in ENGINE_KEYS}
+
+
+def cmd_generate(args: argparse.Namespace) -> int:
+    from pagedserve import LLM, SamplingParams
+
+    options = engine_options(args)
+    model = options.pop("model")
+    llm = LLM(model, **options)
+    params = SamplingParams(temperature=args.temperature, top_p=args.top_p, max_tokens=args.max_tokens,
+                            seed=args.sampling_seed)
+    prompts = args.prompt or ["Hello, my name is", "The capital of France is"]
+    if args.chat:
+        outputs = llm.chat([[{"role": "user", "content": p}] for p in prompts], params, use_tqdm=False)
+    else:
+        outputs = llm.generate(prompts, params, use_tqdm=False)
+    for prompt, out in zip(prompts, outputs):
+        print(json.dumps({"prompt": prompt, "text": out.outputs[0].text, "token_ids": out.outputs[0].token_ids,
+                          "finish_reason": out.outputs[0].finish_reason}, ensure_ascii=False))
+    print(json.dumps({"stats": llm.stats()}), file=sys.stderr)
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="pagedserve", description="LLM serving with PagedAttention")
+    commands = parser.add_subparsers(dest="command", required=True)
+    generate = commands.add_parser("generate", help="generate offline for a few prompts and print JSON lines")
+    add_engine_args(generate)
+    generate.add_argument("prompt", nargs="*", help="prompts (default: two examples)")
+    generate.add_argument("--chat", action="store_true", help="wrap each prompt as a user message")
+    generate.add_argument("--temperature", type=float, default=0.0)
+    generate.add_argument("--top-p", type=float, default=1.0)
+    generate.add_argument("--max-tokens", type=int, default=32)
+    generate.add_argument("--sampling-seed", type=int, default=None)
+    generate.set_defaults(func=cmd_generate)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return args.func(args)
+    except (ValueError, FileNotFoundError) as exc:
+        print(f"pagedserve: error: {exc}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,112 @@
+"""Physical KV blocks: reference counts and the free queue.
+
+A block is free (on the free queue, reference count 0) or in use (count >= 1).
+Prefix caching will add a third state, cached-free: count 0, still indexed by
+its hash, and still on the free queue so that it can be evicted lazily.
+
+Eviction order of the free queue: blocks are taken from the head and
+returned to the tail, so the block freed longest ago is reused first (LRU).
+A sequence frees its blocks last-to-first, so when prefix caching keeps
+freed blocks indexed, the deeper blocks of a prefix sit nearer the head and
+are evicted before the blocks they depend on.
+"""
+
+from __future__ import annotations
+
+
+class KVCacheBlock:
+    __slots__ = ("block_id", "ref_cnt", "prev_free", "next_free")
+
+    def __init__(self, block_id: int):
+        self.block_id = block_id
+        self.ref_cnt = 0
+        # Links of the doubly linked free queue; None when not on it.
+        self.prev_free: KVCacheBlock | None = None
+        self.next_free: KVCacheBlock | None = None
+
+    def __repr__(self) -> str:
+        return f"KVCacheBlock(id={self.block_id}, ref_cnt={self.ref_cnt})"
+
+
+class FreeBlockQueue:
+    """A doubly linked list of blocks with O(1) pop from the head, append, and removal anywhere.
+
+    Removal from the middle is what a prefix-cache hit on a cached-free block needs;
+    a deque cannot do it in O(1).
+    """
+
+    def __init__(self, blocks: list[KVCacheBlock]):
+        self._head = KVCacheBlock(-1)  # sentinels: never handed out
+        self._tail = KVCacheBlock(-1)
+        self._head.next_free, self._tail.prev_free = self._tail, self._head
+        self.num_free = 0
+        for block in blocks:
+            self.append(block)
+
+    def popleft(self) -> KVCacheBlock:
+        block = self._head.next_free
+        if block is self._tail:
+            raise ValueError("no free block left")
+        self.remove(block)
+        return block
+
+    def append(self, block: KVCacheBlock) -> None:
+        last = self._tail.prev_free
+        last.next_free, block.prev_free = block, last
+        block.next_free, self._tail.prev_free = self._tail, block
+        self.num_free += 1
+
+    def remove(self, block: KVCacheBlock) -> None:
+        if block.prev_free is None or block.next_free is None:
+            raise ValueError(f"{block} is not on the free queue")
+        block.prev_free.next_free = block.next_free
+        block.next_free.prev_free = block.prev_free
+        block.prev_free = block.next_free = None
+        self.num_free -= 1
+
+    def block_ids(self) -> list[int]:
+        """Head to tail, for tests and debugging."""
+        ids, block = [], self._head.next_free
+        while block is not self._tail:
+            ids.append(block.block_id)
+            block = block.next_free
+        return ids
+
+
+class BlockPool:
+    """Owns every physical block; hands them out and takes them back by reference count."""
+
+    def __init__(self, num_blocks: int):
+        if num_blocks < 1:
+            raise ValueError(f"the KV cache needs at least one block, got {num_blocks}")
+        self.blocks = [KVCacheBlock(i) for i in range(num_blocks)]
+        self.free_queue = FreeBlockQueue(self.blocks)
+
+    @property
+    def num_blocks(self) -> int:
+        return len(self.blocks)
+
+    @property
+    def num_free_blocks(self) -> int:
+        return self.free_queue.num_free
+
+    @property
+    def num_used_blocks(self) -> int:
+        return self.num_blocks - self.num_free_blocks
+
+    def allocate(self, count: int) -> list[KVCacheBlock]:
+        if count > self.num_free_blocks:
+            raise ValueError(f"asked for {count} blocks, {self.num_free_blocks} free")
+        blocks = [self.free_queue.popleft() for _ in range(count)]
+        for block in blocks:
+            block.ref_cnt = 1
+        return blocks
+
+    def free(self, blocks: list[KVCacheBlock]) -> None:
+        """Drop one reference to each block; blocks reaching zero go to the tail of the free queue."""
+        for block in blocks:
+            if block.ref_cnt <= 0:
+                raise ValueError(f"{block} freed more often than allocated")
+            block.ref_cnt -= 1
+            if block.ref_cnt == 0:
+                self.free_queue.append(block)

@@ -1,0 +1,130 @@
+"""The engine core: requests in, the scheduler and an executor turning steps, updates out.
+
+It owns the sequences and validates every request at admission, so a request
+that could never run is refused with a clear error instead of waiting forever.
+"""
+
+from __future__ import annotations
+
+import itertools
+import time
+
+from services.scheduler.block_manager import BlockManager
+from services.scheduler.executor import Executor
+from services.scheduler.scheduler import Scheduler, SchedulerLimits
+from services.scheduler.sequence import Sequence, SequenceUpdate
+from services.scheduler.stats import EngineStats
+from shared.sampling_params import SamplingParams
+from shared.step_protocol import StepPlan, StepResult, WorkerInfo
+
+
+class EngineCore:
+    def __init__(self, executor: Executor, limits: SchedulerLimits, watermark: float = 0.01,
+                 max_logprobs: int = 20):
+        self.executor = executor
+        self.info: WorkerInfo = executor.worker_info()
+        self.max_logprobs = max_logprobs
+        blocks = BlockManager(self.info.num_kv_blocks, self.info.block_size, watermark)
+        self.scheduler = Scheduler(limits, blocks, self.info.eos_token_ids, self.info.max_model_len)
+        self.stats = EngineStats(blocks)
+        self._seqs: dict[int, Sequence] = {}
+        self._requests: dict[str, list[Sequence]] = {}
+        self._seq_ids = itertools.count()
+        self._arrivals = itertools.count()
+
+    # --- admission ----------------------------------------------------------------------------------
+
+    def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> None:
+        self._validate(request_id, prompt_token_ids, params)
+        max_output = self.info.max_model_len - len(prompt_token_ids)
+        if params.max_tokens is not None:
+            max_output = min(max_output, params.max_tokens)
+        arrival = next(self._arrivals)
+        seqs = [Sequence(next(self._seq_ids), request_id, i, list(prompt_token_ids), params, max_output, arrival)
+                for i in range(params.n)]
+        self._requests[request_id] = seqs
+        for seq in seqs:
+            self._seqs[seq.seq_id] = seq
+            self.scheduler.add(seq)
+
+    def _validate(self, request_id: str, prompt: list[int], params: SamplingParams) -> None:
+        info = self.info
+        if request_id in self._requests:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        if not prompt:
+            raise ValueError("the prompt is empty: give at least one token")
+        bad = [t for t in prompt if not isinstance(t, int) or not 0 <= t < info.vocab_size]
+        if bad:
+            raise ValueError(f"prompt token id {bad[0]!r} is outside the vocabulary [0, {info.vocab_size})")
+        bad = [t for t in params.token_ids_in_use() if t >= info.vocab_size]
+        if bad:
+            raise ValueError(f"token id {bad[0]} in stop_token_ids/logit_bias is outside the vocabulary "
+                             f"[0, {info.vocab_size})")
+        if len(prompt) >= info.max_model_len:
+            raise ValueError(f"the prompt has {len(prompt)} tokens, but the context length is "
+                             f"{info.max_model_len}: it must be shorter to leave room for one output token")
+        if params.max_tokens is not None and len(prompt) + params.max_tokens > info.max_model_len:
+            raise ValueError(f"prompt ({len(prompt)} tokens) + max_tokens ({params.max_tokens}) exceeds the "
+                             f"context length of {info.max_model_len} tokens")
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(params, name)
+            if value is not None and value > self.max_logprobs:
+                raise ValueError(f"{name}={value} exceeds the maximum of {self.max_logprobs}")
+        longest = len(prompt) + (params.max_tokens or info.max_model_len - len(prompt))
+        needed = self.scheduler.blocks.blocks_for(longest) * params.n
+        if needed > info.num_kv_blocks:
+            raise ValueError(f"the request can grow to {longest} tokens x {params.n} sequence(s), needing "
+                             f"{needed} KV blocks, but the cache has only {info.num_kv_blocks}: it could never run")
+
+    def abort_request(self, request_id: str) -> None:
+        seqs = self._requests.pop(request_id, None)
+        if seqs:
+            self.scheduler.abort(seqs)
+            for seq in seqs:
+                self._seqs.pop(seq.seq_id, None)
+
+    def finish_by_stop_string(self, request_id: str, seq_index: int, stop: str) -> None:
+        seqs = self._requests.get(request_id)
+        if seqs:
+            self.scheduler.finish_by_stop_string(seqs[seq_index], stop)
+            self._forget_if_done(request_id)
+
+    # --- stepping -----------------------------------------------------------------------------------
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    def step(self) -> list[SequenceUpdate]:
+        plan, scheduled = self.scheduler.schedule()
+        if plan.is_empty:
+            self._flush_drops(plan)
+            return []
+        started = time.perf_counter()
+        result = self.executor.execute(plan)
+        self.stats.record_step(plan, result, time.perf_counter() - started)
+        updates = self.scheduler.update(scheduled, result, self._seqs)
+        for update in updates:
+            if update.finish_reason is not None:
+                self._forget_if_done(update.request_id)
+        self.stats.record_usage()
+        return updates
+
+    def _flush_drops(self, plan: StepPlan) -> None:
+        if plan.finished_seq_ids:
+            self.executor.execute(plan)
+
+    def _forget_if_done(self, request_id: str) -> None:
+        seqs = self._requests.get(request_id, [])
+        if all(seq.status.is_finished for seq in seqs):
+            self._requests.pop(request_id, None)
+            for seq in seqs:
+                self._seqs.pop(seq.seq_id, None)
+
+    def get_stats(self) -> dict:
+        return self.stats.as_dict(self.scheduler)
+
+    def shutdown(self) -> None:
+        drops = self.scheduler.take_drops()
+        if drops:
+            self.executor.execute(StepPlan(step_id=0, finished_seq_ids=drops))
+        self.executor.shutdown()

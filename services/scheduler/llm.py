@@ -1,0 +1,126 @@
+"""The offline Python API: ``LLM(model=...).generate(prompts, sampling_params)``, shaped like vLLM's.
+
+Runs the engine core and one worker in this process through the in-process
+executor; tokenization and output processing happen here, as the gateway does
+them for the services.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Sequence as SequenceABC
+
+from tqdm import tqdm
+
+from services.scheduler.engine_core import EngineCore
+from services.scheduler.executor import InProcessExecutor
+from services.scheduler.request_tracker import RequestTracker
+from services.scheduler.scheduler import SchedulerLimits
+from services.worker.worker import Worker
+from shared.config import EngineConfig
+from shared.outputs import RequestOutput
+from shared.sampling_params import SamplingParams
+from shared.tokenizer import load_tokenizer, render_chat
+
+PromptType = str | dict
+
+
+class LLM:
+    def __init__(self, model: str | None = None, *, tokenizer: str | None = None, **engine_options):
+        self.config = EngineConfig.from_kwargs(model=model, tokenizer=tokenizer, **engine_options)
+        worker = Worker(self.config)
+        self.tokenizer = load_tokenizer(self.config.tokenizer or worker.model_dir)
+        limits = SchedulerLimits(max_num_seqs=self.config.max_num_seqs,
+                                 max_num_batched_tokens=self.config.token_budget(worker.max_model_len),
+                                 enable_chunked_prefill=self.config.enable_chunked_prefill)
+        self.engine = EngineCore(InProcessExecutor(worker), limits, self.config.watermark, self.config.max_logprobs)
+        self._request_ids = itertools.count()
+
+    def get_tokenizer(self):
+        return self.tokenizer
+
+    def stats(self) -> dict:
+        return self.engine.get_stats()
+
+    # --- generation ---------------------------------------------------------------------------------
+
+    def generate(self, prompts: PromptType | SequenceABC[PromptType],
+                 sampling_params: SamplingParams | SequenceABC[SamplingParams] | None = None,
+                 use_tqdm: bool = True) -> list[RequestOutput]:
+        """Generate for every prompt; outputs come back in input order."""
+        prompts = [prompts] if isinstance(prompts, (str, dict)) else list(prompts)
+        params = self._params_per_prompt(sampling_params, len(prompts))
+        trackers = [self._tracker(prompt, p) for prompt, p in zip(prompts, params)]
+        self._add_all(trackers)
+        try:
+            self._run(trackers, use_tqdm)
+        except BaseException:
+            for tracker in trackers:
+                self.engine.abort_request(tracker.request_id)
+            raise
+        return [tracker.output() for tracker in trackers]
+
+    def chat(self, messages: list[dict] | list[list[dict]],
+             sampling_params: SamplingParams | SequenceABC[SamplingParams] | None = None, use_tqdm: bool = True,
+             add_generation_prompt: bool = True, chat_template: str | None = None) -> list[RequestOutput]:
+        """One conversation (a list of messages) or several; each through the chat template."""
+        conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
+        prompts = [render_chat(self.tokenizer, conv, add_generation_prompt, chat_template) for conv in conversations]
+        token_ids = [self.tokenizer(p, add_special_tokens=False).input_ids for p in prompts]
+        return self.generate([{"prompt": p, "prompt_token_ids": ids} for p, ids in zip(prompts, token_ids)],
+                             sampling_params, use_tqdm)
+
+    # --- internals ----------------------------------------------------------------------------------
+
+    @staticmethod
+    def _params_per_prompt(sampling_params, count: int) -> list[SamplingParams]:
+        if sampling_params is None:
+            return [SamplingParams()] * count
+        if isinstance(sampling_params, SamplingParams):
+            return [sampling_params] * count
+        params = list(sampling_params)
+        if len(params) != count:
+            raise ValueError(f"got {len(params)} sampling params for {count} prompts; give one, or one per prompt")
+        return params
+
+    def _tracker(self, prompt: PromptType, params: SamplingParams) -> RequestTracker:
+        if isinstance(prompt, str):
+            text, token_ids = prompt, self.tokenizer(prompt).input_ids
+        elif isinstance(prompt, dict) and "prompt_token_ids" in prompt:
+            text, token_ids = prompt.get("prompt"), list(prompt["prompt_token_ids"])
+        elif isinstance(prompt, dict) and "prompt" in prompt:
+            text, token_ids = prompt["prompt"], self.tokenizer(prompt["prompt"]).input_ids
+        else:
+            raise ValueError(f"a prompt must be a string or a dict with 'prompt' or 'prompt_token_ids', got {prompt!r}")
+        if not isinstance(params, SamplingParams):
+            raise ValueError(f"sampling_params must be SamplingParams, got {type(params).__name__}")
+        return RequestTracker(str(next(self._request_ids)), text, token_ids, params, self.tokenizer)
+
+    def _add_all(self, trackers: list[RequestTracker]) -> None:
+        """All or nothing: one bad prompt leaves none of the others in the engine."""
+        added = []
+        try:
+            for tracker in trackers:
+                self.engine.add_request(tracker.request_id, tracker.prompt_token_ids, tracker.params)
+                added.append(tracker)
+        except Exception:
+            for tracker in added:
+                self.engine.abort_request(tracker.request_id)
+            raise
+
+    def _run(self, trackers: list[RequestTracker], use_tqdm: bool) -> None:
+        by_id = {tracker.request_id: tracker for tracker in trackers}
+        progress = tqdm(total=len(trackers), desc="Generating", disable=not use_tqdm, dynamic_ncols=True)
+        try:
+            while self.engine.has_unfinished():
+                for update in self.engine.step():
+                    tracker = by_id.get(update.request_id)
+                    if tracker is None:
+                        continue
+                    stop = tracker.apply(update)
+                    if stop is not None:
+                        self.engine.finish_by_stop_string(update.request_id, update.seq_index, stop)
+                    if tracker.finished:
+                        progress.update(1)
+        finally:
+            progress.close()

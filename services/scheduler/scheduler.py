@@ -1,0 +1,200 @@
+"""The step scheduler: which sequences run this step, how many tokens each, and which blocks they use."""
+
+from __future__ import annotations
+
+import bisect
+from collections import deque
+from dataclasses import dataclass
+
+from services.scheduler.block_manager import BlockManager
+from services.scheduler.sequence import Sequence, SequenceStatus, SequenceUpdate
+from shared.step_protocol import NewSequence, RunningSequence, StepPlan, StepResult
+
+
+@dataclass(frozen=True)
+class SchedulerLimits:
+    max_num_seqs: int  # sequences running at once
+    max_num_batched_tokens: int  # tokens computed per step (the token budget)
+    enable_chunked_prefill: bool  # a prompt may be split over several steps
+
+
+class Scheduler:
+    def __init__(self, limits: SchedulerLimits, block_manager: BlockManager, eos_token_ids: tuple[int, ...],
+                 max_model_len: int):
+        self.limits = limits
+        self.blocks = block_manager
+        self.eos_token_ids = frozenset(eos_token_ids)
+        self.max_model_len = max_model_len
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []  # kept sorted by arrival: the newest is the preemption victim
+        self._to_drop: list[int] = []  # seq ids the worker must forget in the next plan
+        self._step_id = 0
+        self.num_preemptions = 0
+
+    # --- requests in and out ----------------------------------------------------------------------
+
+    def add(self, seq: Sequence) -> None:
+        self.waiting.append(seq)
+
+    def abort(self, seqs: list[Sequence]) -> None:
+        for seq in seqs:
+            if not seq.status.is_finished:
+                self._finish(seq, SequenceStatus.FINISHED_ABORTED)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    # --- one step ---------------------------------------------------------------------------------
+
+    def schedule(self) -> tuple[StepPlan, dict[int, int]]:
+        """Plan one step; returns the plan and the tokens scheduled per seq id.
+
+        Scheduling rule:
+        1. Running sequences first, oldest arrival first. Each gets the tokens it has not computed
+           (one for a decode; the rest of its prompt for a prefill), cut to the token budget left.
+           When the blocks for them are not free, the most recently arrived running sequence is
+           preempted by recompute (its blocks freed, it goes back to the head of the waiting
+           queue) until they are, which may be the sequence itself.
+        2. Then, only if nobody was preempted this step, waiting sequences in queue order while
+           the budget, max_num_seqs and free blocks (less a small watermark) allow. With chunked
+           prefill a prompt may take only part of the budget left; without, it must fit whole.
+        The oldest running sequence is never a victim while another runs, so it always advances:
+        no deadlock, and no livelock (requests that could never fit are refused at admission).
+        """
+        budget = self.limits.max_num_batched_tokens
+        scheduled: dict[int, int] = {}
+        preempted = False
+        index = 0
+        while index < len(self.running) and budget > 0:
+            seq = self.running[index]
+            num_tokens = min(seq.num_uncomputed_tokens, budget)
+            while self.blocks.append_slots(seq.seq_id, seq.num_computed_tokens + num_tokens) is None:
+                self._preempt(self.running[-1])
+                preempted = True
+                if seq.status is not SequenceStatus.RUNNING:
+                    break
+            if seq.status is SequenceStatus.RUNNING:
+                scheduled[seq.seq_id] = num_tokens
+                budget -= num_tokens
+                index += 1
+        if not preempted:
+            budget = self._admit_waiting(budget, scheduled)
+        plan = self._build_plan(scheduled)
+        return plan, scheduled
+
+    def _admit_waiting(self, budget: int, scheduled: dict[int, int]) -> int:
+        while self.waiting and budget > 0 and len(self.running) < self.limits.max_num_seqs:
+            seq = self.waiting[0]
+            num_tokens = seq.num_uncomputed_tokens
+            if num_tokens > budget and not self.limits.enable_chunked_prefill:
+                break
+            num_tokens = min(num_tokens, budget)
+            total = seq.num_computed_tokens + num_tokens
+            if not self.blocks.can_allocate(seq.seq_id, total, keep_watermark=True):
+                break
+            self.blocks.append_slots(seq.seq_id, total)
+            self.waiting.popleft()
+            seq.status = SequenceStatus.RUNNING
+            bisect.insort(self.running, seq, key=lambda s: s.arrival)
+            scheduled[seq.seq_id] = num_tokens
+            budget -= num_tokens
+        return budget
+
+    def _preempt(self, seq: Sequence) -> None:
+        """Preempt by recompute: drop the KV, keep the tokens, requeue at the head."""
+        self.running.remove(seq)
+        self.blocks.free(seq.seq_id)
+        if seq.known_to_worker:
+            self._to_drop.append(seq.seq_id)
+        seq.reset_for_recompute()
+        self.waiting.appendleft(seq)
+        self.num_preemptions += 1
+
+    def _build_plan(self, scheduled: dict[int, int]) -> StepPlan:
+        self._step_id += 1
+        plan = StepPlan(step_id=self._step_id, finished_seq_ids=self._to_drop)
+        self._to_drop = []
+        for seq in self.running:
+            num_tokens = scheduled.get(seq.seq_id)
+            if num_tokens is None:
+                continue
+            table = self.blocks.block_table(seq.seq_id)
+            if seq.known_to_worker:
+                plan.running.append(RunningSequence(
+                    seq_id=seq.seq_id, new_token_ids=seq.token_ids(seq.num_tokens_sent),
+                    new_block_ids=table[seq.num_blocks_sent:], num_computed_tokens=seq.num_computed_tokens,
+                    num_scheduled_tokens=num_tokens))
+            else:
+                plan.new.append(NewSequence(
+                    request_id=seq.request_id, seq_id=seq.seq_id, index=seq.index, prompt_token_ids=seq.prompt_token_ids,
+                    output_token_ids=list(seq.output_token_ids), sampling_params=seq.params,
+                    block_table=table, num_computed_tokens=seq.num_computed_tokens,
+                    num_scheduled_tokens=num_tokens))
+                seq.known_to_worker = True
+            seq.num_tokens_sent = seq.num_tokens
+            seq.num_blocks_sent = len(table)
+        return plan
+
+    def take_drops(self) -> list[int]:
+        """Seq ids the worker should forget now, when no step is about to run."""
+        drops, self._to_drop = self._to_drop, []
+        return drops
+
+    # --- results ----------------------------------------------------------------------------------
+
+    def update(self, scheduled: dict[int, int], result: StepResult, seqs: dict[int, Sequence]) -> list[SequenceUpdate]:
+        """Advance the scheduled sequences by the step's result; the updates for the front end."""
+        for seq_id, num_tokens in scheduled.items():
+            seq = seqs.get(seq_id)
+            if seq is not None and seq.status is SequenceStatus.RUNNING:
+                seq.num_computed_tokens += num_tokens
+        updates = []
+        for out in result.outputs:
+            seq = seqs.get(out.seq_id)
+            if seq is None or seq.status is not SequenceStatus.RUNNING:
+                continue  # aborted while the step ran
+            update = SequenceUpdate(seq)
+            if out.prompt_logprobs:
+                self._take_prompt_logprobs(seq, out, update)
+            if out.token_id is not None:
+                seq.output_token_ids.append(out.token_id)
+                update.new_token_ids.append(out.token_id)
+                if out.logprobs is not None:
+                    update.new_logprobs.append(out.logprobs)
+                self._check_stop(seq, out.token_id)
+            if seq.status.is_finished:
+                update.finish_reason, update.stop_reason = seq.status.value, seq.stop_reason
+            updates.append(update)
+        return updates
+
+    def _take_prompt_logprobs(self, seq: Sequence, out, update: SequenceUpdate) -> None:
+        # Positions start at prompt index 1; a recomputed sequence sends them again: skip repeats.
+        first_new = seq.num_prompt_logprobs + 1 - out.prompt_logprobs_start
+        fresh = out.prompt_logprobs[max(0, first_new):]
+        update.prompt_logprobs.extend(fresh)
+        seq.num_prompt_logprobs += len(fresh)
+
+    def _check_stop(self, seq: Sequence, token_id: int) -> None:
+        num_out = len(seq.output_token_ids)
+        if num_out >= seq.params.min_tokens:
+            if token_id in self.eos_token_ids and not seq.params.ignore_eos:
+                return self._finish(seq, SequenceStatus.FINISHED_STOPPED, None)
+            if token_id in seq.params.stop_token_ids:
+                return self._finish(seq, SequenceStatus.FINISHED_STOPPED, token_id)
+        if num_out >= seq.max_output_tokens or seq.num_tokens >= self.max_model_len:
+            self._finish(seq, SequenceStatus.FINISHED_LENGTH)
+
+    def finish_by_stop_string(self, seq: Sequence, stop: str) -> None:
+        if not seq.status.is_finished:
+            self._finish(seq, SequenceStatus.FINISHED_STOPPED, stop)
+
+    def _finish(self, seq: Sequence, status: SequenceStatus, stop_reason: int | str | None = None) -> None:
+        if seq.status is SequenceStatus.RUNNING:
+            self.running.remove(seq)
+        elif seq.status is SequenceStatus.WAITING:
+            self.waiting.remove(seq)
+        self.blocks.free(seq.seq_id)
+        if seq.known_to_worker:
+            self._to_drop.append(seq.seq_id)
+            seq.known_to_worker = False
+        seq.finish(status, stop_reason)

@@ -1,0 +1,86 @@
+"""A sequence as the scheduler sees it: tokens, progress, and what the worker already knows."""
+
+from __future__ import annotations
+
+import enum
+
+from shared.sampling_params import SamplingParams
+from shared.step_protocol import PositionLogprobs
+
+
+class SequenceStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED_STOPPED = "stop"  # EOS, a stop token id, or a stop string
+    FINISHED_LENGTH = "length"  # max_tokens or the context length
+    FINISHED_ABORTED = "abort"
+
+    @property
+    def is_finished(self) -> bool:
+        return self in (SequenceStatus.FINISHED_STOPPED, SequenceStatus.FINISHED_LENGTH,
+                        SequenceStatus.FINISHED_ABORTED)
+
+
+class Sequence:
+    def __init__(self, seq_id: int, request_id: str, index: int, prompt_token_ids: list[int],
+                 params: SamplingParams, max_output_tokens: int, arrival: int):
+        self.seq_id = seq_id
+        self.request_id = request_id
+        self.index = index  # position among the request's n sequences
+        self.prompt_token_ids = prompt_token_ids
+        self.output_token_ids: list[int] = []
+        self.params = params
+        self.max_output_tokens = max_output_tokens  # max_tokens, capped by the context length
+        self.arrival = arrival  # admission order; preemption picks the largest
+        self.status = SequenceStatus.WAITING
+        self.num_computed_tokens = 0  # tokens whose KV is in the cache
+        self.stop_reason: int | str | None = None  # the stop token id or stop string that ended it
+        # What the worker holds: set when sent as new, cleared when it is told to drop the sequence.
+        self.known_to_worker = False
+        self.num_tokens_sent = 0
+        self.num_blocks_sent = 0
+        self.num_prompt_logprobs = 0  # prompt positions whose logprobs were passed on (recompute repeats them)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def num_uncomputed_tokens(self) -> int:
+        return self.num_tokens - self.num_computed_tokens
+
+    def token_ids(self, start: int = 0) -> list[int]:
+        prompt_len = len(self.prompt_token_ids)
+        if start >= prompt_len:
+            return self.output_token_ids[start - prompt_len:]
+        return self.prompt_token_ids[start:] + self.output_token_ids
+
+    def finish(self, status: SequenceStatus, stop_reason: int | str | None = None) -> None:
+        self.status = status
+        self.stop_reason = stop_reason
+
+    def reset_for_recompute(self) -> None:
+        self.status = SequenceStatus.WAITING
+        self.num_computed_tokens = 0
+        self.known_to_worker = False
+        self.num_tokens_sent = self.num_blocks_sent = 0
+
+    def __repr__(self) -> str:
+        return (f"Sequence(id={self.seq_id}, req={self.request_id!r}, {self.status.value}, "
+                f"tokens={self.num_tokens}, computed={self.num_computed_tokens})")
+
+
+class SequenceUpdate:
+    """What the front end learns about one sequence after a step."""
+
+    __slots__ = ("request_id", "seq_index", "new_token_ids", "new_logprobs", "prompt_logprobs",
+                 "finish_reason", "stop_reason")
+
+    def __init__(self, seq: Sequence):
+        self.request_id = seq.request_id
+        self.seq_index = seq.index
+        self.new_token_ids: list[int] = []
+        self.new_logprobs: list[PositionLogprobs] = []
+        self.prompt_logprobs: list[PositionLogprobs] = []  # newly available, in prompt order from index 1
+        self.finish_reason: str | None = None  # "stop", "length" or "abort" once finished
+        self.stop_reason: int | str | None = None

@@ -1,0 +1,52 @@
+"""Counters and gauges of the engine: what LLM.stats() and, later, /metrics report."""
+
+from __future__ import annotations
+
+from services.scheduler.block_manager import BlockManager
+from shared.step_protocol import StepPlan, StepResult
+
+
+class EngineStats:
+    def __init__(self, blocks: BlockManager):
+        self.blocks = blocks
+        self.num_steps = 0
+        self.num_scheduled_tokens = 0
+        self.step_time_s = 0.0
+        self.forward_time_s = 0.0
+        self.sample_time_s = 0.0
+        self.kv_waste_pct_peak = 0.0
+        self.kv_blocks_used_peak = 0
+
+    def record_step(self, plan: StepPlan, result: StepResult, elapsed_s: float) -> None:
+        self.num_steps += 1
+        self.num_scheduled_tokens += plan.num_scheduled_tokens
+        self.step_time_s += elapsed_s
+        self.forward_time_s += result.forward_time_s
+        self.sample_time_s += result.sample_time_s
+
+    def record_usage(self) -> None:
+        """After a step: every allocated slot should now hold a token except each table's tail."""
+        self.kv_waste_pct_peak = max(self.kv_waste_pct_peak, self.kv_waste_pct())
+        self.kv_blocks_used_peak = max(self.kv_blocks_used_peak, self.blocks.num_used_blocks)
+
+    def kv_waste_pct(self) -> float:
+        allocated = self.blocks.allocated_slots()
+        return 100.0 * self.blocks.wasted_slots() / allocated if allocated else 0.0
+
+    def as_dict(self, scheduler) -> dict:
+        return {
+            "num_requests_waiting": len(scheduler.waiting),
+            "num_requests_running": len(scheduler.running),
+            "num_preemptions": scheduler.num_preemptions,
+            "num_steps": self.num_steps,
+            "num_scheduled_tokens": self.num_scheduled_tokens,
+            "kv_blocks_total": self.blocks.num_blocks,
+            "kv_blocks_used": self.blocks.num_used_blocks,
+            "kv_blocks_free": self.blocks.num_free_blocks,
+            "kv_blocks_used_peak": self.kv_blocks_used_peak,
+            "kv_waste_pct": self.kv_waste_pct(),
+            "kv_waste_pct_peak": self.kv_waste_pct_peak,
+            "step_time_s": self.step_time_s,
+            "forward_time_s": self.forward_time_s,
+            "sample_time_s": self.sample_time_s,
+        }

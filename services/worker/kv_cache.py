@@ -1,0 +1,60 @@
+"""The worker's KV pools: how many blocks fit the memory budget, and the tensors themselves."""
+
+from __future__ import annotations
+
+import torch
+
+from shared.config import EngineConfig
+from shared.model_config import ModelConfig
+
+CPU_DEFAULT_KV_BYTES = 4 << 30  # like vLLM's CPU backend: 4 GiB unless told otherwise
+
+
+def bytes_per_block(model: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
+    """K and V of block_size tokens, every layer."""
+    element = torch.empty((), dtype=dtype).element_size()
+    return 2 * model.num_hidden_layers * block_size * model.num_key_value_heads * model.head_dim * element
+
+
+def activation_bytes_estimate(model: ModelConfig, config: EngineConfig, max_tokens: int) -> int:
+    """A generous bound on one forward pass's transient memory: hidden states, MLP, attention, logits."""
+    per_token = 4 * (4 * model.hidden_size + 3 * model.intermediate_size
+                     + 2 * (model.num_attention_heads + 2 * model.num_key_value_heads) * model.head_dim)
+    logits = 4 * 3 * config.max_num_seqs * model.vocab_size
+    return 2 * (max_tokens * per_token + logits)
+
+
+def kv_budget_bytes(model: ModelConfig, config: EngineConfig, device: torch.device, max_tokens: int) -> int:
+    if config.kv_cache_memory_bytes is not None:
+        return config.kv_cache_memory_bytes
+    if device.type != "cuda":
+        return CPU_DEFAULT_KV_BYTES
+    free, total = torch.cuda.mem_get_info(device)
+    in_use = total - free  # weights (already loaded) and anything else on the device
+    budget = int(config.gpu_memory_utilization * total) - in_use - activation_bytes_estimate(model, config, max_tokens)
+    if budget <= 0:
+        raise ValueError(f"no device memory left for the KV cache: {in_use / 2**30:.1f} GiB in use of "
+                         f"{total / 2**30:.1f} GiB with gpu_memory_utilization={config.gpu_memory_utilization}")
+    return budget
+
+
+def num_kv_blocks(model: ModelConfig, config: EngineConfig, device: torch.device, dtype: torch.dtype,
+                  max_tokens: int) -> int:
+    if config.num_gpu_blocks_override is not None:
+        return config.num_gpu_blocks_override
+    blocks = kv_budget_bytes(model, config, device, max_tokens) // bytes_per_block(model, config.block_size, dtype)
+    if blocks < 1:
+        raise ValueError("the KV cache budget is smaller than one block")
+    return int(blocks)
+
+
+def allocate_kv_pools(model: ModelConfig, num_blocks: int, block_size: int, dtype: torch.dtype,
+                      device: torch.device) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """One tensor [layers, 2, blocks, block_size, kv_heads, head_dim]; per layer a (K, V) view.
+
+    One allocation keeps every layer's copy of a block at a fixed stride, so block moves
+    (swap, copy-on-write) can later touch all layers in one indexing operation.
+    """
+    pools = torch.zeros(model.num_hidden_layers, 2, num_blocks, block_size, model.num_key_value_heads,
+                        model.head_dim, dtype=dtype, device=device)
+    return [(pools[layer, 0], pools[layer, 1]) for layer in range(model.num_hidden_layers)]

@@ -1,0 +1,97 @@
+"""Load a Hugging Face model directory (config.json + safetensors) into a ``LlamaForCausalLM``.
+
+The model is built on the meta device and then given uninitialised storage
+directly in the target dtype and device, so no time goes into a random
+initialisation that the checkpoint overwrites. Tensors are streamed one at a
+time from the safetensors files; every error names the file at fault.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+
+from services.worker.models.llama import LlamaForCausalLM
+from shared.model_config import ModelConfig
+
+INDEX_FILE = "model.safetensors.index.json"
+
+
+def load_model(model_dir: str | Path, dtype: torch.dtype, device: torch.device
+               ) -> tuple[LlamaForCausalLM, ModelConfig]:
+    config = ModelConfig.from_model_dir(model_dir)
+    files = safetensors_files(Path(model_dir))
+    with torch.device("meta"):
+        model = LlamaForCausalLM(config)
+    model = model.to(dtype).to_empty(device=torch.device(device))
+    state = {"file": None, "done": False}
+    try:
+        model.load_weights(_stream(files, state))
+    except ValueError as e:
+        if not state["done"]:  # raised while a tensor of this file was being loaded
+            raise ValueError(f"{state['file']}: {e}") from e
+        raise ValueError(f"{model_dir}: {e}") from e
+    return model.eval().requires_grad_(False), config
+
+
+def safetensors_files(model_dir: Path) -> list[Path]:
+    """The checkpoint files: the shards an index lists, else model.safetensors, else any *.safetensors."""
+    index = model_dir / INDEX_FILE
+    if index.is_file():
+        try:
+            weight_map = json.loads(index.read_text(encoding="utf-8"))["weight_map"]
+        except (json.JSONDecodeError, KeyError, TypeError) as e:
+            raise ValueError(f"{index} is not a valid safetensors index: {e!r}") from e
+        files = [model_dir / name for name in sorted(set(weight_map.values()))]
+        missing = [str(f) for f in files if not f.is_file()]
+        if missing:
+            raise FileNotFoundError(f"{index} lists shard(s) that do not exist: {', '.join(missing)}")
+        return files
+    single = model_dir / "model.safetensors"
+    if single.is_file():
+        return [single]
+    files = sorted(model_dir.glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(f"no safetensors weights found in {model_dir} "
+                                f"(looked for {INDEX_FILE}, model.safetensors, *.safetensors)")
+    return files
+
+
+def _stream(files: list[Path], state: dict) -> Iterator[tuple[str, torch.Tensor]]:
+    """Yield (name, CPU tensor) from each file in turn, recording which file is current."""
+    for file in files:
+        state["file"] = file
+        try:
+            with safe_open(str(file), framework="pt", device="cpu") as f:
+                for name in f.keys():
+                    yield name, f.get_tensor(name)
+        except Exception as e:  # safetensors raises its own error type for corrupt/truncated files
+            raise ValueError(f"cannot read safetensors file {file}: {e}") from e
+    state["done"] = True
+
+
+def load_eos_token_ids(model_dir: str | Path, tokenizer=None) -> tuple[int, ...]:
+    """End-of-sequence ids: generation_config.json, else config.json, else the tokenizer's eos."""
+    for name in ("generation_config.json", "config.json"):
+        file = Path(model_dir) / name
+        if not file.is_file():
+            continue
+        try:
+            eos = json.loads(file.read_text(encoding="utf-8")).get("eos_token_id")
+        except (json.JSONDecodeError, UnicodeDecodeError, AttributeError) as e:
+            raise ValueError(f"{file} is not valid JSON: {e}") from e
+        ids = _as_ids(eos)
+        if ids:
+            return ids
+    if tokenizer is not None and tokenizer.eos_token_id is not None:
+        return (int(tokenizer.eos_token_id),)
+    return ()
+
+
+def _as_ids(value) -> tuple[int, ...]:
+    values = value if isinstance(value, list) else [value]
+    return tuple(dict.fromkeys(int(v) for v in values if isinstance(v, int) and not isinstance(v, bool)))

@@ -1,0 +1,166 @@
+"""The Llama family (Llama, Mistral, Qwen2, Qwen3) over a paged KV cache.
+
+Inputs are flattened: the scheduled tokens of every sequence in the batch, one
+after another, with their positions; attention (and the KV cache) is the
+backend's job, so this module is only the dense math. q/k/v and gate/up are
+fused into one matmul each; ``load_weights`` takes Hugging Face names and
+writes each checkpoint tensor into its slice of the fused weight.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from services.worker.attention.metadata import AttentionMetadata
+from services.worker.models.layers import RMSNorm, RotaryEmbedding, silu_and_mul
+from shared.model_config import ModelConfig
+
+
+class Attention(nn.Module):
+    def __init__(self, config: ModelConfig, layer: int, rotary: RotaryEmbedding):
+        super().__init__()
+        self.layer = layer
+        self.num_heads, self.num_kv_heads = config.num_attention_heads, config.num_key_value_heads
+        self.head_dim = config.head_dim
+        self.q_size = self.num_heads * self.head_dim
+        self.kv_size = self.num_kv_heads * self.head_dim
+        self.qkv_proj = nn.Linear(config.hidden_size, self.q_size + 2 * self.kv_size, bias=config.qkv_bias)
+        self.o_proj = nn.Linear(self.q_size, config.hidden_size, bias=config.o_bias)
+        if config.qk_norm:
+            self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
+            self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
+        self.qk_norm = config.qk_norm
+        self.rotary = [rotary]  # in a list so the shared module is not registered once per layer
+
+    def forward(self, x: torch.Tensor, positions: torch.Tensor, attention, meta: AttentionMetadata
+                ) -> torch.Tensor:
+        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = q.view(-1, self.num_heads, self.head_dim)
+        k = k.view(-1, self.num_kv_heads, self.head_dim)
+        v = v.view(-1, self.num_kv_heads, self.head_dim)
+        if self.qk_norm:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = self.rotary[0](positions, q, k)
+        out = attention.forward(self.layer, q, k, v.contiguous(), meta)
+        return self.o_proj(out.reshape(-1, self.q_size))
+
+
+class MLP(nn.Module):
+    def __init__(self, config: ModelConfig):
+        super().__init__()
+        self.gate_up_proj = nn.Linear(config.hidden_size, 2 * config.intermediate_size, bias=config.mlp_bias)
+        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=config.mlp_bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(silu_and_mul(self.gate_up_proj(x)))
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, config: ModelConfig, layer: int, rotary: RotaryEmbedding):
+        super().__init__()
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.self_attn = Attention(config, layer, rotary)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.mlp = MLP(config)
+
+    def forward(self, x: torch.Tensor, positions: torch.Tensor, attention, meta: AttentionMetadata
+                ) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), positions, attention, meta)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class LlamaForCausalLM(nn.Module):
+    def __init__(self, config: ModelConfig):
+        super().__init__()
+        self.config = config
+        self.rotary = RotaryEmbedding(config.head_dim, config.max_position_embeddings,
+                                      config.rope_theta, config.rope_scaling)
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(config, i, self.rotary)
+                                    for i in range(config.num_hidden_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        # Tied: the embedding matrix doubles as the output projection (see lm_head_weight).
+        if not config.tie_word_embeddings:
+            self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+
+    @property
+    def lm_head_weight(self) -> torch.Tensor:
+        return self.embed_tokens.weight if self.config.tie_word_embeddings else self.lm_head.weight
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, attention,
+                meta: AttentionMetadata) -> torch.Tensor:
+        """Hidden states ``[T, hidden]`` after the final norm, one row per scheduled token."""
+        x = self.embed_tokens(input_ids)
+        for layer in self.layers:
+            x = layer(x, positions, attention, meta)
+        return self.norm(x)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Float32 logits ``[N, vocab]`` for the rows of ``hidden`` that need sampling."""
+        return F.linear(hidden, self.lm_head_weight).float()
+
+    # ---- loading -----------------------------------------------------------------------------
+
+    def _weight_targets(self) -> dict[str, tuple[torch.Tensor, int, int]]:
+        """HF parameter name -> (our tensor, first row, row count) it fills along dim 0."""
+        targets: dict[str, tuple[torch.Tensor, int, int]] = {}
+
+        def whole(name: str, tensor: torch.Tensor) -> None:
+            targets[name] = (tensor, 0, tensor.shape[0])
+
+        def parts(prefix: str, suffix: str, fused: torch.Tensor, names: list[str], sizes: list[int]) -> None:
+            start = 0
+            for name, size in zip(names, sizes):
+                targets[f"{prefix}.{name}.{suffix}"] = (fused, start, size)
+                start += size
+
+        whole("model.embed_tokens.weight", self.embed_tokens.weight)
+        whole("model.norm.weight", self.norm.weight)
+        if not self.config.tie_word_embeddings:
+            whole("lm_head.weight", self.lm_head.weight)
+        for i, layer in enumerate(self.layers):
+            p, attn, mlp = f"model.layers.{i}", layer.self_attn, layer.mlp
+            whole(f"{p}.input_layernorm.weight", layer.input_layernorm.weight)
+            whole(f"{p}.post_attention_layernorm.weight", layer.post_attention_layernorm.weight)
+            qkv_sizes = [attn.q_size, attn.kv_size, attn.kv_size]
+            for suffix, fused in (("weight", attn.qkv_proj.weight), ("bias", attn.qkv_proj.bias)):
+                if fused is not None:
+                    parts(f"{p}.self_attn", suffix, fused, ["q_proj", "k_proj", "v_proj"], qkv_sizes)
+            inter = self.config.intermediate_size
+            for suffix, fused in (("weight", mlp.gate_up_proj.weight), ("bias", mlp.gate_up_proj.bias)):
+                if fused is not None:
+                    parts(f"{p}.mlp", suffix, fused, ["gate_proj", "up_proj"], [inter, inter])
+            for name, module in ((f"{p}.self_attn.o_proj", attn.o_proj), (f"{p}.mlp.down_proj", mlp.down_proj)):
+                whole(f"{name}.weight", module.weight)
+                if module.bias is not None:
+                    whole(f"{name}.bias", module.bias)
+            if attn.qk_norm:
+                whole(f"{p}.self_attn.q_norm.weight", attn.q_norm.weight)
+                whole(f"{p}.self_attn.k_norm.weight", attn.k_norm.weight)
+        return targets
+
+    @torch.no_grad()
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Copy checkpoint tensors (HF names) into the model, converting dtype and device."""
+        targets = self._weight_targets()
+        loaded: set[str] = set()
+        for name, tensor in weights:
+            if name.endswith("rotary_emb.inv_freq"):
+                continue  # some old checkpoints saved this buffer; we derive it from the config
+            if name == "lm_head.weight" and self.config.tie_word_embeddings:
+                continue  # tied: the output projection is the embedding, as in transformers
+            if name not in targets:
+                raise ValueError(f"unexpected weight {name!r} for a {self.config.model_type} model")
+            param, start, rows = targets[name]
+            expected = (rows, *param.shape[1:])
+            if tuple(tensor.shape) != expected:
+                raise ValueError(f"weight {name!r} has shape {tuple(tensor.shape)}, expected {expected}")
+            param[start:start + rows].copy_(tensor)
+            loaded.add(name)
+        missing = sorted(set(targets) - loaded)
+        if missing:
+            raise ValueError(f"missing weights ({len(missing)}): {', '.join(missing)}")

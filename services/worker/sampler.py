@@ -1,0 +1,340 @@
+"""The worker's sampler: one step's logits in, one token (and its logprobs) per sequence out.
+
+Everything is vectorised over the batch. Per step, Python only walks the list of sequences
+(to gather their parameters); all work over the vocabulary is tensor operations, and a stage
+that no row of the batch needs is skipped entirely, so the common batch (all greedy, or plain
+temperature sampling) costs one argmax, or one softmax and one exponential race.
+
+Order of processing, as in vLLM: logit_bias, the min_tokens mask, repetition / frequency /
+presence penalties; then greedy rows take the argmax and the other rows are divided by their
+temperature, cut by top_k, top_p and min_p, and sampled. Logprobs reported to the client come
+from the raw model distribution, never from the processed one.
+
+Randomness uses the exponential race: argmax(p / E) with E ~ Exp(1) draws from p. Rows without
+a seed take E from the sampler's generator. Rows with a seed take E from a counter-based hash
+of (seed, stream index, tokens generated so far, vocabulary index), so a seeded sequence
+samples the same tokens whatever shares its batch and after a recompute preemption.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+from torch import Tensor
+
+from shared.sampling_params import SamplingParams
+from shared.step_protocol import PositionLogprobs
+
+# Below this a temperature samples greedily (vLLM's rule): dividing by it could overflow float32.
+GREEDY_TEMPERATURE = 1e-5
+
+_MASK32 = 0xFFFFFFFF
+_GOLDEN32 = 0x9E3779B1  # spreads consecutive vocabulary indices over all 32 bits
+_FNV_PRIME32 = 0x01000193
+
+
+class SamplingState:
+    """Per-sequence sampling state the worker keeps between steps.
+
+    Dense [vocab] tensors exist only when the parameters need them: token counts for the
+    penalties, a prompt-token mask for the repetition penalty, a bias row for logit_bias.
+    The worker can rebuild an identical state from prompt and output tokens (recompute).
+    """
+
+    def __init__(self, params: SamplingParams, prompt_token_ids: list[int], output_token_ids: list[int],
+                 vocab_size: int, stream_index: int = 0, device: str | torch.device = "cpu"):
+        _check_token_ids_fit(params, vocab_size)
+        self.params = params
+        self.vocab_size = vocab_size
+        self.stream_index = stream_index
+        self.device = torch.device(device)
+        self._num_output_tokens = len(output_token_ids)
+        self.output_counts = self._counts_of(output_token_ids) if _uses_penalties(params) else None
+        self.prompt_mask = self._mask_of(prompt_token_ids) if params.repetition_penalty != 1.0 else None
+        self.bias_row = self._bias_row_of(params.logit_bias) if params.logit_bias else None
+        self.seed_key = _seed_key(params.seed, stream_index) if params.seed is not None else None
+
+    @property
+    def num_output_tokens(self) -> int:
+        return self._num_output_tokens
+
+    def append(self, token_id: int) -> None:
+        """Record a generated token: it feeds the penalties, min_tokens and the seeded counter."""
+        if not 0 <= token_id < self.vocab_size:
+            raise ValueError(f"token id {token_id} is outside the vocabulary (size {self.vocab_size})")
+        self._num_output_tokens += 1
+        if self.output_counts is not None:
+            self.output_counts[token_id] += 1
+
+    def to(self, device: torch.device) -> None:
+        """Move the dense rows to the sampler's device (once, when it first sees this state)."""
+        for name in ("output_counts", "prompt_mask", "bias_row"):
+            row = getattr(self, name)
+            if row is not None:
+                setattr(self, name, row.to(device))
+        self.device = device
+
+    def _counts_of(self, token_ids: list[int]) -> Tensor:
+        ids = torch.tensor(token_ids, dtype=torch.long, device=self.device)
+        return torch.bincount(ids, minlength=self.vocab_size).to(torch.int32)
+
+    def _mask_of(self, token_ids: list[int]) -> Tensor:
+        mask = torch.zeros(self.vocab_size, dtype=torch.bool, device=self.device)
+        mask[torch.tensor(token_ids, dtype=torch.long, device=self.device)] = True
+        return mask
+
+    def _bias_row_of(self, logit_bias: dict[int, float]) -> Tensor:
+        row = torch.zeros(self.vocab_size, dtype=torch.float32, device=self.device)
+        ids = torch.tensor(list(logit_bias.keys()), dtype=torch.long, device=self.device)
+        row[ids] = torch.tensor(list(logit_bias.values()), dtype=torch.float32, device=self.device)
+        return row
+
+
+class Sampler:
+    """Chooses the next token for every sequence of a step, in one batch."""
+
+    def __init__(self, vocab_size: int, eos_token_ids: Sequence[int], seed: int = 0,
+                 device: str | torch.device = "cpu"):
+        self.vocab_size = vocab_size
+        self.eos_token_ids = [int(t) for t in eos_token_ids]
+        bad = [t for t in self.eos_token_ids if not 0 <= t < vocab_size]
+        if bad:
+            raise ValueError(f"EOS token ids {bad} are outside the vocabulary (size {vocab_size})")
+        self.device = torch.device(device)
+        self.generator = torch.Generator(device=self.device)
+        self.generator.manual_seed(seed)
+        self._vocab_positions = torch.arange(vocab_size, device=self.device)
+        self._vocab_hash = _mul32(self._vocab_positions.to(torch.int64), _GOLDEN32)
+        self._no_prompt_tokens = torch.zeros(vocab_size, dtype=torch.bool, device=self.device)
+
+    # ---- public API ----
+
+    def sample(self, logits: Tensor, states: list[SamplingState]) -> list[tuple[int, PositionLogprobs | None]]:
+        """One token per row of logits [B, V], plus its logprobs when the row's request asks."""
+        raw = self._checked_logits(logits, len(states))
+        if not states:
+            return []
+        self._move_to_device(states)
+        scores = self._processed_scores(raw, states)
+        token_ids = self._choose_tokens(scores, states).tolist()
+        return list(zip(token_ids, self._sampled_logprobs(raw, token_ids, states)))
+
+    def prompt_logprobs(self, logits: Tensor, target_token_ids: list[int], num_top: int) -> list[PositionLogprobs]:
+        """Raw-model logprobs of each prompt token given the positions before it; logits [N, V]."""
+        raw = self._checked_logits(logits, len(target_token_ids))
+        if not target_token_ids:
+            return []
+        return self._position_logprobs(raw, target_token_ids, [num_top] * len(target_token_ids))
+
+    # ---- logits processing (for choosing the token only) ----
+
+    def _processed_scores(self, raw: Tensor, states: list[SamplingState]) -> Tensor:
+        # Each stage is out of place, so the raw logits stay intact for the logprobs.
+        scores = self._add_logit_bias(raw, states)
+        scores = self._mask_stops_before_min_tokens(scores, states)
+        return self._apply_penalties(scores, states)
+
+    def _add_logit_bias(self, scores: Tensor, states: list[SamplingState]) -> Tensor:
+        rows = [i for i, s in enumerate(states) if s.bias_row is not None]
+        if not rows:
+            return scores
+        biases = torch.stack([states[i].bias_row for i in rows])
+        return scores.index_add(0, self._tensor(rows), biases)
+
+    def _mask_stops_before_min_tokens(self, scores: Tensor, states: list[SamplingState]) -> Tensor:
+        rows: list[int] = []
+        tokens: list[int] = []
+        for i, state in enumerate(states):
+            if state.num_output_tokens < state.params.min_tokens:
+                banned = self._stop_ids_of(state.params)
+                rows += [i] * len(banned)
+                tokens += banned
+        if not tokens:
+            return scores
+        minus_inf = torch.tensor(float("-inf"), device=scores.device)
+        return scores.index_put((self._tensor(rows), self._tensor(tokens)), minus_inf)
+
+    def _stop_ids_of(self, params: SamplingParams) -> list[int]:
+        return params.stop_token_ids + ([] if params.ignore_eos else self.eos_token_ids)
+
+    def _apply_penalties(self, scores: Tensor, states: list[SamplingState]) -> Tensor:
+        rows = [i for i, s in enumerate(states) if s.output_counts is not None]
+        if not rows:
+            return scores
+        penalised = [states[i] for i in rows]
+        index = self._tensor(rows)
+        counts = torch.stack([s.output_counts for s in penalised]).to(torch.float32)
+        generated = counts > 0
+        in_prompt = torch.stack([_or(s.prompt_mask, self._no_prompt_tokens) for s in penalised])
+        row_scores = scores.index_select(0, index)
+        # A penalty of 1 (or 0) leaves a score bit-identical, so rows share one formula.
+        repetition = self._column([s.params.repetition_penalty for s in penalised])
+        repeated = torch.where(row_scores > 0, row_scores / repetition, row_scores * repetition)
+        row_scores = torch.where(generated | in_prompt, repeated, row_scores)
+        row_scores = row_scores - self._column([s.params.frequency_penalty for s in penalised]) * counts
+        row_scores = row_scores - self._column([s.params.presence_penalty for s in penalised]) * generated
+        return scores.index_copy(0, index, row_scores)
+
+    # ---- choosing the token ----
+
+    def _choose_tokens(self, scores: Tensor, states: list[SamplingState]) -> Tensor:
+        sampled = [i for i, s in enumerate(states) if s.params.temperature >= GREEDY_TEMPERATURE]
+        if not sampled:
+            return scores.argmax(dim=-1)
+        if len(sampled) == len(states):
+            return self._sample_rows(scores, states)
+        index = self._tensor(sampled)
+        tokens = self._sample_rows(scores.index_select(0, index), [states[i] for i in sampled])
+        return scores.argmax(dim=-1).index_copy(0, index, tokens)
+
+    def _sample_rows(self, scores: Tensor, states: list[SamplingState]) -> Tensor:
+        scores = scores / self._column([s.params.temperature for s in states])
+        if any(s.params.top_k is not None or s.params.top_p < 1.0 for s in states):
+            scores = self._keep_top_k_top_p(scores, states)
+        if any(s.params.min_p > 0.0 for s in states):
+            scores = self._keep_min_p(scores, states)
+        probs = scores.softmax(dim=-1)
+        return (probs / self._exponentials(states)).argmax(dim=-1)
+
+    def _keep_top_k_top_p(self, scores: Tensor, states: list[SamplingState]) -> Tensor:
+        vocab = scores.shape[-1]
+        sorted_scores, order = scores.sort(dim=-1, descending=True)
+        top_k = self._column([min(s.params.top_k or vocab, vocab) for s in states], torch.long)
+        drop = self._vocab_positions >= top_k  # by rank, in sorted order
+        top_p = [s.params.top_p for s in states]
+        if any(p < 1.0 for p in top_p):
+            # Nucleus of the top-k-renormalised distribution: keep a token while the mass
+            # strictly before it is below top_p (so the most likely token always stays).
+            probs = sorted_scores.masked_fill(drop, float("-inf")).softmax(dim=-1)
+            mass_before = probs.cumsum(dim=-1) - probs
+            # Rows with top_p == 1 are exempt: rounding in the cumsum must not clip their tail.
+            uses_top_p = self._column([p < 1.0 for p in top_p], torch.bool)
+            drop |= (mass_before >= self._column(top_p)) & uses_top_p
+        drop_by_token = torch.empty_like(drop).scatter_(1, order, drop)
+        return scores.masked_fill(drop_by_token, float("-inf"))
+
+    def _keep_min_p(self, scores: Tensor, states: list[SamplingState]) -> Tensor:
+        probs = scores.softmax(dim=-1)
+        threshold = self._column([s.params.min_p for s in states]) * probs.amax(dim=-1, keepdim=True)
+        return scores.masked_fill(probs < threshold, float("-inf"))
+
+    def _exponentials(self, states: list[SamplingState]) -> Tensor:
+        """Exp(1) noise per (row, token): hashed for seeded rows, from the generator for the rest."""
+        seeded = [i for i, s in enumerate(states) if s.seed_key is not None]
+        if not seeded:
+            return self._generator_exponentials(len(states))
+        if len(seeded) == len(states):
+            return self._seeded_exponentials(states)
+        noise = torch.empty(len(states), self.vocab_size, device=self.device)
+        unseeded = [i for i, s in enumerate(states) if s.seed_key is None]
+        noise[self._tensor(unseeded)] = self._generator_exponentials(len(unseeded))
+        noise[self._tensor(seeded)] = self._seeded_exponentials([states[i] for i in seeded])
+        return noise
+
+    def _generator_exponentials(self, num_rows: int) -> Tensor:
+        noise = torch.empty(num_rows, self.vocab_size, device=self.device)
+        # Exp(1) may round to 0 on some backends; p / 0 would be inf (or NaN for a masked token).
+        return noise.exponential_(generator=self.generator).clamp_min_(torch.finfo(torch.float32).tiny)
+
+    def _seeded_exponentials(self, states: list[SamplingState]) -> Tensor:
+        keys = self._column([_step_key(s.seed_key, s.num_output_tokens) for s in states], torch.int64)
+        bits = _fmix32((_fmix32(self._vocab_hash ^ keys) + keys) & _MASK32)
+        # The top 24 bits are exact in float32; the half-step offset keeps u strictly inside (0, 1).
+        uniform = ((bits >> 8).to(torch.float32) + 0.5) * 2.0**-24
+        return -uniform.log()
+
+    # ---- logprobs (from the raw distribution) ----
+
+    def _sampled_logprobs(self, raw: Tensor, token_ids: list[int],
+                          states: list[SamplingState]) -> list[PositionLogprobs | None]:
+        result: list[PositionLogprobs | None] = [None] * len(states)
+        rows = [i for i, s in enumerate(states) if s.params.logprobs is not None]
+        if rows:
+            computed = self._position_logprobs(raw.index_select(0, self._tensor(rows)),
+                                               [token_ids[i] for i in rows],
+                                               [states[i].params.logprobs for i in rows])
+            for i, position in zip(rows, computed):
+                result[i] = position
+        return result
+
+    def _position_logprobs(self, logits: Tensor, token_ids: list[int], num_tops: list[int]) -> list[PositionLogprobs]:
+        logprobs = torch.log_softmax(logits, dim=-1)
+        chosen = logprobs.gather(1, self._tensor(token_ids).unsqueeze(1))
+        ranks = (logprobs > chosen).sum(dim=-1) + 1  # ties share the better rank
+        k = min(max(num_tops), logprobs.shape[-1])
+        top_logprobs, top_ids = logprobs.topk(k, dim=-1)
+        rows = zip(token_ids, chosen.squeeze(1).tolist(), ranks.tolist(), top_ids.tolist(),
+                   top_logprobs.tolist(), num_tops)
+        return [PositionLogprobs(token_id=token, logprob=logprob, rank=rank,
+                                 top_token_ids=ids[:n], top_logprobs=lps[:n])
+                for token, logprob, rank, ids, lps, n in rows]
+
+    # ---- helpers ----
+
+    def _checked_logits(self, logits: Tensor, num_rows: int) -> Tensor:
+        if logits.dim() != 2 or logits.shape[0] != num_rows or logits.shape[1] != self.vocab_size:
+            raise ValueError(f"expected logits of shape [{num_rows}, {self.vocab_size}], got {list(logits.shape)}")
+        return logits.to(device=self.device, dtype=torch.float32)
+
+    def _move_to_device(self, states: list[SamplingState]) -> None:
+        for state in states:
+            if state.device is not self.device:
+                state.to(self.device)
+
+    def _tensor(self, values: list[int]) -> Tensor:
+        return torch.tensor(values, dtype=torch.long, device=self.device)
+
+    def _column(self, values: list, dtype: torch.dtype = torch.float32) -> Tensor:
+        return torch.tensor(values, dtype=dtype, device=self.device).unsqueeze(1)
+
+
+def _uses_penalties(params: SamplingParams) -> bool:
+    return params.presence_penalty != 0.0 or params.frequency_penalty != 0.0 or params.repetition_penalty != 1.0
+
+
+def _check_token_ids_fit(params: SamplingParams, vocab_size: int) -> None:
+    for name, ids in (("stop_token_ids", params.stop_token_ids), ("logit_bias", (params.logit_bias or {}).keys())):
+        bad = [t for t in ids if not 0 <= t < vocab_size]
+        if bad:
+            raise ValueError(f"{name} names token ids {bad} outside the vocabulary (size {vocab_size})")
+
+
+def _or(row: Tensor | None, default: Tensor) -> Tensor:
+    return default if row is None else row
+
+
+# ---- the counter-based hash RNG ----
+# The same functions run on Python ints (per-row keys) and int64 tensors (per-token bits).
+
+
+def _mul32(x, constant: int):
+    """Low 32 bits of x * constant, x < 2**32, split in 16-bit halves so int64 never overflows."""
+    low = x * (constant & 0xFFFF)
+    high = ((x * (constant >> 16)) & 0xFFFF) << 16
+    return (low + high) & _MASK32
+
+
+def _fmix32(x):
+    """MurmurHash3's finaliser: a bijection on 32 bits in which every input bit moves every output bit."""
+    x = x ^ (x >> 16)
+    x = _mul32(x, 0x85EBCA6B)
+    x = x ^ (x >> 13)
+    x = _mul32(x, 0xC2B2AE35)
+    return x ^ (x >> 16)
+
+
+def _fold(key: int, word: int) -> int:
+    """Absorb one word into a key; order matters, so (seed, stream) differs from (stream, seed)."""
+    return _fmix32(_mul32(key, _FNV_PRIME32) ^ (word & _MASK32))
+
+
+def _seed_key(seed: int, stream_index: int) -> int:
+    key = 0x811C9DC5
+    for word in (seed, seed >> 32, stream_index):  # the seed's low 64 bits, any sign
+        key = _fold(key, word)
+    return key
+
+
+def _step_key(seed_key: int, num_output_tokens: int) -> int:
+    return _fold(seed_key, num_output_tokens)

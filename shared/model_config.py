@@ -1,0 +1,148 @@
+"""The model architecture, read from a Hugging Face model directory's ``config.json``.
+
+Only what the worker needs to build a Llama-family model is kept, already
+normalised: both the transformers v4 rope format (``rope_theta`` +
+``rope_scaling``) and the v5 one (``rope_parameters``) become ``rope_theta`` and
+``rope_scaling`` (``None`` for plain RoPE). Anything we cannot run faithfully is
+refused here with a message that names the file, rather than producing a model
+that silently disagrees with the checkpoint.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
+SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
+# Keys each rope type needs besides rope_theta; checked up front so a bad config fails at load.
+_ROPE_KEYS = {"default": (), "linear": ("factor",),
+              "llama3": ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")}
+_REQUIRED_KEYS = ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads", "vocab_size")
+# Defaults transformers uses when config.json omits a key (save_pretrained always writes them).
+_DEFAULT_ROPE_THETA = 10000.0
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    model_type: str
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    vocab_size: int
+    rms_norm_eps: float
+    rope_theta: float
+    rope_scaling: dict[str, Any] | None  # has "rope_type" plus its parameters; None for plain RoPE
+    max_position_embeddings: int
+    tie_word_embeddings: bool
+    qkv_bias: bool  # q_proj/k_proj/v_proj carry a bias
+    qk_norm: bool  # per-head RMSNorm on q and k before rotary (Qwen3)
+    sliding_window: int | None  # None unless the config turns it on; the engine must not exceed it
+    dtype: str = "float32"
+    o_bias: bool = False  # o_proj carries a bias (Llama/Qwen3 attention_bias)
+    mlp_bias: bool = False  # gate/up/down carry biases (Llama mlp_bias)
+
+    def __post_init__(self) -> None:
+        for name in ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+                     "num_key_value_heads", "head_dim", "vocab_size", "max_position_embeddings"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+                raise ValueError(f"{name} must be a positive integer, got {value!r}")
+        if self.num_attention_heads % self.num_key_value_heads:
+            raise ValueError(f"num_attention_heads ({self.num_attention_heads}) must be a multiple of "
+                             f"num_key_value_heads ({self.num_key_value_heads})")
+        if self.head_dim % 2:
+            raise ValueError(f"head_dim must be even for rotary embeddings, got {self.head_dim}")
+        if self.rms_norm_eps <= 0 or self.rope_theta <= 0:
+            raise ValueError("rms_norm_eps and rope_theta must be positive")
+
+    @classmethod
+    def from_model_dir(cls, path: str | Path) -> "ModelConfig":
+        path = Path(path)
+        if not path.is_dir():
+            raise FileNotFoundError(f"model directory {path} does not exist or is not a directory")
+        file = path / "config.json"
+        if not file.is_file():
+            raise FileNotFoundError(f"{file} not found: a Hugging Face model directory needs a config.json")
+        try:
+            raw = json.loads(file.read_text(encoding="utf-8"))
+        except (json.JSONDecodeError, UnicodeDecodeError) as e:
+            raise ValueError(f"{file} is not valid JSON: {e}") from e
+        if not isinstance(raw, dict):
+            raise ValueError(f"{file} must hold a JSON object")
+        try:
+            return cls.from_dict(raw)
+        except ValueError as e:
+            raise ValueError(f"{file}: {e}") from e
+
+    @classmethod
+    def from_dict(cls, raw: dict[str, Any]) -> "ModelConfig":
+        model_type = raw.get("model_type")
+        if model_type not in SUPPORTED_MODEL_TYPES:
+            raise ValueError(f"unsupported architecture model_type={model_type!r} "
+                             f"(architectures={raw.get('architectures')}); "
+                             f"supported: {', '.join(SUPPORTED_MODEL_TYPES)}")
+        missing = [key for key in _REQUIRED_KEYS if key not in raw]
+        if missing:
+            raise ValueError(f"missing required key(s): {', '.join(missing)}")
+        if raw.get("hidden_act", "silu") != "silu":
+            raise ValueError(f"unsupported hidden_act {raw['hidden_act']!r}; only 'silu' is supported")
+        heads = raw["num_attention_heads"]
+        # Qwen3's config class defaults head_dim to 128 rather than deriving it; mirror transformers.
+        head_dim = raw.get("head_dim") or (128 if model_type == "qwen3" else raw["hidden_size"] // heads)
+        rope_theta, rope_scaling = _parse_rope(raw)
+        attention_bias = bool(raw.get("attention_bias", False))
+        return cls(
+            model_type=model_type,
+            hidden_size=raw["hidden_size"],
+            intermediate_size=raw["intermediate_size"],
+            num_hidden_layers=raw["num_hidden_layers"],
+            num_attention_heads=heads,
+            num_key_value_heads=raw.get("num_key_value_heads") or heads,
+            head_dim=head_dim,
+            vocab_size=raw["vocab_size"],
+            rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
+            rope_theta=rope_theta,
+            rope_scaling=rope_scaling,
+            max_position_embeddings=raw.get("max_position_embeddings", 2048),
+            tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
+            qkv_bias=model_type == "qwen2" or (model_type in ("llama", "qwen3") and attention_bias),
+            qk_norm=model_type == "qwen3",
+            sliding_window=_parse_sliding_window(raw, model_type),
+            dtype=str(raw.get("dtype") or raw.get("torch_dtype") or "float32"),
+            o_bias=model_type in ("llama", "qwen3") and attention_bias,
+            mlp_bias=model_type == "llama" and bool(raw.get("mlp_bias", False)),
+        )
+
+
+def _parse_rope(raw: dict[str, Any]) -> tuple[float, dict[str, Any] | None]:
+    """(rope_theta, scaling) from either the v5 ``rope_parameters`` or the v4 ``rope_scaling``."""
+    params = dict(raw.get("rope_parameters") or raw.get("rope_scaling") or {})
+    if "rope_parameters" in params:  # some v5 configs nest per-attention-type parameters; not ours
+        raise ValueError("per-layer-type rope_parameters are not supported")
+    theta = float(params.pop("rope_theta", raw.get("rope_theta", _DEFAULT_ROPE_THETA)))
+    # v4 spelled the kind "type"; v5 "rope_type".
+    rope_type = params.pop("rope_type", None) or params.pop("type", None) or "default"
+    params.pop("type", None)
+    if rope_type not in SUPPORTED_ROPE_TYPES:
+        raise ValueError(f"unsupported rope type {rope_type!r}; supported: {', '.join(SUPPORTED_ROPE_TYPES)}")
+    missing = [key for key in _ROPE_KEYS[rope_type] if key not in params]
+    if missing:
+        raise ValueError(f"rope type {rope_type!r} needs {', '.join(missing)}")
+    if params.get("partial_rotary_factor", 1.0) != 1.0:
+        raise ValueError("partial_rotary_factor != 1.0 is not supported")
+    if rope_type == "default":
+        return theta, None
+    return theta, {"rope_type": rope_type, **params}
+
+
+def _parse_sliding_window(raw: dict[str, Any], model_type: str) -> int | None:
+    # Qwen configs carry a sliding_window value even when use_sliding_window is off.
+    if model_type in ("qwen2", "qwen3") and not raw.get("use_sliding_window", False):
+        return None
+    return raw.get("sliding_window") or None

@@ -1,0 +1,165 @@
+"""Small random models saved as ordinary Hugging Face directories.
+
+Nothing can be downloaded, so the built-in default model, the benchmark model
+and the test models are made here: a byte-level BPE tokenizer trained on text
+that ships with Python, plus a transformers model with seeded random weights.
+The weights use a large init std so that next-token distributions are sharp:
+greedy decoding then has few near-ties, and comparing our tokens with
+transformers' is meaningful.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import os
+import shutil
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import torch
+
+SPECIAL_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
+EOS_TOKEN, PAD_TOKEN = "<|im_end|>", "<|endoftext|>"
+CHAT_TEMPLATE = (
+    "{% for message in messages %}"
+    "{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n' }}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
+)
+DEFAULT_INIT_STD = 0.15
+_EXTRA_CORPUS = (
+    "The quick brown fox jumps over the lazy dog.",
+    "Hello, world! How are you today?",
+    "You are a helpful assistant.",
+    "Café, naïve, façade, jalapeño — Grüße aus Köln.",
+    "日本語のテキスト、中文文本、한국어 텍스트。",
+    "Emoji: 😀 🚀 ✨ and math: ∑ ∫ √ π ≈ 3.14159",
+)
+
+DEFAULT_MODEL: dict[str, Any] = dict(
+    model_type="llama", vocab_size=4096, hidden_size=256, intermediate_size=704, num_hidden_layers=4,
+    num_attention_heads=8, num_key_value_heads=4, max_position_embeddings=2048, dtype="float32")
+# 56M parameters; the tokenizer stays smaller than 32000 (the corpus runs out), the extra rows are unused.
+BENCH_MODEL: dict[str, Any] = dict(
+    model_type="llama", vocab_size=32000, hidden_size=512, intermediate_size=1408, num_hidden_layers=8,
+    num_attention_heads=8, num_key_value_heads=4, max_position_embeddings=4096, dtype="float32")
+DEFAULT_MODEL_NAME = "default-model-v1"
+
+
+@functools.lru_cache(maxsize=None)
+def _trained_tokenizer_json(vocab_size: int) -> str:
+    """Train once per vocabulary size per process (serialised, so callers get independent copies)."""
+    from pydoc_data.topics import topics
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    tokenizer = Tokenizer(models.BPE())
+    # Byte-level pre-tokenizer + decoder: any UTF-8 text encodes, and decoding is lossless.
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=list(SPECIAL_TOKENS),
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+    corpus = [topics[key] for key in sorted(topics)] + list(_EXTRA_CORPUS)
+    tokenizer.train_from_iterator(corpus, trainer)
+    return tokenizer.to_str()
+
+
+def train_tokenizer(vocab_size: int):
+    """A byte-level BPE ``PreTrainedTokenizerFast`` with ChatML special tokens and chat template."""
+    from tokenizers import Tokenizer
+    from transformers import PreTrainedTokenizerFast
+
+    tokenizer = PreTrainedTokenizerFast(
+        tokenizer_object=Tokenizer.from_str(_trained_tokenizer_json(vocab_size)),
+        eos_token=EOS_TOKEN, pad_token=PAD_TOKEN, model_max_length=1 << 30)
+    tokenizer.chat_template = CHAT_TEMPLATE
+    return tokenizer
+
+
+def _config(model_type: str, **kwargs: Any):
+    from transformers import LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config
+
+    classes = {"llama": LlamaConfig, "mistral": MistralConfig, "qwen2": Qwen2Config, "qwen3": Qwen3Config}
+    if model_type not in classes:
+        raise ValueError(f"unsupported model_type {model_type!r}; supported: {', '.join(classes)}")
+    return classes[model_type](**kwargs)
+
+
+@torch.no_grad()
+def _randomize(model: torch.nn.Module, init_std: float, seed: int) -> None:
+    """Seeded weights: matrices and biases ~ N(0, std); norm weights ~ 1 + N(0, 0.1)."""
+    generator = torch.Generator().manual_seed(seed)
+    for name, param in sorted(model.named_parameters()):
+        noise = torch.randn(param.shape, generator=generator, dtype=torch.float32)
+        value = 1.0 + 0.1 * noise if "norm" in name else init_std * noise
+        param.copy_(value)
+
+
+def create_model_dir(path: str | Path, *, model_type: str = "llama", vocab_size: int = 4096,
+                     hidden_size: int = 256, intermediate_size: int = 704, num_hidden_layers: int = 4,
+                     num_attention_heads: int = 8, num_key_value_heads: int = 4,
+                     head_dim: int | None = None, max_position_embeddings: int = 2048,
+                     tie_word_embeddings: bool = False, rope_scaling: dict[str, Any] | None = None,
+                     dtype: str = "float32", init_std: float = DEFAULT_INIT_STD, seed: int = 0,
+                     max_shard_size: str | int | None = None, **extra_config: Any) -> Path:
+    """Write a random model of the given shape, its tokenizer and generation config to ``path``."""
+    from transformers import AutoModelForCausalLM, GenerationConfig
+
+    path = Path(path)
+    tokenizer = train_tokenizer(vocab_size)
+    eos_ids = [tokenizer.convert_tokens_to_ids(EOS_TOKEN), tokenizer.convert_tokens_to_ids(PAD_TOKEN)]
+    config = _config(
+        model_type, vocab_size=max(vocab_size, len(tokenizer)), hidden_size=hidden_size,
+        intermediate_size=intermediate_size, num_hidden_layers=num_hidden_layers,
+        num_attention_heads=num_attention_heads, num_key_value_heads=num_key_value_heads,
+        head_dim=head_dim if head_dim is not None else hidden_size // num_attention_heads,
+        max_position_embeddings=max_position_embeddings, tie_word_embeddings=tie_word_embeddings,
+        rope_scaling=rope_scaling, bos_token_id=None, eos_token_id=eos_ids[0], pad_token_id=eos_ids[1],
+        **extra_config)
+    torch_dtype = getattr(torch, dtype)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    _randomize(model, init_std, seed)
+    model = model.to(torch_dtype)
+    model.generation_config = GenerationConfig(eos_token_id=eos_ids, pad_token_id=eos_ids[1],
+                                               bos_token_id=None)
+    save_kwargs = {} if max_shard_size is None else {"max_shard_size": max_shard_size}
+    model.save_pretrained(path, **save_kwargs)
+    tokenizer.save_pretrained(path)
+    _check_saved_dtype(path, dtype)
+    return path
+
+
+def _check_saved_dtype(path: Path, dtype: str) -> None:
+    """Make sure config.json records the dtype (older transformers wrote torch_dtype, newer dtype)."""
+    file = path / "config.json"
+    raw = json.loads(file.read_text())
+    if (raw.get("dtype") or raw.get("torch_dtype")) != dtype:
+        raw["dtype"] = dtype
+        file.write_text(json.dumps(raw, indent=2) + "\n")
+
+
+def cache_root() -> Path:
+    return Path(os.environ.get("PAGEDSERVE_CACHE") or Path.home() / ".cache" / "pagedserve")
+
+
+def default_model_dir() -> Path:
+    """The built-in default model, created on first use and cached on disk.
+
+    It is built in a private temporary directory and renamed into place, so a
+    concurrent process either sees no directory or a complete one.
+    """
+    final = cache_root() / DEFAULT_MODEL_NAME
+    if (final / "config.json").is_file():
+        return final
+    final.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{DEFAULT_MODEL_NAME}-", dir=final.parent))
+    try:
+        create_model_dir(tmp, **DEFAULT_MODEL)
+        os.rename(tmp, final)
+    except OSError:
+        if not (final / "config.json").is_file():  # not simply another process winning the race
+            raise
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return final

@@ -1,0 +1,40 @@
+"""What generation returns, shaped like vLLM's RequestOutput / CompletionOutput."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass
+class Logprob:
+    logprob: float
+    rank: int | None = None  # 1 for the most likely token
+    decoded_token: str | None = None
+
+
+# Per position: token id -> Logprob, holding the chosen token and the top-k.
+PositionLogprobDict = dict[int, Logprob]
+
+
+@dataclass
+class CompletionOutput:
+    index: int  # which of the request's n outputs
+    text: str
+    token_ids: list[int]
+    cumulative_logprob: float | None  # sum of the sampled tokens' logprobs, when logprobs were asked for
+    logprobs: list[PositionLogprobDict] | None
+    finish_reason: str | None = None  # "stop", "length" or "abort"; None while running
+    stop_reason: int | str | None = None  # the stop token id or stop string, if one ended it
+
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+@dataclass
+class RequestOutput:
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    prompt_logprobs: list[PositionLogprobDict | None] | None
+    outputs: list[CompletionOutput] = field(default_factory=list)
+    finished: bool = False

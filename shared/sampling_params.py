@@ -1,0 +1,104 @@
+"""Sampling parameters of one request, validated on construction.
+
+Field names and meanings follow vLLM's ``SamplingParams`` so its users feel at
+home. Checks that need the model (vocabulary size, context length) happen at
+admission, in the engine; everything checkable alone is checked here.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+# OpenAI caps top logprobs at 20; so do we (per position, sampled token excluded).
+MAX_LOGPROBS = 20
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    n: int = 1  # output sequences per request
+    temperature: float = 1.0  # 0 means greedy
+    top_p: float = 1.0  # nucleus mass kept, in (0, 1]
+    top_k: int | None = None  # keep the k most likely tokens; None, 0 or -1 keep all
+    min_p: float = 0.0  # drop tokens below min_p * p(most likely)
+    presence_penalty: float = 0.0  # subtracted once from every token already generated
+    frequency_penalty: float = 0.0  # subtracted per occurrence in the generated tokens
+    repetition_penalty: float = 1.0  # CTRL-style, over prompt and generated tokens
+    logit_bias: dict[int, float] | None = None  # token id -> added to its logit
+    seed: int | None = None  # same seed, same output, whatever shares the batch
+    max_tokens: int | None = 16  # None: up to the context length
+    min_tokens: int = 0  # EOS and stop_token_ids are masked until this many
+    stop: list[str] = field(default_factory=list)  # stop strings (checked on text)
+    stop_token_ids: list[int] = field(default_factory=list)
+    include_stop_str_in_output: bool = False
+    ignore_eos: bool = False
+    logprobs: int | None = None  # top logprobs per generated token (0: the sampled one only)
+    prompt_logprobs: int | None = None  # the same for every prompt token
+    skip_special_tokens: bool = True
+    spaces_between_special_tokens: bool = True
+
+    def __post_init__(self) -> None:
+        if isinstance(self.stop, str):
+            object.__setattr__(self, "stop", [self.stop])
+        object.__setattr__(self, "stop", list(self.stop or []))
+        object.__setattr__(self, "stop_token_ids", list(self.stop_token_ids or []))
+        if self.top_k in (0, -1):
+            object.__setattr__(self, "top_k", None)
+        if self.logit_bias is not None:
+            object.__setattr__(self, "logit_bias", {int(k): float(v) for k, v in self.logit_bias.items()})
+        self._validate()
+
+    def _validate(self) -> None:
+        _check(_is_int(self.n) and self.n >= 1, "n", f"must be an integer >= 1, got {self.n!r}")
+        _check(_is_number(self.temperature) and self.temperature >= 0, "temperature",
+               f"must be a number >= 0, got {self.temperature!r}")
+        _check(_is_number(self.top_p) and 0 < self.top_p <= 1, "top_p",
+               f"must be in (0, 1], got {self.top_p!r}")
+        _check(self.top_k is None or (_is_int(self.top_k) and self.top_k >= 1), "top_k",
+               f"must be a positive integer (or 0 / -1 / None to disable), got {self.top_k!r}")
+        _check(_is_number(self.min_p) and 0 <= self.min_p <= 1, "min_p",
+               f"must be in [0, 1], got {self.min_p!r}")
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = getattr(self, name)
+            _check(_is_number(value) and -2 <= value <= 2, name, f"must be in [-2, 2], got {value!r}")
+        _check(_is_number(self.repetition_penalty) and self.repetition_penalty > 0, "repetition_penalty",
+               f"must be > 0, got {self.repetition_penalty!r}")
+        _check(self.seed is None or _is_int(self.seed), "seed", f"must be an integer, got {self.seed!r}")
+        _check(self.max_tokens is None or (_is_int(self.max_tokens) and self.max_tokens >= 1), "max_tokens",
+               f"must be an integer >= 1, got {self.max_tokens!r}")
+        _check(_is_int(self.min_tokens) and self.min_tokens >= 0, "min_tokens",
+               f"must be an integer >= 0, got {self.min_tokens!r}")
+        if self.max_tokens is not None:
+            _check(self.min_tokens <= self.max_tokens, "min_tokens",
+                   f"({self.min_tokens}) must not exceed max_tokens ({self.max_tokens})")
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(self, name)
+            _check(value is None or (_is_int(value) and 0 <= value <= MAX_LOGPROBS), name,
+                   f"must be an integer in [0, {MAX_LOGPROBS}], got {value!r}")
+        _check(all(isinstance(s, str) and s for s in self.stop), "stop", "must be non-empty strings")
+        _check(all(_is_int(t) and t >= 0 for t in self.stop_token_ids), "stop_token_ids",
+               "must be non-negative integers")
+        if self.logit_bias is not None:
+            for token, bias in self.logit_bias.items():
+                _check(token >= 0, "logit_bias", f"token id {token} is negative")
+                _check(-100 <= bias <= 100, "logit_bias", f"bias {bias} for token {token} is outside [-100, 100]")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+    def token_ids_in_use(self) -> list[int]:
+        """Every token id this request names, for the engine's vocabulary check."""
+        return list(self.stop_token_ids) + list((self.logit_bias or {}).keys())
+
+
+def _is_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_number(value: object) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and value == value
+
+
+def _check(ok: bool, name: str, why: str) -> None:
+    if not ok:
+        raise ValueError(f"SamplingParams.{name} {why}")

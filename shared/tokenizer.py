@@ -1,0 +1,29 @@
+"""Tokenizer loading, through transformers, with errors that say what is wrong."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+
+def load_tokenizer(path: str | Path):
+    from transformers import AutoTokenizer
+
+    path = Path(path)
+    if not path.is_dir():
+        raise FileNotFoundError(f"tokenizer directory {path} does not exist")
+    try:
+        return AutoTokenizer.from_pretrained(str(path))
+    except Exception as exc:  # transformers raises many types; the caller needs the path and the cause
+        raise ValueError(f"cannot load the tokenizer from {path}: {exc}") from exc
+
+
+def render_chat(tokenizer, messages: list[dict], add_generation_prompt: bool = True,
+                chat_template: str | None = None) -> str:
+    """The conversation as prompt text, through the tokenizer's chat template."""
+    if chat_template is None and not getattr(tokenizer, "chat_template", None):
+        raise ValueError("the tokenizer has no chat template; pass chat_template=... or use generate()")
+    for i, message in enumerate(messages):
+        if not isinstance(message, dict) or "role" not in message or "content" not in message:
+            raise ValueError(f"message {i} must be a dict with 'role' and 'content'")
+    return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt,
+                                         chat_template=chat_template)

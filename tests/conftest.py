@@ -1,0 +1,59 @@
+"""Session-wide fixtures: tiny random models of each supported architecture, made once per run."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+TINY = dict(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+            num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512)
+
+
+@pytest.fixture(scope="session")
+def tiny_model_factory(tmp_path_factory):
+    """``make(model_type, **overrides) -> Path``; the same arguments give the same directory."""
+    from shared.model_factory import create_model_dir
+
+    made: dict[str, Path] = {}
+
+    def make(model_type: str = "llama", **overrides) -> Path:
+        kwargs = {**TINY, **overrides}
+        key = f"{model_type}-{sorted(kwargs.items())!r}"
+        if key not in made:
+            path = tmp_path_factory.mktemp(f"{model_type}-model")
+            made[key] = create_model_dir(path, model_type=model_type, **kwargs)
+        return made[key]
+
+    return make
+
+
+@pytest.fixture(scope="session")
+def llama_dir(tiny_model_factory):
+    # Grouped-query attention (4 heads share 2 KV heads) and Llama-3 rope scaling.
+    return tiny_model_factory("llama", rope_scaling={
+        "rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 64})
+
+
+@pytest.fixture(scope="session")
+def mistral_dir(tiny_model_factory):
+    # Multi-query attention; no sliding window (the engine does not implement one).
+    return tiny_model_factory("mistral", num_key_value_heads=1, sliding_window=None)
+
+
+@pytest.fixture(scope="session")
+def qwen2_dir(tiny_model_factory):
+    return tiny_model_factory("qwen2")  # q/k/v biases
+
+
+@pytest.fixture(scope="session")
+def qwen3_dir(tiny_model_factory):
+    # Per-head q/k norms; head_dim (32) deliberately differs from hidden / heads (16).
+    return tiny_model_factory("qwen3", head_dim=32)
+
+
+@pytest.fixture(scope="session")
+def tied_dir(tiny_model_factory):
+    return tiny_model_factory("llama", tie_word_embeddings=True, rope_scaling={"rope_type": "linear",
+                                                                                "factor": 2.0})

@@ -1,0 +1,337 @@
+"""The model against transformers (the oracle), the loader's errors, and the attention reference."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+import torch
+
+from services.worker.attention.metadata import AttentionMetadata
+from services.worker.attention.torch_ref import TorchAttentionBackend, paged_attention_reference, write_kv
+from services.worker.model_loader import load_eos_token_ids, load_model
+from shared.model_config import ModelConfig
+
+CPU = torch.device("cpu")
+ARCH_FIXTURES = ["llama_dir", "mistral_dir", "qwen2_dir", "qwen3_dir", "tied_dir"]
+
+
+def build_metadata(seqs: list[tuple[list[int], int, int]], block_size: int) -> AttentionMetadata:
+    """Metadata for sequences given as (block table, tokens already cached, new tokens)."""
+    slots, starts, seq_lens, query_lens = [], [0], [], []
+    for table, cached, new in seqs:
+        total = cached + new
+        assert len(table) == -(-total // block_size)
+        slots += [table[p // block_size] * block_size + p % block_size for p in range(cached, total)]
+        starts.append(starts[-1] + new)
+        seq_lens.append(total)
+        query_lens.append(new)
+    width = max(len(table) for table, _, _ in seqs)
+    tables = [table + [0] * (width - len(table)) for table, _, _ in seqs]
+    return AttentionMetadata(
+        slot_mapping=torch.tensor(slots, dtype=torch.int64),
+        query_start_loc=torch.tensor(starts, dtype=torch.int32),
+        seq_lens=torch.tensor(seq_lens, dtype=torch.int32),
+        block_tables=torch.tensor(tables, dtype=torch.int32),
+        query_lens_cpu=query_lens, seq_lens_cpu=seq_lens,
+        max_query_len=max(query_lens), max_seq_len=max(seq_lens))
+
+
+class PagedRunner:
+    """Runs a model step by step over a small KV pool, handing out blocks in scattered order."""
+
+    def __init__(self, model, config: ModelConfig, dtype=torch.float32, num_blocks: int = 24,
+                 block_size: int = 4):
+        shape = (num_blocks, block_size, config.num_key_value_heads, config.head_dim)
+        pools = [(torch.zeros(shape, dtype=dtype), torch.zeros(shape, dtype=dtype))
+                 for _ in range(config.num_hidden_layers)]
+        self.model, self.block_size = model, block_size
+        self.backend = TorchAttentionBackend(pools, scale=config.head_dim ** -0.5)
+        # Reversed and interleaved: a sequence's blocks are never contiguous or ascending.
+        self.free = list(range(num_blocks - 1, -1, -2)) + list(range(num_blocks - 2, -1, -2))
+        self.tables: dict[int, list[int]] = {}
+        self.tokens: dict[int, list[int]] = {}
+
+    def step(self, new_tokens: dict[int, list[int]]) -> dict[int, torch.Tensor]:
+        """Compute the given new tokens of each sequence in one batch; logits [new, vocab] per sequence."""
+        seqs, ids, positions = [], [], []
+        for seq, tokens in new_tokens.items():
+            history, table = self.tokens.setdefault(seq, []), self.tables.setdefault(seq, [])
+            cached = len(history)
+            history += tokens
+            while len(table) * self.block_size < len(history):
+                table.append(self.free.pop(0))
+            seqs.append((table, cached, len(tokens)))
+            ids += tokens
+            positions += range(cached, len(history))
+        meta = build_metadata(seqs, self.block_size)
+        with torch.no_grad():
+            hidden = self.model(torch.tensor(ids), torch.tensor(positions), self.backend, meta)
+            logits = self.model.compute_logits(hidden)
+        return dict(zip(new_tokens, logits.split([len(t) for t in new_tokens.values()])))
+
+
+def hf_logits(hf_model, tokens: list[int]) -> torch.Tensor:
+    with torch.no_grad():
+        return hf_model(torch.tensor([tokens])).logits[0].float()
+
+
+def random_prompts(vocab: int, lengths: list[int], seed: int = 0) -> list[list[int]]:
+    generator = torch.Generator().manual_seed(seed)
+    return [torch.randint(0, vocab, (n,), generator=generator).tolist() for n in lengths]
+
+
+# ---- the model against transformers -----------------------------------------------------------
+
+@pytest.mark.parametrize("fixture", ARCH_FIXTURES)
+def test_matches_transformers(fixture, request):
+    from transformers import AutoModelForCausalLM
+
+    model_dir = request.getfixturevalue(fixture)
+    model, config = load_model(model_dir, torch.float32, CPU)
+    hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    long, short = random_prompts(config.vocab_size, [13, 6])
+
+    # (a) both whole prompts in one prefill batch
+    out = PagedRunner(model, config).step({0: long, 1: short})
+    torch.testing.assert_close(out[0], hf_logits(hf, long), atol=1e-4, rtol=0)
+    torch.testing.assert_close(out[1], hf_logits(hf, short), atol=1e-4, rtol=0)
+
+    # (b) in two chunks; the second attends to the cached first (and mixes a 1-token query in)
+    runner = PagedRunner(model, config)
+    runner.step({0: long[:5], 1: short[:5]})
+    out = runner.step({0: long[5:], 1: short[5:]})
+    torch.testing.assert_close(out[0], hf_logits(hf, long)[5:], atol=1e-4, rtol=0)
+    torch.testing.assert_close(out[1], hf_logits(hf, short)[5:], atol=1e-4, rtol=0)
+
+    # (c) greedy decode steps for both sequences (a decode-only batch)
+    seqs = {0: long + [int(out[0][-1].argmax())], 1: short + [int(out[1][-1].argmax())]}
+    for _ in range(4):
+        out = runner.step({seq: tokens[-1:] for seq, tokens in seqs.items()})
+        for seq, tokens in seqs.items():
+            expected = hf_logits(hf, tokens)[-1]
+            torch.testing.assert_close(out[seq][0], expected, atol=1e-4, rtol=0)
+            assert int(out[seq][0].argmax()) == int(expected.argmax())
+            tokens.append(int(out[seq][0].argmax()))
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_half_precision_runs(dtype, llama_dir):
+    model, config = load_model(llama_dir, dtype, CPU)
+    assert all(p.dtype == dtype for p in model.parameters())
+    reference, _ = load_model(llama_dir, torch.float32, CPU)
+    prompt = random_prompts(config.vocab_size, [11])[0]
+    logits = PagedRunner(model, config, dtype=dtype).step({0: prompt})[0]
+    expected = PagedRunner(reference, config).step({0: prompt})[0]
+    assert logits.dtype == torch.float32 and torch.isfinite(logits).all()
+    # Half precision drifts, but must stay close to float32 relative to the logits' spread.
+    assert (logits - expected).abs().max() < 0.1 * expected.std() * 10
+    assert (logits.argmax(-1) == expected.argmax(-1)).float().mean() >= 0.8
+
+
+def test_tied_model_has_no_lm_head(tied_dir):
+    model, config = load_model(tied_dir, torch.float32, CPU)
+    assert config.tie_word_embeddings
+    assert model.lm_head_weight is model.embed_tokens.weight
+
+
+# ---- loader and config errors -----------------------------------------------------------------
+
+@pytest.fixture
+def llama_copy(llama_dir, tmp_path):
+    return shutil.copytree(llama_dir, tmp_path / "model")
+
+
+def test_missing_directory(tmp_path):
+    with pytest.raises(FileNotFoundError, match="nowhere"):
+        load_model(tmp_path / "nowhere", torch.float32, CPU)
+
+
+def test_missing_config(llama_copy):
+    (llama_copy / "config.json").unlink()
+    with pytest.raises(FileNotFoundError, match="config.json"):
+        load_model(llama_copy, torch.float32, CPU)
+
+
+def test_invalid_json_config(llama_copy):
+    (llama_copy / "config.json").write_text("{not json")
+    with pytest.raises(ValueError, match="config.json.*not valid JSON"):
+        ModelConfig.from_model_dir(llama_copy)
+
+
+def _edit_config(model_dir, **changes):
+    file = model_dir / "config.json"
+    raw = json.loads(file.read_text())
+    for key, value in changes.items():
+        if value is None:
+            raw.pop(key, None)
+        else:
+            raw[key] = value
+    file.write_text(json.dumps(raw))
+
+
+def test_unsupported_architecture(llama_copy):
+    _edit_config(llama_copy, model_type="gpt2")
+    with pytest.raises(ValueError, match=r"config.json.*'gpt2'.*llama, mistral, qwen2, qwen3"):
+        load_model(llama_copy, torch.float32, CPU)
+
+
+def test_missing_required_key(llama_copy):
+    _edit_config(llama_copy, hidden_size=None)
+    with pytest.raises(ValueError, match="config.json.*hidden_size"):
+        ModelConfig.from_model_dir(llama_copy)
+
+
+def test_unsupported_rope_type(llama_copy):
+    _edit_config(llama_copy, rope_parameters={"rope_type": "yarn", "rope_theta": 10000.0, "factor": 2.0})
+    with pytest.raises(ValueError, match="yarn.*default, linear, llama3"):
+        ModelConfig.from_model_dir(llama_copy)
+
+
+def test_v4_and_v5_rope_formats_agree(llama_dir, llama_copy):
+    v5 = ModelConfig.from_model_dir(llama_dir)
+    params = json.loads((llama_dir / "config.json").read_text())["rope_parameters"]
+    scaling = {k: v for k, v in params.items() if k != "rope_theta"}
+    _edit_config(llama_copy, rope_parameters=None, rope_theta=params["rope_theta"], rope_scaling=scaling)
+    assert ModelConfig.from_model_dir(llama_copy) == v5
+    assert v5.rope_scaling["rope_type"] == "llama3" and v5.rope_theta == params["rope_theta"]
+
+
+def test_config_fields(qwen2_dir, qwen3_dir, mistral_dir):
+    qwen2, qwen3 = ModelConfig.from_model_dir(qwen2_dir), ModelConfig.from_model_dir(qwen3_dir)
+    mistral = ModelConfig.from_model_dir(mistral_dir)
+    assert qwen2.qkv_bias and not qwen2.qk_norm and qwen2.sliding_window is None
+    assert qwen3.qk_norm and qwen3.head_dim == 32 and not qwen3.qkv_bias
+    assert mistral.num_key_value_heads == 1 and mistral.rope_scaling is None
+    assert qwen2.dtype == "float32"
+
+
+def test_corrupt_safetensors(llama_copy):
+    file = llama_copy / "model.safetensors"
+    data = file.read_bytes()
+    file.write_bytes(data[: len(data) // 2])
+    with pytest.raises(ValueError, match="model.safetensors"):
+        load_model(llama_copy, torch.float32, CPU)
+    file.write_bytes(b"\xff" * 64)
+    with pytest.raises(ValueError, match="model.safetensors"):
+        load_model(llama_copy, torch.float32, CPU)
+
+
+def _rewrite_weights(model_dir, edit):
+    from safetensors.torch import load_file, save_file
+
+    file = model_dir / "model.safetensors"
+    tensors = load_file(file)
+    edit(tensors)
+    save_file(tensors, file, metadata={"format": "pt"})
+
+
+def test_wrong_shape_weight(llama_copy):
+    name = "model.layers.1.self_attn.k_proj.weight"
+    _rewrite_weights(llama_copy, lambda t: t.__setitem__(name, t[name][:-1].clone()))
+    with pytest.raises(ValueError, match=rf"model.safetensors.*{name}.*\(31, 64\).*expected \(32, 64\)"):
+        load_model(llama_copy, torch.float32, CPU)
+
+
+def test_missing_weight(llama_copy):
+    name = "model.layers.0.mlp.up_proj.weight"
+    _rewrite_weights(llama_copy, lambda t: t.pop(name))
+    with pytest.raises(ValueError, match=rf"missing weights.*{name}"):
+        load_model(llama_copy, torch.float32, CPU)
+
+
+def test_no_safetensors(llama_copy):
+    (llama_copy / "model.safetensors").unlink()
+    with pytest.raises(FileNotFoundError, match="no safetensors"):
+        load_model(llama_copy, torch.float32, CPU)
+
+
+def test_sharded_checkpoint(tiny_model_factory, tmp_path):
+    from services.worker.models.llama import LlamaForCausalLM  # noqa: F401  (the type loaded)
+
+    sharded_dir = tiny_model_factory("llama", max_shard_size="100KB")
+    shards = sorted(p.name for p in sharded_dir.glob("*.safetensors"))
+    assert len(shards) > 1 and (sharded_dir / "model.safetensors.index.json").is_file()
+    sharded, _ = load_model(sharded_dir, torch.float32, CPU)
+    whole, _ = load_model(tiny_model_factory("llama"), torch.float32, CPU)
+    for (name, a), (_, b) in zip(sharded.state_dict().items(), whole.state_dict().items()):
+        assert torch.equal(a, b), name
+    broken = shutil.copytree(sharded_dir, tmp_path / "broken")
+    (broken / shards[-1]).unlink()
+    with pytest.raises(FileNotFoundError, match=shards[-1]):
+        load_model(broken, torch.float32, CPU)
+
+
+def test_eos_token_ids(llama_copy):
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(llama_copy)
+    expected = (tokenizer.convert_tokens_to_ids("<|im_end|>"), tokenizer.convert_tokens_to_ids("<|endoftext|>"))
+    assert load_eos_token_ids(llama_copy) == expected
+    (llama_copy / "generation_config.json").unlink()
+    assert load_eos_token_ids(llama_copy) == expected[:1]  # config.json's eos_token_id
+    _edit_config(llama_copy, eos_token_id=None)
+    assert load_eos_token_ids(llama_copy, tokenizer) == (tokenizer.eos_token_id,)
+
+
+# ---- the built-in default model ---------------------------------------------------------------
+
+def test_default_model_dir(tmp_path, monkeypatch):
+    from transformers import AutoTokenizer
+
+    from shared.model_factory import default_model_dir
+
+    monkeypatch.setenv("PAGEDSERVE_CACHE", str(tmp_path))
+    path = default_model_dir()
+    assert path == tmp_path / "default-model-v1" and default_model_dir() == path
+    assert [p.name for p in tmp_path.iterdir()] == ["default-model-v1"]  # no temp dir left behind
+    model, config = load_model(path, torch.float32, CPU)
+    assert config.hidden_size == 256 and config.num_hidden_layers == 4
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    text = "Grüße, 日本語 and 😀 — naïve café"
+    ids = tokenizer.encode(text, add_special_tokens=False)
+    assert tokenizer.decode(ids) == text and max(ids) < config.vocab_size
+    chat = tokenizer.apply_chat_template([{"role": "user", "content": "hi"}], tokenize=False,
+                                         add_generation_prompt=True)
+    assert chat == "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n"
+    assert tokenizer.eos_token == "<|im_end|>" and tokenizer.pad_token == "<|endoftext|>"
+    assert tokenizer.eos_token_id in load_eos_token_ids(path)
+
+
+# ---- the attention reference against the backend ----------------------------------------------
+
+@pytest.mark.parametrize("batch", [
+    [(0, 1), (9, 1), (4, 1)],  # decode only: (cached, new) per sequence
+    [(0, 7), (9, 1), (6, 3), (3, 1)],  # mixed: a fresh prefill, decodes, a chunk after a cached prefix
+])
+def test_reference_matches_backend(batch):
+    block_size, heads, kv_heads, dim, num_blocks = 4, 6, 2, 16, 32
+    generator = torch.Generator().manual_seed(1)
+    free = torch.randperm(num_blocks, generator=generator).tolist()
+    seqs = []
+    for cached, new in batch:
+        table = [free.pop() for _ in range(-(-(cached + new) // block_size))]
+        seqs.append((table, cached, new))
+    shape = (num_blocks, block_size, kv_heads, dim)
+    # Unused slots hold garbage that must never be read (finite, so SDPA masking is exact).
+    k_cache, v_cache = torch.randn(shape, generator=generator) * 100, torch.randn(shape, generator=generator) * 100
+    prefix = build_metadata([(t[:-(-c // block_size)], 0, c) for t, c, _ in seqs if c], block_size)
+    write_kv(k_cache, v_cache, torch.randn(prefix.num_tokens, kv_heads, dim, generator=generator),
+             torch.randn(prefix.num_tokens, kv_heads, dim, generator=generator), prefix.slot_mapping)
+
+    meta = build_metadata(seqs, block_size)
+    q = torch.randn(meta.num_tokens, heads, dim, generator=generator)
+    k = torch.randn(meta.num_tokens, kv_heads, dim, generator=generator)
+    v = torch.randn(meta.num_tokens, kv_heads, dim, generator=generator)
+    ref_k, ref_v = k_cache.clone(), v_cache.clone()
+    write_kv(ref_k, ref_v, k, v, meta.slot_mapping)
+    expected = paged_attention_reference(q, ref_k, ref_v, meta, scale=dim ** -0.5)
+
+    # Poison the slots the backend must write: a missed write shows up as NaN.
+    write_kv(k_cache, v_cache, torch.full_like(k, float("nan")), torch.full_like(v, float("nan")),
+             meta.slot_mapping)
+    out = TorchAttentionBackend([(k_cache, v_cache)], scale=dim ** -0.5).forward(0, q, k, v, meta)
+    assert torch.isfinite(out).all()
+    torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(k_cache, ref_k, equal_nan=True)
