@@ -126,7 +126,7 @@ def test_half_precision_runs(dtype, llama_dir):
     expected = PagedRunner(reference, config).step({0: prompt})[0]
     assert logits.dtype == torch.float32 and torch.isfinite(logits).all()
     # Half precision drifts, but must stay close to float32 relative to the logits' spread.
-    assert (logits - expected).abs().max() < 0.1 * expected.std() * 10
+    assert (logits - expected).abs().max() < 0.25 * expected.std()
     assert (logits.argmax(-1) == expected.argmax(-1)).float().mean() >= 0.8
 
 
@@ -192,7 +192,8 @@ def test_unsupported_rope_type(llama_copy):
 def test_v4_and_v5_rope_formats_agree(llama_dir, llama_copy):
     v5 = ModelConfig.from_model_dir(llama_dir)
     params = json.loads((llama_dir / "config.json").read_text())["rope_parameters"]
-    scaling = {k: v for k, v in params.items() if k != "rope_theta"}
+    scaling = {k: v for k, v in params.items() if k not in ("rope_theta", "rope_type")}
+    scaling["type"] = params["rope_type"]  # the oldest spelling
     _edit_config(llama_copy, rope_parameters=None, rope_theta=params["rope_theta"], rope_scaling=scaling)
     assert ModelConfig.from_model_dir(llama_copy) == v5
     assert v5.rope_scaling["rope_type"] == "llama3" and v5.rope_theta == params["rope_theta"]
@@ -248,8 +249,6 @@ def test_no_safetensors(llama_copy):
 
 
 def test_sharded_checkpoint(tiny_model_factory, tmp_path):
-    from services.worker.models.llama import LlamaForCausalLM  # noqa: F401  (the type loaded)
-
     sharded_dir = tiny_model_factory("llama", max_shard_size="100KB")
     shards = sorted(p.name for p in sharded_dir.glob("*.safetensors"))
     assert len(shards) > 1 and (sharded_dir / "model.safetensors.index.json").is_file()
@@ -289,7 +288,7 @@ def test_default_model_dir(tmp_path, monkeypatch):
     model, config = load_model(path, torch.float32, CPU)
     assert config.hidden_size == 256 and config.num_hidden_layers == 4
     tokenizer = AutoTokenizer.from_pretrained(path)
-    text = "Grüße, 日本語 and 😀 — naïve café"
+    text = "Grüße, 日本語 and 😀 — naïve café , don 't  x\n\ty"
     ids = tokenizer.encode(text, add_special_tokens=False)
     assert tokenizer.decode(ids) == text and max(ids) < config.vocab_size
     chat = tokenizer.apply_chat_template([{"role": "user", "content": "hi"}], tokenize=False,

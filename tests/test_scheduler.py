@@ -184,26 +184,24 @@ def test_duplicate_request_id_is_refused():
 
 # --- property tests ---------------------------------------------------------------------------------
 
-operations = st.lists(st.one_of(
-    st.tuples(st.just("add"), st.integers(1, 40), st.integers(1, 20), st.integers(1, 2)),
-    st.tuples(st.just("step"), st.integers(1, 4)),
-    st.tuples(st.just("abort"), st.integers(0, 30)),
-), min_size=1, max_size=40)
+adds = st.tuples(st.just("add"), st.integers(1, 40), st.integers(1, 20), st.integers(1, 2))
+operations = st.lists(st.one_of(adds, st.tuples(st.just("step"), st.integers(1, 4)),
+                                st.tuples(st.just("abort"), st.integers(0, 30))), min_size=1, max_size=40)
 
 
 PREEMPTIONS: list[int] = []
 
 
 @settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(ops=operations, block_size=st.sampled_from([1, 2, 4, 8]), num_blocks=st.integers(12, 40),
+@given(first=st.lists(adds, min_size=2, max_size=6), ops=operations, block_size=st.sampled_from([1, 2, 4, 8]), num_blocks=st.integers(4, 20),
        budget=st.integers(1, 48), max_num_seqs=st.integers(1, 6), chunked=st.booleans())
-def test_random_interleavings_keep_every_invariant(ops, block_size, num_blocks, budget, max_num_seqs, chunked):
+def test_random_interleavings_keep_every_invariant(first, ops, block_size, num_blocks, budget, max_num_seqs, chunked):
     max_model_len = 64
     if not chunked:
         budget = max(budget, max_model_len)  # else a long prompt could never be scheduled
     engine, worker = make_engine(num_blocks, block_size, max_num_seqs, budget, chunked, max_model_len)
     added = []
-    for op in ops:
+    for op in first + ops:
         if op[0] == "add":
             _, prompt_len, max_tokens, n = op
             try:

@@ -105,7 +105,7 @@ class Sampler:
         self.generator = torch.Generator(device=self.device)
         self.generator.manual_seed(seed)
         self._vocab_positions = torch.arange(vocab_size, device=self.device)
-        self._vocab_hash = _mul32(self._vocab_positions.to(torch.int64), _GOLDEN32)
+        self._vocab_hash = _vocab_hash(vocab_size, self.device)
         self._no_prompt_tokens = torch.zeros(vocab_size, dtype=torch.bool, device=self.device)
 
     # ---- public API ----
@@ -190,27 +190,39 @@ class Sampler:
 
     def _sample_rows(self, scores: Tensor, states: list[SamplingState]) -> Tensor:
         scores = scores / self._column([s.params.temperature for s in states])
-        if any(s.params.top_k is not None or s.params.top_p < 1.0 for s in states):
+        if any(s.params.top_p < 1.0 for s in states):
             scores = self._keep_top_k_top_p(scores, states)
+        elif any(s.params.top_k is not None for s in states):
+            scores = self._keep_top_k(scores, states)
         if any(s.params.min_p > 0.0 for s in states):
             scores = self._keep_min_p(scores, states)
         probs = scores.softmax(dim=-1)
-        return (probs / self._exponentials(states)).argmax(dim=-1)
+        return probs.div_(self._exponentials(states)).argmax(dim=-1)
+
+    def _keep_top_k(self, scores: Tensor, states: list[SamplingState]) -> Tensor:
+        # Without top_p no sort is needed: the k-th best score of a row is its cut-off
+        # (tokens tied with the k-th all stay, as in vLLM's top-k-only path).
+        vocab = scores.shape[-1]
+        top_k = [min(s.params.top_k or vocab, vocab) for s in states]
+        widest = max(k for k, s in zip(top_k, states) if s.params.top_k is not None)
+        best = scores.topk(widest, dim=-1).values
+        cutoff = best.gather(1, self._column([min(k, widest) - 1 for k in top_k], torch.long))
+        limited = self._column([s.params.top_k is not None for s in states], torch.bool)
+        return scores.masked_fill(limited & (scores < cutoff), float("-inf"))
 
     def _keep_top_k_top_p(self, scores: Tensor, states: list[SamplingState]) -> Tensor:
         vocab = scores.shape[-1]
         sorted_scores, order = scores.sort(dim=-1, descending=True)
         top_k = self._column([min(s.params.top_k or vocab, vocab) for s in states], torch.long)
         drop = self._vocab_positions >= top_k  # by rank, in sorted order
+        # Nucleus of the top-k-renormalised distribution: keep a token while the mass strictly
+        # before it is below top_p (so the most likely token always stays).
+        probs = sorted_scores.masked_fill(drop, float("-inf")).softmax(dim=-1)
+        mass_before = probs.cumsum(dim=-1) - probs
         top_p = [s.params.top_p for s in states]
-        if any(p < 1.0 for p in top_p):
-            # Nucleus of the top-k-renormalised distribution: keep a token while the mass
-            # strictly before it is below top_p (so the most likely token always stays).
-            probs = sorted_scores.masked_fill(drop, float("-inf")).softmax(dim=-1)
-            mass_before = probs.cumsum(dim=-1) - probs
-            # Rows with top_p == 1 are exempt: rounding in the cumsum must not clip their tail.
-            uses_top_p = self._column([p < 1.0 for p in top_p], torch.bool)
-            drop |= (mass_before >= self._column(top_p)) & uses_top_p
+        # Rows with top_p == 1 are exempt: rounding in the cumsum must not clip their tail.
+        uses_top_p = self._column([p < 1.0 for p in top_p], torch.bool)
+        drop |= (mass_before >= self._column(top_p)) & uses_top_p
         drop_by_token = torch.empty_like(drop).scatter_(1, order, drop)
         return scores.masked_fill(drop_by_token, float("-inf"))
 
@@ -238,11 +250,9 @@ class Sampler:
         return noise.exponential_(generator=self.generator).clamp_min_(torch.finfo(torch.float32).tiny)
 
     def _seeded_exponentials(self, states: list[SamplingState]) -> Tensor:
-        keys = self._column([_step_key(s.seed_key, s.num_output_tokens) for s in states], torch.int64)
-        bits = _fmix32((_fmix32(self._vocab_hash ^ keys) + keys) & _MASK32)
-        # The top 24 bits are exact in float32; the half-step offset keeps u strictly inside (0, 1).
-        uniform = ((bits >> 8).to(torch.float32) + 0.5) * 2.0**-24
-        return -uniform.log()
+        return _hashed_exponentials(self._vocab_hash,
+                                    self._column([s.seed_key for s in states], torch.int64),
+                                    self._column([s.num_output_tokens for s in states], torch.int64))
 
     # ---- logprobs (from the raw distribution) ----
 
@@ -305,36 +315,66 @@ def _or(row: Tensor | None, default: Tensor) -> Tensor:
 
 
 # ---- the counter-based hash RNG ----
-# The same functions run on Python ints (per-row keys) and int64 tensors (per-token bits).
+# int64 tensors hold 32-bit values; every operation works in place (with one scratch buffer)
+# because on a CPU allocating a fresh [rows, vocab] tensor per operation costs more than the math.
 
 
-def _mul32(x, constant: int):
-    """Low 32 bits of x * constant, x < 2**32, split in 16-bit halves so int64 never overflows."""
-    low = x * (constant & 0xFFFF)
-    high = ((x * (constant >> 16)) & 0xFFFF) << 16
-    return (low + high) & _MASK32
+def _mul32_(x: Tensor, constant: int, scratch: Tensor) -> None:
+    """x = low 32 bits of x * constant; split in 16-bit halves so int64 never overflows."""
+    torch.mul(x, constant >> 16, out=scratch)
+    scratch &= 0xFFFF
+    scratch <<= 16
+    x *= constant & 0xFFFF
+    x += scratch
+    x &= _MASK32
 
 
-def _fmix32(x):
+def _xor_shift_(x: Tensor, bits: int, scratch: Tensor) -> None:
+    x ^= torch.bitwise_right_shift(x, bits, out=scratch)
+
+
+def _fmix32_(x: Tensor, scratch: Tensor) -> None:
     """MurmurHash3's finaliser: a bijection on 32 bits in which every input bit moves every output bit."""
-    x = x ^ (x >> 16)
-    x = _mul32(x, 0x85EBCA6B)
-    x = x ^ (x >> 13)
-    x = _mul32(x, 0xC2B2AE35)
-    return x ^ (x >> 16)
+    _xor_shift_(x, 16, scratch)
+    _mul32_(x, 0x85EBCA6B, scratch)
+    _xor_shift_(x, 13, scratch)
+    _mul32_(x, 0xC2B2AE35, scratch)
+    _xor_shift_(x, 16, scratch)
 
 
-def _fold(key: int, word: int) -> int:
-    """Absorb one word into a key; order matters, so (seed, stream) differs from (stream, seed)."""
-    return _fmix32(_mul32(key, _FNV_PRIME32) ^ (word & _MASK32))
+def _absorb_(key: Tensor, word: Tensor | int, scratch: Tensor) -> None:
+    """Fold one 32-bit word into a running key; order matters, so (seed, stream) != (stream, seed)."""
+    _mul32_(key, _FNV_PRIME32, scratch)
+    key ^= word
+    _fmix32_(key, scratch)
 
 
 def _seed_key(seed: int, stream_index: int) -> int:
-    key = 0x811C9DC5
+    key = torch.tensor([0x811C9DC5], dtype=torch.int64)
+    scratch = torch.empty_like(key)
     for word in (seed, seed >> 32, stream_index):  # the seed's low 64 bits, any sign
-        key = _fold(key, word)
-    return key
+        _absorb_(key, word & _MASK32, scratch)
+    return int(key)
 
 
-def _step_key(seed_key: int, num_output_tokens: int) -> int:
-    return _fold(seed_key, num_output_tokens)
+def _vocab_hash(vocab_size: int, device: torch.device) -> Tensor:
+    """Each vocabulary index times the golden ratio, mod 2**32: neighbours land far apart."""
+    positions = torch.arange(vocab_size, dtype=torch.int64, device=device)
+    _mul32_(positions, _GOLDEN32, torch.empty_like(positions))
+    return positions
+
+
+def _hashed_exponentials(vocab_hash: Tensor, seed_keys: Tensor, counters: Tensor) -> Tensor:
+    """Exp(1) per (row, token) from (row seed key, row counter, token); seed_keys and counters are [R, 1]."""
+    keys = seed_keys.clone()
+    _absorb_(keys, counters, torch.empty_like(keys))
+    bits = vocab_hash ^ keys
+    scratch = torch.empty_like(bits)
+    _fmix32_(bits, scratch)
+    bits += keys  # a second keyed round, so rows that differ in few key bits still decorrelate
+    bits &= _MASK32
+    _fmix32_(bits, scratch)
+    # The top 24 bits are exact in float32; the half-step offset keeps u strictly inside (0, 1).
+    bits >>= 8
+    uniform = bits.to(torch.float32)
+    return uniform.add_(0.5).mul_(2.0**-24).log_().neg_()

@@ -1,0 +1,139 @@
+"""Offline throughput: pagedserve's LLM.generate against transformers generate on the same
+weights and requests — (a) one request at a time, (b) left-padded static batches of 32 — and,
+when a Python with vLLM is given (--vllm-python), vLLM's engine in a separate process.
+
+    python benchmarks/offline_throughput.py --num-requests 200 [--vllm-python /path/to/venv/bin/python]
+
+Prints a table and writes JSON (benchmarks/results/offline_throughput.json by default).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+import torch  # noqa: E402
+
+from benchmarks.workload import BenchRequest, bench_model_dir, bench_workload  # noqa: E402
+
+
+def run_pagedserve(model_dir: Path, requests: list[BenchRequest], args) -> dict:
+    from pagedserve import LLM, SamplingParams
+
+    llm = LLM(str(model_dir), block_size=args.block_size, max_num_seqs=args.max_num_seqs,
+              max_num_batched_tokens=args.max_num_batched_tokens)
+    prompts = [{"prompt_token_ids": r.prompt_token_ids} for r in requests]
+    params = [SamplingParams(temperature=0, max_tokens=r.output_len, ignore_eos=True) for r in requests]
+    llm.generate(prompts[:4], params[:4], use_tqdm=False)  # warm-up
+    start = time.perf_counter()
+    outputs = llm.generate(prompts, params, use_tqdm=True)
+    elapsed = time.perf_counter() - start
+    tokens = sum(len(o.outputs[0].token_ids) for o in outputs)
+    assert tokens == sum(r.output_len for r in requests)
+    stats = llm.stats()
+    return {"elapsed_s": elapsed, "output_tokens": tokens, "kv_waste_pct_peak": stats["kv_waste_pct_peak"],
+            "num_preemptions": stats["num_preemptions"], "num_steps": stats["num_steps"],
+            "scheduler_and_overhead_s": stats["step_time_s"] and elapsed - stats["forward_time_s"] - stats["sample_time_s"],
+            "forward_s": stats["forward_time_s"], "sample_s": stats["sample_time_s"]}
+
+
+def hf_model(model_dir: Path):
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32).eval()
+    model.generation_config.eos_token_id = None  # like ignore_eos
+    model.generation_config.pad_token_id = 0
+    return model
+
+
+def run_hf_one_at_a_time(model, requests: list[BenchRequest]) -> dict:
+    start = time.perf_counter()
+    tokens = 0
+    with torch.inference_mode():
+        for r in requests:
+            out = model.generate(torch.tensor([r.prompt_token_ids]), do_sample=False, max_new_tokens=r.output_len)
+            tokens += out.shape[1] - len(r.prompt_token_ids)
+    return {"elapsed_s": time.perf_counter() - start, "output_tokens": tokens}
+
+
+def run_hf_static_batches(model, requests: list[BenchRequest], batch_size: int) -> dict:
+    """Left-padded static batches: each runs until its longest output is done; useful tokens are counted."""
+    start = time.perf_counter()
+    with torch.inference_mode():
+        for i in range(0, len(requests), batch_size):
+            batch = requests[i:i + batch_size]
+            width = max(len(r.prompt_token_ids) for r in batch)
+            ids = torch.zeros(len(batch), width, dtype=torch.long)
+            mask = torch.zeros(len(batch), width, dtype=torch.long)
+            for row, r in enumerate(batch):
+                ids[row, width - len(r.prompt_token_ids):] = torch.tensor(r.prompt_token_ids)
+                mask[row, width - len(r.prompt_token_ids):] = 1
+            model.generate(ids, attention_mask=mask, do_sample=False, max_new_tokens=max(r.output_len for r in batch))
+    return {"elapsed_s": time.perf_counter() - start, "output_tokens": sum(r.output_len for r in requests)}
+
+
+def run_vllm(python: str, model_dir: Path, args) -> dict | None:
+    script = Path(__file__).with_name("vllm_offline.py")
+    cmd = [python, str(script), "--model", str(model_dir), "--num-requests", str(args.num_requests),
+           "--seed", str(args.seed), "--block-size", str(args.vllm_block_size)]
+    done = subprocess.run(cmd, capture_output=True, text=True)
+    if done.returncode != 0:
+        print(done.stderr[-3000:], file=sys.stderr)
+        return None
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--num-requests", type=int, default=200)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--block-size", type=int, default=16)
+    parser.add_argument("--max-num-seqs", type=int, default=256)
+    parser.add_argument("--max-num-batched-tokens", type=int, default=None)
+    parser.add_argument("--skip-hf", action="store_true", help="measure pagedserve only")
+    parser.add_argument("--hf-batch-size", type=int, default=32)
+    parser.add_argument("--vllm-python", default=None, help="a Python with vllm installed (separate venv)")
+    parser.add_argument("--vllm-block-size", type=int, default=32)
+    parser.add_argument("--out", default=str(Path(__file__).with_name("results") / "offline_throughput.json"))
+    args = parser.parse_args()
+
+    torch.manual_seed(args.seed)
+    model_dir = bench_model_dir()
+    requests = bench_workload(args.num_requests, args.seed)
+    results = {"pagedserve": run_pagedserve(model_dir, requests, args)}
+    if not args.skip_hf:
+        model = hf_model(model_dir)
+        results["hf_static_batch"] = run_hf_static_batches(model, requests, args.hf_batch_size)
+        results["hf_one_at_a_time"] = run_hf_one_at_a_time(model, requests)
+    if args.vllm_python:
+        vllm = run_vllm(args.vllm_python, model_dir, args)
+        if vllm is not None:
+            results["vllm"] = vllm
+    report(results, args, len(requests))
+
+
+def report(results: dict, args, num_requests: int) -> None:
+    for r in results.values():
+        r["tokens_per_s"] = r["output_tokens"] / r["elapsed_s"]
+        r["requests_per_s"] = num_requests / r["elapsed_s"]
+    ours = results["pagedserve"]["tokens_per_s"]
+    print(f"\n{'engine':<18}{'out tok/s':>11}{'req/s':>9}{'pagedserve ×':>14}")
+    for name, r in results.items():
+        print(f"{name:<18}{r['tokens_per_s']:>11.1f}{r['requests_per_s']:>9.3f}{ours / r['tokens_per_s']:>14.2f}")
+    print(f"peak KV waste: {results['pagedserve']['kv_waste_pct_peak']:.2f}%   "
+          f"preemptions: {results['pagedserve']['num_preemptions']}")
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps({"num_requests": num_requests, "seed": args.seed, "torch_threads": torch.get_num_threads(),
+                               "results": results}, indent=2))
+    print(f"wrote {out}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,36 @@
+"""The bench workload and the bench model, shared by the benchmark scripts."""
+
+from __future__ import annotations
+
+import os
+import random
+from dataclasses import dataclass
+from pathlib import Path
+
+
+@dataclass(frozen=True)
+class BenchRequest:
+    prompt_token_ids: list[int]
+    output_len: int
+
+
+def bench_workload(num_requests: int = 200, seed: int = 0, vocab_size: int = 32000,
+                   prompt_range: tuple[int, int] = (16, 512),
+                   output_range: tuple[int, int] = (16, 256)) -> list[BenchRequest]:
+    """Random token ids; prompt and output lengths uniform in the given ranges (inclusive)."""
+    rng = random.Random(seed)
+    return [BenchRequest([rng.randrange(vocab_size) for _ in range(rng.randint(*prompt_range))],
+                         rng.randint(*output_range)) for _ in range(num_requests)]
+
+
+def bench_model_dir() -> Path:
+    """The bench model (Llama shape, 56 M parameters), created once and cached."""
+    from shared.model_factory import BENCH_MODEL, create_model_dir
+
+    root = Path(os.environ.get("PAGEDSERVE_CACHE", Path.home() / ".cache" / "pagedserve"))
+    path = root / "bench-model-v1"
+    if not (path / "config.json").exists():
+        tmp = root / f".bench-model-tmp-{os.getpid()}"
+        create_model_dir(tmp, **BENCH_MODEL)
+        tmp.rename(path)
+    return path

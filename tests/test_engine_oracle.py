@@ -1,0 +1,93 @@
+"""Greedy outputs of the whole engine equal transformers', under chunked prefill and preemption."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from pagedserve import LLM, SamplingParams
+from tests.oracle import assert_greedy_equal, hf_greedy
+
+PROMPT_LENS = [1, 3, 17, 64, 150]
+MAX_TOKENS = 20
+
+
+def random_prompts(seed: int, vocab: int = 500) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(1, vocab) for _ in range(n)] for n in PROMPT_LENS]
+
+
+def blocks_to_force_preemption(block_size: int) -> int:
+    # The longest request fits alone; all together need about twice as many blocks.
+    need = [-(-(n + MAX_TOKENS) // block_size) for n in PROMPT_LENS]
+    return max(max(need), sum(need) // 2)
+
+
+@pytest.mark.parametrize("model_fixture", ["llama_dir", "mistral_dir", "qwen2_dir", "qwen3_dir", "tied_dir"])
+@pytest.mark.parametrize("block_size", [8, 16])
+def test_greedy_equals_transformers(model_fixture, block_size, request):
+    model_dir = request.getfixturevalue(model_fixture)
+    prompts = random_prompts(seed=block_size)
+    llm = LLM(str(model_dir), block_size=block_size, max_num_batched_tokens=48, enable_chunked_prefill=True,
+              num_gpu_blocks_override=blocks_to_force_preemption(block_size))
+    params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
+    outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    stats = llm.stats()
+    assert stats["num_preemptions"] > 0, "the KV budget was meant to force preemption"
+    assert stats["kv_blocks_used"] == 0
+    for prompt, out in zip(prompts, outputs):
+        ref, ref_logprobs = hf_greedy(model_dir, prompt, MAX_TOKENS)
+        assert_greedy_equal(out.outputs[0].token_ids, ref, ref_logprobs, f"{model_fixture} prompt of {len(prompt)}")
+        assert out.outputs[0].finish_reason == "length"
+
+
+def test_logprobs_agree_with_transformers(llama_dir):
+    prompts = random_prompts(seed=3)[1:4]
+    llm = LLM(str(llama_dir), block_size=8, max_num_batched_tokens=32)
+    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True, logprobs=5, prompt_logprobs=3)
+    outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    for prompt, out in zip(prompts, outputs):
+        completion = out.outputs[0]
+        ref, ref_logprobs = hf_greedy(llama_dir, prompt, 6)
+        assert_greedy_equal(completion.token_ids, ref, ref_logprobs)
+        assert len(completion.logprobs) == 6
+        for token, position, expected in zip(completion.token_ids, completion.logprobs, ref_logprobs):
+            top = torch.topk(expected, 5)
+            assert set(top.indices.tolist()) <= set(position)  # the top 5 (+ the sampled token)
+            for token_id, logprob in position.items():
+                assert logprob.logprob == pytest.approx(expected[token_id].item(), abs=1e-4)
+            assert position[token].rank == 1
+        assert completion.cumulative_logprob == pytest.approx(
+            sum(p[t].logprob for p, t in zip(completion.logprobs, completion.token_ids)))
+        # Prompt logprobs: position i holds log p(prompt[i] | prompt[:i]).
+        assert out.prompt_logprobs[0] is None and len(out.prompt_logprobs) == len(prompt)
+        full = torch.log_softmax(_hf_logits(llama_dir, prompt), dim=-1)
+        for i in range(1, len(prompt)):
+            assert out.prompt_logprobs[i][prompt[i]].logprob == pytest.approx(full[i - 1, prompt[i]].item(), abs=1e-4)
+
+
+def _hf_logits(model_dir, token_ids):
+    from tests.oracle import hf_model
+
+    with torch.no_grad():
+        return hf_model(str(model_dir))(torch.tensor([token_ids])).logits[0].float()
+
+
+def test_prompt_logprobs_survive_chunking_and_preemption(llama_dir):
+    prompts = random_prompts(seed=5)
+    params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True, prompt_logprobs=0)
+    roomy = LLM(str(llama_dir), block_size=8, max_num_batched_tokens=4096).generate(
+        [{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    tight_llm = LLM(str(llama_dir), block_size=8, max_num_batched_tokens=16,
+                    num_gpu_blocks_override=blocks_to_force_preemption(8))
+    tight = tight_llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    assert tight_llm.stats()["num_preemptions"] > 0
+    for a, b in zip(roomy, tight):
+        assert a.outputs[0].token_ids == b.outputs[0].token_ids
+        assert len(a.prompt_logprobs) == len(b.prompt_logprobs) == len(a.prompt_token_ids)
+        for x, y in zip(a.prompt_logprobs[1:], b.prompt_logprobs[1:]):
+            assert x.keys() == y.keys()
+            for k in x:
+                assert x[k].logprob == pytest.approx(y[k].logprob, abs=1e-4)

@@ -1,0 +1,154 @@
+"""The offline API: shapes of the outputs, sampling through the whole engine, bad input."""
+
+from __future__ import annotations
+
+import pytest
+
+from pagedserve import LLM, SamplingParams
+
+
+@pytest.fixture(scope="module")
+def llm(llama_dir):
+    return LLM(str(llama_dir), block_size=8, max_num_batched_tokens=64, seed=1)
+
+
+def test_outputs_in_input_order_with_strings_and_token_ids(llm):
+    prompts = ["Hello there", {"prompt_token_ids": [5, 6, 7]}, {"prompt": "Again"}]
+    outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=5, ignore_eos=True), use_tqdm=False)
+    assert [o.prompt for o in outs] == ["Hello there", None, "Again"]
+    assert outs[1].prompt_token_ids == [5, 6, 7]
+    for out in outs:
+        (completion,) = out.outputs
+        assert completion.index == 0 and len(completion.token_ids) == 5 and completion.finish_reason == "length"
+        assert completion.text == llm.get_tokenizer().decode(completion.token_ids, skip_special_tokens=True)
+        assert completion.logprobs is None and completion.cumulative_logprob is None
+        assert out.finished
+
+
+def test_greedy_is_independent_of_the_batch(llm):
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    alone = llm.generate("The quick brown fox", params, use_tqdm=False)[0].outputs[0].token_ids
+    crowd = llm.generate(["Some other prompt"] * 3 + ["The quick brown fox"], params, use_tqdm=False)
+    assert crowd[-1].outputs[0].token_ids == alone
+
+
+def test_seeded_sampling_is_reproducible_across_batches(llm):
+    seeded = SamplingParams(temperature=1.0, top_p=0.9, max_tokens=12, seed=1234, ignore_eos=True)
+    other = SamplingParams(temperature=1.0, max_tokens=12, ignore_eos=True)
+    alone = llm.generate("Once upon a time", seeded, use_tqdm=False)[0].outputs[0].token_ids
+    mixed = llm.generate(["Noise one", "Once upon a time", "Noise two, longer prompt here"],
+                         [other, seeded, other], use_tqdm=False)
+    assert mixed[1].outputs[0].token_ids == alone
+    different = llm.generate("Once upon a time", SamplingParams(temperature=1.0, top_p=0.9, max_tokens=12, seed=99,
+                                                                 ignore_eos=True), use_tqdm=False)
+    assert different[0].outputs[0].token_ids != alone
+
+
+def test_seeded_sampling_survives_preemption(llama_dir):
+    params = SamplingParams(temperature=0.9, max_tokens=24, seed=7, ignore_eos=True, presence_penalty=0.5)
+    prompts = [{"prompt_token_ids": list(range(10 + i, 60 + 7 * i))} for i in range(5)]
+    roomy = LLM(str(llama_dir), block_size=8).generate(prompts, params, use_tqdm=False)
+    tight_llm = LLM(str(llama_dir), block_size=8, num_gpu_blocks_override=14, max_num_batched_tokens=32)
+    tight = tight_llm.generate(prompts, params, use_tqdm=False)
+    assert tight_llm.stats()["num_preemptions"] > 0
+    assert [o.outputs[0].token_ids for o in roomy] == [o.outputs[0].token_ids for o in tight]
+
+
+def test_n_sequences_differ_and_are_indexed(llm):
+    out = llm.generate("Pick", SamplingParams(n=3, temperature=1.0, max_tokens=10, seed=5, ignore_eos=True),
+                       use_tqdm=False)[0]
+    assert [c.index for c in out.outputs] == [0, 1, 2]
+    assert len({tuple(c.token_ids) for c in out.outputs}) > 1
+
+
+def test_stop_string_ends_the_output(llm):
+    base = llm.generate("Tell me", SamplingParams(temperature=0, max_tokens=30, ignore_eos=True), use_tqdm=False)
+    text = base[0].outputs[0].text
+    stop = text[len(text) // 2:len(text) // 2 + 3]
+    if not stop.strip():
+        pytest.skip("greedy text has no usable middle")
+    out = llm.generate("Tell me", SamplingParams(temperature=0, max_tokens=30, ignore_eos=True, stop=[stop]),
+                       use_tqdm=False)[0].outputs[0]
+    assert out.finish_reason == "stop" and out.stop_reason == stop
+    assert out.text == text[:text.index(stop)]
+    assert llm.stats()["kv_blocks_used"] == 0
+
+
+def test_stop_token_and_min_tokens(llm):
+    greedy = llm.generate("Count", SamplingParams(temperature=0, max_tokens=10, ignore_eos=True),
+                          use_tqdm=False)[0].outputs[0].token_ids
+    out = llm.generate("Count", SamplingParams(temperature=0, max_tokens=10, stop_token_ids=[greedy[3]]),
+                       use_tqdm=False)[0].outputs[0]
+    assert out.finish_reason == "stop" and out.stop_reason == greedy[3]
+    assert out.token_ids == greedy[:greedy.index(greedy[3]) + 1]
+    late = llm.generate("Count", SamplingParams(temperature=0, max_tokens=10, min_tokens=10,
+                                                stop_token_ids=[greedy[0]]), use_tqdm=False)[0].outputs[0]
+    assert len(late.token_ids) == 10 and greedy[0] not in late.token_ids
+
+
+def test_logit_bias_forces_a_token(llm):
+    out = llm.generate("Anything", SamplingParams(temperature=0, max_tokens=4, logit_bias={42: 100.0}),
+                       use_tqdm=False)[0].outputs[0]
+    assert out.token_ids == [42] * 4
+
+
+def test_chat_uses_the_template(llm):
+    out = llm.chat([{"role": "user", "content": "Hi!"}], SamplingParams(temperature=0, max_tokens=3), use_tqdm=False)
+    assert "<|im_start|>user" in out[0].prompt and out[0].prompt.rstrip().endswith("assistant")
+
+
+def test_stats_report_the_cache(llm):
+    stats = llm.stats()
+    for key in ("num_preemptions", "kv_blocks_total", "kv_blocks_used", "kv_waste_pct", "kv_waste_pct_peak"):
+        assert key in stats
+    assert stats["kv_blocks_used"] == 0 and stats["kv_blocks_total"] > 0
+    assert 0 < stats["kv_waste_pct_peak"] < 100
+
+
+@pytest.mark.parametrize("prompt, params, match", [
+    ("", SamplingParams(), "empty"),
+    ({"prompt_token_ids": [1] * 600}, SamplingParams(), "context length"),
+    ({"prompt_token_ids": [1, 2]}, SamplingParams(max_tokens=600), "exceeds the context"),
+    ({"prompt_token_ids": [1, 10**6]}, SamplingParams(), "vocabulary"),
+    ("ok", SamplingParams(logprobs=20, max_tokens=2), None),
+])
+def test_bad_prompts_are_refused_and_the_engine_keeps_serving(llm, prompt, params, match):
+    if match is not None:
+        with pytest.raises(ValueError, match=match):
+            llm.generate(["fine prompt", prompt], params, use_tqdm=False)
+        assert llm.stats()["kv_blocks_used"] == 0 and llm.stats()["num_requests_waiting"] == 0
+    out = llm.generate("still serving", SamplingParams(temperature=0, max_tokens=2), use_tqdm=False)
+    assert len(out[0].outputs[0].token_ids) >= 1
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    (dict(max_tokens=-1), "max_tokens"),
+    (dict(max_tokens=0), "max_tokens"),
+    (dict(top_p=0.0), "top_p"),
+    (dict(top_p=1.5), "top_p"),
+    (dict(temperature=-0.1), "temperature"),
+    (dict(top_k=-5), "top_k"),
+    (dict(min_p=2.0), "min_p"),
+    (dict(presence_penalty=3.0), "presence_penalty"),
+    (dict(repetition_penalty=0.0), "repetition_penalty"),
+    (dict(logprobs=21), "logprobs"),
+    (dict(n=0), "n"),
+    (dict(min_tokens=5, max_tokens=2), "min_tokens"),
+    (dict(logit_bias={3: 1000.0}), "logit_bias"),
+])
+def test_invalid_sampling_params_name_the_parameter(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        SamplingParams(**kwargs)
+
+
+def test_missing_model_and_unsupported_architecture(tmp_path):
+    with pytest.raises(FileNotFoundError, match=str(tmp_path / "nope")):
+        LLM(str(tmp_path / "nope"))
+    (tmp_path / "config.json").write_text('{"model_type": "gpt2", "architectures": ["GPT2LMHeadModel"]}')
+    with pytest.raises(ValueError, match="gpt2"):
+        LLM(str(tmp_path))
+
+
+def test_unknown_engine_option():
+    with pytest.raises(TypeError, match="unknown engine option"):
+        LLM(block_sise=8)
