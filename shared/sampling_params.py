@@ -86,6 +86,34 @@ class SamplingParams:
     def greedy(self) -> bool:
         return self.temperature == 0.0
 
+    # --- wire form (pagedserve.api.v1.SamplingParameters) ---------------------------------------
+
+    _SCALARS = ("n", "temperature", "top_p", "top_k", "min_p", "presence_penalty", "frequency_penalty",
+                "repetition_penalty", "seed", "max_tokens", "min_tokens", "include_stop_str_in_output",
+                "ignore_eos", "logprobs", "prompt_logprobs", "skip_special_tokens")
+
+    def to_proto(self):
+        from shared.proto import pagedserve_api_pb2 as api
+
+        message = api.SamplingParameters(stop=self.stop, stop_token_ids=self.stop_token_ids,
+                                         logit_bias=self.logit_bias or {})
+        for name in self._SCALARS:
+            value = getattr(self, name)
+            if value is not None:
+                setattr(message, name, value)
+        return message
+
+    @classmethod
+    def from_proto(cls, message) -> "SamplingParams":
+        """Unset fields take the defaults (max_tokens: up to the context); values are validated as on construction."""
+        kwargs = {name: getattr(message, name) for name in cls._SCALARS if message.HasField(name)}
+        kwargs.setdefault("max_tokens", None)  # unset on the wire: up to the context length
+        for name in ("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty"):
+            if name in kwargs:  # float32 on the wire: 0.1 must come back as 0.1
+                kwargs[name] = float(f"{kwargs[name]:.7g}")
+        return cls(**kwargs, stop=list(message.stop), stop_token_ids=list(message.stop_token_ids),
+                   logit_bias={int(k): float(f"{v:.7g}") for k, v in message.logit_bias.items()} or None)
+
     def token_ids_in_use(self) -> list[int]:
         """Every token id this request names, for the engine's vocabulary check."""
         return list(self.stop_token_ids) + list((self.logit_bias or {}).keys())

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from shared.proto import pagedserve_internal_pb2 as wire
 from shared.sampling_params import SamplingParams
 
 
@@ -33,6 +34,19 @@ class NewSequence:
     num_computed_tokens: int  # tokens whose KV is already in the cache (a prefix-cache hit); 0 otherwise
     num_scheduled_tokens: int  # tokens to compute this step, starting at num_computed_tokens
 
+    def to_proto(self) -> wire.NewSequence:
+        return wire.NewSequence(
+            request_id=self.request_id, seq_id=self.seq_id, index=self.index,
+            prompt_token_ids=self.prompt_token_ids, output_token_ids=self.output_token_ids,
+            sampling_params=self.sampling_params.to_proto(), block_table=self.block_table,
+            num_computed_tokens=self.num_computed_tokens, num_scheduled_tokens=self.num_scheduled_tokens)
+
+    @classmethod
+    def from_proto(cls, m: wire.NewSequence) -> "NewSequence":
+        return cls(m.request_id, m.seq_id, m.index, list(m.prompt_token_ids), list(m.output_token_ids),
+                   SamplingParams.from_proto(m.sampling_params), list(m.block_table), m.num_computed_tokens,
+                   m.num_scheduled_tokens)
+
 
 @dataclass(slots=True)
 class RunningSequence:
@@ -43,6 +57,16 @@ class RunningSequence:
     new_block_ids: list[int]  # physical blocks appended to the block table
     num_computed_tokens: int  # tokens with KV in cache before this step (the worker checks its copy)
     num_scheduled_tokens: int  # tokens to compute this step
+
+    def to_proto(self) -> wire.RunningSequence:
+        return wire.RunningSequence(seq_id=self.seq_id, new_token_ids=self.new_token_ids,
+                                    new_block_ids=self.new_block_ids, num_computed_tokens=self.num_computed_tokens,
+                                    num_scheduled_tokens=self.num_scheduled_tokens)
+
+    @classmethod
+    def from_proto(cls, m: wire.RunningSequence) -> "RunningSequence":
+        return cls(m.seq_id, list(m.new_token_ids), list(m.new_block_ids), m.num_computed_tokens,
+                   m.num_scheduled_tokens)
 
 
 @dataclass(slots=True)
@@ -60,6 +84,15 @@ class StepPlan:
     def is_empty(self) -> bool:
         return not self.new and not self.running
 
+    def to_proto(self) -> wire.StepPlan:
+        return wire.StepPlan(step_id=self.step_id, new=[s.to_proto() for s in self.new],
+                             running=[s.to_proto() for s in self.running], finished_seq_ids=self.finished_seq_ids)
+
+    @classmethod
+    def from_proto(cls, m: wire.StepPlan) -> "StepPlan":
+        return cls(m.step_id, [NewSequence.from_proto(s) for s in m.new],
+                   [RunningSequence.from_proto(s) for s in m.running], list(m.finished_seq_ids))
+
 
 @dataclass(slots=True)
 class PositionLogprobs:
@@ -70,6 +103,14 @@ class PositionLogprobs:
     rank: int  # 1 for the most likely token
     top_token_ids: list[int]  # the k most likely tokens, best first (k as the request asked)
     top_logprobs: list[float]  # their log-probabilities, same order
+
+    def to_proto(self) -> wire.PositionLogprobs:
+        return wire.PositionLogprobs(token_id=self.token_id, logprob=self.logprob, rank=self.rank,
+                                     top_token_ids=self.top_token_ids, top_logprobs=self.top_logprobs)
+
+    @classmethod
+    def from_proto(cls, m: wire.PositionLogprobs) -> "PositionLogprobs":
+        return cls(m.token_id, m.logprob, m.rank, list(m.top_token_ids), list(m.top_logprobs))
 
 
 @dataclass(slots=True)
@@ -84,6 +125,22 @@ class SequenceOutput:
     prompt_logprobs: list[PositionLogprobs] | None = None
     prompt_logprobs_start: int = 0
 
+    def to_proto(self) -> wire.SequenceOutput:
+        m = wire.SequenceOutput(seq_id=self.seq_id, prompt_logprobs_start=self.prompt_logprobs_start)
+        if self.token_id is not None:
+            m.token_id = self.token_id
+        if self.logprobs is not None:
+            m.logprobs.CopyFrom(self.logprobs.to_proto())
+        if self.prompt_logprobs is not None:
+            m.prompt_logprobs.extend(p.to_proto() for p in self.prompt_logprobs)
+        return m
+
+    @classmethod
+    def from_proto(cls, m: wire.SequenceOutput) -> "SequenceOutput":
+        return cls(m.seq_id, m.token_id if m.HasField("token_id") else None,
+                   PositionLogprobs.from_proto(m.logprobs) if m.HasField("logprobs") else None,
+                   [PositionLogprobs.from_proto(p) for p in m.prompt_logprobs] or None, m.prompt_logprobs_start)
+
 
 @dataclass(slots=True)
 class StepResult:
@@ -91,6 +148,14 @@ class StepResult:
     outputs: list[SequenceOutput] = field(default_factory=list)
     forward_time_s: float = 0.0  # model forward pass, including the KV writes
     sample_time_s: float = 0.0  # logits processing and sampling
+
+    def to_proto(self) -> wire.StepResult:
+        return wire.StepResult(step_id=self.step_id, outputs=[o.to_proto() for o in self.outputs],
+                               forward_time_s=self.forward_time_s, sample_time_s=self.sample_time_s)
+
+    @classmethod
+    def from_proto(cls, m: wire.StepResult) -> "StepResult":
+        return cls(m.step_id, [SequenceOutput.from_proto(o) for o in m.outputs], m.forward_time_s, m.sample_time_s)
 
 
 @dataclass(frozen=True, slots=True)
@@ -105,3 +170,13 @@ class WorkerInfo:
     eos_token_ids: tuple[int, ...]  # from generation_config.json / the tokenizer
     device: str  # e.g. "cpu", "cuda:0"
     dtype: str  # e.g. "float32"
+
+    def to_proto(self) -> wire.WorkerInfo:
+        return wire.WorkerInfo(model=self.model, num_kv_blocks=self.num_kv_blocks, block_size=self.block_size,
+                               max_model_len=self.max_model_len, vocab_size=self.vocab_size,
+                               eos_token_ids=self.eos_token_ids, device=self.device, dtype=self.dtype)
+
+    @classmethod
+    def from_proto(cls, m: wire.WorkerInfo) -> "WorkerInfo":
+        return cls(m.model, m.num_kv_blocks, m.block_size, m.max_model_len, m.vocab_size, tuple(m.eos_token_ids),
+                   m.device, m.dtype)
