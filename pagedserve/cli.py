@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 
 
@@ -53,6 +54,35 @@ def cmd_generate(args: argparse.Namespace) -> int:
     return 0
 
 
+def apply_env_defaults(parser: argparse.ArgumentParser, prefix: str = "PAGEDSERVE_") -> None:
+    """Every flag may also come from the environment: --max-num-seqs from PAGEDSERVE_MAX_NUM_SEQS.
+
+    That is how compose.yaml configures the services. A flag on the command line still wins.
+    """
+    for action in parser._actions:  # argparse has no public way to list the options
+        if not action.option_strings or action.dest == "help":
+            continue
+        raw = os.environ.get(prefix + action.dest.upper())
+        if raw is None:
+            continue
+        if isinstance(action, (argparse._StoreTrueAction, argparse._StoreFalseAction)):
+            # The variable names the destination, so its truth is the value (ENABLE_CHUNKED_PREFILL=false).
+            value = raw.strip().lower() in ("1", "true", "yes", "on")
+        elif isinstance(action, argparse._AppendAction):
+            value = [item.strip() for item in raw.split(",") if item.strip()]
+        else:
+            value = action.type(raw) if action.type else raw
+        parser.set_defaults(**{action.dest: value})
+
+
+SERVICES = {
+    "serve": "pagedserve.launcher",
+    "gateway": "services.gateway.server",
+    "scheduler": "services.scheduler.server",
+    "worker": "services.worker.server",
+}
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="pagedserve", description="LLM serving with PagedAttention")
     commands = parser.add_subparsers(dest="command", required=True)
@@ -65,10 +95,18 @@ def build_parser() -> argparse.ArgumentParser:
     generate.add_argument("--max-tokens", type=int, default=32)
     generate.add_argument("--sampling-seed", type=int, default=None)
     generate.set_defaults(func=cmd_generate)
+    for name, module in SERVICES.items():
+        commands.add_parser(name, help=f"run {'gateway, scheduler and one worker' if name == 'serve' else 'the ' + name} "
+                                      f"(see pagedserve {name} --help)", add_help=False)
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv and argv[0] in SERVICES:
+        import importlib
+
+        return importlib.import_module(SERVICES[argv[0]]).main(argv[1:])
     args = build_parser().parse_args(argv)
     try:
         return args.func(args)

@@ -1,0 +1,52 @@
+"""The executor for a worker in another process: one long-lived bidirectional Steps stream.
+
+Each step sends one plan (deltas only) and reads one result; keeping the stream open
+avoids a call set-up per step.
+"""
+
+from __future__ import annotations
+
+import queue
+
+import grpc
+
+from shared.grpc_errors import ServiceUnavailable
+from shared.proto import pagedserve_internal_pb2 as wire
+from shared.proto import pagedserve_internal_pb2_grpc as wire_grpc
+from shared.step_protocol import StepPlan, StepResult, WorkerInfo
+
+_CLOSE = object()
+GRPC_OPTIONS = [("grpc.max_send_message_length", 256 << 20), ("grpc.max_receive_message_length", 256 << 20)]
+
+
+class GrpcExecutor:
+    def __init__(self, address: str, connect_timeout_s: float = 60.0):
+        self.address = address
+        self._channel = grpc.insecure_channel(address, options=GRPC_OPTIONS)
+        self._stub = wire_grpc.WorkerStub(self._channel)
+        try:
+            grpc.channel_ready_future(self._channel).result(timeout=connect_timeout_s)
+            self._info = WorkerInfo.from_proto(self._stub.GetInfo(wire.Empty(), timeout=connect_timeout_s))
+        except (grpc.FutureTimeoutError, grpc.RpcError) as exc:
+            self._channel.close()
+            raise ServiceUnavailable(f"worker at {address} is not reachable: {exc}") from exc
+        self._plans: queue.SimpleQueue = queue.SimpleQueue()
+        self._results = self._stub.Steps(iter(self._plans.get, _CLOSE))
+
+    def worker_info(self) -> WorkerInfo:
+        return self._info
+
+    def execute(self, plan: StepPlan) -> StepResult:
+        self._plans.put(plan.to_proto())
+        try:
+            result = next(self._results)
+        except (grpc.RpcError, StopIteration) as exc:
+            detail = exc.details() if isinstance(exc, grpc.RpcError) else "stream closed"
+            raise ServiceUnavailable(f"worker at {self.address} failed: {detail}") from exc
+        if result.step_id != plan.step_id:
+            raise ServiceUnavailable(f"worker at {self.address} answered step {result.step_id} for {plan.step_id}")
+        return StepResult.from_proto(result)
+
+    def shutdown(self) -> None:
+        self._plans.put(_CLOSE)
+        self._channel.close()

@@ -1,0 +1,152 @@
+"""The scheduler as a gRPC service: gateways submit tokenized requests and stream tokens back;
+the engine loop drives the worker(s) over the Steps stream."""
+
+from __future__ import annotations
+
+import argparse
+import signal
+import threading
+import time
+from concurrent import futures
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+
+from services.scheduler.engine_core import EngineCore
+from services.scheduler.engine_loop import EngineLoop
+from services.scheduler.grpc_executor import GRPC_OPTIONS, GrpcExecutor
+from services.scheduler.scheduler import SchedulerLimits
+from services.scheduler.sequence import SequenceUpdate
+from shared.grpc_errors import grpc_errors
+from shared.logging import bind_request_id, clear_request_id, setup_logging
+from shared.proto import pagedserve_api_pb2 as api
+from shared.proto import pagedserve_internal_pb2 as wire
+from shared.proto import pagedserve_internal_pb2_grpc as wire_grpc
+from shared.sampling_params import SamplingParams
+
+log = setup_logging("scheduler")
+
+
+def update_to_proto(update: SequenceUpdate) -> wire.EngineOutput:
+    out = wire.EngineOutput(seq_index=update.seq_index, new_token_ids=update.new_token_ids,
+                            new_logprobs=[p.to_proto() for p in update.new_logprobs],
+                            prompt_logprobs=[p.to_proto() for p in update.prompt_logprobs],
+                            finish_reason=update.finish_reason or "")
+    if isinstance(update.stop_reason, int):
+        out.stop_token_id = update.stop_reason
+    elif isinstance(update.stop_reason, str):
+        out.stop_string = update.stop_reason
+    return out
+
+
+class SchedulerServicer(wire_grpc.SchedulerServicer):
+    def __init__(self, loop: EngineLoop, max_logprobs: int):
+        self.loop = loop
+        self.max_logprobs = max_logprobs
+
+    def Submit(self, request, context):
+        bind_request_id(request.request_id)
+        try:
+            with grpc_errors(context):
+                params = SamplingParams.from_proto(request.params)
+                stream = self.loop.submit(request.request_id, list(request.prompt_token_ids), params)
+            log.info("request admitted", prompt_tokens=len(request.prompt_token_ids), n=params.n)
+            # A client that goes away (gateway disconnect, cancelled stream) aborts the request.
+            context.add_callback(lambda: self._abort_if_running(request.request_id))
+            with grpc_errors(context):
+                for update in stream:
+                    yield update_to_proto(update)
+            log.info("request finished")
+        finally:
+            clear_request_id()
+
+    def _abort_if_running(self, request_id: str) -> None:
+        try:
+            if self.loop.abort(request_id):
+                log.info("request aborted: client went away", request_id=request_id)
+        except Exception:  # the engine may already be down; nothing left to free
+            pass
+
+    def Abort(self, request, context):
+        with grpc_errors(context):
+            return api.AbortResponse(found=self.loop.abort(request.request_id))
+
+    def GetInfo(self, request, context):
+        info = self.loop.engine.info
+        return wire.EngineInfo(model=info.model, max_model_len=info.max_model_len, vocab_size=info.vocab_size,
+                               eos_token_ids=info.eos_token_ids, num_kv_blocks=info.num_kv_blocks,
+                               block_size=info.block_size, max_logprobs=self.max_logprobs)
+
+    def GetStats(self, request, context):
+        with grpc_errors(context):
+            return wire.EngineStats(values={k: float(v) for k, v in self.loop.stats().items()})
+
+
+def build_engine(worker_addresses: list[str], limits_from, watermark: float, max_logprobs: int) -> EngineCore:
+    if len(worker_addresses) != 1:
+        raise ValueError("one worker per scheduler for now (tensor parallelism comes later)")
+    executor = GrpcExecutor(worker_addresses[0])
+    limits = limits_from(executor.worker_info().max_model_len)
+    return EngineCore(executor, limits, watermark, max_logprobs)
+
+
+def serve(args: argparse.Namespace) -> None:
+    def limits_from(max_model_len: int) -> SchedulerLimits:
+        budget = args.max_num_batched_tokens or (4096 if args.enable_chunked_prefill else max(4096, max_model_len))
+        if not args.enable_chunked_prefill and budget < max_model_len:
+            raise ValueError(f"--max-num-batched-tokens {budget} < max_model_len {max_model_len} "
+                             "without chunked prefill: long prompts could never run")
+        return SchedulerLimits(args.max_num_seqs, budget, args.enable_chunked_prefill)
+
+    engine = build_engine(args.worker, limits_from, args.watermark, args.max_logprobs)
+    loop = EngineLoop(engine)
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=args.max_streams), options=GRPC_OPTIONS)
+    wire_grpc.add_SchedulerServicer_to_server(SchedulerServicer(loop, args.max_logprobs), server)
+    health_servicer = health.HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+    reflection.enable_server_reflection([wire.DESCRIPTOR.services_by_name["Scheduler"].full_name,
+                                         reflection.SERVICE_NAME, health.SERVICE_NAME], server)
+    server.add_insecure_port(args.listen)
+    server.start()
+    health_servicer.set("", health_pb2.HealthCheckResponse.SERVING)
+    log.info("scheduler serving", address=args.listen, workers=args.worker, kv_blocks=engine.info.num_kv_blocks)
+    stop = threading.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: stop.set())
+    while not stop.wait(0.5):
+        if not loop.healthy:  # the worker died: say so to health checks, keep answering UNAVAILABLE
+            health_servicer.set("", health_pb2.HealthCheckResponse.NOT_SERVING)
+    drain(loop, health_servicer, args.drain_timeout)
+    server.stop(grace=2).wait()
+    loop.stop()
+    log.info("scheduler stopped")
+
+
+def drain(loop: EngineLoop, health_servicer, timeout_s: float) -> None:
+    """Stop taking requests, let the running ones finish (up to timeout_s)."""
+    health_servicer.enter_graceful_shutdown()
+    deadline = time.monotonic() + timeout_s
+    while loop.num_in_flight() and time.monotonic() < deadline and loop.healthy:
+        time.sleep(0.1)
+    log.info("drained", still_running=loop.num_in_flight())
+
+
+def main(argv: list[str] | None = None) -> int:
+    from pagedserve.cli import apply_env_defaults
+
+    parser = argparse.ArgumentParser(prog="pagedserve scheduler", description="the pagedserve scheduler (gRPC)")
+    parser.add_argument("--listen", default="127.0.0.1:50051", help="address to serve the scheduler API on")
+    parser.add_argument("--worker", action="append", default=None, help="worker address (host:port)")
+    parser.add_argument("--max-num-seqs", type=int, default=256)
+    parser.add_argument("--max-num-batched-tokens", type=int, default=None)
+    parser.add_argument("--no-enable-chunked-prefill", dest="enable_chunked_prefill", action="store_false")
+    parser.add_argument("--max-logprobs", type=int, default=20)
+    parser.add_argument("--watermark", type=float, default=0.01)
+    parser.add_argument("--max-streams", type=int, default=1024, help="concurrent gateway streams")
+    parser.add_argument("--drain-timeout", type=float, default=30.0, help="seconds to let requests finish on stop")
+    apply_env_defaults(parser)
+    args = parser.parse_args(argv)
+    args.worker = args.worker or ["127.0.0.1:50061"]
+    serve(args)
+    return 0

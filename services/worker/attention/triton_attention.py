@@ -1,0 +1,402 @@
+"""Paged attention in Triton: one kernel for a mixed batch of prefill chunks and decodes.
+
+Every sequence's context is its cached tokens followed by its new tokens, and all of it is read from
+the paged pool: the backend first stores the new K/V with the cache-write kernel, so the attention
+kernel needs no second source for them. A query token at position ``p`` sees keys ``0..p`` (causal
+within the new tokens, everything before them).
+
+Work split. A program owns (a tile of up to BLOCK_Q query tokens of one sequence) x (one KV head)
+x (one split of the context). Its BLOCK_M = BLOCK_Q * GROUP_PAD rows are every (query token, query
+head of that KV head's group) pair, so each K/V tile is loaded once for the whole group (grouped-query
+attention costs no extra memory traffic). Keys are walked BLOCK_N at a time; each key's physical block
+comes from the block table, so blocks may sit anywhere in the pool, in any order.
+
+Softmax is online (running max and sum, rescaling the accumulator), in float32 and base 2: scores are
+pre-multiplied by scale * log2(e) so each step is one exp2. Inputs may be float32, bfloat16 or float16;
+accumulation is always float32 and float32 matmuls use IEEE precision (no TF32), so results match the
+PyTorch reference closely enough for greedy decoding to agree token for token.
+
+Split-K: a decode over a long context with few sequences would occupy a handful of programs while the
+GPU has a hundred-odd SMs. Then the context is cut into NUM_SPLITS ranges, each program writes its
+partial (normalised output, log-sum-exp) and a small reduce kernel merges them. A heuristic chooses;
+``split_k=True/False`` forces either path.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+from services.worker.attention.metadata import AttentionMetadata
+from services.worker.attention.triton_cache_ops import SUPPORTED_DTYPES, _check_layer_pools, _require, write_kv
+
+LOG2E = 1.4426950408889634
+MIN_DOT = 16  # tl.dot needs every tile dimension >= 16
+PREFILL_ROWS = 64  # rows (query token x head) per prefill tile
+DEFAULT_BLOCK_N = 64  # keys per inner-loop step
+SPLIT_MIN_KEYS = 512  # a split shorter than this costs more in the reduce than it gains
+SPLIT_MAX = 64
+SPLIT_TARGET_WAVES = 2  # aim for about this many programs per SM when splitting
+CPU_SM_COUNT = 8  # stands in for the SM count under the interpreter
+
+
+# --- kernels --------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _matmul(a, b, USE_DOT: tl.constexpr, DOT_PRECISION: tl.constexpr):
+    """a [M, K] @ b [K, N] in float32; tl.dot needs K >= 16, smaller head dims use a broadcast sum."""
+    if USE_DOT:
+        return tl.dot(a, b, input_precision=DOT_PRECISION)
+    else:
+        return tl.sum(a.to(tl.float32)[:, :, None] * b.to(tl.float32)[None, :, :], 1)
+
+
+@triton.jit
+def _key_offsets(
+    block_tables_ptr,  # [num_seqs, max_blocks] int32
+    seq, stride_bt, k_pos, k_ok, kv_head,
+    stride_cb, stride_cs, stride_ch,
+    BLOCK_SIZE: tl.constexpr,
+):
+    """Element offset of each key position in the pool, through the sequence's block table."""
+    block = tl.load(block_tables_ptr + seq * stride_bt + k_pos // BLOCK_SIZE, mask=k_ok, other=0)
+    # int64: block * stride_cb overflows int32 once the pool passes 2**31 elements.
+    return block.to(tl.int64) * stride_cb + (k_pos % BLOCK_SIZE) * stride_cs + kv_head * stride_ch
+
+
+@triton.jit
+def _attend(
+    q,  # [BLOCK_M, HEAD_DIM] the query tile
+    q_pos,  # [BLOCK_M] each row's position in its sequence (the last key it may see)
+    k_cache_ptr,  # [num_blocks, block_size, num_kv_heads, head_dim]
+    v_cache_ptr,  # [num_blocks, block_size, num_kv_heads, head_dim]
+    block_tables_ptr,  # [num_seqs, max_blocks] int32
+    seq, stride_bt, kv_head, stride_cb, stride_cs, stride_ch,
+    lo, hi,  # the key positions [lo, hi) this program covers
+    scale_log2,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr,
+    USE_DOT: tl.constexpr, DOT_PRECISION: tl.constexpr,
+):
+    """Online softmax over keys [lo, hi): the unnormalised output, the running max and the sum."""
+    m = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
+    dims = tl.arange(0, HEAD_DIM)
+    for start in range(lo, hi, BLOCK_N):
+        k_pos = start + tl.arange(0, BLOCK_N)
+        k_ok = k_pos < hi
+        offs = _key_offsets(block_tables_ptr, seq, stride_bt, k_pos, k_ok, kv_head,
+                            stride_cb, stride_cs, stride_ch, BLOCK_SIZE)
+        # K is loaded transposed, [HEAD_DIM, BLOCK_N], so the scores are a plain q @ k.
+        k = tl.load(k_cache_ptr + offs[None, :] + dims[:, None], mask=k_ok[None, :], other=0.0)
+        s = _matmul(q, k, USE_DOT, DOT_PRECISION) * scale_log2
+        s = tl.where(k_ok[None, :] & (k_pos[None, :] <= q_pos[:, None]), s, float("-inf"))
+        m_new = tl.maximum(m, tl.max(s, 1))
+        # A row with nothing visible yet keeps max -inf; shift by 0 there so exp2 gives 0, not NaN.
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        p = tl.exp2(s - m_safe[:, None])
+        alpha = tl.exp2(m - m_safe)
+        l = l * alpha + tl.sum(p, 1)
+        v = tl.load(v_cache_ptr + offs[:, None] + dims[None, :], mask=k_ok[:, None], other=0.0)
+        acc = acc * alpha[:, None] + _matmul(p.to(v.dtype), v, USE_DOT, DOT_PRECISION)
+        m = m_new
+    return acc, m, l
+
+
+@triton.jit
+def _paged_attention_kernel(
+    out_ptr,  # [num_tokens, num_heads, head_dim] q's dtype; with SPLIT: [num_tokens, num_heads, splits, head_dim] f32
+    lse_ptr,  # SPLIT only: [num_tokens, num_heads, splits] float32, base-2 log-sum-exp of each split
+    q_ptr,  # [num_tokens, num_heads, head_dim]
+    k_cache_ptr,  # [num_blocks, block_size, num_kv_heads, head_dim]
+    v_cache_ptr,  # [num_blocks, block_size, num_kv_heads, head_dim]
+    block_tables_ptr,  # [num_seqs, max_blocks] int32
+    seq_lens_ptr,  # [num_seqs] int32: context length after this step
+    query_start_ptr,  # [num_seqs + 1] int32
+    tile_seq_ptr,  # [num_tiles] int32: the sequence of each query tile
+    tile_q0_ptr,  # [num_tiles] int32: the tile's first query index within its sequence
+    scale_log2,  # softmax scale * log2(e)
+    keys_per_split,  # SPLIT only: context positions per split
+    stride_qt, stride_qh,
+    stride_ot, stride_oh, stride_os,  # stride_os: the split dimension (SPLIT only)
+    stride_lt, stride_lh,
+    stride_cb, stride_cs, stride_ch,
+    stride_bt,
+    GROUP: tl.constexpr,  # query heads per KV head
+    GROUP_PAD: tl.constexpr,  # next power of two >= GROUP
+    BLOCK_M: tl.constexpr,  # BLOCK_Q * GROUP_PAD rows
+    BLOCK_N: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    SPLIT: tl.constexpr,
+    USE_DOT: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):
+    tile = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    split = tl.program_id(2)
+    seq = tl.load(tile_seq_ptr + tile)
+    q0 = tl.load(tile_q0_ptr + tile)
+    q_start = tl.load(query_start_ptr + seq)
+    q_len = tl.load(query_start_ptr + seq + 1) - q_start
+    ctx = tl.load(seq_lens_ptr + seq)
+
+    rows = tl.arange(0, BLOCK_M)
+    q_idx = q0 + rows // GROUP_PAD
+    head = kv_head * GROUP + rows % GROUP_PAD
+    row_ok = (q_idx < q_len) & (rows % GROUP_PAD < GROUP)
+    token = (q_start + q_idx).to(tl.int64)
+    q_pos = ctx - q_len + q_idx
+    dims = tl.arange(0, HEAD_DIM)
+    q = tl.load(q_ptr + token[:, None] * stride_qt + head[:, None] * stride_qh + dims[None, :],
+                mask=row_ok[:, None], other=0.0)
+
+    # No key after the tile's last query matters: it stops the loop early for prefill tiles.
+    kv_end = ctx - q_len + tl.minimum(q0 + BLOCK_M // GROUP_PAD, q_len)
+    if SPLIT:
+        lo = split * keys_per_split
+        hi = tl.minimum(lo + keys_per_split, kv_end)
+    else:
+        lo = 0
+        hi = kv_end
+    acc, m, l = _attend(q, q_pos, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq, stride_bt, kv_head,
+                        stride_cb, stride_cs, stride_ch, lo, hi, scale_log2,
+                        BLOCK_M, BLOCK_N, BLOCK_SIZE, HEAD_DIM, USE_DOT, DOT_PRECISION)
+
+    # Rows that saw no key (only in an empty split) have l == 0: output 0, log-sum-exp -inf.
+    out = acc / tl.where(l > 0, l, 1.0)[:, None]
+    out_offs = token[:, None] * stride_ot + head[:, None] * stride_oh + dims[None, :]
+    if SPLIT:
+        tl.store(out_ptr + out_offs + split * stride_os, out, mask=row_ok[:, None])
+        lse = tl.where(l > 0, m + tl.log2(l), float("-inf"))
+        tl.store(lse_ptr + token * stride_lt + head * stride_lh + split, lse, mask=row_ok)
+    else:
+        tl.store(out_ptr + out_offs, out.to(out_ptr.dtype.element_ty), mask=row_ok[:, None])
+
+
+@triton.jit
+def _reduce_splits_kernel(
+    out_ptr,  # [num_tokens, num_heads, head_dim] q's dtype
+    part_ptr,  # [num_tokens, num_heads, splits, head_dim] float32, contiguous
+    lse_ptr,  # [num_tokens, num_heads, splits] float32, contiguous
+    num_splits,
+    stride_ot, stride_oh,
+    stride_pt, stride_ph,
+    stride_lt, stride_lh,
+    SPLITS_PAD: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+):
+    # One program per (token, head): weight each split's normalised output by its share of the sum.
+    token = tl.program_id(0).to(tl.int64)
+    head = tl.program_id(1)
+    splits = tl.arange(0, SPLITS_PAD)
+    ok = splits < num_splits
+    lse = tl.load(lse_ptr + token * stride_lt + head * stride_lh + splits, mask=ok, other=float("-inf"))
+    # Key 0 is visible to every query and lies in split 0, so the max is finite.
+    weights = tl.exp2(lse - tl.max(lse, 0))
+    weights = weights / tl.sum(weights, 0)
+    dims = tl.arange(0, HEAD_DIM)
+    part = tl.load(part_ptr + token * stride_pt + head * stride_ph + splits[:, None] * HEAD_DIM + dims[None, :],
+                   mask=ok[:, None], other=0.0)
+    out = tl.sum(weights[:, None] * part, 0)
+    tl.store(out_ptr + token * stride_ot + head * stride_oh + dims, out.to(out_ptr.dtype.element_ty))
+
+
+# --- launch planning ------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class LaunchPlan:
+    """How one batch maps onto programs; the same for every layer of a step."""
+    block_q: int  # query tokens per tile
+    group_pad: int
+    block_n: int
+    num_splits: int  # 1: no split-K
+    keys_per_split: int
+    tiles: torch.Tensor  # [2, num_tiles] int32 on the device: the tile's sequence, its first query index
+
+    @property
+    def num_tiles(self) -> int:
+        return int(self.tiles.shape[1])
+
+
+def check_head_dim(head_dim: int) -> None:
+    if head_dim < 1 or head_dim & (head_dim - 1):
+        raise ValueError(f"the Triton attention kernels need a power-of-two head size (64, 128, ...), "
+                         f"got head_dim={head_dim}; use attention_backend='torch' for this model")
+
+
+def _sm_count(device: torch.device) -> int:
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).multi_processor_count
+    return CPU_SM_COUNT
+
+
+def choose_num_splits(num_programs: int, max_seq_len: int, max_query_len: int, sm_count: int) -> int:
+    """Split the context only for decode batches too small to fill the GPU, and only long contexts."""
+    if max_query_len > 1 or num_programs >= sm_count:
+        return 1
+    by_length = max_seq_len // SPLIT_MIN_KEYS
+    by_occupancy = -(-SPLIT_TARGET_WAVES * sm_count // num_programs)
+    return max(1, min(by_length, by_occupancy, SPLIT_MAX))
+
+
+def _query_tiles(query_lens: list[int], block_q: int) -> tuple[list[int], list[int]]:
+    seqs: list[int] = []
+    firsts: list[int] = []
+    for seq, query_len in enumerate(query_lens):
+        for first in range(0, query_len, block_q):
+            seqs.append(seq)
+            firsts.append(first)
+    return seqs, firsts
+
+
+def make_launch_plan(meta: AttentionMetadata, num_heads: int, num_kv_heads: int, device: torch.device,
+                     split_k: bool | None = None, num_splits: int | None = None,
+                     block_n: int | None = None) -> LaunchPlan:
+    """Tile sizes, the query tiles and the split count; split_k forces split-K on or off (None: heuristic)."""
+    group_pad = triton.next_power_of_2(num_heads // num_kv_heads)
+    min_q = max(1, MIN_DOT // group_pad)  # enough query tokens for BLOCK_M >= 16
+    block_q = max(min_q, min(max(1, PREFILL_ROWS // group_pad), triton.next_power_of_2(meta.max_query_len)))
+    block_n = block_n or DEFAULT_BLOCK_N
+    _require(block_n >= MIN_DOT and block_n & (block_n - 1) == 0, f"block_n must be a power of two >= 16, got {block_n}")
+    seqs, firsts = _query_tiles(meta.query_lens_cpu, block_q)
+    if split_k is False:
+        splits = 1
+    elif num_splits is not None:
+        splits = num_splits
+    elif split_k:
+        splits = max(2, min(SPLIT_MAX, meta.max_seq_len // MIN_DOT))
+    else:
+        splits = choose_num_splits(len(seqs) * num_kv_heads, meta.max_seq_len, meta.max_query_len,
+                                   _sm_count(device))
+    _require(splits >= 1, f"num_splits must be >= 1, got {splits}")
+    # Splits start on a multiple of 16 keys (aligned loads); the count is what that rounding leaves.
+    keys_per_split = -(-(-(-meta.max_seq_len // splits)) // MIN_DOT) * MIN_DOT
+    if splits > 1 or split_k:
+        splits = -(-meta.max_seq_len // keys_per_split)
+    tiles = torch.tensor([seqs, firsts], dtype=torch.int32).to(device, non_blocking=True)
+    return LaunchPlan(block_q, group_pad, block_n, splits, keys_per_split, tiles)
+
+
+# --- the wrapper ----------------------------------------------------------------------------------
+
+
+def _check_attention_inputs(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                            meta: AttentionMetadata, out: torch.Tensor | None) -> None:
+    _check_layer_pools(k_cache, v_cache)
+    _require(q.dim() == 3, f"q must be [num_tokens, num_heads, head_dim], got shape {tuple(q.shape)}")
+    num_heads, head_dim = q.shape[1], q.shape[2]
+    check_head_dim(head_dim)
+    num_kv_heads = k_cache.shape[2]
+    _require(k_cache.shape[3] == head_dim, f"q head_dim {head_dim} != pool head_dim {k_cache.shape[3]}")
+    _require(num_heads % num_kv_heads == 0, f"num_heads {num_heads} is not a multiple of num_kv_heads {num_kv_heads}")
+    _require(q.stride(-1) == 1, "q's last dimension (head_dim) must be contiguous")
+    _require(q.dtype == k_cache.dtype, f"q dtype {q.dtype} != pool dtype {k_cache.dtype}")
+    _require(q.device == k_cache.device, f"q is on {q.device}, the pool on {k_cache.device}")
+    _require(q.dtype in SUPPORTED_DTYPES, f"dtype {q.dtype} is not one of {SUPPORTED_DTYPES}")
+    _require(q.shape[0] == sum(meta.query_lens_cpu),
+             f"q has {q.shape[0]} tokens, the metadata schedules {sum(meta.query_lens_cpu)}")
+    for name, t, dtype in (("block_tables", meta.block_tables, torch.int32), ("seq_lens", meta.seq_lens, torch.int32),
+                           ("query_start_loc", meta.query_start_loc, torch.int32)):
+        _require(t.dtype == dtype, f"meta.{name} must be {dtype}, got {t.dtype}")
+        _require(t.device == q.device, f"meta.{name} is on {t.device}, q on {q.device}")
+        _require(t.stride(-1) == 1, f"meta.{name}'s last dimension must be contiguous")
+    _require(meta.block_tables.dim() == 2 and meta.block_tables.shape[0] == meta.num_seqs,
+             f"meta.block_tables must be [num_seqs, max_blocks], got {tuple(meta.block_tables.shape)}")
+    _require(meta.query_start_loc.shape == (meta.num_seqs + 1,), "meta.query_start_loc must be [num_seqs + 1]")
+    if out is not None:
+        _require(out.shape == q.shape and out.dtype == q.dtype and out.device == q.device,
+                 "out must match q in shape, dtype and device")
+        _require(out.stride(-1) == 1, "out's last dimension must be contiguous")
+
+
+def _kernel_flags(q: torch.Tensor, k_cache: torch.Tensor, plan: LaunchPlan) -> dict:
+    head_dim = q.shape[2]
+    return dict(GROUP=q.shape[1] // k_cache.shape[2], GROUP_PAD=plan.group_pad, BLOCK_M=plan.block_q * plan.group_pad,
+                BLOCK_N=plan.block_n, BLOCK_SIZE=k_cache.shape[1], HEAD_DIM=head_dim, USE_DOT=head_dim >= MIN_DOT,
+                # IEEE for float32: TF32 would drift from the reference; 16-bit inputs ignore it.
+                DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32")
+
+
+def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
+                    scale: float, *, out: torch.Tensor | None = None, split_k: bool | None = None,
+                    num_splits: int | None = None, block_n: int | None = None,
+                    plan: LaunchPlan | None = None) -> torch.Tensor:
+    """Attention of every new token over its sequence's paged context; ``q`` is ``[T, H, D]``.
+
+    The new tokens' K/V must already be in the pool (``write_kv``). ``split_k`` forces split-K on
+    (True) or off (False); None lets the heuristic choose. ``num_splits`` and ``block_n`` pin the split
+    count and the key tile (tests, tuning). Returns ``out`` (allocated when not given).
+    """
+    _check_attention_inputs(q, k_cache, v_cache, meta, out)
+    if plan is None:
+        plan = make_launch_plan(meta, q.shape[1], k_cache.shape[2], q.device, split_k, num_splits, block_n)
+    out = torch.empty_like(q) if out is None else out
+    if q.shape[0] == 0:
+        return out
+    num_tokens, num_heads, head_dim = q.shape
+    grid = (plan.num_tiles, k_cache.shape[2], plan.num_splits)
+    common = (q, k_cache, v_cache, meta.block_tables, meta.seq_lens, meta.query_start_loc, plan.tiles[0],
+              plan.tiles[1], scale * LOG2E, plan.keys_per_split, q.stride(0), q.stride(1))
+    pool_strides = (k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), meta.block_tables.stride(0))
+    flags = _kernel_flags(q, k_cache, plan)
+    if plan.num_splits == 1:
+        _paged_attention_kernel[grid](out, out, *common, out.stride(0), out.stride(1), 0, 0, 0, *pool_strides,
+                                      SPLIT=False, **flags)
+        return out
+    part = torch.empty(num_tokens, num_heads, plan.num_splits, head_dim, dtype=torch.float32, device=q.device)
+    lse = torch.empty(num_tokens, num_heads, plan.num_splits, dtype=torch.float32, device=q.device)
+    _paged_attention_kernel[grid](part, lse, *common, part.stride(0), part.stride(1), part.stride(2),
+                                  lse.stride(0), lse.stride(1), *pool_strides, SPLIT=True, **flags)
+    _reduce_splits_kernel[(num_tokens, num_heads)](
+        out, part, lse, plan.num_splits, out.stride(0), out.stride(1), part.stride(0), part.stride(1),
+        lse.stride(0), lse.stride(1), SPLITS_PAD=triton.next_power_of_2(plan.num_splits), HEAD_DIM=head_dim)
+    return out
+
+
+# --- the backend ----------------------------------------------------------------------------------
+
+
+class TritonAttentionBackend:
+    """Writes new K/V into the paged pool and attends over it, with the Triton kernels."""
+
+    name = "triton"
+
+    def __init__(self, kv_caches: list[tuple[torch.Tensor, torch.Tensor]], scale: float,
+                 split_k: bool | None = None):
+        self.kv_caches = kv_caches  # per layer: (K pool, V pool)
+        self.scale = scale
+        self.split_k = split_k  # None: the heuristic chooses; True/False force split-K on/off
+        check_head_dim(kv_caches[0][0].shape[-1])
+        self._plan_for: tuple[AttentionMetadata, int] | None = None
+        self._plan: LaunchPlan | None = None
+
+    def forward(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                meta: AttentionMetadata) -> torch.Tensor:
+        k_cache, v_cache = self.kv_caches[layer]
+        write_kv(k_cache, v_cache, k, v, meta.slot_mapping)
+        return paged_attention(q, k_cache, v_cache, meta, self.scale, plan=self._plan_of(meta, q, k_cache))
+
+    def _plan_of(self, meta: AttentionMetadata, q: torch.Tensor, k_cache: torch.Tensor) -> LaunchPlan:
+        """One plan per step: every layer sees the same metadata object (held here, so `is` is safe)."""
+        key = (meta, q.shape[1])
+        if self._plan_for is None or self._plan_for[0] is not meta or self._plan_for[1] != key[1]:
+            self._plan = make_launch_plan(meta, q.shape[1], k_cache.shape[2], q.device, self.split_k)
+            self._plan_for = key
+        return self._plan
+
+
+def interpreter_enabled() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+__all__ = ["TritonAttentionBackend", "paged_attention", "make_launch_plan", "choose_num_splits", "check_head_dim",
+           "LaunchPlan", "write_kv", "interpreter_enabled"]
+_ = math  # keep the import tidy for readers who grep for it

@@ -1,0 +1,83 @@
+"""The worker as a gRPC service: one Worker behind the Steps stream."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import signal
+import threading
+from concurrent import futures
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+
+from shared.config import EngineConfig
+from shared.grpc_errors import grpc_errors
+from shared.logging import setup_logging
+from shared.proto import pagedserve_internal_pb2 as wire
+from shared.proto import pagedserve_internal_pb2_grpc as wire_grpc
+from shared.step_protocol import StepPlan
+
+log = setup_logging("worker")
+
+
+class WorkerServicer(wire_grpc.WorkerServicer):
+    def __init__(self, worker):
+        self.worker = worker
+        self._busy = threading.Lock()  # one scheduler drives a worker at a time
+
+    def GetInfo(self, request, context):
+        with grpc_errors(context):
+            return self.worker.info.to_proto()
+
+    def Steps(self, request_iterator, context):
+        if not self._busy.acquire(blocking=False):
+            context.abort(grpc.StatusCode.FAILED_PRECONDITION, "another scheduler is driving this worker")
+        try:
+            log.info("scheduler connected", peer=context.peer())
+            for plan in request_iterator:
+                with grpc_errors(context):
+                    yield self.worker.execute(StepPlan.from_proto(plan)).to_proto()
+        finally:
+            self.worker.seqs.clear()  # a new scheduler starts from nothing
+            self._busy.release()
+            log.info("scheduler disconnected")
+
+
+def serve(config: EngineConfig, address: str, ready: threading.Event | None = None) -> None:
+    from services.worker.worker import Worker
+
+    worker = Worker(config)
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=4), options=GRPC_OPTIONS)
+    wire_grpc.add_WorkerServicer_to_server(WorkerServicer(worker), server)
+    health_servicer = health.HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+    reflection.enable_server_reflection([wire.DESCRIPTOR.services_by_name["Worker"].full_name,
+                                         reflection.SERVICE_NAME, health.SERVICE_NAME], server)
+    server.add_insecure_port(address)
+    server.start()
+    health_servicer.set("", health_pb2.HealthCheckResponse.SERVING)
+    log.info("worker serving", address=address, info=dataclasses.asdict(worker.info))
+    stop = threading.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: stop.set())
+    stop.wait()
+    health_servicer.enter_graceful_shutdown()
+    server.stop(grace=5).wait()
+    log.info("worker stopped")
+
+
+GRPC_OPTIONS = [("grpc.max_send_message_length", 256 << 20), ("grpc.max_receive_message_length", 256 << 20)]
+
+
+def main(argv: list[str] | None = None) -> int:
+    from pagedserve.cli import add_engine_args, apply_env_defaults, engine_options
+
+    parser = argparse.ArgumentParser(prog="pagedserve worker", description="a pagedserve worker (gRPC)")
+    add_engine_args(parser)
+    parser.add_argument("--listen", default="127.0.0.1:50061", help="address to serve the worker API on")
+    apply_env_defaults(parser)
+    args = parser.parse_args(argv)
+    serve(EngineConfig(**engine_options(args)), args.listen)
+    return 0

@@ -1,0 +1,55 @@
+"""Domain errors -> gRPC status codes, in one place, for every servicer."""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+
+import grpc
+
+
+class ServiceUnavailable(Exception):
+    """A backend (worker, scheduler) cannot be reached or has failed; retrying later may work."""
+
+
+class NotFound(Exception):
+    """The named thing (model, request) does not exist."""
+
+
+STATUS_OF: tuple[tuple[type[BaseException], grpc.StatusCode], ...] = (
+    (ValueError, grpc.StatusCode.INVALID_ARGUMENT),
+    (TypeError, grpc.StatusCode.INVALID_ARGUMENT),
+    (NotFound, grpc.StatusCode.NOT_FOUND),
+    (ServiceUnavailable, grpc.StatusCode.UNAVAILABLE),
+    (TimeoutError, grpc.StatusCode.DEADLINE_EXCEEDED),
+)
+
+
+def status_for(exc: BaseException) -> grpc.StatusCode:
+    for kind, code in STATUS_OF:
+        if isinstance(exc, kind):
+            return code
+    return grpc.StatusCode.INTERNAL
+
+
+@contextlib.contextmanager
+def grpc_errors(context: grpc.ServicerContext) -> Iterator[None]:
+    """Turn a domain exception raised inside a servicer method into the matching status."""
+    try:
+        yield
+    except grpc.RpcError:
+        raise
+    except Exception as exc:  # every failure must reach the client as a status, never a hang
+        context.abort(status_for(exc), str(exc) or type(exc).__name__)
+
+
+def error_from_status(error: grpc.RpcError) -> Exception:
+    """The other direction, for clients: a status back into a domain exception."""
+    code, details = error.code(), error.details() or str(error.code())
+    if code == grpc.StatusCode.INVALID_ARGUMENT:
+        return ValueError(details)
+    if code == grpc.StatusCode.NOT_FOUND:
+        return NotFound(details)
+    if code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED, grpc.StatusCode.DEADLINE_EXCEEDED):
+        return ServiceUnavailable(details)
+    return RuntimeError(f"{code.name}: {details}")
