@@ -6,6 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass, fields
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
+ATTENTION_BACKENDS = ("auto", "torch", "triton")
 
 
 @dataclass(frozen=True)
@@ -25,6 +26,7 @@ class EngineConfig:
     num_gpu_blocks_override: int | None = None  # exact block count, for tests and experiments
     max_logprobs: int = 20  # most logprobs a request may ask for
     watermark: float = 0.01  # fraction of blocks new admissions leave free
+    attention_backend: str = "auto"  # "auto": Triton on CUDA devices, torch elsewhere
 
     def __post_init__(self) -> None:
         _require(self.dtype in DTYPES, "dtype", f"must be one of {DTYPES}, got {self.dtype!r}")
@@ -43,6 +45,8 @@ class EngineConfig:
                  "num_gpu_blocks_override", f"must be >= 1, got {self.num_gpu_blocks_override}")
         _require(0 <= self.watermark < 1, "watermark", f"must be in [0, 1), got {self.watermark}")
         _require(0 <= self.max_logprobs, "max_logprobs", f"must be >= 0, got {self.max_logprobs}")
+        _require(self.attention_backend in ATTENTION_BACKENDS, "attention_backend",
+                 f"must be one of {ATTENTION_BACKENDS}, got {self.attention_backend!r}")
 
     @classmethod
     def from_kwargs(cls, **kwargs) -> "EngineConfig":

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import torch
 
-from services.worker.attention.torch_ref import TorchAttentionBackend
+from services.worker.attention.selector import select_attention_backend
 from services.worker.input_batch import ScheduledSequence, build_model_inputs
 from services.worker.kv_cache import allocate_kv_pools, num_kv_blocks
 from services.worker.model_loader import load_eos_token_ids, load_model
@@ -61,7 +61,8 @@ class Worker:
         self.num_blocks = num_kv_blocks(self.model_config, config, self.device, self.dtype, token_budget)
         self.kv_pools = allocate_kv_pools(self.model_config, self.num_blocks, config.block_size, self.dtype,
                                           self.device)
-        self.attention = TorchAttentionBackend(self.kv_pools, self.model_config.head_dim ** -0.5)
+        backend = select_attention_backend(config.attention_backend, self.device)
+        self.attention = backend(self.kv_pools, self.model_config.head_dim ** -0.5)
         self.eos_token_ids = load_eos_token_ids(self.model_dir)
         self.vocab_size = self.model_config.vocab_size
         self.sampler = Sampler(self.vocab_size, self.eos_token_ids, seed=config.seed, device=self.device)

@@ -24,7 +24,6 @@ partial (normalised output, log-sum-exp) and a small reduce kernel merges them. 
 
 from __future__ import annotations
 
-import math
 import os
 from dataclasses import dataclass
 
@@ -49,10 +48,17 @@ CPU_SM_COUNT = 8  # stands in for the SM count under the interpreter
 
 
 @triton.jit
-def _matmul(a, b, USE_DOT: tl.constexpr, DOT_PRECISION: tl.constexpr):
-    """a [M, K] @ b [K, N] in float32; tl.dot needs K >= 16, smaller head dims use a broadcast sum."""
+def _matmul(a, b, USE_DOT: tl.constexpr, DOT_PRECISION: tl.constexpr, DOT_FP32: tl.constexpr):
+    """a [M, K] @ b [K, N] in float32; tl.dot needs K >= 16, smaller head dims use a broadcast sum.
+
+    DOT_FP32 upcasts the operands first: the interpreter's tl.dot mishandles bfloat16 (it multiplies
+    the raw 16-bit patterns), so interpreted bfloat16 runs take this path; GPUs use the native dot.
+    """
     if USE_DOT:
-        return tl.dot(a, b, input_precision=DOT_PRECISION)
+        if DOT_FP32:
+            return tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="ieee")
+        else:
+            return tl.dot(a, b, input_precision=DOT_PRECISION)
     else:
         return tl.sum(a.to(tl.float32)[:, :, None] * b.to(tl.float32)[None, :, :], 1)
 
@@ -81,7 +87,7 @@ def _attend(
     lo, hi,  # the key positions [lo, hi) this program covers
     scale_log2,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr,
-    USE_DOT: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    USE_DOT: tl.constexpr, DOT_PRECISION: tl.constexpr, DOT_FP32: tl.constexpr,
 ):
     """Online softmax over keys [lo, hi): the unnormalised output, the running max and the sum."""
     m = tl.full([BLOCK_M], float("-inf"), tl.float32)
@@ -95,7 +101,7 @@ def _attend(
                             stride_cb, stride_cs, stride_ch, BLOCK_SIZE)
         # K is loaded transposed, [HEAD_DIM, BLOCK_N], so the scores are a plain q @ k.
         k = tl.load(k_cache_ptr + offs[None, :] + dims[:, None], mask=k_ok[None, :], other=0.0)
-        s = _matmul(q, k, USE_DOT, DOT_PRECISION) * scale_log2
+        s = _matmul(q, k, USE_DOT, DOT_PRECISION, DOT_FP32) * scale_log2
         s = tl.where(k_ok[None, :] & (k_pos[None, :] <= q_pos[:, None]), s, float("-inf"))
         m_new = tl.maximum(m, tl.max(s, 1))
         # A row with nothing visible yet keeps max -inf; shift by 0 there so exp2 gives 0, not NaN.
@@ -104,7 +110,7 @@ def _attend(
         alpha = tl.exp2(m - m_safe)
         l = l * alpha + tl.sum(p, 1)
         v = tl.load(v_cache_ptr + offs[:, None] + dims[None, :], mask=k_ok[:, None], other=0.0)
-        acc = acc * alpha[:, None] + _matmul(p.to(v.dtype), v, USE_DOT, DOT_PRECISION)
+        acc = acc * alpha[:, None] + _matmul(p.to(v.dtype), v, USE_DOT, DOT_PRECISION, DOT_FP32)
         m = m_new
     return acc, m, l
 
@@ -135,8 +141,9 @@ def _paged_attention_kernel(
     BLOCK_SIZE: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     SPLIT: tl.constexpr,
-    USE_DOT: tl.constexpr,
-    DOT_PRECISION: tl.constexpr,
+    USE_DOT: tl.constexpr,  # head_dim >= 16: tensor-core dot; else a broadcast sum
+    DOT_PRECISION: tl.constexpr,  # "ieee" for float32 inputs
+    DOT_FP32: tl.constexpr,  # upcast dot operands (interpreted bfloat16 only)
 ):
     tile = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -167,7 +174,7 @@ def _paged_attention_kernel(
         hi = kv_end
     acc, m, l = _attend(q, q_pos, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq, stride_bt, kv_head,
                         stride_cb, stride_cs, stride_ch, lo, hi, scale_log2,
-                        BLOCK_M, BLOCK_N, BLOCK_SIZE, HEAD_DIM, USE_DOT, DOT_PRECISION)
+                        BLOCK_M, BLOCK_N, BLOCK_SIZE, HEAD_DIM, USE_DOT, DOT_PRECISION, DOT_FP32)
 
     # Rows that saw no key (only in an empty split) have l == 0: output 0, log-sum-exp -inf.
     out = acc / tl.where(l > 0, l, 1.0)[:, None]
@@ -217,7 +224,8 @@ class LaunchPlan:
     block_q: int  # query tokens per tile
     group_pad: int
     block_n: int
-    num_splits: int  # 1: no split-K
+    split: bool  # split-K: partials per split, then the reduce kernel (even with one split when forced)
+    num_splits: int
     keys_per_split: int
     tiles: torch.Tensor  # [2, num_tiles] int32 on the device: the tile's sequence, its first query index
 
@@ -232,6 +240,10 @@ def check_head_dim(head_dim: int) -> None:
                          f"got head_dim={head_dim}; use attention_backend='torch' for this model")
 
 
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
 def _sm_count(device: torch.device) -> int:
     if device.type == "cuda":
         return torch.cuda.get_device_properties(device).multi_processor_count
@@ -243,7 +255,7 @@ def choose_num_splits(num_programs: int, max_seq_len: int, max_query_len: int, s
     if max_query_len > 1 or num_programs >= sm_count:
         return 1
     by_length = max_seq_len // SPLIT_MIN_KEYS
-    by_occupancy = -(-SPLIT_TARGET_WAVES * sm_count // num_programs)
+    by_occupancy = _cdiv(SPLIT_TARGET_WAVES * sm_count, num_programs)
     return max(1, min(by_length, by_occupancy, SPLIT_MAX))
 
 
@@ -278,11 +290,11 @@ def make_launch_plan(meta: AttentionMetadata, num_heads: int, num_kv_heads: int,
                                    _sm_count(device))
     _require(splits >= 1, f"num_splits must be >= 1, got {splits}")
     # Splits start on a multiple of 16 keys (aligned loads); the count is what that rounding leaves.
-    keys_per_split = -(-(-(-meta.max_seq_len // splits)) // MIN_DOT) * MIN_DOT
-    if splits > 1 or split_k:
-        splits = -(-meta.max_seq_len // keys_per_split)
+    keys_per_split = _cdiv(_cdiv(meta.max_seq_len, splits), MIN_DOT) * MIN_DOT
+    split = bool(split_k) or splits > 1
+    splits = _cdiv(meta.max_seq_len, keys_per_split) if split else 1
     tiles = torch.tensor([seqs, firsts], dtype=torch.int32).to(device, non_blocking=True)
-    return LaunchPlan(block_q, group_pad, block_n, splits, keys_per_split, tiles)
+    return LaunchPlan(block_q, group_pad, block_n, split, splits, keys_per_split, tiles)
 
 
 # --- the wrapper ----------------------------------------------------------------------------------
@@ -322,7 +334,8 @@ def _kernel_flags(q: torch.Tensor, k_cache: torch.Tensor, plan: LaunchPlan) -> d
     return dict(GROUP=q.shape[1] // k_cache.shape[2], GROUP_PAD=plan.group_pad, BLOCK_M=plan.block_q * plan.group_pad,
                 BLOCK_N=plan.block_n, BLOCK_SIZE=k_cache.shape[1], HEAD_DIM=head_dim, USE_DOT=head_dim >= MIN_DOT,
                 # IEEE for float32: TF32 would drift from the reference; 16-bit inputs ignore it.
-                DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32")
+                DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+                DOT_FP32=q.dtype == torch.bfloat16 and interpreter_enabled())
 
 
 def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
@@ -347,7 +360,7 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
               plan.tiles[1], scale * LOG2E, plan.keys_per_split, q.stride(0), q.stride(1))
     pool_strides = (k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), meta.block_tables.stride(0))
     flags = _kernel_flags(q, k_cache, plan)
-    if plan.num_splits == 1:
+    if not plan.split:
         _paged_attention_kernel[grid](out, out, *common, out.stride(0), out.stride(1), 0, 0, 0, *pool_strides,
                                       SPLIT=False, **flags)
         return out
@@ -399,4 +412,3 @@ def interpreter_enabled() -> bool:
 
 __all__ = ["TritonAttentionBackend", "paged_attention", "make_launch_plan", "choose_num_splits", "check_head_dim",
            "LaunchPlan", "write_kv", "interpreter_enabled"]
-_ = math  # keep the import tidy for readers who grep for it

@@ -150,8 +150,7 @@ def _pairs_list(pairs: BlockPairs) -> list[tuple[int, int]]:
     if isinstance(pairs, torch.Tensor):
         _require(pairs.dim() == 2 and pairs.shape[1] == 2, f"pairs must be [num_pairs, 2], got {tuple(pairs.shape)}")
         pairs = pairs.tolist()
-    out = [(int(src), int(dst)) for src, dst in pairs]
-    return out
+    return [(int(src), int(dst)) for src, dst in pairs]
 
 
 def _check_pairs(pairs: list[tuple[int, int]], num_src_blocks: int, num_dst_blocks: int) -> None:

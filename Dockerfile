@@ -1,0 +1,13 @@
+# One image for every service; compose.yaml picks the command (gateway, scheduler or worker).
+# CPU build by default; for GPUs build FROM a CUDA PyTorch image and drop the torch pin.
+FROM python:3.11-slim
+WORKDIR /app
+RUN pip install --no-cache-dir torch==2.13.0 --index-url https://download.pytorch.org/whl/cpu
+COPY pyproject.toml README.md ./
+COPY pagedserve ./pagedserve
+COPY services ./services
+COPY shared ./shared
+COPY protos ./protos
+RUN pip install --no-cache-dir -e .
+ENV PYTHONUNBUFFERED=1 PAGEDSERVE_CACHE=/models
+ENTRYPOINT ["pagedserve"]

@@ -1,0 +1,167 @@
+"""`pagedserve serve`: gateway, scheduler and one worker on this machine, as three processes
+talking gRPC over Unix sockets; waits until all are healthy, and on Ctrl-C or SIGTERM drains
+and stops them in order (gateway, then scheduler, then worker)."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from pagedserve.cli import add_engine_args, apply_env_defaults, engine_options
+
+SCHEDULER_FLAGS = ("max_num_seqs", "max_num_batched_tokens")
+GATEWAY_FLAGS = ("host", "port", "grpc_port", "served_model_name")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="pagedserve serve", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_engine_args(parser)
+    parser.add_argument("--host", default="127.0.0.1", help="HTTP (OpenAI API) host")
+    parser.add_argument("--port", type=int, default=8000, help="HTTP (OpenAI API) port")
+    parser.add_argument("--grpc-port", type=int, default=50050, help="public gRPC API port")
+    parser.add_argument("--served-model-name", default=None)
+    parser.add_argument("--startup-timeout", type=float, default=300.0, help="seconds to wait for health")
+    apply_env_defaults(parser)
+    return parser
+
+
+def flags(args: argparse.Namespace, names) -> list[str]:
+    out = []
+    for name in names:
+        value = getattr(args, name)
+        flag = "--" + name.replace("_", "-")
+        if value is None:
+            continue
+        if isinstance(value, bool):
+            if name == "enable_chunked_prefill" and not value:
+                out.append("--no-enable-chunked-prefill")
+            continue
+        out += [flag, str(value)]
+    return out
+
+
+class Stack:
+    """The three processes; always stopped, in order, whatever happens."""
+
+    def __init__(self, args: argparse.Namespace):
+        self.args = args
+        self.socket_dir = tempfile.mkdtemp(prefix="pagedserve-")
+        self.worker_address = f"unix:{self.socket_dir}/worker.sock"
+        self.scheduler_address = f"unix:{self.socket_dir}/scheduler.sock"
+        self.procs: dict[str, subprocess.Popen] = {}
+
+    def start(self) -> None:
+        args = self.args
+        engine = engine_options(args)
+        self._spawn("worker", ["--listen", self.worker_address] + flags(argparse.Namespace(**engine), engine))
+        self._wait_grpc_healthy("worker", self.worker_address)
+        scheduler = ["--listen", self.scheduler_address, "--worker", self.worker_address]
+        scheduler += flags(args, SCHEDULER_FLAGS)
+        if not args.enable_chunked_prefill:
+            scheduler.append("--no-enable-chunked-prefill")
+        self._spawn("scheduler", scheduler)
+        self._wait_grpc_healthy("scheduler", self.scheduler_address)
+        self._spawn("gateway", ["--scheduler", self.scheduler_address] + flags(args, GATEWAY_FLAGS))
+        self._wait_http_healthy("gateway", f"http://{args.host}:{args.port}/health")
+
+    def _spawn(self, name: str, argv: list[str]) -> None:
+        cmd = [sys.executable, "-m", "pagedserve", name, *argv]
+        # A session of its own: Ctrl-C reaches only the launcher, which stops the children in order.
+        self.procs[name] = subprocess.Popen(cmd, env={**os.environ, "PYTHONUNBUFFERED": "1"}, start_new_session=True)
+
+    def _check_alive(self, name: str) -> None:
+        code = self.procs[name].poll()
+        if code is not None:
+            raise RuntimeError(f"the {name} exited with code {code} while starting; see its log above")
+
+    def _deadline(self) -> float:
+        return time.monotonic() + self.args.startup_timeout
+
+    def _wait_grpc_healthy(self, name: str, address: str) -> None:
+        deadline = self._deadline()
+        with grpc.insecure_channel(address) as channel:
+            stub = health_pb2_grpc.HealthStub(channel)
+            while time.monotonic() < deadline:
+                self._check_alive(name)
+                try:
+                    if stub.Check(health_pb2.HealthCheckRequest(), timeout=1).status == \
+                            health_pb2.HealthCheckResponse.SERVING:
+                        return
+                except grpc.RpcError:
+                    pass
+                time.sleep(0.2)
+        raise TimeoutError(f"the {name} was not healthy within {self.args.startup_timeout:.0f} s")
+
+    def _wait_http_healthy(self, name: str, url: str) -> None:
+        deadline = self._deadline()
+        while time.monotonic() < deadline:
+            self._check_alive(name)
+            try:
+                with urllib.request.urlopen(url, timeout=1) as response:
+                    if response.status == 200:
+                        return
+            except OSError:
+                pass
+            time.sleep(0.2)
+        raise TimeoutError(f"the {name} was not healthy within {self.args.startup_timeout:.0f} s")
+
+    def wait(self) -> str | None:
+        """Block until a signal arrives or a process dies; the name of a dead process, if one died."""
+        while True:
+            for name, proc in self.procs.items():
+                if proc.poll() is not None:
+                    return name
+            time.sleep(0.5)
+
+    def stop(self) -> None:
+        for name in ("gateway", "scheduler", "worker"):  # front to back: stop intake, drain, release
+            proc = self.procs.get(name)
+            if proc is None or proc.poll() is not None:
+                continue
+            proc.send_signal(signal.SIGTERM)
+            try:
+                proc.wait(timeout=40)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+        for leftover in os.listdir(self.socket_dir):
+            os.unlink(os.path.join(self.socket_dir, leftover))
+        os.rmdir(self.socket_dir)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    stack = Stack(args)
+
+    def on_signal(signum, frame):
+        raise KeyboardInterrupt
+
+    signal.signal(signal.SIGTERM, on_signal)
+    try:
+        stack.start()
+        print(f"pagedserve is serving {args.model or 'the built-in default model'}:\n"
+              f"  OpenAI API  http://{args.host}:{args.port}/v1\n"
+              f"  gRPC API    {args.host}:{args.grpc_port}\n"
+              f"  metrics     http://{args.host}:{args.port}/metrics\n"
+              "Ctrl-C to stop.", flush=True)
+        dead = stack.wait()
+        print(f"pagedserve: the {dead} stopped unexpectedly; shutting down", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        print("pagedserve: stopping (draining requests)", file=sys.stderr, flush=True)
+        return 0
+    except (RuntimeError, TimeoutError) as exc:
+        print(f"pagedserve: {exc}", file=sys.stderr)
+        return 1
+    finally:
+        stack.stop()
