@@ -19,15 +19,16 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--block-size", type=int, default=16)
     parser.add_argument("--max-num-seqs", type=int, default=256)
     parser.add_argument("--max-num-batched-tokens", type=int, default=None)
-    parser.add_argument("--no-enable-chunked-prefill", dest="enable_chunked_prefill", action="store_false")
+    parser.add_argument("--enable-chunked-prefill", action=argparse.BooleanOptionalAction, default=True)
     parser.add_argument("--gpu-memory-utilization", type=float, default=0.9)
     parser.add_argument("--kv-cache-memory-bytes", type=int, default=None)
     parser.add_argument("--num-gpu-blocks-override", type=int, default=None)
+    parser.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True)
 
 
 ENGINE_KEYS = ("model", "tokenizer", "dtype", "device", "seed", "max_model_len", "block_size", "max_num_seqs",
                "max_num_batched_tokens", "enable_chunked_prefill", "gpu_memory_utilization",
-               "kv_cache_memory_bytes", "num_gpu_blocks_override")
+               "kv_cache_memory_bytes", "num_gpu_blocks_override", "enable_prefix_caching")
 
 
 def engine_options(args: argparse.Namespace) -> dict:
@@ -65,7 +66,7 @@ def apply_env_defaults(parser: argparse.ArgumentParser, prefix: str = "PAGEDSERV
         raw = os.environ.get(prefix + action.dest.upper())
         if raw is None:
             continue
-        if isinstance(action, (argparse._StoreTrueAction, argparse._StoreFalseAction)):
+        if isinstance(action, (argparse._StoreTrueAction, argparse._StoreFalseAction, argparse.BooleanOptionalAction)):
             # The variable names the destination, so its truth is the value (ENABLE_CHUNKED_PREFILL=false).
             value = raw.strip().lower() in ("1", "true", "yes", "on")
         elif isinstance(action, argparse._AppendAction):

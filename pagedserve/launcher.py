@@ -18,7 +18,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from pagedserve.cli import add_engine_args, apply_env_defaults, engine_options
 
-SCHEDULER_FLAGS = ("max_num_seqs", "max_num_batched_tokens")
+SCHEDULER_FLAGS = ("max_num_seqs", "max_num_batched_tokens", "enable_chunked_prefill", "enable_prefix_caching")
 GATEWAY_FLAGS = ("host", "port", "grpc_port", "served_model_name")
 
 
@@ -42,9 +42,8 @@ def flags(args: argparse.Namespace, names) -> list[str]:
         flag = "--" + name.replace("_", "-")
         if value is None:
             continue
-        if isinstance(value, bool):
-            if name == "enable_chunked_prefill" and not value:
-                out.append("--no-enable-chunked-prefill")
+        if isinstance(value, bool):  # every boolean flag here is a --x / --no-x pair
+            out.append(flag if value else "--no-" + flag[2:])
             continue
         out += [flag, str(value)]
     return out
@@ -62,13 +61,11 @@ class Stack:
 
     def start(self) -> None:
         args = self.args
-        engine = engine_options(args)
+        engine = {k: v for k, v in engine_options(args).items() if k not in SCHEDULER_FLAGS}
         self._spawn("worker", ["--listen", self.worker_address] + flags(argparse.Namespace(**engine), engine))
         self._wait_grpc_healthy("worker", self.worker_address)
         scheduler = ["--listen", self.scheduler_address, "--worker", self.worker_address]
         scheduler += flags(args, SCHEDULER_FLAGS)
-        if not args.enable_chunked_prefill:
-            scheduler.append("--no-enable-chunked-prefill")
         self._spawn("scheduler", scheduler)
         self._wait_grpc_healthy("scheduler", self.scheduler_address)
         self._spawn("gateway", ["--scheduler", self.scheduler_address] + flags(args, GATEWAY_FLAGS))

@@ -26,6 +26,7 @@ class EngineConfig:
     num_gpu_blocks_override: int | None = None  # exact block count, for tests and experiments
     max_logprobs: int = 20  # most logprobs a request may ask for
     watermark: float = 0.01  # fraction of blocks new admissions leave free
+    enable_prefix_caching: bool = True  # reuse the KV of full blocks whose prefix was computed before
     attention_backend: str = "auto"  # "auto": Triton on CUDA devices, torch elsewhere
 
     def __post_init__(self) -> None:

@@ -44,14 +44,15 @@ class FakeWorker:
             batch.append((seq, delta.num_scheduled_tokens))
         outputs = []
         bs = self.info.block_size
-        live_blocks = {}
+        users: dict[int, int] = {}  # block -> live sequences holding it (prefix-cache sharing)
         for seq in self.seqs.values():
             for block in seq["table"]:
-                assert block not in live_blocks, f"block {block} in two live tables"
-                live_blocks[block] = seq["seq_id"]
+                users[block] = users.get(block, 0) + 1
         for seq, n in batch:
             assert n >= 1
             end = seq["computed"] + n
+            written = {seq["table"][pos // bs] for pos in range(seq["computed"], end)}
+            assert all(users[b] == 1 for b in written), "a shared block was written in place"
             assert end <= len(seq["tokens"]), "scheduled past the known tokens"
             assert len(seq["table"]) == -(-end // bs), "table does not cover exactly the computed tokens"
             seq["computed"] = end

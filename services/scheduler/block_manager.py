@@ -3,19 +3,30 @@
 A sequence's table grows one block at a time as its tokens are scheduled;
 after each allocation it has exactly ceil(tokens / block_size) entries, where
 ``tokens`` counts every token that has (or is about to get) a slot.
+
+With prefix caching, a sequence's full blocks are indexed by their chained hash
+as soon as their KV is computed, and a new sequence starts from the longest run
+of cached blocks matching its first tokens.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
+from services.scheduler.block_hash import BlockHash, hash_full_blocks
 from services.scheduler.block_pool import BlockPool, KVCacheBlock
+
+TokenSlice = Callable[[int, int], list[int]]  # (start, end) -> the sequence's token ids in that range
 
 
 class BlockManager:
-    def __init__(self, num_blocks: int, block_size: int, watermark: float = 0.0):
+    def __init__(self, num_blocks: int, block_size: int, watermark: float = 0.0, enable_caching: bool = False):
         if block_size < 1:
             raise ValueError(f"block_size must be >= 1, got {block_size}")
         self.block_size = block_size
-        self.pool = BlockPool(num_blocks)
+        self.enable_caching = enable_caching
+        self.pool = BlockPool(num_blocks, enable_caching)
+        self._hashes: dict[int, list[BlockHash]] = {}  # seq id -> hashes of its full, computed blocks
         # Blocks kept back from new admissions so running sequences can grow without preempting at once.
         self.watermark_blocks = int(watermark * num_blocks)
         self._tables: dict[int, list[KVCacheBlock]] = {}
@@ -48,9 +59,18 @@ class BlockManager:
         """Blocks to add so the sequence has slots for ``num_tokens`` tokens in all."""
         return max(0, self.blocks_for(num_tokens) - len(self._tables.get(seq_id, ())))
 
-    def can_allocate(self, seq_id: int, num_tokens: int, *, keep_watermark: bool = False) -> bool:
+    def can_allocate(self, seq_id: int, num_tokens: int, *, keep_watermark: bool = False,
+                     hits: list[KVCacheBlock] = ()) -> bool:
+        """Room for ``num_tokens`` slots, the first ones in cache hits (a cached-free hit costs a free block)."""
         reserve = self.watermark_blocks if keep_watermark else 0
-        return self.num_new_blocks_needed(seq_id, num_tokens) <= self.num_free_blocks - reserve
+        new = self.num_new_blocks_needed(seq_id, num_tokens) - len(hits)
+        revived = sum(1 for block in hits if block.ref_cnt == 0)
+        return new + revived <= self.num_free_blocks - reserve
+
+    @property
+    def num_cached_blocks(self) -> int:
+        """Cached-free blocks: unreferenced, still indexed, evictable."""
+        return self.pool.num_cached_free
 
     def wasted_slots(self) -> int:
         """Allocated slots that hold no token: the unfilled tail of each sequence's last block."""
@@ -75,11 +95,59 @@ class BlockManager:
         """Release the sequence's blocks, last block first (see the eviction order in block_pool)."""
         table = self._tables.pop(seq_id, [])
         self._num_slotted.pop(seq_id, None)
+        self._hashes.pop(seq_id, None)
         self.pool.free(table[::-1])
+
+    # --- prefix caching --------------------------------------------------------------------------
+
+    def cached_prefix(self, token_ids: list[int], extra: bytes = b"") -> list[KVCacheBlock]:
+        """The longest run of cached blocks matching the start of ``token_ids``.
+
+        Stops one token short of the end: at least one token must be computed, since its
+        logits are what the sequence samples from.
+        """
+        if not self.enable_caching:
+            return []
+        hits = []
+        for block_hash in hash_full_blocks(None, token_ids[:len(token_ids) - 1], self.block_size, extra):
+            block = self.pool.cached_block(block_hash)
+            if block is None:
+                break
+            hits.append(block)
+        return hits
+
+    def allocate_with_hits(self, seq_id: int, hits: list[KVCacheBlock], num_tokens: int) -> list[int]:
+        """Start a sequence's table with its cache hits, then fresh blocks up to ``num_tokens`` slots."""
+        self.pool.touch(hits)
+        self._tables[seq_id] = list(hits)
+        self._num_slotted[seq_id] = len(hits) * self.block_size
+        self._hashes[seq_id] = [block.block_hash for block in hits]
+        self.append_slots(seq_id, num_tokens)
+        return self.block_table(seq_id)
+
+    def cache_full_blocks(self, seq_id: int, num_computed_tokens: int, tokens: TokenSlice, extra: bytes = b"") -> None:
+        """Index the blocks that became full (and computed) since the last call."""
+        if not self.enable_caching:
+            return
+        hashes = self._hashes.setdefault(seq_id, [])
+        num_full = num_computed_tokens // self.block_size
+        if num_full <= len(hashes):
+            return
+        # Hash just the new blocks, chained onto the last known hash.
+        new = hash_full_blocks(hashes[-1] if hashes else None,
+                               tokens(len(hashes) * self.block_size, num_full * self.block_size), self.block_size, extra)
+        table = self._tables[seq_id]
+        for index, block_hash in enumerate(new, start=len(hashes)):
+            self.pool.cache_block(table[index], block_hash)
+        hashes.extend(new)
 
     # --- invariants, for tests -------------------------------------------------------------------
 
     def check_invariants(self) -> None:
+        cached_free = [b for b in self.pool.blocks if b.ref_cnt == 0 and b.block_hash is not None]
+        assert len(cached_free) == self.pool.num_cached_free, "cached-free count"
+        for block_hash, block in self.pool.cached.items():
+            assert block.block_hash == block_hash, f"{block}: index and block disagree"
         refs: dict[int, int] = {}
         for seq_id, table in self._tables.items():
             assert len(table) == self.blocks_for(self._num_slotted[seq_id]), f"seq {seq_id}: table size"

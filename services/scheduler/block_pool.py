@@ -1,8 +1,9 @@
-"""Physical KV blocks: reference counts and the free queue.
+"""Physical KV blocks: reference counts, the free queue and the prefix-cache index.
 
-A block is free (on the free queue, reference count 0) or in use (count >= 1).
-Prefix caching will add a third state, cached-free: count 0, still indexed by
-its hash, and still on the free queue so that it can be evicted lazily.
+A block is in exactly one state: free (count 0, not indexed), in use (count >= 1),
+or cached-free (count 0, on the free queue, but still indexed by its hash so a
+later request with the same prefix can take it back). Eviction is lazy: a
+cached-free block loses its hash only when the free queue hands it out again.
 
 Eviction order of the free queue: blocks are taken from the head and
 returned to the tail, so the block freed longest ago is reused first (LRU).
@@ -15,11 +16,12 @@ from __future__ import annotations
 
 
 class KVCacheBlock:
-    __slots__ = ("block_id", "ref_cnt", "prev_free", "next_free")
+    __slots__ = ("block_id", "ref_cnt", "block_hash", "prev_free", "next_free")
 
     def __init__(self, block_id: int):
         self.block_id = block_id
         self.ref_cnt = 0
+        self.block_hash: bytes | None = None  # set once the block is full and indexed
         # Links of the doubly linked free queue; None when not on it.
         self.prev_free: KVCacheBlock | None = None
         self.next_free: KVCacheBlock | None = None
@@ -76,11 +78,14 @@ class FreeBlockQueue:
 class BlockPool:
     """Owns every physical block; hands them out and takes them back by reference count."""
 
-    def __init__(self, num_blocks: int):
+    def __init__(self, num_blocks: int, enable_caching: bool = False):
         if num_blocks < 1:
             raise ValueError(f"the KV cache needs at least one block, got {num_blocks}")
         self.blocks = [KVCacheBlock(i) for i in range(num_blocks)]
         self.free_queue = FreeBlockQueue(self.blocks)
+        self.enable_caching = enable_caching
+        self.cached: dict[bytes, KVCacheBlock] = {}  # block hash -> the block holding that prefix
+        self.num_cached_free = 0  # cached-free blocks: count 0, still indexed
 
     @property
     def num_blocks(self) -> int:
@@ -95,10 +100,12 @@ class BlockPool:
         return self.num_blocks - self.num_free_blocks
 
     def allocate(self, count: int) -> list[KVCacheBlock]:
+        """Fresh blocks from the head of the free queue; a cached-free one is evicted on the way."""
         if count > self.num_free_blocks:
             raise ValueError(f"asked for {count} blocks, {self.num_free_blocks} free")
         blocks = [self.free_queue.popleft() for _ in range(count)]
         for block in blocks:
+            self._evict(block)
             block.ref_cnt = 1
         return blocks
 
@@ -110,3 +117,32 @@ class BlockPool:
             block.ref_cnt -= 1
             if block.ref_cnt == 0:
                 self.free_queue.append(block)
+                if block.block_hash is not None:
+                    self.num_cached_free += 1
+
+    # --- prefix cache ----------------------------------------------------------------------------
+
+    def cached_block(self, block_hash: bytes) -> KVCacheBlock | None:
+        return self.cached.get(block_hash)
+
+    def touch(self, blocks: list[KVCacheBlock]) -> None:
+        """Take a reference to cache hits; a cached-free block leaves the free queue."""
+        for block in blocks:
+            if block.ref_cnt == 0:
+                self.free_queue.remove(block)
+                self.num_cached_free -= 1
+            block.ref_cnt += 1
+
+    def cache_block(self, block: KVCacheBlock, block_hash: bytes) -> None:
+        """Index a block that just became full. If another block already holds this prefix
+        (two requests computed it at once), the index keeps that one and this block stays plain."""
+        if not self.enable_caching or block.block_hash is not None or block_hash in self.cached:
+            return
+        block.block_hash = block_hash
+        self.cached[block_hash] = block
+
+    def _evict(self, block: KVCacheBlock) -> None:
+        if block.block_hash is not None:
+            del self.cached[block.block_hash]
+            block.block_hash = None
+            self.num_cached_free -= 1

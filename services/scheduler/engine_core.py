@@ -20,11 +20,11 @@ from shared.step_protocol import StepPlan, StepResult, WorkerInfo
 
 class EngineCore:
     def __init__(self, executor: Executor, limits: SchedulerLimits, watermark: float = 0.01,
-                 max_logprobs: int = 20):
+                 max_logprobs: int = 20, enable_prefix_caching: bool = True):
         self.executor = executor
         self.info: WorkerInfo = executor.worker_info()
         self.max_logprobs = max_logprobs
-        blocks = BlockManager(self.info.num_kv_blocks, self.info.block_size, watermark)
+        blocks = BlockManager(self.info.num_kv_blocks, self.info.block_size, watermark, enable_prefix_caching)
         self.scheduler = Scheduler(limits, blocks, self.info.eos_token_ids, self.info.max_model_len)
         self.stats = EngineStats(blocks)
         self._seqs: dict[int, Sequence] = {}
@@ -34,14 +34,15 @@ class EngineCore:
 
     # --- admission ----------------------------------------------------------------------------------
 
-    def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> None:
+    def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
+                    cache_salt: str | None = None) -> None:
         self._validate(request_id, prompt_token_ids, params)
         max_output = self.info.max_model_len - len(prompt_token_ids)
         if params.max_tokens is not None:
             max_output = min(max_output, params.max_tokens)
         arrival = next(self._arrivals)
-        seqs = [Sequence(next(self._seq_ids), request_id, i, list(prompt_token_ids), params, max_output, arrival)
-                for i in range(params.n)]
+        seqs = [Sequence(next(self._seq_ids), request_id, i, list(prompt_token_ids), params, max_output, arrival,
+                         cache_salt) for i in range(params.n)]
         self._requests[request_id] = seqs
         for seq in seqs:
             self._seqs[seq.seq_id] = seq
@@ -95,17 +96,20 @@ class EngineCore:
         return self.scheduler.has_unfinished()
 
     def step(self) -> list[SequenceUpdate]:
+        started = time.perf_counter()
         plan, scheduled = self.scheduler.schedule()
         if plan.is_empty:
             self._flush_drops(plan)
             return []
-        started = time.perf_counter()
+        sent = time.perf_counter()
         result = self.executor.execute(plan)
-        self.stats.record_step(plan, result, time.perf_counter() - started)
+        received = time.perf_counter()
         updates = self.scheduler.update(scheduled, result, self._seqs)
         for update in updates:
             if update.finish_reason is not None:
                 self._forget_if_done(update.request_id)
+        done = time.perf_counter()
+        self.stats.record_step(plan, result, elapsed_s=done - started, scheduler_s=(sent - started) + (done - received))
         self.stats.record_usage()
         return updates
 

@@ -33,7 +33,8 @@ class LLM:
         limits = SchedulerLimits(max_num_seqs=self.config.max_num_seqs,
                                  max_num_batched_tokens=self.config.token_budget(worker.max_model_len),
                                  enable_chunked_prefill=self.config.enable_chunked_prefill)
-        self.engine = EngineCore(InProcessExecutor(worker), limits, self.config.watermark, self.config.max_logprobs)
+        self.engine = EngineCore(InProcessExecutor(worker), limits, self.config.watermark, self.config.max_logprobs,
+                                 self.config.enable_prefix_caching)
         self._request_ids = itertools.count()
 
     def get_tokenizer(self):

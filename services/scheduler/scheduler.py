@@ -30,6 +30,8 @@ class Scheduler:
         self._to_drop: list[int] = []  # seq ids the worker must forget in the next plan
         self._step_id = 0
         self.num_preemptions = 0
+        self.prefix_cache_queries = 0  # prompt tokens looked up in the prefix cache
+        self.prefix_cache_hits = 0  # of those, tokens found (their prefill skipped)
 
     # --- requests in and out ----------------------------------------------------------------------
 
@@ -85,20 +87,35 @@ class Scheduler:
     def _admit_waiting(self, budget: int, scheduled: dict[int, int]) -> int:
         while self.waiting and budget > 0 and len(self.running) < self.limits.max_num_seqs:
             seq = self.waiting[0]
-            num_tokens = seq.num_uncomputed_tokens
+            hits = self._cache_hits(seq)
+            num_cached = len(hits) * self.blocks.block_size
+            num_tokens = seq.num_tokens - num_cached
             if num_tokens > budget and not self.limits.enable_chunked_prefill:
                 break
             num_tokens = min(num_tokens, budget)
-            total = seq.num_computed_tokens + num_tokens
-            if not self.blocks.can_allocate(seq.seq_id, total, keep_watermark=True):
+            total = num_cached + num_tokens
+            if not self.blocks.can_allocate(seq.seq_id, total, keep_watermark=True, hits=hits):
                 break
-            self.blocks.append_slots(seq.seq_id, total)
+            self.blocks.allocate_with_hits(seq.seq_id, hits, total)
+            self._count_cache_lookup(seq, num_cached)
+            seq.num_computed_tokens = num_cached
             self.waiting.popleft()
             seq.status = SequenceStatus.RUNNING
             bisect.insort(self.running, seq, key=lambda s: s.arrival)
             scheduled[seq.seq_id] = num_tokens
             budget -= num_tokens
         return budget
+
+    def _cache_hits(self, seq: Sequence) -> list:
+        # Prompt logprobs need every prompt position computed: such requests skip the lookup.
+        if not self.blocks.enable_caching or seq.params.prompt_logprobs is not None:
+            return []
+        return self.blocks.cached_prefix(seq.token_slice(0, seq.num_tokens), seq.cache_extra)
+
+    def _count_cache_lookup(self, seq: Sequence, num_cached: int) -> None:
+        if self.blocks.enable_caching and seq.params.prompt_logprobs is None:
+            self.prefix_cache_queries += seq.num_tokens
+            self.prefix_cache_hits += num_cached
 
     def _preempt(self, seq: Sequence) -> None:
         """Preempt by recompute: drop the KV, keep the tokens, requeue at the head."""
@@ -148,6 +165,7 @@ class Scheduler:
             seq = seqs.get(seq_id)
             if seq is not None and seq.status is SequenceStatus.RUNNING:
                 seq.num_computed_tokens += num_tokens
+                self.blocks.cache_full_blocks(seq_id, seq.num_computed_tokens, seq.token_slice, seq.cache_extra)
         updates = []
         for out in result.outputs:
             seq = seqs.get(out.seq_id)

@@ -23,7 +23,7 @@ class SequenceStatus(enum.Enum):
 
 class Sequence:
     def __init__(self, seq_id: int, request_id: str, index: int, prompt_token_ids: list[int],
-                 params: SamplingParams, max_output_tokens: int, arrival: int):
+                 params: SamplingParams, max_output_tokens: int, arrival: int, cache_salt: str | None = None):
         self.seq_id = seq_id
         self.request_id = request_id
         self.index = index  # position among the request's n sequences
@@ -40,6 +40,8 @@ class Sequence:
         self.num_tokens_sent = 0
         self.num_blocks_sent = 0
         self.num_prompt_logprobs = 0  # prompt positions whose logprobs were passed on (recompute repeats them)
+        # Extra key of the prefix-cache hash: requests with different salts never share blocks.
+        self.cache_extra = cache_salt.encode() if cache_salt else b""
 
     @property
     def num_tokens(self) -> int:
@@ -54,6 +56,15 @@ class Sequence:
         if start >= prompt_len:
             return self.output_token_ids[start - prompt_len:]
         return self.prompt_token_ids[start:] + self.output_token_ids
+
+    def token_slice(self, start: int, end: int) -> list[int]:
+        """Token ids in [start, end) without building the whole list."""
+        prompt_len = len(self.prompt_token_ids)
+        if end <= prompt_len:
+            return self.prompt_token_ids[start:end]
+        if start >= prompt_len:
+            return self.output_token_ids[start - prompt_len:end - prompt_len]
+        return self.prompt_token_ids[start:] + self.output_token_ids[:end - prompt_len]
 
     def finish(self, status: SequenceStatus, stop_reason: int | str | None = None) -> None:
         self.status = status

@@ -83,12 +83,13 @@ class SchedulerServicer(wire_grpc.SchedulerServicer):
             return wire.EngineStats(values={k: float(v) for k, v in self.loop.stats().items()})
 
 
-def build_engine(worker_addresses: list[str], limits_from, watermark: float, max_logprobs: int) -> EngineCore:
+def build_engine(worker_addresses: list[str], limits_from, watermark: float, max_logprobs: int,
+                 enable_prefix_caching: bool) -> EngineCore:
     if len(worker_addresses) != 1:
         raise ValueError("one worker per scheduler for now (tensor parallelism comes later)")
     executor = GrpcExecutor(worker_addresses[0])
     limits = limits_from(executor.worker_info().max_model_len)
-    return EngineCore(executor, limits, watermark, max_logprobs)
+    return EngineCore(executor, limits, watermark, max_logprobs, enable_prefix_caching)
 
 
 def serve(args: argparse.Namespace) -> None:
@@ -99,7 +100,7 @@ def serve(args: argparse.Namespace) -> None:
                              "without chunked prefill: long prompts could never run")
         return SchedulerLimits(args.max_num_seqs, budget, args.enable_chunked_prefill)
 
-    engine = build_engine(args.worker, limits_from, args.watermark, args.max_logprobs)
+    engine = build_engine(args.worker, limits_from, args.watermark, args.max_logprobs, args.enable_prefix_caching)
     loop = EngineLoop(engine)
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=args.max_streams), options=GRPC_OPTIONS)
     wire_grpc.add_SchedulerServicer_to_server(SchedulerServicer(loop, args.max_logprobs), server)
@@ -140,7 +141,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--worker", action="append", default=None, help="worker address (host:port)")
     parser.add_argument("--max-num-seqs", type=int, default=256)
     parser.add_argument("--max-num-batched-tokens", type=int, default=None)
-    parser.add_argument("--no-enable-chunked-prefill", dest="enable_chunked_prefill", action="store_false")
+    parser.add_argument("--enable-chunked-prefill", action=argparse.BooleanOptionalAction, default=True)
+    parser.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True)
     parser.add_argument("--max-logprobs", type=int, default=20)
     parser.add_argument("--watermark", type=float, default=0.01)
     parser.add_argument("--max-streams", type=int, default=1024, help="concurrent gateway streams")

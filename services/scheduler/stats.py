@@ -12,15 +12,17 @@ class EngineStats:
         self.num_steps = 0
         self.num_scheduled_tokens = 0
         self.step_time_s = 0.0
+        self.scheduler_time_s = 0.0  # planning and applying results: the scheduler's own share of a step
         self.forward_time_s = 0.0
         self.sample_time_s = 0.0
         self.kv_waste_pct_peak = 0.0
         self.kv_blocks_used_peak = 0
 
-    def record_step(self, plan: StepPlan, result: StepResult, elapsed_s: float) -> None:
+    def record_step(self, plan: StepPlan, result: StepResult, elapsed_s: float, scheduler_s: float) -> None:
         self.num_steps += 1
         self.num_scheduled_tokens += plan.num_scheduled_tokens
         self.step_time_s += elapsed_s
+        self.scheduler_time_s += scheduler_s
         self.forward_time_s += result.forward_time_s
         self.sample_time_s += result.sample_time_s
 
@@ -42,11 +44,15 @@ class EngineStats:
             "num_scheduled_tokens": self.num_scheduled_tokens,
             "kv_blocks_total": self.blocks.num_blocks,
             "kv_blocks_used": self.blocks.num_used_blocks,
-            "kv_blocks_free": self.blocks.num_free_blocks,
+            "kv_blocks_cached": self.blocks.num_cached_blocks,
+            "kv_blocks_free": self.blocks.num_free_blocks - self.blocks.num_cached_blocks,
+            "prefix_cache_queries": scheduler.prefix_cache_queries,
+            "prefix_cache_hits": scheduler.prefix_cache_hits,
             "kv_blocks_used_peak": self.kv_blocks_used_peak,
             "kv_waste_pct": self.kv_waste_pct(),
             "kv_waste_pct_peak": self.kv_waste_pct_peak,
             "step_time_s": self.step_time_s,
+            "scheduler_time_s": self.scheduler_time_s,
             "forward_time_s": self.forward_time_s,
             "sample_time_s": self.sample_time_s,
         }

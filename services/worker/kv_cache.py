@@ -39,12 +39,17 @@ def kv_budget_bytes(model: ModelConfig, config: EngineConfig, device: torch.devi
 
 
 def num_kv_blocks(model: ModelConfig, config: EngineConfig, device: torch.device, dtype: torch.dtype,
-                  max_tokens: int) -> int:
+                  max_tokens: int, max_model_len: int) -> int:
     if config.num_gpu_blocks_override is not None:
         return config.num_gpu_blocks_override
     blocks = kv_budget_bytes(model, config, device, max_tokens) // bytes_per_block(model, config.block_size, dtype)
     if blocks < 1:
         raise ValueError("the KV cache budget is smaller than one block")
+    if device.type != "cuda" and config.kv_cache_memory_bytes is None:
+        # The CPU default is a budget, not a target: a small model would get millions of blocks
+        # it can never fill. Cap it at every sequence at full length, twice over (room for the
+        # prefix cache).
+        blocks = min(blocks, 2 * config.max_num_seqs * -(-max_model_len // config.block_size))
     return int(blocks)
 
 

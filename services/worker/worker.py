@@ -58,7 +58,8 @@ class Worker:
         self.model, self.model_config = load_model(self.model_dir, self.dtype, self.device)
         self.max_model_len = self._resolve_max_model_len()
         token_budget = config.token_budget(self.max_model_len)
-        self.num_blocks = num_kv_blocks(self.model_config, config, self.device, self.dtype, token_budget)
+        self.num_blocks = num_kv_blocks(self.model_config, config, self.device, self.dtype, token_budget,
+                                        self.max_model_len)
         self.kv_pools = allocate_kv_pools(self.model_config, self.num_blocks, config.block_size, self.dtype,
                                           self.device)
         backend = select_attention_backend(config.attention_backend, self.device)

@@ -36,8 +36,9 @@ from services.worker.attention.triton_cache_ops import SUPPORTED_DTYPES, _check_
 
 LOG2E = 1.4426950408889634
 MIN_DOT = 16  # tl.dot needs every tile dimension >= 16
-PREFILL_ROWS = 64  # rows (query token x head) per prefill tile
-DEFAULT_BLOCK_N = 64  # keys per inner-loop step
+PREFILL_ROWS = 64  # rows (query token x head) per prefill tile, head_dim <= 128
+MAX_BLOCK_N = 64  # keys per inner-loop step, at most
+KV_TILE_BYTES = 32 << 10  # one K tile + one V tile; times the pipeline stages must fit in shared memory
 SPLIT_MIN_KEYS = 512  # a split shorter than this costs more in the reduce than it gains
 SPLIT_MAX = 64
 SPLIT_TARGET_WAVES = 2  # aim for about this many programs per SM when splitting
@@ -48,7 +49,7 @@ CPU_SM_COUNT = 8  # stands in for the SM count under the interpreter
 
 
 @triton.jit
-def _matmul(a, b, USE_DOT: tl.constexpr, DOT_PRECISION: tl.constexpr, DOT_FP32: tl.constexpr):
+def _matmul(a, b, USE_DOT: tl.constexpr, IEEE_DOT: tl.constexpr, DOT_FP32: tl.constexpr):
     """a [M, K] @ b [K, N] in float32; tl.dot needs K >= 16, smaller head dims use a broadcast sum.
 
     DOT_FP32 upcasts the operands first: the interpreter's tl.dot mishandles bfloat16 (it multiplies
@@ -57,8 +58,10 @@ def _matmul(a, b, USE_DOT: tl.constexpr, DOT_PRECISION: tl.constexpr, DOT_FP32: 
     if USE_DOT:
         if DOT_FP32:
             return tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="ieee")
+        elif IEEE_DOT:
+            return tl.dot(a, b, input_precision="ieee")
         else:
-            return tl.dot(a, b, input_precision=DOT_PRECISION)
+            return tl.dot(a, b)
     else:
         return tl.sum(a.to(tl.float32)[:, :, None] * b.to(tl.float32)[None, :, :], 1)
 
@@ -87,7 +90,7 @@ def _attend(
     lo, hi,  # the key positions [lo, hi) this program covers
     scale_log2,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr,
-    USE_DOT: tl.constexpr, DOT_PRECISION: tl.constexpr, DOT_FP32: tl.constexpr,
+    USE_DOT: tl.constexpr, IEEE_DOT: tl.constexpr, DOT_FP32: tl.constexpr,
 ):
     """Online softmax over keys [lo, hi): the unnormalised output, the running max and the sum."""
     m = tl.full([BLOCK_M], float("-inf"), tl.float32)
@@ -101,7 +104,7 @@ def _attend(
                             stride_cb, stride_cs, stride_ch, BLOCK_SIZE)
         # K is loaded transposed, [HEAD_DIM, BLOCK_N], so the scores are a plain q @ k.
         k = tl.load(k_cache_ptr + offs[None, :] + dims[:, None], mask=k_ok[None, :], other=0.0)
-        s = _matmul(q, k, USE_DOT, DOT_PRECISION, DOT_FP32) * scale_log2
+        s = _matmul(q, k, USE_DOT, IEEE_DOT, DOT_FP32) * scale_log2
         s = tl.where(k_ok[None, :] & (k_pos[None, :] <= q_pos[:, None]), s, float("-inf"))
         m_new = tl.maximum(m, tl.max(s, 1))
         # A row with nothing visible yet keeps max -inf; shift by 0 there so exp2 gives 0, not NaN.
@@ -110,7 +113,7 @@ def _attend(
         alpha = tl.exp2(m - m_safe)
         l = l * alpha + tl.sum(p, 1)
         v = tl.load(v_cache_ptr + offs[:, None] + dims[None, :], mask=k_ok[:, None], other=0.0)
-        acc = acc * alpha[:, None] + _matmul(p.to(v.dtype), v, USE_DOT, DOT_PRECISION, DOT_FP32)
+        acc = acc * alpha[:, None] + _matmul(p.to(v.dtype), v, USE_DOT, IEEE_DOT, DOT_FP32)
         m = m_new
     return acc, m, l
 
@@ -142,7 +145,7 @@ def _paged_attention_kernel(
     HEAD_DIM: tl.constexpr,
     SPLIT: tl.constexpr,
     USE_DOT: tl.constexpr,  # head_dim >= 16: tensor-core dot; else a broadcast sum
-    DOT_PRECISION: tl.constexpr,  # "ieee" for float32 inputs
+    IEEE_DOT: tl.constexpr,  # float32 inputs: full-precision dot, not TF32
     DOT_FP32: tl.constexpr,  # upcast dot operands (interpreted bfloat16 only)
 ):
     tile = tl.program_id(0)
@@ -174,14 +177,14 @@ def _paged_attention_kernel(
         hi = kv_end
     acc, m, l = _attend(q, q_pos, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq, stride_bt, kv_head,
                         stride_cb, stride_cs, stride_ch, lo, hi, scale_log2,
-                        BLOCK_M, BLOCK_N, BLOCK_SIZE, HEAD_DIM, USE_DOT, DOT_PRECISION, DOT_FP32)
+                        BLOCK_M, BLOCK_N, BLOCK_SIZE, HEAD_DIM, USE_DOT, IEEE_DOT, DOT_FP32)
 
     # Rows that saw no key (only in an empty split) have l == 0: output 0, log-sum-exp -inf.
     out = acc / tl.where(l > 0, l, 1.0)[:, None]
     out_offs = token[:, None] * stride_ot + head[:, None] * stride_oh + dims[None, :]
     if SPLIT:
         tl.store(out_ptr + out_offs + split * stride_os, out, mask=row_ok[:, None])
-        lse = tl.where(l > 0, m + tl.log2(l), float("-inf"))
+        lse = tl.where(l > 0, m + tl.log2(tl.where(l > 0, l, 1.0)), float("-inf"))
         tl.store(lse_ptr + token * stride_lt + head * stride_lh + split, lse, mask=row_ok)
     else:
         tl.store(out_ptr + out_offs, out.to(out_ptr.dtype.element_ty), mask=row_ok[:, None])
@@ -269,31 +272,44 @@ def _query_tiles(query_lens: list[int], block_q: int) -> tuple[list[int], list[i
     return seqs, firsts
 
 
-def make_launch_plan(meta: AttentionMetadata, num_heads: int, num_kv_heads: int, device: torch.device,
-                     split_k: bool | None = None, num_splits: int | None = None,
-                     block_n: int | None = None) -> LaunchPlan:
-    """Tile sizes, the query tiles and the split count; split_k forces split-K on or off (None: heuristic)."""
-    group_pad = triton.next_power_of_2(num_heads // num_kv_heads)
+def _tile_sizes(meta: AttentionMetadata, group: int, head_dim: int, element_size: int) -> tuple[int, int, int]:
+    """(query tokens per tile, GROUP_PAD, keys per loop step)."""
+    group_pad = triton.next_power_of_2(group)
+    rows = PREFILL_ROWS if head_dim <= 128 else PREFILL_ROWS // 2  # the accumulator lives in registers
     min_q = max(1, MIN_DOT // group_pad)  # enough query tokens for BLOCK_M >= 16
-    block_q = max(min_q, min(max(1, PREFILL_ROWS // group_pad), triton.next_power_of_2(meta.max_query_len)))
-    block_n = block_n or DEFAULT_BLOCK_N
+    block_q = max(min_q, min(max(1, rows // group_pad), triton.next_power_of_2(meta.max_query_len)))
+    # A K tile and a V tile of at most KV_TILE_BYTES together, so the pipelined copies fit in shared memory.
+    block_n = max(MIN_DOT, min(MAX_BLOCK_N, KV_TILE_BYTES // (2 * head_dim * element_size)))
+    return block_q, group_pad, block_n
+
+
+def _split_count(meta: AttentionMetadata, num_programs: int, device: torch.device, split_k: bool | None,
+                 num_splits: int | None) -> int:
+    if split_k is False:
+        return 1
+    if num_splits is not None:
+        _require(num_splits >= 1, f"num_splits must be >= 1, got {num_splits}")
+        return num_splits
+    if split_k:
+        return max(2, min(SPLIT_MAX, meta.max_seq_len // SPLIT_MIN_KEYS))
+    return choose_num_splits(num_programs, meta.max_seq_len, meta.max_query_len, _sm_count(device))
+
+
+def make_launch_plan(meta: AttentionMetadata, q: torch.Tensor, k_cache: torch.Tensor, split_k: bool | None = None,
+                     num_splits: int | None = None, block_n: int | None = None) -> LaunchPlan:
+    """Tile sizes, the query tiles and the split count; split_k forces split-K on or off (None: heuristic)."""
+    num_heads, head_dim = q.shape[1], q.shape[2]
+    num_kv_heads = k_cache.shape[2]
+    block_q, group_pad, default_n = _tile_sizes(meta, num_heads // num_kv_heads, head_dim, q.element_size())
+    block_n = block_n or default_n
     _require(block_n >= MIN_DOT and block_n & (block_n - 1) == 0, f"block_n must be a power of two >= 16, got {block_n}")
     seqs, firsts = _query_tiles(meta.query_lens_cpu, block_q)
-    if split_k is False:
-        splits = 1
-    elif num_splits is not None:
-        splits = num_splits
-    elif split_k:
-        splits = max(2, min(SPLIT_MAX, meta.max_seq_len // MIN_DOT))
-    else:
-        splits = choose_num_splits(len(seqs) * num_kv_heads, meta.max_seq_len, meta.max_query_len,
-                                   _sm_count(device))
-    _require(splits >= 1, f"num_splits must be >= 1, got {splits}")
+    splits = _split_count(meta, len(seqs) * num_kv_heads, q.device, split_k, num_splits)
     # Splits start on a multiple of 16 keys (aligned loads); the count is what that rounding leaves.
     keys_per_split = _cdiv(_cdiv(meta.max_seq_len, splits), MIN_DOT) * MIN_DOT
     split = bool(split_k) or splits > 1
     splits = _cdiv(meta.max_seq_len, keys_per_split) if split else 1
-    tiles = torch.tensor([seqs, firsts], dtype=torch.int32).to(device, non_blocking=True)
+    tiles = torch.tensor([seqs, firsts], dtype=torch.int32).to(q.device, non_blocking=True)
     return LaunchPlan(block_q, group_pad, block_n, split, splits, keys_per_split, tiles)
 
 
@@ -333,8 +349,8 @@ def _kernel_flags(q: torch.Tensor, k_cache: torch.Tensor, plan: LaunchPlan) -> d
     head_dim = q.shape[2]
     return dict(GROUP=q.shape[1] // k_cache.shape[2], GROUP_PAD=plan.group_pad, BLOCK_M=plan.block_q * plan.group_pad,
                 BLOCK_N=plan.block_n, BLOCK_SIZE=k_cache.shape[1], HEAD_DIM=head_dim, USE_DOT=head_dim >= MIN_DOT,
-                # IEEE for float32: TF32 would drift from the reference; 16-bit inputs ignore it.
-                DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+                # IEEE for float32: TF32 would drift from the reference (16-bit inputs are exact anyway).
+                IEEE_DOT=q.dtype == torch.float32,
                 DOT_FP32=q.dtype == torch.bfloat16 and interpreter_enabled())
 
 
@@ -350,7 +366,7 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     """
     _check_attention_inputs(q, k_cache, v_cache, meta, out)
     if plan is None:
-        plan = make_launch_plan(meta, q.shape[1], k_cache.shape[2], q.device, split_k, num_splits, block_n)
+        plan = make_launch_plan(meta, q, k_cache, split_k, num_splits, block_n)
     out = torch.empty_like(q) if out is None else out
     if q.shape[0] == 0:
         return out
@@ -401,7 +417,7 @@ class TritonAttentionBackend:
         """One plan per step: every layer sees the same metadata object (held here, so `is` is safe)."""
         key = (meta, q.shape[1])
         if self._plan_for is None or self._plan_for[0] is not meta or self._plan_for[1] != key[1]:
-            self._plan = make_launch_plan(meta, q.shape[1], k_cache.shape[2], q.device, self.split_k)
+            self._plan = make_launch_plan(meta, q, k_cache, self.split_k)
             self._plan_for = key
         return self._plan
 

@@ -54,9 +54,11 @@ def _write_kv_kernel(
     heads = tl.arange(0, HEADS_PAD)
     dims = tl.arange(0, DIM_PAD)
     # Padding tokens (slot < 0) are masked out instead of returning early: one code path, no branch.
-    ok = (slot >= 0) & (slot < num_slots)
+    # The slot is broadcast to the tile first (the interpreter rejects scalar & tile masks).
+    slots = slot + tl.zeros([HEADS_PAD, DIM_PAD], tl.int64)
+    ok = (slots >= 0) & (slots < num_slots)
     mask = ok & (heads[:, None] < NUM_KV_HEADS) & (dims[None, :] < HEAD_DIM)
-    safe_slot = tl.where(ok, slot, 0)
+    safe_slot = tl.where(ok, slots, 0)
     dst = (safe_slot // BLOCK_SIZE) * stride_cb + (safe_slot % BLOCK_SIZE) * stride_cs \
         + heads[:, None] * stride_ch + dims[None, :]
     k = tl.load(k_ptr + token * stride_kt + heads[:, None] * stride_kh + dims[None, :], mask=mask)

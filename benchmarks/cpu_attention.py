@@ -1,0 +1,164 @@
+"""CPU attention microbenchmark: TorchAttentionBackend against the version it replaced.
+
+Bench-model shapes (8 query heads, 4 KV heads, head_dim 64, float32, block_size 16), 8 layers of
+KV pools with every sequence's blocks scattered through them (so a step's K/V do not fit in cache,
+as in the engine). Each case runs whole steps (all layers, one metadata object) and reports the
+median milliseconds per layer call (write_kv included) for the old and the new backend, interleaved.
+
+    python benchmarks/cpu_attention.py [--threads N] [--repeats 7] [--cases decode16,decode64,...]
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+import torch  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+
+from services.worker.attention.metadata import AttentionMetadata  # noqa: E402
+from services.worker.attention.torch_ref import TorchAttentionBackend, gather_context, write_kv  # noqa: E402
+
+HEADS, KV_HEADS, HEAD_DIM, LAYERS, BLOCK_SIZE = 8, 4, 64, 8, 16
+
+
+class OldTorchAttentionBackend:
+    """The backend as it was before the CPU work (padded decode gather + SDPA, per-sequence mixed)."""
+
+    def __init__(self, kv_caches: list[tuple[torch.Tensor, torch.Tensor]], scale: float):
+        self.kv_caches = kv_caches
+        self.scale = scale
+
+    def forward(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                meta: AttentionMetadata) -> torch.Tensor:
+        k_cache, v_cache = self.kv_caches[layer]
+        write_kv(k_cache, v_cache, k, v, meta.slot_mapping)
+        if meta.is_decode_only:
+            return self._decode(q, k_cache, v_cache, meta)
+        return self._mixed(q, k_cache, v_cache, meta)
+
+    def _decode(self, q, k_cache, v_cache, meta):
+        block_size = k_cache.shape[1]
+        num_blocks = -(-meta.max_seq_len // block_size)
+        table = meta.block_tables[:, :num_blocks].long()
+        num_seqs, num_heads = q.shape[0], q.shape[1]
+        keys = k_cache[table].flatten(1, 2).transpose(1, 2)  # [S, Hkv, L, D]
+        values = v_cache[table].flatten(1, 2).transpose(1, 2)
+        positions = torch.arange(keys.shape[2]).unsqueeze(0)
+        mask = (positions < meta.seq_lens.unsqueeze(1)).view(num_seqs, 1, 1, -1)
+        out = F.scaled_dot_product_attention(q.view(num_seqs, num_heads, 1, -1), keys, values,
+                                             attn_mask=mask, scale=self.scale,
+                                             enable_gqa=num_heads != k_cache.shape[2])
+        return out.view_as(q)
+
+    def _mixed(self, q, k_cache, v_cache, meta):
+        out = torch.empty_like(q)
+        starts = meta.query_start_loc.tolist()
+        enable_gqa = q.shape[1] != k_cache.shape[2]
+        for i, (query_len, context_len) in enumerate(zip(meta.query_lens_cpu, meta.seq_lens_cpu)):
+            start = starts[i]
+            keys = gather_context(k_cache, meta.block_tables[i], context_len).transpose(0, 1)
+            values = gather_context(v_cache, meta.block_tables[i], context_len).transpose(0, 1)
+            query = q[start:start + query_len].transpose(0, 1)
+            mask = None
+            if query_len > 1:
+                query_pos = torch.arange(context_len - query_len, context_len).unsqueeze(1)
+                mask = torch.arange(context_len).unsqueeze(0) <= query_pos
+            attended = F.scaled_dot_product_attention(query, keys, values, attn_mask=mask,
+                                                      scale=self.scale, enable_gqa=enable_gqa)
+            out[start:start + query_len] = attended.transpose(0, 1)
+        return out
+
+
+def make_metadata(seqs: list[tuple[list[int], int, int]]) -> AttentionMetadata:
+    """(block table, cached tokens, new tokens) per sequence."""
+    slots, starts, seq_lens, query_lens = [], [0], [], []
+    for table, cached, new in seqs:
+        slots += [table[p // BLOCK_SIZE] * BLOCK_SIZE + p % BLOCK_SIZE for p in range(cached, cached + new)]
+        starts.append(starts[-1] + new)
+        seq_lens.append(cached + new)
+        query_lens.append(new)
+    width = max(len(t) for t, _, _ in seqs)
+    return AttentionMetadata(
+        slot_mapping=torch.tensor(slots, dtype=torch.int64),
+        query_start_loc=torch.tensor(starts, dtype=torch.int32),
+        seq_lens=torch.tensor(seq_lens, dtype=torch.int32),
+        block_tables=torch.tensor([t + [0] * (width - len(t)) for t, _, _ in seqs], dtype=torch.int32),
+        query_lens_cpu=query_lens, seq_lens_cpu=seq_lens,
+        max_query_len=max(query_lens), max_seq_len=max(seq_lens))
+
+
+def make_case(batch: list[tuple[int, int]], generator: torch.Generator):
+    """Pools for LAYERS layers (twice the blocks needed, scattered) and one step's inputs per layer."""
+    needed = sum(-(-(c + n) // BLOCK_SIZE) for c, n in batch)
+    num_blocks = 2 * needed
+    free = torch.randperm(num_blocks, generator=generator).tolist()
+    seqs = [([free.pop() for _ in range(-(-(c + n) // BLOCK_SIZE))], c, n) for c, n in batch]
+    pools = torch.randn(LAYERS, 2, num_blocks, BLOCK_SIZE, KV_HEADS, HEAD_DIM, generator=generator)
+    kv_caches = [(pools[layer, 0], pools[layer, 1]) for layer in range(LAYERS)]
+    meta = make_metadata(seqs)
+    inputs = [(torch.randn(meta.num_tokens, HEADS, HEAD_DIM, generator=generator),
+               torch.randn(meta.num_tokens, KV_HEADS, HEAD_DIM, generator=generator),
+               torch.randn(meta.num_tokens, KV_HEADS, HEAD_DIM, generator=generator)) for _ in range(LAYERS)]
+    return kv_caches, seqs, inputs
+
+
+def cases(generator: torch.Generator) -> dict[str, list[tuple[int, int]]]:
+    def decode(n):  # contexts uniform in 16..770 after this step's token
+        return [(int(c) - 1, 1) for c in torch.randint(16, 771, (n,), generator=generator)]
+
+    prefill_mix = ([(0, 512), (0, 300), (0, 40), (0, 17)]  # first chunks, no cache
+                   + [(256, 256), (512, 128), (48, 200)]  # chunks after cached blocks
+                   + decode(32))  # decodes riding along
+    return {"decode16": decode(16), "decode64": decode(64), "decode200": decode(200),
+            "prefill_mix": prefill_mix, "first_chunks": [(0, 128)] * 16}
+
+
+def step(backend, inputs, meta) -> list[torch.Tensor]:
+    return [backend.forward(layer, *inputs[layer], meta) for layer in range(LAYERS)]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
+    parser.add_argument("--repeats", type=int, default=7, help="timed steps per backend and case")
+    parser.add_argument("--cases", default=None, help="comma-separated subset of the case names")
+    parser.add_argument("--seed", type=int, default=0)
+    args = parser.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    generator = torch.Generator().manual_seed(args.seed)
+    all_cases = cases(generator)
+    chosen = args.cases.split(",") if args.cases else list(all_cases)
+    scale = HEAD_DIM ** -0.5
+    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads; H={HEADS} Hkv={KV_HEADS} D={HEAD_DIM} "
+          f"block_size={BLOCK_SIZE} float32, {LAYERS} layers; ms per layer call (median of {args.repeats} steps)")
+    print(f"{'case':<13}{'seqs':>5}{'tokens':>7}{'ctx tokens':>11}{'old ms':>9}{'new ms':>9}{'speedup':>9}")
+    with torch.inference_mode():
+        for name in chosen:
+            batch = all_cases[name]
+            kv_caches, seqs, inputs = make_case(batch, generator)
+            old, new = OldTorchAttentionBackend(kv_caches, scale), TorchAttentionBackend(kv_caches, scale)
+            # Same inputs for both: writing the same k/v into the same slots again changes nothing.
+            expected, got = step(old, inputs, make_metadata(seqs)), step(new, inputs, make_metadata(seqs))
+            for a, b in zip(expected, got):
+                torch.testing.assert_close(b, a, atol=1e-4, rtol=1e-4)
+            times = {"old": [], "new": []}
+            for _ in range(args.repeats):
+                for label, backend in (("old", old), ("new", new)):
+                    meta = make_metadata(seqs)  # a fresh metadata object per step, as in the engine
+                    start = time.perf_counter()
+                    step(backend, inputs, meta)
+                    times[label].append((time.perf_counter() - start) / LAYERS * 1e3)
+            old_ms, new_ms = statistics.median(times["old"]), statistics.median(times["new"])
+            print(f"{name:<13}{len(batch):>5}{sum(n for _, n in batch):>7}{sum(c + n for c, n in batch):>11}"
+                  f"{old_ms:>9.2f}{new_ms:>9.2f}{old_ms / new_ms:>8.1f}x", flush=True)
+
+
+if __name__ == "__main__":
+    main()

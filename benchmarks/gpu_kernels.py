@@ -1,0 +1,698 @@
+"""The Triton kernels on a GPU: correctness at realistic sizes, speed against contiguous attention,
+bandwidth against a device copy, and the engine end to end against transformers.
+
+    python benchmarks/gpu_kernels.py [--quick] [--out benchmarks/results/gpu_kernels.json]
+
+Sections (each under its own time limit; a section that fails or times out is recorded, not fatal):
+  check     every kernel against the reference (paged attention in float32/float16/bfloat16, several
+            head sizes and GQA ratios, split-K forced on and off; cache write; block copy; swap)
+  decode    paged decode at batch 1, 32, 256 x context 512, 4k, 32k (Llama-3-8B attention shape:
+            32 query heads, 8 KV heads, head_dim 128, bfloat16, blocks of 16 scattered over the pool)
+            against torch scaled_dot_product_attention over the same K/V stored contiguously;
+            combinations that do not fit in memory are skipped
+  prefill   causal prefill (and a chunk after a cached prefix) against SDPA, in TFLOP/s
+  cache     cache write, block copy and swap: time and bandwidth; swap against a plain pinned copy
+  engine    the bench model through the engine on the GPU (attention_backend="triton") against
+            transformers generate, greedy, token for token; and its throughput on the bench workload
+
+Targets:
+  - paged decode >= 0.95x the speed of contiguous SDPA (time_sdpa / time_paged >= 0.95)
+  - long-context decode (context >= 4k) reads K/V at >= 70% of the measured device-to-device copy
+    bandwidth (copy bandwidth counts read + write bytes; attention counts the K/V bytes it reads)
+
+Prints a table, markdown rows for benchmarks/RESULTS.md, and writes JSON. Exits with status 2 when
+CUDA is absent. ``--cpu-smoke`` runs every code path at toy sizes under the Triton interpreter, to
+check the script itself on a machine without a GPU (its numbers mean nothing).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import datetime
+import gc
+import json
+import os
+import platform
+import signal
+import sys
+import tempfile
+import time
+import traceback
+from dataclasses import dataclass
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+DECODE_TARGET = 0.95  # paged decode speed / contiguous SDPA speed
+BANDWIDTH_TARGET = 0.70  # long-context decode read bandwidth / device copy bandwidth
+LONG_CONTEXT = 4096
+NEAR_TIE_NATS = 1e-3  # as tests/oracle.py: a divergence is accepted only at a near tie
+TOLERANCE = {"float32": 1e-4, "float16": 4e-3, "bfloat16": 3e-2}
+DEFAULT_OUT = Path(__file__).with_name("results") / "gpu_kernels.json"
+
+
+@dataclass(frozen=True)
+class Shape:
+    heads: int
+    kv_heads: int
+    head_dim: int
+    block_size: int = 16
+
+    @property
+    def label(self) -> str:
+        return f"H{self.heads}/KV{self.kv_heads}/D{self.head_dim}"
+
+
+def parse_args() -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--quick", action="store_true", help="fewer sizes and requests (about 2-3 minutes)")
+    parser.add_argument("--sections", default="check,decode,prefill,cache,engine",
+                        help="comma-separated subset of: check, decode, prefill, cache, engine")
+    parser.add_argument("--timeout", type=float, default=1.0, help="multiplies every section's time limit")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--out", default=str(DEFAULT_OUT))
+    parser.add_argument("--cpu-smoke", action="store_true",
+                        help="toy sizes on the CPU under TRITON_INTERPRET=1: checks the script, not the GPU")
+    return parser.parse_args()
+
+
+# --- plumbing: time limits, timing, memory ---------------------------------------------------------------
+
+
+class SectionTimeout(Exception):
+    pass
+
+
+@contextlib.contextmanager
+def time_limit(seconds: float):
+    """SIGALRM raises in the main thread once Python regains control (after the running CUDA call)."""
+    def expire(signum, frame):
+        raise SectionTimeout(f"over its {seconds:.0f} s limit")
+
+    previous = signal.signal(signal.SIGALRM, expire)
+    signal.setitimer(signal.ITIMER_REAL, seconds)
+    try:
+        yield
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, previous)
+
+
+class Bench:
+    """Shared state: the device, the sizes for this run, the results."""
+
+    def __init__(self, args: argparse.Namespace):
+        import torch
+
+        self.args = args
+        self.torch = torch
+        self.smoke = args.cpu_smoke
+        self.device = torch.device("cpu" if self.smoke else "cuda")
+        self.results: dict = {"sections": {}}
+        self.rows: list[list[str]] = []  # markdown rows
+        self.copy_gbs: float | None = None
+
+    def measure(self, fn) -> float:
+        """Median seconds per call."""
+        if self.smoke:
+            fn()
+            start = time.perf_counter()
+            fn()
+            return time.perf_counter() - start
+        import triton.testing
+
+        return triton.testing.do_bench(fn, warmup=10, rep=60 if self.args.quick else 120, return_mode="median") / 1e3
+
+    def fits(self, nbytes: int) -> bool:
+        if self.smoke:
+            return nbytes < 1 << 30
+        free, _ = self.torch.cuda.mem_get_info(self.device)
+        return nbytes < 0.85 * free
+
+    def release(self) -> None:
+        gc.collect()
+        if not self.smoke:
+            self.torch.cuda.empty_cache()
+
+    def synchronize(self) -> None:
+        if not self.smoke:
+            self.torch.cuda.synchronize(self.device)
+
+
+def run_section(bench: Bench, name: str, fn, seconds: float) -> None:
+    print(f"\n=== {name} (limit {seconds:.0f} s) ===", flush=True)
+    started = time.perf_counter()
+    record = bench.results["sections"].setdefault(name, {})
+    try:
+        with time_limit(seconds):
+            fn(bench, record)
+        record["status"] = "ok"
+    except SectionTimeout as e:
+        record["status"] = f"timeout: {e}"
+        print(f"  {name}: TIMED OUT ({e}); continuing", flush=True)
+    except Exception as e:  # a broken section must not hide the others' results
+        record["status"] = f"error: {e!r}"
+        print(f"  {name}: ERROR {e!r}\n{traceback.format_exc()}", flush=True)
+    finally:
+        record["elapsed_s"] = round(time.perf_counter() - started, 2)
+        bench.release()
+
+
+# --- building paged batches --------------------------------------------------------------------------------
+
+
+def make_pool(bench: Bench, num_blocks: int, shape: Shape, dtype, layers: int = 1):
+    torch = bench.torch
+    pool = torch.empty(layers, 2, num_blocks, shape.block_size, shape.kv_heads, shape.head_dim, dtype=dtype,
+                       device=bench.device)
+    pool.normal_()
+    return pool
+
+
+def make_meta(bench: Bench, specs: list[tuple[int, int]], block_size: int, num_blocks: int, generator):
+    """Metadata for (cached, new) sequences, their blocks a random scatter over the pool."""
+    torch = bench.torch
+    from services.worker.attention.metadata import AttentionMetadata
+
+    counts = [-(-(cached + new) // block_size) for cached, new in specs]
+    assert sum(counts) <= num_blocks, "pool too small for the batch"
+    order = torch.randperm(num_blocks, generator=generator)[:sum(counts)]
+    width = max(counts)
+    tables = torch.zeros(len(specs), width, dtype=torch.int32)
+    first = 0
+    for i, count in enumerate(counts):
+        tables[i, :count] = order[first:first + count]
+        first += count
+    query_lens = [new for _, new in specs]
+    seq_lens = [cached + new for cached, new in specs]
+    starts = torch.zeros(len(specs) + 1, dtype=torch.int32)
+    starts[1:] = torch.cumsum(torch.tensor(query_lens), 0)
+    slots = []
+    for i, (cached, new) in enumerate(specs):
+        pos = torch.arange(cached, cached + new)
+        slots.append(tables[i, pos // block_size].long() * block_size + pos % block_size)
+    device = bench.device
+    return AttentionMetadata(
+        slot_mapping=torch.cat(slots).to(device), query_start_loc=starts.to(device),
+        seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=device), block_tables=tables.to(device),
+        query_lens_cpu=query_lens, seq_lens_cpu=seq_lens, max_query_len=max(query_lens), max_seq_len=max(seq_lens))
+
+
+def meta_to_cpu(meta):
+    from services.worker.attention.metadata import AttentionMetadata
+
+    return AttentionMetadata(meta.slot_mapping.cpu(), meta.query_start_loc.cpu(), meta.seq_lens.cpu(),
+                             meta.block_tables.cpu(), meta.query_lens_cpu, meta.seq_lens_cpu, meta.max_query_len,
+                             meta.max_seq_len)
+
+
+# --- section: correctness ------------------------------------------------------------------------------------
+
+
+def check_attention_case(bench: Bench, specs, shape: Shape, dtype_name: str, split_k, generator) -> dict:
+    torch = bench.torch
+    from services.worker.attention.torch_ref import paged_attention_reference
+    from services.worker.attention.triton_attention import paged_attention
+
+    dtype = getattr(torch, dtype_name)
+    num_blocks = sum(-(-(c + n) // shape.block_size) for c, n in specs) + 8
+    pool = make_pool(bench, num_blocks, shape, dtype)
+    meta = make_meta(bench, specs, shape.block_size, num_blocks, generator)
+    q = torch.randn(meta.num_tokens, shape.heads, shape.head_dim, device=bench.device).to(dtype)
+    scale = shape.head_dim ** -0.5
+    out = paged_attention(q, pool[0, 0], pool[0, 1], meta, scale, out=torch.full_like(q, float("nan")),
+                          split_k=split_k)
+    # The reference runs on the CPU: it builds its causal masks there.
+    ref = paged_attention_reference(q.cpu(), pool[0, 0].cpu(), pool[0, 1].cpu(), meta_to_cpu(meta), scale)
+    err = (out.float().cpu() - ref.float()).abs().max().item()
+    ok = err <= TOLERANCE[dtype_name] * (1 + ref.float().abs().max().item()) and not out.isnan().any().item()
+    return {"shape": shape.label, "dtype": dtype_name, "split_k": split_k, "max_abs_err": err, "ok": bool(ok)}
+
+
+def check_cache_ops(bench: Bench, generator) -> list[dict]:
+    torch = bench.torch
+    from services.worker.attention import torch_ref
+    from services.worker.attention.triton_cache_ops import copy_blocks, swap_blocks, write_kv
+
+    shape = Shape(8, 4, 64) if bench.smoke else Shape(32, 8, 128)
+    layers, blocks = (2, 16) if bench.smoke else (4, 1024)
+    pool = make_pool(bench, blocks, shape, torch.bfloat16, layers)
+    expected = pool.clone()
+    tokens = 24 if bench.smoke else 2048
+    slots = torch.randperm(blocks * shape.block_size, generator=generator)[:tokens]
+    slots[::7] = -1  # padding
+    slots = slots.to(bench.device)
+    k, v = torch.randn(2, tokens, shape.kv_heads, shape.head_dim, device=bench.device).to(torch.bfloat16)
+    write_kv(pool[1, 0], pool[1, 1], k, v, slots)
+    real = slots >= 0
+    torch_ref.write_kv(expected[1, 0], expected[1, 1], k[real], v[real], slots[real])
+    results = [{"op": "write_kv", "ok": bool(torch.equal(pool, expected))}]
+
+    perm = torch.randperm(blocks, generator=generator).tolist()
+    pairs = list(zip(perm[:blocks // 4], perm[blocks // 4:blocks // 2]))
+    src, dst = torch.tensor(pairs).T.to(bench.device)
+    expected[:, :, dst] = expected[:, :, src]
+    copy_blocks(pool, pairs)
+    results.append({"op": "copy_blocks", "ok": bool(torch.equal(pool, expected))})
+
+    host = torch.empty((layers, 2, blocks // 2) + tuple(pool.shape[3:]), dtype=pool.dtype,
+                       pin_memory=not bench.smoke)
+    out_pairs = [(s, i) for i, (s, _) in enumerate(pairs)]
+    swap_blocks(pool, host, out_pairs)
+    back = [(i, d) for i, (_, d) in enumerate(pairs)]  # swap back in, onto the copies' destinations
+    pool[:, :, dst] = 0
+    swap_blocks(host, pool, back)
+    bench.synchronize()
+    results.append({"op": "swap_round_trip", "ok": bool(torch.equal(pool, expected))})
+    return results
+
+
+def section_check(bench: Bench, record: dict) -> None:
+    torch = bench.torch
+    generator = torch.Generator().manual_seed(bench.args.seed)
+    if bench.smoke:
+        cases = [(Shape(4, 2, 32, 8), dtype) for dtype in ("float32", "bfloat16")]
+        batches = {"mixed": [(0, 9), (20, 5), (40, 1), (3, 1)]}
+    else:
+        # Every dtype on the Llama-3-8B shape; the other head sizes and GQA ratios in bf16 and fp32.
+        cases = [(Shape(32, 8, 128), dtype) for dtype in ("bfloat16", "float16", "float32")]
+        others = [Shape(16, 16, 64), Shape(8, 1, 128), Shape(16, 2, 256)]
+        cases += [(shape, dtype) for shape in others[:1 if bench.args.quick else 3] for dtype in ("bfloat16", "float32")]
+        batches = {"mixed": [(0, 384), (1000, 200), (3000, 1), (4095, 1), (17, 1), (200, 64)],
+                   "long-decode": [(32767, 1), (9000, 1)]}
+    results = []
+    for shape, dtype in cases:
+        for batch_name, specs in batches.items():
+            for split_k in (False, True):
+                case = check_attention_case(bench, specs, shape, dtype, split_k, generator)
+                case["batch"] = batch_name
+                results.append(case)
+                print(f"  attention {shape.label:<16}{dtype:<10}{batch_name:<12}split={split_k!s:<6}"
+                      f"err={case['max_abs_err']:.2e} {'ok' if case['ok'] else 'FAIL'}", flush=True)
+                bench.release()
+    for case in check_cache_ops(bench, generator):
+        print(f"  {case['op']:<20}{'ok' if case['ok'] else 'FAIL'}", flush=True)
+        results.append(case)
+    record["cases"] = results
+    record["all_ok"] = all(c["ok"] for c in results)
+
+
+# --- section: decode ---------------------------------------------------------------------------------------
+
+
+def measure_copy_bandwidth(bench: Bench) -> float:
+    """Device-to-device copy, GB/s counting bytes read + written."""
+    torch = bench.torch
+    nbytes = (64 << 20) if bench.smoke else (2 << 30)
+    src = torch.empty(nbytes, dtype=torch.uint8, device=bench.device)
+    dst = torch.empty_like(src)
+    seconds = bench.measure(lambda: dst.copy_(src))
+    return 2 * nbytes / seconds / 1e9
+
+
+def contiguous_kv(bench: Bench, cache, meta, ctx: int):
+    """[batch, kv_heads, ctx, head_dim]: each sequence's K (or V) gathered out of the pool once."""
+    torch = bench.torch
+    batch = meta.num_seqs
+    out = torch.empty(batch, cache.shape[2], ctx, cache.shape[3], dtype=cache.dtype, device=cache.device)
+    num_blocks = -(-ctx // cache.shape[1])
+    for i in range(batch):
+        blocks = cache[meta.block_tables[i, :num_blocks].long()].flatten(0, 1)[:ctx]
+        out[i] = blocks.transpose(0, 1)
+    return out
+
+
+def decode_case(bench: Bench, shape: Shape, batch: int, ctx: int, generator) -> dict | None:
+    torch = bench.torch
+    import torch.nn.functional as F
+
+    from services.worker.attention.triton_attention import make_launch_plan, paged_attention
+
+    dtype = torch.float32 if bench.smoke else torch.bfloat16
+    elem = torch.empty((), dtype=dtype).element_size()
+    kv_bytes = 2 * batch * ctx * shape.kv_heads * shape.head_dim * elem
+    if not bench.fits(int(2.1 * kv_bytes)):  # paged pool + contiguous copy
+        print(f"  decode B={batch:<4} ctx={ctx:<6} skipped: {2.1 * kv_bytes / 2**30:.1f} GiB does not fit", flush=True)
+        return {"batch": batch, "ctx": ctx, "skipped": "does not fit in memory"}
+    num_blocks = batch * -(-ctx // shape.block_size) + 4
+    pool = make_pool(bench, num_blocks, shape, dtype)
+    k_cache, v_cache = pool[0, 0], pool[0, 1]
+    meta = make_meta(bench, [(ctx - 1, 1)] * batch, shape.block_size, num_blocks, generator)
+    q = torch.randn(batch, shape.heads, shape.head_dim, device=bench.device).to(dtype)
+    out = torch.empty_like(q)
+    scale = shape.head_dim ** -0.5
+    def run(split_k):
+        plan = make_launch_plan(meta, q, k_cache, split_k)
+        return plan, bench.measure(lambda: paged_attention(q, k_cache, v_cache, meta, scale, out=out, plan=plan))
+
+    plan, paged = run(None)  # the heuristic's choice, as the backend would run it
+    times = {"paged": paged}
+    splits = plan.num_splits if plan.split else 1
+    # The other path too, to show what the heuristic gained (or lost).
+    if plan.split:
+        times["paged_nosplit"] = run(False)[1]
+    elif ctx >= LONG_CONTEXT or bench.smoke:
+        times["paged_split"] = run(True)[1]
+    # Contiguous baseline: the group's query heads become query rows of their KV head, which is exact
+    # for one decode token and lets SDPA use its fastest (flash) kernels without expanding K/V.
+    group = shape.heads // shape.kv_heads
+    k_contig, v_contig = contiguous_kv(bench, k_cache, meta, ctx), contiguous_kv(bench, v_cache, meta, ctx)
+    del pool, k_cache, v_cache
+    q_rows = q.view(batch, shape.kv_heads, group, shape.head_dim)
+    times["sdpa"] = bench.measure(lambda: F.scaled_dot_product_attention(q_rows, k_contig, v_contig, scale=scale))
+    read_gbs = kv_bytes / times["paged"] / 1e9
+    row = {"batch": batch, "ctx": ctx, "num_splits": splits, "dtype": str(dtype).removeprefix("torch."),
+           **{f"{k}_us": v * 1e6 for k, v in times.items()},
+           "speed_vs_sdpa": times["sdpa"] / times["paged"], "read_gbs": read_gbs,
+           "frac_of_copy_bw": read_gbs / bench.copy_gbs}
+    print(f"  decode B={batch:<4} ctx={ctx:<6} splits={splits:<3} paged {times['paged'] * 1e6:9.1f} us  "
+          f"sdpa {times['sdpa'] * 1e6:9.1f} us  x{row['speed_vs_sdpa']:.2f}  {read_gbs:7.1f} GB/s "
+          f"({100 * row['frac_of_copy_bw']:.0f}% of copy)", flush=True)
+    return row
+
+
+def section_decode(bench: Bench, record: dict) -> None:
+    torch = bench.torch
+    generator = torch.Generator().manual_seed(bench.args.seed)
+    bench.copy_gbs = measure_copy_bandwidth(bench)
+    record["copy_gbs"] = bench.copy_gbs
+    print(f"  device-to-device copy: {bench.copy_gbs:.1f} GB/s (read + write)", flush=True)
+    if bench.smoke:
+        shape, batches, contexts = Shape(4, 2, 32, 8), (1, 2), (32, 80)
+    else:
+        shape = Shape(32, 8, 128)
+        batches, contexts = ((1, 32), (512, 4096)) if bench.args.quick else ((1, 32, 256), (512, 4096, 32768))
+    record["shape"] = shape.label
+    rows = record.setdefault("cases", [])
+    for batch in batches:
+        for ctx in contexts:
+            row = decode_case(bench, shape, batch, ctx, generator)
+            rows.append(row)
+            bench.release()
+            if row and "skipped" not in row:
+                bench.rows.append([f"decode B={batch} ctx={ctx}", shape.label, f"{row['paged_us']:.1f}",
+                                   f"{row['sdpa_us']:.1f}", f"{row['speed_vs_sdpa']:.2f}",
+                                   f"{row['read_gbs']:.0f}", f"{100 * row['frac_of_copy_bw']:.0f}%"])
+    measured = [r for r in rows if r and "skipped" not in r]
+    long_rows = [r for r in measured if r["ctx"] >= LONG_CONTEXT]
+    record["target_speed_met"] = all(r["speed_vs_sdpa"] >= DECODE_TARGET for r in measured)
+    record["target_bandwidth_met"] = bool(long_rows) and all(r["frac_of_copy_bw"] >= BANDWIDTH_TARGET for r in long_rows)
+
+
+# --- section: prefill --------------------------------------------------------------------------------------
+
+
+def prefill_case(bench: Bench, shape: Shape, batch: int, new: int, cached: int, generator) -> dict:
+    torch = bench.torch
+    import torch.nn.functional as F
+
+    from services.worker.attention.triton_attention import make_launch_plan, paged_attention
+
+    dtype = torch.float32 if bench.smoke else torch.bfloat16
+    ctx = cached + new
+    num_blocks = batch * -(-ctx // shape.block_size) + 4
+    pool = make_pool(bench, num_blocks, shape, dtype)
+    meta = make_meta(bench, [(cached, new)] * batch, shape.block_size, num_blocks, generator)
+    q = torch.randn(batch * new, shape.heads, shape.head_dim, device=bench.device).to(dtype)
+    out = torch.empty_like(q)
+    scale = shape.head_dim ** -0.5
+    plan = make_launch_plan(meta, q, pool[0, 0])
+    paged = bench.measure(lambda: paged_attention(q, pool[0, 0], pool[0, 1], meta, scale, out=out, plan=plan))
+    # Each query at position p sees p + 1 keys: 2 matmuls x 2 flops per (query, key, head, dim).
+    visible = batch * sum(cached + i + 1 for i in range(new))
+    flops = 4 * visible * shape.heads * shape.head_dim
+    row = {"batch": batch, "new": new, "cached": cached, "paged_us": paged * 1e6, "paged_tflops": flops / paged / 1e12}
+    if cached == 0:
+        qs = q.view(batch, new, shape.heads, shape.head_dim).transpose(1, 2)
+        ks = torch.randn(batch, shape.kv_heads, new, shape.head_dim, device=bench.device).to(dtype)
+        vs = torch.randn_like(ks)
+        try:
+            sdpa = bench.measure(lambda: F.scaled_dot_product_attention(qs, ks, vs, is_causal=True, scale=scale,
+                                                                        enable_gqa=True))
+        except (RuntimeError, TypeError):  # an SDPA without enable_gqa: expand K/V like older code did
+            group = shape.heads // shape.kv_heads
+            ke, ve = ks.repeat_interleave(group, 1), vs.repeat_interleave(group, 1)
+            sdpa = bench.measure(lambda: F.scaled_dot_product_attention(qs, ke, ve, is_causal=True, scale=scale))
+        row.update(sdpa_us=sdpa * 1e6, sdpa_tflops=flops / sdpa / 1e12, speed_vs_sdpa=sdpa / paged)
+    print(f"  prefill B={batch} new={new} cached={cached}: paged {paged * 1e6:9.1f} us "
+          f"{row['paged_tflops']:6.1f} TFLOP/s" + (f"  sdpa {row['sdpa_us']:9.1f} us  x{row['speed_vs_sdpa']:.2f}"
+                                                    if "sdpa_us" in row else ""), flush=True)
+    return row
+
+
+def section_prefill(bench: Bench, record: dict) -> None:
+    torch = bench.torch
+    generator = torch.Generator().manual_seed(bench.args.seed)
+    if bench.smoke:
+        shape, cases = Shape(4, 2, 32, 8), [(1, 24, 0), (2, 16, 8)]
+    else:
+        shape = Shape(32, 8, 128)
+        cases = [(1, 4096, 0), (4, 2048, 0), (1, 2048, 8192)]
+        if not bench.args.quick:
+            cases.append((1, 16384, 0))
+    rows = record.setdefault("cases", [])
+    for batch, new, cached in cases:
+        row = prefill_case(bench, shape, batch, new, cached, generator)
+        rows.append(row)
+        bench.release()
+        bench.rows.append([f"prefill B={batch} new={new} cached={cached}", shape.label, f"{row['paged_us']:.1f}",
+                           f"{row.get('sdpa_us', float('nan')):.1f}", f"{row.get('speed_vs_sdpa', float('nan')):.2f}",
+                           f"{row['paged_tflops']:.1f} TFLOP/s", ""])
+
+
+# --- section: cache operations ---------------------------------------------------------------------------
+
+
+def section_cache(bench: Bench, record: dict) -> None:
+    torch = bench.torch
+    from services.worker.attention import torch_ref
+    from services.worker.attention.triton_cache_ops import copy_blocks, swap_blocks, write_kv
+
+    generator = torch.Generator().manual_seed(bench.args.seed)
+    shape = Shape(4, 2, 32, 8) if bench.smoke else Shape(32, 8, 128)
+    layers, blocks, tokens, moved = (2, 64, 64, 8) if bench.smoke else (32, 2048, 8192, 256)
+    dtype = torch.bfloat16
+    pool = make_pool(bench, blocks, shape, dtype, layers)
+    slots = torch.randperm(blocks * shape.block_size, generator=generator)[:tokens].to(bench.device)
+    k, v = torch.randn(2, tokens, shape.kv_heads, shape.head_dim, device=bench.device).to(dtype)
+    token_bytes = 2 * 2 * tokens * shape.kv_heads * shape.head_dim * 2  # K and V, read and written
+    t_write = bench.measure(lambda: write_kv(pool[0, 0], pool[0, 1], k, v, slots))
+    t_write_ref = bench.measure(lambda: torch_ref.write_kv(pool[0, 0], pool[0, 1], k, v, slots))
+    record["write_kv"] = {"tokens": tokens, "triton_us": t_write * 1e6, "torch_us": t_write_ref * 1e6,
+                          "gbs": token_bytes / t_write / 1e9}
+
+    perm = torch.randperm(blocks, generator=generator).tolist()
+    pairs = list(zip(perm[:moved], perm[moved:2 * moved]))
+    src, dst = torch.tensor(pairs).T.to(bench.device)
+    block_bytes = pool[:, :, 0].numel() * pool.element_size()  # one block, every layer, K and V
+
+    def torch_copy():
+        pool[:, :, dst] = pool[:, :, src]
+
+    t_copy = bench.measure(lambda: copy_blocks(pool, pairs))
+    t_copy_ref = bench.measure(torch_copy)
+    record["copy_blocks"] = {"pairs": moved, "layers": layers, "triton_us": t_copy * 1e6,
+                             "torch_us": t_copy_ref * 1e6, "gbs": 2 * moved * block_bytes / t_copy / 1e9}
+
+    host = torch.empty((layers, 2, moved) + tuple(pool.shape[3:]), dtype=dtype, pin_memory=not bench.smoke)
+    out_pairs, in_pairs = [(s, i) for i, (s, _) in enumerate(pairs)], [(i, d) for i, (_, d) in enumerate(pairs)]
+
+    def swap_out():
+        swap_blocks(pool, host, out_pairs)
+
+    def swap_in():
+        swap_blocks(host, pool, in_pairs)
+
+    staging = torch.empty(moved * block_bytes, dtype=torch.uint8, device=bench.device)
+    pinned = torch.empty(staging.numel(), dtype=torch.uint8, pin_memory=not bench.smoke)
+    t_out, t_in = bench.measure(swap_out), bench.measure(swap_in)
+    t_d2h = bench.measure(lambda: pinned.copy_(staging))
+    t_h2d = bench.measure(lambda: staging.copy_(pinned, non_blocking=True))
+    nbytes = moved * block_bytes
+    record["swap"] = {"blocks": moved, "bytes": nbytes, "out_gbs": nbytes / t_out / 1e9, "in_gbs": nbytes / t_in / 1e9,
+                      "pinned_d2h_gbs": nbytes / t_d2h / 1e9, "pinned_h2d_gbs": nbytes / t_h2d / 1e9}
+    for name, r in record.items():
+        print(f"  {name:<12}" + "  ".join(f"{k}={v:.3g}" if isinstance(v, float) else f"{k}={v}"
+                                           for k, v in r.items()), flush=True)
+    bench.rows.append(["write_kv", f"{tokens} tokens", f"{t_write * 1e6:.1f}", f"{t_write_ref * 1e6:.1f} (torch)",
+                       f"{t_write_ref / t_write:.2f}", f"{record['write_kv']['gbs']:.0f}", ""])
+    bench.rows.append(["copy_blocks", f"{moved} pairs x {layers} layers", f"{t_copy * 1e6:.1f}",
+                       f"{t_copy_ref * 1e6:.1f} (torch)", f"{t_copy_ref / t_copy:.2f}",
+                       f"{record['copy_blocks']['gbs']:.0f}", ""])
+    bench.rows.append(["swap out / in", f"{moved} blocks", f"{t_out * 1e6:.0f} / {t_in * 1e6:.0f}",
+                       f"{t_d2h * 1e6:.0f} / {t_h2d * 1e6:.0f} (pinned copy)", "", "",
+                       f"{100 * t_d2h / t_out:.0f}% / {100 * t_h2d / t_in:.0f}% of pinned copy"])
+
+
+# --- section: the engine end to end ------------------------------------------------------------------------
+
+
+def engine_model_dir(bench: Bench) -> Path:
+    if bench.smoke:
+        from shared.model_factory import create_model_dir
+
+        return create_model_dir(Path(tempfile.mkdtemp()) / "tiny", vocab_size=512, hidden_size=64,
+                                intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                                num_key_value_heads=2, max_position_embeddings=256)
+    from benchmarks.workload import bench_model_dir
+
+    return bench_model_dir()
+
+
+def hf_greedy_all(model_dir: Path, requests, device) -> list[tuple[list[int], list]]:
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32).to(device).eval()
+    model.generation_config.eos_token_id = None
+    model.generation_config.pad_token_id = 0
+    outputs = []
+    with torch.inference_mode():
+        for r in requests:
+            out = model.generate(torch.tensor([r.prompt_token_ids], device=device), do_sample=False,
+                                 max_new_tokens=r.output_len, min_new_tokens=0, return_dict_in_generate=True,
+                                 output_logits=True)
+            new = out.sequences[0, len(r.prompt_token_ids):].tolist()
+            outputs.append((new, [torch.log_softmax(step[0].float(), -1).cpu() for step in out.logits]))
+    del model
+    return outputs
+
+
+def compare_greedy(ours: list[int], ref: list[int], logprobs) -> str:
+    """"equal", "near-tie" (diverged where transformers' top two are within NEAR_TIE_NATS) or "MISMATCH"."""
+    for step, (mine, theirs) in enumerate(zip(ours, ref)):
+        if mine != theirs:
+            gap = abs(logprobs[step][mine] - logprobs[step][theirs]).item()
+            return "near-tie" if gap <= NEAR_TIE_NATS else f"MISMATCH at step {step} (gap {gap:.2e})"
+    return "equal" if len(ours) == len(ref) else "MISMATCH (length)"
+
+
+def run_engine(bench: Bench, model_dir: Path, requests, backend: str, warm: bool = True) -> tuple[list, float]:
+    from pagedserve import LLM, SamplingParams
+
+    options = dict(num_gpu_blocks_override=256) if bench.smoke else dict(gpu_memory_utilization=0.5)
+    llm = LLM(str(model_dir), attention_backend=backend, **options)
+    prompts = [{"prompt_token_ids": r.prompt_token_ids} for r in requests]
+    params = [SamplingParams(temperature=0, max_tokens=r.output_len, ignore_eos=True) for r in requests]
+    if warm:
+        llm.generate(prompts[:2], params[:2], use_tqdm=False)  # compiles the kernels
+    bench.synchronize()
+    start = time.perf_counter()
+    outputs = llm.generate(prompts, params, use_tqdm=False)
+    bench.synchronize()
+    elapsed = time.perf_counter() - start
+    del llm
+    bench.release()
+    return [o.outputs[0].token_ids for o in outputs], elapsed
+
+
+def section_engine(bench: Bench, record: dict) -> None:
+    from benchmarks.workload import bench_workload
+
+    model_dir = engine_model_dir(bench)
+    if bench.smoke:
+        check_requests = bench_workload(2, bench.args.seed, vocab_size=500, prompt_range=(3, 12), output_range=(3, 4))
+        speed_requests = check_requests
+    else:
+        check_requests = bench_workload(8 if bench.args.quick else 16, bench.args.seed, output_range=(16, 64))
+        speed_requests = bench_workload(64 if bench.args.quick else 200, bench.args.seed)
+    ours, _ = run_engine(bench, model_dir, check_requests, "triton", warm=False)
+    refs = hf_greedy_all(model_dir, check_requests, bench.device)
+    verdicts = [compare_greedy(o, ref, lp) for o, (ref, lp) in zip(ours, refs)]
+    record["greedy_vs_transformers"] = {v: verdicts.count(v) for v in sorted(set(verdicts))}
+    record["greedy_ok"] = all(v in ("equal", "near-tie") for v in verdicts)
+    print(f"  greedy vs transformers ({len(verdicts)} requests): {record['greedy_vs_transformers']}", flush=True)
+    for backend in ("triton", "torch"):
+        try:
+            tokens, elapsed = run_engine(bench, model_dir, speed_requests, backend)
+        except Exception as e:  # the torch backend is the CPU reference; it may not run on CUDA
+            record[f"{backend}_error"] = repr(e)
+            print(f"  engine with attention_backend={backend}: ERROR {e!r}", flush=True)
+            continue
+        count = sum(len(t) for t in tokens)
+        record[f"{backend}_tokens_per_s"] = count / elapsed
+        print(f"  engine, attention_backend={backend}: {len(speed_requests)} requests, {count} tokens, "
+              f"{elapsed:.2f} s, {count / elapsed:.1f} tok/s", flush=True)
+        bench.rows.append([f"engine bench workload ({len(speed_requests)} req)", backend, "", "", "",
+                           f"{count / elapsed:.0f} tok/s", ""])
+
+
+# --- report -----------------------------------------------------------------------------------------------
+
+# Time limits (s): together under the 8-minute budget, with room for start-up and the report.
+SECTIONS = {"check": (section_check, 100), "decode": (section_decode, 140), "prefill": (section_prefill, 50),
+            "cache": (section_cache, 40), "engine": (section_engine, 110)}
+
+
+def environment(bench: Bench) -> dict:
+    torch = bench.torch
+    import triton
+
+    env = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+           "torch": torch.__version__, "triton": triton.__version__, "python": platform.python_version(),
+           "quick": bench.args.quick, "cpu_smoke": bench.smoke}
+    env["device"] = "cpu (Triton interpreter)" if bench.smoke else torch.cuda.get_device_name(bench.device)
+    return env
+
+
+def report(bench: Bench) -> None:
+    results = bench.results
+    decode = results["sections"].get("decode", {})
+    results["targets"] = {"decode_speed_vs_sdpa": DECODE_TARGET, "long_context_frac_of_copy_bw": BANDWIDTH_TARGET,
+                          "decode_speed_met": decode.get("target_speed_met"),
+                          "bandwidth_met": decode.get("target_bandwidth_met"),
+                          "checks_ok": results["sections"].get("check", {}).get("all_ok"),
+                          "greedy_ok": results["sections"].get("engine", {}).get("greedy_ok")}
+    header = ["case", "shape", "ours (us)", "baseline (us)", "speed x", "GB/s or rate", "note"]
+    print("\n" + "  ".join(f"{h:<28}" if i == 0 else f"{h:>16}" for i, h in enumerate(header)))
+    for row in bench.rows:
+        print("  ".join(f"{c:<28}" if i == 0 else f"{c:>16}" for i, c in enumerate(row)))
+    print(f"\ntargets: {json.dumps(results['targets'])}")
+    print("\nMarkdown rows for benchmarks/RESULTS.md "
+          f"({results['environment']['device']}, {results['environment']['date']}):")
+    print("| " + " | ".join(header) + " |")
+    print("|" + "---|" * len(header))
+    for row in bench.rows:
+        print("| " + " | ".join(row) + " |")
+    out = Path(bench.args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(results, indent=2, default=str))
+    print(f"\nwrote {out}")
+
+
+def main() -> int:
+    args = parse_args()
+    if args.cpu_smoke:
+        os.environ["TRITON_INTERPRET"] = "1"  # before triton is imported
+        if Path(args.out).resolve() == DEFAULT_OUT.resolve():  # toy numbers never overwrite real ones
+            args.out = str(Path(tempfile.gettempdir()) / "gpu_kernels_smoke.json")
+    import torch
+
+    if not args.cpu_smoke and not torch.cuda.is_available():
+        print("gpu_kernels.py needs a CUDA GPU and none is visible (torch.cuda.is_available() is False); "
+              "use --cpu-smoke to check the script itself under the Triton interpreter", file=sys.stderr)
+        return 2
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        print("gpu_kernels.py needs the 'triton' package (pip install triton)", file=sys.stderr)
+        return 2
+    torch.manual_seed(args.seed)
+    bench = Bench(args)
+    bench.results["environment"] = environment(bench)
+    wanted = [s.strip() for s in args.sections.split(",") if s.strip()]
+    unknown = sorted(set(wanted) - set(SECTIONS))
+    if unknown:
+        print(f"unknown section(s) {unknown}; known: {list(SECTIONS)}", file=sys.stderr)
+        return 2
+    for name in SECTIONS:
+        if name in wanted:
+            fn, seconds = SECTIONS[name]
+            run_section(bench, name, fn, seconds * args.timeout * (0.6 if args.quick else 1.0))
+    report(bench)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

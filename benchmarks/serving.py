@@ -1,0 +1,178 @@
+"""Serving benchmark: requests over the OpenAI streaming API, at a Poisson rate or a fixed concurrency.
+
+Reports TTFT, TPOT and ITL (p50, p99), request and output-token throughput, and the scheduler's
+own share of each step; writes JSON. With --compare-offline it first runs the same requests
+through the offline API in this process, so the stack's throughput is quoted against it from
+one run.
+
+    python benchmarks/serving.py --num-requests 64 --concurrency 64 --compare-offline   # starts the stack
+    python benchmarks/serving.py --base-url http://127.0.0.1:8000/v1 --request-rate 2    # a running server
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import random
+import signal
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from benchmarks.workload import BenchRequest, bench_model_dir, bench_workload  # noqa: E402
+
+
+async def one_request(client, model: str, request: BenchRequest) -> dict:
+    start = time.perf_counter()
+    arrivals = []
+    stream = await client.completions.create(
+        model=model, prompt=request.prompt_token_ids, max_tokens=request.output_len, temperature=0,
+        stream=True, extra_body={"ignore_eos": True})
+    async for chunk in stream:
+        if chunk.choices and chunk.choices[0].text is not None:
+            arrivals.append(time.perf_counter())
+    end = time.perf_counter()
+    return {"start": start, "end": end, "arrivals": arrivals, "output_len": request.output_len}
+
+
+async def run_load(base_url: str, model: str, requests: list[BenchRequest], rate: float | None,
+                   concurrency: int | None, seed: int) -> tuple[list[dict], float]:
+    from openai import AsyncOpenAI
+
+    client = AsyncOpenAI(base_url=base_url, api_key="none", max_retries=0, timeout=3600)
+    limit = asyncio.Semaphore(concurrency or len(requests))
+    rng = random.Random(seed)
+
+    async def limited(request):
+        async with limit:
+            return await one_request(client, model, request)
+
+    started = time.perf_counter()
+    tasks = []
+    for request in requests:
+        tasks.append(asyncio.create_task(limited(request)))
+        if rate:
+            await asyncio.sleep(rng.expovariate(rate))
+    results = await asyncio.gather(*tasks)
+    await client.close()
+    return results, time.perf_counter() - started
+
+
+def percentiles(values: list[float]) -> dict:
+    if not values:
+        return {"p50": None, "p99": None, "mean": None}
+    ordered = sorted(values)
+    pick = lambda q: ordered[min(len(ordered) - 1, int(q * len(ordered)))]  # noqa: E731
+    return {"p50": pick(0.5), "p99": pick(0.99), "mean": sum(ordered) / len(ordered)}
+
+
+def summarize(results: list[dict], elapsed: float) -> dict:
+    ttft = [r["arrivals"][0] - r["start"] for r in results if r["arrivals"]]
+    itl = [b - a for r in results for a, b in zip(r["arrivals"], r["arrivals"][1:])]
+    tpot = [(r["end"] - r["arrivals"][0]) / (r["output_len"] - 1) for r in results
+            if r["arrivals"] and r["output_len"] > 1]
+    tokens = sum(r["output_len"] for r in results)
+    return {"elapsed_s": elapsed, "output_tokens": tokens, "tokens_per_s": tokens / elapsed,
+            "requests_per_s": len(results) / elapsed, "ttft_s": percentiles(ttft), "tpot_s": percentiles(tpot),
+            "itl_s": percentiles(itl)}
+
+
+def run_offline(model_dir: Path, requests: list[BenchRequest]) -> dict:
+    from pagedserve import LLM, SamplingParams
+
+    llm = LLM(str(model_dir))
+    prompts = [{"prompt_token_ids": r.prompt_token_ids} for r in requests]
+    params = [SamplingParams(temperature=0, max_tokens=r.output_len, ignore_eos=True) for r in requests]
+    llm.generate(prompts[:4], params[:4], use_tqdm=False)
+    start = time.perf_counter()
+    llm.generate(prompts, params, use_tqdm=False)
+    elapsed = time.perf_counter() - start
+    tokens = sum(r.output_len for r in requests)
+    return {"elapsed_s": elapsed, "output_tokens": tokens, "tokens_per_s": tokens / elapsed}
+
+
+def start_stack(model_dir: Path, port: int) -> subprocess.Popen:
+    proc = subprocess.Popen([sys.executable, "-m", "pagedserve", "serve", "--model", str(model_dir),
+                             "--port", str(port), "--grpc-port", str(port + 1)],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    deadline = time.monotonic() + 300
+    while time.monotonic() < deadline:
+        try:
+            with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=1) as response:
+                if response.status == 200:
+                    return proc
+        except OSError:
+            time.sleep(0.5)
+        if proc.poll() is not None:
+            raise RuntimeError("pagedserve serve exited while starting")
+    proc.kill()
+    raise TimeoutError("the stack did not become healthy")
+
+
+def engine_stats(base_url: str) -> dict:
+    """The engine's counters, read from the gateway's Prometheus text."""
+    root = base_url.rsplit("/v1", 1)[0]
+    with urllib.request.urlopen(f"{root}/metrics", timeout=5) as response:
+        text = response.read().decode()
+    stats = {}
+    for line in text.splitlines():
+        if line.startswith("pagedserve_engine_") and " " in line:
+            name, value = line.rsplit(" ", 1)
+            stats[name.removeprefix("pagedserve_engine_")] = float(value)
+    return stats
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--base-url", default=None, help="a running server's OpenAI base URL; else start one")
+    parser.add_argument("--model", default=None, help="model name to send (default: the server's first)")
+    parser.add_argument("--num-requests", type=int, default=200)
+    parser.add_argument("--request-rate", type=float, default=None, help="Poisson arrivals per second")
+    parser.add_argument("--concurrency", type=int, default=None, help="fixed number of requests in flight")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--port", type=int, default=8100)
+    parser.add_argument("--compare-offline", action="store_true")
+    parser.add_argument("--out", default=str(Path(__file__).with_name("results") / "serving.json"))
+    args = parser.parse_args()
+
+    requests = bench_workload(args.num_requests, args.seed)
+    report: dict = {"num_requests": len(requests), "request_rate": args.request_rate, "concurrency": args.concurrency}
+    model_dir = bench_model_dir()
+    if args.compare_offline:
+        report["offline"] = run_offline(model_dir, requests)
+    stack = None
+    base_url = args.base_url
+    if base_url is None:
+        stack = start_stack(model_dir, args.port)
+        base_url = f"http://127.0.0.1:{args.port}/v1"
+    try:
+        with urllib.request.urlopen(f"{base_url}/models", timeout=5) as response:
+            model = args.model or json.loads(response.read())["data"][0]["id"]
+        before = engine_stats(base_url)
+        results, elapsed = asyncio.run(run_load(base_url, model, requests, args.request_rate, args.concurrency,
+                                                args.seed))
+        after = engine_stats(base_url)
+    finally:
+        if stack is not None:
+            os.killpg(stack.pid, signal.SIGTERM)
+            stack.wait(timeout=60)
+    report["serving"] = summarize(results, elapsed)
+    step = after.get("step_time_s", 0) - before.get("step_time_s", 0)
+    sched = after.get("scheduler_time_s", 0) - before.get("scheduler_time_s", 0)
+    report["scheduler_share_of_step"] = sched / step if step else None
+    if "offline" in report:
+        report["serving_over_offline"] = report["serving"]["tokens_per_s"] / report["offline"]["tokens_per_s"]
+    print(json.dumps(report, indent=2))
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(report, indent=2))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,163 @@
+"""The OpenAI-compatible HTTP API (FastAPI): routes, SSE, errors as OpenAI error objects, metrics."""
+
+from __future__ import annotations
+
+import json
+import time
+import uuid
+from collections.abc import AsyncIterator
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from prometheus_client import CONTENT_TYPE_LATEST
+from starlette.exceptions import HTTPException
+
+from services.gateway.generation import Generator, InvalidParameter, Overloaded
+from services.gateway.openai_api import create_chat_completion, create_completion
+from services.gateway.protocol import ChatCompletionRequest, CompletionRequest
+from shared.grpc_errors import NotFound, ServiceUnavailable
+from shared.logging import bind_request_id, clear_request_id, setup_logging
+
+log = setup_logging("gateway")
+
+REQUEST_ID = "pagedserve.request_id"  # where the middleware leaves the request id in the ASGI scope
+ENDPOINTS = {"/v1/completions", "/v1/chat/completions", "/v1/models", "/health", "/metrics"}
+
+
+# --- errors ------------------------------------------------------------------------------------------
+
+def error_body(exc: BaseException) -> tuple[int, dict]:
+    """The status and OpenAI error object for a domain error."""
+    if isinstance(exc, Overloaded):
+        status, kind, code = 429, "TooManyRequestsError", "too_many_requests"
+    elif isinstance(exc, NotFound):
+        status, kind, code = 404, "NotFoundError", "model_not_found"
+    elif isinstance(exc, (ValueError, TypeError)):
+        status, kind, code = 400, "BadRequestError", "invalid_request"
+    elif isinstance(exc, (ServiceUnavailable, TimeoutError)):
+        status, kind, code = 503, "ServiceUnavailableError", "service_unavailable"
+    else:
+        status, kind, code = 500, "InternalServerError", "internal_error"
+    message = str(exc) or type(exc).__name__
+    return status, {"error": {"message": message, "type": kind, "param": getattr(exc, "param", None), "code": code}}
+
+
+def error_response(exc: BaseException) -> JSONResponse:
+    status, body = error_body(exc)
+    if status >= 500:
+        log.warning("request failed", status=status, error=body["error"]["message"])
+    return JSONResponse(body, status_code=status)
+
+
+def _validation_error(request: Request, exc: RequestValidationError) -> JSONResponse:
+    first = exc.errors()[0]
+    where = [str(part) for part in first.get("loc", ()) if part != "body"]
+    if first.get("type") == "json_invalid":
+        message = f"malformed JSON: {first.get('ctx', {}).get('error', first.get('msg'))}"
+        return error_response(InvalidParameter(message))
+    return error_response(InvalidParameter(f"{'.'.join(where)}: {first.get('msg')}", where[0] if where else None))
+
+
+def _http_error(request: Request, exc: HTTPException) -> JSONResponse:
+    kind = {404: "NotFoundError", 405: "MethodNotAllowedError"}.get(exc.status_code, "BadRequestError")
+    return JSONResponse({"error": {"message": str(exc.detail), "type": kind, "param": None, "code": exc.status_code}},
+                        status_code=exc.status_code)
+
+
+# --- request ids and counts ------------------------------------------------------------------------
+
+class RequestContext:
+    """Pure ASGI (BaseHTTPMiddleware would get in the way of stream cancellation): takes the
+    client's X-Request-Id or makes one, binds it into every log line, echoes it, counts the response."""
+
+    def __init__(self, app, metrics):
+        self.app, self.metrics = app, metrics
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        headers = dict(scope.get("headers") or [])
+        request_id = headers.get(b"x-request-id", b"").decode("latin-1")[:128] or uuid.uuid4().hex
+        scope[REQUEST_ID] = request_id
+        bind_request_id(request_id)
+        status = 500
+
+        async def send_with_id(message):
+            nonlocal status
+            if message["type"] == "http.response.start":
+                status = message["status"]
+                message["headers"] = [*message.get("headers", []), (b"x-request-id", request_id.encode("latin-1"))]
+            await send(message)
+
+        try:
+            await self.app(scope, receive, send_with_id)
+        finally:
+            path = scope.get("path", "")
+            self.metrics.requests.labels(endpoint=path if path in ENDPOINTS else "other", status=str(status)).inc()
+            clear_request_id()
+
+
+# --- the app --------------------------------------------------------------------------------------------
+
+async def sse(events: AsyncIterator[dict]) -> AsyncIterator[str]:
+    """Server-sent events; an error after the headers went out becomes an error event."""
+    try:
+        async for event in events:
+            yield f"data: {json.dumps(event, ensure_ascii=False)}\n\n"
+    except Exception as exc:
+        yield f"data: {json.dumps(error_body(exc)[1], ensure_ascii=False)}\n\n"
+        log.warning("stream failed", error=str(exc))
+    finally:
+        await events.aclose()  # a disconnect lands here too: the runs cancel their Submit calls
+    yield "data: [DONE]\n\n"
+
+
+def create_app(gen: Generator) -> FastAPI:
+    app = FastAPI(title="pagedserve gateway", description="OpenAI-compatible API of pagedserve")
+    app.add_middleware(RequestContext, metrics=gen.metrics)
+    app.add_exception_handler(RequestValidationError, _validation_error)
+    app.add_exception_handler(HTTPException, _http_error)
+    for kind in (ValueError, TypeError, NotFound, ServiceUnavailable, TimeoutError):
+        app.add_exception_handler(kind, lambda request, exc: error_response(exc))
+
+    async def respond(request: Request, create, body):
+        try:
+            result = await create(gen, body, request.scope[REQUEST_ID])
+        except (ValueError, TypeError, NotFound, ServiceUnavailable, TimeoutError) as exc:
+            return error_response(exc)
+        if isinstance(result, dict):
+            return JSONResponse(result)
+        return StreamingResponse(sse(result), media_type="text/event-stream",
+                                 headers={"Cache-Control": "no-cache"})
+
+    @app.post("/v1/completions")
+    async def completions(body: CompletionRequest, request: Request):
+        return await respond(request, create_completion, body)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(body: ChatCompletionRequest, request: Request):
+        return await respond(request, create_chat_completion, body)
+
+    @app.get("/v1/models")
+    async def models():
+        model = await gen.model()
+        return {"object": "list", "data": [{"id": model.name, "object": "model", "created": int(time.time()),
+                                            "owned_by": "pagedserve", "max_model_len": model.max_model_len}]}
+
+    @app.get("/health")
+    async def health():
+        if await gen.client.healthy():
+            return {"status": "ok"}
+        return error_response(ServiceUnavailable(f"the scheduler at {gen.client.address} is not reachable or "
+                                                 "not serving"))
+
+    @app.get("/metrics")
+    async def metrics():
+        try:
+            stats = await gen.client.stats()
+        except Exception:  # the gateway's own metrics are still worth serving
+            stats = None
+        return Response(gen.metrics.render(stats), media_type=CONTENT_TYPE_LATEST)
+
+    return app

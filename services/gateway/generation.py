@@ -1,0 +1,324 @@
+"""The generation core shared by the OpenAI HTTP API and the public gRPC API.
+
+It learns the model from the scheduler (lazily, so the gateway starts before its
+backend), tokenizes and validates prompts, submits each prompt as one engine
+request, and turns the engine's token ids into text deltas per sequence: an
+IncrementalDetokenizer per sequence applies stop strings, and once every
+sequence of a request has stopped the Submit stream is cancelled, which aborts
+the remaining work at the scheduler and frees its KV blocks.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+import uuid
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from services.gateway.metrics import GatewayMetrics
+from services.gateway.scheduler_client import SchedulerClient, SubmitStream
+from shared.detokenizer import IncrementalDetokenizer
+from shared.grpc_errors import NotFound, ServiceUnavailable
+from shared.logging import setup_logging
+from shared.sampling_params import SamplingParams
+from shared.tokenizer import load_tokenizer, render_chat
+
+log = setup_logging("gateway")
+
+
+class InvalidParameter(ValueError):
+    """A request error that names the offending parameter (the OpenAI error's `param`)."""
+
+    def __init__(self, message: str, param: str | None = None):
+        super().__init__(message)
+        self.param = param
+
+
+class Overloaded(ServiceUnavailable):
+    """More requests in flight than --max-concurrent-requests allows."""
+
+
+def new_request_id(prefix: str = "req") -> str:
+    return f"{prefix}-{uuid.uuid4().hex}"
+
+
+# --- what a run yields --------------------------------------------------------------------------
+
+
+@dataclass
+class TopToken:
+    token_id: int
+    token: str
+    logprob: float
+
+
+@dataclass
+class TokenLogprob:
+    token_id: int
+    token: str
+    logprob: float
+    rank: int
+    top: list[TopToken]
+    text_offset: int = 0  # where this token's text starts in the sequence's output text
+
+
+@dataclass
+class SeqDelta:
+    """New output of one sequence since its last delta."""
+    index: int
+    token_ids: list[int]
+    text: str
+    logprobs: list[TokenLogprob] | None = None
+    finish_reason: str | None = None  # "stop", "length" or "abort" in the sequence's last delta
+    stop_reason: int | str | None = None
+
+
+# --- the model, as the scheduler reports it ---------------------------------------------------------
+
+
+@dataclass
+class Model:
+    name: str
+    max_model_len: int
+    vocab_size: int
+    max_logprobs: int
+    tokenizer: object
+    _token_strings: dict[int, str] = field(default_factory=dict)
+
+    def check_name(self, requested: str | None) -> None:
+        if requested and requested != self.name:
+            raise NotFound(f"The model `{requested}` does not exist; this server serves `{self.name}`.")
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        return list(self.tokenizer(text, add_special_tokens=add_special_tokens).input_ids)
+
+    def encode_chat(self, messages: list[dict]) -> tuple[str, list[int]]:
+        # As the offline LLM.chat does: the template already holds any special tokens.
+        text = render_chat(self.tokenizer, messages)
+        return text, self.encode(text, add_special_tokens=False)
+
+    def decode(self, token_ids: list[int]) -> str:
+        return self.tokenizer.decode(token_ids)
+
+    def token_string(self, token_id: int) -> str:
+        text = self._token_strings.get(token_id)
+        if text is None:
+            text = self._token_strings[token_id] = self.tokenizer.decode([token_id])
+        return text
+
+    def check_prompt(self, prompt: list[int], params: SamplingParams) -> None:
+        """What the scheduler would refuse, checked here so a multi-prompt request is all or nothing."""
+        if not prompt:
+            raise InvalidParameter("the prompt is empty: give at least one token", "prompt")
+        bad = next((t for t in prompt if not 0 <= t < self.vocab_size), None)
+        if bad is not None:
+            raise InvalidParameter(f"token id {bad} is outside the vocabulary [0, {self.vocab_size})", "prompt")
+        if len(prompt) >= self.max_model_len:
+            raise InvalidParameter(f"This model's maximum context length is {self.max_model_len} tokens, "
+                                   f"but the prompt has {len(prompt)} tokens; it must leave room for at least "
+                                   "one output token.", "prompt")
+        if params.max_tokens is not None and len(prompt) + params.max_tokens > self.max_model_len:
+            raise InvalidParameter(
+                f"This model's maximum context length is {self.max_model_len} tokens. However, you requested "
+                f"{len(prompt) + params.max_tokens} tokens ({len(prompt)} in the prompt, {params.max_tokens} "
+                "for the completion). Please reduce the prompt or max_tokens.", "max_tokens")
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(params, name)
+            if value is not None and value > self.max_logprobs:
+                raise InvalidParameter(f"{name}={value} exceeds the maximum of {self.max_logprobs}", name)
+
+    def logprob(self, position, text_offset: int = 0) -> TokenLogprob:
+        top = [TopToken(t, self.token_string(t), lp) for t, lp in zip(position.top_token_ids, position.top_logprobs)]
+        return TokenLogprob(position.token_id, self.token_string(position.token_id), position.logprob,
+                            position.rank, top, text_offset)
+
+
+# --- one engine request ---------------------------------------------------------------------------
+
+
+class Run:
+    """One prompt's engine request: iterate it for SeqDeltas; leaving early aborts it."""
+
+    def __init__(self, model: Model, stream: SubmitStream, request_id: str, prompt: list[int],
+                 params: SamplingParams, metrics: GatewayMetrics):
+        self.model, self.request_id, self.prompt, self.params = model, request_id, prompt, params
+        self._stream, self._metrics = stream, metrics
+        self._first = None
+        self._detoks = [IncrementalDetokenizer(model.tokenizer, prompt, stop=params.stop,
+                                               skip_special_tokens=params.skip_special_tokens,
+                                               include_stop_str_in_output=params.include_stop_str_in_output)
+                        for _ in range(params.n)]
+        self._done = [False] * params.n
+        self.completion_tokens = 0
+        self.prompt_logprobs: list[TokenLogprob | None] | None = None
+        self._started = time.perf_counter()
+
+    @property
+    def finished(self) -> bool:
+        return all(self._done)
+
+    def cancel(self) -> None:
+        self._stream.cancel()
+
+    async def start(self) -> None:
+        """Wait for the first output, so admission errors surface before any response is sent."""
+        try:
+            self._first = await anext(self._stream, None)
+        except BaseException:
+            self.cancel()
+            raise
+        self._metrics.ttft.observe(time.perf_counter() - self._started)
+
+    async def __aiter__(self) -> AsyncIterator[SeqDelta]:
+        try:
+            message = self._first
+            while message is not None:
+                delta = self._apply(message)
+                if delta is not None:
+                    yield delta
+                if self.finished:
+                    return
+                message = await anext(self._stream, None)
+            # The stream ended with sequences still running: the request was aborted (Abort RPC).
+            for index, done in enumerate(self._done):
+                if not done:
+                    self._done[index] = True
+                    yield SeqDelta(index, [], self._detoks[index].flush().text, None, "abort")
+        finally:
+            self.cancel()  # no-op after a normal end; otherwise aborts the rest at the scheduler
+            self._metrics.finish(len(self.prompt), self.completion_tokens, time.perf_counter() - self._started)
+
+    def _apply(self, message) -> SeqDelta | None:
+        index = message.seq_index
+        if message.prompt_logprobs and self.params.prompt_logprobs is not None:
+            self.prompt_logprobs = (self.prompt_logprobs or [None]) + [self.model.logprob(p)
+                                                                         for p in message.prompt_logprobs]
+        if self._done[index]:  # stopped by a stop string; the engine may still be running it for a moment
+            return None
+        ids = list(message.new_token_ids)
+        self.completion_tokens += len(ids)
+        detok = self._detoks[index]
+        delta = SeqDelta(index, ids, "")
+        if self.params.logprobs is not None:
+            delta.logprobs = []
+            for token_id, position in zip(ids, message.new_logprobs):
+                delta.logprobs.append(self.model.logprob(position, text_offset=len(detok.text)))
+                delta.text += detok.append([token_id]).text
+        else:
+            delta.text = detok.append(ids).text
+        if detok.stopped is not None:
+            delta.finish_reason, delta.stop_reason = "stop", detok.stopped
+        elif message.finish_reason:
+            delta.text += detok.flush().text
+            delta.finish_reason = message.finish_reason
+            which = message.WhichOneof("stop_reason")
+            delta.stop_reason = getattr(message, which) if which else None
+        self._done[index] = delta.finish_reason is not None
+        return delta
+
+
+async def merge(runs: list[Run]) -> AsyncIterator[tuple[int, SeqDelta]]:
+    """The deltas of several runs as they come, tagged with the run's position."""
+    if len(runs) == 1:
+        async for delta in runs[0]:
+            yield 0, delta
+        return
+    queue: asyncio.Queue = asyncio.Queue()
+
+    async def pump(position: int, run: Run) -> None:
+        try:
+            async for delta in run:
+                await queue.put((position, delta))
+        except Exception as exc:  # handed to the consumer, which re-raises it
+            await queue.put(exc)
+        finally:
+            await queue.put(None)
+
+    tasks = [asyncio.create_task(pump(i, run)) for i, run in enumerate(runs)]
+    try:
+        pending = len(tasks)
+        while pending:
+            item = await queue.get()
+            if item is None:
+                pending -= 1
+            elif isinstance(item, Exception):
+                raise item
+            else:
+                yield item
+    finally:
+        for task in tasks:  # a client that went away: each run's finally aborts it at the scheduler
+            task.cancel()
+
+
+# --- the core ---------------------------------------------------------------------------------------
+
+
+class Generator:
+    def __init__(self, client: SchedulerClient, metrics: GatewayMetrics, served_model_name: str | None = None,
+                 tokenizer: str | None = None, max_concurrent_requests: int | None = None):
+        self.client = client
+        self.metrics = metrics
+        self.served_model_name = served_model_name
+        self.tokenizer_path = tokenizer
+        self.max_concurrent_requests = max_concurrent_requests
+        self.in_flight = 0
+        self._model: Model | None = None
+        self._lock = asyncio.Lock()
+
+    async def model(self) -> Model:
+        """The served model; learned from the scheduler on first use and kept (the gateway holds no other state)."""
+        if self._model is None:
+            async with self._lock:
+                if self._model is None:
+                    self._model = await self._load_model()
+        return self._model
+
+    async def _load_model(self) -> Model:
+        info = await self.client.info()
+        path = self.tokenizer_path or info.model
+        try:
+            tokenizer = await asyncio.to_thread(load_tokenizer, path)
+        except (FileNotFoundError, ValueError) as exc:  # a deployment error, not the client's
+            raise ServiceUnavailable(f"cannot load the tokenizer ({exc}); pass --tokenizer") from exc
+        name = self.served_model_name or Path(info.model).name or info.model
+        log.info("model ready", model=name, path=info.model, max_model_len=info.max_model_len)
+        return Model(name, info.max_model_len, info.vocab_size, info.max_logprobs or 20, tokenizer)
+
+    @contextlib.asynccontextmanager
+    async def admitted(self):
+        """Holds one of --max-concurrent-requests slots for as long as a request (and its stream) lasts."""
+        if self.max_concurrent_requests and self.in_flight >= self.max_concurrent_requests:
+            raise Overloaded(f"the gateway is at its limit of {self.max_concurrent_requests} concurrent requests; "
+                             "retry later")
+        self.in_flight += 1
+        try:
+            yield
+        finally:
+            self.in_flight -= 1
+
+    async def start(self, model: Model, request_id: str, prompts: list[list[int]], params: SamplingParams,
+                    suffix_ids: bool = True) -> list[Run]:
+        """Validate every prompt, then submit them all and wait for each one's first output.
+
+        One engine request per prompt; their ids are request_id-<i> (or request_id itself when
+        suffix_ids is false, as the gRPC API needs to abort by the client's id).
+        """
+        for prompt in prompts:
+            model.check_prompt(prompt, params)
+        runs: list[Run] = []
+        try:
+            for i, prompt in enumerate(prompts):
+                engine_id = f"{request_id}-{i}" if suffix_ids else request_id
+                stream = await self.client.submit(engine_id, prompt, params)
+                runs.append(Run(model, stream, engine_id, prompt, params, self.metrics))
+            await asyncio.gather(*(run.start() for run in runs))
+        except BaseException:
+            for run in runs:  # all or nothing: abort the ones that were admitted
+                run.cancel()
+            raise
+        log.info("request started", prompts=len(prompts), n=params.n, max_tokens=params.max_tokens,
+                 prompt_tokens=sum(map(len, prompts)))
+        return runs

@@ -1,0 +1,105 @@
+"""The public gRPC API (pagedserve.api.v1.Generation) on grpc.aio, over the same generation core,
+with grpc.health.v1 and server reflection."""
+
+from __future__ import annotations
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+
+from services.gateway.generation import Generator, Overloaded, SeqDelta, TokenLogprob, merge, new_request_id
+from shared.grpc_errors import status_for
+from shared.logging import bind_request_id, clear_request_id, setup_logging
+from shared.proto import pagedserve_api_pb2 as api
+from shared.proto import pagedserve_api_pb2_grpc as api_grpc
+from shared.sampling_params import SamplingParams
+
+log = setup_logging("gateway")
+
+
+async def _abort_with(context: grpc.aio.ServicerContext, exc: Exception) -> None:
+    """Domain error -> status, through shared/grpc_errors (grpc.aio's abort must be awaited)."""
+    code = grpc.StatusCode.RESOURCE_EXHAUSTED if isinstance(exc, Overloaded) else status_for(exc)
+    if code == grpc.StatusCode.INTERNAL:
+        log.exception("request failed")
+    await context.abort(code, str(exc) or type(exc).__name__)
+
+
+def _token_logprob(entry: TokenLogprob) -> api.TokenLogprob:
+    return api.TokenLogprob(token_id=entry.token_id, logprob=entry.logprob, rank=entry.rank, token=entry.token,
+                            top=[api.TopLogprob(token_id=t.token_id, logprob=t.logprob, token=t.token)
+                                 for t in entry.top])
+
+
+class GenerationServicer(api_grpc.GenerationServicer):
+    def __init__(self, gen: Generator):
+        self.gen = gen
+
+    async def Generate(self, request, context):
+        request_id = request.request_id or new_request_id()
+        bind_request_id(request_id)
+        try:
+            async with self.gen.admitted():
+                model = await self.gen.model()
+                model.check_name(request.model)
+                params = SamplingParams.from_proto(request.params)
+                prompt = model.encode(request.text) if request.WhichOneof("prompt") == "text" \
+                    else list(request.token_ids.ids)
+                # The engine request keeps the client's id, so Abort(request_id) reaches it.
+                (run,) = await self.gen.start(model, request_id, [prompt], params, suffix_ids=False)
+                first = True
+                async for _, delta in merge([run]):
+                    yield self._response(request_id, delta, run, first)
+                    first = False
+        except grpc.aio.AbortError:
+            raise
+        except Exception as exc:
+            await _abort_with(context, exc)
+        finally:
+            clear_request_id()
+
+    @staticmethod
+    def _response(request_id: str, delta: SeqDelta, run, first: bool) -> api.GenerateResponse:
+        out = api.GenerateResponse(request_id=request_id, index=delta.index, token_ids=delta.token_ids,
+                                   text=delta.text, finish_reason=delta.finish_reason or "",
+                                   logprobs=[_token_logprob(e) for e in delta.logprobs or []])
+        if first and run.prompt_logprobs:
+            out.prompt_logprobs.extend(_token_logprob(e) for e in run.prompt_logprobs if e is not None)
+        if isinstance(delta.stop_reason, str):
+            out.stop_string = delta.stop_reason
+        elif isinstance(delta.stop_reason, int):
+            out.stop_token_id = delta.stop_reason
+        if delta.finish_reason:
+            out.usage.prompt_tokens = len(run.prompt)
+            out.usage.completion_tokens = run.completion_tokens
+        return out
+
+    async def Abort(self, request, context):
+        try:
+            return api.AbortResponse(found=await self.gen.client.abort(request.request_id))
+        except Exception as exc:
+            await _abort_with(context, exc)
+
+    async def ListModels(self, request, context):
+        try:
+            model = await self.gen.model()
+        except Exception as exc:
+            await _abort_with(context, exc)
+        return api.ListModelsResponse(models=[api.ModelCard(id=model.name, max_model_len=model.max_model_len,
+                                                            vocab_size=model.vocab_size)])
+
+
+def create_grpc_server(gen: Generator, address: str) -> tuple[grpc.aio.Server, health.aio.HealthServicer]:
+    server = grpc.aio.server()
+    api_grpc.add_GenerationServicer_to_server(GenerationServicer(gen), server)
+    health_servicer = health.aio.HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+    reflection.enable_server_reflection([api.DESCRIPTOR.services_by_name["Generation"].full_name,
+                                         reflection.SERVICE_NAME, health.SERVICE_NAME], server)
+    if not server.add_insecure_port(address):
+        raise OSError(f"cannot listen on {address} for gRPC")
+    return server, health_servicer
+
+
+SERVING = health_pb2.HealthCheckResponse.SERVING
+NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING

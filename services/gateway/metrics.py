@@ -1,0 +1,40 @@
+"""Prometheus metrics of the gateway, plus the engine's own stats (GetStats) as gauges.
+
+Each gateway gets its own registry, so several can live in one process (tests).
+"""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
+
+
+class GatewayMetrics:
+    def __init__(self):
+        self.registry = CollectorRegistry()
+        r = self.registry
+        self.requests = Counter("pagedserve_requests", "HTTP requests by endpoint and status code",
+                                ["endpoint", "status"], registry=r)
+        self.prompt_tokens = Counter("pagedserve_prompt_tokens", "prompt tokens submitted", registry=r)
+        self.generation_tokens = Counter("pagedserve_generation_tokens", "tokens generated", registry=r)
+        self.ttft = Histogram("pagedserve_time_to_first_token_seconds", "submit to first output",
+                              buckets=LATENCY_BUCKETS, registry=r)
+        self.e2e = Histogram("pagedserve_e2e_request_latency_seconds", "submit to last output, per engine request",
+                             buckets=LATENCY_BUCKETS, registry=r)
+        self.scheduler_up = Gauge("pagedserve_scheduler_up", "1 when the last GetStats succeeded", registry=r)
+        self._engine: dict[str, Gauge] = {}  # pagedserve_engine_<stat>, made as the scheduler reports them
+
+    def finish(self, prompt_tokens: int, generation_tokens: int, seconds: float) -> None:
+        self.prompt_tokens.inc(prompt_tokens)
+        self.generation_tokens.inc(generation_tokens)
+        self.e2e.observe(seconds)
+
+    def render(self, engine_stats: dict[str, float] | None) -> bytes:
+        self.scheduler_up.set(0 if engine_stats is None else 1)
+        for name, value in (engine_stats or {}).items():
+            if name not in self._engine:
+                self._engine[name] = Gauge(f"pagedserve_engine_{name}", f"engine stat {name} (GetStats)",
+                                           registry=self.registry)
+            self._engine[name].set(value)
+        return generate_latest(self.registry)

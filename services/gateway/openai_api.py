@@ -1,0 +1,181 @@
+"""/v1/completions and /v1/chat/completions: requests through the generation core, answers in
+OpenAI's shapes (whole responses, or stream chunks for SSE).
+
+Choice k of a completions request with several prompts is prompt k // n, sequence k % n.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import defaultdict
+from collections.abc import AsyncIterator
+from contextlib import AsyncExitStack
+
+from services.gateway.generation import Generator, Model, Run, SeqDelta, TokenLogprob, merge
+from services.gateway.protocol import ChatCompletionRequest, CompletionRequest
+
+
+async def create_completion(gen: Generator, body: CompletionRequest, request_id: str):
+    async with AsyncExitStack() as stack:
+        await stack.enter_async_context(gen.admitted())
+        model = await gen.model()
+        model.check_name(body.model)
+        params = body.checked_params()
+        prompts = body.prompts()
+        ids = [model.encode(p) if isinstance(p, str) else list(p) for p in prompts]
+        texts = [p if isinstance(p, str) else model.decode(p) for p in prompts]
+        runs = await gen.start(model, request_id, ids, params)
+        reply = _Completion(model, body, f"cmpl-{request_id}", runs, texts)
+        if body.stream:
+            return reply.stream(stack.pop_all())  # the stream holds the request's slot until it ends
+        return await reply.whole()
+
+
+async def create_chat_completion(gen: Generator, body: ChatCompletionRequest, request_id: str):
+    async with AsyncExitStack() as stack:
+        await stack.enter_async_context(gen.admitted())
+        model = await gen.model()
+        model.check_name(body.model)
+        params = body.checked_params()
+        _, prompt = model.encode_chat([m.as_dict() for m in body.messages])
+        runs = await gen.start(model, request_id, [prompt], params)
+        reply = _Chat(model, body, f"chatcmpl-{request_id}", runs)
+        if body.stream:
+            return reply.stream(stack.pop_all())
+        return await reply.whole()
+
+
+def usage(runs: list[Run]) -> dict:
+    prompt = sum(len(run.prompt) for run in runs)
+    completion = sum(run.completion_tokens for run in runs)
+    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+
+
+class _Reply:
+    object_whole = object_chunk = ""
+
+    def __init__(self, model: Model, body, response_id: str, runs: list[Run]):
+        self.model, self.body, self.id, self.runs = model, body, response_id, runs
+        self.n = body.n
+        self.created = int(time.time())
+
+    def envelope(self, kind: str, choices: list[dict], **extra) -> dict:
+        return {"id": self.id, "object": kind, "created": self.created, "model": self.model.name,
+                "choices": choices, **extra}
+
+    async def stream(self, slot: AsyncExitStack) -> AsyncIterator[dict]:
+        async with slot:
+            for chunk in self.opening_chunks():
+                yield chunk
+            async for position, delta in merge(self.runs):
+                choice = self.chunk_choice(position * self.n + delta.index, position, delta)
+                if choice is not None:
+                    yield self.envelope(self.object_chunk, [choice])
+            if self.body.include_usage:
+                yield self.envelope(self.object_chunk, [], usage=usage(self.runs))
+
+    async def whole(self) -> dict:
+        texts: dict[int, str] = defaultdict(str)
+        logprobs: dict[int, list[TokenLogprob]] = defaultdict(list)
+        ends: dict[int, SeqDelta] = {}
+        async for position, delta in merge(self.runs):
+            k = position * self.n + delta.index
+            texts[k] += delta.text
+            logprobs[k] += delta.logprobs or []
+            if delta.finish_reason:
+                ends[k] = delta
+        choices = [self.whole_choice(k, k // self.n, texts[k], logprobs[k], ends.get(k))
+                   for k in range(len(self.runs) * self.n)]
+        return self.envelope(self.object_whole, choices, usage=usage(self.runs))
+
+    def opening_chunks(self) -> list[dict]:
+        return []
+
+
+class _Completion(_Reply):
+    object_whole = object_chunk = "text_completion"
+
+    def __init__(self, model, body: CompletionRequest, response_id, runs, prompt_texts: list[str]):
+        super().__init__(model, body, response_id, runs)
+        self.prompt_texts = prompt_texts
+        self.echoed: set[int] = set()
+
+    def _prefix(self, k: int, position: int) -> tuple[str, list[TokenLogprob]]:
+        """The echoed prompt (text and its token logprobs), once per choice."""
+        if not self.body.echo or k in self.echoed:
+            return "", []
+        self.echoed.add(k)
+        return self.prompt_texts[position], self._prompt_entries(self.runs[position])
+
+    def _prompt_entries(self, run: Run) -> list[TokenLogprob]:
+        got = run.prompt_logprobs or []
+        entries, offset = [], 0
+        for i, token_id in enumerate(run.prompt):
+            entry = got[i] if i < len(got) and got[i] is not None else \
+                TokenLogprob(token_id, self.model.token_string(token_id), None, 0, [])
+            entries.append(TokenLogprob(entry.token_id, entry.token, entry.logprob, entry.rank, entry.top, offset))
+            offset += len(entry.token)
+        return entries
+
+    def _logprobs(self, position: int, prompt_entries: list[TokenLogprob], entries: list[TokenLogprob]) -> dict | None:
+        if self.body.logprobs is None:
+            return None
+        base = len(self.prompt_texts[position]) if self.body.echo else 0
+        head, tail = completion_logprobs(prompt_entries, 0), completion_logprobs(entries, base)
+        return {key: head[key] + tail[key] for key in tail}
+
+    def chunk_choice(self, k: int, position: int, delta: SeqDelta) -> dict | None:
+        prefix, prompt_entries = self._prefix(k, position)
+        if not (prefix or delta.text or delta.token_ids or delta.finish_reason):
+            return None
+        return {"index": k, "text": prefix + delta.text, "finish_reason": delta.finish_reason,
+                "stop_reason": delta.stop_reason, "logprobs": self._logprobs(position, prompt_entries,
+                                                                             delta.logprobs or [])}
+
+    def whole_choice(self, k, position, text, logprobs, end) -> dict:
+        prefix, prompt_entries = self._prefix(k, position)
+        return {"index": k, "text": prefix + text, "finish_reason": end and end.finish_reason,
+                "stop_reason": end and end.stop_reason, "logprobs": self._logprobs(position, prompt_entries, logprobs)}
+
+
+def completion_logprobs(entries: list[TokenLogprob], base_offset: int) -> dict:
+    """OpenAI's completions logprobs; the top dict holds the top-k and the sampled token (as vLLM's)."""
+    return {"tokens": [e.token for e in entries],
+            "token_logprobs": [e.logprob for e in entries],
+            "top_logprobs": [None if e.logprob is None else {**{t.token: t.logprob for t in e.top}, e.token: e.logprob}
+                             for e in entries],
+            "text_offset": [base_offset + e.text_offset for e in entries]}
+
+
+class _Chat(_Reply):
+    object_whole, object_chunk = "chat.completion", "chat.completion.chunk"
+
+    def opening_chunks(self) -> list[dict]:
+        # OpenAI's first delta of each choice carries the role.
+        return [self.envelope(self.object_chunk, [{"index": i, "delta": {"role": "assistant", "content": ""},
+                                                   "logprobs": None, "finish_reason": None}])
+                for i in range(self.n)]
+
+    def _logprobs(self, entries: list[TokenLogprob]) -> dict | None:
+        if not self.body.logprobs:
+            return None
+        top = self.body.top_logprobs or 0
+        return {"content": [{**_chat_token(e.token, e.logprob),
+                             "top_logprobs": [_chat_token(t.token, t.logprob) for t in e.top[:top]]}
+                            for e in entries]}
+
+    def chunk_choice(self, k: int, position: int, delta: SeqDelta) -> dict | None:
+        if not (delta.text or delta.token_ids or delta.finish_reason):
+            return None
+        return {"index": k, "delta": {"content": delta.text} if delta.text else {},
+                "logprobs": self._logprobs(delta.logprobs or []), "finish_reason": delta.finish_reason,
+                "stop_reason": delta.stop_reason}
+
+    def whole_choice(self, k, position, text, logprobs, end) -> dict:
+        return {"index": k, "message": {"role": "assistant", "content": text},
+                "logprobs": self._logprobs(logprobs), "finish_reason": end and end.finish_reason,
+                "stop_reason": end and end.stop_reason}
+
+
+def _chat_token(token: str, logprob: float) -> dict:
+    return {"token": token, "logprob": logprob, "bytes": list(token.encode("utf-8"))}

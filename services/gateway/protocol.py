@@ -1,0 +1,131 @@
+"""OpenAI request bodies (plus the vLLM extension fields), and their SamplingParams.
+
+Fields OpenAI defines but the engine cannot honour either have a clear 400
+(best_of > n, suffix, non-text content) or are accepted and ignored (user,
+metadata, ...: extra="allow").
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from services.gateway.generation import InvalidParameter
+from shared.sampling_params import SamplingParams
+
+
+class StreamOptions(BaseModel):
+    include_usage: bool = False
+
+
+class _Sampling(BaseModel):
+    """What completions and chat share."""
+    model_config = ConfigDict(extra="allow")
+
+    model: str | None = None
+    n: int = 1
+    temperature: float | None = None
+    top_p: float | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    logit_bias: dict[str, float] | None = None
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    max_tokens: int | None = Field(None, description="None: up to the context length")
+    # vLLM's extensions
+    top_k: int | None = None
+    min_p: float | None = None
+    repetition_penalty: float | None = None
+    min_tokens: int | None = None
+    ignore_eos: bool | None = None
+    stop_token_ids: list[int] | None = None
+    skip_special_tokens: bool | None = None
+    include_stop_str_in_output: bool | None = None
+
+    _PASSED = ("n", "temperature", "top_p", "presence_penalty", "frequency_penalty", "seed", "top_k", "min_p",
+               "repetition_penalty", "min_tokens", "ignore_eos", "stop_token_ids", "skip_special_tokens",
+               "include_stop_str_in_output")
+
+    def sampling_params(self, max_tokens: int | None, logprobs: int | None,
+                        prompt_logprobs: int | None = None) -> SamplingParams:
+        kwargs = {name: getattr(self, name) for name in self._PASSED if getattr(self, name) is not None}
+        try:
+            bias = {int(k): v for k, v in self.logit_bias.items()} if self.logit_bias else None
+        except ValueError:
+            raise InvalidParameter("logit_bias keys must be token ids", "logit_bias") from None
+        try:
+            return SamplingParams(**kwargs, max_tokens=max_tokens, logprobs=logprobs, prompt_logprobs=prompt_logprobs,
+                                  stop=[self.stop] if isinstance(self.stop, str) else list(self.stop or []),
+                                  logit_bias=bias)
+        except ValueError as exc:  # "SamplingParams.<name> must ..." names the parameter
+            named = str(exc).startswith("SamplingParams.")
+            message = str(exc).removeprefix("SamplingParams.")
+            raise InvalidParameter(message, message.split(" ", 1)[0] if named else None) from None
+
+    @property
+    def include_usage(self) -> bool:
+        return bool(self.stream and self.stream_options and self.stream_options.include_usage)
+
+
+class CompletionRequest(_Sampling):
+    prompt: str | list[int] | list[str] | list[list[int]]
+    echo: bool = False
+    logprobs: int | None = None
+    best_of: int | None = None
+    suffix: str | None = None
+
+    def checked_params(self) -> SamplingParams:
+        if self.best_of is not None and self.best_of > self.n:
+            raise InvalidParameter("best_of > n is not supported", "best_of")
+        if self.suffix:
+            raise InvalidParameter("suffix is not supported", "suffix")
+        # echo with logprobs: the prompt's logprobs come back too, as OpenAI does.
+        return self.sampling_params(self.max_tokens, self.logprobs, self.logprobs if self.echo else None)
+
+    def prompts(self) -> list[str | list[int]]:
+        """One entry per prompt: a string, or token ids."""
+        prompt = self.prompt
+        if isinstance(prompt, str) or (prompt and isinstance(prompt[0], int)):
+            prompt = [prompt]
+        if not prompt or any(len(p) == 0 for p in prompt):
+            raise InvalidParameter("the prompt is empty", "prompt")
+        return list(prompt)
+
+
+class TextPart(BaseModel):
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessage(BaseModel):
+    model_config = ConfigDict(extra="allow")
+
+    role: str
+    content: str | list[TextPart | dict] | None = None
+
+    def as_dict(self) -> dict:
+        content = self.content
+        if isinstance(content, list):
+            if not all(isinstance(part, TextPart) for part in content):
+                raise InvalidParameter("only text content parts ({'type': 'text', 'text': ...}) are supported",
+                                       "messages")
+            content = "\n".join(part.text for part in content)
+        return {"role": self.role, "content": content or ""}
+
+
+class ChatCompletionRequest(_Sampling):
+    messages: list[ChatMessage]
+    max_completion_tokens: int | None = None
+    logprobs: bool = False
+    top_logprobs: int | None = None
+
+    def checked_params(self) -> SamplingParams:
+        if self.top_logprobs is not None and not self.logprobs:
+            raise InvalidParameter("top_logprobs needs logprobs=true", "top_logprobs")
+        if not self.messages:
+            raise InvalidParameter("messages must not be empty", "messages")
+        max_tokens = self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+        return self.sampling_params(max_tokens, (self.top_logprobs or 0) if self.logprobs else None)

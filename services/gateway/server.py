@@ -1,0 +1,104 @@
+"""`pagedserve gateway`: the OpenAI HTTP API (uvicorn) and the public gRPC API (grpc.aio) in one
+asyncio event loop, over one scheduler client. Stateless: any number can run side by side.
+
+On SIGTERM/SIGINT it stops accepting, gives in-flight streams --drain-timeout seconds, then closes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import signal
+
+import uvicorn
+
+from services.gateway.app import create_app
+from services.gateway.generation import Generator
+from services.gateway.grpc_api import NOT_SERVING, SERVING, create_grpc_server
+from services.gateway.metrics import GatewayMetrics
+from services.gateway.scheduler_client import SchedulerClient
+from shared.logging import setup_logging
+
+log = setup_logging("gateway")
+
+
+class _Uvicorn(uvicorn.Server):
+    def capture_signals(self):
+        # Signals are ours (they must stop the gRPC server too); uvicorn would re-raise them on exit.
+        return contextlib.nullcontext()
+
+
+async def _learn_model(gen: Generator) -> None:
+    """Fetch the model info and load the tokenizer ahead of the first request; retry while the
+    scheduler is not up yet (requests meanwhile get 503)."""
+    while True:
+        try:
+            await gen.model()
+            return
+        except Exception as exc:
+            log.info("waiting for the scheduler", scheduler=gen.client.address, error=str(exc))
+            await asyncio.sleep(1.0)
+
+
+async def serve(args: argparse.Namespace) -> None:
+    metrics = GatewayMetrics()
+    client = SchedulerClient(args.scheduler, connect_timeout_s=args.connect_timeout,
+                             idle_timeout_s=args.backend_timeout)
+    gen = Generator(client, metrics, args.served_model_name, args.tokenizer, args.max_concurrent_requests)
+    grpc_server, grpc_health = create_grpc_server(gen, f"{args.host}:{args.grpc_port}")
+    http = _Uvicorn(uvicorn.Config(create_app(gen), host=args.host, port=args.port, log_config=None,
+                                   log_level="warning", access_log=False, lifespan="off",
+                                   timeout_graceful_shutdown=args.drain_timeout))
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+
+    await grpc_server.start()
+    await grpc_health.set("", SERVING)
+    learn = asyncio.create_task(_learn_model(gen))
+    http_task = asyncio.create_task(http.serve())
+    log.info("gateway serving", http=f"{args.host}:{args.port}", grpc=f"{args.host}:{args.grpc_port}",
+             scheduler=args.scheduler)
+    stopping = asyncio.create_task(stop.wait())
+    await asyncio.wait([stopping, http_task], return_when=asyncio.FIRST_COMPLETED)
+
+    log.info("gateway stopping", in_flight=gen.in_flight)
+    learn.cancel()
+    await grpc_health.set("", NOT_SERVING)
+    http.should_exit = True  # uvicorn closes its listener, then waits for open responses (drain timeout)
+    await asyncio.gather(http_task, grpc_server.stop(grace=args.drain_timeout), return_exceptions=True)
+    await client.close()
+    log.info("gateway stopped")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="pagedserve gateway",
+                                     description="the pagedserve gateway: OpenAI HTTP API and public gRPC API")
+    parser.add_argument("--host", default="127.0.0.1", help="address to listen on (HTTP and gRPC)")
+    parser.add_argument("--port", type=int, default=8000, help="HTTP (OpenAI API) port")
+    parser.add_argument("--grpc-port", type=int, default=50050, help="public gRPC API port")
+    parser.add_argument("--scheduler", default="127.0.0.1:50051", help="scheduler address (host:port)")
+    parser.add_argument("--served-model-name", default=None, help="model id clients use (default: the model "
+                                                                   "directory's name)")
+    parser.add_argument("--tokenizer", default=None, help="tokenizer directory (default: the model directory "
+                                                          "the scheduler reports)")
+    parser.add_argument("--max-concurrent-requests", type=int, default=None,
+                        help="requests in flight beyond this get 429 (default: no limit)")
+    parser.add_argument("--connect-timeout", type=float, default=2.0,
+                        help="seconds to wait for a connection to the scheduler before answering 503")
+    parser.add_argument("--backend-timeout", type=float, default=120.0,
+                        help="seconds a request's stream may stay silent before it is abandoned with 503")
+    parser.add_argument("--drain-timeout", type=float, default=10.0,
+                        help="seconds in-flight requests get to finish on shutdown")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    from pagedserve.cli import apply_env_defaults
+
+    parser = build_parser()
+    apply_env_defaults(parser)
+    asyncio.run(serve(parser.parse_args(argv)))
+    return 0

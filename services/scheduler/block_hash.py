@@ -1,0 +1,36 @@
+"""Chained hashes of full blocks: the key of the prefix cache.
+
+A block's hash covers its parent block's hash, its own token ids and extra keys
+(a cache salt today; a LoRA or multimodal key later), so equal hashes mean equal
+prefixes, not just equal blocks. BLAKE2b makes a collision (which would hand one
+request another's KV) practically impossible, unlike Python's 64-bit hash().
+"""
+
+from __future__ import annotations
+
+import hashlib
+from array import array
+
+BlockHash = bytes
+
+
+def hash_block_tokens(parent: BlockHash | None, token_ids: list[int], extra: bytes = b"") -> BlockHash:
+    digest = hashlib.blake2b(digest_size=16)
+    digest.update(parent or b"root")
+    digest.update(array("q", token_ids).tobytes())
+    digest.update(extra)
+    return digest.digest()
+
+
+def hash_full_blocks(parent: BlockHash | None, token_ids: list[int], block_size: int,
+                     extra: bytes = b"") -> list[BlockHash]:
+    """Hashes of the full blocks of ``token_ids``, chained on from ``parent`` (None at a sequence's start).
+
+    Only a sequence's first block carries ``extra``: through the chain it reaches every later block.
+    """
+    hashes: list[BlockHash] = []
+    for start in range(0, len(token_ids) - block_size + 1, block_size):
+        previous = hashes[-1] if hashes else parent
+        hashes.append(hash_block_tokens(previous, token_ids[start:start + block_size],
+                                        extra if previous is None else b""))
+    return hashes

@@ -1,0 +1,122 @@
+"""Start worker, scheduler and gateway as real processes on loopback, and always tear them down."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def http_get(url: str, timeout: float = 5.0) -> tuple[int, dict | str]:
+    try:
+        with urllib.request.urlopen(url, timeout=timeout) as reply:
+            status, raw = reply.status, reply.read().decode()
+    except urllib.error.HTTPError as exc:
+        status, raw = exc.code, exc.read().decode()
+    try:
+        return status, json.loads(raw)
+    except json.JSONDecodeError:
+        return status, raw
+
+
+class Stack:
+    """worker -> scheduler -> gateway; `with Stack(...) as stack:` or start()/stop()."""
+
+    def __init__(self, model_dir: Path, log_dir: Path, worker_args: tuple[str, ...] = (),
+                 gateway_args: tuple[str, ...] = ()):
+        self.model_dir, self.log_dir = Path(model_dir), Path(log_dir)
+        self.worker_port, self.scheduler_port = free_port(), free_port()
+        self.http_port, self.grpc_port = free_port(), free_port()
+        self.worker_args, self.gateway_args = worker_args, gateway_args
+        self.procs: dict[str, subprocess.Popen] = {}
+
+    @property
+    def base_url(self) -> str:
+        return f"http://127.0.0.1:{self.http_port}"
+
+    @property
+    def scheduler_address(self) -> str:
+        return f"127.0.0.1:{self.scheduler_port}"
+
+    def _spawn(self, name: str, *args: str) -> None:
+        env = {**os.environ, "TOKENIZERS_PARALLELISM": "false", "PYTHONUNBUFFERED": "1"}
+        log = open(self.log_dir / f"{name}.log", "wb")
+        self.procs[name] = subprocess.Popen([sys.executable, "-m", "pagedserve", name, *args], cwd=REPO, env=env,
+                                            stdout=log, stderr=subprocess.STDOUT)
+        log.close()  # the child holds its own copy
+
+    def start(self, timeout_s: float = 60.0) -> "Stack":
+        # All three at once: the scheduler waits for its worker, the gateway learns the model lazily.
+        self._spawn("worker", "--model", str(self.model_dir), "--listen", f"127.0.0.1:{self.worker_port}",
+                    *self.worker_args)
+        self._spawn("scheduler", "--worker", f"127.0.0.1:{self.worker_port}", "--listen", self.scheduler_address)
+        self._spawn("gateway", "--port", str(self.http_port), "--grpc-port", str(self.grpc_port),
+                    "--scheduler", self.scheduler_address, *self.gateway_args)
+        try:
+            self._wait_ready(timeout_s)
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def _wait_ready(self, timeout_s: float) -> None:
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            for name, proc in self.procs.items():
+                if proc.poll() is not None:
+                    raise RuntimeError(f"{name} exited with {proc.returncode} during start-up:\n{self.log_tail(name)}")
+            try:
+                if http_get(f"{self.base_url}/health", 2)[0] == 200 and \
+                        http_get(f"{self.base_url}/v1/models", 10)[0] == 200:
+                    return
+            except OSError:
+                pass
+            time.sleep(0.25)
+        raise TimeoutError(f"the stack did not become healthy in {timeout_s} s:\n"
+                           + "\n".join(self.log_tail(name) for name in self.procs))
+
+    def log_tail(self, name: str, lines: int = 30) -> str:
+        text = (self.log_dir / f"{name}.log").read_text(errors="replace").splitlines()
+        return f"--- {name} ---\n" + "\n".join(text[-lines:])
+
+    def kill(self, name: str) -> None:
+        """Kill one service abruptly (a crash, not a shutdown)."""
+        proc = self.procs[name]
+        proc.send_signal(signal.SIGKILL)
+        proc.wait(10)
+
+    def stop(self, timeout_s: float = 15.0) -> dict[str, int | None]:
+        """SIGTERM front to back, then SIGKILL whatever is left; the exit codes by service."""
+        for name in ("gateway", "scheduler", "worker"):
+            proc = self.procs.get(name)
+            if proc is not None and proc.poll() is None:
+                proc.terminate()
+        deadline = time.monotonic() + timeout_s
+        for proc in self.procs.values():
+            try:
+                proc.wait(max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait(10)
+        return {name: proc.returncode for name, proc in self.procs.items()}
+
+    def __enter__(self) -> "Stack":
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.stop()

@@ -1,0 +1,164 @@
+"""TorchAttentionBackend (the fast CPU path) against paged_attention_reference (the oracle)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from services.worker.attention import torch_ref
+from services.worker.attention.metadata import AttentionMetadata
+from services.worker.attention.torch_ref import TorchAttentionBackend, paged_attention_reference, write_kv
+
+NAN = float("nan")
+
+
+def make_metadata(seqs: list[tuple[list[int], int, int]], block_size: int) -> AttentionMetadata:
+    """Metadata for sequences given as (block table, tokens already cached, new tokens)."""
+    slots, starts, seq_lens, query_lens = [], [0], [], []
+    for table, cached, new in seqs:
+        total = cached + new
+        assert len(table) == -(-total // block_size)
+        slots += [table[p // block_size] * block_size + p % block_size for p in range(cached, total)]
+        starts.append(starts[-1] + new)
+        seq_lens.append(total)
+        query_lens.append(new)
+    width = max(len(table) for table, _, _ in seqs)
+    tables = [table + [0] * (width - len(table)) for table, _, _ in seqs]
+    return AttentionMetadata(
+        slot_mapping=torch.tensor(slots, dtype=torch.int64),
+        query_start_loc=torch.tensor(starts, dtype=torch.int32),
+        seq_lens=torch.tensor(seq_lens, dtype=torch.int32),
+        block_tables=torch.tensor(tables, dtype=torch.int32),
+        query_lens_cpu=query_lens, seq_lens_cpu=seq_lens,
+        max_query_len=max(query_lens), max_seq_len=max(seq_lens))
+
+
+def run_case(batch: list[tuple[int, int]], *, heads: int = 8, kv_heads: int = 4, dim: int = 64,
+             block_size: int = 16, dtype: torch.dtype = torch.float32, layers: int = 2,
+             order: str = "random", seed: int = 0, atol: float = 1e-5, rtol: float = 1e-5,
+             monkeypatch: pytest.MonkeyPatch | None = None) -> None:
+    """batch: (cached, new) tokens per sequence. Every layer of one step is checked against the oracle."""
+    generator = torch.Generator().manual_seed(seed)
+    needed = sum(-(-(c + n) // block_size) for c, n in batch)
+    num_blocks = needed + 5
+    if order == "reverse":  # each sequence's blocks descend through the pool
+        free = list(range(num_blocks))
+    else:
+        free = torch.randperm(num_blocks, generator=generator).tolist()
+    seqs = []
+    for cached, new in batch:
+        seqs.append(([free.pop() for _ in range(-(-(cached + new) // block_size))], cached, new))
+    shape = (num_blocks, block_size, kv_heads, dim)
+
+    def randn(*size):
+        return torch.randn(*size, generator=generator).to(dtype)
+
+    # Slots no sequence owns, and the unwritten tail of every last block, hold large finite garbage.
+    pools = [(randn(*shape) * 100, randn(*shape) * 100) for _ in range(layers)]
+    cached = [(t[:-(-c // block_size)], 0, c) for t, c, _ in seqs if c]
+    if cached:
+        prefix = make_metadata(cached, block_size)
+        for k_cache, v_cache in pools:
+            write_kv(k_cache, v_cache, randn(prefix.num_tokens, kv_heads, dim),
+                     randn(prefix.num_tokens, kv_heads, dim), prefix.slot_mapping)
+
+    meta = make_metadata(seqs, block_size)
+    scale = dim ** -0.5
+    inputs, expected = [], []
+    for k_cache, v_cache in pools:
+        q, k, v = (randn(meta.num_tokens, h, dim) for h in (heads, kv_heads, kv_heads))
+        ref_k, ref_v = k_cache.clone(), v_cache.clone()
+        write_kv(ref_k, ref_v, k, v, meta.slot_mapping)
+        inputs.append((q, k, v))
+        expected.append((paged_attention_reference(q, ref_k, ref_v, meta, scale=scale), ref_k, ref_v))
+        # Poison the slots the backend must write: a missed write (or a read before it) shows up as NaN.
+        write_kv(k_cache, v_cache, torch.full_like(k, NAN), torch.full_like(v, NAN), meta.slot_mapping)
+
+    backend = TorchAttentionBackend(pools, scale=scale)
+    if monkeypatch is not None:  # every output row must be written: the output starts as NaN
+        empty_like = torch.empty_like
+        monkeypatch.setattr(torch_ref.torch, "empty_like", lambda t, **kw: empty_like(t, **kw).fill_(NAN))
+    outputs = [backend.forward(layer, *inputs[layer], meta) for layer in range(layers)]
+    if monkeypatch is not None:
+        monkeypatch.undo()
+    for layer, (out, (want, ref_k, ref_v)) in enumerate(zip(outputs, expected)):
+        assert out.dtype == dtype and out.shape == want.shape
+        assert torch.isfinite(out).all(), f"layer {layer}: NaN/inf in the output"
+        torch.testing.assert_close(out, want, atol=atol, rtol=rtol, msg=lambda m: f"layer {layer}: {m}")
+        torch.testing.assert_close(pools[layer][0], ref_k, equal_nan=True)
+        torch.testing.assert_close(pools[layer][1], ref_v, equal_nan=True)
+
+
+DECODE_LENGTHS = [0, 15, 16, 31, 32, 48, 1, 200, 3, 95, 96, 500, 7, 64]  # cached; each decodes one more
+
+
+@pytest.mark.parametrize("order", ["random", "reverse"])
+def test_decode_very_different_lengths(order, monkeypatch):
+    # 1-token contexts, exact block multiples (15 + 1), one token into a new block (16 + 1).
+    run_case([(c, 1) for c in DECODE_LENGTHS], order=order, monkeypatch=monkeypatch)
+
+
+def test_decode_many_small_chunks(monkeypatch):
+    # A tiny byte budget forces one chunk per few sequences; the plan is reused by both layers.
+    monkeypatch.setattr(torch_ref, "DECODE_CHUNK_BYTES", 40 * 1024)
+    lengths = torch.randint(0, 300, (40,), generator=torch.Generator().manual_seed(3)).tolist()
+    run_case([(c, 1) for c in lengths], seed=3, monkeypatch=monkeypatch)
+
+
+def test_decode_equal_lengths_no_mask(monkeypatch):
+    run_case([(31, 1)] * 5 + [(63, 1)] * 3, monkeypatch=monkeypatch)
+
+
+def test_mixed_prefill_and_decode(monkeypatch):
+    # A first chunk, decodes, chunks after cached full blocks and after a partial block.
+    run_case([(0, 37), (9, 1), (32, 16), (20, 7), (0, 1), (100, 1), (5, 2), (48, 33)], monkeypatch=monkeypatch)
+
+
+@pytest.mark.parametrize("batch", [
+    [(16, 5)], [(17, 16)], [(64, 64)], [(3, 100)], [(160, 3), (1, 2)],  # prefill after cached blocks
+    [(0, 2)], [(0, 16)], [(0, 77)], [(0, 40), (0, 3), (0, 16)],  # first chunks, no cache
+])
+def test_prefill(batch, monkeypatch):
+    run_case(batch, monkeypatch=monkeypatch, order="reverse")
+
+
+def test_prefill_mask_built_per_call(monkeypatch):
+    monkeypatch.setattr(torch_ref, "MASK_KEEP_ELEMENTS", 0)  # the large-prefill path
+    monkeypatch.setattr(torch_ref, "WORKSPACE_KEEP_ELEMENTS", 0)  # buffers not kept
+    run_case([(40, 30), (7, 1), (0, 9)], monkeypatch=monkeypatch)
+
+
+@pytest.mark.parametrize("heads,kv_heads", [(8, 8), (8, 4), (8, 1), (6, 2)])
+def test_gqa_ratios(heads, kv_heads, monkeypatch):
+    run_case([(c, 1) for c in DECODE_LENGTHS[:8]], heads=heads, kv_heads=kv_heads, dim=32, seed=1,
+             monkeypatch=monkeypatch)
+    run_case([(0, 20), (30, 1), (17, 12), (4, 1)], heads=heads, kv_heads=kv_heads, dim=32, seed=2,
+             monkeypatch=monkeypatch)
+
+
+@pytest.mark.parametrize("block_size", [1, 4, 32])
+def test_block_sizes(block_size, monkeypatch):
+    run_case([(0, 9), (12, 1), (5, 6), (31, 1), (0, 1)], block_size=block_size, seed=4, monkeypatch=monkeypatch)
+
+
+def test_bfloat16(monkeypatch):
+    run_case([(c, 1) for c in DECODE_LENGTHS], dtype=torch.bfloat16, atol=2e-2, rtol=2e-2, seed=5,
+             monkeypatch=monkeypatch)
+    run_case([(0, 37), (9, 1), (32, 16), (20, 7), (48, 33)], dtype=torch.bfloat16, atol=2e-2, rtol=2e-2,
+             seed=6, monkeypatch=monkeypatch)
+
+
+def test_new_step_gets_new_plan():
+    """The per-step plan is keyed by the metadata object: a second step must not reuse the first's."""
+    block_size, heads, kv_heads, dim = 4, 4, 2, 8
+    generator = torch.Generator().manual_seed(7)
+    shape = (8, block_size, kv_heads, dim)
+    k_cache, v_cache = torch.randn(shape, generator=generator), torch.randn(shape, generator=generator)
+    backend = TorchAttentionBackend([(k_cache, v_cache)], scale=dim ** -0.5)
+    for seqs in ([([0, 1], 5, 1), ([2], 1, 1)], [([0, 1], 6, 1), ([2], 2, 1)], [([3, 4], 3, 5)]):
+        meta = make_metadata(seqs, block_size)
+        q = torch.randn(meta.num_tokens, heads, dim, generator=generator)
+        k, v = (torch.randn(meta.num_tokens, kv_heads, dim, generator=generator) for _ in range(2))
+        out = backend.forward(0, q, k, v, meta)
+        expected = paged_attention_reference(q, k_cache, v_cache, meta, scale=dim ** -0.5)
+        torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-5)

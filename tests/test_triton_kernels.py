@@ -1,0 +1,272 @@
+"""The Triton kernels against the PyTorch reference, run on the CPU through the Triton interpreter.
+
+Every output buffer is filled with NaN before the call, so a row the kernel forgets to write fails.
+Shapes are tiny: the interpreter runs each program as numpy operations in Python.
+"""
+
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("TRITON_INTERPRET", "1")  # before anything imports triton: kernels are wrapped at import
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+pytest.importorskip("triton")
+
+from services.worker.attention.metadata import AttentionMetadata  # noqa: E402
+from services.worker.attention.selector import select_attention_backend  # noqa: E402
+from services.worker.attention.torch_ref import (  # noqa: E402
+    TorchAttentionBackend, paged_attention_reference, write_kv as write_kv_reference)
+from services.worker.attention.triton_attention import (  # noqa: E402
+    TritonAttentionBackend, choose_num_splits, make_launch_plan, paged_attention)
+from services.worker.attention.triton_cache_ops import copy_blocks, swap_blocks, whole_pool, write_kv  # noqa: E402
+
+if os.environ.get("TRITON_INTERPRET") != "1":
+    pytest.skip("these tests run the kernels on the CPU: they need TRITON_INTERPRET=1", allow_module_level=True)
+
+NAN = float("nan")
+TOLERANCE = {torch.float32: 2e-5, torch.float16: 3e-3, torch.bfloat16: 3e-2}
+
+
+# --- building a batch ------------------------------------------------------------------------------
+
+
+def make_batch(specs: list[tuple[int, int]], block_size: int, num_blocks: int, generator: torch.Generator,
+               order: str = "random") -> AttentionMetadata:
+    """Metadata for sequences given as (cached tokens, new tokens); blocks drawn from the whole pool.
+
+    order "random" scatters every sequence's blocks over the pool; "reverse" hands them out from the
+    top of the pool down, so each table runs backwards through memory.
+    """
+    needed = sum(-(-(cached + new) // block_size) for cached, new in specs)
+    assert needed <= num_blocks
+    if order == "reverse":
+        free = list(range(num_blocks - needed, num_blocks))
+    else:
+        free = torch.randperm(num_blocks, generator=generator)[:needed].tolist()
+    tables, slots = [], []
+    for cached, new in specs:
+        table = [free.pop() for _ in range(-(-(cached + new) // block_size))]
+        tables.append(table)
+        slots += [table[pos // block_size] * block_size + pos % block_size for pos in range(cached, cached + new)]
+    query_lens = [new for _, new in specs]
+    seq_lens = [cached + new for cached, new in specs]
+    width = max(len(t) for t in tables)
+    starts = [0]
+    for n in query_lens:
+        starts.append(starts[-1] + n)
+    return AttentionMetadata(
+        slot_mapping=torch.tensor(slots, dtype=torch.int64),
+        query_start_loc=torch.tensor(starts, dtype=torch.int32),
+        seq_lens=torch.tensor(seq_lens, dtype=torch.int32),
+        block_tables=torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32),
+        query_lens_cpu=query_lens, seq_lens_cpu=seq_lens, max_query_len=max(query_lens), max_seq_len=max(seq_lens))
+
+
+def random_pools(num_blocks, block_size, num_kv_heads, head_dim, dtype, generator, layers=1):
+    shape = (layers, 2, num_blocks, block_size, num_kv_heads, head_dim)
+    return torch.randn(shape, generator=generator).to(dtype)
+
+
+def check_attention(specs, *, block_size=8, num_heads=4, num_kv_heads=2, head_dim=32, dtype=torch.float32,
+                    order="random", seed=0, **kwargs):
+    g = torch.Generator().manual_seed(seed)
+    num_blocks = sum(-(-(c + n) // block_size) for c, n in specs) + 5
+    pool = random_pools(num_blocks, block_size, num_kv_heads, head_dim, dtype, g)
+    k_cache, v_cache = pool[0, 0], pool[0, 1]
+    meta = make_batch(specs, block_size, num_blocks, g, order)
+    # q as the model makes it: a strided view into a wider projection (last dim contiguous only).
+    qkv = torch.randn(meta.num_tokens, (num_heads + 2) * head_dim, generator=g).to(dtype)
+    q = qkv[:, :num_heads * head_dim].view(-1, num_heads, head_dim)
+    scale = head_dim ** -0.5
+    out = paged_attention(q, k_cache, v_cache, meta, scale, out=torch.full_like(q, NAN), **kwargs)
+    ref = paged_attention_reference(q, k_cache, v_cache, meta, scale)
+    assert not out.isnan().any()
+    torch.testing.assert_close(out.float(), ref.float(), atol=TOLERANCE[dtype], rtol=TOLERANCE[dtype])
+
+
+# --- paged attention ---------------------------------------------------------------------------------
+
+MIXED = [(0, 7), (12, 5), (33, 1), (20, 1), (0, 1), (5, 3)]  # prefill chunks after cached blocks + decodes
+
+
+@pytest.mark.parametrize("specs, block_size, order", [
+    pytest.param([(0, 1)], 8, "random", id="context-of-one"),
+    pytest.param([(15, 1), (0, 16), (8, 8)], 8, "random", id="block-multiple"),
+    pytest.param([(16, 1), (7, 10)], 8, "random", id="one-into-new-block"),
+    pytest.param([(29, 1), (10, 9)], 4, "reverse", id="blocks-in-reverse"),
+    pytest.param(MIXED, 16, "random", id="mixed-prefill-decode"),
+])
+def test_attention_matches_reference(specs, block_size, order):
+    check_attention(specs, block_size=block_size, order=order)
+
+
+@pytest.mark.parametrize("num_heads, num_kv_heads", [(2, 2), (4, 2), (8, 1)], ids=["gqa1", "gqa2", "gqa8"])
+@pytest.mark.parametrize("head_dim", [16, 64])
+def test_attention_gqa_and_head_dims(num_heads, num_kv_heads, head_dim):
+    check_attention(MIXED, block_size=4, num_heads=num_heads, num_kv_heads=num_kv_heads, head_dim=head_dim)
+
+
+def test_attention_tiny_head_dim_without_dot():
+    check_attention([(9, 1), (0, 4)], head_dim=8)  # below tl.dot's minimum: the broadcast-sum path
+
+
+@pytest.mark.parametrize("num_splits", [None, 3])
+@pytest.mark.parametrize("specs", [MIXED, [(70, 1), (3, 1)]], ids=["mixed", "decode"])
+def test_split_k_forced_matches_reference(specs, num_splits):
+    # block_n=16 puts several key tiles and several splits into these short contexts; some are empty.
+    check_attention(specs, block_size=8, num_heads=8, num_kv_heads=2, split_k=True, num_splits=num_splits, block_n=16)
+
+
+def test_split_k_forced_off_for_long_decode():
+    check_attention([(200, 1)], block_size=16, split_k=False)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("split_k", [False, True])
+def test_half_precision(dtype, split_k):
+    check_attention(MIXED, dtype=dtype, split_k=split_k, block_n=16)
+
+
+def test_bad_head_size_is_a_clear_error():
+    q = torch.zeros(1, 2, 24)
+    pool = torch.zeros(1, 2, 4, 8, 2, 24)
+    meta = make_batch([(0, 1)], 8, 4, torch.Generator().manual_seed(0))
+    with pytest.raises(ValueError, match="power-of-two head size"):
+        paged_attention(q, pool[0, 0], pool[0, 1], meta, 1.0)
+    with pytest.raises(ValueError, match="power-of-two head size"):
+        TritonAttentionBackend([(pool[0, 0], pool[0, 1])], 1.0)
+
+
+def test_bad_inputs_are_rejected():
+    pool = torch.zeros(1, 2, 4, 8, 2, 16)
+    meta = make_batch([(0, 2)], 8, 4, torch.Generator().manual_seed(0))
+    with pytest.raises(ValueError, match="dtype"):
+        paged_attention(torch.zeros(2, 2, 16, dtype=torch.float16), pool[0, 0], pool[0, 1], meta, 1.0)
+    with pytest.raises(ValueError, match="contiguous"):
+        paged_attention(torch.zeros(2, 16, 2).transpose(1, 2), pool[0, 0], pool[0, 1], meta, 1.0)
+    with pytest.raises(ValueError, match="tokens"):
+        paged_attention(torch.zeros(3, 2, 16), pool[0, 0], pool[0, 1], meta, 1.0)
+
+
+def test_split_heuristic():
+    sms = 132
+    assert choose_num_splits(num_programs=8, max_seq_len=32768, max_query_len=1, sm_count=sms) > 1
+    assert choose_num_splits(num_programs=8, max_seq_len=256, max_query_len=1, sm_count=sms) == 1  # short
+    assert choose_num_splits(num_programs=2048, max_seq_len=32768, max_query_len=1, sm_count=sms) == 1  # full GPU
+    assert choose_num_splits(num_programs=8, max_seq_len=32768, max_query_len=64, sm_count=sms) == 1  # prefill
+    meta = make_batch([(40, 1)], 8, 8, torch.Generator().manual_seed(0))
+    q, pool = torch.zeros(1, 4, 32), torch.zeros(1, 2, 8, 8, 2, 32)
+    plan = make_launch_plan(meta, q, pool[0, 0], split_k=True, num_splits=4)
+    assert plan.split and plan.num_splits == 3 and plan.keys_per_split == 16  # 41 keys in 16-key splits
+    assert make_launch_plan(meta, q, pool[0, 0], split_k=False).num_splits == 1
+
+
+# --- the backend -------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("split_k", [None, True])
+def test_backend_matches_torch_backend(split_k):
+    g = torch.Generator().manual_seed(1)
+    layers, block_size, heads, kv_heads, dim = 2, 4, 4, 2, 32
+    meta = make_batch(MIXED, block_size, 40, g)
+    pools = random_pools(40, block_size, kv_heads, dim, torch.float32, g, layers=layers)
+    pools_ref = pools.clone()
+    ours = TritonAttentionBackend([(pools[i, 0], pools[i, 1]) for i in range(layers)], dim ** -0.5, split_k=split_k)
+    ref = TorchAttentionBackend([(pools_ref[i, 0], pools_ref[i, 1]) for i in range(layers)], dim ** -0.5)
+    for layer in range(layers):
+        q = torch.randn(meta.num_tokens, heads, dim, generator=g)
+        k, v = torch.randn(2, meta.num_tokens, kv_heads, dim, generator=g)
+        torch.testing.assert_close(ours.forward(layer, q, k, v, meta), ref.forward(layer, q, k, v, meta),
+                                   atol=2e-5, rtol=2e-5)
+    torch.testing.assert_close(pools, pools_ref, atol=0, rtol=0)
+
+
+# --- cache operations --------------------------------------------------------------------------------
+
+
+def test_write_kv_skips_padding_slots():
+    g = torch.Generator().manual_seed(2)
+    pool = random_pools(6, 4, 2, 16, torch.float32, g)
+    expected = pool.clone()
+    slots = torch.tensor([5, -1, 0, 23, -1, 9], dtype=torch.int64)
+    k, v = torch.randn(2, 6, 2, 16, generator=g)
+    write_kv(pool[0, 0], pool[0, 1], k, v, slots)
+    real = slots >= 0
+    write_kv_reference(expected[0, 0], expected[0, 1], k[real], v[real], slots[real])
+    torch.testing.assert_close(pool, expected, atol=0, rtol=0)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_copy_blocks_all_layers(dtype):
+    g = torch.Generator().manual_seed(3)
+    pool = random_pools(10, 4, 3, 8, dtype, g, layers=3)
+    expected = pool.clone()
+    pairs = [(1, 7), (4, 0), (4, 9), (2, 3)]
+    src, dst = torch.tensor(pairs).T
+    expected[:, :, dst] = expected[:, :, src]
+    copy_blocks(pool, pairs)
+    assert torch.equal(pool, expected)
+    with pytest.raises(ValueError, match="both a source and a destination"):
+        copy_blocks(pool, [(1, 2), (2, 3)])
+    with pytest.raises(ValueError, match="outside"):
+        copy_blocks(pool, [(1, 10)])
+
+
+def test_swap_round_trip():
+    g = torch.Generator().manual_seed(4)
+    device_pool = random_pools(8, 4, 2, 16, torch.float32, g, layers=2)
+    host_pool = torch.full((2, 2, 5, 4, 2, 16), NAN)
+    original = device_pool.clone()
+    swap_blocks(device_pool, host_pool, [(6, 0), (1, 4), (3, 2)])
+    assert torch.equal(host_pool[:, :, [0, 4, 2]], original[:, :, [6, 1, 3]])
+    device_pool.fill_(NAN)
+    swap_blocks(host_pool, device_pool, [(0, 2), (4, 5), (2, 7)])
+    assert torch.equal(device_pool[:, :, [2, 5, 7]], original[:, :, [6, 1, 3]])
+    with pytest.raises(ValueError, match="per-block shape"):
+        swap_blocks(device_pool, torch.zeros(2, 2, 5, 8, 2, 16), [(0, 0)])
+
+
+def test_whole_pool_recovers_the_pool_tensor():
+    pool = torch.zeros(3, 2, 4, 8, 2, 16)
+    assert whole_pool([(pool[i, 0], pool[i, 1]) for i in range(3)]) is pool
+
+
+# --- selection and the engine ------------------------------------------------------------------------
+
+
+def test_selector(monkeypatch):
+    cpu = torch.device("cpu")
+    assert select_attention_backend("auto", cpu) is TorchAttentionBackend
+    assert select_attention_backend("torch", cpu) is TorchAttentionBackend
+    assert select_attention_backend("triton", cpu) is TritonAttentionBackend
+    with pytest.raises(ValueError, match="unknown attention backend"):
+        select_attention_backend("flash", cpu)
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    with pytest.raises(ValueError, match="TRITON_INTERPRET"):
+        select_attention_backend("triton", cpu)
+
+
+def test_config_validates_backend_name():
+    from shared.config import EngineConfig
+
+    with pytest.raises(ValueError, match="attention_backend"):
+        EngineConfig(attention_backend="flash")
+
+
+def test_engine_greedy_tokens_equal_torch_backend(llama_dir):
+    from pagedserve import LLM, SamplingParams
+
+    prompts = [[5, 17, 99, 3, 250, 41, 8, 77, 12, 300, 6], [42, 7, 19], list(range(100, 114))]
+    params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+    results = {}
+    for backend in ("torch", "triton"):
+        # A budget of 8 tokens chunks the prompts, so later steps mix prefill chunks with decodes.
+        llm = LLM(str(llama_dir), block_size=4, max_num_batched_tokens=8, num_gpu_blocks_override=32,
+                  attention_backend=backend)
+        assert llm.engine.executor.worker.attention.name == backend
+        outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+        results[backend] = [o.outputs[0].token_ids for o in outputs]
+    assert results["triton"] == results["torch"]
