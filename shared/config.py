@@ -27,6 +27,8 @@ class EngineConfig:
     max_logprobs: int = 20  # most logprobs a request may ask for
     watermark: float = 0.01  # fraction of blocks new admissions leave free
     enable_prefix_caching: bool = True  # reuse the KV of full blocks whose prefix was computed before
+    swap_space: float = 4.0  # GiB of host memory for swapped-out KV blocks (0: no swapping)
+    preemption_mode: str | None = None  # "swap", "recompute", or None: chosen per victim
     attention_backend: str = "auto"  # "auto": Triton on CUDA devices, torch elsewhere
 
     def __post_init__(self) -> None:
@@ -45,6 +47,9 @@ class EngineConfig:
         _require(self.num_gpu_blocks_override is None or self.num_gpu_blocks_override >= 1,
                  "num_gpu_blocks_override", f"must be >= 1, got {self.num_gpu_blocks_override}")
         _require(0 <= self.watermark < 1, "watermark", f"must be in [0, 1), got {self.watermark}")
+        _require(self.swap_space >= 0, "swap_space", f"must be >= 0 GiB, got {self.swap_space}")
+        _require(self.preemption_mode in (None, "swap", "recompute"), "preemption_mode",
+                 f"must be 'swap', 'recompute' or None, got {self.preemption_mode!r}")
         _require(0 <= self.max_logprobs, "max_logprobs", f"must be >= 0, got {self.max_logprobs}")
         _require(self.attention_backend in ATTENTION_BACKENDS, "attention_backend",
                  f"must be one of {ATTENTION_BACKENDS}, got {self.attention_backend!r}")

@@ -6,10 +6,11 @@ over gRPC. The worker keeps a copy of every sequence it has been sent, so
 sequences are sent in full once (``new``) and afterwards only as deltas
 (``running``); ``finished_seq_ids`` tells it which copies to drop.
 
-Order of execution on the worker: drop ``finished_seq_ids``, register
-``new``, apply ``running`` deltas, then run one forward pass over every
-scheduled token and sample for each sequence whose computed tokens reach its
-end this step.
+Order of execution on the worker: make ``forks`` (a child copies its parent's
+state as it was before this step); drop ``finished_seq_ids``; move blocks
+(``swap_out``, then ``swap_in``, then ``copies``); register ``new``; apply
+``running`` deltas; then run one forward pass over every scheduled token and
+sample for each sequence whose computed tokens reach its end this step.
 """
 
 from __future__ import annotations
@@ -33,19 +34,23 @@ class NewSequence:
     block_table: list[int]  # physical block ids, logical order; covers every token computed after this step
     num_computed_tokens: int  # tokens whose KV is already in the cache (a prefix-cache hit); 0 otherwise
     num_scheduled_tokens: int  # tokens to compute this step, starting at num_computed_tokens
+    # n > 1: when the prompt completes, also sample one token for each of this many siblings
+    # (indexes 1..num_siblings), from the same logits; the siblings are then forked from this sequence.
+    num_siblings: int = 0
 
     def to_proto(self) -> wire.NewSequence:
         return wire.NewSequence(
             request_id=self.request_id, seq_id=self.seq_id, index=self.index,
             prompt_token_ids=self.prompt_token_ids, output_token_ids=self.output_token_ids,
             sampling_params=self.sampling_params.to_proto(), block_table=self.block_table,
-            num_computed_tokens=self.num_computed_tokens, num_scheduled_tokens=self.num_scheduled_tokens)
+            num_computed_tokens=self.num_computed_tokens, num_scheduled_tokens=self.num_scheduled_tokens,
+            num_siblings=self.num_siblings)
 
     @classmethod
     def from_proto(cls, m: wire.NewSequence) -> "NewSequence":
         return cls(m.request_id, m.seq_id, m.index, list(m.prompt_token_ids), list(m.output_token_ids),
                    SamplingParams.from_proto(m.sampling_params), list(m.block_table), m.num_computed_tokens,
-                   m.num_scheduled_tokens)
+                   m.num_scheduled_tokens, m.num_siblings)
 
 
 @dataclass(slots=True)
@@ -57,16 +62,51 @@ class RunningSequence:
     new_block_ids: list[int]  # physical blocks appended to the block table
     num_computed_tokens: int  # tokens with KV in cache before this step (the worker checks its copy)
     num_scheduled_tokens: int  # tokens to compute this step
+    # The whole table, when it changed other than by appending (copy-on-write, swap-in); then
+    # new_block_ids is empty. None otherwise.
+    new_block_table: list[int] | None = None
 
     def to_proto(self) -> wire.RunningSequence:
-        return wire.RunningSequence(seq_id=self.seq_id, new_token_ids=self.new_token_ids,
-                                    new_block_ids=self.new_block_ids, num_computed_tokens=self.num_computed_tokens,
-                                    num_scheduled_tokens=self.num_scheduled_tokens)
+        m = wire.RunningSequence(seq_id=self.seq_id, new_token_ids=self.new_token_ids,
+                                 new_block_ids=self.new_block_ids, num_computed_tokens=self.num_computed_tokens,
+                                 num_scheduled_tokens=self.num_scheduled_tokens)
+        if self.new_block_table is not None:
+            m.new_block_table.ids.extend(self.new_block_table)
+        return m
 
     @classmethod
     def from_proto(cls, m: wire.RunningSequence) -> "RunningSequence":
+        table = list(m.new_block_table.ids) if m.HasField("new_block_table") else None
         return cls(m.seq_id, list(m.new_token_ids), list(m.new_block_ids), m.num_computed_tokens,
-                   m.num_scheduled_tokens)
+                   m.num_scheduled_tokens, table)
+
+
+@dataclass(slots=True)
+class Fork:
+    """A child sequence that starts as a copy of its parent (n > 1 siblings, beam search)."""
+
+    parent_seq_id: int  # copied as it was before this step's deltas
+    child_seq_id: int  # new on the worker
+    child_index: int  # the child's position in its request (its seeded random stream)
+
+    def to_proto(self) -> wire.Fork:
+        return wire.Fork(parent_seq_id=self.parent_seq_id, child_seq_id=self.child_seq_id,
+                         child_index=self.child_index)
+
+    @classmethod
+    def from_proto(cls, m: wire.Fork) -> "Fork":
+        return cls(m.parent_seq_id, m.child_seq_id, m.child_index)
+
+
+BlockMove = tuple[int, int]  # (source block, destination block)
+
+
+def moves_to_proto(moves: list[BlockMove]) -> list:
+    return [wire.BlockMove(src=src, dst=dst) for src, dst in moves]
+
+
+def moves_from_proto(moves) -> list[BlockMove]:
+    return [(m.src, m.dst) for m in moves]
 
 
 @dataclass(slots=True)
@@ -75,6 +115,10 @@ class StepPlan:
     new: list[NewSequence] = field(default_factory=list)  # first scheduled (or resumed after recompute)
     running: list[RunningSequence] = field(default_factory=list)  # deltas for known sequences
     finished_seq_ids: list[int] = field(default_factory=list)  # finished, aborted or preempted: drop state
+    forks: list[Fork] = field(default_factory=list)  # children to create, before anything else (even drops)
+    swap_out: list[BlockMove] = field(default_factory=list)  # (device block, host block), first
+    swap_in: list[BlockMove] = field(default_factory=list)  # (host block, device block), second
+    copies: list[BlockMove] = field(default_factory=list)  # (device, device) for copy-on-write, third
 
     @property
     def num_scheduled_tokens(self) -> int:
@@ -82,16 +126,25 @@ class StepPlan:
 
     @property
     def is_empty(self) -> bool:
+        """Nothing to compute; the plan may still carry drops and block moves."""
         return not self.new and not self.running
+
+    @property
+    def has_side_effects(self) -> bool:
+        return bool(self.finished_seq_ids or self.forks or self.swap_out or self.swap_in or self.copies)
 
     def to_proto(self) -> wire.StepPlan:
         return wire.StepPlan(step_id=self.step_id, new=[s.to_proto() for s in self.new],
-                             running=[s.to_proto() for s in self.running], finished_seq_ids=self.finished_seq_ids)
+                             running=[s.to_proto() for s in self.running], finished_seq_ids=self.finished_seq_ids,
+                             forks=[f.to_proto() for f in self.forks], swap_out=moves_to_proto(self.swap_out),
+                             swap_in=moves_to_proto(self.swap_in), copies=moves_to_proto(self.copies))
 
     @classmethod
     def from_proto(cls, m: wire.StepPlan) -> "StepPlan":
         return cls(m.step_id, [NewSequence.from_proto(s) for s in m.new],
-                   [RunningSequence.from_proto(s) for s in m.running], list(m.finished_seq_ids))
+                   [RunningSequence.from_proto(s) for s in m.running], list(m.finished_seq_ids),
+                   [Fork.from_proto(f) for f in m.forks], moves_from_proto(m.swap_out),
+                   moves_from_proto(m.swap_in), moves_from_proto(m.copies))
 
 
 @dataclass(slots=True)
@@ -114,6 +167,24 @@ class PositionLogprobs:
 
 
 @dataclass(slots=True)
+class Sample:
+    """One sampled token, for a sibling sampled from its parent's logits."""
+
+    token_id: int
+    logprobs: PositionLogprobs | None = None
+
+    def to_proto(self) -> wire.Sample:
+        m = wire.Sample(token_id=self.token_id)
+        if self.logprobs is not None:
+            m.logprobs.CopyFrom(self.logprobs.to_proto())
+        return m
+
+    @classmethod
+    def from_proto(cls, m: wire.Sample) -> "Sample":
+        return cls(m.token_id, PositionLogprobs.from_proto(m.logprobs) if m.HasField("logprobs") else None)
+
+
+@dataclass(slots=True)
 class SequenceOutput:
     """What one sequence produced in one step."""
 
@@ -124,9 +195,11 @@ class SequenceOutput:
     # starting at prompt index ``prompt_logprobs_start`` (index 0 has none: nothing precedes it).
     prompt_logprobs: list[PositionLogprobs] | None = None
     prompt_logprobs_start: int = 0
+    siblings: list[Sample] = field(default_factory=list)  # first tokens of siblings 1..n-1 (see num_siblings)
 
     def to_proto(self) -> wire.SequenceOutput:
-        m = wire.SequenceOutput(seq_id=self.seq_id, prompt_logprobs_start=self.prompt_logprobs_start)
+        m = wire.SequenceOutput(seq_id=self.seq_id, prompt_logprobs_start=self.prompt_logprobs_start,
+                                siblings=[s.to_proto() for s in self.siblings])
         if self.token_id is not None:
             m.token_id = self.token_id
         if self.logprobs is not None:
@@ -139,7 +212,8 @@ class SequenceOutput:
     def from_proto(cls, m: wire.SequenceOutput) -> "SequenceOutput":
         return cls(m.seq_id, m.token_id if m.HasField("token_id") else None,
                    PositionLogprobs.from_proto(m.logprobs) if m.HasField("logprobs") else None,
-                   [PositionLogprobs.from_proto(p) for p in m.prompt_logprobs] or None, m.prompt_logprobs_start)
+                   [PositionLogprobs.from_proto(p) for p in m.prompt_logprobs] or None, m.prompt_logprobs_start,
+                   [Sample.from_proto(s) for s in m.siblings])
 
 
 @dataclass(slots=True)
@@ -170,13 +244,15 @@ class WorkerInfo:
     eos_token_ids: tuple[int, ...]  # from generation_config.json / the tokenizer
     device: str  # e.g. "cpu", "cuda:0"
     dtype: str  # e.g. "float32"
+    num_cpu_blocks: int = 0  # host swap space, in blocks (0: no swapping)
 
     def to_proto(self) -> wire.WorkerInfo:
         return wire.WorkerInfo(model=self.model, num_kv_blocks=self.num_kv_blocks, block_size=self.block_size,
                                max_model_len=self.max_model_len, vocab_size=self.vocab_size,
-                               eos_token_ids=self.eos_token_ids, device=self.device, dtype=self.dtype)
+                               eos_token_ids=self.eos_token_ids, device=self.device, dtype=self.dtype,
+                               num_cpu_blocks=self.num_cpu_blocks)
 
     @classmethod
     def from_proto(cls, m: wire.WorkerInfo) -> "WorkerInfo":
         return cls(m.model, m.num_kv_blocks, m.block_size, m.max_model_len, m.vocab_size, tuple(m.eos_token_ids),
-                   m.device, m.dtype)
+                   m.device, m.dtype, m.num_cpu_blocks)

@@ -1,20 +1,24 @@
-"""A worker without a model, for scheduler tests: it keeps the worker's view of every sequence,
-checks every plan against the protocol, and 'samples' a token derived from the sequence."""
+"""A worker without a model, for scheduler tests. It keeps the worker's view of every sequence,
+checks every plan against the protocol, and simulates the KV pools: each slot holds the token
+whose KV was written there, block moves move those contents, and before computing, every token
+of a sequence's context must be found in its own slot. So a lost swap, a bad copy-on-write, a
+shared block written in place or a wrong prefix-cache hit shows up as a wrong context."""
 
 from __future__ import annotations
 
-from shared.step_protocol import SequenceOutput, StepPlan, StepResult, WorkerInfo
+from shared.step_protocol import Sample, SequenceOutput, StepPlan, StepResult, WorkerInfo
 
 
 class FakeWorker:
     def __init__(self, num_blocks: int, block_size: int, max_model_len: int = 512, vocab_size: int = 100,
-                 eos_token_ids: tuple[int, ...] = (0,)):
+                 eos_token_ids: tuple[int, ...] = (0,), num_cpu_blocks: int = 0):
         self.info = WorkerInfo(model="fake", num_kv_blocks=num_blocks, block_size=block_size,
                                max_model_len=max_model_len, vocab_size=vocab_size, eos_token_ids=eos_token_ids,
-                               device="cpu", dtype="float32")
+                               device="cpu", dtype="float32", num_cpu_blocks=num_cpu_blocks)
         self.seqs: dict[int, dict] = {}
         self.plans: list[StepPlan] = []
-        self.block_owner: dict[int, int] = {}  # block id -> seq id writing it
+        self.device = {b: [None] * block_size for b in range(num_blocks)}
+        self.host = {b: [None] * block_size for b in range(num_cpu_blocks)}
 
     def worker_info(self) -> WorkerInfo:
         return self.info
@@ -22,40 +26,77 @@ class FakeWorker:
     def shutdown(self) -> None:
         pass
 
-    def token_for(self, seq: dict) -> int:
-        return 1 + (seq["seq_id"] * 31 + len(seq["tokens"]) * 7) % (self.info.vocab_size - 1)
+    def token_for(self, seq: dict, stream: int = 0) -> int:
+        return 1 + (seq["seq_id"] * 31 + len(seq["tokens"]) * 7 + stream * 13) % (self.info.vocab_size - 1)
 
     def execute(self, plan: StepPlan) -> StepResult:
         self.plans.append(plan)
+        for fork in plan.forks:
+            parent = self.seqs[fork.parent_seq_id]
+            self.seqs[fork.child_seq_id] = {**parent, "seq_id": fork.child_seq_id, "tokens": list(parent["tokens"]),
+                                            "table": list(parent["table"]), "siblings": 0}
         for seq_id in plan.finished_seq_ids:
             self.seqs.pop(seq_id, None)
+        self._move(plan)
+        batch = self._apply(plan)
+        users: dict[int, int] = {}  # block -> live sequences holding it (forks, prefix-cache hits)
+        for seq in self.seqs.values():
+            if seq.get("swapped"):
+                continue  # its table is stale until a swap-in replaces it
+            for block in seq["table"]:
+                users[block] = users.get(block, 0) + 1
+        outputs = [out for seq, n in batch if (out := self._compute(seq, n, users)) is not None]
+        return StepResult(step_id=plan.step_id, outputs=outputs)
+
+    def _move(self, plan: StepPlan) -> None:
+        # A swap-out moves all of a sequence's blocks, which is how a sequence is seen to leave.
+        out = {src for src, _ in plan.swap_out}
+        for seq in self.seqs.values():
+            if seq["table"] and set(seq["table"]) <= out:
+                seq["swapped"] = True
+        for src, dst in plan.swap_out:
+            self.host[dst] = list(self.device[src])
+        for src, dst in plan.swap_in:
+            self.device[dst] = list(self.host[src])
+        moved = [(dst, list(self.device[src])) for src, dst in plan.copies]
+        for dst, contents in moved:
+            self.device[dst] = contents
+
+    def _apply(self, plan: StepPlan) -> list[tuple[dict, int]]:
         batch = []
         for new in plan.new:
             assert new.seq_id not in self.seqs, "new sequence the worker already holds"
             seq = {"seq_id": new.seq_id, "tokens": new.prompt_token_ids + new.output_token_ids,
-                   "table": list(new.block_table), "computed": new.num_computed_tokens}
+                   "table": list(new.block_table), "computed": new.num_computed_tokens, "index": new.index,
+                   "siblings": new.num_siblings}
             self.seqs[new.seq_id] = seq
             batch.append((seq, new.num_scheduled_tokens))
         for delta in plan.running:
             seq = self.seqs[delta.seq_id]
             seq["tokens"] += delta.new_token_ids
-            seq["table"] += delta.new_block_ids
+            seq["table"] = list(delta.new_block_table) if delta.new_block_table is not None \
+                else seq["table"] + delta.new_block_ids
+            seq["swapped"] = False
             assert seq["computed"] == delta.num_computed_tokens
             batch.append((seq, delta.num_scheduled_tokens))
-        outputs = []
+        return batch
+
+    def _compute(self, seq: dict, n: int, users: dict[int, int]) -> SequenceOutput | None:
         bs = self.info.block_size
-        users: dict[int, int] = {}  # block -> live sequences holding it (prefix-cache sharing)
-        for seq in self.seqs.values():
-            for block in seq["table"]:
-                users[block] = users.get(block, 0) + 1
-        for seq, n in batch:
-            assert n >= 1
-            end = seq["computed"] + n
-            written = {seq["table"][pos // bs] for pos in range(seq["computed"], end)}
-            assert all(users[b] == 1 for b in written), "a shared block was written in place"
-            assert end <= len(seq["tokens"]), "scheduled past the known tokens"
-            assert len(seq["table"]) == -(-end // bs), "table does not cover exactly the computed tokens"
-            seq["computed"] = end
-            if end == len(seq["tokens"]):
-                outputs.append(SequenceOutput(seq_id=seq["seq_id"], token_id=self.token_for(seq)))
-        return StepResult(step_id=plan.step_id, outputs=outputs)
+        start, end = seq["computed"], seq["computed"] + n
+        assert n >= 1 and end <= len(seq["tokens"]), "scheduled past the known tokens"
+        assert len(seq["table"]) == -(-end // bs), "table does not cover exactly the computed tokens"
+        for pos in range(start):  # the context must be intact
+            assert self.device[seq["table"][pos // bs]][pos % bs] == seq["tokens"][pos], \
+                f"seq {seq['seq_id']}: KV of position {pos} is wrong"
+        for pos in range(start, end):
+            block = seq["table"][pos // bs]
+            assert users[block] == 1, "a shared block was written in place"
+            self.device[block][pos % bs] = seq["tokens"][pos]
+        seq["computed"] = end
+        if end < len(seq["tokens"]):
+            return None
+        out = SequenceOutput(seq_id=seq["seq_id"], token_id=self.token_for(seq))
+        out.siblings = [Sample(self.token_for(seq, i)) for i in range(1, seq["siblings"] + 1)]
+        seq["siblings"] = 0
+        return out

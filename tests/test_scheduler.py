@@ -17,9 +17,10 @@ from tests.fake_worker import FakeWorker
 
 
 def make_engine(num_blocks=16, block_size=4, max_num_seqs=8, budget=32, chunked=True, max_model_len=512,
-                caching=False):
-    worker = FakeWorker(num_blocks, block_size, max_model_len=max_model_len)
-    limits = SchedulerLimits(max_num_seqs=max_num_seqs, max_num_batched_tokens=budget, enable_chunked_prefill=chunked)
+                caching=False, host_blocks=0, preemption_mode=None):
+    worker = FakeWorker(num_blocks, block_size, max_model_len=max_model_len, num_cpu_blocks=host_blocks)
+    limits = SchedulerLimits(max_num_seqs=max_num_seqs, max_num_batched_tokens=budget, enable_chunked_prefill=chunked,
+                             preemption_mode=preemption_mode)
     return EngineCore(InProcessExecutor(worker), limits, watermark=0.0, enable_prefix_caching=caching), worker
 
 
@@ -27,8 +28,9 @@ def check_invariants(engine: EngineCore) -> None:
     blocks = engine.scheduler.blocks
     blocks.check_invariants()
     sched = engine.scheduler
-    assert len(sched.running) <= sched.limits.max_num_seqs
-    assert [s.arrival for s in sched.running] == sorted(s.arrival for s in sched.running)
+    # Forked siblings may take a request past max_num_seqs sequences, never past that many requests.
+    assert len({s.request_id for s in sched.running}) <= sched.limits.max_num_seqs
+    assert [(s.arrival, s.index) for s in sched.running] == sorted((s.arrival, s.index) for s in sched.running)
     for seq in sched.running:
         assert seq.status is SequenceStatus.RUNNING
         assert len(blocks.block_table(seq.seq_id)) == blocks.blocks_for(seq.num_computed_tokens)
@@ -68,11 +70,11 @@ def test_free_queue_is_lru_and_removal_is_anywhere():
 
 def test_append_slots_grows_one_block_at_a_time_and_accounts_waste():
     manager = BlockManager(num_blocks=8, block_size=4)
-    assert manager.append_slots(1, 5) == [0, 1]
+    assert manager.append_slots(1, 5).new_block_ids == [0, 1]
     assert manager.wasted_slots() == 3
-    assert manager.append_slots(1, 8) == []
+    assert manager.append_slots(1, 8).new_block_ids == []
     assert manager.wasted_slots() == 0
-    assert manager.append_slots(1, 9) == [2]
+    assert manager.append_slots(1, 9).new_block_ids == [2]
     assert manager.append_slots(2, 100) is None  # nothing partial on failure
     assert manager.block_table(2) == []
     manager.free(1)
@@ -191,19 +193,22 @@ operations = st.lists(st.one_of(adds, st.tuples(st.just("step"), st.integers(1, 
 
 
 PREEMPTIONS: list[int] = []
+SWAPS: list[int] = []
 
 
 @settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(first=st.lists(adds, min_size=2, max_size=6), ops=operations, block_size=st.sampled_from([1, 2, 4, 8]),
        num_blocks=st.integers(4, 20), budget=st.integers(1, 48), max_num_seqs=st.integers(1, 6), chunked=st.booleans(),
        caching=st.booleans(), prefixes=st.lists(st.lists(st.integers(1, 50), min_size=1, max_size=40), min_size=1,
-                                                max_size=3))
+                                                max_size=3),
+       host_blocks=st.sampled_from([0, 4, 40]), mode=st.sampled_from([None, "swap", "recompute"]))
 def test_random_interleavings_keep_every_invariant(first, ops, block_size, num_blocks, budget, max_num_seqs, chunked,
-                                                   caching, prefixes):
+                                                   caching, prefixes, host_blocks, mode):
     max_model_len = 64
     if not chunked:
         budget = max(budget, max_model_len)  # else a long prompt could never be scheduled
-    engine, worker = make_engine(num_blocks, block_size, max_num_seqs, budget, chunked, max_model_len, caching)
+    engine, worker = make_engine(num_blocks, block_size, max_num_seqs, budget, chunked, max_model_len, caching,
+                                 host_blocks, mode)
     added = []
     for op in first + ops:
         if op[0] == "add":
@@ -229,9 +234,11 @@ def test_random_interleavings_keep_every_invariant(first, ops, block_size, num_b
     run_to_completion(engine)
     engine.step()
     PREEMPTIONS.append(engine.scheduler.num_preemptions)
+    SWAPS.append(engine.scheduler.num_swaps_out)
     target(float(engine.scheduler.num_preemptions))  # steer the search towards memory pressure
     assert engine.scheduler.blocks.num_free_blocks == num_blocks  # cached-free blocks count as free
     assert engine.scheduler.blocks.num_used_blocks == 0
+    assert engine.scheduler.blocks.num_free_host_blocks == host_blocks
     assert not worker.seqs, "the worker still holds state of finished sequences"
 
 
@@ -240,6 +247,7 @@ def test_the_property_test_exercised_preemption():
     if not PREEMPTIONS:
         pytest.skip("the property test did not run in this session")
     assert sum(1 for n in PREEMPTIONS if n > 0) >= 3, PREEMPTIONS
+    assert sum(1 for n in SWAPS if n > 0) >= 2, SWAPS
 
 
 # --- prefix caching ---------------------------------------------------------------------------------
@@ -293,3 +301,47 @@ def test_cache_salt_separates_requests():
     engine.add_request("b", prompt, SamplingParams(max_tokens=1), cache_salt="tenant-2")
     engine.step()
     assert worker.plans[-1].new[0].num_computed_tokens == 0
+
+
+# --- forks, copy-on-write, swapping -------------------------------------------------------------------
+
+def test_siblings_fork_from_the_prompt_and_copy_the_shared_last_block_on_write():
+    engine, worker = make_engine(num_blocks=16, block_size=4, budget=64)
+    engine.add_request("r", [5, 6, 7, 8, 9, 10], SamplingParams(n=3, max_tokens=4, ignore_eos=True))
+    engine.step()  # the prompt, once; three first tokens
+    assert len(worker.plans[-1].new) == 1 and worker.plans[-1].new[0].num_siblings == 2
+    assert engine.scheduler.blocks.num_used_blocks == 2  # shared by all three
+    engine.step()  # forks, then each writes into the shared, partly filled second block
+    plan = worker.plans[-1]
+    assert [(f.parent_seq_id, f.child_index) for f in plan.forks] == [(0, 1), (0, 2)]
+    assert len(plan.copies) == 2  # two writers copy; the last holder writes in place
+    assert engine.scheduler.blocks.num_used_blocks == 4
+    outputs = run_to_completion(engine)
+    assert engine.scheduler.blocks.num_free_blocks == 16
+    assert len(outputs["r"]) == 3 * 4 - 6  # the two steps above produced six
+
+
+def test_swapped_sequences_resume_with_their_kv_intact():
+    engine, worker = make_engine(num_blocks=8, block_size=4, budget=64, host_blocks=16, preemption_mode="swap")
+    for i in range(3):
+        engine.add_request(f"r{i}", list(range(1 + i, 9 + i)), SamplingParams(max_tokens=10, ignore_eos=True))
+    outputs = run_to_completion(engine)  # the fake worker checks every context token after each move
+    stats = engine.get_stats()
+    assert stats["num_preemptions_swap"] > 0 and stats["num_swaps_in"] == stats["num_swaps_out"]
+    assert stats["num_preemptions_recompute"] == 0
+    assert all(len(tokens) == 10 for tokens in outputs.values())
+    assert not any(p.swap_in and p.swap_out for p in worker.plans), "a step both swapped out and in"
+
+
+def test_aborting_a_swapped_request_frees_its_host_blocks():
+    engine, worker = make_engine(num_blocks=8, block_size=4, budget=64, host_blocks=16, preemption_mode="swap")
+    for i in range(3):
+        engine.add_request(f"r{i}", list(range(1 + i, 9 + i)), SamplingParams(max_tokens=10, ignore_eos=True))
+    while not engine.scheduler.swapped:
+        engine.step()
+    victim = engine.scheduler.swapped[0]
+    engine.abort_request(victim.request_id)
+    assert engine.scheduler.blocks.num_free_host_blocks == 16
+    run_to_completion(engine)
+    engine.step()
+    assert not worker.seqs and engine.scheduler.blocks.num_free_blocks == 8

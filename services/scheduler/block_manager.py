@@ -12,6 +12,7 @@ of cached blocks matching its first tokens.
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
 
 from services.scheduler.block_hash import BlockHash, hash_full_blocks
 from services.scheduler.block_pool import BlockPool, KVCacheBlock
@@ -19,13 +20,22 @@ from services.scheduler.block_pool import BlockPool, KVCacheBlock
 TokenSlice = Callable[[int, int], list[int]]  # (start, end) -> the sequence's token ids in that range
 
 
+@dataclass(frozen=True)
+class Allocation:
+    new_block_ids: list[int]  # appended to the table
+    copy: tuple[int, int] | None  # copy-on-write (old, new) of the block written first, when it was shared
+
+
 class BlockManager:
-    def __init__(self, num_blocks: int, block_size: int, watermark: float = 0.0, enable_caching: bool = False):
+    def __init__(self, num_blocks: int, block_size: int, watermark: float = 0.0, enable_caching: bool = False,
+                 num_host_blocks: int = 0):
         if block_size < 1:
             raise ValueError(f"block_size must be >= 1, got {block_size}")
         self.block_size = block_size
         self.enable_caching = enable_caching
         self.pool = BlockPool(num_blocks, enable_caching)
+        self.host_pool = BlockPool(num_host_blocks) if num_host_blocks else None  # swap space
+        self._host_tables: dict[int, list[KVCacheBlock]] = {}  # swapped-out seq id -> its host blocks
         self._hashes: dict[int, list[BlockHash]] = {}  # seq id -> hashes of its full, computed blocks
         # Blocks kept back from new admissions so running sequences can grow without preempting at once.
         self.watermark_blocks = int(watermark * num_blocks)
@@ -60,12 +70,22 @@ class BlockManager:
         return max(0, self.blocks_for(num_tokens) - len(self._tables.get(seq_id, ())))
 
     def can_allocate(self, seq_id: int, num_tokens: int, *, keep_watermark: bool = False,
-                     hits: list[KVCacheBlock] = ()) -> bool:
-        """Room for ``num_tokens`` slots, the first ones in cache hits (a cached-free hit costs a free block)."""
+                     hits: list[KVCacheBlock] = (), write_from: int | None = None) -> bool:
+        """Room for ``num_tokens`` slots, the first ones in cache hits (a cached-free hit costs a free block),
+        plus a copy of the block written first when it is shared."""
         reserve = self.watermark_blocks if keep_watermark else 0
         new = self.num_new_blocks_needed(seq_id, num_tokens) - len(hits)
         revived = sum(1 for block in hits if block.ref_cnt == 0)
-        return new + revived <= self.num_free_blocks - reserve
+        copy = 1 if write_from is not None and self._shared_block_at(seq_id, write_from) is not None else 0
+        return new + revived + copy <= self.num_free_blocks - reserve
+
+    def _shared_block_at(self, seq_id: int, position: int) -> KVCacheBlock | None:
+        """The block holding token ``position``, if it exists and another sequence holds it too."""
+        table = self._tables.get(seq_id, ())
+        index = position // self.block_size
+        if index < len(table) and table[index].ref_cnt > 1:
+            return table[index]
+        return None
 
     @property
     def num_cached_blocks(self) -> int:
@@ -82,14 +102,38 @@ class BlockManager:
 
     # --- changes ---------------------------------------------------------------------------------
 
-    def append_slots(self, seq_id: int, num_tokens: int) -> list[int] | None:
-        """Grow the sequence to ``num_tokens`` slotted tokens; the new block ids, or None if too few are free."""
-        if not self.can_allocate(seq_id, num_tokens):
+    def append_slots(self, seq_id: int, num_tokens: int, write_from: int | None = None) -> Allocation | None:
+        """Grow the sequence to ``num_tokens`` slotted tokens; None if too few blocks are free.
+
+        ``write_from`` is the first position written this step: if its block is shared (a fork's
+        partly filled last block), the sequence gets its own copy first; a shared block is never
+        written in place.
+        """
+        if not self.can_allocate(seq_id, num_tokens, write_from=write_from):
             return None
+        copy = self._copy_on_write(seq_id, write_from) if write_from is not None else None
         new_blocks = self.pool.allocate(self.num_new_blocks_needed(seq_id, num_tokens))
         self._tables.setdefault(seq_id, []).extend(new_blocks)
         self._num_slotted[seq_id] = max(num_tokens, self._num_slotted.get(seq_id, 0))
-        return [block.block_id for block in new_blocks]
+        return Allocation([block.block_id for block in new_blocks], copy)
+
+    def _copy_on_write(self, seq_id: int, position: int) -> tuple[int, int] | None:
+        shared = self._shared_block_at(seq_id, position)
+        if shared is None:
+            return None
+        (fresh,) = self.pool.allocate(1)
+        self._tables[seq_id][position // self.block_size] = fresh
+        self.pool.free([shared])
+        return shared.block_id, fresh.block_id
+
+    def fork(self, parent_id: int, child_id: int) -> None:
+        """The child shares every block of the parent (one more reference each)."""
+        table = self._tables[parent_id]
+        for block in table:
+            block.ref_cnt += 1
+        self._tables[child_id] = list(table)
+        self._num_slotted[child_id] = self._num_slotted[parent_id]
+        self._hashes[child_id] = list(self._hashes.get(parent_id, ()))
 
     def free(self, seq_id: int) -> None:
         """Release the sequence's blocks, last block first (see the eviction order in block_pool)."""
@@ -97,7 +141,42 @@ class BlockManager:
         self._num_slotted.pop(seq_id, None)
         self._hashes.pop(seq_id, None)
         self.pool.free(table[::-1])
+        if seq_id in self._host_tables:
+            self.host_pool.free(self._host_tables.pop(seq_id))
 
+    # --- swapping --------------------------------------------------------------------------------
+
+    @property
+    def num_free_host_blocks(self) -> int:
+        return self.host_pool.num_free_blocks if self.host_pool else 0
+
+    def can_swap_out(self, seq_id: int) -> bool:
+        return self.host_pool is not None and len(self._tables.get(seq_id, ())) <= self.num_free_host_blocks
+
+    def swap_out(self, seq_id: int) -> list[tuple[int, int]]:
+        """Move the sequence's KV to host blocks; the (device, host) pairs to copy. Its device blocks are
+        released (a block another sequence shares stays with it)."""
+        table = self._tables.pop(seq_id)
+        host = self.host_pool.allocate(len(table))
+        self._host_tables[seq_id] = host
+        self._hashes.pop(seq_id, None)
+        self.pool.free(table[::-1])
+        return [(device.block_id, host_block.block_id) for device, host_block in zip(table, host)]
+
+    def can_swap_in(self, seq_id: int, num_tokens: int) -> bool:
+        """Room on the device for the swapped blocks and for ``num_tokens`` slotted tokens in all."""
+        return max(len(self._host_tables[seq_id]), self.blocks_for(num_tokens)) <= self.num_free_blocks
+
+    def swap_in(self, seq_id: int) -> list[tuple[int, int]]:
+        """Bring the sequence's KV back into fresh device blocks; the (host, device) pairs to copy."""
+        host = self._host_tables.pop(seq_id)
+        device = self.pool.allocate(len(host))
+        self._tables[seq_id] = device
+        self.host_pool.free(host)
+        return [(host_block.block_id, block.block_id) for host_block, block in zip(host, device)]
+
+    def is_swapped(self, seq_id: int) -> bool:
+        return seq_id in self._host_tables
     # --- prefix caching --------------------------------------------------------------------------
 
     def cached_prefix(self, token_ids: list[int], extra: bytes = b"") -> list[KVCacheBlock]:
@@ -144,6 +223,10 @@ class BlockManager:
     # --- invariants, for tests -------------------------------------------------------------------
 
     def check_invariants(self) -> None:
+        if self.host_pool is not None:
+            host_refs = sum(len(t) for t in self._host_tables.values())
+            assert host_refs == self.host_pool.num_used_blocks, "host blocks leaked or double-used"
+            assert all(b.ref_cnt in (0, 1) for b in self.host_pool.blocks), "a host block is shared"
         cached_free = [b for b in self.pool.blocks if b.ref_cnt == 0 and b.block_hash is not None]
         assert len(cached_free) == self.pool.num_cached_free, "cached-free count"
         for block_hash, block in self.pool.cached.items():

@@ -24,7 +24,8 @@ class EngineCore:
         self.executor = executor
         self.info: WorkerInfo = executor.worker_info()
         self.max_logprobs = max_logprobs
-        blocks = BlockManager(self.info.num_kv_blocks, self.info.block_size, watermark, enable_prefix_caching)
+        blocks = BlockManager(self.info.num_kv_blocks, self.info.block_size, watermark, enable_prefix_caching,
+                              num_host_blocks=self.info.num_cpu_blocks)
         self.scheduler = Scheduler(limits, blocks, self.info.eos_token_ids, self.info.max_model_len)
         self.stats = EngineStats(blocks)
         self._seqs: dict[int, Sequence] = {}
@@ -43,10 +44,13 @@ class EngineCore:
         arrival = next(self._arrivals)
         seqs = [Sequence(next(self._seq_ids), request_id, i, list(prompt_token_ids), params, max_output, arrival,
                          cache_salt) for i in range(params.n)]
-        self._requests[request_id] = seqs
         for seq in seqs:
+            seq.siblings = seqs
             self._seqs[seq.seq_id] = seq
-            self.scheduler.add(seq)
+        # The first sequence computes the prompt; the others fork from it and share its blocks.
+        seqs[0].pending_siblings = seqs[1:]
+        self._requests[request_id] = seqs
+        self.scheduler.add(seqs[0])
 
     def _validate(self, request_id: str, prompt: list[int], params: SamplingParams) -> None:
         info = self.info
@@ -71,11 +75,13 @@ class EngineCore:
             value = getattr(params, name)
             if value is not None and value > self.max_logprobs:
                 raise ValueError(f"{name}={value} exceeds the maximum of {self.max_logprobs}")
+        # One sequence at a time must fit: siblings that do not fit beside it are preempted and
+        # run after it (the oldest sequence always advances), so n does not multiply the need.
         longest = len(prompt) + (params.max_tokens or info.max_model_len - len(prompt))
-        needed = self.scheduler.blocks.blocks_for(longest) * params.n
+        needed = self.scheduler.blocks.blocks_for(longest)
         if needed > info.num_kv_blocks:
-            raise ValueError(f"the request can grow to {longest} tokens x {params.n} sequence(s), needing "
-                             f"{needed} KV blocks, but the cache has only {info.num_kv_blocks}: it could never run")
+            raise ValueError(f"the request can grow to {longest} tokens, needing {needed} KV blocks, but the "
+                             f"cache has only {info.num_kv_blocks}: it could never run")
 
     def abort_request(self, request_id: str) -> None:
         seqs = self._requests.pop(request_id, None)
@@ -98,8 +104,10 @@ class EngineCore:
     def step(self) -> list[SequenceUpdate]:
         started = time.perf_counter()
         plan, scheduled = self.scheduler.schedule()
+        self.stats.record_usage()  # blocks are at their peak now: allocated for this step's tokens
         if plan.is_empty:
-            self._flush_drops(plan)
+            if plan.has_side_effects:  # drops or block moves still have to happen
+                self.executor.execute(plan)
             return []
         sent = time.perf_counter()
         result = self.executor.execute(plan)
@@ -110,12 +118,7 @@ class EngineCore:
                 self._forget_if_done(update.request_id)
         done = time.perf_counter()
         self.stats.record_step(plan, result, elapsed_s=done - started, scheduler_s=(sent - started) + (done - received))
-        self.stats.record_usage()
         return updates
-
-    def _flush_drops(self, plan: StepPlan) -> None:
-        if plan.finished_seq_ids:
-            self.executor.execute(plan)
 
     def _forget_if_done(self, request_id: str) -> None:
         seqs = self._requests.get(request_id, [])

@@ -32,7 +32,8 @@ class LLM:
         self.tokenizer = load_tokenizer(self.config.tokenizer or worker.model_dir)
         limits = SchedulerLimits(max_num_seqs=self.config.max_num_seqs,
                                  max_num_batched_tokens=self.config.token_budget(worker.max_model_len),
-                                 enable_chunked_prefill=self.config.enable_chunked_prefill)
+                                 enable_chunked_prefill=self.config.enable_chunked_prefill,
+                                 preemption_mode=self.config.preemption_mode)
         self.engine = EngineCore(InProcessExecutor(worker), limits, self.config.watermark, self.config.max_logprobs,
                                  self.config.enable_prefix_caching)
         self._request_ids = itertools.count()

@@ -7,15 +7,21 @@ from collections import deque
 from dataclasses import dataclass
 
 from services.scheduler.block_manager import BlockManager
+from services.scheduler.preemption import choose_preemption
 from services.scheduler.sequence import Sequence, SequenceStatus, SequenceUpdate
-from shared.step_protocol import NewSequence, RunningSequence, StepPlan, StepResult
+from shared.step_protocol import Fork, NewSequence, RunningSequence, StepPlan, StepResult
 
 
 @dataclass(frozen=True)
 class SchedulerLimits:
-    max_num_seqs: int  # sequences running at once
+    max_num_seqs: int  # sequences running at once (forked siblings may exceed it briefly)
     max_num_batched_tokens: int  # tokens computed per step (the token budget)
     enable_chunked_prefill: bool  # a prompt may be split over several steps
+    preemption_mode: str | None = None  # "swap", "recompute", or None: automatic (see preemption.py)
+
+
+def _by_arrival(seq: Sequence) -> tuple[int, int]:
+    return seq.arrival, seq.index
 
 
 class Scheduler:
@@ -26,10 +32,15 @@ class Scheduler:
         self.eos_token_ids = frozenset(eos_token_ids)
         self.max_model_len = max_model_len
         self.waiting: deque[Sequence] = deque()
-        self.running: list[Sequence] = []  # kept sorted by arrival: the newest is the preemption victim
-        self._to_drop: list[int] = []  # seq ids the worker must forget in the next plan
+        self.running: list[Sequence] = []  # sorted by arrival: the newest is the preemption victim
+        self.swapped: list[Sequence] = []  # sorted by arrival: the oldest resumes first
         self._step_id = 0
+        self._plan = StepPlan(step_id=1)  # the next plan: drops and forks collect in it between steps
         self.num_preemptions = 0
+        self.num_preemptions_swap = 0
+        self.num_preemptions_recompute = 0
+        self.num_swaps_out = 0  # sequences moved to host memory
+        self.num_swaps_in = 0  # sequences moved back
         self.prefix_cache_queries = 0  # prompt tokens looked up in the prefix cache
         self.prefix_cache_hits = 0  # of those, tokens found (their prefill skipped)
 
@@ -44,7 +55,7 @@ class Scheduler:
                 self._finish(seq, SequenceStatus.FINISHED_ABORTED)
 
     def has_unfinished(self) -> bool:
-        return bool(self.waiting or self.running)
+        return bool(self.waiting or self.running or self.swapped)
 
     # --- one step ---------------------------------------------------------------------------------
 
@@ -54,15 +65,22 @@ class Scheduler:
         Scheduling rule:
         1. Running sequences first, oldest arrival first. Each gets the tokens it has not computed
            (one for a decode; the rest of its prompt for a prefill), cut to the token budget left.
-           When the blocks for them are not free, the most recently arrived running sequence is
-           preempted by recompute (its blocks freed, it goes back to the head of the waiting
-           queue) until they are, which may be the sequence itself.
-        2. Then, only if nobody was preempted this step, waiting sequences in queue order while
-           the budget, max_num_seqs and free blocks (less a small watermark) allow. With chunked
-           prefill a prompt may take only part of the budget left; without, it must fit whole.
+           A sequence about to write into a block it shares (a fork's partly filled last block)
+           gets a copy first. When blocks run short, the most recently arrived running sequence
+           is preempted — swapped to host memory or dropped for recompute, by the rule in
+           preemption.py — until they suffice, which may preempt the sequence itself.
+        2. Then, only if nobody was preempted this step, swapped sequences come back, oldest
+           first, while blocks and budget allow. (So no step both swaps out and swaps in, and
+           no block is moved both ways in one step.)
+        3. Then, still only without preemption, waiting sequences in queue order (a recompute
+           victim sits at its head) while the budget, max_num_seqs and free blocks (less a small
+           watermark) allow; a prompt starts after its cached prefix. With chunked prefill a
+           prompt may take part of the budget left; without, it must fit whole.
         The oldest running sequence is never a victim while another runs, so it always advances:
         no deadlock, and no livelock (requests that could never fit are refused at admission).
         """
+        self._step_id += 1
+        plan, self._plan = self._plan, StepPlan(step_id=self._step_id + 1)
         budget = self.limits.max_num_batched_tokens
         scheduled: dict[int, int] = {}
         preempted = False
@@ -70,19 +88,43 @@ class Scheduler:
         while index < len(self.running) and budget > 0:
             seq = self.running[index]
             num_tokens = min(seq.num_uncomputed_tokens, budget)
-            while self.blocks.append_slots(seq.seq_id, seq.num_computed_tokens + num_tokens) is None:
-                self._preempt(self.running[-1])
-                preempted = True
-                if seq.status is not SequenceStatus.RUNNING:
+            allocation = None
+            while seq.status is SequenceStatus.RUNNING:
+                allocation = self.blocks.append_slots(seq.seq_id, seq.num_computed_tokens + num_tokens,
+                                                      write_from=seq.num_computed_tokens)
+                if allocation is not None:
                     break
-            if seq.status is SequenceStatus.RUNNING:
-                scheduled[seq.seq_id] = num_tokens
-                budget -= num_tokens
-                index += 1
+                self._preempt(self.running[-1], plan)
+                preempted = True
+            if allocation is None:
+                continue  # the sequence preempted itself; everything after it is gone too
+            if allocation.copy is not None:
+                plan.copies.append(allocation.copy)
+                seq.table_replaced = True
+            scheduled[seq.seq_id] = num_tokens
+            budget -= num_tokens
+            index += 1
         if not preempted:
+            budget = self._swap_in(budget, scheduled, plan)
             budget = self._admit_waiting(budget, scheduled)
-        plan = self._build_plan(scheduled)
+        self._describe_work(scheduled, plan)
         return plan, scheduled
+
+    def _swap_in(self, budget: int, scheduled: dict[int, int], plan: StepPlan) -> int:
+        while self.swapped and budget > 0:
+            seq = self.swapped[0]
+            num_tokens = min(seq.num_uncomputed_tokens, budget)
+            if not self.blocks.can_swap_in(seq.seq_id, seq.num_computed_tokens + num_tokens):
+                break
+            plan.swap_in.extend(self.blocks.swap_in(seq.seq_id))
+            self.blocks.append_slots(seq.seq_id, seq.num_computed_tokens + num_tokens)
+            self.swapped.pop(0)
+            seq.status, seq.table_replaced = SequenceStatus.RUNNING, True
+            bisect.insort(self.running, seq, key=_by_arrival)
+            self.num_swaps_in += 1
+            scheduled[seq.seq_id] = num_tokens
+            budget -= num_tokens
+        return budget
 
     def _admit_waiting(self, budget: int, scheduled: dict[int, int]) -> int:
         while self.waiting and budget > 0 and len(self.running) < self.limits.max_num_seqs:
@@ -101,7 +143,7 @@ class Scheduler:
             seq.num_computed_tokens = num_cached
             self.waiting.popleft()
             seq.status = SequenceStatus.RUNNING
-            bisect.insort(self.running, seq, key=lambda s: s.arrival)
+            bisect.insort(self.running, seq, key=_by_arrival)
             scheduled[seq.seq_id] = num_tokens
             budget -= num_tokens
         return budget
@@ -117,44 +159,55 @@ class Scheduler:
             self.prefix_cache_queries += seq.num_tokens
             self.prefix_cache_hits += num_cached
 
-    def _preempt(self, seq: Sequence) -> None:
-        """Preempt by recompute: drop the KV, keep the tokens, requeue at the head."""
+    def _preempt(self, seq: Sequence, plan: StepPlan) -> None:
         self.running.remove(seq)
+        self.num_preemptions += 1
+        live_siblings = sum(1 for s in seq.siblings if s is not seq and s.status is SequenceStatus.RUNNING)
+        mode = choose_preemption(self.limits.preemption_mode, seq, live_siblings,
+                                 self.limits.max_num_batched_tokens, self.blocks.can_swap_out(seq.seq_id))
+        if mode == "swap":
+            # The worker keeps the sequence; only its blocks move. It resumes from where it was.
+            plan.swap_out.extend(self.blocks.swap_out(seq.seq_id))
+            seq.status = SequenceStatus.SWAPPED
+            bisect.insort(self.swapped, seq, key=_by_arrival)
+            self.num_preemptions_swap += 1
+            self.num_swaps_out += 1
+            return
         self.blocks.free(seq.seq_id)
         if seq.known_to_worker:
-            self._to_drop.append(seq.seq_id)
+            plan.finished_seq_ids.append(seq.seq_id)
         seq.reset_for_recompute()
         self.waiting.appendleft(seq)
-        self.num_preemptions += 1
+        self.num_preemptions_recompute += 1
 
-    def _build_plan(self, scheduled: dict[int, int]) -> StepPlan:
-        self._step_id += 1
-        plan = StepPlan(step_id=self._step_id, finished_seq_ids=self._to_drop)
-        self._to_drop = []
+    def _describe_work(self, scheduled: dict[int, int], plan: StepPlan) -> None:
+        """New sequences in full, known ones as deltas."""
         for seq in self.running:
             num_tokens = scheduled.get(seq.seq_id)
             if num_tokens is None:
                 continue
             table = self.blocks.block_table(seq.seq_id)
-            if seq.known_to_worker:
-                plan.running.append(RunningSequence(
-                    seq_id=seq.seq_id, new_token_ids=seq.token_ids(seq.num_tokens_sent),
-                    new_block_ids=table[seq.num_blocks_sent:], num_computed_tokens=seq.num_computed_tokens,
-                    num_scheduled_tokens=num_tokens))
-            else:
+            if not seq.known_to_worker:
                 plan.new.append(NewSequence(
-                    request_id=seq.request_id, seq_id=seq.seq_id, index=seq.index, prompt_token_ids=seq.prompt_token_ids,
-                    output_token_ids=list(seq.output_token_ids), sampling_params=seq.params,
-                    block_table=table, num_computed_tokens=seq.num_computed_tokens,
-                    num_scheduled_tokens=num_tokens))
+                    request_id=seq.request_id, seq_id=seq.seq_id, index=seq.index,
+                    prompt_token_ids=seq.prompt_token_ids, output_token_ids=list(seq.output_token_ids),
+                    sampling_params=seq.params, block_table=table, num_computed_tokens=seq.num_computed_tokens,
+                    num_scheduled_tokens=num_tokens, num_siblings=len(seq.pending_siblings)))
                 seq.known_to_worker = True
+            elif seq.table_replaced:
+                plan.running.append(RunningSequence(
+                    seq.seq_id, seq.token_ids(seq.num_tokens_sent), [], seq.num_computed_tokens, num_tokens, table))
+            else:
+                plan.running.append(RunningSequence(
+                    seq.seq_id, seq.token_ids(seq.num_tokens_sent), table[seq.num_blocks_sent:],
+                    seq.num_computed_tokens, num_tokens))
+            seq.table_replaced = False
             seq.num_tokens_sent = seq.num_tokens
             seq.num_blocks_sent = len(table)
-        return plan
 
     def take_drops(self) -> list[int]:
         """Seq ids the worker should forget now, when no step is about to run."""
-        drops, self._to_drop = self._to_drop, []
+        drops, self._plan.finished_seq_ids = self._plan.finished_seq_ids, []
         return drops
 
     # --- results ----------------------------------------------------------------------------------
@@ -171,18 +224,43 @@ class Scheduler:
             seq = seqs.get(out.seq_id)
             if seq is None or seq.status is not SequenceStatus.RUNNING:
                 continue  # aborted while the step ran
+            if out.siblings:
+                updates.extend(self._fork_siblings(seq, out.siblings))
             update = SequenceUpdate(seq)
             if out.prompt_logprobs:
                 self._take_prompt_logprobs(seq, out, update)
             if out.token_id is not None:
-                seq.output_token_ids.append(out.token_id)
-                update.new_token_ids.append(out.token_id)
-                if out.logprobs is not None:
-                    update.new_logprobs.append(out.logprobs)
-                self._check_stop(seq, out.token_id)
-            if seq.status.is_finished:
-                update.finish_reason, update.stop_reason = seq.status.value, seq.stop_reason
+                self._append_token(seq, out.token_id, out.logprobs, update)
             updates.append(update)
+        return updates
+
+    def _append_token(self, seq: Sequence, token_id: int, logprobs, update: SequenceUpdate) -> None:
+        seq.output_token_ids.append(token_id)
+        update.new_token_ids.append(token_id)
+        if logprobs is not None:
+            update.new_logprobs.append(logprobs)
+        self._check_stop(seq, token_id)
+        if seq.status.is_finished:
+            update.finish_reason, update.stop_reason = seq.status.value, seq.stop_reason
+
+    def _fork_siblings(self, parent: Sequence, samples) -> list[SequenceUpdate]:
+        """n > 1: the siblings start now, sharing every block of the parent's prompt."""
+        updates = []
+        for child, sample in zip(parent.pending_siblings, samples):
+            if child.status.is_finished:
+                continue
+            self.blocks.fork(parent.seq_id, child.seq_id)
+            self._plan.forks.append(Fork(parent.seq_id, child.seq_id, child.index))
+            child.num_computed_tokens = parent.num_computed_tokens
+            child.known_to_worker = True
+            child.num_tokens_sent = child.num_tokens
+            child.num_blocks_sent = len(self.blocks.block_table(child.seq_id))
+            child.status = SequenceStatus.RUNNING
+            bisect.insort(self.running, child, key=_by_arrival)
+            update = SequenceUpdate(child)
+            self._append_token(child, sample.token_id, sample.logprobs, update)
+            updates.append(update)
+        parent.pending_siblings = []
         return updates
 
     def _take_prompt_logprobs(self, seq: Sequence, out, update: SequenceUpdate) -> None:
@@ -209,10 +287,12 @@ class Scheduler:
     def _finish(self, seq: Sequence, status: SequenceStatus, stop_reason: int | str | None = None) -> None:
         if seq.status is SequenceStatus.RUNNING:
             self.running.remove(seq)
-        elif seq.status is SequenceStatus.WAITING:
+        elif seq.status is SequenceStatus.SWAPPED:
+            self.swapped.remove(seq)
+        elif seq in self.waiting:  # pending siblings wait on their parent, not in the queue
             self.waiting.remove(seq)
         self.blocks.free(seq.seq_id)
         if seq.known_to_worker:
-            self._to_drop.append(seq.seq_id)
+            self._plan.finished_seq_ids.append(seq.seq_id)
             seq.known_to_worker = False
         seq.finish(status, stop_reason)

@@ -11,6 +11,7 @@ from shared.step_protocol import PositionLogprobs
 class SequenceStatus(enum.Enum):
     WAITING = "waiting"
     RUNNING = "running"
+    SWAPPED = "swapped"  # preempted; its KV waits in host memory
     FINISHED_STOPPED = "stop"  # EOS, a stop token id, or a stop string
     FINISHED_LENGTH = "length"  # max_tokens or the context length
     FINISHED_ABORTED = "abort"
@@ -42,6 +43,10 @@ class Sequence:
         self.num_prompt_logprobs = 0  # prompt positions whose logprobs were passed on (recompute repeats them)
         # Extra key of the prefix-cache hash: requests with different salts never share blocks.
         self.cache_extra = cache_salt.encode() if cache_salt else b""
+        self.table_replaced = False  # copy-on-write or swap-in changed the table: send it whole
+        self.siblings: list[Sequence] = [self]  # every sequence of the request, this one included
+        # n > 1, on the first sequence: siblings that start by forking from it once its prompt is done.
+        self.pending_siblings: list[Sequence] = []
 
     @property
     def num_tokens(self) -> int:
@@ -74,6 +79,7 @@ class Sequence:
         self.status = SequenceStatus.WAITING
         self.num_computed_tokens = 0
         self.known_to_worker = False
+        self.table_replaced = False
         self.num_tokens_sent = self.num_blocks_sent = 0
 
     def __repr__(self) -> str:

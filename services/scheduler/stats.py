@@ -27,7 +27,7 @@ class EngineStats:
         self.sample_time_s += result.sample_time_s
 
     def record_usage(self) -> None:
-        """After a step: every allocated slot should now hold a token except each table's tail."""
+        """When a step is planned: every allocated slot holds a token or is about to, but each table's tail."""
         self.kv_waste_pct_peak = max(self.kv_waste_pct_peak, self.kv_waste_pct())
         self.kv_blocks_used_peak = max(self.kv_blocks_used_peak, self.blocks.num_used_blocks)
 
@@ -39,13 +39,20 @@ class EngineStats:
         return {
             "num_requests_waiting": len(scheduler.waiting),
             "num_requests_running": len(scheduler.running),
+            "num_requests_swapped": len(scheduler.swapped),
             "num_preemptions": scheduler.num_preemptions,
+            "num_preemptions_swap": scheduler.num_preemptions_swap,
+            "num_preemptions_recompute": scheduler.num_preemptions_recompute,
+            "num_swaps_out": scheduler.num_swaps_out,
+            "num_swaps_in": scheduler.num_swaps_in,
             "num_steps": self.num_steps,
             "num_scheduled_tokens": self.num_scheduled_tokens,
             "kv_blocks_total": self.blocks.num_blocks,
             "kv_blocks_used": self.blocks.num_used_blocks,
             "kv_blocks_cached": self.blocks.num_cached_blocks,
             "kv_blocks_free": self.blocks.num_free_blocks - self.blocks.num_cached_blocks,
+            "kv_host_blocks_total": self.blocks.host_pool.num_blocks if self.blocks.host_pool else 0,
+            "kv_host_blocks_used": self.blocks.host_pool.num_used_blocks if self.blocks.host_pool else 0,
             "prefix_cache_queries": scheduler.prefix_cache_queries,
             "prefix_cache_hits": scheduler.prefix_cache_hits,
             "kv_blocks_used_peak": self.kv_blocks_used_peak,

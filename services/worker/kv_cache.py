@@ -63,3 +63,18 @@ def allocate_kv_pools(model: ModelConfig, num_blocks: int, block_size: int, dtyp
     pools = torch.zeros(model.num_hidden_layers, 2, num_blocks, block_size, model.num_key_value_heads,
                         model.head_dim, dtype=dtype, device=device)
     return [(pools[layer, 0], pools[layer, 1]) for layer in range(model.num_hidden_layers)]
+
+
+def num_host_blocks(model: ModelConfig, config: EngineConfig, dtype: torch.dtype, num_device_blocks: int) -> int:
+    """Swap space in blocks: swap_space GiB, but no more than four times the device pool (more could
+    never be filled: only sequences that were running get swapped out)."""
+    blocks = int(config.swap_space * (1 << 30)) // bytes_per_block(model, config.block_size, dtype)
+    return min(blocks, 4 * num_device_blocks)
+
+
+def allocate_host_pool(model: ModelConfig, num_blocks: int, block_size: int, dtype: torch.dtype,
+                       pin: bool) -> torch.Tensor:
+    """The host pool, same per-block shape as the device pool. Left uninitialised: a host block is
+    always written by a swap-out before a swap-in reads it. Pinned for asynchronous copies on GPUs."""
+    return torch.empty(model.num_hidden_layers, 2, num_blocks, block_size, model.num_key_value_heads,
+                       model.head_dim, dtype=dtype, pin_memory=pin)

@@ -9,34 +9,17 @@ import torch
 
 from services.worker.attention.selector import select_attention_backend
 from services.worker.input_batch import ScheduledSequence, build_model_inputs
-from services.worker.kv_cache import allocate_kv_pools, num_kv_blocks
+from services.worker.kv_cache import allocate_host_pool, allocate_kv_pools, num_host_blocks, num_kv_blocks
 from services.worker.model_loader import load_eos_token_ids, load_model
-from services.worker.sampler import Sampler, SamplingState
+from services.worker.block_moves import copy_blocks_torch, swap_blocks, whole_pool
+from services.worker.sampler import Sampler
+from services.worker.worker_sequence import WorkerSequence
 from shared.config import EngineConfig
 from shared.model_config import ModelConfig
 from shared.model_factory import default_model_dir
-from shared.step_protocol import NewSequence, SequenceOutput, StepPlan, StepResult, WorkerInfo
+from shared.step_protocol import Sample, SequenceOutput, StepPlan, StepResult, WorkerInfo
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-
-
-class WorkerSequence:
-    """The worker's copy of one sequence, kept between steps so plans carry only deltas."""
-
-    def __init__(self, new: NewSequence, vocab_size: int):
-        self.seq_id = new.seq_id
-        self.prompt_len = len(new.prompt_token_ids)
-        self.token_ids = list(new.prompt_token_ids) + list(new.output_token_ids)
-        self.block_table = list(new.block_table)
-        self.num_computed_tokens = new.num_computed_tokens
-        self.params = new.sampling_params
-        self.sampling = SamplingState(new.sampling_params, new.prompt_token_ids, new.output_token_ids,
-                                      vocab_size, stream_index=new.index)
-
-    def append_tokens(self, token_ids: list[int]) -> None:
-        self.token_ids.extend(token_ids)
-        for token in token_ids:
-            self.sampling.append(token)
 
 
 def resolve_device(name: str) -> torch.device:
@@ -62,6 +45,10 @@ class Worker:
                                         self.max_model_len)
         self.kv_pools = allocate_kv_pools(self.model_config, self.num_blocks, config.block_size, self.dtype,
                                           self.device)
+        self.kv_pool = whole_pool(self.kv_pools)
+        self.num_host_blocks = num_host_blocks(self.model_config, config, self.dtype, self.num_blocks)
+        self.host_pool = allocate_host_pool(self.model_config, self.num_host_blocks, config.block_size, self.dtype,
+                                            pin=self.device.type == "cuda")
         backend = select_attention_backend(config.attention_backend, self.device)
         self.attention = backend(self.kv_pools, self.model_config.head_dim ** -0.5)
         self.eos_token_ids = load_eos_token_ids(self.model_dir)
@@ -85,13 +72,16 @@ class Worker:
         return WorkerInfo(model=str(self.model_dir), num_kv_blocks=self.num_blocks, block_size=self.config.block_size,
                           max_model_len=self.max_model_len, vocab_size=self.vocab_size,
                           eos_token_ids=tuple(self.eos_token_ids), device=str(self.device),
-                          dtype=str(self.dtype).removeprefix("torch."))
+                          dtype=str(self.dtype).removeprefix("torch."), num_cpu_blocks=self.num_host_blocks)
 
     # --- one step ---------------------------------------------------------------------------------
 
     def execute(self, plan: StepPlan) -> StepResult:
+        for fork in plan.forks:  # before anything else: the child copies the parent as it was
+            self.seqs[fork.child_seq_id] = self.seqs[fork.parent_seq_id].fork(fork.child_seq_id, fork.child_index)
         for seq_id in plan.finished_seq_ids:
             self.seqs.pop(seq_id, None)
+        self._move_blocks(plan)
         batch = self._apply_plan(plan)
         if not batch:
             return StepResult(step_id=plan.step_id)
@@ -106,21 +96,35 @@ class Worker:
         return StepResult(step_id=plan.step_id, outputs=outputs, forward_time_s=forward_done - started,
                           sample_time_s=sample_done - forward_done)
 
+    def _move_blocks(self, plan: StepPlan) -> None:
+        """Swap out, swap in, then copy-on-write copies: all before the forward pass."""
+        if plan.swap_out:
+            swap_blocks(self.kv_pool, self.host_pool, plan.swap_out)
+        if plan.swap_in:
+            swap_blocks(self.host_pool, self.kv_pool, plan.swap_in)
+        if plan.copies:
+            self._copy_blocks(plan.copies)
+
+    def _copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
+        overlapping = {src for src, _ in pairs} & {dst for _, dst in pairs}
+        if self.device.type == "cuda" and not overlapping:  # the Triton kernel runs pairs in parallel
+            from services.worker.attention.triton_cache_ops import copy_blocks
+
+            copy_blocks(self.kv_pool, pairs)
+        else:
+            copy_blocks_torch(self.kv_pool, pairs)
+
     def _apply_plan(self, plan: StepPlan) -> list[tuple[WorkerSequence, int]]:
         batch = []
         for new in plan.new:
-            seq = WorkerSequence(new, self.vocab_size)
+            seq = WorkerSequence.from_new(new, self.vocab_size)
             self.seqs[new.seq_id] = seq
             batch.append((seq, new.num_scheduled_tokens))
         for delta in plan.running:
             seq = self.seqs.get(delta.seq_id)
             if seq is None:
                 raise ValueError(f"step {plan.step_id}: sequence {delta.seq_id} is unknown to this worker")
-            seq.append_tokens(delta.new_token_ids)
-            seq.block_table.extend(delta.new_block_ids)
-            if seq.num_computed_tokens != delta.num_computed_tokens:
-                raise ValueError(f"step {plan.step_id}: sequence {delta.seq_id} has {seq.num_computed_tokens} "
-                                 f"computed tokens here, the scheduler says {delta.num_computed_tokens}")
+            seq.apply(delta, plan.step_id)
             batch.append((seq, delta.num_scheduled_tokens))
         return batch
 
@@ -149,11 +153,23 @@ class Worker:
         if prompt_rows:
             self._prompt_logprobs(hidden, rows, prompt_rows, outputs)
         if sampling:
-            logits = self.model.compute_logits(hidden[sample_rows])
-            sampled = self.sampler.sample(logits, [seq.sampling for _, seq in sampling])
-            for (i, _), (token_id, logprobs) in zip(sampling, sampled):
-                outputs[i].token_id, outputs[i].logprobs = token_id, logprobs
+            self._sample_tokens(hidden, sampling, sample_rows, outputs)
         return [outputs[i] for i in sorted(outputs)]
+
+    def _sample_tokens(self, hidden, sampling, sample_rows, outputs) -> None:
+        """One token per sequence, plus one per waiting sibling from the same row (n > 1)."""
+        rows, states, owners = list(sample_rows), [seq.sampling for _, seq in sampling], []
+        for (i, seq), row in zip(sampling, sample_rows):
+            for state in seq.sibling_sampling:
+                rows.append(row)
+                states.append(state)
+                owners.append(i)
+            seq.sibling_sampling = []
+        sampled = self.sampler.sample(self.model.compute_logits(hidden[rows]), states)
+        for (i, _), (token_id, logprobs) in zip(sampling, sampled):
+            outputs[i].token_id, outputs[i].logprobs = token_id, logprobs
+        for i, (token_id, logprobs) in zip(owners, sampled[len(sampling):]):
+            outputs[i].siblings.append(Sample(token_id, logprobs))
 
     def _prompt_logprobs(self, hidden, rows, prompt_rows, outputs) -> None:
         logits = self.model.compute_logits(hidden[rows])

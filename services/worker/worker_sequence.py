@@ -1,0 +1,46 @@
+"""The worker's copy of one sequence, kept between steps so that plans carry only deltas."""
+
+from __future__ import annotations
+
+from services.worker.sampler import SamplingState
+from shared.step_protocol import NewSequence, RunningSequence
+
+
+class WorkerSequence:
+    def __init__(self, seq_id: int, index: int, prompt_token_ids: list[int], output_token_ids: list[int],
+                 block_table: list[int], num_computed_tokens: int, params, vocab_size: int, num_siblings: int = 0):
+        self.seq_id = seq_id
+        self.index = index
+        self.prompt_len = len(prompt_token_ids)
+        self.token_ids = list(prompt_token_ids) + list(output_token_ids)
+        self.block_table = list(block_table)
+        self.num_computed_tokens = num_computed_tokens
+        self.params = params
+        self.vocab_size = vocab_size
+        self.sampling = SamplingState(params, prompt_token_ids, output_token_ids, vocab_size, stream_index=index)
+        # n > 1: the siblings' first tokens come from this sequence's last prompt logits.
+        self.sibling_sampling = [SamplingState(params, prompt_token_ids, [], vocab_size, stream_index=index + i)
+                                 for i in range(1, num_siblings + 1)]
+
+    @classmethod
+    def from_new(cls, new: NewSequence, vocab_size: int) -> "WorkerSequence":
+        return cls(new.seq_id, new.index, new.prompt_token_ids, new.output_token_ids, new.block_table,
+                   new.num_computed_tokens, new.sampling_params, vocab_size, new.num_siblings)
+
+    def fork(self, child_seq_id: int, child_index: int) -> "WorkerSequence":
+        """A child sharing everything so far; its own random stream from now on."""
+        return WorkerSequence(child_seq_id, child_index, self.token_ids[:self.prompt_len],
+                              self.token_ids[self.prompt_len:], self.block_table, self.num_computed_tokens,
+                              self.params, self.vocab_size)
+
+    def apply(self, delta: RunningSequence, step_id: int) -> None:
+        self.token_ids.extend(delta.new_token_ids)
+        for token in delta.new_token_ids:
+            self.sampling.append(token)
+        if delta.new_block_table is not None:
+            self.block_table = list(delta.new_block_table)
+        else:
+            self.block_table.extend(delta.new_block_ids)
+        if self.num_computed_tokens != delta.num_computed_tokens:
+            raise ValueError(f"step {step_id}: sequence {self.seq_id} has {self.num_computed_tokens} computed "
+                             f"tokens here, the scheduler says {delta.num_computed_tokens}")
