@@ -24,11 +24,16 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--kv-cache-memory-bytes", type=int, default=None)
     parser.add_argument("--num-gpu-blocks-override", type=int, default=None)
     parser.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True)
+    parser.add_argument("--swap-space", type=float, default=4.0, help="GiB of host memory for swapped-out KV")
+    parser.add_argument("--preemption-mode", choices=["swap", "recompute"], default=None,
+                        help="how preempted sequences give back their blocks (default: chosen per victim)")
+    parser.add_argument("--attention-backend", choices=["auto", "torch", "triton"], default="auto")
 
 
 ENGINE_KEYS = ("model", "tokenizer", "dtype", "device", "seed", "max_model_len", "block_size", "max_num_seqs",
                "max_num_batched_tokens", "enable_chunked_prefill", "gpu_memory_utilization",
-               "kv_cache_memory_bytes", "num_gpu_blocks_override", "enable_prefix_caching")
+               "kv_cache_memory_bytes", "num_gpu_blocks_override", "enable_prefix_caching", "swap_space",
+               "preemption_mode", "attention_backend")
 
 
 def engine_options(args: argparse.Namespace) -> dict:

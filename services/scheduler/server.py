@@ -98,7 +98,7 @@ def serve(args: argparse.Namespace) -> None:
         if not args.enable_chunked_prefill and budget < max_model_len:
             raise ValueError(f"--max-num-batched-tokens {budget} < max_model_len {max_model_len} "
                              "without chunked prefill: long prompts could never run")
-        return SchedulerLimits(args.max_num_seqs, budget, args.enable_chunked_prefill)
+        return SchedulerLimits(args.max_num_seqs, budget, args.enable_chunked_prefill, args.preemption_mode)
 
     engine = build_engine(args.worker, limits_from, args.watermark, args.max_logprobs, args.enable_prefix_caching)
     loop = EngineLoop(engine)
@@ -143,6 +143,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--max-num-batched-tokens", type=int, default=None)
     parser.add_argument("--enable-chunked-prefill", action=argparse.BooleanOptionalAction, default=True)
     parser.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True)
+    parser.add_argument("--preemption-mode", choices=["swap", "recompute"], default=None)
     parser.add_argument("--max-logprobs", type=int, default=20)
     parser.add_argument("--watermark", type=float, default=0.01)
     parser.add_argument("--max-streams", type=int, default=1024, help="concurrent gateway streams")
