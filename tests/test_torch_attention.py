@@ -109,6 +109,11 @@ def test_decode_equal_lengths_no_mask(monkeypatch):
     run_case([(31, 1)] * 5 + [(63, 1)] * 3, monkeypatch=monkeypatch)
 
 
+def test_sequence_without_new_tokens(monkeypatch):
+    run_case([(5, 1), (20, 0), (33, 1)], monkeypatch=monkeypatch)  # decode-only, but rows are not sequences
+    run_case([(5, 3), (20, 0), (33, 1)], monkeypatch=monkeypatch)
+
+
 def test_mixed_prefill_and_decode(monkeypatch):
     # A first chunk, decodes, chunks after cached full blocks and after a partial block.
     run_case([(0, 37), (9, 1), (32, 16), (20, 7), (0, 1), (100, 1), (5, 2), (48, 33)], monkeypatch=monkeypatch)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
 import time
 import uuid
@@ -113,6 +114,37 @@ async def sse(events: AsyncIterator[dict]) -> AsyncIterator[str]:
     yield "data: [DONE]\n\n"
 
 
+async def _unless_disconnected(request: Request, work, poll_s: float = 0.25):
+    """Await `work`, cancelling it (which aborts its engine requests) if the client goes away first:
+    a non-streamed answer nobody will read should not keep holding KV blocks."""
+    task = asyncio.ensure_future(work)
+    try:
+        while not (await asyncio.wait([task], timeout=poll_s))[0]:
+            if await request.is_disconnected():
+                log.info("client went away before the answer was ready; request aborted")
+                return None
+        return task.result()
+    finally:
+        if not task.done():
+            task.cancel()  # the client left (or we are being cancelled): its cleanup aborts the engine requests
+
+
+class EventStream(StreamingResponse):
+    """A streamed reply as SSE. However the response ends (done, failed, client gone, or never
+    started), the reply's engine requests are cancelled and its concurrency slot is freed."""
+
+    def __init__(self, reply):
+        super().__init__(sse(reply.events()), media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+        self.reply = reply
+
+    async def __call__(self, scope, receive, send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            await self.body_iterator.aclose()
+            await self.reply.aclose()
+
+
 def create_app(gen: Generator) -> FastAPI:
     app = FastAPI(title="pagedserve gateway", description="OpenAI-compatible API of pagedserve")
     app.add_middleware(RequestContext, metrics=gen.metrics)
@@ -123,13 +155,14 @@ def create_app(gen: Generator) -> FastAPI:
 
     async def respond(request: Request, create, body):
         try:
-            result = await create(gen, body, request.scope[REQUEST_ID])
+            result = await _unless_disconnected(request, create(gen, body, request.scope[REQUEST_ID]))
         except (ValueError, TypeError, NotFound, ServiceUnavailable, TimeoutError) as exc:
             return error_response(exc)
+        if result is None:  # nobody to answer; 499 as nginx logs a client that closed the request
+            return Response(status_code=499)
         if isinstance(result, dict):
             return JSONResponse(result)
-        return StreamingResponse(sse(result), media_type="text/event-stream",
-                                 headers={"Cache-Control": "no-cache"})
+        return EventStream(result)
 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request):

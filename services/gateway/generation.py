@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import itertools
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -285,7 +286,7 @@ class Generator:
             raise ServiceUnavailable(f"cannot load the tokenizer ({exc}); pass --tokenizer") from exc
         name = self.served_model_name or Path(info.model).name or info.model
         log.info("model ready", model=name, path=info.model, max_model_len=info.max_model_len)
-        return Model(name, info.max_model_len, info.vocab_size, info.max_logprobs or 20, tokenizer)
+        return Model(name, info.max_model_len, info.vocab_size, info.max_logprobs, tokenizer)
 
     @contextlib.asynccontextmanager
     async def admitted(self):
@@ -309,15 +310,19 @@ class Generator:
         for prompt in prompts:
             model.check_prompt(prompt, params)
         runs: list[Run] = []
+        starts: list[asyncio.Future] = []
         try:
             for i, prompt in enumerate(prompts):
                 engine_id = f"{request_id}-{i}" if suffix_ids else request_id
                 stream = await self.client.submit(engine_id, prompt, params)
                 runs.append(Run(model, stream, engine_id, prompt, params, self.metrics))
-            await asyncio.gather(*(run.start() for run in runs))
+            starts = [asyncio.ensure_future(run.start()) for run in runs]
+            await asyncio.gather(*starts)
         except BaseException:
-            for run in runs:  # all or nothing: abort the ones that were admitted
+            for run, started in itertools.zip_longest(runs, starts):  # all or nothing: abort every one
                 run.cancel()
+                if started is not None:
+                    started.cancel()
             raise
         log.info("request started", prompts=len(prompts), n=params.n, max_tokens=params.max_tokens,
                  prompt_tokens=sum(map(len, prompts)))

@@ -7,7 +7,7 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from services.gateway.generation import Generator, Overloaded, SeqDelta, TokenLogprob, merge, new_request_id
+from services.gateway.generation import Generator, Overloaded, SeqDelta, TokenLogprob, new_request_id
 from shared.grpc_errors import status_for
 from shared.logging import bind_request_id, clear_request_id, setup_logging
 from shared.proto import pagedserve_api_pb2 as api
@@ -48,7 +48,7 @@ class GenerationServicer(api_grpc.GenerationServicer):
                 # The engine request keeps the client's id, so Abort(request_id) reaches it.
                 (run,) = await self.gen.start(model, request_id, [prompt], params, suffix_ids=False)
                 first = True
-                async for _, delta in merge([run]):
+                async for delta in run:
                     yield self._response(request_id, delta, run, first)
                     first = False
         except grpc.aio.AbortError:

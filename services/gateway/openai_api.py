@@ -16,33 +16,27 @@ from services.gateway.protocol import ChatCompletionRequest, CompletionRequest
 
 
 async def create_completion(gen: Generator, body: CompletionRequest, request_id: str):
-    async with AsyncExitStack() as stack:
-        await stack.enter_async_context(gen.admitted())
-        model = await gen.model()
-        model.check_name(body.model)
-        params = body.checked_params()
-        prompts = body.prompts()
-        ids = [model.encode(p) if isinstance(p, str) else list(p) for p in prompts]
-        texts = [p if isinstance(p, str) else model.decode(p) for p in prompts]
-        runs = await gen.start(model, request_id, ids, params)
-        reply = _Completion(model, body, f"cmpl-{request_id}", runs, texts)
-        if body.stream:
-            return reply.stream(stack.pop_all())  # the stream holds the request's slot until it ends
-        return await reply.whole()
+    return await _answer(gen, body, request_id, _Completion)
 
 
 async def create_chat_completion(gen: Generator, body: ChatCompletionRequest, request_id: str):
+    return await _answer(gen, body, request_id, _Chat)
+
+
+async def _answer(gen: Generator, body, request_id: str, reply_class):
+    """The whole answer (a dict), or for stream=True the started reply (events(), then aclose())."""
     async with AsyncExitStack() as stack:
         await stack.enter_async_context(gen.admitted())
         model = await gen.model()
         model.check_name(body.model)
         params = body.checked_params()
-        _, prompt = model.encode_chat([m.as_dict() for m in body.messages])
-        runs = await gen.start(model, request_id, [prompt], params)
-        reply = _Chat(model, body, f"chatcmpl-{request_id}", runs)
-        if body.stream:
-            return reply.stream(stack.pop_all())
-        return await reply.whole()
+        prompts, texts = reply_class.prompts(model, body)
+        runs = await gen.start(model, request_id, prompts, params)
+        reply = reply_class(model, body, f"{reply_class.id_prefix}-{request_id}", runs, texts)
+        if not body.stream:
+            return await reply.whole()
+        reply.slot = stack.pop_all()  # the stream holds the request's slot until reply.aclose()
+        return reply
 
 
 def usage(runs: list[Run]) -> dict:
@@ -52,27 +46,34 @@ def usage(runs: list[Run]) -> dict:
 
 
 class _Reply:
+    """A request's answer: whole(), or events() for streaming followed by aclose()."""
     object_whole = object_chunk = ""
 
-    def __init__(self, model: Model, body, response_id: str, runs: list[Run]):
-        self.model, self.body, self.id, self.runs = model, body, response_id, runs
+    def __init__(self, model: Model, body, response_id: str, runs: list[Run], prompt_texts: list[str]):
+        self.model, self.body, self.id, self.runs, self.prompt_texts = model, body, response_id, runs, prompt_texts
         self.n = body.n
         self.created = int(time.time())
+        self.slot = AsyncExitStack()
 
     def envelope(self, kind: str, choices: list[dict], **extra) -> dict:
         return {"id": self.id, "object": kind, "created": self.created, "model": self.model.name,
                 "choices": choices, **extra}
 
-    async def stream(self, slot: AsyncExitStack) -> AsyncIterator[dict]:
-        async with slot:
-            for chunk in self.opening_chunks():
-                yield chunk
-            async for position, delta in merge(self.runs):
-                choice = self.chunk_choice(position * self.n + delta.index, position, delta)
-                if choice is not None:
-                    yield self.envelope(self.object_chunk, [choice])
-            if self.body.include_usage:
-                yield self.envelope(self.object_chunk, [], usage=usage(self.runs))
+    async def events(self) -> AsyncIterator[dict]:
+        for chunk in self.opening_chunks():
+            yield chunk
+        async for position, delta in merge(self.runs):
+            choice = self.chunk_choice(position * self.n + delta.index, position, delta)
+            if choice is not None:
+                yield self.envelope(self.object_chunk, [choice])
+        if self.body.include_usage:
+            yield self.envelope(self.object_chunk, [], usage=usage(self.runs))
+
+    async def aclose(self) -> None:
+        """Idempotent; also right when events() never started (a client gone before the first byte)."""
+        for run in self.runs:
+            run.cancel()
+        await self.slot.aclose()
 
     async def whole(self) -> dict:
         texts: dict[int, str] = defaultdict(str)
@@ -94,11 +95,17 @@ class _Reply:
 
 class _Completion(_Reply):
     object_whole = object_chunk = "text_completion"
+    id_prefix = "cmpl"
 
-    def __init__(self, model, body: CompletionRequest, response_id, runs, prompt_texts: list[str]):
-        super().__init__(model, body, response_id, runs)
-        self.prompt_texts = prompt_texts
+    def __init__(self, *args):
+        super().__init__(*args)
         self.echoed: set[int] = set()
+
+    @staticmethod
+    def prompts(model: Model, body: CompletionRequest) -> tuple[list[list[int]], list[str]]:
+        prompts = body.prompts()
+        return ([model.encode(p) if isinstance(p, str) else list(p) for p in prompts],
+                [p if isinstance(p, str) else model.decode(p) for p in prompts])
 
     def _prefix(self, k: int, position: int) -> tuple[str, list[TokenLogprob]]:
         """The echoed prompt (text and its token logprobs), once per choice."""
@@ -149,6 +156,12 @@ def completion_logprobs(entries: list[TokenLogprob], base_offset: int) -> dict:
 
 class _Chat(_Reply):
     object_whole, object_chunk = "chat.completion", "chat.completion.chunk"
+    id_prefix = "chatcmpl"
+
+    @staticmethod
+    def prompts(model: Model, body: ChatCompletionRequest) -> tuple[list[list[int]], list[str]]:
+        text, ids = model.encode_chat([m.as_dict() for m in body.messages])
+        return [ids], [text]
 
     def opening_chunks(self) -> list[dict]:
         # OpenAI's first delta of each choice carries the role.

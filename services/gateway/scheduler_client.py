@@ -40,8 +40,11 @@ class SubmitStream:
 
     async def __anext__(self) -> wire.EngineOutput:
         try:
-            message = await asyncio.wait_for(self._call.read(), self._idle_timeout_s)
-        except asyncio.TimeoutError:
+            # asyncio.timeout, not wait_for: on 3.11 wait_for can swallow a cancellation that arrives
+            # as a read completes, and a cancelled request would then run to its end.
+            async with asyncio.timeout(self._idle_timeout_s):
+                message = await self._call.read()
+        except TimeoutError:
             self.cancel()
             raise ServiceUnavailable(f"the scheduler at {self._address} sent nothing for "
                                      f"{self._idle_timeout_s:g} s; the request was abandoned") from None
@@ -68,14 +71,23 @@ class SchedulerClient:
         self._health = health_pb2_grpc.HealthStub(self._channel)
 
     async def _connected(self) -> None:
-        """Wait (briefly) for a ready connection, so a dead scheduler fails fast rather than hangs."""
-        if self._channel.get_state(try_to_connect=True) == grpc.ChannelConnectivity.READY:
-            return
-        try:
-            await asyncio.wait_for(self._channel.channel_ready(), self.connect_timeout_s)
-        except asyncio.TimeoutError:
-            raise ServiceUnavailable(f"the scheduler at {self.address} is not reachable "
-                                     f"(no connection within {self.connect_timeout_s:g} s)") from None
+        """Wait (briefly) for a ready connection, so a dead scheduler fails fast rather than hangs.
+
+        A refused connection fails at once (TRANSIENT_FAILURE; gRPC keeps retrying in the
+        background, so a restarted scheduler is picked up); an unanswered one after the timeout.
+        """
+        deadline = asyncio.get_running_loop().time() + self.connect_timeout_s
+        state = self._channel.get_state(try_to_connect=True)
+        while state != grpc.ChannelConnectivity.READY:
+            if state == grpc.ChannelConnectivity.TRANSIENT_FAILURE:
+                raise ServiceUnavailable(f"the scheduler at {self.address} is not reachable (connection failed)")
+            try:
+                async with asyncio.timeout_at(deadline):
+                    await self._channel.wait_for_state_change(state)
+            except TimeoutError:
+                raise ServiceUnavailable(f"the scheduler at {self.address} is not reachable "
+                                         f"(no connection within {self.connect_timeout_s:g} s)") from None
+            state = self._channel.get_state(try_to_connect=True)
 
     async def _unary(self, method, request):
         await self._connected()

@@ -150,8 +150,9 @@ class TorchAttentionBackend:
         block_size, num_kv_heads, head_dim = k_cache.shape[1:]
         tables = meta.block_tables.long()
         seq_lens, query_lens = meta.seq_lens_cpu, meta.query_lens_cpu
-        decode_only = meta.is_decode_only
-        starts = None if decode_only else meta.query_start_loc.tolist()
+        # When every sequence has exactly one new token, sequence i's token is row i of q.
+        one_each = meta.is_decode_only and meta.num_tokens == meta.num_seqs
+        starts = None if one_each else meta.query_start_loc.tolist()
 
         # Decodes: longest first, cut into chunks of similar length that fit the byte budget.
         order = sorted((i for i, n in enumerate(query_lens) if n == 1), key=lambda i: -seq_lens[i])
@@ -176,7 +177,7 @@ class TorchAttentionBackend:
                 pad = torch.arange(length).unsqueeze(0) >= lens.unsqueeze(1)
                 mask = torch.zeros(len(seqs), 1, 1, length, dtype=dtype).masked_fill_(
                     pad.view(len(seqs), 1, 1, length), float("-inf"))
-            rows = seqs if decode_only else torch.tensor([starts[i] for i in order[first:end]])
+            rows = seqs if one_each else torch.tensor([starts[i] for i in order[first:end]])
             chunks.append(_DecodeChunk(rows, blocks, length, mask))
             first = end
 

@@ -1,0 +1,372 @@
+"""The gateway end to end: real worker, scheduler and gateway processes on loopback, driven with the
+official openai client, raw HTTP and the public gRPC API."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import grpc
+import httpx2 as httpx
+import openai
+import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha.proto_reflection_descriptor_database import ProtoReflectionDescriptorDatabase
+
+from pagedserve import LLM, SamplingParams
+from shared.proto import pagedserve_api_pb2 as api
+from shared.proto import pagedserve_api_pb2_grpc as api_grpc
+from tests.services_harness import Stack, http_get
+
+PROMPTS = ["Hello there", "The quick brown fox", "Once upon a time"]
+WORKER_ARGS = ("--block-size", "16", "--num-gpu-blocks-override", "512")
+
+
+@pytest.fixture(scope="module")
+def stack(llama_dir, tmp_path_factory):
+    stack = Stack(llama_dir, tmp_path_factory.mktemp("gateway-logs"), worker_args=WORKER_ARGS).start()
+    try:
+        yield stack
+    finally:
+        codes = stack.stop()
+    assert all(code is not None for code in codes.values()), codes
+    assert codes["gateway"] == 0, f"the gateway did not shut down cleanly: {codes}\n{stack.log_tail('gateway')}"
+
+
+@pytest.fixture(scope="module")
+def client(stack):
+    return openai.OpenAI(base_url=f"{stack.base_url}/v1", api_key="unused", max_retries=0, timeout=30)
+
+
+@pytest.fixture(scope="module")
+def offline(llama_dir):
+    return LLM(str(llama_dir), block_size=16)
+
+
+def engine_stats(stack) -> dict[str, float]:
+    status, text = http_get(f"{stack.base_url}/metrics")
+    assert status == 200
+    return {line.split()[0].removeprefix("pagedserve_engine_"): float(line.split()[1])
+            for line in text.splitlines() if line.startswith("pagedserve_engine_")}
+
+
+def wait_blocks_free(stack, timeout_s: float = 5.0) -> dict[str, float]:
+    deadline = time.monotonic() + timeout_s
+    while True:
+        stats = engine_stats(stack)
+        if stats["kv_blocks_used"] == 0 and stats["num_requests_running"] == 0 or time.monotonic() > deadline:
+            return stats
+        time.sleep(0.05)
+
+
+# --- the basics ----------------------------------------------------------------------------------------
+
+
+def test_models_health_openapi_and_request_id(stack, client, llama_dir):
+    assert [m.id for m in client.models.list().data] == [llama_dir.name]
+    assert http_get(f"{stack.base_url}/health")[0] == 200
+    status, spec = http_get(f"{stack.base_url}/openapi.json")
+    assert status == 200 and "/v1/chat/completions" in spec["paths"]
+    reply = httpx.post(f"{stack.base_url}/v1/completions", headers={"X-Request-Id": "my-id-1"},
+                       json={"prompt": "Hi", "max_tokens": 2})
+    assert reply.status_code == 200 and reply.headers["x-request-id"] == "my-id-1"
+    assert reply.json()["id"] == "cmpl-my-id-1"
+
+
+def test_greedy_matches_the_offline_api(client, offline, llama_dir):
+    params = SamplingParams(temperature=0, max_tokens=8)
+    expected = [out.outputs[0].text for out in offline.generate(PROMPTS, params, use_tqdm=False)]
+    reply = client.completions.create(model=llama_dir.name, prompt=PROMPTS, max_tokens=8, temperature=0)
+    assert [c.text for c in sorted(reply.choices, key=lambda c: c.index)] == expected
+    messages = [{"role": "user", "content": "Tell me a story"}]
+    chat_expected = offline.chat(messages, params, use_tqdm=False)[0].outputs[0].text
+    chat = client.chat.completions.create(model=llama_dir.name, messages=messages, max_tokens=8, temperature=0)
+    assert chat.choices[0].message.content == chat_expected and chat.choices[0].message.role == "assistant"
+    # Content given as text parts is the same conversation.
+    parts = [{"role": "user", "content": [{"type": "text", "text": "Tell me a story"}]}]
+    again = client.chat.completions.create(model=llama_dir.name, messages=parts, max_completion_tokens=8,
+                                           temperature=0)
+    assert again.choices[0].message.content == chat_expected
+
+
+def test_token_id_prompts_and_echo(client, offline, llama_dir):
+    ids = [[5, 6, 7, 8], [9, 10]]
+    expected = offline.generate([{"prompt_token_ids": p} for p in ids], SamplingParams(temperature=0, max_tokens=4),
+                                use_tqdm=False)
+    reply = client.completions.create(model=llama_dir.name, prompt=ids, max_tokens=4, temperature=0)
+    assert [c.text for c in reply.choices] == [o.outputs[0].text for o in expected]
+    single = client.completions.create(model=llama_dir.name, prompt=ids[0], max_tokens=4, temperature=0)
+    assert single.choices[0].text == expected[0].outputs[0].text
+    echoed = client.completions.create(model=llama_dir.name, prompt="Hello there", max_tokens=3, temperature=0,
+                                       echo=True, logprobs=1)
+    choice = echoed.choices[0]
+    assert choice.text.startswith("Hello there")
+    prompt_len = echoed.usage.prompt_tokens
+    assert len(choice.logprobs.tokens) == prompt_len + 3 and choice.logprobs.token_logprobs[0] is None
+    assert all(isinstance(lp, float) for lp in choice.logprobs.token_logprobs[1:])
+
+
+def test_n_logprobs_and_usage(client, llama_dir):
+    reply = client.completions.create(model=llama_dir.name, prompt="Once upon a time", n=3, max_tokens=5,
+                                      temperature=1.0, seed=7, logprobs=3, extra_body={"ignore_eos": True})
+    assert sorted(c.index for c in reply.choices) == [0, 1, 2]
+    for choice in reply.choices:
+        lp = choice.logprobs
+        assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == len(lp.text_offset) == 5
+        assert all(1 <= len(top) <= 4 for top in lp.top_logprobs)  # top 3 plus the sampled token
+        assert lp.text_offset == sorted(lp.text_offset) and choice.finish_reason == "length"
+    assert reply.usage.completion_tokens == 15
+    assert reply.usage.total_tokens == reply.usage.prompt_tokens + 15
+
+
+def test_chat_logprobs(client, llama_dir):
+    reply = client.chat.completions.create(model=llama_dir.name, messages=[{"role": "user", "content": "Hi"}],
+                                           max_tokens=4, temperature=0, logprobs=True, top_logprobs=2,
+                                           extra_body={"ignore_eos": True})
+    content = reply.choices[0].logprobs.content
+    assert len(content) == 4 and all(len(entry.top_logprobs) == 2 for entry in content)
+    assert all(entry.logprob <= 0 and entry.top_logprobs[0].logprob >= entry.logprob for entry in content)
+
+
+# --- streaming -----------------------------------------------------------------------------------------
+
+
+def test_stream_completion_with_usage(client, llama_dir):
+    whole = client.completions.create(model=llama_dir.name, prompt=PROMPTS[1], max_tokens=10, temperature=0)
+    chunks = list(client.completions.create(model=llama_dir.name, prompt=PROMPTS[1], max_tokens=10, temperature=0,
+                                            stream=True, stream_options={"include_usage": True}))
+    assert "".join(c.choices[0].text for c in chunks if c.choices) == whole.choices[0].text
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == whole.choices[0].finish_reason
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == whole.usage.completion_tokens
+    assert chunks[-1].usage.prompt_tokens == whole.usage.prompt_tokens
+
+
+def test_stream_chat_n2(client, llama_dir):
+    messages = [{"role": "user", "content": "Count to ten"}]
+    whole = client.chat.completions.create(model=llama_dir.name, messages=messages, max_tokens=6, temperature=0)
+    stream = client.chat.completions.create(model=llama_dir.name, messages=messages, max_tokens=6, temperature=0,
+                                            n=2, stream=True, stream_options={"include_usage": True})
+    texts, roles, finished = ["", ""], [None, None], [None, None]
+    for chunk in stream:
+        for choice in chunk.choices:
+            if texts[choice.index] == "" and roles[choice.index] is None:
+                roles[choice.index] = choice.delta.role  # the first delta of each choice carries the role
+            texts[choice.index] += choice.delta.content or ""
+            finished[choice.index] = choice.finish_reason or finished[choice.index]
+    assert roles == ["assistant", "assistant"]
+    assert texts == [whole.choices[0].message.content] * 2 and None not in finished
+    assert chunk.usage.completion_tokens == 2 * whole.usage.completion_tokens
+
+
+def test_stop_strings(stack, client, llama_dir):
+    full = client.completions.create(model=llama_dir.name, prompt=PROMPTS[0], max_tokens=16, temperature=0,
+                                     extra_body={"ignore_eos": True}).choices[0].text
+    stop = full[len(full) // 2:len(full) // 2 + 2]
+    expected = full[:full.find(stop)]
+    reply = client.completions.create(model=llama_dir.name, prompt=PROMPTS[0], max_tokens=16, temperature=0,
+                                      stop=[stop, "never-appears"], extra_body={"ignore_eos": True})
+    assert reply.choices[0].text == expected and reply.choices[0].finish_reason == "stop"
+    assert reply.usage.completion_tokens < 16
+    streamed = client.completions.create(model=llama_dir.name, prompt=PROMPTS[0], max_tokens=16, temperature=0,
+                                         stop=stop, stream=True, extra_body={"ignore_eos": True})
+    assert "".join(c.choices[0].text for c in streamed) == expected
+    kept = client.completions.create(model=llama_dir.name, prompt=PROMPTS[0], max_tokens=16, temperature=0,
+                                     stop=stop, extra_body={"ignore_eos": True, "include_stop_str_in_output": True})
+    assert kept.choices[0].text == expected + stop
+    # The stop string aborted the request at the scheduler: nothing is left holding blocks.
+    stats = wait_blocks_free(stack)
+    assert stats["kv_blocks_used"] == 0 and stats["num_requests_running"] == 0
+
+
+def test_many_concurrent_streams(client, stack, llama_dir):
+    prompts = [f"Request number {i}" for i in range(8)]
+    expected = {p: client.completions.create(model=llama_dir.name, prompt=p, max_tokens=8, temperature=0)
+                .choices[0].text for p in prompts}
+    aclient = openai.AsyncOpenAI(base_url=f"{stack.base_url}/v1", api_key="unused", max_retries=0, timeout=60)
+
+    async def one(prompt: str) -> tuple[str, str, int]:
+        stream = await aclient.completions.create(model=llama_dir.name, prompt=prompt, max_tokens=8, temperature=0,
+                                                  stream=True, stream_options={"include_usage": True})
+        text, finish, tokens = "", None, 0
+        async for chunk in stream:
+            for choice in chunk.choices:
+                text += choice.text
+                finish = choice.finish_reason or finish
+            tokens = chunk.usage.completion_tokens if chunk.usage else tokens
+        return text, finish, tokens
+
+    async def all_of_them():
+        try:
+            return await asyncio.gather(*(one(prompts[i % 8]) for i in range(64)))
+        finally:
+            await aclient.close()
+
+    results = asyncio.run(all_of_them())
+    for i, (text, finish, tokens) in enumerate(results):
+        assert text == expected[prompts[i % 8]] and finish in ("stop", "length") and tokens >= 1
+
+
+def test_client_disconnect_aborts_the_request(stack):
+    before = engine_stats(stack)
+    body = {"prompt": "Hello", "max_tokens": 480, "n": 4, "ignore_eos": True, "stream": True}
+    with httpx.stream("POST", f"{stack.base_url}/v1/completions", json=body, timeout=30) as reply:
+        lines = reply.iter_lines()
+        assert next(lines).startswith("data: ")
+        assert engine_stats(stack)["kv_blocks_used"] > 0
+    # Closing the connection mid-stream cancels the Submit call; the scheduler frees the blocks.
+    after = wait_blocks_free(stack)
+    assert after["kv_blocks_used"] == 0 and after["num_requests_running"] == 0
+    assert after["num_steps"] - before["num_steps"] < 480, "the request ran to the end instead of being aborted"
+    # A non-streamed request whose client gives up is aborted as well.
+    before = after
+    with pytest.raises(httpx.TimeoutException):
+        httpx.post(f"{stack.base_url}/v1/completions", json={**body, "stream": False}, timeout=0.3)
+    after = wait_blocks_free(stack)
+    assert after["kv_blocks_used"] == 0 and after["num_steps"] - before["num_steps"] < 480
+
+
+# --- the public gRPC API ----------------------------------------------------------------------------------
+
+
+def test_grpc_generate(stack, offline, llama_dir):
+    expected = offline.generate(PROMPTS[2], SamplingParams(temperature=0, max_tokens=6), use_tqdm=False)[0].outputs[0]
+    with grpc.insecure_channel(f"127.0.0.1:{stack.grpc_port}") as channel:
+        stub = api_grpc.GenerationStub(channel)
+        params = api.SamplingParameters(temperature=0, max_tokens=6, logprobs=2)
+        replies = list(stub.Generate(api.GenerateRequest(request_id="grpc-1", text=PROMPTS[2], params=params),
+                                     timeout=30))
+        assert [t for r in replies for t in r.token_ids] == expected.token_ids
+        assert "".join(r.text for r in replies) == expected.text
+        assert all(len(r.logprobs) == len(r.token_ids) for r in replies)
+        assert replies[-1].finish_reason == expected.finish_reason and replies[-1].request_id == "grpc-1"
+        assert replies[-1].usage.completion_tokens == len(expected.token_ids)
+        by_ids = list(stub.Generate(api.GenerateRequest(token_ids=api.TokenIds(ids=[5, 6, 7]), params=params)))
+        assert by_ids[-1].finish_reason
+        (card,) = stub.ListModels(api.ListModelsRequest()).models
+        assert card.id == llama_dir.name and card.max_model_len == 512 and card.vocab_size == 512
+        with pytest.raises(grpc.RpcError) as bad:
+            list(stub.Generate(api.GenerateRequest(text="x", params=api.SamplingParameters(temperature=-1))))
+        assert bad.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "temperature" in bad.value.details()
+        with pytest.raises(grpc.RpcError) as unknown:
+            list(stub.Generate(api.GenerateRequest(model="nope", text="x")))
+        assert unknown.value.code() == grpc.StatusCode.NOT_FOUND
+        assert not stub.Abort(api.AbortRequest(request_id="no-such-request")).found
+        health = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=5)
+        assert health.status == health_pb2.HealthCheckResponse.SERVING
+        assert "pagedserve.api.v1.Generation" in ProtoReflectionDescriptorDatabase(channel).get_services()
+
+
+def test_grpc_abort_ends_the_stream(stack):
+    with grpc.insecure_channel(f"127.0.0.1:{stack.grpc_port}") as channel:
+        stub = api_grpc.GenerationStub(channel)
+        params = api.SamplingParameters(max_tokens=480, ignore_eos=True)
+        stream = stub.Generate(api.GenerateRequest(request_id="grpc-abort", text="Hello", params=params), timeout=30)
+        first = next(stream)
+        assert first.request_id == "grpc-abort"
+        assert stub.Abort(api.AbortRequest(request_id="grpc-abort"), timeout=5).found
+        rest = list(stream)
+        assert rest and rest[-1].finish_reason == "abort"
+    assert wait_blocks_free(stack)["kv_blocks_used"] == 0
+
+
+# --- bad requests ---------------------------------------------------------------------------------------
+
+
+def _error(reply: httpx.Response, status: int) -> dict:
+    assert reply.status_code == status, reply.text
+    error = reply.json()["error"]
+    assert set(error) == {"message", "type", "param", "code"} and error["message"]
+    return error
+
+
+def test_bad_requests_get_openai_errors(stack, client, llama_dir):
+    url = f"{stack.base_url}/v1/completions"
+    ok = {"model": llama_dir.name, "prompt": "Hello", "max_tokens": 3}
+    assert _error(httpx.post(url, json={**ok, "model": "no-such-model"}), 404)["type"] == "NotFoundError"
+    too_long = _error(httpx.post(url, json={**ok, "max_tokens": 600}), 400)
+    assert "512" in too_long["message"] and "600" in too_long["message"] and too_long["param"] == "max_tokens"
+    assert "JSON" in _error(httpx.post(url, content=b'{"prompt": ', headers={"content-type": "application/json"}),
+                            400)["message"]
+    assert _error(httpx.post(url, json={**ok, "temperature": -0.5}), 400)["param"] == "temperature"
+    assert _error(httpx.post(url, json={**ok, "logprobs": 21}), 400)["param"] == "logprobs"
+    assert "vocabulary" in _error(httpx.post(url, json={**ok, "prompt": [1, 2, 512]}), 400)["message"]
+    assert _error(httpx.post(url, json={**ok, "prompt": ""}), 400)["param"] == "prompt"
+    assert _error(httpx.post(url, json={**ok, "prompt": []}), 400)["param"] == "prompt"
+    assert _error(httpx.post(url, json={**ok, "n": 2, "best_of": 3}), 400)["param"] == "best_of"
+    assert _error(httpx.post(url, json={**ok, "stream": True, "max_tokens": 0}), 400)["param"] == "max_tokens"
+    chat = f"{stack.base_url}/v1/chat/completions"
+    image = [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]
+    _error(httpx.post(chat, json={"model": llama_dir.name, "messages": image}), 400)
+    _error(httpx.post(chat, json={"model": llama_dir.name, "messages": [], "max_tokens": 2}), 400)
+    _error(httpx.post(chat, json={"messages": [{"role": "user", "content": "x"}], "top_logprobs": 30,
+                                  "logprobs": True}), 400)
+    _error(httpx.get(f"{stack.base_url}/v1/no-such-endpoint"), 404)
+    with pytest.raises(openai.BadRequestError):
+        client.completions.create(model=llama_dir.name, prompt="Hi", max_tokens=3, temperature=-1)
+    with pytest.raises(openai.NotFoundError):
+        client.chat.completions.create(model="nope", messages=[{"role": "user", "content": "x"}])
+    # The extension fields vLLM users send are accepted.
+    extras = {"top_k": 5, "min_p": 0.05, "repetition_penalty": 1.1, "min_tokens": 2, "ignore_eos": True,
+              "stop_token_ids": [3], "skip_special_tokens": False, "include_stop_str_in_output": False, "seed": 3,
+              "logit_bias": {"7": 1.5}, "best_of": 1, "user": "someone"}
+    assert httpx.post(url, json={**ok, **extras}).status_code == 200
+    # ... and the server still serves correctly.
+    reply = client.completions.create(model=llama_dir.name, prompt="Hello", max_tokens=3, temperature=0)
+    assert reply.choices[0].finish_reason in ("stop", "length")
+    assert wait_blocks_free(stack)["kv_blocks_used"] == 0
+
+
+def test_context_length(client, llama_dir):
+    # max_tokens absent: generate up to the context length.
+    prompt = list(range(10, 10 + 500))
+    reply = client.completions.create(model=llama_dir.name, prompt=prompt, temperature=0,
+                                      extra_body={"ignore_eos": True})
+    assert reply.usage.completion_tokens == 12 and reply.choices[0].finish_reason == "length"
+    with pytest.raises(openai.BadRequestError, match="512"):
+        client.completions.create(model=llama_dir.name, prompt=prompt, max_tokens=13)
+    with pytest.raises(openai.BadRequestError, match="context length"):
+        client.completions.create(model=llama_dir.name, prompt=list(range(512)), max_tokens=1)
+
+
+# --- failures of the backend ------------------------------------------------------------------------------
+
+
+def test_overload_then_dead_worker_then_dead_scheduler(llama_dir, tmp_path):
+    stack = Stack(llama_dir, tmp_path, worker_args=WORKER_ARGS, gateway_args=("--max-concurrent-requests", "1")).start()
+    try:
+        url = f"{stack.base_url}/v1/completions"
+        assert httpx.post(url, json={"prompt": "Hi", "max_tokens": 2}, timeout=30).status_code == 200
+        long = {"prompt": "Hi", "max_tokens": 480, "ignore_eos": True, "stream": True}
+        with httpx.stream("POST", url, json=long, timeout=30) as first:  # holds the only slot
+            lines = first.iter_lines()  # (keep it: a dropped line iterator closes the response)
+            assert next(lines).startswith("data: ")
+            assert _error(httpx.post(url, json={"prompt": "Hi", "max_tokens": 2}), 429)["type"] == \
+                "TooManyRequestsError"
+        # Leaving the stream early gives the slot back.
+        deadline = time.monotonic() + 5
+        while httpx.post(url, json={"prompt": "Hi", "max_tokens": 2}).status_code == 429:
+            assert time.monotonic() < deadline, "the slot of a closed stream was never freed"
+            time.sleep(0.05)
+        stack.kill("worker")
+        started = time.monotonic()
+        error = _error(httpx.post(url, json={"prompt": "Hi", "max_tokens": 2}, timeout=30), 503)
+        assert time.monotonic() - started < 10 and "unavailable" in error["message"]
+        assert error["type"] == "ServiceUnavailableError"
+        deadline = time.monotonic() + 5  # the scheduler notices within its health poll
+        while http_get(f"{stack.base_url}/health")[0] != 503 and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert http_get(f"{stack.base_url}/health")[0] == 503
+
+        stack.kill("scheduler")
+        started = time.monotonic()
+        error = _error(httpx.post(url, json={"prompt": "Hi", "max_tokens": 2, "stream": True}, timeout=30), 503)
+        assert time.monotonic() - started < 10 and "scheduler" in error["message"]
+        status, body = http_get(f"{stack.base_url}/health")
+        assert status == 503 and body["error"]["type"] == "ServiceUnavailableError"
+        with grpc.insecure_channel(f"127.0.0.1:{stack.grpc_port}") as channel:
+            with pytest.raises(grpc.RpcError) as failed:
+                list(api_grpc.GenerationStub(channel).Generate(api.GenerateRequest(text="Hi"), timeout=10))
+            assert failed.value.code() == grpc.StatusCode.UNAVAILABLE
+    finally:
+        codes = stack.stop()
+    assert codes["gateway"] == 0, stack.log_tail("gateway")
