@@ -20,7 +20,7 @@ from pagedserve.cli import add_engine_args, apply_env_defaults, engine_options
 
 SCHEDULER_FLAGS = ("max_num_seqs", "max_num_batched_tokens", "enable_chunked_prefill", "enable_prefix_caching",
                    "preemption_mode")
-GATEWAY_FLAGS = ("host", "port", "grpc_port", "served_model_name")
+GATEWAY_FLAGS = ("host", "port", "grpc_port", "served_model_name", "tokenizer")
 
 
 def build_parser() -> argparse.ArgumentParser:

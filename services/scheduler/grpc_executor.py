@@ -9,6 +9,7 @@ from __future__ import annotations
 import queue
 
 import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from shared.grpc_errors import ServiceUnavailable
 from shared.proto import pagedserve_internal_pb2 as wire
@@ -35,6 +36,15 @@ class GrpcExecutor:
 
     def worker_info(self) -> WorkerInfo:
         return self._info
+
+    def worker_healthy(self, timeout_s: float = 1.0) -> bool:
+        """The worker's own health service says SERVING (checked while idle, so a dead worker is
+        noticed before a request fails on it)."""
+        try:
+            reply = health_pb2_grpc.HealthStub(self._channel).Check(health_pb2.HealthCheckRequest(), timeout=timeout_s)
+        except grpc.RpcError:
+            return False
+        return reply.status == health_pb2.HealthCheckResponse.SERVING
 
     def execute(self, plan: StepPlan) -> StepResult:
         self._plans.put(plan.to_proto())

@@ -116,8 +116,11 @@ def serve(args: argparse.Namespace) -> None:
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: stop.set())
     while not stop.wait(0.5):
-        if not loop.healthy:  # the worker died: say so to health checks, keep answering UNAVAILABLE
-            health_servicer.set("", health_pb2.HealthCheckResponse.NOT_SERVING)
+        # A dead worker (noticed by a failed step, or by probing it while idle) makes us NOT_SERVING;
+        # requests then get UNAVAILABLE at once instead of hanging.
+        healthy = loop.healthy and engine.executor.worker_healthy()
+        health_servicer.set("", health_pb2.HealthCheckResponse.SERVING if healthy
+                            else health_pb2.HealthCheckResponse.NOT_SERVING)
     drain(loop, health_servicer, args.drain_timeout)
     server.stop(grace=2).wait()
     loop.stop()

@@ -1,0 +1,103 @@
+"""compose.yaml's services, started as local processes configured only by its environment variables."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+import pytest
+import yaml
+
+from tests.services_harness import free_port, http_get
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def interpolate(value: str, env: dict[str, str]) -> str:
+    """docker compose's ${VAR:-default}, from the given environment."""
+    return re.sub(r"\$\{(\w+):-([^}]*)\}", lambda m: env.get(m.group(1)) or m.group(2), str(value))
+
+
+def compose_services(user_env: dict[str, str]) -> dict[str, dict]:
+    spec = yaml.safe_load((REPO / "compose.yaml").read_text())
+    return {name: {"command": svc["command"], "env": {k: interpolate(v, user_env) for k, v in svc["environment"].items()},
+                   "healthcheck": svc["healthcheck"]["test"]}
+            for name, svc in spec["services"].items()}
+
+
+def to_loopback(services: dict[str, dict], ports: dict[str, int]) -> None:
+    """Container names and 0.0.0.0 become loopback addresses on free ports; nothing else changes."""
+    for svc in services.values():
+        env = svc["env"]
+        for key, value in env.items():
+            for name, port in ports.items():
+                value = re.sub(rf"\b{name}:\d+", f"127.0.0.1:{port}", value)
+            env[key] = value.replace("0.0.0.0:50061", f"127.0.0.1:{ports['worker']}") \
+                .replace("0.0.0.0:50051", f"127.0.0.1:{ports['scheduler']}")
+        if env.get("PAGEDSERVE_HOST") == "0.0.0.0":
+            env["PAGEDSERVE_HOST"] = "127.0.0.1"
+
+
+def test_services_run_from_compose_environment(llama_dir, tmp_path):
+    user_env = {"PAGEDSERVE_MODEL": str(llama_dir), "PAGEDSERVE_KV_CACHE_MEMORY_BYTES": str(8 << 20),
+                "PAGEDSERVE_SERVED_MODEL_NAME": "tiny"}
+    services = compose_services(user_env)
+    ports = {"worker": free_port(), "scheduler": free_port()}
+    to_loopback(services, ports)
+    http_port, grpc_port = free_port(), free_port()
+    services["gateway"]["env"].update(PAGEDSERVE_PORT=str(http_port), PAGEDSERVE_GRPC_PORT=str(grpc_port))
+    procs = {}
+    try:
+        for name in ("worker", "scheduler", "gateway"):
+            env = {**os.environ, **services[name]["env"]}
+            log = open(tmp_path / f"{name}.log", "wb")
+            procs[name] = subprocess.Popen([sys.executable, "-m", "pagedserve", *services[name]["command"]],
+                                           cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT)
+        base = f"http://127.0.0.1:{http_port}"
+        for _ in range(240):
+            try:
+                if http_get(f"{base}/health", 2)[0] == 200:
+                    break
+            except OSError:
+                pass  # not listening yet
+            assert all(p.poll() is None for p in procs.values()), (tmp_path / "scheduler.log").read_text()[-2000:]
+            time.sleep(0.25)
+        request = urllib.request.Request(f"{base}/v1/completions", method="POST",
+                                         headers={"Content-Type": "application/json"},
+                                         data=json.dumps({"model": "tiny", "prompt": "Hello", "max_tokens": 4,
+                                                          "temperature": 0}).encode())
+        with urllib.request.urlopen(request, timeout=30) as reply:
+            body = json.loads(reply.read())
+        assert body["usage"]["completion_tokens"] >= 1 and body["model"] == "tiny"
+        # The containers' health checks, run as compose would run them (with loopback addresses).
+        checks = {"worker": ["grpc", f"127.0.0.1:{ports['worker']}"],
+                  "scheduler": ["grpc", f"127.0.0.1:{ports['scheduler']}"],
+                  "gateway": ["http", f"{base}/health"]}
+        for name, check in checks.items():
+            assert services[name]["healthcheck"][2:4] == ["-m", "shared.healthcheck"]
+            done = subprocess.run([sys.executable, "-m", "shared.healthcheck", *check], cwd=REPO)
+            assert done.returncode == 0, f"{name} health check failed"
+    finally:
+        for name in ("gateway", "scheduler", "worker"):
+            if name in procs and procs[name].poll() is None:
+                procs[name].terminate()
+        for proc in procs.values():
+            try:
+                proc.wait(15)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+
+
+@pytest.mark.skipif(subprocess.run(["which", "docker-compose"], capture_output=True).returncode != 0,
+                    reason="docker-compose is not installed")
+def test_compose_file_is_valid():
+    done = subprocess.run(["docker-compose", "-f", str(REPO / "compose.yaml"), "config", "-q"], capture_output=True,
+                          text=True)
+    assert done.returncode == 0, done.stderr
