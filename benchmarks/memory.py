@@ -65,20 +65,22 @@ def parallel_sampling_blocks(model: str, num_prompts: int, rng: random.Random) -
             "fewer_pct": 100.0 * (1 - with_sharing / without)}
 
 
-def capacity(model: str, num_requests: int, budget_tokens: int) -> dict:
+def capacity(model: str, num_requests: int, budget_tokens: int, max_steps: int = 60) -> dict:
+    """Offer more requests than the budget holds; count how many run at once once admission stalls."""
     block_size = 16
     llm = LLM(model, block_size=block_size, num_gpu_blocks_override=budget_tokens // block_size, max_num_seqs=1024,
-              enable_prefix_caching=False)
-    requests = bench_workload(num_requests, seed=1)
-    peak = 0
+              enable_prefix_caching=False, watermark=0.0)
     engine = llm.engine
-    for i, r in enumerate(requests):
+    for i, r in enumerate(bench_workload(num_requests, seed=1)):
         engine.add_request(str(i), r.prompt_token_ids, greedy(r.output_len))
-    while engine.has_unfinished():
+    peak = 0
+    for _ in range(max_steps):  # every prompt is prefilled or blocked well within these steps
         engine.step()
         peak = max(peak, len(engine.scheduler.running))
+    for i in range(num_requests):
+        engine.abort_request(str(i))
     contiguous = budget_tokens // engine.info.max_model_len
-    return {"budget_tokens": budget_tokens, "max_model_len": engine.info.max_model_len,
+    return {"budget_tokens": budget_tokens, "max_model_len": engine.info.max_model_len, "offered": num_requests,
             "paged_peak_running": peak, "contiguous_max_running": contiguous,
             "ratio": peak / max(contiguous, 1), "kv_waste_pct_peak": llm.stats()["kv_waste_pct_peak"]}
 
@@ -109,6 +111,7 @@ def main() -> None:
     parser.add_argument("--num-requests", type=int, default=64)
     parser.add_argument("--num-questions", type=int, default=8)
     parser.add_argument("--capacity-budget-tokens", type=int, default=65536)
+    parser.add_argument("--capacity-requests", type=int, default=400)
     parser.add_argument("--out", default=str(Path(__file__).with_name("results") / "memory.json"))
     args = parser.parse_args()
     model = str(bench_model_dir())
@@ -119,7 +122,7 @@ def main() -> None:
     if "2" in args.sections:
         report["parallel_sampling_blocks"] = parallel_sampling_blocks(model, 4, rng)
     if "3" in args.sections:
-        report["capacity"] = capacity(model, args.num_requests, args.capacity_budget_tokens)
+        report["capacity"] = capacity(model, args.capacity_requests, args.capacity_budget_tokens)
     if "4" in args.sections:
         report["preemption"] = preemption_throughput(model, args.num_requests)
     print(json.dumps(report, indent=2))

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import subprocess
 import sys
 import time
@@ -82,7 +83,9 @@ def run_vllm(python: str, model_dir: Path, args) -> dict | None:
     script = Path(__file__).with_name("vllm_offline.py")
     cmd = [python, str(script), "--model", str(model_dir), "--num-requests", str(args.num_requests),
            "--seed", str(args.seed), "--block-size", str(args.vllm_block_size)]
-    done = subprocess.run(cmd, capture_output=True, text=True)
+    # In-process engine core, like ours (its multiprocess mode fails to start on this 2-core sandbox).
+    env = {**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
+    done = subprocess.run(cmd, capture_output=True, text=True, env=env)
     if done.returncode != 0:
         print(done.stderr[-3000:], file=sys.stderr)
         return None

@@ -35,6 +35,10 @@ class SamplingParams:
     prompt_logprobs: int | None = None  # the same for every prompt token
     skip_special_tokens: bool = True
     spaces_between_special_tokens: bool = True
+    use_beam_search: bool = False  # beam search in the engine; returns the n best beams, best first
+    beam_width: int | None = None  # beams kept per step (default: n)
+    length_penalty: float = 1.0  # beam score = sum of logprobs / generated_length ** length_penalty
+    early_stopping: bool | str = False  # True, False or "never", as in transformers
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -70,10 +74,19 @@ class SamplingParams:
         if self.max_tokens is not None:
             _check(self.min_tokens <= self.max_tokens, "min_tokens",
                    f"({self.min_tokens}) must not exceed max_tokens ({self.max_tokens})")
-        for name in ("logprobs", "prompt_logprobs"):
+        for name in ("logprobs", "prompt_logprobs"):  # the engine caps them (max_logprobs, 20 by default)
             value = getattr(self, name)
-            _check(value is None or (_is_int(value) and 0 <= value <= MAX_LOGPROBS), name,
-                   f"must be an integer in [0, {MAX_LOGPROBS}], got {value!r}")
+            _check(value is None or (_is_int(value) and value >= 0), name,
+                   f"must be an integer >= 0, got {value!r}")
+        if self.use_beam_search:
+            width = self.beam_width if self.beam_width is not None else self.n
+            _check(_is_int(width) and width >= 1, "beam_width", f"must be an integer >= 1, got {width!r}")
+            _check(self.n <= width, "n", f"({self.n}) must not exceed beam_width ({width})")
+            _check(self.early_stopping in (True, False, "never"), "early_stopping",
+                   f"must be True, False or 'never', got {self.early_stopping!r}")
+            _check(_is_number(self.length_penalty), "length_penalty", f"must be a number, got {self.length_penalty!r}")
+            _check(self.seed is None and self.min_tokens == 0 and self.logit_bias is None, "use_beam_search",
+                   "cannot be combined with seed, min_tokens or logit_bias")
         _check(all(isinstance(s, str) and s for s in self.stop), "stop", "must be non-empty strings")
         _check(all(_is_int(t) and t >= 0 for t in self.stop_token_ids), "stop_token_ids",
                "must be non-negative integers")
@@ -86,11 +99,16 @@ class SamplingParams:
     def greedy(self) -> bool:
         return self.temperature == 0.0
 
+    @property
+    def num_beams(self) -> int:
+        return (self.beam_width or self.n) if self.use_beam_search else 0
+
     # --- wire form (pagedserve.api.v1.SamplingParameters) ---------------------------------------
 
     _SCALARS = ("n", "temperature", "top_p", "top_k", "min_p", "presence_penalty", "frequency_penalty",
                 "repetition_penalty", "seed", "max_tokens", "min_tokens", "include_stop_str_in_output",
-                "ignore_eos", "logprobs", "prompt_logprobs", "skip_special_tokens")
+                "ignore_eos", "logprobs", "prompt_logprobs", "skip_special_tokens", "use_beam_search", "beam_width",
+                "length_penalty")
 
     def to_proto(self):
         from shared.proto import pagedserve_api_pb2 as api
@@ -101,6 +119,8 @@ class SamplingParams:
             value = getattr(self, name)
             if value is not None:
                 setattr(message, name, value)
+        if self.use_beam_search:
+            message.early_stopping = str(self.early_stopping).lower()
         return message
 
     @classmethod
@@ -108,7 +128,11 @@ class SamplingParams:
         """Unset fields take the defaults (max_tokens: up to the context); values are validated as on construction."""
         kwargs = {name: getattr(message, name) for name in cls._SCALARS if message.HasField(name)}
         kwargs.setdefault("max_tokens", None)  # unset on the wire: up to the context length
-        for name in ("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty"):
+        if message.HasField("early_stopping"):
+            kwargs["early_stopping"] = {"true": True, "false": False}.get(message.early_stopping,
+                                                                          message.early_stopping)
+        for name in ("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty",
+                     "length_penalty"):
             if name in kwargs:  # float32 on the wire: 0.1 must come back as 0.1
                 kwargs[name] = float(f"{kwargs[name]:.7g}")
         return cls(**kwargs, stop=list(message.stop), stop_token_ids=list(message.stop_token_ids),

@@ -370,3 +370,19 @@ def test_overload_then_dead_worker_then_dead_scheduler(llama_dir, tmp_path):
     finally:
         codes = stack.stop()
     assert codes["gateway"] == 0, stack.log_tail("gateway")
+
+
+def test_beam_search_over_the_openai_api(stack, llama_dir):
+    """The extension fields reach the engine: the same beams as the offline API."""
+    from openai import OpenAI
+
+    from pagedserve import LLM, SamplingParams
+
+    client = OpenAI(base_url=f"{stack.base_url}/v1", api_key="none", max_retries=0)
+    model = client.models.list().data[0].id
+    reply = client.completions.create(model=model, prompt=[5, 6, 7, 8, 9], max_tokens=6, n=2,
+                                      extra_body={"use_beam_search": True, "beam_width": 3, "ignore_eos": True})
+    offline = LLM(str(llama_dir)).generate({"prompt_token_ids": [5, 6, 7, 8, 9]},
+                                           SamplingParams(use_beam_search=True, beam_width=3, n=2, max_tokens=6,
+                                                          ignore_eos=True), use_tqdm=False)[0]
+    assert [c.text for c in sorted(reply.choices, key=lambda c: c.index)] == [c.text for c in offline.outputs]

@@ -8,34 +8,13 @@ import shutil
 import pytest
 import torch
 
-from services.worker.attention.metadata import AttentionMetadata
 from services.worker.attention.torch_ref import TorchAttentionBackend, paged_attention_reference, write_kv
 from services.worker.model_loader import load_eos_token_ids, load_model
 from shared.model_config import ModelConfig
+from tests.attention_inputs import build_metadata
 
 CPU = torch.device("cpu")
 ARCH_FIXTURES = ["llama_dir", "mistral_dir", "qwen2_dir", "qwen3_dir", "tied_dir"]
-
-
-def build_metadata(seqs: list[tuple[list[int], int, int]], block_size: int) -> AttentionMetadata:
-    """Metadata for sequences given as (block table, tokens already cached, new tokens)."""
-    slots, starts, seq_lens, query_lens = [], [0], [], []
-    for table, cached, new in seqs:
-        total = cached + new
-        assert len(table) == -(-total // block_size)
-        slots += [table[p // block_size] * block_size + p % block_size for p in range(cached, total)]
-        starts.append(starts[-1] + new)
-        seq_lens.append(total)
-        query_lens.append(new)
-    width = max(len(table) for table, _, _ in seqs)
-    tables = [table + [0] * (width - len(table)) for table, _, _ in seqs]
-    return AttentionMetadata(
-        slot_mapping=torch.tensor(slots, dtype=torch.int64),
-        query_start_loc=torch.tensor(starts, dtype=torch.int32),
-        seq_lens=torch.tensor(seq_lens, dtype=torch.int32),
-        block_tables=torch.tensor(tables, dtype=torch.int32),
-        query_lens_cpu=query_lens, seq_lens_cpu=seq_lens,
-        max_query_len=max(query_lens), max_seq_len=max(seq_lens))
 
 
 class PagedRunner:

@@ -6,31 +6,10 @@ import pytest
 import torch
 
 from services.worker.attention import torch_ref
-from services.worker.attention.metadata import AttentionMetadata
 from services.worker.attention.torch_ref import TorchAttentionBackend, paged_attention_reference, write_kv
+from tests.attention_inputs import build_metadata
 
 NAN = float("nan")
-
-
-def make_metadata(seqs: list[tuple[list[int], int, int]], block_size: int) -> AttentionMetadata:
-    """Metadata for sequences given as (block table, tokens already cached, new tokens)."""
-    slots, starts, seq_lens, query_lens = [], [0], [], []
-    for table, cached, new in seqs:
-        total = cached + new
-        assert len(table) == -(-total // block_size)
-        slots += [table[p // block_size] * block_size + p % block_size for p in range(cached, total)]
-        starts.append(starts[-1] + new)
-        seq_lens.append(total)
-        query_lens.append(new)
-    width = max(len(table) for table, _, _ in seqs)
-    tables = [table + [0] * (width - len(table)) for table, _, _ in seqs]
-    return AttentionMetadata(
-        slot_mapping=torch.tensor(slots, dtype=torch.int64),
-        query_start_loc=torch.tensor(starts, dtype=torch.int32),
-        seq_lens=torch.tensor(seq_lens, dtype=torch.int32),
-        block_tables=torch.tensor(tables, dtype=torch.int32),
-        query_lens_cpu=query_lens, seq_lens_cpu=seq_lens,
-        max_query_len=max(query_lens), max_seq_len=max(seq_lens))
 
 
 def run_case(batch: list[tuple[int, int]], *, heads: int = 8, kv_heads: int = 4, dim: int = 64,
@@ -57,12 +36,12 @@ def run_case(batch: list[tuple[int, int]], *, heads: int = 8, kv_heads: int = 4,
     pools = [(randn(*shape) * 100, randn(*shape) * 100) for _ in range(layers)]
     cached = [(t[:-(-c // block_size)], 0, c) for t, c, _ in seqs if c]
     if cached:
-        prefix = make_metadata(cached, block_size)
+        prefix = build_metadata(cached, block_size)
         for k_cache, v_cache in pools:
             write_kv(k_cache, v_cache, randn(prefix.num_tokens, kv_heads, dim),
                      randn(prefix.num_tokens, kv_heads, dim), prefix.slot_mapping)
 
-    meta = make_metadata(seqs, block_size)
+    meta = build_metadata(seqs, block_size)
     scale = dim ** -0.5
     inputs, expected = [], []
     for k_cache, v_cache in pools:
@@ -161,7 +140,7 @@ def test_new_step_gets_new_plan():
     k_cache, v_cache = torch.randn(shape, generator=generator), torch.randn(shape, generator=generator)
     backend = TorchAttentionBackend([(k_cache, v_cache)], scale=dim ** -0.5)
     for seqs in ([([0, 1], 5, 1), ([2], 1, 1)], [([0, 1], 6, 1), ([2], 2, 1)], [([3, 4], 3, 5)]):
-        meta = make_metadata(seqs, block_size)
+        meta = build_metadata(seqs, block_size)
         q = torch.randn(meta.num_tokens, heads, dim, generator=generator)
         k, v = (torch.randn(meta.num_tokens, kv_heads, dim, generator=generator) for _ in range(2))
         out = backend.forward(0, q, k, v, meta)

@@ -44,10 +44,15 @@ class _Sampling(BaseModel):
     stop_token_ids: list[int] | None = None
     skip_special_tokens: bool | None = None
     include_stop_str_in_output: bool | None = None
+    # Beam search in the engine (an extension): the n best of beam_width beams, best first.
+    use_beam_search: bool | None = None
+    beam_width: int | None = None
+    length_penalty: float | None = None
+    early_stopping: bool | Literal["never"] | None = None
 
     _PASSED = ("n", "temperature", "top_p", "presence_penalty", "frequency_penalty", "seed", "top_k", "min_p",
                "repetition_penalty", "min_tokens", "ignore_eos", "stop_token_ids", "skip_special_tokens",
-               "include_stop_str_in_output")
+               "include_stop_str_in_output", "use_beam_search", "beam_width", "length_penalty", "early_stopping")
 
     def sampling_params(self, max_tokens: int | None, logprobs: int | None,
                         prompt_logprobs: int | None = None) -> SamplingParams:

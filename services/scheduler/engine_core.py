@@ -9,6 +9,7 @@ from __future__ import annotations
 import itertools
 import time
 
+from services.scheduler.beam_search import BeamGroup
 from services.scheduler.block_manager import BlockManager
 from services.scheduler.executor import Executor
 from services.scheduler.scheduler import Scheduler, SchedulerLimits
@@ -26,7 +27,8 @@ class EngineCore:
         self.max_logprobs = max_logprobs
         blocks = BlockManager(self.info.num_kv_blocks, self.info.block_size, watermark, enable_prefix_caching,
                               num_host_blocks=self.info.num_cpu_blocks)
-        self.scheduler = Scheduler(limits, blocks, self.info.eos_token_ids, self.info.max_model_len)
+        self.scheduler = Scheduler(limits, blocks, self.info.eos_token_ids, self.info.max_model_len,
+                                   new_seq_id=lambda: next(self._seq_ids))
         self.stats = EngineStats(blocks)
         self._seqs: dict[int, Sequence] = {}
         self._requests: dict[str, list[Sequence]] = {}
@@ -42,6 +44,9 @@ class EngineCore:
         if params.max_tokens is not None:
             max_output = min(max_output, params.max_tokens)
         arrival = next(self._arrivals)
+        if params.use_beam_search:
+            self._add_beam_request(request_id, prompt_token_ids, params, max_output, arrival, cache_salt)
+            return
         seqs = [Sequence(next(self._seq_ids), request_id, i, list(prompt_token_ids), params, max_output, arrival,
                          cache_salt) for i in range(params.n)]
         for seq in seqs:
@@ -51,6 +56,21 @@ class EngineCore:
         seqs[0].pending_siblings = seqs[1:]
         self._requests[request_id] = seqs
         self.scheduler.add(seqs[0])
+
+    def _add_beam_request(self, request_id: str, prompt: list[int], params: SamplingParams, max_output: int,
+                          arrival: int, cache_salt: str | None) -> None:
+        """One sequence to start with; the beams fork from it as the search goes."""
+        stops = set(params.stop_token_ids) | (set() if params.ignore_eos else set(self.info.eos_token_ids))
+        group = BeamGroup(params.num_beams, stops, max_output, params.length_penalty, params.early_stopping)
+        seq = Sequence(next(self._seq_ids), request_id, 0, list(prompt), params, max_output, arrival, cache_salt)
+        # The worker returns the top candidates of the raw distribution; the group chooses.
+        seq.worker_params = SamplingParams(temperature=0, logprobs=group.num_candidates, max_tokens=None,
+                                           ignore_eos=True)
+        seq.beam_group = group
+        group.start(seq.seq_id)
+        self._requests[request_id] = seq.siblings
+        self._seqs[seq.seq_id] = seq
+        self.scheduler.add(seq)
 
     def _validate(self, request_id: str, prompt: list[int], params: SamplingParams) -> None:
         info = self.info
@@ -113,6 +133,9 @@ class EngineCore:
         result = self.executor.execute(plan)
         received = time.perf_counter()
         updates = self.scheduler.update(scheduled, result, self._seqs)
+        for seq in self.scheduler.spawned:  # beams forked during the update
+            self._seqs[seq.seq_id] = seq
+        self.scheduler.spawned.clear()
         for update in updates:
             if update.finish_reason is not None:
                 self._forget_if_done(update.request_id)

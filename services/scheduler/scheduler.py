@@ -6,6 +6,7 @@ import bisect
 from collections import deque
 from dataclasses import dataclass
 
+from services.scheduler.beam_search import BeamStep
 from services.scheduler.block_manager import BlockManager
 from services.scheduler.preemption import choose_preemption
 from services.scheduler.sequence import Sequence, SequenceStatus, SequenceUpdate
@@ -26,8 +27,10 @@ def _by_arrival(seq: Sequence) -> tuple[int, int]:
 
 class Scheduler:
     def __init__(self, limits: SchedulerLimits, block_manager: BlockManager, eos_token_ids: tuple[int, ...],
-                 max_model_len: int):
+                 max_model_len: int, new_seq_id=None):
         self.limits = limits
+        self.new_seq_id = new_seq_id  # allocates ids for beams that fork
+        self.spawned: list[Sequence] = []  # sequences created here (beam forks); the engine registers them
         self.blocks = block_manager
         self.eos_token_ids = frozenset(eos_token_ids)
         self.max_model_len = max_model_len
@@ -72,10 +75,13 @@ class Scheduler:
         2. Then, only if nobody was preempted this step, swapped sequences come back, oldest
            first, while blocks and budget allow. (So no step both swaps out and swaps in, and
            no block is moved both ways in one step.)
-        3. Then, still only without preemption, waiting sequences in queue order (a recompute
+        3. Then, only without preemption and once nothing is left swapped, waiting sequences in queue order (a recompute
            victim sits at its head) while the budget, max_num_seqs and free blocks (less a small
            watermark) allow; a prompt starts after its cached prefix. With chunked prefill a
            prompt may take part of the budget left; without, it must fit whole.
+        4. If nothing at all could be scheduled while sequences wait, the newest beam parked on
+           its siblings' candidates is preempted: the blocks of beams that already reported are
+           what the waiting siblings need (else beam groups could hold each other's blocks forever).
         The oldest running sequence is never a victim while another runs, so it always advances:
         no deadlock, and no livelock (requests that could never fit are refused at admission).
         """
@@ -87,6 +93,9 @@ class Scheduler:
         index = 0
         while index < len(self.running) and budget > 0:
             seq = self.running[index]
+            if seq.num_uncomputed_tokens == 0:  # a beam waiting for its siblings' candidates
+                index += 1
+                continue
             num_tokens = min(seq.num_uncomputed_tokens, budget)
             allocation = None
             while seq.status is SequenceStatus.RUNNING:
@@ -106,19 +115,26 @@ class Scheduler:
             index += 1
         if not preempted:
             budget = self._swap_in(budget, scheduled, plan)
-            budget = self._admit_waiting(budget, scheduled)
+            if not any(seq.num_uncomputed_tokens for seq in self.swapped):
+                # Swapped sequences come first: new work waits until they are back.
+                budget = self._admit_waiting(budget, scheduled)
+            if not scheduled and not plan.swap_in and (self.swapped or self.waiting):
+                self._unpark_one(plan)
         self._describe_work(scheduled, plan)
         return plan, scheduled
 
     def _swap_in(self, budget: int, scheduled: dict[int, int], plan: StepPlan) -> int:
-        while self.swapped and budget > 0:
-            seq = self.swapped[0]
+        for seq in list(self.swapped):
+            if budget <= 0:
+                break
+            if seq.num_uncomputed_tokens == 0:
+                continue  # a parked beam: nothing to compute until its group decides
             num_tokens = min(seq.num_uncomputed_tokens, budget)
             if not self.blocks.can_swap_in(seq.seq_id, seq.num_computed_tokens + num_tokens):
                 break
             plan.swap_in.extend(self.blocks.swap_in(seq.seq_id))
             self.blocks.append_slots(seq.seq_id, seq.num_computed_tokens + num_tokens)
-            self.swapped.pop(0)
+            self.swapped.remove(seq)
             seq.status, seq.table_replaced = SequenceStatus.RUNNING, True
             bisect.insort(self.running, seq, key=_by_arrival)
             self.num_swaps_in += 1
@@ -127,8 +143,11 @@ class Scheduler:
         return budget
 
     def _admit_waiting(self, budget: int, scheduled: dict[int, int]) -> int:
-        while self.waiting and budget > 0 and len(self.running) < self.limits.max_num_seqs:
-            seq = self.waiting[0]
+        for seq in list(self.waiting):
+            if budget <= 0 or len(self.running) >= self.limits.max_num_seqs:
+                break
+            if seq.beam_group is not None and seq.beam_group.has_reported(seq.seq_id):
+                continue  # a recomputed beam that already reported: nothing to do until its group decides
             hits = self._cache_hits(seq)
             num_cached = len(hits) * self.blocks.block_size
             num_tokens = seq.num_tokens - num_cached
@@ -141,12 +160,17 @@ class Scheduler:
             self.blocks.allocate_with_hits(seq.seq_id, hits, total)
             self._count_cache_lookup(seq, num_cached)
             seq.num_computed_tokens = num_cached
-            self.waiting.popleft()
+            self.waiting.remove(seq)
             seq.status = SequenceStatus.RUNNING
             bisect.insort(self.running, seq, key=_by_arrival)
             scheduled[seq.seq_id] = num_tokens
             budget -= num_tokens
         return budget
+
+    def _unpark_one(self, plan: StepPlan) -> None:
+        parked = [seq for seq in self.running if seq.num_uncomputed_tokens == 0]
+        if parked:
+            self._preempt(parked[-1], plan)
 
     def _cache_hits(self, seq: Sequence) -> list:
         # Prompt logprobs need every prompt position computed: such requests skip the lookup.
@@ -162,7 +186,7 @@ class Scheduler:
     def _preempt(self, seq: Sequence, plan: StepPlan) -> None:
         self.running.remove(seq)
         self.num_preemptions += 1
-        live_siblings = sum(1 for s in seq.siblings if s is not seq and s.status is SequenceStatus.RUNNING)
+        live_siblings = sum(1 for s in seq.siblings if s is not seq and not s.status.is_finished)
         mode = choose_preemption(self.limits.preemption_mode, seq, live_siblings,
                                  self.limits.max_num_batched_tokens, self.blocks.can_swap_out(seq.seq_id))
         if mode == "swap":
@@ -191,7 +215,7 @@ class Scheduler:
                 plan.new.append(NewSequence(
                     request_id=seq.request_id, seq_id=seq.seq_id, index=seq.index,
                     prompt_token_ids=seq.prompt_token_ids, output_token_ids=list(seq.output_token_ids),
-                    sampling_params=seq.params, block_table=table, num_computed_tokens=seq.num_computed_tokens,
+                    sampling_params=seq.worker_params, block_table=table, num_computed_tokens=seq.num_computed_tokens,
                     num_scheduled_tokens=num_tokens, num_siblings=len(seq.pending_siblings)))
                 seq.known_to_worker = True
             elif seq.table_replaced:
@@ -224,6 +248,9 @@ class Scheduler:
             seq = seqs.get(out.seq_id)
             if seq is None or seq.status is not SequenceStatus.RUNNING:
                 continue  # aborted while the step ran
+            if seq.beam_group is not None:
+                updates.extend(self._beam_report(seq, out))
+                continue
             if out.siblings:
                 updates.extend(self._fork_siblings(seq, out.siblings))
             update = SequenceUpdate(seq)
@@ -262,6 +289,67 @@ class Scheduler:
             updates.append(update)
         parent.pending_siblings = []
         return updates
+
+    # --- beam search ----------------------------------------------------------------------------
+
+    def _beam_report(self, seq: Sequence, out) -> list[SequenceUpdate]:
+        if out.token_id is None or out.logprobs is None:
+            return []  # mid-prefill
+        candidates = list(zip(out.logprobs.top_token_ids, out.logprobs.top_logprobs))
+        step = seq.beam_group.report(seq.seq_id, candidates)
+        return [] if step is None else self._apply_beam_step(seq, step)
+
+    def _apply_beam_step(self, reporter: Sequence, step: BeamStep) -> list[SequenceUpdate]:
+        group = reporter.beam_group
+        live = {s.seq_id: s for s in reporter.siblings if s.seq_id in group.beams}
+        if step.done:
+            for seq in live.values():
+                self._finish(seq, SequenceStatus.FINISHED_STOPPED)
+            return [self._final_update(reporter, i, hyp) for i, hyp in enumerate(group.best(reporter.params.n))]
+        # Forks first, while every parent still holds only its old tokens; then the tokens go on.
+        targets, used = [], set()
+        for c in step.continuations:
+            parent = live[c.parent_seq_id]
+            target = parent if parent.seq_id not in used else self._fork_beam(parent)
+            used.add(parent.seq_id)
+            targets.append(target)
+        for c, target in zip(step.continuations, targets):
+            target.output_token_ids.append(c.token_id)
+        for seq in live.values():
+            if seq.seq_id not in used:  # a beam nobody continues: its blocks go back now
+                self._finish(seq, SequenceStatus.FINISHED_ABORTED)
+        group.advance(step.continuations, [t.seq_id for t in targets])
+        return []
+
+    def _fork_beam(self, parent: Sequence) -> Sequence:
+        child = Sequence(self.new_seq_id(), parent.request_id, len(parent.siblings), parent.prompt_token_ids,
+                         parent.params, parent.max_output_tokens, parent.arrival)
+        child.output_token_ids = list(parent.output_token_ids)
+        child.worker_params, child.beam_group, child.siblings = parent.worker_params, parent.beam_group, parent.siblings
+        parent.siblings.append(child)
+        child.cache_extra = parent.cache_extra
+        self.spawned.append(child)
+        if parent.status is SequenceStatus.RUNNING and parent.known_to_worker:
+            self.blocks.fork(parent.seq_id, child.seq_id)
+            self._plan.forks.append(Fork(parent.seq_id, child.seq_id, child.index))
+            child.num_computed_tokens = parent.num_computed_tokens
+            child.known_to_worker = True
+            child.num_tokens_sent = child.num_tokens
+            child.num_blocks_sent = len(self.blocks.block_table(child.seq_id))
+            child.status = SequenceStatus.RUNNING
+            bisect.insort(self.running, child, key=_by_arrival)
+        else:  # the parent is waiting or swapped: the child recomputes on its own
+            self.waiting.appendleft(child)
+        return child
+
+    @staticmethod
+    def _final_update(reporter: Sequence, index: int, hyp) -> SequenceUpdate:
+        update = SequenceUpdate(reporter, index)
+        update.new_token_ids = list(hyp.token_ids)
+        update.finish_reason = "stop" if hyp.stopped else "length"
+        update.stop_reason = hyp.token_ids[-1] if hyp.stopped and hyp.token_ids[-1] in reporter.params.stop_token_ids \
+            else None
+        return update
 
     def _take_prompt_logprobs(self, seq: Sequence, out, update: SequenceUpdate) -> None:
         # Positions start at prompt index 1; a recomputed sequence sends them again: skip repeats.

@@ -47,6 +47,8 @@ class Sequence:
         self.siblings: list[Sequence] = [self]  # every sequence of the request, this one included
         # n > 1, on the first sequence: siblings that start by forking from it once its prompt is done.
         self.pending_siblings: list[Sequence] = []
+        self.worker_params = params  # what the worker samples with (beams: the top candidates instead)
+        self.beam_group = None  # the BeamGroup deciding this sequence's tokens, for beam search
 
     @property
     def num_tokens(self) -> int:
@@ -93,9 +95,9 @@ class SequenceUpdate:
     __slots__ = ("request_id", "seq_index", "new_token_ids", "new_logprobs", "prompt_logprobs",
                  "finish_reason", "stop_reason")
 
-    def __init__(self, seq: Sequence):
+    def __init__(self, seq: Sequence, index: int | None = None):
         self.request_id = seq.request_id
-        self.seq_index = seq.index
+        self.seq_index = seq.index if index is None else index
         self.new_token_ids: list[int] = []
         self.new_logprobs: list[PositionLogprobs] = []
         self.prompt_logprobs: list[PositionLogprobs] = []  # newly available, in prompt order from index 1

@@ -1,0 +1,125 @@
+"""Beam search over the paged engine: beams are sequences; they fork by sharing blocks and die by
+freeing them. This module only decides; the scheduler carries the decisions out.
+
+The selection rule is transformers' (v5), so outputs match `generate(num_beams=B)`: each step
+takes the K = max(2, 1 + number of stop tokens) * B best continuations over all live beams
+(beam score + the token's log-probability); the best B that do not stop become the next beams;
+those among the first B that stop (a stop token, or the length limit) become finished
+hypotheses scored sum / generated_length ** length_penalty, of which the best B are kept. The
+search ends when B hypotheses are finished and early_stopping is True, when no running beam can
+still beat the worst of them (early_stopping False: judged at the current length; "never":
+at the longest length when length_penalty > 0), or when every continuation hits the limit.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+NEG_INF = -1.0e9
+
+
+@dataclass
+class Beam:
+    seq_id: int  # the sequence carrying this beam
+    score: float  # sum of its tokens' log-probabilities
+    token_ids: list[int]  # generated so far
+
+
+@dataclass(order=True)
+class Hypothesis:
+    score: float  # normalised by length
+    token_ids: list[int] = field(compare=False)
+    logprob_sum: float = field(compare=False)
+    stopped: bool = field(compare=False)  # ended on a stop token (else by length)
+
+
+@dataclass(frozen=True)
+class Continuation:
+    parent_seq_id: int  # the beam it extends
+    token_id: int
+    score: float
+
+
+@dataclass
+class BeamStep:
+    """What to do with the sequences after one step of the search."""
+
+    continuations: list[Continuation]  # the next beams, best first
+    done: bool  # the search is over: drop every beam
+
+
+class BeamGroup:
+    def __init__(self, beam_width: int, stop_token_ids: set[int], max_new_tokens: int, length_penalty: float,
+                 early_stopping: bool | str):
+        self.width = beam_width
+        self.stop_token_ids = stop_token_ids
+        self.max_new_tokens = max_new_tokens
+        self.length_penalty = length_penalty
+        self.early_stopping = early_stopping
+        self.num_candidates = max(2, 1 + len(stop_token_ids)) * beam_width
+        self.beams: dict[int, Beam] = {}
+        self.finished: list[Hypothesis] = []  # at most `width`, best first
+        self.improvable = True  # transformers' early-stop heuristic, still unsatisfied
+        self._pending: dict[int, list[tuple[int, float]]] = {}  # seq id -> its (token, logprob) candidates
+
+    def start(self, seq_id: int) -> None:
+        self.beams = {seq_id: Beam(seq_id, 0.0, [])}
+
+    @property
+    def generated(self) -> int:
+        return len(next(iter(self.beams.values())).token_ids)
+
+    def has_reported(self, seq_id: int) -> bool:
+        """This beam's candidates for the current step are in; it waits for its siblings'."""
+        return seq_id in self._pending
+
+    def report(self, seq_id: int, candidates: list[tuple[int, float]]) -> BeamStep | None:
+        """A beam's best next tokens; once every live beam has reported, the step's decision."""
+        if seq_id not in self.beams or seq_id in self._pending:
+            return None  # a dead beam, or a repeat after a recompute
+        self._pending[seq_id] = candidates
+        if len(self._pending) < len(self.beams):
+            return None
+        return self._select()
+
+    def _select(self) -> BeamStep:
+        ranked = sorted(((beam.score + lp, beam.seq_id, token) for beam in self.beams.values()
+                         for token, lp in self._pending[beam.seq_id]), key=lambda c: -c[0])[:self.num_candidates]
+        self._pending = {}
+        length = self.generated + 1
+        at_limit = length >= self.max_new_tokens
+        continuations = [Continuation(seq_id, token, score) for score, seq_id, token in ranked
+                         if token not in self.stop_token_ids and not at_limit][:self.width]
+        self._collect_finished(ranked[:self.width], length, at_limit)
+        self.improvable = self._still_improvable(continuations, length)
+        full = len(self.finished) == self.width
+        done = not self.improvable or (full and self.early_stopping is True) or not continuations
+        return BeamStep(continuations, done)
+
+    def _collect_finished(self, best: list[tuple[float, int, int]], length: int, at_limit: bool) -> None:
+        if not self.improvable or (len(self.finished) == self.width and self.early_stopping is True):
+            return
+        for score, seq_id, token in best:
+            if token in self.stop_token_ids or at_limit:
+                tokens = self.beams[seq_id].token_ids + [token]
+                self.finished.append(Hypothesis(score / length ** self.length_penalty, tokens, score,
+                                                token in self.stop_token_ids))
+        self.finished = sorted(self.finished, reverse=True)[:self.width]
+
+    def _still_improvable(self, continuations: list[Continuation], length: int) -> bool:
+        if not self.improvable or len(self.finished) < self.width or not continuations:
+            return self.improvable
+        if self.early_stopping == "never" and self.length_penalty > 0.0:
+            best_length = self.max_new_tokens
+        else:
+            best_length = length
+        best_possible = continuations[0].score / best_length ** self.length_penalty
+        return best_possible > self.finished[-1].score
+
+    def advance(self, continuations: list[Continuation], seq_ids: list[int]) -> None:
+        """The chosen continuations now live in these sequences (the parent's own or a fork)."""
+        self.beams = {seq_id: Beam(seq_id, c.score, self.beams[c.parent_seq_id].token_ids + [c.token_id])
+                      for c, seq_id in zip(continuations, seq_ids)}
+
+    def best(self, n: int) -> list[Hypothesis]:
+        return self.finished[:n]
