@@ -6,7 +6,7 @@ shared block written in place or a wrong prefix-cache hit shows up as a wrong co
 
 from __future__ import annotations
 
-from shared.step_protocol import Sample, SequenceOutput, StepPlan, StepResult, WorkerInfo
+from shared.step_protocol import PositionLogprobs, Sample, SequenceOutput, StepPlan, StepResult, WorkerInfo
 
 
 class FakeWorker:
@@ -28,6 +28,17 @@ class FakeWorker:
 
     def token_for(self, seq: dict, stream: int = 0) -> int:
         return 1 + (seq["seq_id"] * 31 + len(seq["tokens"]) * 7 + stream * 13) % (self.info.vocab_size - 1)
+
+    def logprobs_for(self, seq: dict) -> PositionLogprobs | None:
+        """Distinct candidates with falling log-probabilities (what a beam search reads)."""
+        k = seq.get("logprobs")
+        if k is None:
+            return None
+        vocab = self.info.vocab_size - 1
+        first = self.token_for(seq)
+        ids = [1 + (first - 1 + 7 * i) % vocab for i in range(k)]
+        shift = (seq["seq_id"] * 3 + len(seq["tokens"])) % 5 / 10
+        return PositionLogprobs(ids[0], -0.1 - shift, 1, ids, [-0.1 - shift - 0.3 * i for i in range(k)])
 
     def execute(self, plan: StepPlan) -> StepResult:
         self.plans.append(plan)
@@ -68,7 +79,7 @@ class FakeWorker:
             assert new.seq_id not in self.seqs, "new sequence the worker already holds"
             seq = {"seq_id": new.seq_id, "tokens": new.prompt_token_ids + new.output_token_ids,
                    "table": list(new.block_table), "computed": new.num_computed_tokens, "index": new.index,
-                   "siblings": new.num_siblings}
+                   "siblings": new.num_siblings, "logprobs": new.sampling_params.logprobs}
             self.seqs[new.seq_id] = seq
             batch.append((seq, new.num_scheduled_tokens))
         for delta in plan.running:
@@ -96,7 +107,7 @@ class FakeWorker:
         seq["computed"] = end
         if end < len(seq["tokens"]):
             return None
-        out = SequenceOutput(seq_id=seq["seq_id"], token_id=self.token_for(seq))
+        out = SequenceOutput(seq_id=seq["seq_id"], token_id=self.token_for(seq), logprobs=self.logprobs_for(seq))
         out.siblings = [Sample(self.token_for(seq, i)) for i in range(1, seq["siblings"] + 1)]
         seq["siblings"] = 0
         return out

@@ -110,6 +110,7 @@ def test_stats_report_the_cache(llm):
     ({"prompt_token_ids": [1] * 600}, SamplingParams(), "context length"),
     ({"prompt_token_ids": [1, 2]}, SamplingParams(max_tokens=600), "exceeds the context"),
     ({"prompt_token_ids": [1, 10**6]}, SamplingParams(), "vocabulary"),
+    ("ok", SamplingParams(logprobs=21, max_tokens=2), "logprobs=21 exceeds the maximum of 20"),
     ("ok", SamplingParams(logprobs=20, max_tokens=2), None),
 ])
 def test_bad_prompts_are_refused_and_the_engine_keeps_serving(llm, prompt, params, match):
@@ -131,7 +132,7 @@ def test_bad_prompts_are_refused_and_the_engine_keeps_serving(llm, prompt, param
     (dict(min_p=2.0), "min_p"),
     (dict(presence_penalty=3.0), "presence_penalty"),
     (dict(repetition_penalty=0.0), "repetition_penalty"),
-    (dict(logprobs=21), "logprobs"),
+    (dict(logprobs=-1), "logprobs"),
     (dict(n=0), "n"),
     (dict(min_tokens=5, max_tokens=2), "min_tokens"),
     (dict(logit_bias={3: 1000.0}), "logit_bias"),

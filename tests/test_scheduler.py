@@ -187,7 +187,7 @@ def test_duplicate_request_id_is_refused():
 
 # --- property tests ---------------------------------------------------------------------------------
 
-adds = st.tuples(st.just("add"), st.integers(1, 40), st.integers(1, 20), st.integers(1, 2))
+adds = st.tuples(st.sampled_from(["add", "add", "beam"]), st.integers(1, 40), st.integers(1, 20), st.integers(1, 3))
 operations = st.lists(st.one_of(adds, st.tuples(st.just("step"), st.integers(1, 4)),
                                 st.tuples(st.just("abort"), st.integers(0, 30))), min_size=1, max_size=40)
 
@@ -211,13 +211,15 @@ def test_random_interleavings_keep_every_invariant(first, ops, block_size, num_b
                                  host_blocks, mode)
     added = []
     for op in first + ops:
-        if op[0] == "add":
-            _, prompt_len, max_tokens, n = op
+        if op[0] in ("add", "beam"):
+            kind, prompt_len, max_tokens, n = op
             # Prompts share prefixes, so the prefix cache has something to find.
             prefix = prefixes[prompt_len % len(prefixes)]
             prompt = (prefix + [1 + i % 50 for i in range(prompt_len)])[:prompt_len]
+            params = SamplingParams(n=n, max_tokens=max_tokens) if kind == "add" else SamplingParams(
+                use_beam_search=True, beam_width=n, n=1 + n // 2, max_tokens=max_tokens, stop_token_ids=[prompt[-1]])
             try:
-                engine.add_request(f"r{len(added)}", prompt, SamplingParams(n=n, max_tokens=max_tokens))
+                engine.add_request(f"r{len(added)}", prompt, params)
                 added.append(f"r{len(added)}")
             except ValueError:
                 pass  # refused at admission: too long for the context or the cache
@@ -235,7 +237,8 @@ def test_random_interleavings_keep_every_invariant(first, ops, block_size, num_b
     engine.step()
     PREEMPTIONS.append(engine.scheduler.num_preemptions)
     SWAPS.append(engine.scheduler.num_swaps_out)
-    target(float(engine.scheduler.num_preemptions))  # steer the search towards memory pressure
+    target(float(engine.scheduler.num_preemptions), label="preemptions")  # steer towards memory pressure
+    target(float(engine.scheduler.num_swaps_out), label="swaps")
     assert engine.scheduler.blocks.num_free_blocks == num_blocks  # cached-free blocks count as free
     assert engine.scheduler.blocks.num_used_blocks == 0
     assert engine.scheduler.blocks.num_free_host_blocks == host_blocks
@@ -345,3 +348,21 @@ def test_aborting_a_swapped_request_frees_its_host_blocks():
     run_to_completion(engine)
     engine.step()
     assert not worker.seqs and engine.scheduler.blocks.num_free_blocks == 8
+
+
+def test_beam_search_forks_beams_and_frees_dead_ones():
+    engine, worker = make_engine(num_blocks=32, block_size=4, budget=64)
+    engine.add_request("b", [5, 6, 7, 8, 9, 10], SamplingParams(use_beam_search=True, beam_width=3, n=2,
+                                                                max_tokens=6, ignore_eos=True))
+    updates = []
+    for _ in range(50):
+        if not engine.has_unfinished():
+            break
+        updates += engine.step()
+        check_invariants(engine)
+    finals = [u for u in updates if u.finish_reason is not None]
+    assert sorted(u.seq_index for u in finals) == [0, 1]
+    assert all(len(u.new_token_ids) == 6 and u.finish_reason == "length" for u in finals)
+    assert any(plan.forks for plan in worker.plans) and any(plan.finished_seq_ids for plan in worker.plans)
+    engine.step()
+    assert engine.scheduler.blocks.num_free_blocks == 32 and not worker.seqs

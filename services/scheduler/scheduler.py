@@ -71,7 +71,8 @@ class Scheduler:
            A sequence about to write into a block it shares (a fork's partly filled last block)
            gets a copy first. When blocks run short, the most recently arrived running sequence
            is preempted — swapped to host memory or dropped for recompute, by the rule in
-           preemption.py — until they suffice, which may preempt the sequence itself.
+           preemption.py — until they suffice, which may preempt the sequence itself. (Beams
+           parked on their siblings' candidates go first: they only hold blocks.)
         2. Then, only if nobody was preempted this step, swapped sequences come back, oldest
            first, while blocks and budget allow. (So no step both swaps out and swaps in, and
            no block is moved both ways in one step.)
@@ -90,12 +91,11 @@ class Scheduler:
         budget = self.limits.max_num_batched_tokens
         scheduled: dict[int, int] = {}
         preempted = False
-        index = 0
-        while index < len(self.running) and budget > 0:
-            seq = self.running[index]
-            if seq.num_uncomputed_tokens == 0:  # a beam waiting for its siblings' candidates
-                index += 1
-                continue
+        for seq in list(self.running):
+            if budget <= 0:
+                break
+            if seq.status is not SequenceStatus.RUNNING or seq.num_uncomputed_tokens == 0:
+                continue  # preempted just now, or a beam waiting for its siblings' candidates
             num_tokens = min(seq.num_uncomputed_tokens, budget)
             allocation = None
             while seq.status is SequenceStatus.RUNNING:
@@ -103,16 +103,15 @@ class Scheduler:
                                                       write_from=seq.num_computed_tokens)
                 if allocation is not None:
                     break
-                self._preempt(self.running[-1], plan)
+                self._preempt(self._victim(), plan)
                 preempted = True
             if allocation is None:
-                continue  # the sequence preempted itself; everything after it is gone too
+                continue  # the sequence preempted itself
             if allocation.copy is not None:
                 plan.copies.append(allocation.copy)
                 seq.table_replaced = True
             scheduled[seq.seq_id] = num_tokens
             budget -= num_tokens
-            index += 1
         if not preempted:
             budget = self._swap_in(budget, scheduled, plan)
             if not any(seq.num_uncomputed_tokens for seq in self.swapped):
@@ -166,6 +165,14 @@ class Scheduler:
             scheduled[seq.seq_id] = num_tokens
             budget -= num_tokens
         return budget
+
+    def _victim(self) -> Sequence:
+        """The newest parked beam (it has reported; only its blocks are at stake), else the newest
+        running sequence. Neither has been scheduled in this step yet."""
+        for seq in reversed(self.running):
+            if seq.num_uncomputed_tokens == 0:
+                return seq
+        return self.running[-1]
 
     def _unpark_one(self, plan: StepPlan) -> None:
         parked = [seq for seq in self.running if seq.num_uncomputed_tokens == 0]
