@@ -103,6 +103,7 @@ def main() -> None:
     parser.add_argument("--max-num-seqs", type=int, default=256)
     parser.add_argument("--max-num-batched-tokens", type=int, default=None)
     parser.add_argument("--skip-hf", action="store_true", help="measure pagedserve only")
+    parser.add_argument("--skip-hf-one-at-a-time", action="store_true", help="the slowest baseline (minutes)")
     parser.add_argument("--hf-batch-size", type=int, default=32)
     parser.add_argument("--vllm-python", default=None, help="a Python with vllm installed (separate venv)")
     parser.add_argument("--vllm-block-size", type=int, default=32)
@@ -116,7 +117,8 @@ def main() -> None:
     if not args.skip_hf:
         model = hf_model(model_dir)
         results["hf_static_batch"] = run_hf_static_batches(model, requests, args.hf_batch_size)
-        results["hf_one_at_a_time"] = run_hf_one_at_a_time(model, requests)
+        if not args.skip_hf_one_at_a_time:
+            results["hf_one_at_a_time"] = run_hf_one_at_a_time(model, requests)
     if args.vllm_python:
         vllm = run_vllm(args.vllm_python, model_dir, args)
         if vllm is not None:
