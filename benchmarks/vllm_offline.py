@@ -26,7 +26,9 @@ def main() -> None:
     from vllm.inputs import TokensPrompt
 
     requests = bench_workload(args.num_requests, args.seed)
-    llm = LLM(model=args.model, dtype="float32", block_size=args.block_size, seed=args.seed)
+    # On CPU this fraction reserves host memory; half leaves room for the process that launched us.
+    llm = LLM(model=args.model, dtype="float32", block_size=args.block_size, seed=args.seed,
+              gpu_memory_utilization=0.5)
     prompts = [TokensPrompt(prompt_token_ids=r.prompt_token_ids) for r in requests]
     params = [SamplingParams(temperature=0, max_tokens=r.output_len, ignore_eos=True) for r in requests]
     llm.generate(prompts[:4], params[:4], use_tqdm=False)  # warm-up

@@ -8,10 +8,11 @@ from pathlib import Path
 import torch
 
 from services.worker.attention.selector import select_attention_backend
+from services.worker.block_moves import copy_blocks_torch, swap_blocks, whole_pool
+from services.worker.cpu_tuning import keep_large_allocations_in_heap
 from services.worker.input_batch import ScheduledSequence, build_model_inputs
 from services.worker.kv_cache import allocate_host_pool, allocate_kv_pools, num_host_blocks, num_kv_blocks
 from services.worker.model_loader import load_eos_token_ids, load_model
-from services.worker.block_moves import copy_blocks_torch, swap_blocks, whole_pool
 from services.worker.sampler import Sampler
 from services.worker.worker_sequence import WorkerSequence
 from shared.config import EngineConfig
@@ -35,6 +36,8 @@ class Worker:
     def __init__(self, config: EngineConfig):
         self.config = config
         self.device = resolve_device(config.device)
+        if self.device.type == "cpu":
+            keep_large_allocations_in_heap()
         self.model_dir = Path(config.model) if config.model else default_model_dir()
         self.model_config = ModelConfig.from_model_dir(self.model_dir)
         self.dtype = DTYPES[self.model_config.dtype if config.dtype == "auto" else config.dtype]
