@@ -386,3 +386,19 @@ def test_beam_search_over_the_openai_api(stack, llama_dir):
                                            SamplingParams(use_beam_search=True, beam_width=3, n=2, max_tokens=6,
                                                           ignore_eos=True), use_tqdm=False)[0]
     assert [c.text for c in sorted(reply.choices, key=lambda c: c.index)] == [c.text for c in offline.outputs]
+
+
+def test_every_hop_logs_the_request_id(stack):
+    import json as _json
+    import urllib.request as _request
+
+    body = _json.dumps({"model": _json.loads(_request.urlopen(f"{stack.base_url}/v1/models").read())["data"][0]["id"],
+                        "prompt": "trace me", "max_tokens": 2}).encode()
+    req = _request.Request(f"{stack.base_url}/v1/completions", data=body, method="POST",
+                           headers={"Content-Type": "application/json", "X-Request-Id": "trace-4711"})
+    with _request.urlopen(req, timeout=30) as reply:
+        assert reply.headers.get("X-Request-Id") in (None, "trace-4711")
+    for service in ("gateway", "scheduler", "worker"):
+        lines = [_json.loads(line) for line in (stack.log_dir / f"{service}.log").read_text().splitlines()
+                 if line.startswith("{")]
+        assert any(str(line.get("request_id", "")).startswith("trace-4711") for line in lines), service

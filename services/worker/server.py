@@ -26,6 +26,20 @@ class WorkerServicer(wire_grpc.WorkerServicer):
     def __init__(self, worker):
         self.worker = worker
         self._busy = threading.Lock()  # one scheduler drives a worker at a time
+        self._requests: dict[int, str] = {}  # seq id -> request id, for log lines
+
+    def _log_sequences(self, plan: StepPlan) -> None:
+        """One line per sequence started or dropped, with its request id (not per token)."""
+        for seq_id in plan.finished_seq_ids:
+            log.info("sequence dropped", request_id=self._requests.pop(seq_id, None), seq_id=seq_id)
+        for new in plan.new:
+            self._requests[new.seq_id] = new.request_id
+            log.info("sequence started", request_id=new.request_id, seq_id=new.seq_id,
+                     prompt_tokens=len(new.prompt_token_ids), cached_tokens=new.num_computed_tokens)
+        for fork in plan.forks:
+            request_id = self._requests.get(fork.parent_seq_id)
+            self._requests[fork.child_seq_id] = request_id
+            log.info("sequence forked", request_id=request_id, seq_id=fork.child_seq_id, parent=fork.parent_seq_id)
 
     def GetInfo(self, request, context):
         with grpc_errors(context):
@@ -36,11 +50,14 @@ class WorkerServicer(wire_grpc.WorkerServicer):
             context.abort(grpc.StatusCode.FAILED_PRECONDITION, "another scheduler is driving this worker")
         try:
             log.info("scheduler connected", peer=context.peer())
-            for plan in request_iterator:
+            for message in request_iterator:
                 with grpc_errors(context):
-                    yield self.worker.execute(StepPlan.from_proto(plan)).to_proto()
+                    plan = StepPlan.from_proto(message)
+                    self._log_sequences(plan)
+                    yield self.worker.execute(plan).to_proto()
         finally:
             self.worker.seqs.clear()  # a new scheduler starts from nothing
+            self._requests.clear()
             self._busy.release()
             log.info("scheduler disconnected")
 
