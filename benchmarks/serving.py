@@ -167,6 +167,10 @@ def main() -> None:
     step = after.get("step_time_s", 0) - before.get("step_time_s", 0)
     sched = after.get("scheduler_time_s", 0) - before.get("scheduler_time_s", 0)
     report["scheduler_share_of_step"] = sched / step if step else None
+    # Where a step's wall time goes, seen from the scheduler: the worker's forward pass and
+    # sampling, the scheduler's own planning, and the rest (transport, conversion, waiting).
+    report["step_breakdown_s"] = {key: after.get(key, 0) - before.get(key, 0) for key in
+                                  ("step_time_s", "forward_time_s", "sample_time_s", "scheduler_time_s", "num_steps")}
     if "offline" in report:
         report["serving_over_offline"] = report["serving"]["tokens_per_s"] / report["offline"]["tokens_per_s"]
     print(json.dumps(report, indent=2))
