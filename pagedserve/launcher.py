@@ -5,6 +5,7 @@ and stops them in order (gateway, then scheduler, then worker)."""
 from __future__ import annotations
 
 import argparse
+import ctypes
 import os
 import signal
 import subprocess
@@ -75,7 +76,9 @@ class Stack:
     def _spawn(self, name: str, argv: list[str]) -> None:
         cmd = [sys.executable, "-m", "pagedserve", name, *argv]
         # A session of its own: Ctrl-C reaches only the launcher, which stops the children in order.
-        self.procs[name] = subprocess.Popen(cmd, env={**os.environ, "PYTHONUNBUFFERED": "1"}, start_new_session=True)
+        # Should the launcher itself die (SIGKILL), the kernel sends the children SIGTERM: no orphans.
+        self.procs[name] = subprocess.Popen(cmd, env={**os.environ, "PYTHONUNBUFFERED": "1"}, start_new_session=True,
+                                            preexec_fn=_terminate_with_parent)
 
     def _check_alive(self, name: str) -> None:
         code = self.procs[name].poll()
@@ -122,6 +125,9 @@ class Stack:
             time.sleep(0.5)
 
     def stop(self) -> None:
+        # A second Ctrl-C must not cut the ordered shutdown short and leave children behind.
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            signal.signal(sig, signal.SIG_IGN)
         for name in ("gateway", "scheduler", "worker"):  # front to back: stop intake, drain, release
             proc = self.procs.get(name)
             if proc is None or proc.poll() is not None:
@@ -137,6 +143,17 @@ class Stack:
         os.rmdir(self.socket_dir)
 
 
+def _terminate_with_parent() -> None:
+    """In the child, before exec: ask Linux for SIGTERM when the launcher goes away."""
+    try:
+        ctypes.CDLL(None).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
+    except (OSError, AttributeError):  # not Linux: orderly stop() still covers the normal paths
+        pass
+
+
+PR_SET_PDEATHSIG = 1
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     stack = Stack(args)
@@ -144,7 +161,9 @@ def main(argv: list[str] | None = None) -> int:
     def on_signal(signum, frame):
         raise KeyboardInterrupt
 
+    # Installed explicitly: a launcher started in the background inherits SIGINT ignored.
     signal.signal(signal.SIGTERM, on_signal)
+    signal.signal(signal.SIGINT, on_signal)
     try:
         stack.start()
         print(f"pagedserve is serving {args.model or 'the built-in default model'}:\n"
