@@ -64,14 +64,19 @@ class EngineConfig:
 
     def token_budget(self, max_model_len: int) -> int:
         """The per-step token budget, given the context length found at start-up."""
-        if self.max_num_batched_tokens is not None:
-            if not self.enable_chunked_prefill and self.max_num_batched_tokens < max_model_len:
-                raise ValueError(
-                    f"max_num_batched_tokens ({self.max_num_batched_tokens}) is smaller than max_model_len "
-                    f"({max_model_len}) with chunked prefill disabled: long prompts could never be scheduled; "
-                    "raise it, lower max_model_len or enable chunked prefill")
-            return self.max_num_batched_tokens
-        return 4096 if self.enable_chunked_prefill else max(4096, max_model_len)
+        return token_budget(self.max_num_batched_tokens, self.enable_chunked_prefill, max_model_len)
+
+
+def token_budget(max_num_batched_tokens: int | None, enable_chunked_prefill: bool, max_model_len: int) -> int:
+    """The tokens one step may compute: as asked, or 4096 (at least the context without chunked prefill)."""
+    if max_num_batched_tokens is not None:
+        if not enable_chunked_prefill and max_num_batched_tokens < max_model_len:
+            raise ValueError(
+                f"max_num_batched_tokens ({max_num_batched_tokens}) is smaller than max_model_len "
+                f"({max_model_len}) with chunked prefill disabled: long prompts could never be scheduled; "
+                "raise it, lower max_model_len or enable chunked prefill")
+        return max_num_batched_tokens
+    return 4096 if enable_chunked_prefill else max(4096, max_model_len)
 
 
 def _require(ok: bool, name: str, why: str) -> None:

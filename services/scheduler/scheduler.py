@@ -277,20 +277,25 @@ class Scheduler:
         if seq.status.is_finished:
             update.finish_reason, update.stop_reason = seq.status.value, seq.stop_reason
 
+    def _fork(self, parent: Sequence, child: Sequence) -> None:
+        """The child runs from now on, sharing every block of the parent; the worker copies the
+        parent's state (the next plan's forks) before this step's tokens are appended."""
+        self.blocks.fork(parent.seq_id, child.seq_id)
+        self._plan.forks.append(Fork(parent.seq_id, child.seq_id, child.index))
+        child.num_computed_tokens = parent.num_computed_tokens
+        child.known_to_worker = True
+        child.num_tokens_sent = child.num_tokens
+        child.num_blocks_sent = len(self.blocks.block_table(child.seq_id))
+        child.status = SequenceStatus.RUNNING
+        bisect.insort(self.running, child, key=_by_arrival)
+
     def _fork_siblings(self, parent: Sequence, samples) -> list[SequenceUpdate]:
         """n > 1: the siblings start now, sharing every block of the parent's prompt."""
         updates = []
         for child, sample in zip(parent.pending_siblings, samples):
             if child.status.is_finished:
                 continue
-            self.blocks.fork(parent.seq_id, child.seq_id)
-            self._plan.forks.append(Fork(parent.seq_id, child.seq_id, child.index))
-            child.num_computed_tokens = parent.num_computed_tokens
-            child.known_to_worker = True
-            child.num_tokens_sent = child.num_tokens
-            child.num_blocks_sent = len(self.blocks.block_table(child.seq_id))
-            child.status = SequenceStatus.RUNNING
-            bisect.insort(self.running, child, key=_by_arrival)
+            self._fork(parent, child)
             update = SequenceUpdate(child)
             self._append_token(child, sample.token_id, sample.logprobs, update)
             updates.append(update)
@@ -337,14 +342,7 @@ class Scheduler:
         child.cache_extra = parent.cache_extra
         self.spawned.append(child)
         if parent.status is SequenceStatus.RUNNING and parent.known_to_worker:
-            self.blocks.fork(parent.seq_id, child.seq_id)
-            self._plan.forks.append(Fork(parent.seq_id, child.seq_id, child.index))
-            child.num_computed_tokens = parent.num_computed_tokens
-            child.known_to_worker = True
-            child.num_tokens_sent = child.num_tokens
-            child.num_blocks_sent = len(self.blocks.block_table(child.seq_id))
-            child.status = SequenceStatus.RUNNING
-            bisect.insort(self.running, child, key=_by_arrival)
+            self._fork(parent, child)
         else:  # the parent is waiting or swapped: the child recomputes on its own
             self.waiting.appendleft(child)
         return child

@@ -59,10 +59,7 @@ class Sequence:
         return self.num_tokens - self.num_computed_tokens
 
     def token_ids(self, start: int = 0) -> list[int]:
-        prompt_len = len(self.prompt_token_ids)
-        if start >= prompt_len:
-            return self.output_token_ids[start - prompt_len:]
-        return self.prompt_token_ids[start:] + self.output_token_ids
+        return self.token_slice(start, self.num_tokens)
 
     def token_slice(self, start: int, end: int) -> list[int]:
         """Token ids in [start, end) without building the whole list."""

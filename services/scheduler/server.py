@@ -18,6 +18,7 @@ from services.scheduler.engine_loop import EngineLoop
 from services.scheduler.grpc_executor import GRPC_OPTIONS, GrpcExecutor
 from services.scheduler.scheduler import SchedulerLimits
 from services.scheduler.sequence import SequenceUpdate
+from shared.config import token_budget
 from shared.grpc_errors import grpc_errors
 from shared.logging import bind_request_id, clear_request_id, setup_logging
 from shared.proto import pagedserve_api_pb2 as api
@@ -94,10 +95,7 @@ def build_engine(worker_addresses: list[str], limits_from, watermark: float, max
 
 def serve(args: argparse.Namespace) -> None:
     def limits_from(max_model_len: int) -> SchedulerLimits:
-        budget = args.max_num_batched_tokens or (4096 if args.enable_chunked_prefill else max(4096, max_model_len))
-        if not args.enable_chunked_prefill and budget < max_model_len:
-            raise ValueError(f"--max-num-batched-tokens {budget} < max_model_len {max_model_len} "
-                             "without chunked prefill: long prompts could never run")
+        budget = token_budget(args.max_num_batched_tokens, args.enable_chunked_prefill, max_model_len)
         return SchedulerLimits(args.max_num_seqs, budget, args.enable_chunked_prefill, args.preemption_mode)
 
     engine = build_engine(args.worker, limits_from, args.watermark, args.max_logprobs, args.enable_prefix_caching)
