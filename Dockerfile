@@ -2,6 +2,8 @@
 # CPU build by default; for GPUs build FROM a CUDA PyTorch image and drop the torch pin.
 FROM python:3.11-slim
 WORKDIR /app
+# g++: the worker builds its C++ CPU attention kernels on first start (without it: the slower torch path).
+RUN apt-get update && apt-get install -y --no-install-recommends g++ && rm -rf /var/lib/apt/lists/*
 RUN pip install --no-cache-dir torch==2.13.0 --index-url https://download.pytorch.org/whl/cpu
 COPY pyproject.toml README.md ./
 COPY pagedserve ./pagedserve

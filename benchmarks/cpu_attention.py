@@ -1,10 +1,11 @@
-"""CPU attention microbenchmark: TorchAttentionBackend against the version it replaced.
+"""CPU attention microbenchmark: the pure-PyTorch backend against the C++-kernel backend.
 
 Bench-model shapes (8 query heads, 4 KV heads, head_dim 64, float32, block_size 16), 8 layers of
 KV pools with every sequence's blocks scattered through them (so a step's K/V do not fit in cache,
 as in the engine). Each case runs whole steps (all layers, one metadata object) and reports the
-milliseconds per layer call (write_kv included) for the old and the new backend, interleaved: the
-median and the best of the repeats (on a shared machine the best is the steadier number).
+milliseconds per layer call (write_kv included) for the "torch" backend (gather + SDPA) and the
+"cpu" backend (decodes in csrc/cpu_attention.cpp), interleaved: the median and the best of the
+repeats (on a shared machine the best is the steadier number).
 
     python benchmarks/cpu_attention.py [--threads N] [--repeats 7] [--cases decode16,decode64,...]
 """
@@ -20,60 +21,12 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import torch  # noqa: E402
-import torch.nn.functional as F  # noqa: E402
 
+from services.worker.attention.cpu_attention import CpuAttentionBackend  # noqa: E402
 from services.worker.attention.metadata import AttentionMetadata  # noqa: E402
-from services.worker.attention.torch_ref import TorchAttentionBackend, gather_context, write_kv  # noqa: E402
+from services.worker.attention.torch_ref import TorchAttentionBackend  # noqa: E402
 
 HEADS, KV_HEADS, HEAD_DIM, LAYERS, BLOCK_SIZE = 8, 4, 64, 8, 16
-
-
-class OldTorchAttentionBackend:
-    """The backend as it was before the CPU work (padded decode gather + SDPA, per-sequence mixed)."""
-
-    def __init__(self, kv_caches: list[tuple[torch.Tensor, torch.Tensor]], scale: float):
-        self.kv_caches = kv_caches
-        self.scale = scale
-
-    def forward(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                meta: AttentionMetadata) -> torch.Tensor:
-        k_cache, v_cache = self.kv_caches[layer]
-        write_kv(k_cache, v_cache, k, v, meta.slot_mapping)
-        if meta.is_decode_only:
-            return self._decode(q, k_cache, v_cache, meta)
-        return self._mixed(q, k_cache, v_cache, meta)
-
-    def _decode(self, q, k_cache, v_cache, meta):
-        block_size = k_cache.shape[1]
-        num_blocks = -(-meta.max_seq_len // block_size)
-        table = meta.block_tables[:, :num_blocks].long()
-        num_seqs, num_heads = q.shape[0], q.shape[1]
-        keys = k_cache[table].flatten(1, 2).transpose(1, 2)  # [S, Hkv, L, D]
-        values = v_cache[table].flatten(1, 2).transpose(1, 2)
-        positions = torch.arange(keys.shape[2]).unsqueeze(0)
-        mask = (positions < meta.seq_lens.unsqueeze(1)).view(num_seqs, 1, 1, -1)
-        out = F.scaled_dot_product_attention(q.view(num_seqs, num_heads, 1, -1), keys, values,
-                                             attn_mask=mask, scale=self.scale,
-                                             enable_gqa=num_heads != k_cache.shape[2])
-        return out.view_as(q)
-
-    def _mixed(self, q, k_cache, v_cache, meta):
-        out = torch.empty_like(q)
-        starts = meta.query_start_loc.tolist()
-        enable_gqa = q.shape[1] != k_cache.shape[2]
-        for i, (query_len, context_len) in enumerate(zip(meta.query_lens_cpu, meta.seq_lens_cpu)):
-            start = starts[i]
-            keys = gather_context(k_cache, meta.block_tables[i], context_len).transpose(0, 1)
-            values = gather_context(v_cache, meta.block_tables[i], context_len).transpose(0, 1)
-            query = q[start:start + query_len].transpose(0, 1)
-            mask = None
-            if query_len > 1:
-                query_pos = torch.arange(context_len - query_len, context_len).unsqueeze(1)
-                mask = torch.arange(context_len).unsqueeze(0) <= query_pos
-            attended = F.scaled_dot_product_attention(query, keys, values, attn_mask=mask,
-                                                      scale=self.scale, enable_gqa=enable_gqa)
-            out[start:start + query_len] = attended.transpose(0, 1)
-        return out
 
 
 def make_metadata(seqs: list[tuple[list[int], int, int]]) -> AttentionMetadata:
@@ -139,13 +92,13 @@ def main() -> None:
     scale = HEAD_DIM ** -0.5
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads; H={HEADS} Hkv={KV_HEADS} D={HEAD_DIM} "
           f"block_size={BLOCK_SIZE} float32, {LAYERS} layers; ms per layer call over {args.repeats} steps")
-    print(f"{'case':<13}{'seqs':>5}{'tokens':>7}{'ctx tokens':>11}  {'median: old':>11}{'new':>8}{'speedup':>9}"
-          f"  {'best: old':>9}{'new':>8}{'speedup':>9}")
+    print(f"{'case':<13}{'seqs':>5}{'tokens':>7}{'ctx tokens':>11}  {'median: torch':>13}{'cpu':>8}{'speedup':>9}"
+          f"  {'best: torch':>11}{'cpu':>8}{'speedup':>9}")
     with torch.inference_mode():
         for name in chosen:
             batch = all_cases[name]
             kv_caches, seqs, inputs = make_case(batch, generator)
-            old, new = OldTorchAttentionBackend(kv_caches, scale), TorchAttentionBackend(kv_caches, scale)
+            old, new = TorchAttentionBackend(kv_caches, scale), CpuAttentionBackend(kv_caches, scale)
             # Same inputs for both: writing the same k/v into the same slots again changes nothing.
             expected, got = step(old, inputs, make_metadata(seqs)), step(new, inputs, make_metadata(seqs))
             for a, b in zip(expected, got):
@@ -160,8 +113,8 @@ def main() -> None:
             old_ms, new_ms = statistics.median(times["old"]), statistics.median(times["new"])
             old_best, new_best = min(times["old"]), min(times["new"])
             print(f"{name:<13}{len(batch):>5}{sum(n for _, n in batch):>7}{sum(c + n for c, n in batch):>11}"
-                  f"  {old_ms:>11.2f}{new_ms:>8.2f}{old_ms / new_ms:>8.1f}x"
-                  f"  {old_best:>9.2f}{new_best:>8.2f}{old_best / new_best:>8.1f}x", flush=True)
+                  f"  {old_ms:>13.2f}{new_ms:>8.2f}{old_ms / new_ms:>8.1f}x"
+                  f"  {old_best:>11.2f}{new_best:>8.2f}{old_best / new_best:>8.1f}x", flush=True)
 
 
 if __name__ == "__main__":

@@ -7,6 +7,8 @@ import json
 import os
 import sys
 
+from shared.config import ATTENTION_BACKENDS
+
 
 def add_engine_args(parser: argparse.ArgumentParser) -> None:
     """Engine flags, with vLLM's names where they mean the same thing."""
@@ -27,7 +29,7 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--swap-space", type=float, default=4.0, help="GiB of host memory for swapped-out KV")
     parser.add_argument("--preemption-mode", choices=["swap", "recompute"], default=None,
                         help="how preempted sequences give back their blocks (default: chosen per victim)")
-    parser.add_argument("--attention-backend", choices=["auto", "torch", "triton"], default="auto")
+    parser.add_argument("--attention-backend", choices=list(ATTENTION_BACKENDS), default="auto")
 
 
 ENGINE_KEYS = ("model", "tokenizer", "dtype", "device", "seed", "max_model_len", "block_size", "max_num_seqs",

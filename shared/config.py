@@ -6,7 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass, fields
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
-ATTENTION_BACKENDS = ("auto", "torch", "triton")
+ATTENTION_BACKENDS = ("auto", "torch", "cpu", "triton")
 
 
 @dataclass(frozen=True)
@@ -29,7 +29,7 @@ class EngineConfig:
     enable_prefix_caching: bool = True  # reuse the KV of full blocks whose prefix was computed before
     swap_space: float = 4.0  # GiB of host memory for swapped-out KV blocks (0: no swapping)
     preemption_mode: str | None = None  # "swap", "recompute", or None: chosen per victim
-    attention_backend: str = "auto"  # "auto": Triton on CUDA devices, torch elsewhere
+    attention_backend: str = "auto"  # "auto": Triton on CUDA, the C++ kernels on CPU (torch if they cannot build)
 
     def __post_init__(self) -> None:
         _require(self.dtype in DTYPES, "dtype", f"must be one of {DTYPES}, got {self.dtype!r}")

@@ -10,6 +10,15 @@ TINY = dict(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_la
             num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512)
 
 
+@pytest.fixture(scope="session", autouse=True)
+def cpu_kernels_built():
+    """Build the C++ CPU kernels once, up front, so no worker process a test starts pays for it (or
+    races another to build them) while the test waits on its health check."""
+    from services.worker.attention.cpu_kernels import cpu_kernels_unavailable_reason
+
+    return cpu_kernels_unavailable_reason()
+
+
 @pytest.fixture(scope="session")
 def tiny_model_factory(tmp_path_factory):
     """``make(model_type, **overrides) -> Path``; the same arguments give the same directory."""

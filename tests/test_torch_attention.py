@@ -1,4 +1,5 @@
-"""TorchAttentionBackend (the fast CPU path) against paged_attention_reference (the oracle)."""
+"""The CPU backends against paged_attention_reference (the oracle): TorchAttentionBackend (pure
+PyTorch) and CpuAttentionBackend (its decodes in the C++ kernel). Every test runs both."""
 
 from __future__ import annotations
 
@@ -6,13 +7,25 @@ import pytest
 import torch
 
 from services.worker.attention import torch_ref
+from services.worker.attention.cpu_kernels import cpu_kernels_unavailable_reason
 from services.worker.attention.torch_ref import TorchAttentionBackend, paged_attention_reference, write_kv
 from tests.attention_inputs import build_metadata
 
 NAN = float("nan")
 
 
-def run_case(batch: list[tuple[int, int]], *, heads: int = 8, kv_heads: int = 4, dim: int = 64,
+@pytest.fixture(params=["torch", "cpu"])
+def backend(request) -> type:
+    if request.param == "torch":
+        return TorchAttentionBackend
+    reason = cpu_kernels_unavailable_reason()
+    if reason is not None:
+        pytest.skip(reason)
+    from services.worker.attention.cpu_attention import CpuAttentionBackend
+    return CpuAttentionBackend
+
+
+def run_case(batch: list[tuple[int, int]], backend: type, *, heads: int = 8, kv_heads: int = 4, dim: int = 64,
              block_size: int = 16, dtype: torch.dtype = torch.float32, layers: int = 2,
              order: str = "random", seed: int = 0, atol: float = 1e-5, rtol: float = 1e-5,
              monkeypatch: pytest.MonkeyPatch | None = None) -> None:
@@ -53,11 +66,11 @@ def run_case(batch: list[tuple[int, int]], *, heads: int = 8, kv_heads: int = 4,
         # Poison the slots the backend must write: a missed write (or a read before it) shows up as NaN.
         write_kv(k_cache, v_cache, torch.full_like(k, NAN), torch.full_like(v, NAN), meta.slot_mapping)
 
-    backend = TorchAttentionBackend(pools, scale=scale)
+    attention = backend(pools, scale=scale)
     if monkeypatch is not None:  # every output row must be written: the output starts as NaN
         empty_like = torch.empty_like
         monkeypatch.setattr(torch_ref.torch, "empty_like", lambda t, **kw: empty_like(t, **kw).fill_(NAN))
-    outputs = [backend.forward(layer, *inputs[layer], meta) for layer in range(layers)]
+    outputs = [attention.forward(layer, *inputs[layer], meta) for layer in range(layers)]
     if monkeypatch is not None:
         monkeypatch.undo()
     for layer, (out, (want, ref_k, ref_v)) in enumerate(zip(outputs, expected)):
@@ -72,77 +85,80 @@ DECODE_LENGTHS = [0, 15, 16, 31, 32, 48, 1, 200, 3, 95, 96, 500, 7, 64]  # cache
 
 
 @pytest.mark.parametrize("order", ["random", "reverse"])
-def test_decode_very_different_lengths(order, monkeypatch):
+def test_decode_very_different_lengths(backend, order, monkeypatch):
     # 1-token contexts, exact block multiples (15 + 1), one token into a new block (16 + 1).
-    run_case([(c, 1) for c in DECODE_LENGTHS], order=order, monkeypatch=monkeypatch)
+    run_case([(c, 1) for c in DECODE_LENGTHS], backend, order=order, monkeypatch=monkeypatch)
 
 
-def test_decode_many_small_chunks(monkeypatch):
+def test_decode_many_small_chunks(backend, monkeypatch):
     # A tiny byte budget forces one chunk per few sequences; the plan is reused by both layers.
     monkeypatch.setattr(torch_ref, "DECODE_CHUNK_BYTES", 40 * 1024)
     lengths = torch.randint(0, 300, (40,), generator=torch.Generator().manual_seed(3)).tolist()
-    run_case([(c, 1) for c in lengths], seed=3, monkeypatch=monkeypatch)
+    run_case([(c, 1) for c in lengths], backend, seed=3, monkeypatch=monkeypatch)
 
 
-def test_decode_equal_lengths_no_mask(monkeypatch):
-    run_case([(31, 1)] * 5 + [(63, 1)] * 3, monkeypatch=monkeypatch)
+def test_decode_equal_lengths_no_mask(backend, monkeypatch):
+    run_case([(31, 1)] * 5 + [(63, 1)] * 3, backend, monkeypatch=monkeypatch)
 
 
-def test_sequence_without_new_tokens(monkeypatch):
-    run_case([(5, 1), (20, 0), (33, 1)], monkeypatch=monkeypatch)  # decode-only, but rows are not sequences
-    run_case([(5, 3), (20, 0), (33, 1)], monkeypatch=monkeypatch)
+def test_sequence_without_new_tokens(backend, monkeypatch):
+    # Decode-only, but rows are not sequences.
+    run_case([(5, 1), (20, 0), (33, 1)], backend, monkeypatch=monkeypatch)
+    run_case([(5, 3), (20, 0), (33, 1)], backend, monkeypatch=monkeypatch)
 
 
-def test_mixed_prefill_and_decode(monkeypatch):
+def test_mixed_prefill_and_decode(backend, monkeypatch):
     # A first chunk, decodes, chunks after cached full blocks and after a partial block.
-    run_case([(0, 37), (9, 1), (32, 16), (20, 7), (0, 1), (100, 1), (5, 2), (48, 33)], monkeypatch=monkeypatch)
+    run_case([(0, 37), (9, 1), (32, 16), (20, 7), (0, 1), (100, 1), (5, 2), (48, 33)], backend,
+             monkeypatch=monkeypatch)
 
 
 @pytest.mark.parametrize("batch", [
     [(16, 5)], [(17, 16)], [(64, 64)], [(3, 100)], [(160, 3), (1, 2)],  # prefill after cached blocks
     [(0, 2)], [(0, 16)], [(0, 77)], [(0, 40), (0, 3), (0, 16)],  # first chunks, no cache
 ])
-def test_prefill(batch, monkeypatch):
-    run_case(batch, monkeypatch=monkeypatch, order="reverse")
+def test_prefill(backend, batch, monkeypatch):
+    run_case(batch, backend, monkeypatch=monkeypatch, order="reverse")
 
 
-def test_prefill_mask_built_per_call(monkeypatch):
+def test_prefill_mask_built_per_call(backend, monkeypatch):
     monkeypatch.setattr(torch_ref, "MASK_KEEP_ELEMENTS", 0)  # the large-prefill path
     monkeypatch.setattr(torch_ref, "WORKSPACE_KEEP_ELEMENTS", 0)  # buffers not kept
-    run_case([(40, 30), (7, 1), (0, 9)], monkeypatch=monkeypatch)
+    run_case([(40, 30), (7, 1), (0, 9)], backend, monkeypatch=monkeypatch)
 
 
 @pytest.mark.parametrize("heads,kv_heads", [(8, 8), (8, 4), (8, 1), (6, 2)])
-def test_gqa_ratios(heads, kv_heads, monkeypatch):
-    run_case([(c, 1) for c in DECODE_LENGTHS[:8]], heads=heads, kv_heads=kv_heads, dim=32, seed=1,
+def test_gqa_ratios(backend, heads, kv_heads, monkeypatch):
+    run_case([(c, 1) for c in DECODE_LENGTHS[:8]], backend, heads=heads, kv_heads=kv_heads, dim=32, seed=1,
              monkeypatch=monkeypatch)
-    run_case([(0, 20), (30, 1), (17, 12), (4, 1)], heads=heads, kv_heads=kv_heads, dim=32, seed=2,
+    run_case([(0, 20), (30, 1), (17, 12), (4, 1)], backend, heads=heads, kv_heads=kv_heads, dim=32, seed=2,
              monkeypatch=monkeypatch)
 
 
 @pytest.mark.parametrize("block_size", [1, 4, 32])
-def test_block_sizes(block_size, monkeypatch):
-    run_case([(0, 9), (12, 1), (5, 6), (31, 1), (0, 1)], block_size=block_size, seed=4, monkeypatch=monkeypatch)
-
-
-def test_bfloat16(monkeypatch):
-    run_case([(c, 1) for c in DECODE_LENGTHS], dtype=torch.bfloat16, atol=2e-2, rtol=2e-2, seed=5,
+def test_block_sizes(backend, block_size, monkeypatch):
+    run_case([(0, 9), (12, 1), (5, 6), (31, 1), (0, 1)], backend, block_size=block_size, seed=4,
              monkeypatch=monkeypatch)
-    run_case([(0, 37), (9, 1), (32, 16), (20, 7), (48, 33)], dtype=torch.bfloat16, atol=2e-2, rtol=2e-2,
+
+
+def test_bfloat16(backend, monkeypatch):
+    run_case([(c, 1) for c in DECODE_LENGTHS], backend, dtype=torch.bfloat16, atol=2e-2, rtol=2e-2, seed=5,
+             monkeypatch=monkeypatch)
+    run_case([(0, 37), (9, 1), (32, 16), (20, 7), (48, 33)], backend, dtype=torch.bfloat16, atol=2e-2, rtol=2e-2,
              seed=6, monkeypatch=monkeypatch)
 
 
-def test_new_step_gets_new_plan():
+def test_new_step_gets_new_plan(backend):
     """The per-step plan is keyed by the metadata object: a second step must not reuse the first's."""
     block_size, heads, kv_heads, dim = 4, 4, 2, 8
     generator = torch.Generator().manual_seed(7)
     shape = (8, block_size, kv_heads, dim)
     k_cache, v_cache = torch.randn(shape, generator=generator), torch.randn(shape, generator=generator)
-    backend = TorchAttentionBackend([(k_cache, v_cache)], scale=dim ** -0.5)
+    attention = backend([(k_cache, v_cache)], scale=dim ** -0.5)
     for seqs in ([([0, 1], 5, 1), ([2], 1, 1)], [([0, 1], 6, 1), ([2], 2, 1)], [([3, 4], 3, 5)]):
         meta = build_metadata(seqs, block_size)
         q = torch.randn(meta.num_tokens, heads, dim, generator=generator)
         k, v = (torch.randn(meta.num_tokens, kv_heads, dim, generator=generator) for _ in range(2))
-        out = backend.forward(0, q, k, v, meta)
+        out = attention.forward(0, q, k, v, meta)
         expected = paged_attention_reference(q, k_cache, v_cache, meta, scale=dim ** -0.5)
         torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-5)

@@ -238,8 +238,15 @@ def test_whole_pool_recovers_the_pool_tensor():
 
 
 def test_selector(monkeypatch):
+    from services.worker.attention import cpu_kernels
+    from services.worker.attention.cpu_attention import CpuAttentionBackend
+
     cpu = torch.device("cpu")
-    assert select_attention_backend("auto", cpu) is TorchAttentionBackend
+    if cpu_kernels.cpu_kernels_unavailable_reason() is None:
+        assert select_attention_backend("auto", cpu) is CpuAttentionBackend
+    assert select_attention_backend("cpu", cpu) is CpuAttentionBackend
+    with pytest.raises(ValueError, match="runs on CPUs"):
+        select_attention_backend("cpu", torch.device("cuda"))
     assert select_attention_backend("torch", cpu) is TorchAttentionBackend
     assert select_attention_backend("triton", cpu) is TritonAttentionBackend
     with pytest.raises(ValueError, match="unknown attention backend"):
@@ -247,6 +254,11 @@ def test_selector(monkeypatch):
     monkeypatch.setenv("TRITON_INTERPRET", "0")
     with pytest.raises(ValueError, match="TRITON_INTERPRET"):
         select_attention_backend("triton", cpu)
+    # Without a compiler: "auto" falls back to torch; asking for "cpu" says why it cannot run.
+    monkeypatch.setattr(cpu_kernels, "_build", lambda: "no C++ compiler found")
+    assert select_attention_backend("auto", cpu) is TorchAttentionBackend
+    with pytest.raises(ValueError, match=r"cannot run here: no C\+\+ compiler"):
+        CpuAttentionBackend([], scale=1.0)
 
 
 def test_config_validates_backend_name():

@@ -5,6 +5,8 @@ from __future__ import annotations
 import ctypes
 import ctypes.util
 
+import torch
+
 # glibc mallopt parameters (malloc.h).
 M_TRIM_THRESHOLD = -1
 M_MMAP_THRESHOLD = -3
@@ -26,3 +28,26 @@ def keep_large_allocations_in_heap() -> bool:
     except (OSError, AttributeError):
         return False
     return bool(mallopt(M_MMAP_THRESHOLD, MMAP_THRESHOLD_MAX)) and bool(mallopt(M_TRIM_THRESHOLD, 1 << 30))
+
+
+MADV_HUGEPAGE = 14  # asm-generic/mman-common.h
+HUGE_PAGE = 2 << 20
+
+
+def advise_huge_pages(tensor: torch.Tensor) -> bool:
+    """Ask the kernel to back ``tensor``'s (2 MiB-aligned interior) memory with transparent huge pages.
+
+    For the KV pools: decode attention reads blocks scattered over gigabytes, and with 4 KiB pages
+    nearly every block costs a TLB miss (measured here: the CPU decode kernel ~15 % faster with huge
+    pages). Call it before the memory is first touched. False where madvise is unavailable or refused
+    (THP disabled); nothing changes then.
+    """
+    start = (tensor.data_ptr() + HUGE_PAGE - 1) // HUGE_PAGE * HUGE_PAGE
+    end = (tensor.data_ptr() + tensor.numel() * tensor.element_size()) // HUGE_PAGE * HUGE_PAGE
+    if end <= start:
+        return False
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
+        return libc.madvise(ctypes.c_void_p(start), ctypes.c_size_t(end - start), MADV_HUGEPAGE) == 0
+    except (OSError, AttributeError):
+        return False

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import torch
 
+from services.worker.cpu_tuning import advise_huge_pages
 from shared.config import EngineConfig
 from shared.model_config import ModelConfig
 
@@ -60,8 +61,11 @@ def allocate_kv_pools(model: ModelConfig, num_blocks: int, block_size: int, dtyp
     One allocation keeps every layer's copy of a block at a fixed stride, so block moves
     (swap, copy-on-write) can later touch all layers in one indexing operation.
     """
-    pools = torch.zeros(model.num_hidden_layers, 2, num_blocks, block_size, model.num_key_value_heads,
+    pools = torch.empty(model.num_hidden_layers, 2, num_blocks, block_size, model.num_key_value_heads,
                         model.head_dim, dtype=dtype, device=device)
+    if pools.device.type == "cpu":
+        advise_huge_pages(pools)  # before the first touch (the zeroing below)
+    pools.zero_()
     return [(pools[layer, 0], pools[layer, 1]) for layer in range(model.num_hidden_layers)]
 
 

@@ -16,13 +16,15 @@ import torch
 from safetensors import safe_open
 
 from services.worker.models.llama import LlamaForCausalLM
+from services.worker.models.packed_linear import can_pack
 from shared.model_config import ModelConfig
 
 INDEX_FILE = "model.safetensors.index.json"
 
 
-def load_model(model_dir: str | Path, dtype: torch.dtype, device: torch.device
+def load_model(model_dir: str | Path, dtype: torch.dtype, device: torch.device, pack: bool = True
                ) -> tuple[LlamaForCausalLM, ModelConfig]:
+    """The model, ready for inference; ``pack`` re-lays float32 CPU projections for oneDNN (packed_linear)."""
     config = ModelConfig.from_model_dir(model_dir)
     files = safetensors_files(Path(model_dir))
     with torch.device("meta"):
@@ -35,7 +37,10 @@ def load_model(model_dir: str | Path, dtype: torch.dtype, device: torch.device
         if not state["done"]:  # raised while a tensor of this file was being loaded
             raise ValueError(f"{state['file']}: {e}") from e
         raise ValueError(f"{model_dir}: {e}") from e
-    return model.eval().requires_grad_(False), config
+    model.eval().requires_grad_(False)
+    if pack and can_pack(dtype, torch.device(device)):
+        model.pack_linear_weights()
+    return model, config
 
 
 def safetensors_files(model_dir: Path) -> list[Path]:

@@ -1,13 +1,17 @@
-"""Which attention backend a worker uses: "auto", "torch" or "triton"."""
+"""Which attention backend a worker uses: "auto", "torch", "cpu" or "triton"."""
 
 from __future__ import annotations
 
 import importlib.util
 import os
 
+import structlog
 import torch
 
-BACKENDS = ("auto", "torch", "triton")
+from shared.config import ATTENTION_BACKENDS as BACKENDS
+
+log = structlog.get_logger(__name__)
+
 
 
 def triton_unavailable_reason(device: torch.device) -> str | None:
@@ -25,16 +29,38 @@ def triton_unavailable_reason(device: torch.device) -> str | None:
 
 
 def select_attention_backend(name: str, device: torch.device) -> type:
-    """The backend class for ``name`` on ``device``; "auto" picks Triton on CUDA devices, torch elsewhere."""
+    """The backend class for ``name`` on ``device``.
+
+    "auto" picks Triton on CUDA devices, the C++ kernels on CPUs (built on first use; the
+    pure-PyTorch backend where they cannot be built), torch elsewhere.
+    """
     if name not in BACKENDS:
         raise ValueError(f"unknown attention backend {name!r}; choose one of {', '.join(BACKENDS)}")
     if name == "auto":
-        name = "triton" if device.type == "cuda" and triton_unavailable_reason(device) is None else "torch"
+        name = _auto_backend(device)
     if name == "torch":
         from services.worker.attention.torch_ref import TorchAttentionBackend
         return TorchAttentionBackend
+    if name == "cpu":
+        if device.type != "cpu":
+            raise ValueError(f"attention_backend='cpu' runs on CPUs, not on {device.type!r}")
+        from services.worker.attention.cpu_attention import CpuAttentionBackend
+        return CpuAttentionBackend
     reason = triton_unavailable_reason(device)
     if reason is not None:
         raise ValueError(f"attention_backend='triton' cannot run here: {reason}; use 'torch' or 'auto'")
     from services.worker.attention.triton_attention import TritonAttentionBackend
     return TritonAttentionBackend
+
+
+def _auto_backend(device: torch.device) -> str:
+    if device.type == "cuda" and triton_unavailable_reason(device) is None:
+        return "triton"
+    if device.type == "cpu":
+        from services.worker.attention.cpu_kernels import cpu_kernels_unavailable_reason
+
+        reason = cpu_kernels_unavailable_reason()
+        if reason is None:
+            return "cpu"
+        log.warning("cpu_kernels_unavailable", reason=reason, fallback="torch")
+    return "torch"

@@ -96,7 +96,7 @@ class _StepPlan:
     """Everything about one step's batch that every layer would otherwise recompute."""
     meta: AttentionMetadata
     key: tuple
-    decode: list[_DecodeChunk]
+    decode: list  # the backend's decode work (here _DecodeChunk), from _plan_decodes
     prefill: list[_Prefill]
 
 
@@ -147,15 +147,40 @@ class TorchAttentionBackend:
         plan = self._plan
         if plan is not None and plan.meta is meta and plan.key == key:
             return plan
-        block_size, num_kv_heads, head_dim = k_cache.shape[1:]
+        block_size = k_cache.shape[1]
         tables = meta.block_tables.long()
         seq_lens, query_lens = meta.seq_lens_cpu, meta.query_lens_cpu
         # When every sequence has exactly one new token, sequence i's token is row i of q.
         one_each = meta.is_decode_only and meta.num_tokens == meta.num_seqs
         starts = None if one_each else meta.query_start_loc.tolist()
 
-        # Decodes: longest first, cut into chunks of similar length that fit the byte budget.
+        # Decodes, longest first (rows: where each one's token sits in q).
         order = sorted((i for i, n in enumerate(query_lens) if n == 1), key=lambda i: -seq_lens[i])
+        rows = order if one_each else [starts[i] for i in order]
+        decode = self._plan_decodes(meta, order, rows, dtype, k_cache) if order else []
+
+        prefill = []
+        for i, (query_len, context_len) in enumerate(zip(query_lens, seq_lens)):
+            if query_len <= 1:
+                continue
+            if context_len == query_len:
+                prefill.append(_Prefill(starts[i], query_len, context_len, None, None))
+                continue
+            num_blocks = -(-context_len // block_size)
+            length = num_blocks * block_size
+            mask = None
+            if query_len * length <= MASK_KEEP_ELEMENTS:
+                mask = _causal_mask(query_len, context_len, length, dtype)
+            prefill.append(_Prefill(starts[i], query_len, context_len, tables[i, :num_blocks], mask))
+        self._plan = plan = _StepPlan(meta, key, decode, prefill)
+        return plan
+
+    def _plan_decodes(self, meta: AttentionMetadata, order: list[int], rows: list[int], dtype: torch.dtype,
+                      k_cache: torch.Tensor) -> list[_DecodeChunk]:
+        """Cut the decodes (sequence indices ``order``, longest first) into chunks of similar length."""
+        block_size, num_kv_heads, head_dim = k_cache.shape[1:]
+        seq_lens = meta.seq_lens_cpu
+        tables = meta.block_tables.long()
         token_bytes = 2 * num_kv_heads * head_dim * torch.empty((), dtype=k_cache.dtype).element_size()
         budget = max(block_size, DECODE_CHUNK_BYTES // token_bytes)
         chunks = []
@@ -177,25 +202,9 @@ class TorchAttentionBackend:
                 pad = torch.arange(length).unsqueeze(0) >= lens.unsqueeze(1)
                 mask = torch.zeros(len(seqs), 1, 1, length, dtype=dtype).masked_fill_(
                     pad.view(len(seqs), 1, 1, length), float("-inf"))
-            rows = seqs if one_each else torch.tensor([starts[i] for i in order[first:end]])
-            chunks.append(_DecodeChunk(rows, blocks, length, mask))
+            chunks.append(_DecodeChunk(torch.tensor(rows[first:end]), blocks, length, mask))
             first = end
-
-        prefill = []
-        for i, (query_len, context_len) in enumerate(zip(query_lens, seq_lens)):
-            if query_len <= 1:
-                continue
-            if context_len == query_len:
-                prefill.append(_Prefill(starts[i], query_len, context_len, None, None))
-                continue
-            num_blocks = -(-context_len // block_size)
-            length = num_blocks * block_size
-            mask = None
-            if query_len * length <= MASK_KEEP_ELEMENTS:
-                mask = _causal_mask(query_len, context_len, length, dtype)
-            prefill.append(_Prefill(starts[i], query_len, context_len, tables[i, :num_blocks], mask))
-        self._plan = plan = _StepPlan(meta, key, chunks, prefill)
-        return plan
+        return chunks
 
     # ---- gathering ----------------------------------------------------------------------------
 

@@ -17,6 +17,7 @@ from torch import nn
 
 from services.worker.attention.metadata import AttentionMetadata
 from services.worker.models.layers import RMSNorm, RotaryEmbedding, silu_and_mul
+from services.worker.models.packed_linear import PackedLinear, pack_linear_layers
 from shared.model_config import ModelConfig
 
 
@@ -86,10 +87,20 @@ class LlamaForCausalLM(nn.Module):
         # Tied: the embedding matrix doubles as the output projection (see lm_head_weight).
         if not config.tie_word_embeddings:
             self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.packed_logits: PackedLinear | None = None  # set by pack_linear_weights
 
     @property
     def lm_head_weight(self) -> torch.Tensor:
         return self.embed_tokens.weight if self.config.tie_word_embeddings else self.lm_head.weight
+
+    def pack_linear_weights(self) -> None:
+        """After loading, on CPU in float32: every projection, the logits head included, in oneDNN's layout.
+
+        The tied head packs a copy and leaves the embedding as it is (lookups still need it).
+        """
+        pack_linear_layers(self)
+        tied = self.config.tie_word_embeddings
+        self.packed_logits = PackedLinear(self.embed_tokens.weight, None) if tied else self.lm_head
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, attention,
                 meta: AttentionMetadata) -> torch.Tensor:
@@ -101,6 +112,8 @@ class LlamaForCausalLM(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Float32 logits ``[N, vocab]`` for the rows of ``hidden`` that need sampling."""
+        if self.packed_logits is not None:
+            return self.packed_logits(hidden).float()
         return F.linear(hidden, self.lm_head_weight).float()
 
     # ---- loading -----------------------------------------------------------------------------

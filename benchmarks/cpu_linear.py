@@ -1,0 +1,70 @@
+"""CPU projection microbenchmark: ``F.linear`` against the oneDNN-packed ``PackedLinear``.
+
+The bench model's projections (qkv, o, gate_up, down, logits head) at decode-sized and
+prefill-sized row counts, float32, interleaved repeats; reports GFLOPS (best of the repeats, the
+steadier number on a shared machine) and the packed/plain ratio.
+
+    python benchmarks/cpu_linear.py [--threads 2] [--repeats 20] [--out results/cpu_linear.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+import torch  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+
+from services.worker.models.packed_linear import PackedLinear  # noqa: E402
+
+# (name, out_features, in_features) of the bench model: hidden 512, 8 + 2 * 4 heads of 64, MLP 1408.
+SHAPES = [("qkv", 1024, 512), ("o", 512, 512), ("gate_up", 2816, 512), ("down", 512, 1408),
+          ("logits", 32000, 512)]
+ROWS = [16, 128, 256, 1024, 4096]
+
+
+def best_seconds(fn, repeats: int) -> float:
+    fn()
+    best = float("inf")
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        best = min(best, time.perf_counter() - start)
+    return best
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--repeats", type=int, default=20)
+    parser.add_argument("--out", default=str(Path(__file__).with_name("results") / "cpu_linear.json"))
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    rows_out = []
+    print(f"{'layer':8} {'rows':>5} {'F.linear':>9} {'packed':>9} {'ratio':>6}   (GFLOPS)")
+    with torch.inference_mode():
+        for name, out_features, in_features in SHAPES:
+            weight = torch.randn(out_features, in_features) * in_features ** -0.5
+            packed = PackedLinear(weight, None)
+            for rows in ROWS:
+                x = torch.randn(rows, in_features)
+                flops = 2 * rows * in_features * out_features
+                plain_s = best_seconds(lambda: F.linear(x, weight), args.repeats)
+                packed_s = best_seconds(lambda: packed(x), args.repeats)
+                row = {"layer": name, "rows": rows, "f_linear_gflops": flops / plain_s / 1e9,
+                       "packed_gflops": flops / packed_s / 1e9, "ratio": plain_s / packed_s}
+                rows_out.append(row)
+                print(f"{name:8} {rows:5d} {row['f_linear_gflops']:9.0f} {row['packed_gflops']:9.0f} "
+                      f"{row['ratio']:6.2f}")
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps({"threads": args.threads, "rows": rows_out}, indent=1))
+    print(f"wrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,55 @@
+"""The C++ CPU kernels (csrc/cpu_attention.cpp): built once per machine, then loaded from cache.
+
+torch's extension builder compiles the source with the machine's C++ compiler the first time a
+worker needs it (about 20 s here) and keeps the library under ``TORCH_EXTENSIONS_DIR``
+(default ``~/.cache/torch_extensions``); later loads take milliseconds, and a changed source is
+rebuilt. Where there is no compiler, the "auto" backend falls back to the pure-PyTorch one.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import shutil
+from pathlib import Path
+
+import torch
+
+SOURCE = Path(__file__).with_name("csrc") / "cpu_attention.cpp"
+LIBRARY = "pagedserve_cpu"  # the torch.library namespace the source registers
+
+
+def cpu_kernels_unavailable_reason() -> str | None:
+    """Why the C++ kernels cannot run in this process; None once they are loaded."""
+    return _build()
+
+
+def paged_decode_attention(out: torch.Tensor, query: torch.Tensor, key_cache: torch.Tensor,
+                           value_cache: torch.Tensor, block_tables: torch.Tensor, seq_lens: torch.Tensor,
+                           rows: torch.Tensor, seqs: torch.Tensor, scale: float) -> None:
+    """Writes ``out[rows[i]]``: the query ``query[rows[i]]`` of sequence ``seqs[i]`` over its paged context.
+
+    out, query [T, H, D] (unit stride along D); key_cache, value_cache [num_blocks, block_size, Hkv, D]
+    contiguous; block_tables [S, max_blocks] int32; seq_lens [S] int32 (context including the new token);
+    rows, seqs [n] int64, longest context first for the best balance across threads.
+    """
+    getattr(torch.ops, LIBRARY).paged_decode_attention(out, query, key_cache, value_cache, block_tables,
+                                                       seq_lens, rows, seqs, scale)
+
+
+@functools.cache
+def _build() -> str | None:
+    """Compile (or load the cached build of) the kernels once per process; the reason on failure."""
+    if shutil.which(os.environ.get("CXX", "c++")) is None:
+        return "no C++ compiler found (install g++, or set CXX)"
+    from torch.utils.cpp_extension import load
+
+    try:
+        load(name="pagedserve_cpu_kernels", sources=[str(SOURCE)], is_python_module=False,
+             # -fopenmp: the kernel's parallel loop; the libgomp.so.1 it links is the one torch has
+             # already loaded (same soname), so both share one thread pool.
+             extra_cflags=["-O3", "-march=native", "-fopenmp"], extra_ldflags=["-fopenmp"])
+    except (RuntimeError, OSError, ImportError, FileNotFoundError) as e:
+        first_line = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        return f"building the C++ CPU kernels failed: {first_line}"
+    return None

@@ -1,0 +1,240 @@
+// Paged decode attention for CPUs: each sequence's one new query attends over its K/V blocks where they
+// lie in the pool, so K and V cross the memory bus once (a gather into a contiguous buffer followed by
+// SDPA moves them three times). Built at run time by services/worker/attention/cpu_kernels.py.
+//
+// A work item is one sequence (or, with few sequences, one KV head of one): the query heads that
+// share a KV head are handled together so each K/V row is read once for all of them. Items are
+// dealt out longest context first, dynamically, on torch's own OpenMP pool (the extension links
+// the libgomp torch already loaded).
+// Scores for the whole context are kept (context x group floats per thread), so the softmax is exact
+// two-pass rather than online: pass 1 reads K, pass 2 reads V.
+
+#include <ATen/core/Tensor.h>
+#include <c10/util/BFloat16.h>
+#include <c10/util/Half.h>
+#include <omp.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <limits>
+#include <vector>
+
+namespace {
+
+inline float to_float(float x) { return x; }
+inline float to_float(c10::BFloat16 x) { return static_cast<float>(x); }
+inline float to_float(c10::Half x) { return static_cast<float>(x); }
+
+// exp(x) for x <= 0 in a form the compiler vectorizes (libm's expf is a scalar call): Cody-Waite
+// reduction x = n ln2 + r, Cephes' degree-6 polynomial for e^r, 2^n put in the exponent bits.
+// Within 2 ulp of expf; below -87.3 it returns ~1e-38 instead of underflowing to 0.
+inline float exp_nonpositive(float x) {
+  x = std::max(x, -87.3f);
+  const float n = std::floor(x * 1.44269504088896341f + 0.5f);
+  const float r = x - n * 0.693359375f + n * 2.12194440e-4f;
+  float p = 1.9875691500e-4f;
+  p = p * r + 1.3981999507e-3f;
+  p = p * r + 8.3334519073e-3f;
+  p = p * r + 4.1665795894e-2f;
+  p = p * r + 1.6666665459e-1f;
+  p = p * r + 5.0000001201e-1f;
+  p = p * r * r + r + 1.f;
+  const int32_t bits = (static_cast<int32_t>(n) + 127) << 23;
+  float scale;
+  std::memcpy(&scale, &bits, sizeof scale);
+  return p * scale;
+}
+
+// Blocks sit anywhere in the pool, so the hardware prefetchers cannot know the next one: while the
+// kernel works on token t of a block it asks for token t of the block after it.
+inline void prefetch_row(const void* row, int64_t bytes) {
+  const char* p = static_cast<const char*>(row);
+  for (int64_t offset = 0; offset < bytes; offset += 64) __builtin_prefetch(p + offset, 0, 3);
+}
+
+struct DecodeShape {
+  int64_t num_items;      // decode sequences
+  int64_t num_heads;      // query heads
+  int64_t num_kv_heads;   // KV heads
+  int64_t head_dim;
+  int64_t block_size;
+  int64_t q_row_stride, q_head_stride;      // query [T, H, D], unit stride along D
+  int64_t out_row_stride, out_head_stride;  // out [T, H, D], unit stride along D
+  int64_t cache_block_stride, cache_token_stride, cache_head_stride;  // pools [N, B, Hkv, D], contiguous
+  int64_t table_stride;   // block_tables [S, max_blocks]
+  float scale;
+};
+
+// visit(row, t) for each of a sequence's first `len` tokens in order, where row points at the token's
+// KV head `first_kv` in `cache`; while at token t of a block, prefetches token t of the next block.
+template <typename T, typename Visit>
+inline void for_each_token(const T* cache, const int32_t* table, int64_t len, int64_t first_kv,
+                           int64_t row_bytes, const DecodeShape& s, Visit&& visit) {
+  for (int64_t start = 0, b = 0; start < len; start += s.block_size, ++b) {
+    const T* block = cache + table[b] * s.cache_block_stride + first_kv * s.cache_head_stride;
+    const T* next = start + s.block_size < len
+        ? cache + table[b + 1] * s.cache_block_stride + first_kv * s.cache_head_stride : nullptr;
+    const int64_t count = std::min(s.block_size, len - start);
+    for (int64_t t = 0; t < count; ++t) {
+      if (next != nullptr) prefetch_row(next + t * s.cache_token_stride, row_bytes);
+      visit(block + t * s.cache_token_stride, start + t);
+    }
+  }
+}
+
+// kD: the head size as a compile-time constant (the common ones), so the per-token dot products and
+// updates unroll completely; 0 for any other size, read from `s` at run time (several times slower).
+template <typename T, int kD>
+void decode_attention(T* out, const T* query, const T* key_cache, const T* value_cache,
+                      const int32_t* block_tables, const int32_t* seq_lens, const int64_t* rows,
+                      const int64_t* seqs, const DecodeShape& s) {
+  const int64_t group = s.num_heads / s.num_kv_heads;
+  const int64_t D = kD > 0 ? kD : s.head_dim;
+  // A work item covers `heads` consecutive KV heads of one sequence. All of them when there are
+  // enough sequences to keep every thread busy: a token's K (or V) row for all heads is one
+  // contiguous run, which the hardware prefetchers stream; one head at a time reads 1/Hkv of each
+  // row at a stride and runs several times slower. With few sequences, one head per item.
+  const int64_t heads = s.num_items >= 4 * omp_get_max_threads() ? s.num_kv_heads : 1;
+  const int64_t splits = s.num_kv_heads / heads;
+  const int64_t row_bytes = heads * s.cache_head_stride * static_cast<int64_t>(sizeof(T));
+#pragma omp parallel
+  {
+    const int64_t width = heads * group;  // query heads per item
+    std::vector<float> q(width * D), acc(width * D), inv_sum(width), scores;
+#pragma omp for schedule(dynamic, 1)
+    for (int64_t item = 0; item < s.num_items * splits; ++item) {
+      const int64_t i = item / splits, first_kv = (item % splits) * heads;
+      const int64_t row = rows[i], seq = seqs[i];
+      const int64_t len = seq_lens[seq];
+      const int32_t* table = block_tables + seq * s.table_stride;
+      for (int64_t h = 0; h < width; ++h) {
+        const T* src = query + row * s.q_row_stride + (first_kv * group + h) * s.q_head_stride;
+        for (int64_t d = 0; d < D; ++d) q[h * D + d] = to_float(src[d]) * s.scale;
+      }
+      scores.resize(width * len);
+
+      // Pass 1: scores[h][t] = q_h . k_t for the item's query heads h.
+      for_each_token(key_cache, table, len, first_kv, row_bytes, s, [&](const T* k_row, int64_t t) {
+        for (int64_t h = 0; h < width; ++h) {
+          const T* k = k_row + (h / group) * s.cache_head_stride;
+          const float* qh = q.data() + h * D;
+          float dot = 0.f;
+#pragma omp simd reduction(+ : dot)
+          for (int64_t d = 0; d < D; ++d) dot += qh[d] * to_float(k[d]);
+          scores[h * len + t] = dot;
+        }
+      });
+      // Softmax numerators in place; 1/sum is applied to the output.
+      for (int64_t h = 0; h < width; ++h) {
+        float* sh = scores.data() + h * len;
+        float max = -std::numeric_limits<float>::infinity();
+        for (int64_t t = 0; t < len; ++t) max = std::max(max, sh[t]);
+        float sum = 0.f;
+#pragma omp simd reduction(+ : sum)
+        for (int64_t t = 0; t < len; ++t) {
+          sh[t] = exp_nonpositive(sh[t] - max);
+          sum += sh[t];
+        }
+        inv_sum[h] = 1.f / sum;
+      }
+      // Pass 2: acc[h] = sum_t p[h][t] v_t.
+      std::fill(acc.begin(), acc.end(), 0.f);
+      for_each_token(value_cache, table, len, first_kv, row_bytes, s, [&](const T* v_row, int64_t t) {
+        for (int64_t h = 0; h < width; ++h) {
+          const T* v = v_row + (h / group) * s.cache_head_stride;
+          const float p = scores[h * len + t];
+          float* ah = acc.data() + h * D;
+#pragma omp simd
+          for (int64_t d = 0; d < D; ++d) ah[d] += p * to_float(v[d]);
+        }
+      });
+      for (int64_t h = 0; h < width; ++h) {
+        T* dst = out + row * s.out_row_stride + (first_kv * group + h) * s.out_head_stride;
+        for (int64_t d = 0; d < D; ++d) dst[d] = static_cast<T>(acc[h * D + d] * inv_sum[h]);
+      }
+    }
+  }
+}
+
+template <typename T>
+void decode_for_head_size(T* out, const T* query, const T* key_cache, const T* value_cache,
+                          const int32_t* block_tables, const int32_t* seq_lens, const int64_t* rows,
+                          const int64_t* seqs, const DecodeShape& s) {
+  switch (s.head_dim) {
+    case 64: return decode_attention<T, 64>(out, query, key_cache, value_cache, block_tables, seq_lens, rows, seqs, s);
+    case 128: return decode_attention<T, 128>(out, query, key_cache, value_cache, block_tables, seq_lens, rows, seqs, s);
+    case 256: return decode_attention<T, 256>(out, query, key_cache, value_cache, block_tables, seq_lens, rows, seqs, s);
+    default: return decode_attention<T, 0>(out, query, key_cache, value_cache, block_tables, seq_lens, rows, seqs, s);
+  }
+}
+
+void check_layout(const at::Tensor& out, const at::Tensor& query, const at::Tensor& key_cache,
+                  const at::Tensor& value_cache, const at::Tensor& block_tables, const at::Tensor& seq_lens,
+                  const at::Tensor& rows, const at::Tensor& seqs) {
+  TORCH_CHECK(query.dim() == 3 && out.sizes() == query.sizes(), "query and out must both be [tokens, heads, head_dim]");
+  TORCH_CHECK(query.stride(2) == 1 && out.stride(2) == 1, "query and out need unit stride along head_dim");
+  TORCH_CHECK(key_cache.dim() == 4 && key_cache.sizes() == value_cache.sizes(),
+              "key_cache and value_cache must both be [num_blocks, block_size, kv_heads, head_dim]");
+  TORCH_CHECK(key_cache.is_contiguous() && value_cache.is_contiguous(), "the KV pools must be contiguous");
+  TORCH_CHECK(key_cache.size(3) == query.size(2), "head_dim differs between query and cache");
+  TORCH_CHECK(query.size(1) % key_cache.size(2) == 0, "query heads must be a multiple of KV heads");
+  TORCH_CHECK(query.scalar_type() == key_cache.scalar_type() && out.scalar_type() == query.scalar_type() &&
+                  value_cache.scalar_type() == query.scalar_type(),
+              "query, out and the KV pools must share one dtype");
+  TORCH_CHECK(block_tables.scalar_type() == at::kInt && block_tables.dim() == 2 && block_tables.stride(1) == 1,
+              "block_tables must be int32 [num_seqs, max_blocks] with unit stride along blocks");
+  TORCH_CHECK(seq_lens.scalar_type() == at::kInt && seq_lens.is_contiguous(), "seq_lens must be contiguous int32");
+  TORCH_CHECK(rows.scalar_type() == at::kLong && seqs.scalar_type() == at::kLong && rows.is_contiguous() &&
+                  seqs.is_contiguous() && rows.numel() == seqs.numel(),
+              "rows and seqs must be contiguous int64 of one length");
+  for (const auto* t : {&out, &query, &key_cache, &value_cache, &block_tables, &seq_lens, &rows, &seqs}) {
+    TORCH_CHECK(t->device().is_cpu(), "every tensor must be on the CPU");
+  }
+}
+
+void paged_decode_attention(at::Tensor out, const at::Tensor& query, const at::Tensor& key_cache,
+                            const at::Tensor& value_cache, const at::Tensor& block_tables,
+                            const at::Tensor& seq_lens, const at::Tensor& rows, const at::Tensor& seqs,
+                            double scale) {
+  check_layout(out, query, key_cache, value_cache, block_tables, seq_lens, rows, seqs);
+  const DecodeShape shape{rows.numel(),          query.size(1),         key_cache.size(2),
+                          query.size(2),         key_cache.size(1),     query.stride(0),
+                          query.stride(1),       out.stride(0),         out.stride(1),
+                          key_cache.stride(0),   key_cache.stride(1),   key_cache.stride(2),
+                          block_tables.stride(0), static_cast<float>(scale)};
+  const auto* tables = block_tables.data_ptr<int32_t>();
+  const auto* lens = seq_lens.data_ptr<int32_t>();
+  const auto* row_ptr = rows.data_ptr<int64_t>();
+  const auto* seq_ptr = seqs.data_ptr<int64_t>();
+  switch (query.scalar_type()) {
+    case at::kFloat:
+      decode_for_head_size(out.data_ptr<float>(), query.data_ptr<float>(), key_cache.data_ptr<float>(),
+                           value_cache.data_ptr<float>(), tables, lens, row_ptr, seq_ptr, shape);
+      break;
+    case at::kBFloat16:
+      decode_for_head_size(out.data_ptr<c10::BFloat16>(), query.data_ptr<c10::BFloat16>(),
+                           key_cache.data_ptr<c10::BFloat16>(), value_cache.data_ptr<c10::BFloat16>(), tables,
+                           lens, row_ptr, seq_ptr, shape);
+      break;
+    case at::kHalf:
+      decode_for_head_size(out.data_ptr<c10::Half>(), query.data_ptr<c10::Half>(),
+                           key_cache.data_ptr<c10::Half>(), value_cache.data_ptr<c10::Half>(), tables, lens,
+                           row_ptr, seq_ptr, shape);
+      break;
+    default:
+      TORCH_CHECK(false, "paged_decode_attention supports float32, bfloat16 and float16, not ",
+                  query.scalar_type());
+  }
+}
+
+}  // namespace
+
+TORCH_LIBRARY(pagedserve_cpu, m) {
+  m.def("paged_decode_attention(Tensor(a!) out, Tensor query, Tensor key_cache, Tensor value_cache, "
+        "Tensor block_tables, Tensor seq_lens, Tensor rows, Tensor seqs, float scale) -> ()");
+}
+
+TORCH_LIBRARY_IMPL(pagedserve_cpu, CPU, m) { m.impl("paged_decode_attention", &paged_decode_attention); }

@@ -1,0 +1,57 @@
+"""oneDNN-packed projections (CPU, float32) against F.linear, and the model packed against unpacked."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from services.worker.model_loader import load_model
+from services.worker.models.packed_linear import PackedLinear, can_pack, pack_linear_layers
+from tests.test_model import ARCH_FIXTURES, PagedRunner, random_prompts
+
+CPU = torch.device("cpu")
+pytestmark = pytest.mark.skipif(not can_pack(torch.float32, CPU), reason="oneDNN is not available")
+
+
+@pytest.mark.parametrize("rows", [0, 1, 7, 256, 1000])
+@pytest.mark.parametrize("bias", [False, True])
+def test_packed_linear_matches_f_linear(rows, bias):
+    generator = torch.Generator().manual_seed(rows)
+    weight = torch.randn(96, 80, generator=generator)
+    b = torch.randn(96, generator=generator) if bias else None
+    x = torch.randn(rows, 80, generator=generator)
+    torch.testing.assert_close(PackedLinear(weight, b)(x), F.linear(x, weight, b), atol=1e-5, rtol=1e-5)
+
+
+def test_packed_linear_takes_strided_inputs():
+    weight, x = torch.randn(64, 32), torch.randn(10, 64)[:, ::2]  # rows with stride 64, columns 2 apart
+    assert not x.is_contiguous()
+    torch.testing.assert_close(PackedLinear(weight, None)(x), F.linear(x, weight), atol=1e-5, rtol=1e-5)
+
+
+def test_pack_replaces_every_linear():
+    model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Sequential(nn.Linear(16, 4, bias=False)))
+    x = torch.randn(5, 8)
+    expected = model(x)
+    assert pack_linear_layers(model) == 2
+    assert not any(isinstance(m, nn.Linear) for m in model.modules())
+    torch.testing.assert_close(model(x), expected, atol=1e-5, rtol=1e-5)
+
+
+def test_can_pack_only_float32_on_cpu():
+    assert not can_pack(torch.bfloat16, CPU) and not can_pack(torch.float16, CPU)
+    assert not can_pack(torch.float32, torch.device("meta"))
+
+
+@pytest.mark.parametrize("fixture", ARCH_FIXTURES)
+def test_packed_model_matches_unpacked(fixture, request):
+    model_dir = request.getfixturevalue(fixture)
+    packed, config = load_model(model_dir, torch.float32, CPU)
+    plain, _ = load_model(model_dir, torch.float32, CPU, pack=False)
+    assert packed.packed_logits is not None and plain.packed_logits is None
+    assert not any(isinstance(m, nn.Linear) for m in packed.modules())
+    prompt = random_prompts(config.vocab_size, [17])[0]
+    torch.testing.assert_close(PagedRunner(packed, config).step({0: prompt})[0],
+                               PagedRunner(plain, config).step({0: prompt})[0], atol=1e-4, rtol=0)
