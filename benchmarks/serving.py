@@ -116,6 +116,27 @@ def start_stack(model_dir: Path, port: int) -> subprocess.Popen:
     raise TimeoutError("the stack did not become healthy")
 
 
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU time a process has used so far (Linux /proc)."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def process_names(launcher_pid: int) -> dict[int, str]:
+    """The launcher's children (gateway, scheduler, worker) by pid, named by their subcommand."""
+    names = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+            if int(fields[1]) == launcher_pid:
+                argv = (stat.parent / "cmdline").read_bytes().split(b"\0")
+                role = next((a.decode() for a in argv if a in (b"gateway", b"scheduler", b"worker")), "other")
+                names[int(stat.parent.name)] = role
+        except (OSError, ValueError):
+            continue
+    return names
+
+
 def engine_stats(base_url: str) -> dict:
     """The engine's counters, read from the gateway's Prometheus text."""
     root = base_url.rsplit("/v1", 1)[0]
@@ -156,8 +177,14 @@ def main() -> None:
         with urllib.request.urlopen(f"{base_url}/models", timeout=5) as response:
             model = args.model or json.loads(response.read())["data"][0]["id"]
         before = engine_stats(base_url)
+        processes = process_names(stack.pid) if stack is not None else {}
+        processes[os.getpid()] = "load generator"
+        cpu_before = {pid: cpu_seconds(pid) for pid in processes}
         results, elapsed = asyncio.run(run_load(base_url, model, requests, args.request_rate, args.concurrency,
                                                 args.seed))
+        # CPU each process used during the load: on a small machine the server's own processes and
+        # the load generator compete with the worker for the same cores.
+        report["cpu_seconds"] = {processes[pid]: cpu_seconds(pid) - cpu_before[pid] for pid in processes}
         after = engine_stats(base_url)
     finally:
         if stack is not None:

@@ -45,7 +45,15 @@ def grpc_errors(context: grpc.ServicerContext) -> Iterator[None]:
 
 def error_from_status(error: grpc.RpcError) -> Exception:
     """The other direction, for clients: a status back into a domain exception."""
-    code, details = error.code(), error.details() or str(error.code())
+    return error_for_code(error.code(), error.details() or str(error.code()))
+
+
+def status_from_int(value: int) -> grpc.StatusCode:
+    """A status code sent as its number (inside a message rather than as the call's status)."""
+    return next((code for code in grpc.StatusCode if code.value[0] == value), grpc.StatusCode.UNKNOWN)
+
+
+def error_for_code(code: grpc.StatusCode, details: str) -> Exception:
     if code == grpc.StatusCode.INVALID_ARGUMENT:
         return ValueError(details)
     if code == grpc.StatusCode.NOT_FOUND:

@@ -213,7 +213,7 @@ def test_client_disconnect_aborts_the_request(stack):
         lines = reply.iter_lines()
         assert next(lines).startswith("data: ")
         assert engine_stats(stack)["kv_blocks_used"] > 0
-    # Closing the connection mid-stream cancels the Submit call; the scheduler frees the blocks.
+    # Closing the connection mid-stream aborts the request at the scheduler, which frees its blocks.
     after = wait_blocks_free(stack)
     assert after["kv_blocks_used"] == 0 and after["num_requests_running"] == 0
     assert after["num_steps"] - before["num_steps"] < 480, "the request ran to the end instead of being aborted"

@@ -11,13 +11,13 @@ def recording(llm: LLM) -> list:
     """Record every step plan the engine sends to its worker."""
     plans = []
     executor = llm.engine.executor
-    execute = executor.execute
+    submit = executor.submit
 
     def record(plan):
         plans.append(plan)
-        return execute(plan)
+        return submit(plan)
 
-    executor.execute = record
+    executor.submit = record
     return plans
 
 

@@ -110,7 +110,7 @@ async def sse(events: AsyncIterator[dict]) -> AsyncIterator[str]:
         yield f"data: {json.dumps(error_body(exc)[1], ensure_ascii=False)}\n\n"
         log.warning("stream failed", error=str(exc))
     finally:
-        await events.aclose()  # a disconnect lands here too: the runs cancel their Submit calls
+        await events.aclose()  # a disconnect lands here too: the runs abort their requests at the scheduler
     yield "data: [DONE]\n\n"
 
 

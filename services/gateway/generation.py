@@ -4,7 +4,7 @@ It learns the model from the scheduler (lazily, so the gateway starts before its
 backend), tokenizes and validates prompts, submits each prompt as one engine
 request, and turns the engine's token ids into text deltas per sequence: an
 IncrementalDetokenizer per sequence applies stop strings, and once every
-sequence of a request has stopped the Submit stream is cancelled, which aborts
+sequence of a request has stopped the request is cancelled on the Session stream, which aborts
 the remaining work at the scheduler and frees its KV blocks.
 """
 

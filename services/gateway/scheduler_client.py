@@ -1,8 +1,10 @@
 """The gateway's grpc.aio client for the Scheduler service.
 
-Every wait is bounded: a scheduler that is down or unreachable turns into
-ServiceUnavailable within `connect_timeout_s`, unary calls carry a deadline, and
-a Submit stream that goes silent for `idle_timeout_s` is cancelled.
+All of a gateway's requests share one Session stream to the scheduler: submissions and aborts go
+up it, and each engine step comes down as one message holding every new output, which a reader
+task hands to the request it belongs to. Every wait is bounded: a scheduler that is down or
+unreachable turns into ServiceUnavailable within `connect_timeout_s`, unary calls carry a
+deadline, and a request whose outputs stop for `idle_timeout_s` is abandoned (and aborted).
 """
 
 from __future__ import annotations
@@ -12,7 +14,7 @@ import asyncio
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from shared.grpc_errors import ServiceUnavailable, error_from_status
+from shared.grpc_errors import ServiceUnavailable, error_for_code, error_from_status, status_from_int
 from shared.proto import pagedserve_api_pb2 as api
 from shared.proto import pagedserve_internal_pb2 as wire
 from shared.proto import pagedserve_internal_pb2_grpc as wire_grpc
@@ -25,38 +27,112 @@ CHANNEL_OPTIONS = [
     ("grpc.min_reconnect_backoff_ms", 200),
     ("grpc.max_reconnect_backoff_ms", 2000),
 ]
+_END = object()  # the request ended: no more outputs
 
 
 class SubmitStream:
     """One request's EngineOutputs; cancel() (or leaving early) aborts it at the scheduler."""
 
-    def __init__(self, call, address: str, idle_timeout_s: float):
-        self._call = call
-        self._address = address
+    def __init__(self, session: Session, request_id: str, idle_timeout_s: float):
+        self._session = session
+        self._request_id = request_id
         self._idle_timeout_s = idle_timeout_s
+        self._outputs: asyncio.Queue = asyncio.Queue()
+        self._ended = False
 
     def __aiter__(self):
         return self
 
     async def __anext__(self) -> wire.EngineOutput:
+        if self._ended:
+            raise StopAsyncIteration
         try:
             # asyncio.timeout, not wait_for: on 3.11 wait_for can swallow a cancellation that arrives
             # as a read completes, and a cancelled request would then run to its end.
             async with asyncio.timeout(self._idle_timeout_s):
-                message = await self._call.read()
+                item = await self._outputs.get()
         except TimeoutError:
             self.cancel()
-            raise ServiceUnavailable(f"the scheduler at {self._address} sent nothing for "
+            raise ServiceUnavailable(f"the scheduler at {self._session.address} sent nothing for "
                                      f"{self._idle_timeout_s:g} s; the request was abandoned") from None
-        except grpc.aio.AioRpcError as exc:
-            raise _domain_error(exc, self._address) from None
-        if message is grpc.aio.EOF:
+        if item is _END:
+            self._ended = True
             raise StopAsyncIteration
-        return message
+        if isinstance(item, Exception):
+            self._ended = True
+            raise item
+        return item
+
+    def deliver(self, item) -> None:
+        """From the session's reader: an EngineOutput, _END, or the error that ends the request."""
+        self._outputs.put_nowait(item)
 
     def cancel(self) -> None:
-        # The scheduler aborts a request whose Submit stream is cancelled, freeing its blocks.
+        """Abort the request at the scheduler (its blocks are free at the next step); no-op once ended."""
+        if not self._ended:
+            self._ended = True
+            self._session.abort(self._request_id)
+
+
+class Session:
+    """The Session stream: one writer queue, one reader task that routes outputs to their requests."""
+
+    def __init__(self, stub: wire_grpc.SchedulerStub, address: str):
+        self.address = address
+        self._outgoing: asyncio.Queue = asyncio.Queue()
+        self._streams: dict[str, SubmitStream] = {}
+        self.closed = False
+        self._call = stub.Session(self._requests())
+        self._reader = asyncio.get_running_loop().create_task(self._read())
+
+    async def _requests(self):
+        while True:
+            message = await self._outgoing.get()
+            if message is None:
+                return
+            yield message
+
+    def submit(self, request: wire.EngineRequest, idle_timeout_s: float) -> SubmitStream:
+        stream = SubmitStream(self, request.request_id, idle_timeout_s)
+        self._streams[request.request_id] = stream
+        self._outgoing.put_nowait(wire.SessionRequest(submit=request))
+        return stream
+
+    def abort(self, request_id: str) -> None:
+        if self._streams.pop(request_id, None) is not None and not self.closed:
+            self._outgoing.put_nowait(wire.SessionRequest(abort=request_id))
+
+    async def _read(self) -> None:
+        error: Exception = ServiceUnavailable(f"the scheduler at {self.address} closed the session")
+        try:
+            while (events := await self._call.read()) is not grpc.aio.EOF:
+                self._route(events)
+        except grpc.aio.AioRpcError as exc:
+            error = _domain_error(exc, self.address)
+        finally:
+            self.closed = True
+            for stream in self._streams.values():  # a scheduler that went away fails what was running
+                stream.deliver(error)
+            self._streams.clear()
+
+    def _route(self, events: wire.SessionEvents) -> None:
+        for output in events.outputs:
+            stream = self._streams.get(output.request_id)
+            if stream is not None:
+                stream.deliver(output)
+        for request_id in events.finished_request_ids:
+            stream = self._streams.pop(request_id, None)
+            if stream is not None:
+                stream.deliver(_END)
+        for refused in events.errors:
+            stream = self._streams.pop(refused.request_id, None)
+            if stream is not None:
+                stream.deliver(error_for_code(status_from_int(refused.code), refused.message))
+
+    async def close(self) -> None:
+        self._outgoing.put_nowait(None)
         self._call.cancel()
+        self._reader.cancel()
 
 
 class SchedulerClient:
@@ -69,6 +145,7 @@ class SchedulerClient:
         self._channel = grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS)
         self._stub = wire_grpc.SchedulerStub(self._channel)
         self._health = health_pb2_grpc.HealthStub(self._channel)
+        self._session: Session | None = None
 
     async def _connected(self) -> None:
         """Wait (briefly) for a ready connection, so a dead scheduler fails fast rather than hangs.
@@ -98,9 +175,11 @@ class SchedulerClient:
 
     async def submit(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> SubmitStream:
         await self._connected()
+        if self._session is None or self._session.closed:  # first use, or the scheduler restarted
+            self._session = Session(self._stub, self.address)
         request = wire.EngineRequest(request_id=request_id, prompt_token_ids=prompt_token_ids,
                                      params=params.to_proto())
-        return SubmitStream(self._stub.Submit(request), self.address, self.idle_timeout_s)
+        return self._session.submit(request, self.idle_timeout_s)
 
     async def abort(self, request_id: str) -> bool:
         return (await self._unary(self._stub.Abort, api.AbortRequest(request_id=request_id))).found
@@ -120,6 +199,8 @@ class SchedulerClient:
         return reply.status == health_pb2.HealthCheckResponse.SERVING
 
     async def close(self) -> None:
+        if self._session is not None:
+            await self._session.close()
         await self._channel.close()
 
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import itertools
 import time
+from dataclasses import dataclass
 
 from services.scheduler.beam_search import BeamGroup
 from services.scheduler.block_manager import BlockManager
@@ -17,6 +18,15 @@ from services.scheduler.sequence import Sequence, SequenceUpdate
 from services.scheduler.stats import EngineStats
 from shared.sampling_params import SamplingParams
 from shared.step_protocol import StepPlan, StepResult, WorkerInfo
+
+
+@dataclass
+class InFlightStep:
+    """A step sent to the worker whose result has not been applied yet."""
+    plan: StepPlan
+    scheduled: dict[int, int]  # tokens scheduled per seq id (the update needs them)
+    started: float  # perf_counter when planning began
+    sent: float  # perf_counter when the plan left
 
 
 class EngineCore:
@@ -122,17 +132,31 @@ class EngineCore:
         return self.scheduler.has_unfinished()
 
     def step(self) -> list[SequenceUpdate]:
+        """Plan one step, run it, and apply its result."""
+        step = self.start_step()
+        return self.finish_step(step) if step is not None else []
+
+    def start_step(self) -> InFlightStep | None:
+        """Plan the next step and send it to the worker without waiting; None when there is nothing to run.
+
+        Between start_step and finish_step the caller may do anything that does not touch the
+        engine (the scheduler service streams the previous step's tokens out meanwhile).
+        """
         started = time.perf_counter()
         plan, scheduled = self.scheduler.schedule()
         self.stats.record_usage()  # blocks are at their peak now: allocated for this step's tokens
         if plan.is_empty:
             if plan.has_side_effects:  # drops or block moves still have to happen
                 self.executor.execute(plan)
-            return []
-        sent = time.perf_counter()
-        result = self.executor.execute(plan)
+            return None
+        self.executor.submit(plan)
+        return InFlightStep(plan, scheduled, started, sent=time.perf_counter())
+
+    def finish_step(self, step: InFlightStep) -> list[SequenceUpdate]:
+        """Wait for the step's result and apply it: new tokens, finished sequences, forked beams."""
+        result = self.executor.wait()
         received = time.perf_counter()
-        updates = self.scheduler.update(scheduled, result, self._seqs)
+        updates = self.scheduler.update(step.scheduled, result, self._seqs)
         for seq in self.scheduler.spawned:  # beams forked during the update
             self._seqs[seq.seq_id] = seq
         self.scheduler.spawned.clear()
@@ -140,7 +164,8 @@ class EngineCore:
             if update.finish_reason is not None:
                 self._forget_if_done(update.request_id)
         done = time.perf_counter()
-        self.stats.record_step(plan, result, elapsed_s=done - started, scheduler_s=(sent - started) + (done - received))
+        self.stats.record_step(step.plan, result, elapsed_s=done - step.started,
+                               scheduler_s=(step.sent - step.started) + (done - received))
         return updates
 
     def _forget_if_done(self, request_id: str) -> None:

@@ -11,8 +11,14 @@ class Executor(Protocol):
     def worker_info(self) -> WorkerInfo:
         """Start-up facts of the worker(s): KV capacity, block size, vocabulary, EOS ids."""
 
+    def submit(self, plan: StepPlan) -> None:
+        """Send a step plan; the worker starts on it while the caller goes on (one in flight at a time)."""
+
+    def wait(self) -> StepResult:
+        """The result of the plan last submitted."""
+
     def execute(self, plan: StepPlan) -> StepResult:
-        """Run one step plan to completion."""
+        """Run one step plan to completion: submit, then wait."""
 
     def shutdown(self) -> None:
         """Release the workers."""
@@ -23,9 +29,19 @@ class InProcessExecutor:
 
     def __init__(self, worker):
         self.worker = worker
+        self._result: StepResult | None = None
 
     def worker_info(self) -> WorkerInfo:
         return self.worker.info
+
+    def submit(self, plan: StepPlan) -> None:
+        self._result = self.worker.execute(plan)  # same thread: nothing runs beside it
+
+    def wait(self) -> StepResult:
+        result, self._result = self._result, None
+        if result is None:
+            raise RuntimeError("wait() without a submitted plan")
+        return result
 
     def execute(self, plan: StepPlan) -> StepResult:
         return self.worker.execute(plan)

@@ -33,6 +33,7 @@ class GrpcExecutor:
             raise ServiceUnavailable(f"worker at {address} is not reachable: {exc}") from exc
         self._plans: queue.SimpleQueue = queue.SimpleQueue()
         self._results = self._stub.Steps(iter(self._plans.get, _CLOSE))
+        self._in_flight: int | None = None  # step id of the plan sent and not yet answered
 
     def worker_info(self) -> WorkerInfo:
         return self._info
@@ -46,16 +47,28 @@ class GrpcExecutor:
             return False
         return reply.status == health_pb2.HealthCheckResponse.SERVING
 
-    def execute(self, plan: StepPlan) -> StepResult:
+    def submit(self, plan: StepPlan) -> None:
+        if self._in_flight is not None:
+            raise RuntimeError(f"step {self._in_flight} is still in flight")
         self._plans.put(plan.to_proto())
+        self._in_flight = plan.step_id
+
+    def wait(self) -> StepResult:
+        step_id, self._in_flight = self._in_flight, None
+        if step_id is None:
+            raise RuntimeError("wait() without a submitted plan")
         try:
             result = next(self._results)
         except (grpc.RpcError, StopIteration) as exc:
             detail = exc.details() if isinstance(exc, grpc.RpcError) else "stream closed"
             raise ServiceUnavailable(f"worker at {self.address} failed: {detail}") from exc
-        if result.step_id != plan.step_id:
-            raise ServiceUnavailable(f"worker at {self.address} answered step {result.step_id} for {plan.step_id}")
+        if result.step_id != step_id:
+            raise ServiceUnavailable(f"worker at {self.address} answered step {result.step_id} for {step_id}")
         return StepResult.from_proto(result)
+
+    def execute(self, plan: StepPlan) -> StepResult:
+        self.submit(plan)
+        return self.wait()
 
     def shutdown(self) -> None:
         self._plans.put(_CLOSE)

@@ -1,5 +1,6 @@
-"""The scheduler as a gRPC service: gateways submit tokenized requests and stream tokens back;
-the engine loop drives the worker(s) over the Steps stream."""
+"""The scheduler as a gRPC service: each gateway keeps one Session stream for all its requests
+(tokenized requests and aborts in, one batch of outputs per step out); the engine loop drives the
+worker(s) over the Steps stream."""
 
 from __future__ import annotations
 
@@ -17,10 +18,10 @@ from services.scheduler.engine_core import EngineCore
 from services.scheduler.engine_loop import EngineLoop
 from services.scheduler.grpc_executor import GRPC_OPTIONS, GrpcExecutor
 from services.scheduler.scheduler import SchedulerLimits
-from services.scheduler.sequence import SequenceUpdate
+from services.scheduler.session import RequestError, Session, SessionBatch
 from shared.config import token_budget
-from shared.grpc_errors import grpc_errors
-from shared.logging import bind_request_id, clear_request_id, setup_logging
+from shared.grpc_errors import ServiceUnavailable, grpc_errors, status_for
+from shared.logging import setup_logging
 from shared.proto import pagedserve_api_pb2 as api
 from shared.proto import pagedserve_internal_pb2 as wire
 from shared.proto import pagedserve_internal_pb2_grpc as wire_grpc
@@ -29,45 +30,45 @@ from shared.sampling_params import SamplingParams
 log = setup_logging("scheduler")
 
 
-def update_to_proto(update: SequenceUpdate) -> wire.EngineOutput:
-    out = wire.EngineOutput(seq_index=update.seq_index, new_token_ids=update.new_token_ids,
-                            new_logprobs=[p.to_proto() for p in update.new_logprobs],
-                            prompt_logprobs=[p.to_proto() for p in update.prompt_logprobs],
-                            finish_reason=update.finish_reason or "")
-    if isinstance(update.stop_reason, int):
-        out.stop_token_id = update.stop_reason
-    elif isinstance(update.stop_reason, str):
-        out.stop_string = update.stop_reason
-    return out
-
-
 class SchedulerServicer(wire_grpc.SchedulerServicer):
     def __init__(self, loop: EngineLoop, max_logprobs: int):
         self.loop = loop
         self.max_logprobs = max_logprobs
 
-    def Submit(self, request, context):
-        bind_request_id(request.request_id)
-        try:
-            with grpc_errors(context):
-                params = SamplingParams.from_proto(request.params)
-                stream = self.loop.submit(request.request_id, list(request.prompt_token_ids), params)
-            log.info("request admitted", prompt_tokens=len(request.prompt_token_ids), n=params.n)
-            # A client that goes away (gateway disconnect, cancelled stream) aborts the request.
-            context.add_callback(lambda: self._abort_if_running(request.request_id))
-            with grpc_errors(context):
-                for update in stream:
-                    yield update_to_proto(update)
-            log.info("request finished")
-        finally:
-            clear_request_id()
+    def Session(self, request_iterator, context):
+        session = Session(context.peer())
+        context.add_callback(lambda: self.loop.close_session(session))  # however the stream ends
+        reader = threading.Thread(target=self._read_requests, args=(request_iterator, session),
+                                  name="session-reader", daemon=True)
+        reader.start()
+        log.info("gateway session opened", peer=session.peer)
+        with grpc_errors(context):
+            for batch in session:
+                yield batch.to_proto()
+        log.info("gateway session closed", peer=session.peer)
 
-    def _abort_if_running(self, request_id: str) -> None:
+    def _read_requests(self, request_iterator, session: Session) -> None:
+        """Submissions and aborts from the gateway, handed to the engine loop without waiting."""
         try:
-            if self.loop.abort(request_id):
-                log.info("request aborted: client went away", request_id=request_id)
-        except Exception:  # the engine may already be down; nothing left to free
-            pass
+            for message in request_iterator:
+                if message.HasField("submit"):
+                    self._submit(session, message.submit)
+                else:
+                    self.loop.abort_soon(message.abort)
+        except grpc.RpcError:
+            pass  # the stream broke; the callback closes the session
+        except ServiceUnavailable:
+            pass  # the engine is down or stopping; the session's requests have been failed or ended
+        finally:
+            self.loop.close_session(session)
+
+    def _submit(self, session: Session, request: wire.EngineRequest) -> None:
+        try:
+            params = SamplingParams.from_proto(request.params)
+        except (ValueError, TypeError) as exc:
+            session.put(SessionBatch(errors=[RequestError(request.request_id, status_for(exc), str(exc))]))
+            return
+        self.loop.submit(session, request.request_id, list(request.prompt_token_ids), params)
 
     def Abort(self, request, context):
         with grpc_errors(context):

@@ -37,10 +37,10 @@ class SchedulerStub:
         Args:
             channel: A grpc.Channel.
         """
-        self.Submit = channel.unary_stream(
-                '/pagedserve.internal.v1.Scheduler/Submit',
-                request_serializer=pagedserve__internal__pb2.EngineRequest.SerializeToString,
-                response_deserializer=pagedserve__internal__pb2.EngineOutput.FromString,
+        self.Session = channel.stream_stream(
+                '/pagedserve.internal.v1.Scheduler/Session',
+                request_serializer=pagedserve__internal__pb2.SessionRequest.SerializeToString,
+                response_deserializer=pagedserve__internal__pb2.SessionEvents.FromString,
                 _registered_method=True)
         self.Abort = channel.unary_unary(
                 '/pagedserve.internal.v1.Scheduler/Abort',
@@ -64,9 +64,12 @@ class SchedulerServicer:
 
     """
 
-    def Submit(self, request, context):
-        """Admits a tokenized request and streams its sequences' new tokens until all finish.
-        Cancelling the stream aborts the request; its blocks are free at the next step.
+    def Session(self, request_iterator, context):
+        """One long-lived stream per gateway, carrying all of its requests. Up: tokenized requests and
+        aborts. Down: per engine step, one message with every new output of this gateway's requests,
+        the requests that ended and the requests refused at admission. One message per step rather
+        than one per request per step keeps both sides' per-token cost small. Closing the stream
+        aborts every request it submitted; their blocks are free at the next step.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -93,10 +96,10 @@ class SchedulerServicer:
 
 def add_SchedulerServicer_to_server(servicer, server):
     rpc_method_handlers = {
-            'Submit': grpc.unary_stream_rpc_method_handler(
-                    servicer.Submit,
-                    request_deserializer=pagedserve__internal__pb2.EngineRequest.FromString,
-                    response_serializer=pagedserve__internal__pb2.EngineOutput.SerializeToString,
+            'Session': grpc.stream_stream_rpc_method_handler(
+                    servicer.Session,
+                    request_deserializer=pagedserve__internal__pb2.SessionRequest.FromString,
+                    response_serializer=pagedserve__internal__pb2.SessionEvents.SerializeToString,
             ),
             'Abort': grpc.unary_unary_rpc_method_handler(
                     servicer.Abort,
@@ -127,7 +130,7 @@ class Scheduler:
     """
 
     @staticmethod
-    def Submit(request,
+    def Session(request_iterator,
             target,
             options=(),
             channel_credentials=None,
@@ -137,12 +140,12 @@ class Scheduler:
             wait_for_ready=None,
             timeout=None,
             metadata=None):
-        return grpc.experimental.unary_stream(
-            request,
+        return grpc.experimental.stream_stream(
+            request_iterator,
             target,
-            '/pagedserve.internal.v1.Scheduler/Submit',
-            pagedserve__internal__pb2.EngineRequest.SerializeToString,
-            pagedserve__internal__pb2.EngineOutput.FromString,
+            '/pagedserve.internal.v1.Scheduler/Session',
+            pagedserve__internal__pb2.SessionRequest.SerializeToString,
+            pagedserve__internal__pb2.SessionEvents.FromString,
             options,
             channel_credentials,
             insecure,
