@@ -1,4 +1,5 @@
-"""The C++ CPU kernels (csrc/cpu_attention.cpp): built once per machine, then loaded from cache.
+"""The C++ CPU kernels (csrc/cpu_attention.cpp, csrc/cpu_layers.cpp): built once per machine, then loaded
+from cache.
 
 torch's extension builder compiles the source with the machine's C++ compiler the first time a
 worker needs it (about 20 s here) and keeps the library under ``TORCH_EXTENSIONS_DIR``
@@ -9,14 +10,16 @@ rebuilt. Where there is no compiler, the "auto" backend falls back to the pure-P
 from __future__ import annotations
 
 import functools
+import hashlib
 import os
 import shutil
 from pathlib import Path
 
 import torch
 
-SOURCE = Path(__file__).with_name("csrc") / "cpu_attention.cpp"
-LIBRARY = "pagedserve_cpu"  # the torch.library namespace the source registers
+# Decode attention; the models' fused elementwise layers (wrapped in services/worker/models/cpu_layers.py).
+SOURCES = [Path(__file__).with_name("csrc") / name for name in ("cpu_attention.cpp", "cpu_layers.cpp")]
+LIBRARY = "pagedserve_cpu"  # the torch.library namespace the sources register
 
 
 def cpu_kernels_unavailable_reason() -> str | None:
@@ -45,7 +48,8 @@ def _build() -> str | None:
     from torch.utils.cpp_extension import load
 
     try:
-        load(name="pagedserve_cpu_kernels", sources=[str(SOURCE)], is_python_module=False,
+        load(name=f"pagedserve_cpu_kernels_{_source_digest()}", sources=[str(source) for source in SOURCES],
+             is_python_module=False,
              # -fopenmp: the kernel's parallel loop; the libgomp.so.1 it links is the one torch has
              # already loaded (same soname), so both share one thread pool.
              extra_cflags=["-O3", "-march=native", "-fopenmp"], extra_ldflags=["-fopenmp"])
@@ -53,3 +57,12 @@ def _build() -> str | None:
         first_line = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         return f"building the C++ CPU kernels failed: {first_line}"
     return None
+
+
+def _source_digest() -> str:
+    """A hash of every file in csrc/, headers included, in the build's name: torch's own change
+    detection hashes only the listed sources, and a changed header must rebuild too."""
+    digest = hashlib.sha256()
+    for path in sorted(SOURCES[0].parent.iterdir()):
+        digest.update(path.name.encode() + path.read_bytes())
+    return digest.hexdigest()[:12]

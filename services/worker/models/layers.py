@@ -2,7 +2,8 @@
 
 Each one reproduces the arithmetic of the Hugging Face implementation (which
 dtype each step runs in, in which order), because the model's outputs are
-checked against transformers token for token.
+checked against transformers token for token. On the CPU each runs as one fused
+C++ kernel (cpu_layers.py) when those are built; elsewhere, in PyTorch.
 """
 
 from __future__ import annotations
@@ -14,6 +15,20 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from services.worker.models import cpu_layers
+
+
+# float16 stays in PyTorch: the kernels convert it in software (GCC does not vectorize F16C
+# conversions), which is slower than torch's own float16 kernels; bfloat16 converts cheaply.
+_FUSED_DTYPES = (torch.float32, torch.bfloat16)
+
+
+def _fused_on_cpu(x: torch.Tensor) -> bool:
+    """Whether the fused C++ kernels take ``x``: a CPU tensor of a dtype they are fast for, kernels built,
+    and no gradient wanted (they have no backward)."""
+    return (x.device.type == "cpu" and x.dtype in _FUSED_DTYPES and not torch.is_grad_enabled()
+            and cpu_layers.available())
+
 
 class RMSNorm(nn.Module):
     """Root-mean-square norm computed in float32, cast back before the weight (as HF Llama)."""
@@ -24,13 +39,29 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if _fused_on_cpu(x) and self.weight.dtype == x.dtype:
+            # One pass over x instead of six elementwise kernels and their temporaries.
+            return cpu_layers.rms_norm(x, self.weight, self.eps)
         x32 = x.float()
         x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * x32.to(x.dtype)
 
+    def forward_with_residual(self, x: torch.Tensor, residual: torch.Tensor
+                              ) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(norm(residual + x), residual + x)``; on the CPU the sum is written into ``residual``."""
+        if (_fused_on_cpu(x) and self.weight.dtype == x.dtype and residual.dtype == x.dtype
+                and x.is_contiguous() and residual.is_contiguous()):
+            # The residual add and the norm in one pass (the sum is the same float add either way).
+            return cpu_layers.fused_add_rms_norm(x, residual, self.weight, self.eps), residual
+        residual = residual + x
+        return self(residual), residual
+
 
 def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
     """SwiGLU on a fused [..., 2 * I] projection: silu(gate) * up."""
+    if _fused_on_cpu(gate_up) and gate_up.dim() == 2 and gate_up.stride(-1) == 1:
+        # One pass instead of silu then mul, with no [T, I] temporary.
+        return cpu_layers.silu_and_mul(gate_up)
     gate, up = gate_up.chunk(2, dim=-1)
     return F.silu(gate) * up
 
@@ -91,9 +122,16 @@ class RotaryEmbedding(nn.Module):
 
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
                 ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Rotate ``q [T, H, D]`` and ``k [T, Hkv, D]`` by their tokens' positions ``[T]``."""
+        """Rotate ``q [T, H, D]`` and ``k [T, Hkv, D]`` by their tokens' positions ``[T]``.
+
+        On the CPU (fused kernel) q and k are rotated in place and returned; elsewhere new tensors.
+        """
         if self._cos is None or self._cos.device != q.device or self._cos.dtype != q.dtype:
             self._build(q.device, q.dtype)
+        if _fused_on_cpu(q) and k.dtype == q.dtype and q.stride(-1) == 1 and k.stride(-1) == 1:
+            # One in-place pass instead of gathers, cat, neg, four multiplies and two adds.
+            cpu_layers.rotary_embedding(positions.long(), q, k, self._cos, self._sin)
+            return q, k
         cos = self._cos[positions].unsqueeze(1)
         sin = self._sin[positions].unsqueeze(1)
         return q * cos + rotate_half(q) * sin, k * cos + rotate_half(k) * sin

@@ -68,10 +68,20 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.mlp = MLP(config)
 
-    def forward(self, x: torch.Tensor, positions: torch.Tensor, attention, meta: AttentionMetadata
-                ) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), positions, attention, meta)
-        return x + self.mlp(self.post_attention_layernorm(x))
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None, positions: torch.Tensor, attention,
+                meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(mlp output, residual)``, whose sum is the layer's output (HF: ``x + mlp(norm(x))``).
+
+        The sum is left to the next norm, which adds it in the same pass (vLLM's fused_add_rms_norm);
+        the first layer gets ``residual=None``. On the CPU ``residual`` is updated in place.
+        """
+        if residual is None:
+            residual, h = x, self.input_layernorm(x)
+        else:
+            h, residual = self.input_layernorm.forward_with_residual(x, residual)
+        h = self.self_attn(h, positions, attention, meta)
+        h, residual = self.post_attention_layernorm.forward_with_residual(h, residual)
+        return self.mlp(h), residual
 
 
 class LlamaForCausalLM(nn.Module):
@@ -105,10 +115,12 @@ class LlamaForCausalLM(nn.Module):
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, attention,
                 meta: AttentionMetadata) -> torch.Tensor:
         """Hidden states ``[T, hidden]`` after the final norm, one row per scheduled token."""
-        x = self.embed_tokens(input_ids)
+        x, residual = self.embed_tokens(input_ids), None
         for layer in self.layers:
-            x = layer(x, positions, attention, meta)
-        return self.norm(x)
+            x, residual = layer(x, residual, positions, attention, meta)
+        if residual is None:  # no layers
+            return self.norm(x)
+        return self.norm.forward_with_residual(x, residual)[0]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Float32 logits ``[N, vocab]`` for the rows of ``hidden`` that need sampling."""

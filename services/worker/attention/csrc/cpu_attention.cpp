@@ -15,6 +15,8 @@
 #include <omp.h>
 #include <torch/library.h>
 
+#include "vec_math.h"
+
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
@@ -27,26 +29,6 @@ namespace {
 inline float to_float(float x) { return x; }
 inline float to_float(c10::BFloat16 x) { return static_cast<float>(x); }
 inline float to_float(c10::Half x) { return static_cast<float>(x); }
-
-// exp(x) for x <= 0 in a form the compiler vectorizes (libm's expf is a scalar call): Cody-Waite
-// reduction x = n ln2 + r, Cephes' degree-6 polynomial for e^r, 2^n put in the exponent bits.
-// Within 2 ulp of expf; below -87.3 it returns ~1e-38 instead of underflowing to 0.
-inline float exp_nonpositive(float x) {
-  x = std::max(x, -87.3f);
-  const float n = std::floor(x * 1.44269504088896341f + 0.5f);
-  const float r = x - n * 0.693359375f + n * 2.12194440e-4f;
-  float p = 1.9875691500e-4f;
-  p = p * r + 1.3981999507e-3f;
-  p = p * r + 8.3334519073e-3f;
-  p = p * r + 4.1665795894e-2f;
-  p = p * r + 1.6666665459e-1f;
-  p = p * r + 5.0000001201e-1f;
-  p = p * r * r + r + 1.f;
-  const int32_t bits = (static_cast<int32_t>(n) + 127) << 23;
-  float scale;
-  std::memcpy(&scale, &bits, sizeof scale);
-  return p * scale;
-}
 
 // Blocks sit anywhere in the pool, so the hardware prefetchers cannot know the next one: while the
 // kernel works on token t of a block it asks for token t of the block after it.
@@ -131,11 +113,12 @@ void decode_attention(T* out, const T* query, const T* key_cache, const T* value
       for (int64_t h = 0; h < width; ++h) {
         float* sh = scores.data() + h * len;
         float max = -std::numeric_limits<float>::infinity();
+#pragma omp simd reduction(max : max)
         for (int64_t t = 0; t < len; ++t) max = std::max(max, sh[t]);
         float sum = 0.f;
 #pragma omp simd reduction(+ : sum)
         for (int64_t t = 0; t < len; ++t) {
-          sh[t] = exp_nonpositive(sh[t] - max);
+          sh[t] = pagedserve_cpu::exp_clamped(sh[t] - max);
           sum += sh[t];
         }
         inv_sum[h] = 1.f / sum;

@@ -1,0 +1,106 @@
+"""Fused C++ CPU kernels for the models' elementwise layers (csrc/cpu_layers.cpp), with checked arguments.
+
+PyTorch runs RMSNorm as six kernels, rotary as a dozen and SiLU-and-mul as two, each a full pass over
+memory with its own temporary; these do one pass per row. They reproduce the per-element arithmetic
+of the PyTorch code in layers.py (see the C++ source for the one last-bit difference, RMSNorm's sum).
+``available()`` builds the kernels on first use (services/worker/attention/cpu_kernels.py).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from services.worker.attention.cpu_kernels import LIBRARY, cpu_kernels_unavailable_reason
+
+DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+def available() -> bool:
+    return cpu_kernels_unavailable_reason() is None
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, out: torch.Tensor | None = None) -> torch.Tensor:
+    """``weight * (x32 * rsqrt(mean(x32^2) + eps)).to(x.dtype)`` over the last dimension of ``x [..., N]``.
+
+    x needs unit stride along N only; out (contiguous, fresh if None) is returned.
+    """
+    out = x.new_empty(x.shape) if out is None else out
+    _check_norm(x, weight, out)
+    _ops().rms_norm(out, x, weight, eps)
+    return out
+
+
+def fused_add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float,
+                       out: torch.Tensor | None = None) -> torch.Tensor:
+    """``residual += x`` in place, then returns ``rms_norm(residual)``; x and residual contiguous ``[..., N]``."""
+    out = x.new_empty(x.shape) if out is None else out
+    _check_norm(x, weight, out)
+    _require(x.is_contiguous() and residual.is_contiguous(), "x and residual must be contiguous")
+    _require(residual.shape == x.shape and residual.dtype == x.dtype and residual.device.type == "cpu",
+             f"residual must be a CPU tensor shaped {tuple(x.shape)} of {x.dtype}, "
+             f"got {tuple(residual.shape)} {residual.dtype} on {residual.device}")
+    _ops().fused_add_rms_norm(out, x, residual, weight, eps)
+    return out
+
+
+def rotary_embedding(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor,
+                     sin: torch.Tensor) -> None:
+    """Rotates ``q [T, H, D]`` and ``k [T, Hkv, D]`` in place: ``x * cos[p] + rotate_half(x) * sin[p]``.
+
+    positions int64 [T]; cos, sin contiguous [max_positions, D] of q's dtype; q, k need unit stride
+    along D only. A position outside the table raises IndexError.
+    """
+    _require(all(t.device.type == "cpu" for t in (positions, q, k, cos, sin)), "every tensor must be on the CPU")
+    _require(q.dtype in DTYPES, f"q must be float32, bfloat16 or float16, got {q.dtype}")
+    _require(k.dtype == q.dtype and cos.dtype == q.dtype and sin.dtype == q.dtype,
+             f"q, k, cos and sin must share one dtype, got {q.dtype}, {k.dtype}, {cos.dtype}, {sin.dtype}")
+    _require(q.dim() == 3 and k.dim() == 3 and k.shape[0] == q.shape[0] and k.shape[2] == q.shape[2],
+             f"q and k must be [T, H, D] and [T, Hkv, D], got {tuple(q.shape)} and {tuple(k.shape)}")
+    _require(q.shape[2] % 2 == 0, f"head_dim must be even, got {q.shape[2]}")
+    _require(q.stride(2) == 1 and k.stride(2) == 1, "q and k need unit stride along head_dim")
+    _require(positions.dtype == torch.int64 and positions.shape == (q.shape[0],) and positions.is_contiguous(),
+             f"positions must be contiguous int64 [{q.shape[0]}], got {positions.dtype} {tuple(positions.shape)}")
+    _require(cos.dim() == 2 and cos.shape == sin.shape and cos.shape[1] == q.shape[2]
+             and cos.is_contiguous() and sin.is_contiguous(),
+             f"cos and sin must be contiguous [max_positions, {q.shape[2]}], "
+             f"got {tuple(cos.shape)} and {tuple(sin.shape)}")
+    _ops().rotary_embedding(positions, q, k, cos, sin)
+
+
+def silu_and_mul(gate_up: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+    """``silu(gate) * up`` for ``gate_up [T, 2I] = [gate | up]`` (unit stride along 2I) -> out ``[T, I]``."""
+    _require(gate_up.device.type == "cpu", "gate_up must be on the CPU")
+    _require(gate_up.dtype in DTYPES, f"gate_up must be float32, bfloat16 or float16, got {gate_up.dtype}")
+    _require(gate_up.dim() == 2 and gate_up.shape[1] % 2 == 0 and gate_up.stride(1) == 1,
+             f"gate_up must be [T, 2 * I] with unit stride along its last dimension, got {tuple(gate_up.shape)}")
+    shape = (gate_up.shape[0], gate_up.shape[1] // 2)
+    out = gate_up.new_empty(shape) if out is None else out
+    _require(out.shape == shape and out.dtype == gate_up.dtype and out.is_contiguous() and out.device.type == "cpu",
+             f"out must be a contiguous CPU tensor {shape} of {gate_up.dtype}, got {tuple(out.shape)} {out.dtype}")
+    _ops().silu_and_mul(out, gate_up)
+    return out
+
+
+def _check_norm(x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor) -> None:
+    _require(all(t.device.type == "cpu" for t in (x, weight, out)), "every tensor must be on the CPU")
+    _require(x.dtype in DTYPES, f"x must be float32, bfloat16 or float16, got {x.dtype}")
+    _require(weight.dtype == x.dtype and out.dtype == x.dtype,
+             f"x, weight and out must share one dtype, got {x.dtype}, {weight.dtype}, {out.dtype}")
+    _require(x.dim() >= 1 and weight.shape == x.shape[-1:] and weight.is_contiguous(),
+             f"weight must be contiguous [{x.shape[-1] if x.dim() else '?'}], got {tuple(weight.shape)}")
+    _require(x.stride(-1) == 1, "x needs unit stride along its last dimension")
+    _require(out.shape == x.shape and out.is_contiguous(),
+             f"out must be contiguous {tuple(x.shape)}, got {tuple(out.shape)}")
+
+
+def _require(condition: bool, message: str) -> None:
+    if not condition:
+        raise ValueError(message)
+
+
+def _ops():
+    """The registered ops, built (or loaded from the cache) on first use."""
+    reason = cpu_kernels_unavailable_reason()
+    if reason is not None:
+        raise RuntimeError(f"the C++ CPU kernels are unavailable: {reason}")
+    return getattr(torch.ops, LIBRARY)
