@@ -149,8 +149,9 @@ class EngineCore:
             if plan.has_side_effects:  # drops or block moves still have to happen
                 self.executor.execute(plan)
             return None
+        sent = time.perf_counter()  # before submit: an in-process executor runs the step inside it
         self.executor.submit(plan)
-        return InFlightStep(plan, scheduled, started, sent=time.perf_counter())
+        return InFlightStep(plan, scheduled, started, sent)
 
     def finish_step(self, step: InFlightStep) -> list[SequenceUpdate]:
         """Wait for the step's result and apply it: new tokens, finished sequences, forked beams."""
