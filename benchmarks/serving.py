@@ -20,6 +20,7 @@ import signal
 import subprocess
 import sys
 import time
+import urllib.parse
 import urllib.request
 from pathlib import Path
 
@@ -28,40 +29,52 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from benchmarks.workload import BenchRequest, bench_model_dir, bench_workload  # noqa: E402
 
 
-async def one_request(client, url: str, model: str, request: BenchRequest) -> dict:
-    """One streamed completion; the arrival time of every chunk that carries text."""
-    body = {"model": model, "prompt": request.prompt_token_ids, "max_tokens": request.output_len,
-            "temperature": 0, "stream": True, "ignore_eos": True}
+async def one_request(url: str, model: str, request: BenchRequest) -> dict:
+    """One streamed completion; the arrival time of every chunk that carries text.
+
+    A bare HTTP/1.1 client on asyncio streams (one connection per request, chunked SSE read as it
+    comes): the load generator shares the CPU with the server, so it must cost as little as possible.
+    """
+    body = json.dumps({"model": model, "prompt": request.prompt_token_ids, "max_tokens": request.output_len,
+                       "temperature": 0, "stream": True, "ignore_eos": True}).encode()
+    parts = urllib.parse.urlsplit(url)
     start = time.perf_counter()
-    arrivals = []
-    async with client.stream("POST", url, json=body) as response:
-        response.raise_for_status()
-        async for line in response.aiter_lines():
-            # A raw SSE reader: the load generator shares the CPU with the server, so it stays light.
-            if line.startswith("data: {") and '"text": "' in line and '"text": ""' not in line:
+    reader, writer = await asyncio.open_connection(parts.hostname, parts.port)
+    try:
+        writer.write(f"POST {parts.path} HTTP/1.1\r\nHost: {parts.netloc}\r\nContent-Type: application/json\r\n"
+                     f"Content-Length: {len(body)}\r\nConnection: close\r\n\r\n".encode() + body)
+        status = (await reader.readline()).split(b" ", 2)
+        if len(status) < 2 or status[1] != b"200":
+            raise RuntimeError(f"HTTP {b' '.join(status[1:]).decode().strip()}: {(await reader.read()).decode()[:300]}")
+        while (await reader.readline()) not in (b"\r\n", b""):
+            pass  # response headers (the stream is chunked)
+        arrivals = []
+        while size := int((await reader.readline()).strip() or b"0", 16):
+            chunk = await reader.readexactly(size + 2)
+            if b'"text": "' in chunk and b'"text": ""' not in chunk:
                 arrivals.append(time.perf_counter())
+    finally:
+        writer.close()
     return {"start": start, "end": time.perf_counter(), "arrivals": arrivals, "output_len": request.output_len}
 
 
 async def run_load(base_url: str, model: str, requests: list[BenchRequest], rate: float | None,
                    concurrency: int | None, seed: int) -> tuple[list[dict], float]:
-    import httpx2 as httpx
-
     limit = asyncio.Semaphore(concurrency or len(requests))
     rng = random.Random(seed)
     url = f"{base_url}/completions"
-    async with httpx.AsyncClient(timeout=3600, limits=httpx.Limits(max_connections=None)) as client:
-        async def limited(request):
-            async with limit:
-                return await one_request(client, url, model, request)
 
-        started = time.perf_counter()
-        tasks = []
-        for request in requests:
-            tasks.append(asyncio.create_task(limited(request)))
-            if rate:
-                await asyncio.sleep(rng.expovariate(rate))
-        results = await asyncio.gather(*tasks)
+    async def limited(request):
+        async with limit:
+            return await one_request(url, model, request)
+
+    started = time.perf_counter()
+    tasks = []
+    for request in requests:
+        tasks.append(asyncio.create_task(limited(request)))
+        if rate:
+            await asyncio.sleep(rng.expovariate(rate))
+    results = await asyncio.gather(*tasks)
     return results, time.perf_counter() - started
 
 
