@@ -12,34 +12,39 @@ from shared.sampling_params import SamplingParams
 from tests.test_scheduler import make_engine
 
 
-def drain(session: Session, request_ids: set[str]) -> SessionBatch:
-    """Everything the session receives until every one of request_ids has ended or been refused."""
+def drain(session: Session, keys: set[int]) -> SessionBatch:
+    """Everything the session receives until every one of keys has ended or been refused."""
     seen = SessionBatch()
     for batch in session:
         seen.merge(batch)
-        ended = set(seen.finished_request_ids) | {e.request_id for e in seen.errors}
-        if request_ids <= ended:
+        if keys <= set(seen.finished) | {e.key for e in seen.errors}:
             return seen
     raise AssertionError("the session ended early")
 
 
+def opened(loop: EngineLoop) -> Session:
+    session = Session()
+    loop.open_session(session)
+    return session
+
+
 def test_batches_that_queue_up_are_merged():
     session = Session()
-    session.put(SessionBatch(finished_request_ids=["a"]))
-    session.put(SessionBatch(finished_request_ids=["b"]))
+    session.put(SessionBatch(finished=[1]))
+    session.put(SessionBatch(finished=[2]))
     session.end()
-    assert [b.finished_request_ids for b in session] == [["a", "b"]]
+    assert [b.finished for b in session] == [[1, 2]]
     failing = Session()
-    failing.put(SessionBatch(finished_request_ids=["c"]))
+    failing.put(SessionBatch(finished=[3]))
     failing.fail(ServiceUnavailable("down"))
     batches = iter(failing)
-    assert next(batches).finished_request_ids == ["c"]
+    assert next(batches).finished == [3]
     with pytest.raises(ServiceUnavailable):
         next(batches)
 
 
 def test_request_error_travels_as_its_status_number():
-    proto = RequestError("r", grpc.StatusCode.INVALID_ARGUMENT, "bad").to_proto()
+    proto = RequestError(7, grpc.StatusCode.INVALID_ARGUMENT, "bad").to_proto()
     error = error_for_code(status_from_int(proto.code), proto.message)
     assert isinstance(error, ValueError) and str(error) == "bad"
 
@@ -48,19 +53,20 @@ def test_each_session_gets_only_its_own_requests():
     engine, _ = make_engine(num_blocks=32)
     loop = EngineLoop(engine)
     try:
-        first, second = Session(), Session()
+        first, second = opened(loop), opened(loop)
         params = SamplingParams(temperature=0, max_tokens=5, ignore_eos=True)
-        loop.submit(first, "a", [1, 2, 3], params)
-        loop.submit(second, "b", [4, 5], SamplingParams(temperature=0, max_tokens=3, ignore_eos=True, n=2))
-        loop.submit(second, "bad", [], params)  # refused at admission, on its own session
-        got_first, got_second = drain(first, {"a"}), drain(second, {"b", "bad"})
-        assert {o.request_id for o in got_first.outputs} == {"a"} and got_first.finished_request_ids == ["a"]
-        assert sum(len(o.new_token_ids) for o in got_first.outputs) == 5
-        assert {o.request_id for o in got_second.outputs} == {"b"}
-        assert sum(len(o.new_token_ids) for o in got_second.outputs) == 6  # two sequences of three
-        (refused,) = got_second.errors
-        assert refused.request_id == "bad" and refused.code == grpc.StatusCode.INVALID_ARGUMENT
-        assert "empty" in refused.message
+        loop.submit(first, 1, "a", [1, 2, 3], params)
+        loop.submit(second, 1, "b", [4, 5], SamplingParams(temperature=0, max_tokens=3, ignore_eos=True, n=2))
+        loop.submit(second, 2, "bad", [], params)  # refused at admission, on its own session
+        loop.submit(second, 3, "a", [1], params)  # an id in use elsewhere: refused, the other unharmed
+        got_first, got_second = drain(first, {1}), drain(second, {1, 2, 3})
+        assert {key for key, _ in got_first.outputs} == {1} and got_first.finished == [1]
+        assert sum(len(u.new_token_ids) for _, u in got_first.outputs) == 5
+        assert {key for key, _ in got_second.outputs} == {1}
+        assert sum(len(u.new_token_ids) for _, u in got_second.outputs) == 6  # two sequences of three
+        refused = {e.key: e for e in got_second.errors}
+        assert refused[2].code == grpc.StatusCode.INVALID_ARGUMENT and "empty" in refused[2].message
+        assert refused[3].code == grpc.StatusCode.INVALID_ARGUMENT and "already in use" in refused[3].message
         assert loop.num_in_flight() == 0
     finally:
         loop.stop()
@@ -70,32 +76,51 @@ def test_closing_a_session_aborts_its_requests_and_frees_their_blocks():
     engine, _ = make_engine(num_blocks=256, max_model_len=1024)
     loop = EngineLoop(engine)
     try:
-        session, other = Session(), Session()
+        session, other = opened(loop), opened(loop)
         long = SamplingParams(temperature=0, max_tokens=900, ignore_eos=True)
-        loop.submit(session, "x", list(range(1, 20)), long)
-        loop.submit(session, "y", list(range(1, 9)), long)
+        loop.submit(session, 1, "x", list(range(1, 20)), long)
+        loop.submit(session, 2, "y", list(range(1, 9)), long)
         loop.close_session(session)  # queued behind the submissions: both are admitted, then aborted
         received = SessionBatch()
         for batch in session:  # the stream ends; whatever a step produced before the close may come first
             received.merge(batch)
-        assert not received.errors and not received.finished_request_ids
-        loop.submit(other, "z", [1, 2], SamplingParams(temperature=0, max_tokens=2, ignore_eos=True))
-        drain(other, {"z"})
+        assert not received.errors and not received.finished
+        loop.submit(other, 1, "z", [1, 2], SamplingParams(temperature=0, max_tokens=2, ignore_eos=True))
+        drain(other, {1})
         assert loop.num_in_flight() == 0 and loop.stats()["kv_blocks_used"] == 0
         assert loop.abort("x") is False  # already gone
     finally:
         loop.stop()
 
 
-def test_abort_ends_the_request_on_its_session():
+def test_aborts_end_the_request_on_its_session_and_only_the_owner_can_abort_by_key():
     engine, _ = make_engine(num_blocks=256, max_model_len=1024)
     loop = EngineLoop(engine)
     try:
-        session = Session()
-        loop.submit(session, "x", [1, 2, 3], SamplingParams(temperature=0, max_tokens=900, ignore_eos=True))
-        assert loop.abort("x") is True  # runs after the submission (one inbox, in order)
-        received = drain(session, {"x"})
-        assert received.finished_request_ids == ["x"] and not received.errors
-        assert loop.stats()["kv_blocks_used"] == 0
+        session, stranger = opened(loop), opened(loop)
+        long = SamplingParams(temperature=0, max_tokens=900, ignore_eos=True)
+        loop.submit(session, 1, "x", [1, 2, 3], long)
+        loop.abort_soon(stranger, 1)  # key 1 means nothing on another session
+        first = next(iter(session))  # a step ran after both messages
+        assert {key for key, _ in first.outputs} == {1} and not first.finished  # (batches may have merged)
+        assert loop.num_in_flight() == 1 and loop.stats()["kv_blocks_used"] > 0
+        assert loop.abort("x") is True  # the Abort RPC, by request id
+        assert drain(session, {1}).finished == [1]
+        # The same request id again, on the same session: a new key, a new request.
+        loop.submit(session, 2, "x", [4, 5, 6], long)
+        loop.abort_soon(session, 2)
+        received = drain(session, {2})
+        assert received.finished == [2] and not received.errors
+        assert loop.stats()["kv_blocks_used"] == 0 and loop.num_in_flight() == 0
     finally:
         loop.stop()
+
+
+def test_stopping_ends_every_open_session():
+    engine, _ = make_engine(num_blocks=32)
+    loop = EngineLoop(engine)
+    idle = opened(loop)
+    loop.stop()
+    assert list(idle) == []  # ended, not left waiting
+    with pytest.raises(ServiceUnavailable):
+        loop.open_session(Session())

@@ -162,3 +162,28 @@ def test_new_step_gets_new_plan(backend):
         out = attention.forward(0, q, k, v, meta)
         expected = paged_attention_reference(q, k_cache, v_cache, meta, scale=dim ** -0.5)
         torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-5)
+
+
+def test_cpu_kernel_refuses_indices_outside_its_tensors():
+    reason = cpu_kernels_unavailable_reason()
+    if reason is not None:
+        pytest.skip(reason)
+    from services.worker.attention.cpu_kernels import paged_decode_attention
+
+    pool = torch.zeros(4, 2, 1, 8)  # 4 blocks of 2 tokens, one KV head of 8
+    q, out = torch.randn(2, 2, 8), torch.full((2, 2, 8), NAN)
+    tables, lens = torch.tensor([[0, 1], [2, 3]], dtype=torch.int32), torch.tensor([3, 4], dtype=torch.int32)
+    rows, seqs = torch.tensor([0, 1]), torch.tensor([0, 1])
+    paged_decode_attention(out, q, pool, pool, tables, lens, rows, seqs, 1.0)  # fine
+    assert torch.isfinite(out).all()
+    cases = [
+        (IndexError, "block id 7", dict(tables=torch.tensor([[0, 7], [2, 3]], dtype=torch.int32))),
+        (IndexError, "row 2", dict(rows=torch.tensor([0, 2]))),
+        (IndexError, "sequence 5", dict(seqs=torch.tensor([0, 5]))),
+        (ValueError, "context length 0", dict(lens=torch.tensor([0, 4], dtype=torch.int32))),
+        (ValueError, "context length 5", dict(lens=torch.tensor([5, 4], dtype=torch.int32))),
+    ]
+    for error, message, change in cases:
+        args = dict(tables=tables, lens=lens, rows=rows, seqs=seqs) | change
+        with pytest.raises(error, match=message):
+            paged_decode_attention(out, q, pool, pool, args["tables"], args["lens"], args["rows"], args["seqs"], 1.0)

@@ -10,11 +10,13 @@ deadline, and a request whose outputs stop for `idle_timeout_s` is abandoned (an
 from __future__ import annotations
 
 import asyncio
+import itertools
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from shared.grpc_errors import ServiceUnavailable, error_for_code, error_from_status, status_from_int
+from shared.logging import setup_logging
 from shared.proto import pagedserve_api_pb2 as api
 from shared.proto import pagedserve_internal_pb2 as wire
 from shared.proto import pagedserve_internal_pb2_grpc as wire_grpc
@@ -28,14 +30,15 @@ CHANNEL_OPTIONS = [
     ("grpc.max_reconnect_backoff_ms", 2000),
 ]
 _END = object()  # the request ended: no more outputs
+log = setup_logging("gateway")
 
 
 class SubmitStream:
     """One request's EngineOutputs; cancel() (or leaving early) aborts it at the scheduler."""
 
-    def __init__(self, session: Session, request_id: str, idle_timeout_s: float):
+    def __init__(self, session: Session, key: int, idle_timeout_s: float):
         self._session = session
-        self._request_id = request_id
+        self._key = key
         self._idle_timeout_s = idle_timeout_s
         self._outputs: asyncio.Queue = asyncio.Queue()
         self._ended = False
@@ -71,16 +74,20 @@ class SubmitStream:
         """Abort the request at the scheduler (its blocks are free at the next step); no-op once ended."""
         if not self._ended:
             self._ended = True
-            self._session.abort(self._request_id)
+            self._session.abort(self._key)
 
 
 class Session:
-    """The Session stream: one writer queue, one reader task that routes outputs to their requests."""
+    """The Session stream: one writer queue, one reader task that routes outputs to their requests.
+
+    Requests are known on the stream by a key this session hands out (client request ids may
+    repeat; keys never do)."""
 
     def __init__(self, stub: wire_grpc.SchedulerStub, address: str):
         self.address = address
         self._outgoing: asyncio.Queue = asyncio.Queue()
-        self._streams: dict[str, SubmitStream] = {}
+        self._streams: dict[int, SubmitStream] = {}
+        self._keys = itertools.count(1)
         self.closed = False
         self._call = stub.Session(self._requests())
         self._reader = asyncio.get_running_loop().create_task(self._read())
@@ -93,14 +100,15 @@ class Session:
             yield message
 
     def submit(self, request: wire.EngineRequest, idle_timeout_s: float) -> SubmitStream:
-        stream = SubmitStream(self, request.request_id, idle_timeout_s)
-        self._streams[request.request_id] = stream
-        self._outgoing.put_nowait(wire.SessionRequest(submit=request))
+        key = next(self._keys)
+        stream = SubmitStream(self, key, idle_timeout_s)
+        self._streams[key] = stream
+        self._outgoing.put_nowait(wire.SessionRequest(submit=wire.SessionSubmit(key=key, request=request)))
         return stream
 
-    def abort(self, request_id: str) -> None:
-        if self._streams.pop(request_id, None) is not None and not self.closed:
-            self._outgoing.put_nowait(wire.SessionRequest(abort=request_id))
+    def abort(self, key: int) -> None:
+        if self._streams.pop(key, None) is not None and not self.closed:
+            self._outgoing.put_nowait(wire.SessionRequest(abort=key))
 
     async def _read(self) -> None:
         error: Exception = ServiceUnavailable(f"the scheduler at {self.address} closed the session")
@@ -109,23 +117,27 @@ class Session:
                 self._route(events)
         except grpc.aio.AioRpcError as exc:
             error = _domain_error(exc, self.address)
+        except Exception as exc:  # a bug here must not leave requests waiting or running unseen
+            log.exception("scheduler session reader failed")
+            error = ServiceUnavailable(f"the session with the scheduler at {self.address} failed: {exc}")
         finally:
             self.closed = True
-            for stream in self._streams.values():  # a scheduler that went away fails what was running
+            self._call.cancel()  # the scheduler aborts whatever this session still has running
+            for stream in self._streams.values():
                 stream.deliver(error)
             self._streams.clear()
 
     def _route(self, events: wire.SessionEvents) -> None:
         for output in events.outputs:
-            stream = self._streams.get(output.request_id)
+            stream = self._streams.get(output.key)
             if stream is not None:
                 stream.deliver(output)
-        for request_id in events.finished_request_ids:
-            stream = self._streams.pop(request_id, None)
+        for key in events.finished:
+            stream = self._streams.pop(key, None)
             if stream is not None:
                 stream.deliver(_END)
         for refused in events.errors:
-            stream = self._streams.pop(refused.request_id, None)
+            stream = self._streams.pop(refused.key, None)
             if stream is not None:
                 stream.deliver(error_for_code(status_from_int(refused.code), refused.message))
 

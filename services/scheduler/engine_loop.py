@@ -3,7 +3,8 @@
 The engine is not thread-safe and need not be: only the loop thread touches it.
 Gateways' Session streams submit requests and aborts without waiting (a refusal comes back
 on the session); each step's outputs go to the sessions as one batch per session. Stats and
-the Abort RPC wait for their answer.
+the Abort RPC wait for their answer. Every request is known by its id to the engine and by its
+session key to its gateway.
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ log = setup_logging("scheduler")
 @dataclass
 class _InFlight:
     session: Session
+    key: int  # the request's key in its session
     unfinished: int  # sequences that have not finished yet
 
 
@@ -34,25 +36,35 @@ class EngineLoop:
         self.engine = engine
         self.idle_wait_s = idle_wait_s
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
-        self._requests: dict[str, _InFlight] = {}
+        self._requests: dict[str, _InFlight] = {}  # by request id; loop thread only
+        self._sessions: set[Session] = set()  # open sessions, ended or failed when the loop exits
+        self._lock = threading.Lock()  # orders posting against the loop's exit (nothing is posted after it)
         self._stopping = threading.Event()
         self._failed: Exception | None = None
+        self._closed = False
         self._thread = threading.Thread(target=self._run, name="engine-loop", daemon=True)
         self._thread.start()
 
     # --- called from any thread ---------------------------------------------------------------------
 
-    def submit(self, session: Session, request_id: str, prompt_token_ids: list[int],
+    def open_session(self, session: Session) -> None:
+        with self._lock:
+            self._check_open()
+            self._sessions.add(session)
+
+    def submit(self, session: Session, key: int, request_id: str, prompt_token_ids: list[int],
                params: SamplingParams) -> None:
         """Queue a request for admission; a refusal arrives on the session as a RequestError."""
-        self._post(None, self._add, session, request_id, prompt_token_ids, params)
+        self._post(None, self._add, session, key, request_id, prompt_token_ids, params)
 
-    def abort_soon(self, request_id: str) -> None:
-        """Abort without waiting (a session's abort message)."""
-        self._post(None, self._abort, request_id)
+    def abort_soon(self, session: Session, key: int) -> None:
+        """Abort one of the session's own requests, without waiting (a session's abort message)."""
+        self._post(None, self._abort_key, session, key)
 
     def close_session(self, session: Session) -> None:
-        """The gateway went away: abort its requests and end its stream."""
+        """The gateway went away: abort its requests and end its stream. Safe to call twice (the
+        stream's callback and its reader both do: whichever runs last also catches a submission
+        that the reader queued after the first close)."""
         try:
             self._post(None, self._close_session, session)
         except ServiceUnavailable:
@@ -82,63 +94,92 @@ class EngineLoop:
         return future.result(timeout=60)
 
     def _post(self, future: Future | None, fn, *args) -> None:
+        with self._lock:
+            self._check_open()
+            self._inbox.put((future, fn, args))
+
+    def _check_open(self) -> None:
         if self._failed is not None:
             raise ServiceUnavailable(f"the engine has stopped: {self._failed}")
-        if self._stopping.is_set():
+        if self._stopping.is_set() or self._closed:
             raise ServiceUnavailable("the scheduler is shutting down")
-        self._inbox.put((future, fn, args))
 
     # --- the loop thread ------------------------------------------------------------------------------
 
-    def _add(self, session: Session, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> None:
+    def _add(self, session: Session, key: int, request_id: str, prompt_token_ids: list[int],
+             params: SamplingParams) -> None:
         try:
             self.engine.add_request(request_id, prompt_token_ids, params)
         except Exception as exc:  # refused at admission: tell the gateway, keep serving
-            session.put(SessionBatch(errors=[RequestError(request_id, status_for(exc), str(exc))]))
+            session.put(SessionBatch(errors=[RequestError(key, status_for(exc), str(exc))]))
             return
-        self._requests[request_id] = _InFlight(session, params.n)
-        session.request_ids.add(request_id)
+        self._requests[request_id] = _InFlight(session, key, params.n)
+        session.requests[key] = request_id
         log.info("request admitted", request_id=request_id, prompt_tokens=len(prompt_token_ids), n=params.n)
+
+    def _abort_key(self, session: Session, key: int) -> None:
+        request_id = session.requests.get(key)
+        if request_id is not None:  # else it has ended already
+            self._abort(request_id)
 
     def _abort(self, request_id: str) -> bool:
         self.engine.abort_request(request_id)
         entry = self._requests.pop(request_id, None)
         if entry is None:
             return False
-        entry.session.request_ids.discard(request_id)
-        entry.session.put(SessionBatch(finished_request_ids=[request_id]))
+        entry.session.requests.pop(entry.key, None)
+        entry.session.put(SessionBatch(finished=[entry.key]))
         log.info("request aborted", request_id=request_id)
         return True
 
     def _close_session(self, session: Session) -> None:
-        for request_id in list(session.request_ids):
+        for request_id in session.requests.values():
             self.engine.abort_request(request_id)
             self._requests.pop(request_id, None)
             log.info("request aborted: its gateway stream closed", request_id=request_id)
-        session.request_ids.clear()
+        session.requests.clear()
         session.end()
+        with self._lock:
+            self._sessions.discard(session)
 
     def _run(self) -> None:
-        # The next plan goes to the worker before this step's tokens go out to the streams, so the
-        # worker computes while the request threads serialise and send (they need the GIL too).
+        # The next plan goes to the worker before this step's tokens go out to the sessions, so the
+        # worker computes while the session threads serialise and send (they need the GIL too). The
+        # step's outputs are matched to their requests before the inbox is read, though: an abort
+        # or a new request with the same id must not receive them.
         in_flight = None
         try:
             while not self._stopping.is_set():
-                updates = self.engine.finish_step(in_flight) if in_flight is not None else []
-                in_flight = None
-                self._drain_inbox(block=not updates and not self.engine.has_unfinished())
+                batches = {}
+                if in_flight is not None:
+                    step, in_flight = in_flight, None
+                    batches = self._route(self.engine.finish_step(step))
+                self._drain_inbox(block=not batches and not self.engine.has_unfinished())
                 if self.engine.has_unfinished():
                     in_flight = self.engine.start_step()
-                self._dispatch(updates)
+                for session, batch in batches.items():
+                    session.put(batch)
         except Exception as exc:  # a worker died or a bug: fail every request rather than hang them
             log.exception("engine loop failed")
             self._failed = exc
-            for session in {entry.session for entry in self._requests.values()}:
-                session.fail(ServiceUnavailable(f"the engine failed: {exc}"))
             self._requests.clear()
-            self._fail_inbox(exc)
         finally:
+            self._close_everything()
             self._shutdown_engine(in_flight)
+
+    def _close_everything(self) -> None:
+        """Nothing is posted after this; what was, and every open session, gets its answer."""
+        with self._lock:
+            self._closed = True
+            sessions, self._sessions = self._sessions, set()
+        error = ServiceUnavailable(f"the engine failed: {self._failed}" if self._failed is not None
+                                   else "the scheduler is shutting down")
+        self._fail_inbox(error)
+        for session in sessions:
+            if self._failed is not None:
+                session.fail(error)
+            else:
+                session.end()
 
     def _shutdown_engine(self, in_flight) -> None:
         try:
@@ -169,7 +210,7 @@ class EngineLoop:
             except queue.Empty:
                 return
 
-    def _fail_inbox(self, exc: Exception) -> None:
+    def _fail_inbox(self, error: Exception) -> None:
         while True:
             try:
                 item = self._inbox.get_nowait()
@@ -179,27 +220,25 @@ class EngineLoop:
                 continue
             future, fn, args = item
             if future is not None:
-                future.set_exception(ServiceUnavailable(f"the engine failed: {exc}"))
+                future.set_exception(error)
             elif fn == self._add:  # a submission that never got in: refuse it on its session
-                session, request_id = args[0], args[1]
-                session.put(SessionBatch(errors=[RequestError(request_id, status_for(ServiceUnavailable()),
-                                                              f"the engine failed: {exc}")]))
+                session, key = args[0], args[1]
+                session.put(SessionBatch(errors=[RequestError(key, status_for(error), str(error))]))
 
-    def _dispatch(self, updates: list[SequenceUpdate]) -> None:
+    def _route(self, updates: list[SequenceUpdate]) -> dict[Session, SessionBatch]:
         """One batch per session with this step's outputs and the requests that ended."""
         batches: dict[Session, SessionBatch] = {}
         for update in updates:
             entry = self._requests.get(update.request_id)
-            if entry is None:  # aborted while the step ran
+            if entry is None:  # not in flight any more (the engine drops aborted sequences' outputs; a guard)
                 continue
             batch = batches.setdefault(entry.session, SessionBatch())
-            batch.outputs.append(update)
+            batch.outputs.append((entry.key, update))
             if update.finish_reason is not None:
                 entry.unfinished -= 1
                 if entry.unfinished == 0:
                     del self._requests[update.request_id]
-                    entry.session.request_ids.discard(update.request_id)
-                    batch.finished_request_ids.append(update.request_id)
+                    entry.session.requests.pop(entry.key, None)
+                    batch.finished.append(entry.key)
                     log.info("request finished", request_id=update.request_id)
-        for session, batch in batches.items():
-            session.put(batch)
+        return batches

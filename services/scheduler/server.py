@@ -37,6 +37,8 @@ class SchedulerServicer(wire_grpc.SchedulerServicer):
 
     def Session(self, request_iterator, context):
         session = Session(context.peer())
+        with grpc_errors(context):
+            self.loop.open_session(session)
         context.add_callback(lambda: self.loop.close_session(session))  # however the stream ends
         reader = threading.Thread(target=self._read_requests, args=(request_iterator, session),
                                   name="session-reader", daemon=True)
@@ -54,21 +56,24 @@ class SchedulerServicer(wire_grpc.SchedulerServicer):
                 if message.HasField("submit"):
                     self._submit(session, message.submit)
                 else:
-                    self.loop.abort_soon(message.abort)
+                    self.loop.abort_soon(session, message.abort)
         except grpc.RpcError:
             pass  # the stream broke; the callback closes the session
         except ServiceUnavailable:
-            pass  # the engine is down or stopping; the session's requests have been failed or ended
+            pass  # the engine is down or stopping; it ends or fails every open session itself
+        except Exception:  # a malformed message or a bug: end this gateway's session, keep serving others
+            log.exception("session reader failed", peer=session.peer)
         finally:
             self.loop.close_session(session)
 
-    def _submit(self, session: Session, request: wire.EngineRequest) -> None:
+    def _submit(self, session: Session, submit: wire.SessionSubmit) -> None:
+        request = submit.request
         try:
             params = SamplingParams.from_proto(request.params)
         except (ValueError, TypeError) as exc:
-            session.put(SessionBatch(errors=[RequestError(request.request_id, status_for(exc), str(exc))]))
+            session.put(SessionBatch(errors=[RequestError(submit.key, status_for(exc), str(exc))]))
             return
-        self.loop.submit(session, request.request_id, list(request.prompt_token_ids), params)
+        self.loop.submit(session, submit.key, request.request_id, list(request.prompt_token_ids), params)
 
     def Abort(self, request, context):
         with grpc_errors(context):

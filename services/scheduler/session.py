@@ -18,36 +18,40 @@ from shared.proto import pagedserve_internal_pb2 as wire
 _END = object()
 
 
+# A slow reader gets queued batches merged into one message, up to this many: a message must stay
+# far below the gateway's receive limit, and one oversized message would fail the whole session.
+MAX_MERGED_BATCHES = 16
+
+
 @dataclass
 class RequestError:
     """A request the engine refused at admission (it never started)."""
-    request_id: str
+    key: int  # the request's session key
     code: grpc.StatusCode
     message: str
 
     def to_proto(self) -> wire.RequestError:
-        return wire.RequestError(request_id=self.request_id, code=self.code.value[0], message=self.message)
+        return wire.RequestError(key=self.key, code=self.code.value[0], message=self.message)
 
 
 @dataclass
 class SessionBatch:
-    outputs: list[SequenceUpdate] = field(default_factory=list)  # new output per sequence, in step order
-    finished_request_ids: list[str] = field(default_factory=list)  # ended (finished or aborted)
+    outputs: list[tuple[int, SequenceUpdate]] = field(default_factory=list)  # (key, new output), in step order
+    finished: list[int] = field(default_factory=list)  # keys that ended (finished or aborted)
     errors: list[RequestError] = field(default_factory=list)
 
     def merge(self, other: SessionBatch) -> None:
         self.outputs += other.outputs
-        self.finished_request_ids += other.finished_request_ids
+        self.finished += other.finished
         self.errors += other.errors
 
     def to_proto(self) -> wire.SessionEvents:
-        return wire.SessionEvents(outputs=[update_to_proto(u) for u in self.outputs],
-                                  finished_request_ids=self.finished_request_ids,
-                                  errors=[e.to_proto() for e in self.errors])
+        return wire.SessionEvents(outputs=[update_to_proto(key, u) for key, u in self.outputs],
+                                  finished=self.finished, errors=[e.to_proto() for e in self.errors])
 
 
-def update_to_proto(update: SequenceUpdate) -> wire.EngineOutput:
-    out = wire.EngineOutput(request_id=update.request_id, seq_index=update.seq_index,
+def update_to_proto(key: int, update: SequenceUpdate) -> wire.EngineOutput:
+    out = wire.EngineOutput(key=key, seq_index=update.seq_index,
                             new_token_ids=update.new_token_ids,
                             new_logprobs=[p.to_proto() for p in update.new_logprobs],
                             prompt_logprobs=[p.to_proto() for p in update.prompt_logprobs],
@@ -64,7 +68,7 @@ class Session:
 
     def __init__(self, peer: str = ""):
         self.peer = peer
-        self.request_ids: set[str] = set()  # requests in flight; touched by the engine loop thread only
+        self.requests: dict[int, str] = {}  # key -> request id, in flight; touched by the engine loop thread only
         self._queue: queue.SimpleQueue = queue.SimpleQueue()
 
     def put(self, batch: SessionBatch) -> None:
@@ -80,7 +84,8 @@ class Session:
     def __iter__(self):
         while True:
             item = self._queue.get()
-            while isinstance(item, SessionBatch):  # merge what queued up behind it
+            merged = 1
+            while isinstance(item, SessionBatch) and merged < MAX_MERGED_BATCHES:  # merge what queued up
                 try:
                     following = self._queue.get_nowait()
                 except queue.Empty:
@@ -90,6 +95,7 @@ class Session:
                     item = following
                     break
                 item.merge(following)
+                merged += 1
             if item is _END:
                 return
             if isinstance(item, Exception):

@@ -7,6 +7,7 @@ from pathlib import Path
 
 import torch
 
+from services.worker.attention.cpu_kernels import cpu_kernels_unavailable_reason
 from services.worker.attention.selector import select_attention_backend
 from services.worker.block_moves import copy_blocks_torch, swap_blocks, whole_pool
 from services.worker.cpu_tuning import keep_large_allocations_in_heap
@@ -38,6 +39,7 @@ class Worker:
         self.device = resolve_device(config.device)
         if self.device.type == "cpu":
             keep_large_allocations_in_heap()
+            cpu_kernels_unavailable_reason()  # build (or load) the C++ kernels now, not inside the first step
         self.model_dir = Path(config.model) if config.model else default_model_dir()
         self.model_config = ModelConfig.from_model_dir(self.model_dir)
         self.dtype = DTYPES[self.model_config.dtype if config.dtype == "auto" else config.dtype]

@@ -39,33 +39,41 @@ class SessionRequest(_message.Message):
     __slots__ = ("submit", "abort")
     SUBMIT_FIELD_NUMBER: _ClassVar[int]
     ABORT_FIELD_NUMBER: _ClassVar[int]
-    submit: EngineRequest
-    abort: str
-    def __init__(self, submit: _Optional[_Union[EngineRequest, _Mapping]] = ..., abort: _Optional[str] = ...) -> None: ...
+    submit: SessionSubmit
+    abort: int
+    def __init__(self, submit: _Optional[_Union[SessionSubmit, _Mapping]] = ..., abort: _Optional[int] = ...) -> None: ...
+
+class SessionSubmit(_message.Message):
+    __slots__ = ("key", "request")
+    KEY_FIELD_NUMBER: _ClassVar[int]
+    REQUEST_FIELD_NUMBER: _ClassVar[int]
+    key: int
+    request: EngineRequest
+    def __init__(self, key: _Optional[int] = ..., request: _Optional[_Union[EngineRequest, _Mapping]] = ...) -> None: ...
 
 class RequestError(_message.Message):
-    __slots__ = ("request_id", "code", "message")
-    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    __slots__ = ("key", "code", "message")
+    KEY_FIELD_NUMBER: _ClassVar[int]
     CODE_FIELD_NUMBER: _ClassVar[int]
     MESSAGE_FIELD_NUMBER: _ClassVar[int]
-    request_id: str
+    key: int
     code: int
     message: str
-    def __init__(self, request_id: _Optional[str] = ..., code: _Optional[int] = ..., message: _Optional[str] = ...) -> None: ...
+    def __init__(self, key: _Optional[int] = ..., code: _Optional[int] = ..., message: _Optional[str] = ...) -> None: ...
 
 class SessionEvents(_message.Message):
-    __slots__ = ("outputs", "finished_request_ids", "errors")
+    __slots__ = ("outputs", "finished", "errors")
     OUTPUTS_FIELD_NUMBER: _ClassVar[int]
-    FINISHED_REQUEST_IDS_FIELD_NUMBER: _ClassVar[int]
+    FINISHED_FIELD_NUMBER: _ClassVar[int]
     ERRORS_FIELD_NUMBER: _ClassVar[int]
     outputs: _containers.RepeatedCompositeFieldContainer[EngineOutput]
-    finished_request_ids: _containers.RepeatedScalarFieldContainer[str]
+    finished: _containers.RepeatedScalarFieldContainer[int]
     errors: _containers.RepeatedCompositeFieldContainer[RequestError]
-    def __init__(self, outputs: _Optional[_Iterable[_Union[EngineOutput, _Mapping]]] = ..., finished_request_ids: _Optional[_Iterable[str]] = ..., errors: _Optional[_Iterable[_Union[RequestError, _Mapping]]] = ...) -> None: ...
+    def __init__(self, outputs: _Optional[_Iterable[_Union[EngineOutput, _Mapping]]] = ..., finished: _Optional[_Iterable[int]] = ..., errors: _Optional[_Iterable[_Union[RequestError, _Mapping]]] = ...) -> None: ...
 
 class EngineOutput(_message.Message):
-    __slots__ = ("request_id", "seq_index", "new_token_ids", "new_logprobs", "prompt_logprobs", "finish_reason", "stop_token_id", "stop_string")
-    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    __slots__ = ("key", "seq_index", "new_token_ids", "new_logprobs", "prompt_logprobs", "finish_reason", "stop_token_id", "stop_string")
+    KEY_FIELD_NUMBER: _ClassVar[int]
     SEQ_INDEX_FIELD_NUMBER: _ClassVar[int]
     NEW_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     NEW_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
@@ -73,7 +81,7 @@ class EngineOutput(_message.Message):
     FINISH_REASON_FIELD_NUMBER: _ClassVar[int]
     STOP_TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
     STOP_STRING_FIELD_NUMBER: _ClassVar[int]
-    request_id: str
+    key: int
     seq_index: int
     new_token_ids: _containers.RepeatedScalarFieldContainer[int]
     new_logprobs: _containers.RepeatedCompositeFieldContainer[PositionLogprobs]
@@ -81,7 +89,7 @@ class EngineOutput(_message.Message):
     finish_reason: str
     stop_token_id: int
     stop_string: str
-    def __init__(self, request_id: _Optional[str] = ..., seq_index: _Optional[int] = ..., new_token_ids: _Optional[_Iterable[int]] = ..., new_logprobs: _Optional[_Iterable[_Union[PositionLogprobs, _Mapping]]] = ..., prompt_logprobs: _Optional[_Iterable[_Union[PositionLogprobs, _Mapping]]] = ..., finish_reason: _Optional[str] = ..., stop_token_id: _Optional[int] = ..., stop_string: _Optional[str] = ...) -> None: ...
+    def __init__(self, key: _Optional[int] = ..., seq_index: _Optional[int] = ..., new_token_ids: _Optional[_Iterable[int]] = ..., new_logprobs: _Optional[_Iterable[_Union[PositionLogprobs, _Mapping]]] = ..., prompt_logprobs: _Optional[_Iterable[_Union[PositionLogprobs, _Mapping]]] = ..., finish_reason: _Optional[str] = ..., stop_token_id: _Optional[int] = ..., stop_string: _Optional[str] = ...) -> None: ...
 
 class EngineInfo(_message.Message):
     __slots__ = ("model", "max_model_len", "vocab_size", "eos_token_ids", "num_kv_blocks", "block_size", "max_logprobs")

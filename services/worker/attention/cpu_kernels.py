@@ -12,6 +12,7 @@ from __future__ import annotations
 import functools
 import hashlib
 import os
+import platform
 import shutil
 from pathlib import Path
 
@@ -60,9 +61,19 @@ def _build() -> str | None:
 
 
 def _source_digest() -> str:
-    """A hash of every file in csrc/, headers included, in the build's name: torch's own change
-    detection hashes only the listed sources, and a changed header must rebuild too."""
-    digest = hashlib.sha256()
+    """A hash of every file in csrc/ (headers included: torch's own change detection hashes only the
+    listed sources) and of this CPU's model and feature flags (the build is -march=native, so a cache
+    shared with another kind of CPU must not hand it this machine's binary), in the build's name."""
+    digest = hashlib.sha256(_cpu_fingerprint().encode())
     for path in sorted(SOURCES[0].parent.iterdir()):
         digest.update(path.name.encode() + path.read_bytes())
     return digest.hexdigest()[:12]
+
+
+def _cpu_fingerprint() -> str:
+    try:
+        lines = Path("/proc/cpuinfo").read_text().splitlines()
+    except OSError:
+        return platform.machine() + platform.processor()
+    wanted = ("model name", "flags", "Features", "CPU part")  # x86 and Arm spellings
+    return platform.machine() + "".join(sorted({line for line in lines if line.startswith(wanted)}))

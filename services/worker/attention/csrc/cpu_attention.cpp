@@ -178,11 +178,39 @@ void check_layout(const at::Tensor& out, const at::Tensor& query, const at::Tens
   }
 }
 
+// Every index the kernel follows, checked before any thread reads through it (a bad plan must be
+// an error, not a read or write outside the tensors): O(blocks in use), microseconds per call.
+void check_indices(int64_t num_tokens, int64_t num_blocks, int64_t block_size, const at::Tensor& block_tables,
+                   const at::Tensor& seq_lens, const at::Tensor& rows, const at::Tensor& seqs) {
+  TORCH_CHECK_VALUE(seq_lens.numel() == block_tables.size(0), "seq_lens has ", seq_lens.numel(),
+                    " entries for ", block_tables.size(0), " block table rows");
+  const auto* tables = block_tables.data_ptr<int32_t>();
+  const auto* lens = seq_lens.data_ptr<int32_t>();
+  const auto* row_ptr = rows.data_ptr<int64_t>();
+  const auto* seq_ptr = seqs.data_ptr<int64_t>();
+  const int64_t capacity = block_tables.size(1) * block_size;
+  for (int64_t i = 0; i < rows.numel(); ++i) {
+    TORCH_CHECK_INDEX(row_ptr[i] >= 0 && row_ptr[i] < num_tokens, "row ", row_ptr[i], " is outside the ",
+                      num_tokens, " query rows");
+    TORCH_CHECK_INDEX(seq_ptr[i] >= 0 && seq_ptr[i] < block_tables.size(0), "sequence ", seq_ptr[i],
+                      " is outside the ", block_tables.size(0), " block table rows");
+    const int64_t len = lens[seq_ptr[i]];
+    TORCH_CHECK_VALUE(len > 0 && len <= capacity, "sequence ", seq_ptr[i], " has context length ", len,
+                      "; its block table holds 1 to ", capacity, " tokens");
+    const int32_t* table = tables + seq_ptr[i] * block_tables.stride(0);
+    for (int64_t b = 0; b * block_size < len; ++b) {
+      TORCH_CHECK_INDEX(table[b] >= 0 && table[b] < num_blocks, "block id ", table[b], " of sequence ",
+                        seq_ptr[i], " is outside the pool of ", num_blocks, " blocks");
+    }
+  }
+}
+
 void paged_decode_attention(at::Tensor out, const at::Tensor& query, const at::Tensor& key_cache,
                             const at::Tensor& value_cache, const at::Tensor& block_tables,
                             const at::Tensor& seq_lens, const at::Tensor& rows, const at::Tensor& seqs,
                             double scale) {
   check_layout(out, query, key_cache, value_cache, block_tables, seq_lens, rows, seqs);
+  check_indices(query.size(0), key_cache.size(0), key_cache.size(1), block_tables, seq_lens, rows, seqs);
   const DecodeShape shape{rows.numel(),          query.size(1),         key_cache.size(2),
                           query.size(2),         key_cache.size(1),     query.stride(0),
                           query.stride(1),       out.stride(0),         out.stride(1),
