@@ -11,5 +11,7 @@ COPY services ./services
 COPY shared ./shared
 COPY protos ./protos
 RUN pip install --no-cache-dir -e .
-ENV PYTHONUNBUFFERED=1 PAGEDSERVE_CACHE=/models
+# Built C++ kernels live on the models volume too, so a restarted worker loads them instead of
+# rebuilding (builds are named by source and CPU, so a volume shared across machines is safe).
+ENV PYTHONUNBUFFERED=1 PAGEDSERVE_CACHE=/models TORCH_EXTENSIONS_DIR=/models/torch_extensions
 ENTRYPOINT ["pagedserve"]
