@@ -10,7 +10,6 @@ steadier number on a shared machine) and the packed/plain ratio.
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 import time
 from pathlib import Path
@@ -20,6 +19,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
+from benchmarks.workload import write_report  # noqa: E402
 from services.worker.models.packed_linear import PackedLinear  # noqa: E402
 
 # (name, out_features, in_features) of the bench model: hidden 512, 8 + 2 * 4 heads of 64, MLP 1408.
@@ -61,9 +61,7 @@ def main() -> None:
                 rows_out.append(row)
                 print(f"{name:8} {rows:5d} {row['f_linear_gflops']:9.0f} {row['packed_gflops']:9.0f} "
                       f"{row['ratio']:6.2f}")
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps({"threads": args.threads, "rows": rows_out}, indent=1))
-    print(f"wrote {args.out}")
+    print(f"wrote {write_report(args.out, {'threads': args.threads, 'rows': rows_out})}")
 
 
 if __name__ == "__main__":

@@ -24,7 +24,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from benchmarks.workload import bench_model_dir, bench_workload  # noqa: E402
+from benchmarks.workload import bench_model_dir, bench_workload, write_report  # noqa: E402
 from pagedserve import LLM, SamplingParams  # noqa: E402
 
 
@@ -126,9 +126,7 @@ def main() -> None:
     if "4" in args.sections:
         report["preemption"] = preemption_throughput(model, args.num_requests)
     print(json.dumps(report, indent=2))
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(report, indent=2))
+    write_report(args.out, report)
 
 
 if __name__ == "__main__":

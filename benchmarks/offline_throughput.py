@@ -21,7 +21,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import torch  # noqa: E402
 
-from benchmarks.workload import BenchRequest, bench_model_dir, bench_workload  # noqa: E402
+from benchmarks.workload import BenchRequest, bench_model_dir, bench_workload, write_report  # noqa: E402
 
 
 def run_pagedserve(model_dir: Path, requests: list[BenchRequest], args) -> dict:
@@ -136,10 +136,8 @@ def report(results: dict, args, num_requests: int) -> None:
         print(f"{name:<18}{r['tokens_per_s']:>11.1f}{r['requests_per_s']:>9.3f}{ours / r['tokens_per_s']:>14.2f}")
     print(f"peak KV waste: {results['pagedserve']['kv_waste_pct_peak']:.2f}%   "
           f"preemptions: {results['pagedserve']['num_preemptions']}")
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps({"num_requests": num_requests, "seed": args.seed, "torch_threads": torch.get_num_threads(),
-                               "results": results}, indent=2))
+    out = write_report(args.out, {"num_requests": num_requests, "seed": args.seed,
+                                  "torch_threads": torch.get_num_threads(), "results": results})
     print(f"wrote {out}")
 
 

@@ -26,7 +26,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from benchmarks.workload import BenchRequest, bench_model_dir, bench_workload  # noqa: E402
+from benchmarks.workload import BenchRequest, bench_model_dir, bench_workload, write_report  # noqa: E402
 
 
 async def one_request(url: str, model: str, request: BenchRequest) -> dict:
@@ -214,9 +214,7 @@ def main() -> None:
     if "offline" in report:
         report["serving_over_offline"] = report["serving"]["tokens_per_s"] / report["offline"]["tokens_per_s"]
     print(json.dumps(report, indent=2))
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(report, indent=2))
+    write_report(args.out, report)
 
 
 if __name__ == "__main__":

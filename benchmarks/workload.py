@@ -1,7 +1,8 @@
-"""The bench workload and the bench model, shared by the benchmark scripts."""
+"""The bench workload, the bench model and the JSON report, shared by the benchmark scripts."""
 
 from __future__ import annotations
 
+import json
 import os
 import random
 from dataclasses import dataclass
@@ -33,4 +34,12 @@ def bench_model_dir() -> Path:
         tmp = root / f".bench-model-tmp-{os.getpid()}"
         create_model_dir(tmp, **BENCH_MODEL)
         tmp.rename(path)
+    return path
+
+
+def write_report(out: str | Path, report: dict) -> Path:
+    """Write a benchmark's JSON report (its folder made if needed); returns the path."""
+    path = Path(out)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(report, indent=2))
     return path

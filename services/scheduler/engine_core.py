@@ -17,7 +17,7 @@ from services.scheduler.scheduler import Scheduler, SchedulerLimits
 from services.scheduler.sequence import Sequence, SequenceUpdate
 from services.scheduler.stats import EngineStats
 from shared.sampling_params import SamplingParams
-from shared.step_protocol import StepPlan, StepResult, WorkerInfo
+from shared.step_protocol import StepPlan, WorkerInfo
 
 
 @dataclass

@@ -48,6 +48,14 @@ def check_pairs(pairs: list[tuple[int, int]], num_src_blocks: int, num_dst_block
     require(len(set(dsts)) == len(dsts), "a destination block appears twice: the result would depend on order")
 
 
+def pair_indices(pairs: list[tuple[int, int]], src_device: torch.device, dst_device: torch.device
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
+    """The sources and the destinations as int64 index tensors, each on its pool's device."""
+    src_idx = torch.tensor([src for src, _ in pairs], dtype=torch.int64).to(src_device)
+    dst_idx = torch.tensor([dst for _, dst in pairs], dtype=torch.int64).to(dst_device)
+    return src_idx, dst_idx
+
+
 def copy_blocks_torch(pool: torch.Tensor, pairs: BlockPairs) -> None:
     """Copy block ``src`` to ``dst`` for every pair, all layers. Gathers every source before writing,
     so a block may be both a source and a destination."""
@@ -56,8 +64,7 @@ def copy_blocks_torch(pool: torch.Tensor, pairs: BlockPairs) -> None:
     check_pairs(pairs, pool.shape[2], pool.shape[2])
     if not pairs:
         return
-    src_idx = torch.tensor([src for src, _ in pairs], dtype=torch.int64).to(pool.device)
-    dst_idx = torch.tensor([dst for _, dst in pairs], dtype=torch.int64).to(pool.device)
+    src_idx, dst_idx = pair_indices(pairs, pool.device, pool.device)
     pool.index_copy_(2, dst_idx, pool.index_select(2, src_idx))
 
 
@@ -78,8 +85,7 @@ def swap_blocks(src_pool: torch.Tensor, dst_pool: torch.Tensor, pairs: BlockPair
     check_pairs(pairs, src_pool.shape[2], dst_pool.shape[2])
     if not pairs:
         return
-    src_idx = torch.tensor([src for src, _ in pairs], dtype=torch.int64).to(src_pool.device)
-    dst_idx = torch.tensor([dst for _, dst in pairs], dtype=torch.int64).to(dst_pool.device)
+    src_idx, dst_idx = pair_indices(pairs, src_pool.device, dst_pool.device)
     moved = src_pool.index_select(2, src_idx)  # [layers, 2, num_pairs, block_size, heads, dim]
     # Host to device may overlap with the host; device to host must finish before the host scatters.
     moved = moved.to(dst_pool.device, non_blocking=dst_pool.device.type == "cuda")

@@ -35,8 +35,8 @@ class CpuAttentionBackend(TorchAttentionBackend):
             raise ValueError(f"attention_backend='cpu' cannot run here: {reason}; use 'torch' or 'auto'")
         super().__init__(kv_caches, scale)
 
-    def _plan_decodes(self, meta: AttentionMetadata, order: list[int], rows: list[int], dtype: torch.dtype,
-                      k_cache: torch.Tensor) -> list[_Decodes]:
+    def _plan_decodes(self, meta: AttentionMetadata, tables: torch.Tensor, order: list[int], rows: list[int],
+                      dtype: torch.dtype, k_cache: torch.Tensor) -> list[_Decodes]:
         return [_Decodes(torch.tensor(rows, dtype=torch.int64), torch.tensor(order, dtype=torch.int64),
                          meta.block_tables.contiguous(), meta.seq_lens.contiguous())]
 

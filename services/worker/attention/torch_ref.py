@@ -157,7 +157,7 @@ class TorchAttentionBackend:
         # Decodes, longest first (rows: where each one's token sits in q).
         order = sorted((i for i, n in enumerate(query_lens) if n == 1), key=lambda i: -seq_lens[i])
         rows = order if one_each else [starts[i] for i in order]
-        decode = self._plan_decodes(meta, order, rows, dtype, k_cache) if order else []
+        decode = self._plan_decodes(meta, tables, order, rows, dtype, k_cache) if order else []
 
         prefill = []
         for i, (query_len, context_len) in enumerate(zip(query_lens, seq_lens)):
@@ -175,12 +175,12 @@ class TorchAttentionBackend:
         self._plan = plan = _StepPlan(meta, key, decode, prefill)
         return plan
 
-    def _plan_decodes(self, meta: AttentionMetadata, order: list[int], rows: list[int], dtype: torch.dtype,
-                      k_cache: torch.Tensor) -> list[_DecodeChunk]:
-        """Cut the decodes (sequence indices ``order``, longest first) into chunks of similar length."""
+    def _plan_decodes(self, meta: AttentionMetadata, tables: torch.Tensor, order: list[int], rows: list[int],
+                      dtype: torch.dtype, k_cache: torch.Tensor) -> list[_DecodeChunk]:
+        """Cut the decodes (sequence indices ``order``, longest first; ``tables``: the block tables
+        as int64) into chunks of similar length."""
         block_size, num_kv_heads, head_dim = k_cache.shape[1:]
         seq_lens = meta.seq_lens_cpu
-        tables = meta.block_tables.long()
         token_bytes = 2 * num_kv_heads * head_dim * torch.empty((), dtype=k_cache.dtype).element_size()
         budget = max(block_size, DECODE_CHUNK_BYTES // token_bytes)
         chunks = []
