@@ -20,7 +20,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from pagedserve.cli import add_engine_args, apply_env_defaults, engine_options
 
 SCHEDULER_FLAGS = ("max_num_seqs", "max_num_batched_tokens", "enable_chunked_prefill", "enable_prefix_caching",
-                   "preemption_mode")
+                   "preemption_mode", "async_scheduling")
 GATEWAY_FLAGS = ("host", "port", "grpc_port", "served_model_name", "tokenizer")
 
 
@@ -32,6 +32,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--port", type=int, default=8000, help="HTTP (OpenAI API) port")
     parser.add_argument("--grpc-port", type=int, default=50050, help="public gRPC API port")
     parser.add_argument("--served-model-name", default=None)
+    parser.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=True,
+                        help="the scheduler plans each step while the worker computes the one before")
     parser.add_argument("--startup-timeout", type=float, default=300.0, help="seconds to wait for health")
     apply_env_defaults(parser)
     return parser

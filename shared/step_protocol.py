@@ -11,6 +11,11 @@ state as it was before this step); drop ``finished_seq_ids``; move blocks
 (``swap_out``, then ``swap_in``, then ``copies``); register ``new``; apply
 ``running`` deltas; then run one forward pass over every scheduled token and
 sample for each sequence whose computed tokens reach its end this step.
+
+A plan may be made while the step before it still runs (the scheduler plans ahead):
+a sequence sampling in that step then gets ``append_last_sample`` instead of the
+token, which the worker has and the scheduler does not know yet. Plans are executed
+strictly in order, so blocks freed while a step runs are only reused after it.
 """
 
 from __future__ import annotations
@@ -58,18 +63,22 @@ class RunningSequence:
     """The change to a sequence the worker already holds."""
 
     seq_id: int  # as sent in NewSequence
-    new_token_ids: list[int]  # tokens appended since the worker last heard (the last sampled token)
+    new_token_ids: list[int]  # tokens the scheduler appended since the worker last heard (a sampled token, a beam's)
     new_block_ids: list[int]  # physical blocks appended to the block table
     num_computed_tokens: int  # tokens with KV in cache before this step (the worker checks its copy)
     num_scheduled_tokens: int  # tokens to compute this step
     # The whole table, when it changed other than by appending (copy-on-write, swap-in); then
     # new_block_ids is empty. None otherwise.
     new_block_table: list[int] | None = None
+    # After new_token_ids, append the token the worker itself sampled for this sequence in the
+    # step just before: the plan was made while that step ran, before its result came back.
+    append_last_sample: bool = False
 
     def to_proto(self) -> wire.RunningSequence:
         m = wire.RunningSequence(seq_id=self.seq_id, new_token_ids=self.new_token_ids,
                                  new_block_ids=self.new_block_ids, num_computed_tokens=self.num_computed_tokens,
-                                 num_scheduled_tokens=self.num_scheduled_tokens)
+                                 num_scheduled_tokens=self.num_scheduled_tokens,
+                                 append_last_sample=self.append_last_sample)
         if self.new_block_table is not None:
             m.new_block_table.ids.extend(self.new_block_table)
         return m
@@ -78,7 +87,7 @@ class RunningSequence:
     def from_proto(cls, m: wire.RunningSequence) -> "RunningSequence":
         table = list(m.new_block_table.ids) if m.HasField("new_block_table") else None
         return cls(m.seq_id, list(m.new_token_ids), list(m.new_block_ids), m.num_computed_tokens,
-                   m.num_scheduled_tokens, table)
+                   m.num_scheduled_tokens, table, m.append_last_sample)
 
 
 @dataclass(slots=True)

@@ -45,7 +45,7 @@ class FakeWorker:
         for fork in plan.forks:
             parent = self.seqs[fork.parent_seq_id]
             self.seqs[fork.child_seq_id] = {**parent, "seq_id": fork.child_seq_id, "tokens": list(parent["tokens"]),
-                                            "table": list(parent["table"]), "siblings": 0}
+                                            "table": list(parent["table"]), "siblings": 0, "last_sample": None}
         for seq_id in plan.finished_seq_ids:
             self.seqs.pop(seq_id, None)
         self._move(plan)
@@ -84,7 +84,11 @@ class FakeWorker:
             batch.append((seq, new.num_scheduled_tokens))
         for delta in plan.running:
             seq = self.seqs[delta.seq_id]
+            own, seq["last_sample"] = seq.get("last_sample"), None
             seq["tokens"] += delta.new_token_ids
+            if delta.append_last_sample:
+                assert own is not None, "told to append a sample the sequence did not draw in its last step"
+                seq["tokens"].append(own)
             seq["table"] = list(delta.new_block_table) if delta.new_block_table is not None \
                 else seq["table"] + delta.new_block_ids
             seq["swapped"] = False
@@ -108,6 +112,7 @@ class FakeWorker:
         if end < len(seq["tokens"]):
             return None
         out = SequenceOutput(seq_id=seq["seq_id"], token_id=self.token_for(seq), logprobs=self.logprobs_for(seq))
+        seq["last_sample"] = out.token_id
         out.siblings = [Sample(self.token_for(seq, i)) for i in range(1, seq["siblings"] + 1)]
         seq["siblings"] = 0
         return out

@@ -9,6 +9,7 @@ import torch
 
 from pagedserve import LLM, SamplingParams
 from tests.oracle import assert_greedy_equal, hf_greedy
+from tests.pipeline import Pipeline
 
 PROMPT_LENS = [1, 3, 17, 64, 150]
 MAX_TOKENS = 20
@@ -91,3 +92,32 @@ def test_prompt_logprobs_survive_chunking_and_preemption(llama_dir):
             assert x.keys() == y.keys()
             for k in x:
                 assert x[k].logprob == pytest.approx(y[k].logprob, abs=1e-4)
+
+
+def test_async_scheduling_keeps_greedy_equal_to_transformers_and_seeded_samples_unchanged(llama_dir):
+    """Steps planned while the previous one runs (the worker appends its own samples) give the
+    tokens transformers gives, and the same seeded, penalised samples as steps planned after."""
+    prompts = random_prompts(seed=3)
+    llm = LLM(str(llama_dir), block_size=8, max_num_batched_tokens=48, enable_chunked_prefill=True)
+    engine = llm.engine
+
+    def run(params: SamplingParams, pipelined: bool) -> dict[str, list[int]]:
+        for i, prompt in enumerate(prompts):
+            engine.add_request(f"{pipelined}-{i}", prompt, params)
+        driver = Pipeline(engine) if pipelined else engine
+        outputs: dict[str, list[int]] = {}
+        while driver.has_unfinished():
+            for update in driver.step():
+                outputs.setdefault(update.request_id.split("-")[1], []).extend(update.new_token_ids)
+        if pipelined:
+            assert driver.ahead >= MAX_TOKENS - 2, "most steps were meant to be planned ahead"
+        assert engine.get_stats()["kv_blocks_used"] == 0
+        return outputs
+
+    greedy = run(SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True), pipelined=True)
+    for i, prompt in enumerate(prompts):
+        ref, ref_logprobs = hf_greedy(llama_dir, prompt, MAX_TOKENS)
+        assert_greedy_equal(greedy[str(i)], ref, ref_logprobs, f"async scheduling, prompt of {len(prompt)}")
+    seeded = SamplingParams(temperature=1.0, top_k=50, seed=11, repetition_penalty=1.3, frequency_penalty=0.4,
+                            max_tokens=MAX_TOKENS, ignore_eos=True)
+    assert run(seeded, pipelined=False) == run(seeded, pipelined=True)

@@ -14,6 +14,7 @@ from services.scheduler.scheduler import SchedulerLimits
 from services.scheduler.sequence import SequenceStatus
 from shared.sampling_params import SamplingParams
 from tests.fake_worker import FakeWorker
+from tests.pipeline import Pipeline
 
 
 def make_engine(num_blocks=16, block_size=4, max_num_seqs=8, budget=32, chunked=True, max_model_len=512,
@@ -33,7 +34,8 @@ def check_invariants(engine: EngineCore) -> None:
     assert [(s.arrival, s.index) for s in sched.running] == sorted((s.arrival, s.index) for s in sched.running)
     for seq in sched.running:
         assert seq.status is SequenceStatus.RUNNING
-        assert len(blocks.block_table(seq.seq_id)) == blocks.blocks_for(seq.num_computed_tokens)
+        assert len(blocks.block_table(seq.seq_id)) == blocks.blocks_for(seq.num_planned_tokens)
+        assert 0 <= seq.num_placeholders <= 1 + (seq.num_inflight_tokens > 0)
     for seq in sched.waiting:
         assert seq.status is SequenceStatus.WAITING
         assert blocks.block_table(seq.seq_id) == [] and seq.num_computed_tokens == 0
@@ -41,12 +43,14 @@ def check_invariants(engine: EngineCore) -> None:
     assert len(used) == blocks.num_used_blocks
 
 
-def run_to_completion(engine: EngineCore, max_steps: int = 10_000) -> dict[str, list[int]]:
+def run_to_completion(engine: EngineCore, max_steps: int = 10_000, pipeline: Pipeline | None = None
+                      ) -> dict[str, list[int]]:
     outputs: dict[str, list[int]] = {}
+    driver = pipeline or engine
     for _ in range(max_steps):
-        if not engine.has_unfinished():
+        if not driver.has_unfinished():
             return outputs
-        for update in engine.step():
+        for update in driver.step():
             outputs.setdefault(update.request_id, []).extend(update.new_token_ids)
         check_invariants(engine)
     raise AssertionError("the engine did not finish: livelock")
@@ -194,6 +198,7 @@ operations = st.lists(st.one_of(adds, st.tuples(st.just("step"), st.integers(1, 
 
 PREEMPTIONS: list[int] = []
 SWAPS: list[int] = []
+AHEAD: list[int] = []  # steps planned ahead, per pipelined example
 
 
 @settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -201,14 +206,17 @@ SWAPS: list[int] = []
        num_blocks=st.integers(4, 20), budget=st.integers(1, 48), max_num_seqs=st.integers(1, 6), chunked=st.booleans(),
        caching=st.booleans(), prefixes=st.lists(st.lists(st.integers(1, 50), min_size=1, max_size=40), min_size=1,
                                                 max_size=3),
-       host_blocks=st.sampled_from([0, 4, 40]), mode=st.sampled_from([None, "swap", "recompute"]))
+       host_blocks=st.sampled_from([0, 4, 40]), mode=st.sampled_from([None, "swap", "recompute"]),
+       pipelined=st.booleans())
 def test_random_interleavings_keep_every_invariant(first, ops, block_size, num_blocks, budget, max_num_seqs, chunked,
-                                                   caching, prefixes, host_blocks, mode):
+                                                   caching, prefixes, host_blocks, mode, pipelined):
     max_model_len = 64
     if not chunked:
         budget = max(budget, max_model_len)  # else a long prompt could never be scheduled
     engine, worker = make_engine(num_blocks, block_size, max_num_seqs, budget, chunked, max_model_len, caching,
                                  host_blocks, mode)
+    pipeline = Pipeline(engine) if pipelined else None
+    driver = pipeline or engine
     added = []
     for op in first + ops:
         if op[0] in ("add", "beam"):
@@ -226,17 +234,19 @@ def test_random_interleavings_keep_every_invariant(first, ops, block_size, num_b
         elif op[0] == "step":
             for _ in range(op[1]):
                 plan_budget = engine.scheduler.limits.max_num_batched_tokens
-                engine.step()
+                driver.step()
                 if worker.plans:
                     assert worker.plans[-1].num_scheduled_tokens <= plan_budget
                 check_invariants(engine)
         elif added:
-            engine.abort_request(added[op[1] % len(added)])
+            engine.abort_request(added[op[1] % len(added)])  # with a step in flight, when pipelined
             check_invariants(engine)
-    run_to_completion(engine)
+    run_to_completion(engine, pipeline=pipeline)
     engine.step()
     PREEMPTIONS.append(engine.scheduler.num_preemptions)
     SWAPS.append(engine.scheduler.num_swaps_out)
+    if pipeline is not None:
+        AHEAD.append(pipeline.ahead)
     target(float(engine.scheduler.num_preemptions), label="preemptions")  # steer towards memory pressure
     target(float(engine.scheduler.num_swaps_out), label="swaps")
     assert engine.scheduler.blocks.num_free_blocks == num_blocks  # cached-free blocks count as free
@@ -251,6 +261,41 @@ def test_the_property_test_exercised_preemption():
         pytest.skip("the property test did not run in this session")
     assert sum(1 for n in PREEMPTIONS if n > 0) >= 3, PREEMPTIONS
     assert sum(1 for n in SWAPS if n > 0) >= 2, SWAPS
+    assert sum(1 for n in AHEAD if n > 0) >= 10, AHEAD
+
+
+@settings(max_examples=60, deadline=None)
+@given(requests=st.lists(st.tuples(st.integers(1, 30), st.integers(1, 12), st.integers(1, 3), st.booleans()),
+                         min_size=1, max_size=10),
+       block_size=st.sampled_from([1, 4, 8]), num_blocks=st.integers(12, 40), budget=st.integers(4, 40),
+       caching=st.booleans(), arrive_every=st.integers(1, 3))
+def test_planning_ahead_changes_no_output(requests, block_size, num_blocks, budget, caching, arrive_every):
+    """The same requests, arriving at the same steps, give the same tokens whether each step is
+    planned after the previous result or while it runs (the fake worker's tokens depend only on
+    the sequence and its length). Stop tokens end some sequences one step into a plan made ahead."""
+    runs = []
+    for pipelined in (False, True):
+        engine, _ = make_engine(num_blocks, block_size, max_num_seqs=4, budget=budget, max_model_len=64,
+                                caching=caching)
+        driver = Pipeline(engine) if pipelined else engine
+        outputs: dict[tuple[str, int], list[int]] = {}
+        for i, (prompt_len, max_tokens, n, stop) in enumerate(requests):
+            prompt = [1 + (i * 7 + j) % 40 for j in range(prompt_len)]
+            params = SamplingParams(n=n, max_tokens=max_tokens, stop_token_ids=list(range(1, 30)) if stop else [])
+            try:
+                engine.add_request(f"r{i}", prompt, params)
+            except ValueError:
+                continue
+            for _ in range(arrive_every):
+                for update in driver.step():
+                    outputs.setdefault((update.request_id, update.seq_index), []).extend(update.new_token_ids)
+                check_invariants(engine)
+        while driver.has_unfinished():
+            for update in driver.step():
+                outputs.setdefault((update.request_id, update.seq_index), []).extend(update.new_token_ids)
+            check_invariants(engine)
+        runs.append(outputs)
+    assert runs[0] == runs[1]
 
 
 # --- prefix caching ---------------------------------------------------------------------------------

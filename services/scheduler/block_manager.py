@@ -74,10 +74,15 @@ class BlockManager:
         """Room for ``num_tokens`` slots, the first ones in cache hits (a cached-free hit costs a free block),
         plus a copy of the block written first when it is shared."""
         reserve = self.watermark_blocks if keep_watermark else 0
-        new = self.num_new_blocks_needed(seq_id, num_tokens) - len(hits)
         revived = sum(1 for block in hits if block.ref_cnt == 0)
+        needed = self.num_blocks_to_grow(seq_id, num_tokens, write_from) - len(hits) + revived
+        return needed <= self.num_free_blocks - reserve
+
+    def num_blocks_to_grow(self, seq_id: int, num_tokens: int, write_from: int | None = None) -> int:
+        """Free blocks that append_slots would take: the new ones, and a copy of the block written
+        first when it is shared."""
         copy = 1 if write_from is not None and self._shared_block_at(seq_id, write_from) is not None else 0
-        return new + revived + copy <= self.num_free_blocks - reserve
+        return self.num_new_blocks_needed(seq_id, num_tokens) + copy
 
     def _shared_block_at(self, seq_id: int, position: int) -> KVCacheBlock | None:
         """The block holding token ``position``, if it exists and another sequence holds it too."""

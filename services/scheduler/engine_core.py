@@ -44,6 +44,8 @@ class EngineCore:
         self._requests: dict[str, list[Sequence]] = {}
         self._seq_ids = itertools.count()
         self._arrivals = itertools.count()
+        self._num_in_flight = 0  # steps submitted whose results are not applied yet
+        self._last_done = 0.0  # perf_counter when the last result was applied
 
     # --- admission ----------------------------------------------------------------------------------
 
@@ -136,26 +138,36 @@ class EngineCore:
         step = self.start_step()
         return self.finish_step(step) if step is not None else []
 
+    def can_plan_ahead(self) -> bool:
+        """Whether start_step may be called now, with one step in flight (the scheduler service
+        plans step N+1 while the worker computes step N, so the worker never waits for a plan)."""
+        return self._num_in_flight == 1 and self.scheduler.can_plan_ahead()
+
     def start_step(self) -> InFlightStep | None:
         """Plan the next step and send it to the worker without waiting; None when there is nothing to run.
 
         Between start_step and finish_step the caller may do anything that does not touch the
-        engine (the scheduler service streams the previous step's tokens out meanwhile).
+        engine (the scheduler service streams the previous step's tokens out meanwhile). With a
+        step in flight, only when can_plan_ahead() says so; results are finished in order.
         """
         started = time.perf_counter()
         plan, scheduled = self.scheduler.schedule()
         self.stats.record_usage()  # blocks are at their peak now: allocated for this step's tokens
         if plan.is_empty:
-            if plan.has_side_effects:  # drops or block moves still have to happen
+            if self._num_in_flight:
+                self.scheduler.cancel_empty(plan)
+            elif plan.has_side_effects:  # drops or block moves still have to happen
                 self.executor.execute(plan)
             return None
         sent = time.perf_counter()  # before submit: an in-process executor runs the step inside it
         self.executor.submit(plan)
+        self._num_in_flight += 1
         return InFlightStep(plan, scheduled, started, sent)
 
     def finish_step(self, step: InFlightStep) -> list[SequenceUpdate]:
-        """Wait for the step's result and apply it: new tokens, finished sequences, forked beams."""
+        """Wait for the oldest step's result and apply it: new tokens, finished sequences, forked beams."""
         result = self.executor.wait()
+        self._num_in_flight -= 1
         received = time.perf_counter()
         updates = self.scheduler.update(step.scheduled, result, self._seqs)
         for seq in self.scheduler.spawned:  # beams forked during the update
@@ -165,8 +177,10 @@ class EngineCore:
             if update.finish_reason is not None:
                 self._forget_if_done(update.request_id)
         done = time.perf_counter()
-        self.stats.record_step(step.plan, result, elapsed_s=done - step.started,
+        # A step planned ahead starts, for the worker, when the one before it is done.
+        self.stats.record_step(step.plan, result, elapsed_s=done - max(step.started, self._last_done),
                                scheduler_s=(step.sent - step.started) + (done - received))
+        self._last_done = done
         return updates
 
     def _forget_if_done(self, request_id: str) -> None:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import queue
 import threading
+from collections import deque
 from concurrent.futures import Future
 from dataclasses import dataclass
 
@@ -32,9 +33,10 @@ class _InFlight:
 
 
 class EngineLoop:
-    def __init__(self, engine: EngineCore, idle_wait_s: float = 0.05):
+    def __init__(self, engine: EngineCore, idle_wait_s: float = 0.05, async_scheduling: bool = True):
         self.engine = engine
         self.idle_wait_s = idle_wait_s
+        self.async_scheduling = async_scheduling  # plan step N+1 while the worker computes step N
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
         self._requests: dict[str, _InFlight] = {}  # by request id; loop thread only
         self._sessions: set[Session] = set()  # open sessions, ended or failed when the loop exits
@@ -143,20 +145,28 @@ class EngineLoop:
             self._sessions.discard(session)
 
     def _run(self) -> None:
-        # The next plan goes to the worker before this step's tokens go out to the sessions, so the
-        # worker computes while the session threads serialise and send (they need the GIL too). The
-        # step's outputs are matched to their requests before the inbox is read, though: an abort
-        # or a new request with the same id must not receive them.
-        in_flight = None
+        # With async scheduling, step N+1 is planned and sent while the worker computes step N,
+        # so the worker finds it waiting and never idles on the round trip; when the engine cannot
+        # plan ahead (beams, n > 1 forks, blocks short), the next plan waits for step N's result.
+        # Either way the next plan goes to the worker before this step's tokens go out to the
+        # sessions, so the worker computes while the session threads serialise and send (they need
+        # the GIL too). The step's outputs are matched to their requests before the inbox is read,
+        # though: an abort or a new request with the same id must not receive them.
+        in_flight: deque = deque()
         try:
             while not self._stopping.is_set():
                 batches = {}
-                if in_flight is not None:
-                    step, in_flight = in_flight, None
-                    batches = self._route(self.engine.finish_step(step))
-                self._drain_inbox(block=not batches and not self.engine.has_unfinished())
-                if self.engine.has_unfinished():
-                    in_flight = self.engine.start_step()
+                if in_flight:
+                    if self.async_scheduling and self.engine.can_plan_ahead():
+                        ahead = self.engine.start_step()
+                        if ahead is not None:
+                            in_flight.append(ahead)
+                    batches = self._route(self.engine.finish_step(in_flight.popleft()))
+                self._drain_inbox(block=not batches and not in_flight and not self.engine.has_unfinished())
+                if not in_flight and self.engine.has_unfinished():
+                    step = self.engine.start_step()
+                    if step is not None:
+                        in_flight.append(step)
                 for session, batch in batches.items():
                     session.put(batch)
         except Exception as exc:  # a worker died or a bug: fail every request rather than hang them
@@ -181,10 +191,10 @@ class EngineLoop:
             else:
                 session.end()
 
-    def _shutdown_engine(self, in_flight) -> None:
+    def _shutdown_engine(self, in_flight: deque) -> None:
         try:
-            if in_flight is not None:  # its result must be read before anything else is sent
-                self.engine.finish_step(in_flight)
+            while in_flight:  # their results must be read before anything else is sent
+                self.engine.finish_step(in_flight.popleft())
         except Exception:  # the worker is gone; there is nothing left to tell it
             log.warning("the step in flight at shutdown did not finish")
             return

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections import deque
 from typing import Protocol
 
 from shared.step_protocol import StepPlan, StepResult, WorkerInfo
@@ -12,10 +13,11 @@ class Executor(Protocol):
         """Start-up facts of the worker(s): KV capacity, block size, vocabulary, EOS ids."""
 
     def submit(self, plan: StepPlan) -> None:
-        """Send a step plan; the worker starts on it while the caller goes on (one in flight at a time)."""
+        """Send a step plan; the worker starts on it (or queues it behind the one it runs) while
+        the caller goes on."""
 
     def wait(self) -> StepResult:
-        """The result of the plan last submitted."""
+        """The result of the oldest plan submitted and not yet waited for."""
 
     def execute(self, plan: StepPlan) -> StepResult:
         """Run one step plan to completion: submit, then wait."""
@@ -29,19 +31,18 @@ class InProcessExecutor:
 
     def __init__(self, worker):
         self.worker = worker
-        self._result: StepResult | None = None
+        self._results: deque[StepResult] = deque()
 
     def worker_info(self) -> WorkerInfo:
         return self.worker.info
 
     def submit(self, plan: StepPlan) -> None:
-        self._result = self.worker.execute(plan)  # same thread: nothing runs beside it
+        self._results.append(self.worker.execute(plan))  # same thread: nothing runs beside it
 
     def wait(self) -> StepResult:
-        result, self._result = self._result, None
-        if result is None:
+        if not self._results:
             raise RuntimeError("wait() without a submitted plan")
-        return result
+        return self._results.popleft()
 
     def execute(self, plan: StepPlan) -> StepResult:
         return self.worker.execute(plan)

@@ -1,12 +1,14 @@
 """The executor for a worker in another process: one long-lived bidirectional Steps stream.
 
 Each step sends one plan (deltas only) and reads one result; keeping the stream open
-avoids a call set-up per step.
+avoids a call set-up per step. A plan may be sent while the one before it runs: the worker
+takes them in order, so it finds the next one waiting when it finishes a step.
 """
 
 from __future__ import annotations
 
 import queue
+from collections import deque
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
@@ -33,7 +35,7 @@ class GrpcExecutor:
             raise ServiceUnavailable(f"worker at {address} is not reachable: {exc}") from exc
         self._plans: queue.SimpleQueue = queue.SimpleQueue()
         self._results = self._stub.Steps(iter(self._plans.get, _CLOSE))
-        self._in_flight: int | None = None  # step id of the plan sent and not yet answered
+        self._in_flight: deque[int] = deque()  # step ids of the plans sent and not yet answered, oldest first
 
     def worker_info(self) -> WorkerInfo:
         return self._info
@@ -48,15 +50,13 @@ class GrpcExecutor:
         return reply.status == health_pb2.HealthCheckResponse.SERVING
 
     def submit(self, plan: StepPlan) -> None:
-        if self._in_flight is not None:
-            raise RuntimeError(f"step {self._in_flight} is still in flight")
         self._plans.put(plan.to_proto())
-        self._in_flight = plan.step_id
+        self._in_flight.append(plan.step_id)
 
     def wait(self) -> StepResult:
-        step_id, self._in_flight = self._in_flight, None
-        if step_id is None:
+        if not self._in_flight:
             raise RuntimeError("wait() without a submitted plan")
+        step_id = self._in_flight.popleft()
         try:
             result = next(self._results)
         except (grpc.RpcError, StopIteration) as exc:

@@ -85,6 +85,10 @@ class Scheduler:
            what the waiting siblings need (else beam groups could hold each other's blocks forever).
         The oldest running sequence is never a victim while another runs, so it always advances:
         no deadlock, and no livelock (requests that could never fit are refused at admission).
+
+        The plan may be made while the previous step still runs (see can_plan_ahead): a sequence
+        sampling in that step counts its coming token as a placeholder, computed in this step,
+        and one whose last token is coming is left out. Such a plan never preempts.
         """
         self._step_id += 1
         plan, self._plan = self._plan, StepPlan(step_id=self._step_id + 1)
@@ -94,13 +98,13 @@ class Scheduler:
         for seq in list(self.running):
             if budget <= 0:
                 break
-            if seq.status is not SequenceStatus.RUNNING or seq.num_uncomputed_tokens == 0:
-                continue  # preempted just now, or a beam waiting for its siblings' candidates
+            if not self._has_work(seq):
+                continue  # preempted just now, a beam waiting for its siblings, or its last token is coming
             num_tokens = min(seq.num_uncomputed_tokens, budget)
             allocation = None
             while seq.status is SequenceStatus.RUNNING:
-                allocation = self.blocks.append_slots(seq.seq_id, seq.num_computed_tokens + num_tokens,
-                                                      write_from=seq.num_computed_tokens)
+                allocation = self.blocks.append_slots(seq.seq_id, seq.num_planned_tokens + num_tokens,
+                                                      write_from=seq.num_planned_tokens)
                 if allocation is not None:
                     break
                 self._preempt(self._victim(), plan)
@@ -122,6 +126,39 @@ class Scheduler:
         self._describe_work(scheduled, plan)
         return plan, scheduled
 
+    def _has_work(self, seq: Sequence) -> bool:
+        return (seq.status is SequenceStatus.RUNNING and seq.num_uncomputed_tokens > 0
+                and not seq.awaits_last_token(self.max_model_len))
+
+    def can_plan_ahead(self) -> bool:
+        """Whether the next plan may be made now, while a step runs, rather than after its result.
+
+        Not while a running sequence needs that result to be planned (beam search chooses tokens
+        from it; n > 1 siblings fork from their parent's first sample), and not when the running
+        sequences' next tokens might not fit in the free blocks: preemption happens only with no
+        step in flight, so a preempted sequence never has a token on the way.
+        """
+        if any(seq.beam_group is not None or seq.pending_siblings for seq in self.running):
+            return False
+        budget, needed = self.limits.max_num_batched_tokens, 0
+        for seq in self.running:
+            if budget <= 0:
+                break
+            if not self._has_work(seq):
+                continue
+            num_tokens = min(seq.num_uncomputed_tokens, budget)
+            budget -= num_tokens
+            needed += self.blocks.num_blocks_to_grow(seq.seq_id, seq.num_planned_tokens + num_tokens,
+                                                     write_from=seq.num_planned_tokens)
+        return needed <= self.blocks.num_free_blocks
+
+    def cancel_empty(self, plan: StepPlan) -> None:
+        """Take back a plan with nothing to compute, made while a step runs: its drops (the only
+        side effect such a plan can have) go into the next one."""
+        assert plan.is_empty and not (plan.forks or plan.swap_out or plan.swap_in or plan.copies), plan
+        self._plan.finished_seq_ids[:0] = plan.finished_seq_ids
+        self._plan.step_id, self._step_id = plan.step_id, self._step_id - 1
+
     def _swap_in(self, budget: int, scheduled: dict[int, int], plan: StepPlan) -> int:
         for seq in list(self.swapped):
             if budget <= 0:
@@ -129,10 +166,10 @@ class Scheduler:
             if seq.num_uncomputed_tokens == 0:
                 continue  # a parked beam: nothing to compute until its group decides
             num_tokens = min(seq.num_uncomputed_tokens, budget)
-            if not self.blocks.can_swap_in(seq.seq_id, seq.num_computed_tokens + num_tokens):
+            if not self.blocks.can_swap_in(seq.seq_id, seq.num_planned_tokens + num_tokens):
                 break
             plan.swap_in.extend(self.blocks.swap_in(seq.seq_id))
-            self.blocks.append_slots(seq.seq_id, seq.num_computed_tokens + num_tokens)
+            self.blocks.append_slots(seq.seq_id, seq.num_planned_tokens + num_tokens)
             self.swapped.remove(seq)
             seq.status, seq.table_replaced = SequenceStatus.RUNNING, True
             bisect.insort(self.running, seq, key=_by_arrival)
@@ -212,7 +249,7 @@ class Scheduler:
         self.num_preemptions_recompute += 1
 
     def _describe_work(self, scheduled: dict[int, int], plan: StepPlan) -> None:
-        """New sequences in full, known ones as deltas."""
+        """New sequences in full, known ones as deltas; then their tokens count as in flight."""
         for seq in self.running:
             num_tokens = scheduled.get(seq.seq_id)
             if num_tokens is None:
@@ -222,19 +259,21 @@ class Scheduler:
                 plan.new.append(NewSequence(
                     request_id=seq.request_id, seq_id=seq.seq_id, index=seq.index,
                     prompt_token_ids=seq.prompt_token_ids, output_token_ids=list(seq.output_token_ids),
-                    sampling_params=seq.worker_params, block_table=table, num_computed_tokens=seq.num_computed_tokens,
+                    sampling_params=seq.worker_params, block_table=table, num_computed_tokens=seq.num_planned_tokens,
                     num_scheduled_tokens=num_tokens, num_siblings=len(seq.pending_siblings)))
                 seq.known_to_worker = True
-            elif seq.table_replaced:
-                plan.running.append(RunningSequence(
-                    seq.seq_id, seq.token_ids(seq.num_tokens_sent), [], seq.num_computed_tokens, num_tokens, table))
             else:
+                # A placeholder now is the token the step in flight samples: the worker appends its own.
                 plan.running.append(RunningSequence(
-                    seq.seq_id, seq.token_ids(seq.num_tokens_sent), table[seq.num_blocks_sent:],
-                    seq.num_computed_tokens, num_tokens))
+                    seq.seq_id, seq.token_ids(seq.num_tokens_sent), [] if seq.table_replaced
+                    else table[seq.num_blocks_sent:], seq.num_planned_tokens, num_tokens,
+                    table if seq.table_replaced else None, append_last_sample=seq.num_placeholders > 0))
             seq.table_replaced = False
-            seq.num_tokens_sent = seq.num_tokens
+            seq.num_tokens_sent = seq.num_tokens + seq.num_placeholders
             seq.num_blocks_sent = len(table)
+            seq.num_inflight_tokens += num_tokens
+            if seq.num_uncomputed_tokens == 0:  # this step reaches the end: it samples the next token
+                seq.num_placeholders += 1
 
     def take_drops(self) -> list[int]:
         """Seq ids the worker should forget now, when no step is about to run."""
@@ -248,13 +287,17 @@ class Scheduler:
         for seq_id, num_tokens in scheduled.items():
             seq = seqs.get(seq_id)
             if seq is not None and seq.status is SequenceStatus.RUNNING:
+                seq.num_inflight_tokens -= num_tokens
                 seq.num_computed_tokens += num_tokens
+                # Every computed token is known: the placeholders of earlier steps are resolved.
                 self.blocks.cache_full_blocks(seq_id, seq.num_computed_tokens, seq.token_slice, seq.cache_extra)
         updates = []
         for out in result.outputs:
             seq = seqs.get(out.seq_id)
             if seq is None or seq.status is not SequenceStatus.RUNNING:
-                continue  # aborted while the step ran
+                continue  # finished or aborted while the step ran
+            if out.token_id is not None:
+                self._resolve_placeholder(seq)
             if seq.beam_group is not None:
                 updates.extend(self._beam_report(seq, out))
                 continue
@@ -267,6 +310,12 @@ class Scheduler:
                 self._append_token(seq, out.token_id, out.logprobs, update)
             updates.append(update)
         return updates
+
+    @staticmethod
+    def _resolve_placeholder(seq: Sequence) -> None:
+        if seq.num_placeholders == 0:
+            raise ValueError(f"the worker sampled a token for sequence {seq.seq_id}, which was not due to sample")
+        seq.num_placeholders -= 1
 
     def _append_token(self, seq: Sequence, token_id: int, logprobs, update: SequenceUpdate) -> None:
         seq.output_token_ids.append(token_id)

@@ -34,7 +34,11 @@ class Sequence:
         self.max_output_tokens = max_output_tokens  # max_tokens, capped by the context length
         self.arrival = arrival  # admission order; preemption picks the largest
         self.status = SequenceStatus.WAITING
-        self.num_computed_tokens = 0  # tokens whose KV is in the cache
+        self.num_computed_tokens = 0  # tokens whose KV is in the cache, as of the last result applied
+        # Planning ahead: tokens scheduled in steps whose results have not come back yet, and the
+        # tokens those steps will sample (placeholders: the worker knows them, the scheduler not yet).
+        self.num_inflight_tokens = 0
+        self.num_placeholders = 0
         self.stop_reason: int | str | None = None  # the stop token id or stop string that ended it
         # What the worker holds: set when sent as new, cleared when it is told to drop the sequence.
         self.known_to_worker = False
@@ -55,8 +59,21 @@ class Sequence:
         return len(self.prompt_token_ids) + len(self.output_token_ids)
 
     @property
+    def num_planned_tokens(self) -> int:
+        """Tokens whose KV is computed, or will be once the steps in flight finish."""
+        return self.num_computed_tokens + self.num_inflight_tokens
+
+    @property
     def num_uncomputed_tokens(self) -> int:
-        return self.num_tokens - self.num_computed_tokens
+        """Tokens still to schedule, counting the ones the steps in flight will sample."""
+        return self.num_tokens + self.num_placeholders - self.num_planned_tokens
+
+    def awaits_last_token(self, max_model_len: int) -> bool:
+        """A step in flight samples this sequence's last token (max_tokens or the context length):
+        there is nothing more to schedule."""
+        return self.num_placeholders > 0 and (
+            len(self.output_token_ids) + self.num_placeholders >= self.max_output_tokens
+            or self.num_tokens + self.num_placeholders >= max_model_len)
 
     def token_ids(self, start: int = 0) -> list[int]:
         return self.token_slice(start, self.num_tokens)
@@ -77,6 +94,7 @@ class Sequence:
     def reset_for_recompute(self) -> None:
         self.status = SequenceStatus.WAITING
         self.num_computed_tokens = 0
+        self.num_inflight_tokens = self.num_placeholders = 0  # only preempted with no step in flight
         self.known_to_worker = False
         self.table_replaced = False
         self.num_tokens_sent = self.num_blocks_sent = 0

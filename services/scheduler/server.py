@@ -105,7 +105,7 @@ def serve(args: argparse.Namespace) -> None:
         return SchedulerLimits(args.max_num_seqs, budget, args.enable_chunked_prefill, args.preemption_mode)
 
     engine = build_engine(args.worker, limits_from, args.watermark, args.max_logprobs, args.enable_prefix_caching)
-    loop = EngineLoop(engine)
+    loop = EngineLoop(engine, async_scheduling=args.async_scheduling)
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=args.max_streams), options=GRPC_OPTIONS)
     wire_grpc.add_SchedulerServicer_to_server(SchedulerServicer(loop, args.max_logprobs), server)
     health_servicer = health.HealthServicer()
@@ -153,6 +153,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--preemption-mode", choices=["swap", "recompute"], default=None)
     parser.add_argument("--max-logprobs", type=int, default=20)
     parser.add_argument("--watermark", type=float, default=0.01)
+    parser.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=True,
+                        help="plan each step while the worker computes the one before")
     parser.add_argument("--max-streams", type=int, default=1024, help="concurrent gateway streams")
     parser.add_argument("--drain-timeout", type=float, default=30.0, help="seconds to let requests finish on stop")
     apply_env_defaults(parser)

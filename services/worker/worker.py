@@ -171,8 +171,9 @@ class Worker:
                 owners.append(i)
             seq.sibling_sampling = []
         sampled = self.sampler.sample(self.model.compute_logits(hidden[rows]), states)
-        for (i, _), (token_id, logprobs) in zip(sampling, sampled):
+        for (i, seq), (token_id, logprobs) in zip(sampling, sampled):
             outputs[i].token_id, outputs[i].logprobs = token_id, logprobs
+            seq.last_sample = token_id
         for i, (token_id, logprobs) in zip(owners, sampled[len(sampling):]):
             outputs[i].siblings.append(Sample(token_id, logprobs))
 

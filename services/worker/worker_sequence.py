@@ -21,6 +21,9 @@ class WorkerSequence:
         # n > 1: the siblings' first tokens come from this sequence's last prompt logits.
         self.sibling_sampling = [SamplingState(params, prompt_token_ids, [], vocab_size, stream_index=index + i)
                                  for i in range(1, num_siblings + 1)]
+        # The token sampled in this sequence's latest step, until the next plan either appends it
+        # (append_last_sample: that plan was made before the scheduler saw it) or sends it.
+        self.last_sample: int | None = None
 
     @classmethod
     def from_new(cls, new: NewSequence, vocab_size: int) -> "WorkerSequence":
@@ -34,8 +37,15 @@ class WorkerSequence:
                               self.params, self.vocab_size)
 
     def apply(self, delta: RunningSequence, step_id: int) -> None:
-        self.token_ids.extend(delta.new_token_ids)
-        for token in delta.new_token_ids:
+        own, self.last_sample = self.last_sample, None
+        tokens = delta.new_token_ids
+        if delta.append_last_sample:
+            if own is None:
+                raise ValueError(f"step {step_id}: sequence {self.seq_id} is told to append its last sample, "
+                                 f"but it sampled nothing in its previous step")
+            tokens = [*tokens, own]
+        self.token_ids.extend(tokens)
+        for token in tokens:
             self.sampling.append(token)
         if delta.new_block_table is not None:
             self.block_table = list(delta.new_block_table)

@@ -175,20 +175,22 @@ class BlockIds(_message.Message):
     def __init__(self, ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class RunningSequence(_message.Message):
-    __slots__ = ("seq_id", "new_token_ids", "new_block_ids", "num_computed_tokens", "num_scheduled_tokens", "new_block_table")
+    __slots__ = ("seq_id", "new_token_ids", "new_block_ids", "num_computed_tokens", "num_scheduled_tokens", "new_block_table", "append_last_sample")
     SEQ_ID_FIELD_NUMBER: _ClassVar[int]
     NEW_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     NEW_BLOCK_IDS_FIELD_NUMBER: _ClassVar[int]
     NUM_COMPUTED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     NUM_SCHEDULED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     NEW_BLOCK_TABLE_FIELD_NUMBER: _ClassVar[int]
+    APPEND_LAST_SAMPLE_FIELD_NUMBER: _ClassVar[int]
     seq_id: int
     new_token_ids: _containers.RepeatedScalarFieldContainer[int]
     new_block_ids: _containers.RepeatedScalarFieldContainer[int]
     num_computed_tokens: int
     num_scheduled_tokens: int
     new_block_table: BlockIds
-    def __init__(self, seq_id: _Optional[int] = ..., new_token_ids: _Optional[_Iterable[int]] = ..., new_block_ids: _Optional[_Iterable[int]] = ..., num_computed_tokens: _Optional[int] = ..., num_scheduled_tokens: _Optional[int] = ..., new_block_table: _Optional[_Union[BlockIds, _Mapping]] = ...) -> None: ...
+    append_last_sample: bool
+    def __init__(self, seq_id: _Optional[int] = ..., new_token_ids: _Optional[_Iterable[int]] = ..., new_block_ids: _Optional[_Iterable[int]] = ..., num_computed_tokens: _Optional[int] = ..., num_scheduled_tokens: _Optional[int] = ..., new_block_table: _Optional[_Union[BlockIds, _Mapping]] = ..., append_last_sample: _Optional[bool] = ...) -> None: ...
 
 class Fork(_message.Message):
     __slots__ = ("parent_seq_id", "child_seq_id", "child_index")

@@ -1,0 +1,45 @@
+"""The worker's side of planning ahead: it appends its own last sample only when told, and only
+if it drew one."""
+
+from __future__ import annotations
+
+import pytest
+
+from pagedserve import LLM
+from shared.sampling_params import SamplingParams
+from shared.step_protocol import NewSequence, RunningSequence, StepPlan
+
+
+@pytest.fixture()
+def worker(llama_dir):
+    return LLM(str(llama_dir), block_size=4).engine.executor.worker
+
+
+def new_sequence(prompt: list[int], scheduled: int) -> NewSequence:
+    return NewSequence(request_id="r", seq_id=7, index=0, prompt_token_ids=prompt, output_token_ids=[],
+                       sampling_params=SamplingParams(temperature=0), block_table=[0, 1, 2],
+                       num_computed_tokens=0, num_scheduled_tokens=scheduled)
+
+
+def test_the_worker_appends_the_token_it_sampled_when_told(worker):
+    prompt = [5, 9, 13, 2, 8]
+    result = worker.execute(StepPlan(step_id=1, new=[new_sequence(prompt, len(prompt))]))
+    sampled = result.outputs[0].token_id
+    worker.execute(StepPlan(step_id=2, running=[RunningSequence(7, [], [], len(prompt), 1, append_last_sample=True)]))
+    assert worker.seqs[7].token_ids == prompt + [sampled]
+    assert worker.seqs[7].sampling.num_output_tokens == 1
+
+
+def test_a_sample_the_worker_did_not_draw_is_refused(worker):
+    prompt = [5, 9, 13, 2, 8]
+    result = worker.execute(StepPlan(step_id=1, new=[new_sequence(prompt, 3)]))  # mid-prefill: no sample
+    assert result.outputs == []
+    with pytest.raises(ValueError, match="sampled nothing in its previous step"):
+        worker.execute(StepPlan(step_id=2, running=[RunningSequence(7, [], [], 3, 2, append_last_sample=True)]))
+
+
+def test_a_token_sent_by_the_scheduler_is_used_instead_of_the_one_held(worker):
+    prompt = [5, 9, 13, 2, 8]
+    worker.execute(StepPlan(step_id=1, new=[new_sequence(prompt, len(prompt))]))
+    worker.execute(StepPlan(step_id=2, running=[RunningSequence(7, [42], [], len(prompt), 1)]))  # a beam's choice
+    assert worker.seqs[7].token_ids == prompt + [42]
