@@ -37,13 +37,17 @@ class ComputeThread:
         self._jobs: queue.SimpleQueue = queue.SimpleQueue()
         self._closed = False
 
-    def call(self, fn, *args):
-        """Run fn(*args) on the compute thread and return its result (or raise its exception)."""
+    def submit(self, fn, *args) -> Future:
+        """Queue fn(*args) for the compute thread (jobs run in the order queued); its future."""
         future: Future = Future()
         self._jobs.put((future, fn, args))
         if self._closed:  # the loop may have drained the queue already: do not wait forever
             self._fail_pending()
-        return future.result()
+        return future
+
+    def call(self, fn, *args):
+        """Run fn(*args) on the compute thread and return its result (or raise its exception)."""
+        return self.submit(fn, *args).result()
 
     def serve_until(self, stop: threading.Event, poll_s: float = 0.2) -> None:
         """The compute thread's loop: run jobs as they come until stop is set; later ones fail."""
@@ -93,20 +97,71 @@ class WorkerServicer(wire_grpc.WorkerServicer):
             return self.worker.info.to_proto()
 
     def Steps(self, request_iterator, context):
+        """Plans in, results out, in order. A reader thread queues each plan for the compute thread
+        as it arrives, so a plan sent while the previous step runs (async scheduling) starts the
+        moment that step ends, without a hop back through this handler."""
         if not self._busy.acquire(blocking=False):
             context.abort(grpc.StatusCode.FAILED_PRECONDITION, "another scheduler is driving this worker")
+        stream = _StepStream(self.worker, self.compute)
         try:
             log.info("scheduler connected", peer=context.peer())
-            for message in request_iterator:
-                with grpc_errors(context):
-                    plan = StepPlan.from_proto(message)
-                    self._log_sequences(plan)
-                    yield self.compute.call(self.worker.execute, plan).to_proto()
+            threading.Thread(target=stream.read, args=(request_iterator, self._log_sequences), name="plan-reader",
+                             daemon=True).start()
+            while (item := stream.results.get()) is not _END:
+                if isinstance(item, BaseException):
+                    with grpc_errors(context):
+                        raise item
+                yield item
         finally:
-            self.worker.seqs.clear()  # a new scheduler starts from nothing
-            self._requests.clear()
+            stream.closed.set()  # steps still queued are skipped; then the worker forgets everything
+            try:
+                self.compute.call(self._forget_all)
+            except ServiceUnavailable:  # the compute thread has stopped: nothing runs any more
+                self._forget_all()
             self._busy.release()
             log.info("scheduler disconnected")
+
+    def _forget_all(self) -> None:
+        self.worker.seqs.clear()  # a new scheduler starts from nothing
+        self._requests.clear()
+
+
+_END = object()
+
+
+class _StepStream:
+    """One scheduler's Steps stream: its plans, run on the compute thread, and their results."""
+
+    def __init__(self, worker, compute: ComputeThread):
+        self.worker = worker
+        self.compute = compute
+        self.results: queue.SimpleQueue = queue.SimpleQueue()  # result protos, an exception, then _END
+        self.closed = threading.Event()  # the stream ended: queued steps are void
+        self._failed = False
+
+    def read(self, request_iterator, on_plan) -> None:
+        """The reader thread: convert each plan and queue it; _END follows the last one queued."""
+        try:
+            for message in request_iterator:
+                plan = StepPlan.from_proto(message)
+                on_plan(plan)
+                self._queue(self._run, plan)
+        except Exception as exc:  # a malformed plan, or the stream broke (then nobody reads this)
+            self.results.put(exc)
+        self._queue(self.results.put, _END)
+
+    def _queue(self, fn, *args) -> None:
+        future = self.compute.submit(fn, *args)
+        future.add_done_callback(lambda f: f.exception() is not None and self.results.put(f.exception()))
+
+    def _run(self, plan: StepPlan) -> None:
+        if self._failed or self.closed.is_set():
+            return  # after a failed step the worker's state no longer matches the scheduler's
+        try:
+            self.results.put(self.worker.execute(plan).to_proto())
+        except Exception as exc:
+            self._failed = True
+            self.results.put(exc)
 
 
 def serve(config: EngineConfig, address: str, ready: threading.Event | None = None) -> None:
