@@ -1,11 +1,12 @@
 """Serving benchmark: requests over the OpenAI streaming API, at a Poisson rate or a fixed concurrency.
 
 Reports TTFT, TPOT and ITL (p50, p99), request and output-token throughput, and the scheduler's
-own share of each step; writes JSON. With --compare-offline it first runs the same requests
+own share of each step; writes JSON. With --compare-offline it also runs the same requests
 through the offline API in this process, so the stack's throughput is quoted against it from
-one run.
+one run; with --rounds N, offline and serving alternate N times (the stack stays up) and the
+ratio is the median of the rounds' ratios, since a shared machine's speed drifts between runs.
 
-    python benchmarks/serving.py --num-requests 64 --concurrency 64 --compare-offline   # starts the stack
+    python benchmarks/serving.py --num-requests 100 --concurrency 100 --compare-offline --rounds 5
     python benchmarks/serving.py --base-url http://127.0.0.1:8000/v1 --request-rate 2    # a running server
 """
 
@@ -17,6 +18,7 @@ import json
 import os
 import random
 import signal
+import statistics
 import subprocess
 import sys
 import time
@@ -27,6 +29,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from benchmarks.workload import BenchRequest, bench_model_dir, bench_workload, write_report  # noqa: E402
+from services.gateway.server import run_event_loop  # noqa: E402
 
 
 async def one_request(url: str, model: str, request: BenchRequest) -> dict:
@@ -97,18 +100,51 @@ def summarize(results: list[dict], elapsed: float) -> dict:
             "itl_s": percentiles(itl)}
 
 
-def run_offline(model_dir: Path, requests: list[BenchRequest]) -> dict:
+BREAKDOWN_KEYS = ("step_time_s", "forward_time_s", "sample_time_s", "scheduler_time_s", "num_steps")
+
+
+def offline_engine(model_dir: Path):
     from pagedserve import LLM, SamplingParams
 
     llm = LLM(str(model_dir))
+    llm.generate([{"prompt_token_ids": [1, 2, 3]}], SamplingParams(max_tokens=4), use_tqdm=False)  # warm up
+    return llm
+
+
+def run_offline(llm, requests: list[BenchRequest]) -> dict:
+    from pagedserve import SamplingParams
+
     prompts = [{"prompt_token_ids": r.prompt_token_ids} for r in requests]
     params = [SamplingParams(temperature=0, max_tokens=r.output_len, ignore_eos=True) for r in requests]
-    llm.generate(prompts[:4], params[:4], use_tqdm=False)
+    before = llm.stats()
     start = time.perf_counter()
     llm.generate(prompts, params, use_tqdm=False)
     elapsed = time.perf_counter() - start
+    after = llm.stats()
     tokens = sum(r.output_len for r in requests)
-    return {"elapsed_s": elapsed, "output_tokens": tokens, "tokens_per_s": tokens / elapsed}
+    return {"elapsed_s": elapsed, "output_tokens": tokens, "tokens_per_s": tokens / elapsed,
+            "step_breakdown_s": {key: after[key] - before[key] for key in BREAKDOWN_KEYS}}
+
+
+def run_serving(base_url: str, model: str, requests: list[BenchRequest], args, processes: dict[int, str]) -> dict:
+    before = engine_stats(base_url)
+    cpu_before = {pid: cpu_seconds(pid) for pid in processes}
+    # On uvloop, like the gateway: the load generator shares the cores it measures.
+    results, elapsed = run_event_loop(run_load(base_url, model, requests, args.request_rate, args.concurrency,
+                                               args.seed))
+    # CPU each process used during the load: on a small machine the server's own processes and
+    # the load generator compete with the worker for the same cores.
+    cpu = {processes[pid]: cpu_seconds(pid) - cpu_before[pid] for pid in processes}
+    after = engine_stats(base_url)
+    report = summarize(results, elapsed)
+    report["cpu_seconds"] = cpu
+    step = after.get("step_time_s", 0) - before.get("step_time_s", 0)
+    sched = after.get("scheduler_time_s", 0) - before.get("scheduler_time_s", 0)
+    report["scheduler_share_of_step"] = sched / step if step else None
+    # Where a step's wall time goes, seen from the scheduler: the worker's forward pass and
+    # sampling, the scheduler's own planning, and the rest (transport, conversion, waiting).
+    report["step_breakdown_s"] = {key: after.get(key, 0) - before.get(key, 0) for key in BREAKDOWN_KEYS}
+    return report
 
 
 def start_stack(model_dir: Path, port: int) -> subprocess.Popen:
@@ -173,46 +209,50 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--port", type=int, default=8100)
     parser.add_argument("--compare-offline", action="store_true")
+    parser.add_argument("--rounds", type=int, default=1, help="alternate offline and serving this many times")
+    parser.add_argument("--warmup", action=argparse.BooleanOptionalAction, default=True,
+                        help="run the workload once on each side, unmeasured, first")
     parser.add_argument("--out", default=str(Path(__file__).with_name("results") / "serving.json"))
     args = parser.parse_args()
 
     requests = bench_workload(args.num_requests, args.seed)
     report: dict = {"num_requests": len(requests), "request_rate": args.request_rate, "concurrency": args.concurrency}
     model_dir = bench_model_dir()
-    if args.compare_offline:
-        report["offline"] = run_offline(model_dir, requests)
+    llm = offline_engine(model_dir) if args.compare_offline else None
     stack = None
     base_url = args.base_url
     if base_url is None:
         stack = start_stack(model_dir, args.port)
         base_url = f"http://127.0.0.1:{args.port}/v1"
+    rounds = []
     try:
         with urllib.request.urlopen(f"{base_url}/models", timeout=5) as response:
             model = args.model or json.loads(response.read())["data"][0]["id"]
-        before = engine_stats(base_url)
         processes = process_names(stack.pid) if stack is not None else {}
         processes[os.getpid()] = "load generator"
-        cpu_before = {pid: cpu_seconds(pid) for pid in processes}
-        results, elapsed = asyncio.run(run_load(base_url, model, requests, args.request_rate, args.concurrency,
-                                                args.seed))
-        # CPU each process used during the load: on a small machine the server's own processes and
-        # the load generator compete with the worker for the same cores.
-        report["cpu_seconds"] = {processes[pid]: cpu_seconds(pid) - cpu_before[pid] for pid in processes}
-        after = engine_stats(base_url)
+        if args.warmup:  # first touches of the KV pools and allocator arenas, on both sides
+            if llm is not None:
+                run_offline(llm, requests)
+            run_serving(base_url, model, requests, args, processes)
+        for _ in range(args.rounds):
+            one = {"offline": run_offline(llm, requests)} if llm is not None else {}
+            one["serving"] = run_serving(base_url, model, requests, args, processes)
+            if llm is not None:
+                one["serving_over_offline"] = one["serving"]["tokens_per_s"] / one["offline"]["tokens_per_s"]
+                print(f"round {len(rounds) + 1}: offline {one['offline']['tokens_per_s']:.1f} tok/s, serving "
+                      f"{one['serving']['tokens_per_s']:.1f} tok/s, ratio {one['serving_over_offline']:.3f}",
+                      file=sys.stderr)
+            rounds.append(one)
     finally:
         if stack is not None:
             os.killpg(stack.pid, signal.SIGTERM)
             stack.wait(timeout=60)
-    report["serving"] = summarize(results, elapsed)
-    step = after.get("step_time_s", 0) - before.get("step_time_s", 0)
-    sched = after.get("scheduler_time_s", 0) - before.get("scheduler_time_s", 0)
-    report["scheduler_share_of_step"] = sched / step if step else None
-    # Where a step's wall time goes, seen from the scheduler: the worker's forward pass and
-    # sampling, the scheduler's own planning, and the rest (transport, conversion, waiting).
-    report["step_breakdown_s"] = {key: after.get(key, 0) - before.get(key, 0) for key in
-                                  ("step_time_s", "forward_time_s", "sample_time_s", "scheduler_time_s", "num_steps")}
-    if "offline" in report:
-        report["serving_over_offline"] = report["serving"]["tokens_per_s"] / report["offline"]["tokens_per_s"]
+    report["rounds"] = rounds
+    report["serving"] = rounds[-1]["serving"]  # the last round in full; each round is in "rounds"
+    if llm is not None:
+        report["offline"] = rounds[-1]["offline"]
+        report["serving_over_offline"] = statistics.median(r["serving_over_offline"] for r in rounds)
+        report["serving_over_offline_each_round"] = [round(r["serving_over_offline"], 3) for r in rounds]
     print(json.dumps(report, indent=2))
     write_report(args.out, report)
 
