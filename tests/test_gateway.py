@@ -4,6 +4,7 @@ official openai client, raw HTTP and the public gRPC API."""
 from __future__ import annotations
 
 import asyncio
+import signal
 import time
 
 import grpc
@@ -402,3 +403,25 @@ def test_every_hop_logs_the_request_id(stack):
         lines = [_json.loads(line) for line in (stack.log_dir / f"{service}.log").read_text().splitlines()
                  if line.startswith("{")]
         assert any(str(line.get("request_id", "")).startswith("trace-4711") for line in lines), service
+
+
+def test_a_hung_scheduler_fails_requests_after_the_backend_timeout_and_serving_resumes(llama_dir, tmp_path):
+    stack = Stack(llama_dir, tmp_path, worker_args=WORKER_ARGS, gateway_args=("--backend-timeout", "2")).start()
+    try:
+        url = f"{stack.base_url}/v1/completions"
+        assert httpx.post(url, json={"prompt": "Hi", "max_tokens": 2}, timeout=30).status_code == 200
+        stack.procs["scheduler"].send_signal(signal.SIGSTOP)  # alive, connected, silent
+        try:
+            started = time.monotonic()
+            error = _error(httpx.post(url, json={"prompt": "Hi", "max_tokens": 2}, timeout=30), 503)
+            assert 2 <= time.monotonic() - started < 8, "abandoned after the backend timeout, not before"
+            assert "sent nothing" in error["message"]
+        finally:
+            stack.procs["scheduler"].send_signal(signal.SIGCONT)
+        # The next request opens a new session and is answered.
+        deadline = time.monotonic() + 10
+        while (reply := httpx.post(url, json={"prompt": "Hi", "max_tokens": 2}, timeout=30)).status_code != 200:
+            assert time.monotonic() < deadline, reply.text
+            time.sleep(0.2)
+    finally:
+        stack.stop()

@@ -36,10 +36,9 @@ log = setup_logging("gateway")
 class SubmitStream:
     """One request's EngineOutputs; cancel() (or leaving early) aborts it at the scheduler."""
 
-    def __init__(self, session: Session, key: int, idle_timeout_s: float):
+    def __init__(self, session: Session, key: int):
         self._session = session
         self._key = key
-        self._idle_timeout_s = idle_timeout_s
         self._outputs: asyncio.Queue = asyncio.Queue()
         self._ended = False
 
@@ -49,15 +48,7 @@ class SubmitStream:
     async def __anext__(self) -> wire.EngineOutput:
         if self._ended:
             raise StopAsyncIteration
-        try:
-            # asyncio.timeout, not wait_for: on 3.11 wait_for can swallow a cancellation that arrives
-            # as a read completes, and a cancelled request would then run to its end.
-            async with asyncio.timeout(self._idle_timeout_s):
-                item = await self._outputs.get()
-        except TimeoutError:
-            self.cancel()
-            raise ServiceUnavailable(f"the scheduler at {self._session.address} sent nothing for "
-                                     f"{self._idle_timeout_s:g} s; the request was abandoned") from None
+        item = await self._outputs.get()  # a silent scheduler is the session's watchdog's business
         if item is _END:
             self._ended = True
             raise StopAsyncIteration
@@ -81,16 +72,22 @@ class Session:
     """The Session stream: one writer queue, one reader task that routes outputs to their requests.
 
     Requests are known on the stream by a key this session hands out (client request ids may
-    repeat; keys never do)."""
+    repeat; keys never do). A scheduler that sends nothing for idle_timeout_s while requests are
+    in flight is taken for hung: the session ends and every one of them fails with 503 (one
+    watchdog per session rather than a timer per token: the token path is the gateway's hot path)."""
 
-    def __init__(self, stub: wire_grpc.SchedulerStub, address: str):
+    def __init__(self, stub: wire_grpc.SchedulerStub, address: str, idle_timeout_s: float):
         self.address = address
         self._outgoing: asyncio.Queue = asyncio.Queue()
         self._streams: dict[int, SubmitStream] = {}
         self._keys = itertools.count(1)
         self.closed = False
+        self._loop = asyncio.get_running_loop()
+        self._last_heard = self._loop.time()  # the last message, or when requests were first in flight
+        self._failure: Exception | None = None  # why the session ended, when this side ended it
         self._call = stub.Session(self._requests())
-        self._reader = asyncio.get_running_loop().create_task(self._read())
+        self._reader = self._loop.create_task(self._read())
+        self._watchdog = self._loop.create_task(self._watch(idle_timeout_s))
 
     async def _requests(self):
         while True:
@@ -99,9 +96,11 @@ class Session:
                 return
             yield message
 
-    def submit(self, request: wire.EngineRequest, idle_timeout_s: float) -> SubmitStream:
+    def submit(self, request: wire.EngineRequest) -> SubmitStream:
         key = next(self._keys)
-        stream = SubmitStream(self, key, idle_timeout_s)
+        stream = SubmitStream(self, key)
+        if not self._streams:
+            self._last_heard = self._loop.time()  # silence while nothing was asked for does not count
         self._streams[key] = stream
         self._outgoing.put_nowait(wire.SessionRequest(submit=wire.SessionSubmit(key=key, request=request)))
         return stream
@@ -114,18 +113,31 @@ class Session:
         error: Exception = ServiceUnavailable(f"the scheduler at {self.address} closed the session")
         try:
             while (events := await self._call.read()) is not grpc.aio.EOF:
+                self._last_heard = self._loop.time()
                 self._route(events)
         except grpc.aio.AioRpcError as exc:
-            error = _domain_error(exc, self.address)
+            error = self._failure or _domain_error(exc, self.address)
         except Exception as exc:  # a bug here must not leave requests waiting or running unseen
             log.exception("scheduler session reader failed")
             error = ServiceUnavailable(f"the session with the scheduler at {self.address} failed: {exc}")
         finally:
             self.closed = True
             self._call.cancel()  # the scheduler aborts whatever this session still has running
+            self._watchdog.cancel()
             for stream in self._streams.values():
-                stream.deliver(error)
+                stream.deliver(self._failure or error)
             self._streams.clear()
+
+    async def _watch(self, idle_timeout_s: float) -> None:
+        while not self.closed:
+            await asyncio.sleep(min(1.0, idle_timeout_s / 4))
+            silent = self._loop.time() - self._last_heard
+            if self._streams and silent > idle_timeout_s:
+                self._failure = ServiceUnavailable(
+                    f"the scheduler at {self.address} sent nothing for {silent:.0f} s; its requests were abandoned")
+                log.warning("scheduler session silent: abandoning its requests", requests=len(self._streams))
+                self._call.cancel()  # the reader ends and fails every request with the reason above
+                return
 
     def _route(self, events: wire.SessionEvents) -> None:
         for output in events.outputs:
@@ -145,6 +157,7 @@ class Session:
         self._outgoing.put_nowait(None)
         self._call.cancel()
         self._reader.cancel()
+        self._watchdog.cancel()
 
 
 class SchedulerClient:
@@ -188,10 +201,10 @@ class SchedulerClient:
     async def submit(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> SubmitStream:
         await self._connected()
         if self._session is None or self._session.closed:  # first use, or the scheduler restarted
-            self._session = Session(self._stub, self.address)
+            self._session = Session(self._stub, self.address, self.idle_timeout_s)
         request = wire.EngineRequest(request_id=request_id, prompt_token_ids=prompt_token_ids,
                                      params=params.to_proto())
-        return self._session.submit(request, self.idle_timeout_s)
+        return self._session.submit(request)
 
     async def abort(self, request_id: str) -> bool:
         return (await self._unary(self._stub.Abort, api.AbortRequest(request_id=request_id))).found

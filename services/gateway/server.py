@@ -89,7 +89,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--connect-timeout", type=float, default=2.0,
                         help="seconds to wait for a connection to the scheduler before answering 503")
     parser.add_argument("--backend-timeout", type=float, default=120.0,
-                        help="seconds a request's stream may stay silent before it is abandoned with 503")
+                        help="seconds the scheduler may stay silent while requests are in flight before they "
+                             "are abandoned with 503")
     parser.add_argument("--drain-timeout", type=float, default=10.0,
                         help="seconds in-flight requests get to finish on shutdown")
     return parser
