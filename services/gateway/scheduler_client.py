@@ -4,7 +4,9 @@ All of a gateway's requests share one Session stream to the scheduler: submissio
 up it, and each engine step comes down as one message holding every new output, which a reader
 task hands to the request it belongs to. Every wait is bounded: a scheduler that is down or
 unreachable turns into ServiceUnavailable within `connect_timeout_s`, unary calls carry a
-deadline, and a request whose outputs stop for `idle_timeout_s` is abandoned (and aborted).
+deadline, and when the scheduler sends nothing on the session for `idle_timeout_s` while requests
+are in flight, they are all abandoned with ServiceUnavailable (a hung scheduler; a request merely
+waiting in a long queue behind others that progress is not abandoned).
 """
 
 from __future__ import annotations
@@ -130,12 +132,13 @@ class Session:
 
     async def _watch(self, idle_timeout_s: float) -> None:
         while not self.closed:
-            await asyncio.sleep(min(1.0, idle_timeout_s / 4))
+            await asyncio.sleep(max(0.05, min(1.0, idle_timeout_s / 4)))
             silent = self._loop.time() - self._last_heard
             if self._streams and silent > idle_timeout_s:
                 self._failure = ServiceUnavailable(
                     f"the scheduler at {self.address} sent nothing for {silent:.0f} s; its requests were abandoned")
                 log.warning("scheduler session silent: abandoning its requests", requests=len(self._streams))
+                self.closed = True  # no new request joins it from now on
                 self._call.cancel()  # the reader ends and fails every request with the reason above
                 return
 

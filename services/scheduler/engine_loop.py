@@ -195,8 +195,9 @@ class EngineLoop:
         try:
             while in_flight:  # their results must be read before anything else is sent
                 self.engine.finish_step(in_flight.popleft())
-        except Exception:  # the worker is gone; there is nothing left to tell it
-            log.warning("the step in flight at shutdown did not finish")
+        except Exception:  # the worker is gone (or applying a result failed): nothing more to tell it
+            log.warning("a step in flight at shutdown did not finish")
+            self.engine.executor.shutdown()  # still close the stream: the worker serves the next scheduler
             return
         self.engine.shutdown()
 

@@ -143,11 +143,13 @@ class _StepStream:
         """The reader thread: convert each plan and queue it; _END follows the last one queued."""
         try:
             for message in request_iterator:
+                if self.closed.is_set():
+                    break
                 plan = StepPlan.from_proto(message)
                 on_plan(plan)
                 self._queue(self._run, plan)
         except Exception as exc:  # a malformed plan, or the stream broke (then nobody reads this)
-            self.results.put(exc)
+            self._queue(self.results.put, exc)  # after the results of the steps queued before it
         self._queue(self.results.put, _END)
 
     def _queue(self, fn, *args) -> None:
