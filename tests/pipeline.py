@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-from collections import deque
-
 from services.scheduler.engine_core import EngineCore
 
 
@@ -13,21 +11,16 @@ class Pipeline:
 
     def __init__(self, engine: EngineCore):
         self.engine = engine
-        self.in_flight: deque = deque()
         self.ahead = 0  # steps planned while another was in flight
 
     def step(self):
-        if self.in_flight and self.engine.can_plan_ahead():
-            step = self.engine.start_step()
-            if step is not None:
-                self.in_flight.append(step)
-                self.ahead += 1
-        updates = self.engine.finish_step(self.in_flight.popleft()) if self.in_flight else []
-        if not self.in_flight and self.engine.has_unfinished():
-            step = self.engine.start_step()
-            if step is not None:
-                self.in_flight.append(step)
+        engine = self.engine
+        if engine.num_in_flight and engine.can_plan_ahead() and engine.start_step():
+            self.ahead += 1
+        updates = engine.finish_step() if engine.num_in_flight else []
+        if not engine.num_in_flight and engine.has_unfinished():
+            engine.start_step()
         return updates
 
     def has_unfinished(self) -> bool:
-        return bool(self.in_flight) or self.engine.has_unfinished()
+        return bool(self.engine.num_in_flight) or self.engine.has_unfinished()

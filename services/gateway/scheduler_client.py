@@ -118,7 +118,7 @@ class Session:
                 self._last_heard = self._loop.time()
                 self._route(events)
         except grpc.aio.AioRpcError as exc:
-            error = self._failure or _domain_error(exc, self.address)
+            error = _domain_error(exc, self.address)
         except Exception as exc:  # a bug here must not leave requests waiting or running unseen
             log.exception("scheduler session reader failed")
             error = ServiceUnavailable(f"the session with the scheduler at {self.address} failed: {exc}")

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import itertools
 import time
+from collections import deque
 from dataclasses import dataclass
 
 from services.scheduler.beam_search import BeamGroup
@@ -44,7 +45,7 @@ class EngineCore:
         self._requests: dict[str, list[Sequence]] = {}
         self._seq_ids = itertools.count()
         self._arrivals = itertools.count()
-        self._num_in_flight = 0  # steps submitted whose results are not applied yet
+        self._in_flight: deque[InFlightStep] = deque()  # submitted, results not applied yet; oldest first
         self._last_done = 0.0  # perf_counter when the last result was applied
 
     # --- admission ----------------------------------------------------------------------------------
@@ -135,39 +136,43 @@ class EngineCore:
 
     def step(self) -> list[SequenceUpdate]:
         """Plan one step, run it, and apply its result."""
-        step = self.start_step()
-        return self.finish_step(step) if step is not None else []
+        return self.finish_step() if self.start_step() else []
+
+    @property
+    def num_in_flight(self) -> int:
+        """Steps sent to the worker whose results are not applied yet."""
+        return len(self._in_flight)
 
     def can_plan_ahead(self) -> bool:
         """Whether start_step may be called now, with one step in flight (the scheduler service
         plans step N+1 while the worker computes step N, so the worker never waits for a plan)."""
-        return self._num_in_flight == 1 and self.scheduler.can_plan_ahead()
+        return len(self._in_flight) == 1 and self.scheduler.can_plan_ahead()
 
-    def start_step(self) -> InFlightStep | None:
-        """Plan the next step and send it to the worker without waiting; None when there is nothing to run.
+    def start_step(self) -> bool:
+        """Plan the next step and send it to the worker without waiting; False when there is nothing to run.
 
         Between start_step and finish_step the caller may do anything that does not touch the
         engine (the scheduler service streams the previous step's tokens out meanwhile). With a
-        step in flight, only when can_plan_ahead() says so; results are finished in order.
+        step in flight, only when can_plan_ahead() says so.
         """
         started = time.perf_counter()
         plan, scheduled = self.scheduler.schedule()
         self.stats.record_usage()  # blocks are at their peak now: allocated for this step's tokens
         if plan.is_empty:
-            if self._num_in_flight:
+            if self._in_flight:
                 self.scheduler.cancel_empty(plan)
             elif plan.has_side_effects:  # drops or block moves still have to happen
                 self.executor.execute(plan)
-            return None
+            return False
         sent = time.perf_counter()  # before submit: an in-process executor runs the step inside it
         self.executor.submit(plan)
-        self._num_in_flight += 1
-        return InFlightStep(plan, scheduled, started, sent)
+        self._in_flight.append(InFlightStep(plan, scheduled, started, sent))
+        return True
 
-    def finish_step(self, step: InFlightStep) -> list[SequenceUpdate]:
+    def finish_step(self) -> list[SequenceUpdate]:
         """Wait for the oldest step's result and apply it: new tokens, finished sequences, forked beams."""
+        step = self._in_flight.popleft()
         result = self.executor.wait()
-        self._num_in_flight -= 1
         received = time.perf_counter()
         updates = self.scheduler.update(step.scheduled, result, self._seqs)
         for seq in self.scheduler.spawned:  # beams forked during the update

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import queue
 import threading
-from collections import deque
 from concurrent.futures import Future
 from dataclasses import dataclass
 
@@ -152,21 +151,17 @@ class EngineLoop:
         # sessions, so the worker computes while the session threads serialise and send (they need
         # the GIL too). The step's outputs are matched to their requests before the inbox is read,
         # though: an abort or a new request with the same id must not receive them.
-        in_flight: deque = deque()
+        engine = self.engine
         try:
             while not self._stopping.is_set():
                 batches = {}
-                if in_flight:
-                    if self.async_scheduling and self.engine.can_plan_ahead():
-                        ahead = self.engine.start_step()
-                        if ahead is not None:
-                            in_flight.append(ahead)
-                    batches = self._route(self.engine.finish_step(in_flight.popleft()))
-                self._drain_inbox(block=not batches and not in_flight and not self.engine.has_unfinished())
-                if not in_flight and self.engine.has_unfinished():
-                    step = self.engine.start_step()
-                    if step is not None:
-                        in_flight.append(step)
+                if engine.num_in_flight:
+                    if self.async_scheduling and engine.can_plan_ahead():
+                        engine.start_step()
+                    batches = self._route(engine.finish_step())
+                self._drain_inbox(block=not batches and not engine.num_in_flight and not engine.has_unfinished())
+                if not engine.num_in_flight and engine.has_unfinished():
+                    engine.start_step()
                 for session, batch in batches.items():
                     session.put(batch)
         except Exception as exc:  # a worker died or a bug: fail every request rather than hang them
@@ -175,7 +170,7 @@ class EngineLoop:
             self._requests.clear()
         finally:
             self._close_everything()
-            self._shutdown_engine(in_flight)
+            self._shutdown_engine()
 
     def _close_everything(self) -> None:
         """Nothing is posted after this; what was, and every open session, gets its answer."""
@@ -191,10 +186,10 @@ class EngineLoop:
             else:
                 session.end()
 
-    def _shutdown_engine(self, in_flight: deque) -> None:
+    def _shutdown_engine(self) -> None:
         try:
-            while in_flight:  # their results must be read before anything else is sent
-                self.engine.finish_step(in_flight.popleft())
+            while self.engine.num_in_flight:  # their results must be read before anything else is sent
+                self.engine.finish_step()
         except Exception:  # the worker is gone (or applying a result failed): nothing more to tell it
             log.warning("a step in flight at shutdown did not finish")
             self.engine.executor.shutdown()  # still close the stream: the worker serves the next scheduler
