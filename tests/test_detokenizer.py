@@ -2,16 +2,43 @@
 
 from __future__ import annotations
 
+import random
+
 import pytest
 
-from shared.detokenizer import IncrementalDetokenizer
+from shared.detokenizer import IncrementalDetokenizer, StreamDecoder, WindowDecoder
+
+
+class WindowOnly:
+    """The same tokenizer without its `tokenizers` backend: the detokenizer must take the window path."""
+    backend_tokenizer = None
+
+    def __init__(self, tokenizer):
+        self._tokenizer = tokenizer
+
+    def __getattr__(self, name):
+        return getattr(self._tokenizer, name)
+
+    def __call__(self, *args, **kwargs):
+        return self._tokenizer(*args, **kwargs)
 
 
 @pytest.fixture(scope="module")
-def tokenizer(llama_dir):
+def fast_tokenizer(llama_dir):
     from shared.tokenizer import load_tokenizer
 
     return load_tokenizer(llama_dir)
+
+
+@pytest.fixture(scope="module", params=["stream", "window"])
+def tokenizer(request, fast_tokenizer):
+    """Every test runs on both decoders."""
+    return fast_tokenizer if request.param == "stream" else WindowOnly(fast_tokenizer)
+
+
+def test_the_decoder_follows_the_tokenizer(fast_tokenizer):
+    assert isinstance(IncrementalDetokenizer(fast_tokenizer, [1, 2])._decoder, StreamDecoder)
+    assert isinstance(IncrementalDetokenizer(WindowOnly(fast_tokenizer), [1, 2])._decoder, WindowDecoder)
 
 
 TEXTS = ["Hello world, naïve café — 東京 🎉 done.", "  leading spaces\nand lines\n", "ünïcödé ✓✓✓ 👩‍👩‍👧"]
@@ -59,3 +86,49 @@ def test_special_tokens_are_skipped_or_kept(tokenizer):
     keep = IncrementalDetokenizer(tokenizer, [], skip_special_tokens=False)
     keep.append(ids)
     assert skip.text == "hi" and keep.text == "hi<|im_end|>"
+
+
+def test_random_outputs_decode_as_a_whole(tokenizer, fast_tokenizer):
+    """Random ids, as a random-weight model emits them (invalid byte runs, ids the tokenizer does not
+    know) after a text prompt: wherever the output decodes cleanly as a whole, the streamed pieces
+    add up to exactly that, and no piece ends inside a character."""
+    rng = random.Random()
+    known = len(fast_tokenizer)
+    words = ["alpha", " beta", "東京", " café", "🎉", "\n", " 42"]
+    checked = 0
+    for _ in range(300):
+        prompt = fast_tokenizer("".join(rng.choices(words, k=rng.randrange(1, 5))), add_special_tokens=False).input_ids
+        if rng.random() < 0.5:
+            ids = [rng.randrange(known + 50) for _ in range(rng.randrange(1, 30))]
+        else:  # text the model could have meant, split into tokens as the tokenizer would
+            ids = fast_tokenizer("".join(rng.choices(words, k=rng.randrange(1, 8))), add_special_tokens=False).input_ids
+        detok = IncrementalDetokenizer(tokenizer, prompt)
+        pieces = [detok.append([t]).text for t in ids] + [detok.flush().text]
+        whole = fast_tokenizer.decode([t for t in ids if t < known], skip_special_tokens=True)
+        if "\ufffd" not in whole:
+            checked += 1
+            assert "".join(pieces) == whole, (prompt, ids)
+    assert checked > 100
+
+
+def test_a_prompt_ending_inside_a_character_does_not_leak_into_the_output(tokenizer, fast_tokenizer):
+    emoji = fast_tokenizer("🎉", add_special_tokens=False).input_ids
+    assert len(emoji) > 1, "the test needs a character split over tokens"
+    word = fast_tokenizer(" done", add_special_tokens=False).input_ids
+    detok = IncrementalDetokenizer(tokenizer, fast_tokenizer("Hi ", add_special_tokens=False).input_ids + emoji[:1])
+    assert detok.append(word).text + detok.flush().text == " done" and detok.text == " done"
+
+
+def test_a_stream_that_refuses_a_token_falls_back_to_the_window(fast_tokenizer):
+    ids = fast_tokenizer("naïve café — 東京 done", add_special_tokens=False).input_ids
+    detok = IncrementalDetokenizer(fast_tokenizer, [])
+    cut = len(ids) // 2
+    detok.append(ids[:cut])
+
+    class Refusing:
+        def step(self, tokenizer, token_id):
+            raise Exception("Invalid prefix encountered")
+
+    detok._decoder._stream = Refusing()
+    detok.append(ids[cut:])
+    assert detok.flush() is not None and detok.text == "naïve café — 東京 done"
