@@ -6,7 +6,6 @@ import asyncio
 import json
 import time
 import uuid
-from collections.abc import AsyncIterator
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -101,19 +100,6 @@ class RequestContext:
 
 # --- the app --------------------------------------------------------------------------------------------
 
-async def sse(events: AsyncIterator[dict]) -> AsyncIterator[str]:
-    """Server-sent events; an error after the headers went out becomes an error event."""
-    try:
-        async for event in events:
-            yield f"data: {json.dumps(event, ensure_ascii=False)}\n\n"
-    except Exception as exc:
-        yield f"data: {json.dumps(error_body(exc)[1], ensure_ascii=False)}\n\n"
-        log.warning("stream failed", error=str(exc))
-    finally:
-        await events.aclose()  # a disconnect lands here too: the runs abort their requests at the scheduler
-    yield "data: [DONE]\n\n"
-
-
 async def _unless_disconnected(request: Request, work, poll_s: float = 0.25):
     """Await `work`, cancelling it (which aborts its engine requests) if the client goes away first:
     a non-streamed answer nobody will read should not keep holding KV blocks."""
@@ -130,18 +116,36 @@ async def _unless_disconnected(request: Request, work, poll_s: float = 0.25):
 
 
 class EventStream(StreamingResponse):
-    """A streamed reply as SSE. However the response ends (done, failed, client gone, or never
-    started), the reply's engine requests are cancelled and its concurrency slot is freed."""
+    """A streamed reply as server-sent events, closed by `data: [DONE]`; an error after the headers
+    went out becomes an error event. However the response ends (done, failed, client gone, or never
+    started), the reply's engine requests are cancelled and its concurrency slot is freed.
+
+    The chunks are framed and sent here rather than through a body iterator: this loop runs once
+    per token per stream, so it keeps to one generator (the reply's) between the scheduler's
+    output and the socket."""
 
     def __init__(self, reply):
-        super().__init__(sse(reply.events()), media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+        super().__init__((), media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
         self.reply = reply
+
+    async def stream_response(self, send) -> None:
+        await send({"type": "http.response.start", "status": self.status_code, "headers": self.raw_headers})
+        events = self.reply.events()
+        try:
+            async for event in events:
+                await send({"type": "http.response.body", "body": f"data: {event}\n\n".encode(), "more_body": True})
+        except Exception as exc:
+            body = json.dumps(error_body(exc)[1], ensure_ascii=False)
+            await send({"type": "http.response.body", "body": f"data: {body}\n\n".encode(), "more_body": True})
+            log.warning("stream failed", error=str(exc))
+        finally:
+            await events.aclose()  # a disconnect lands here too: the runs abort their requests at the scheduler
+        await send({"type": "http.response.body", "body": b"data: [DONE]\n\n", "more_body": False})
 
     async def __call__(self, scope, receive, send) -> None:
         try:
             await super().__call__(scope, receive, send)
         finally:
-            await self.body_iterator.aclose()
             await self.reply.aclose()
 
 

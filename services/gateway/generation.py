@@ -69,12 +69,13 @@ class TokenLogprob:
 @dataclass
 class SeqDelta:
     """New output of one sequence since its last delta."""
-    index: int
+    index: int  # the sequence's index within its prompt's n
     token_ids: list[int]
     text: str
     logprobs: list[TokenLogprob] | None = None
     finish_reason: str | None = None  # "stop", "length" or "abort" in the sequence's last delta
     stop_reason: int | str | None = None
+    position: int = 0  # which of the request's prompts (its Run's position)
 
 
 # --- the model, as the scheduler reports it ---------------------------------------------------------
@@ -144,8 +145,9 @@ class Run:
     """One prompt's engine request: iterate it for SeqDeltas; leaving early aborts it."""
 
     def __init__(self, model: Model, stream: SubmitStream, request_id: str, prompt: list[int],
-                 params: SamplingParams, metrics: GatewayMetrics):
+                 params: SamplingParams, metrics: GatewayMetrics, position: int = 0):
         self.model, self.request_id, self.prompt, self.params = model, request_id, prompt, params
+        self.position = position  # which of the request's prompts this is
         self._stream, self._metrics = stream, metrics
         self._first = None
         self._detoks = [IncrementalDetokenizer(model.tokenizer, prompt, stop=params.stop,
@@ -187,14 +189,16 @@ class Run:
             for index, done in enumerate(self._done):
                 if not done:
                     self._done[index] = True
-                    yield SeqDelta(index, [], self._detoks[index].flush().text, None, "abort")
+                    yield SeqDelta(index, [], self._detoks[index].flush().text, None, "abort", None, self.position)
         finally:
             self.cancel()  # no-op after a normal end; otherwise aborts the rest at the scheduler
             self._metrics.finish(len(self.prompt), self.completion_tokens, time.perf_counter() - self._started)
 
     def _apply(self, message) -> SeqDelta | None:
+        # Every streamed token comes through here: each protobuf field is read once.
         index = message.seq_index
-        if message.prompt_logprobs and self.params.prompt_logprobs is not None:
+        params = self.params
+        if params.prompt_logprobs is not None and message.prompt_logprobs:
             self.prompt_logprobs = (self.prompt_logprobs or [None]) + [self.model.logprob(p)
                                                                          for p in message.prompt_logprobs]
         if self._done[index]:  # stopped by a stop string; the engine may still be running it for a moment
@@ -202,43 +206,47 @@ class Run:
         ids = list(message.new_token_ids)
         self.completion_tokens += len(ids)
         detok = self._detoks[index]
-        delta = SeqDelta(index, ids, "")
-        if self.params.logprobs is not None:
+        delta = SeqDelta(index, ids, "", position=self.position)
+        if params.logprobs is not None:
             delta.logprobs = []
             for token_id, position in zip(ids, message.new_logprobs):
                 delta.logprobs.append(self.model.logprob(position, text_offset=len(detok.text)))
                 delta.text += detok.append([token_id]).text
         else:
             delta.text = detok.append(ids).text
+        finish_reason = message.finish_reason
         if detok.stopped is not None:
             delta.finish_reason, delta.stop_reason = "stop", detok.stopped
-        elif message.finish_reason:
+        elif finish_reason:
             delta.text += detok.flush().text
-            delta.finish_reason = message.finish_reason
+            delta.finish_reason = finish_reason
             which = message.WhichOneof("stop_reason")
             delta.stop_reason = getattr(message, which) if which else None
         self._done[index] = delta.finish_reason is not None
         return delta
 
 
-async def merge(runs: list[Run]) -> AsyncIterator[tuple[int, SeqDelta]]:
-    """The deltas of several runs as they come, tagged with the run's position."""
+def merge(runs: list[Run]) -> AsyncIterator[SeqDelta]:
+    """The deltas of several runs as they come (each carries its run's position); a single run is
+    iterated directly, without a task or a queue in between."""
     if len(runs) == 1:
-        async for delta in runs[0]:
-            yield 0, delta
-        return
+        return runs[0].__aiter__()
+    return _merged(runs)
+
+
+async def _merged(runs: list[Run]) -> AsyncIterator[SeqDelta]:
     queue: asyncio.Queue = asyncio.Queue()
 
-    async def pump(position: int, run: Run) -> None:
+    async def pump(run: Run) -> None:
         try:
             async for delta in run:
-                await queue.put((position, delta))
+                await queue.put(delta)
         except Exception as exc:  # handed to the consumer, which re-raises it
             await queue.put(exc)
         finally:
             await queue.put(None)
 
-    tasks = [asyncio.create_task(pump(i, run)) for i, run in enumerate(runs)]
+    tasks = [asyncio.create_task(pump(run)) for run in runs]
     try:
         pending = len(tasks)
         while pending:
@@ -315,7 +323,7 @@ class Generator:
             for i, prompt in enumerate(prompts):
                 engine_id = f"{request_id}-{i}" if suffix_ids else request_id
                 stream = await self.client.submit(engine_id, prompt, params)
-                runs.append(Run(model, stream, engine_id, prompt, params, self.metrics))
+                runs.append(Run(model, stream, engine_id, prompt, params, self.metrics, position=i))
             starts = [asyncio.ensure_future(run.start()) for run in runs]
             await asyncio.gather(*starts)
         except BaseException:

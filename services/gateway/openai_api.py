@@ -6,6 +6,7 @@ Choice k of a completions request with several prompts is prompt k // n, sequenc
 
 from __future__ import annotations
 
+import json
 import time
 from collections import defaultdict
 from collections.abc import AsyncIterator
@@ -39,6 +40,9 @@ async def _answer(gen: Generator, body, request_id: str, reply_class):
         return reply
 
 
+_JSON = json.JSONEncoder(ensure_ascii=False)  # stateless; json.dumps with options makes one per call
+
+
 def usage(runs: list[Run]) -> dict:
     prompt = sum(len(run.prompt) for run in runs)
     completion = sum(run.completion_tokens for run in runs)
@@ -54,20 +58,31 @@ class _Reply:
         self.n = body.n
         self.created = int(time.time())
         self.slot = AsyncExitStack()
+        # Every stream chunk shares these fields: their JSON is made once, and each chunk only
+        # serializes its choices (the gateway writes one chunk per token per stream).
+        self._json = _JSON.encode
+        self._chunk_head = self._json(self.envelope(self.object_chunk, []))[:-len('[]}')]
 
     def envelope(self, kind: str, choices: list[dict], **extra) -> dict:
         return {"id": self.id, "object": kind, "created": self.created, "model": self.model.name,
                 "choices": choices, **extra}
 
-    async def events(self) -> AsyncIterator[dict]:
-        for chunk in self.opening_chunks():
-            yield chunk
-        async for position, delta in merge(self.runs):
-            choice = self.chunk_choice(position * self.n + delta.index, position, delta)
+    def chunk_json(self, choices: list[dict], usage: dict | None = None) -> str:
+        """One stream chunk as JSON: the envelope, these choices and, on the last one, usage."""
+        tail = "}" if usage is None else f', "usage": {self._json(usage)}}}'
+        return self._chunk_head + self._json(choices) + tail
+
+    async def events(self) -> AsyncIterator[str]:
+        """The stream's chunks, as JSON text."""
+        for choices in self.opening_choices():
+            yield self.chunk_json(choices)
+        n = self.n
+        async for delta in merge(self.runs):
+            choice = self.chunk_choice(delta.position * n + delta.index, delta.position, delta)
             if choice is not None:
-                yield self.envelope(self.object_chunk, [choice])
+                yield self.chunk_json([choice])
         if self.body.include_usage:
-            yield self.envelope(self.object_chunk, [], usage=usage(self.runs))
+            yield self.chunk_json([], usage=usage(self.runs))
 
     async def aclose(self) -> None:
         """Idempotent; also right when events() never started (a client gone before the first byte)."""
@@ -79,8 +94,8 @@ class _Reply:
         texts: dict[int, str] = defaultdict(str)
         logprobs: dict[int, list[TokenLogprob]] = defaultdict(list)
         ends: dict[int, SeqDelta] = {}
-        async for position, delta in merge(self.runs):
-            k = position * self.n + delta.index
+        async for delta in merge(self.runs):
+            k = delta.position * self.n + delta.index
             texts[k] += delta.text
             logprobs[k] += delta.logprobs or []
             if delta.finish_reason:
@@ -89,7 +104,7 @@ class _Reply:
                    for k in range(len(self.runs) * self.n)]
         return self.envelope(self.object_whole, choices, usage=usage(self.runs))
 
-    def opening_chunks(self) -> list[dict]:
+    def opening_choices(self) -> list[list[dict]]:
         return []
 
 
@@ -163,10 +178,9 @@ class _Chat(_Reply):
         text, ids = model.encode_chat([m.as_dict() for m in body.messages])
         return [ids], [text]
 
-    def opening_chunks(self) -> list[dict]:
+    def opening_choices(self) -> list[list[dict]]:
         # OpenAI's first delta of each choice carries the role.
-        return [self.envelope(self.object_chunk, [{"index": i, "delta": {"role": "assistant", "content": ""},
-                                                   "logprobs": None, "finish_reason": None}])
+        return [[{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}]
                 for i in range(self.n)]
 
     def _logprobs(self, entries: list[TokenLogprob]) -> dict | None:

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+from collections import deque
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
@@ -36,12 +37,16 @@ log = setup_logging("gateway")
 
 
 class SubmitStream:
-    """One request's EngineOutputs; cancel() (or leaving early) aborts it at the scheduler."""
+    """One request's EngineOutputs; cancel() (or leaving early) aborts it at the scheduler.
+
+    Its own small queue (a deque and at most one waiting future) rather than an asyncio.Queue:
+    every streamed token passes through here, and the reader is the only producer."""
 
     def __init__(self, session: Session, key: int):
         self._session = session
         self._key = key
-        self._outputs: asyncio.Queue = asyncio.Queue()
+        self._items: deque = deque()
+        self._waiter: asyncio.Future | None = None
         self._ended = False
 
     def __aiter__(self):
@@ -50,7 +55,13 @@ class SubmitStream:
     async def __anext__(self) -> wire.EngineOutput:
         if self._ended:
             raise StopAsyncIteration
-        item = await self._outputs.get()  # a silent scheduler is the session's watchdog's business
+        while not self._items:  # a silent scheduler is the session's watchdog's business
+            self._waiter = asyncio.get_running_loop().create_future()
+            try:
+                await self._waiter
+            finally:
+                self._waiter = None
+        item = self._items.popleft()
         if item is _END:
             self._ended = True
             raise StopAsyncIteration
@@ -61,7 +72,9 @@ class SubmitStream:
 
     def deliver(self, item) -> None:
         """From the session's reader: an EngineOutput, _END, or the error that ends the request."""
-        self._outputs.put_nowait(item)
+        self._items.append(item)
+        if self._waiter is not None and not self._waiter.done():
+            self._waiter.set_result(None)
 
     def cancel(self) -> None:
         """Abort the request at the scheduler (its blocks are free at the next step); no-op once ended."""

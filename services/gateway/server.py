@@ -18,6 +18,7 @@ from services.gateway.generation import Generator
 from services.gateway.grpc_api import NOT_SERVING, SERVING, create_grpc_server
 from services.gateway.metrics import GatewayMetrics
 from services.gateway.scheduler_client import SchedulerClient
+from shared.gc_heap import freeze_startup_objects
 from shared.logging import setup_logging
 
 log = setup_logging("gateway")
@@ -35,6 +36,7 @@ async def _learn_model(gen: Generator) -> None:
     while True:
         try:
             await gen.model()
+            freeze_startup_objects()  # the tokenizer, above all
             return
         except Exception as exc:
             log.info("waiting for the scheduler", scheduler=gen.client.address, error=str(exc))
