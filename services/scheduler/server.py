@@ -20,6 +20,7 @@ from services.scheduler.grpc_executor import GRPC_OPTIONS, GrpcExecutor
 from services.scheduler.scheduler import SchedulerLimits
 from services.scheduler.session import RequestError, Session, SessionBatch
 from shared.config import token_budget
+from shared.gc_heap import freeze_startup_objects
 from shared.grpc_errors import ServiceUnavailable, grpc_errors, status_for
 from shared.logging import setup_logging
 from shared.proto import pagedserve_api_pb2 as api
@@ -105,6 +106,7 @@ def serve(args: argparse.Namespace) -> None:
         return SchedulerLimits(args.max_num_seqs, budget, args.enable_chunked_prefill, args.preemption_mode)
 
     engine = build_engine(args.worker, limits_from, args.watermark, args.max_logprobs, args.enable_prefix_caching)
+    freeze_startup_objects()
     loop = EngineLoop(engine, async_scheduling=args.async_scheduling)
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=args.max_streams), options=GRPC_OPTIONS)
     wire_grpc.add_SchedulerServicer_to_server(SchedulerServicer(loop, args.max_logprobs), server)

@@ -15,6 +15,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from shared.config import EngineConfig
+from shared.gc_heap import freeze_startup_objects
 from shared.grpc_errors import ServiceUnavailable, grpc_errors
 from shared.logging import setup_logging
 from shared.proto import pagedserve_internal_pb2 as wire
@@ -170,6 +171,7 @@ def serve(config: EngineConfig, address: str, ready: threading.Event | None = No
     from services.worker.worker import Worker
 
     worker = Worker(config)
+    freeze_startup_objects()  # the model's modules and parameters, among others
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=4), options=GRPC_OPTIONS)
     compute = ComputeThread()
     wire_grpc.add_WorkerServicer_to_server(WorkerServicer(worker, compute), server)

@@ -1,0 +1,18 @@
+"""Keep the garbage collector off what a service builds at start-up.
+
+A service's start-up objects (tokenizer, model, libraries, protobuf descriptors) live as long as
+the process, yet every full collection walks all of them again; per token the gateway allocates
+enough to trigger collections often. Freezing them after start-up (as vLLM does for its server
+and engine) moves them out of the collector's reach: the gateway's CPU per streamed token fell by
+~12 % here (benchmarks/gateway_overhead.py). Objects made later are collected as usual.
+"""
+
+from __future__ import annotations
+
+import gc
+
+
+def freeze_startup_objects() -> None:
+    """Collect once, then exempt everything alive now from future collections."""
+    gc.collect()
+    gc.freeze()
