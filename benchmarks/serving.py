@@ -32,33 +32,66 @@ from benchmarks.workload import BenchRequest, bench_model_dir, bench_workload, w
 from services.gateway.server import run_event_loop  # noqa: E402
 
 
+class _StreamReader(asyncio.Protocol):
+    """One streamed completion over HTTP/1.1 (Connection: close), read as it comes in the protocol's
+    callbacks: no stream reader, no task per chunk. Each server-sent event ends in a blank line; the
+    arrival time of every event that carries text is kept (events that land in one read share it)."""
+
+    def __init__(self, request: bytes, done: asyncio.Future):
+        self.request, self.done = request, done
+        self.arrivals: list[float] = []
+        self.status: bytes | None = None
+        self._pending = b""  # bytes not yet part of a whole event (or, before the body, the headers)
+
+    def connection_made(self, transport) -> None:
+        transport.write(self.request)
+
+    def data_received(self, data: bytes) -> None:
+        now = time.perf_counter()
+        self._pending += data
+        if self.status is None:
+            head, sep, rest = self._pending.partition(b"\r\n\r\n")
+            if not sep:
+                return
+            self.status, self._pending = head.split(b" ", 2)[1], rest
+        if self.status != b"200":
+            return  # the error body is read whole when the server closes
+        *events, self._pending = self._pending.split(b"\n\n")
+        for event in events:
+            if b'"text": "' in event and b'"text": ""' not in event:
+                self.arrivals.append(now)
+
+    def connection_lost(self, exc) -> None:
+        if self.done.done():
+            return
+        if exc is not None:
+            self.done.set_exception(exc)
+        elif self.status != b"200":
+            self.done.set_exception(RuntimeError(f"HTTP {self.status}: {self._pending.decode(errors='replace')[:300]}"))
+        else:
+            self.done.set_result(None)
+
+
 async def one_request(url: str, model: str, request: BenchRequest) -> dict:
     """One streamed completion; the arrival time of every chunk that carries text.
 
-    A bare HTTP/1.1 client on asyncio streams (one connection per request, chunked SSE read as it
-    comes): the load generator shares the CPU with the server, so it must cost as little as possible.
+    The load generator shares the CPU with the server, so it must cost as little as possible: a
+    bare HTTP/1.1 client as an asyncio protocol, one connection per request.
     """
     body = json.dumps({"model": model, "prompt": request.prompt_token_ids, "max_tokens": request.output_len,
                        "temperature": 0, "stream": True, "ignore_eos": True}).encode()
     parts = urllib.parse.urlsplit(url)
+    message = (f"POST {parts.path} HTTP/1.1\r\nHost: {parts.netloc}\r\nContent-Type: application/json\r\n"
+               f"Content-Length: {len(body)}\r\nConnection: close\r\n\r\n").encode() + body
+    loop = asyncio.get_running_loop()
     start = time.perf_counter()
-    reader, writer = await asyncio.open_connection(parts.hostname, parts.port)
+    done = loop.create_future()
+    transport, reader = await loop.create_connection(lambda: _StreamReader(message, done), parts.hostname, parts.port)
     try:
-        writer.write(f"POST {parts.path} HTTP/1.1\r\nHost: {parts.netloc}\r\nContent-Type: application/json\r\n"
-                     f"Content-Length: {len(body)}\r\nConnection: close\r\n\r\n".encode() + body)
-        status = (await reader.readline()).split(b" ", 2)
-        if len(status) < 2 or status[1] != b"200":
-            raise RuntimeError(f"HTTP {b' '.join(status[1:]).decode().strip()}: {(await reader.read()).decode()[:300]}")
-        while (await reader.readline()) not in (b"\r\n", b""):
-            pass  # response headers (the stream is chunked)
-        arrivals = []
-        while size := int((await reader.readline()).strip() or b"0", 16):
-            chunk = await reader.readexactly(size + 2)
-            if b'"text": "' in chunk and b'"text": ""' not in chunk:
-                arrivals.append(time.perf_counter())
+        await done
     finally:
-        writer.close()
-    return {"start": start, "end": time.perf_counter(), "arrivals": arrivals, "output_len": request.output_len}
+        transport.close()
+    return {"start": start, "end": time.perf_counter(), "arrivals": reader.arrivals, "output_len": request.output_len}
 
 
 async def run_load(base_url: str, model: str, requests: list[BenchRequest], rate: float | None,
