@@ -24,20 +24,6 @@ SCHEDULER_FLAGS = ("max_num_seqs", "max_num_batched_tokens", "enable_chunked_pre
 GATEWAY_FLAGS = ("host", "port", "grpc_port", "served_model_name", "tokenizer")
 
 
-def worker_environment(env: dict[str, str]) -> dict[str, str]:
-    """The worker's environment when it shares the machine with the gateway and scheduler.
-
-    libgomp lets a thread that waits at the end of a parallel region spin ~300,000 times before it
-    sleeps: milliseconds, so a worker's OpenMP threads hold every core even between kernels, and
-    each time the gateway or scheduler runs, a team thread is pushed off its core while its partner
-    spins. A shorter spin hands those gaps over (serving 3-4 % faster here; the offline engine, alone
-    on its cores, keeps the default, which suits it). A value the user set wins.
-    """
-    if "GOMP_SPINCOUNT" in env or "OMP_WAIT_POLICY" in env:
-        return env
-    return {**env, "GOMP_SPINCOUNT": "20000"}
-
-
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="pagedserve serve", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -94,8 +80,6 @@ class Stack:
         # A session of its own: Ctrl-C reaches only the launcher, which stops the children in order.
         # Should the launcher itself die (SIGKILL), the kernel sends the children SIGTERM: no orphans.
         env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-        if name == "worker":
-            env = worker_environment(env)
         self.procs[name] = subprocess.Popen(cmd, env=env, start_new_session=True, preexec_fn=_terminate_with_parent)
 
     def _check_alive(self, name: str) -> None:

@@ -73,11 +73,3 @@ def test_serve_starts_and_leaves_nothing_behind(llama_dir, tmp_path, how):
         for pid in [proc.pid, *children]:
             if alive(pid):
                 os.kill(pid, signal.SIGKILL)
-
-
-def test_the_colocated_worker_spins_less_unless_told_otherwise():
-    from pagedserve.launcher import worker_environment
-
-    assert worker_environment({"PATH": "/bin"}) == {"PATH": "/bin", "GOMP_SPINCOUNT": "20000"}
-    assert worker_environment({"GOMP_SPINCOUNT": "300000"})["GOMP_SPINCOUNT"] == "300000"
-    assert "GOMP_SPINCOUNT" not in worker_environment({"OMP_WAIT_POLICY": "active"})
