@@ -59,8 +59,12 @@ class BlockManager:
     def blocks_for(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
 
-    def block_table(self, seq_id: int) -> list[int]:
-        return [block.block_id for block in self._tables.get(seq_id, ())]
+    def block_table(self, seq_id: int, start: int = 0) -> list[int]:
+        """The physical block ids of the sequence's table, from logical block ``start`` on."""
+        return [block.block_id for block in self._tables.get(seq_id, ())[start:]]
+
+    def num_table_blocks(self, seq_id: int) -> int:
+        return len(self._tables.get(seq_id, ()))
 
     def num_slotted_tokens(self, seq_id: int) -> int:
         return self._num_slotted.get(seq_id, 0)
@@ -114,18 +118,17 @@ class BlockManager:
         partly filled last block), the sequence gets its own copy first; a shared block is never
         written in place.
         """
-        if not self.can_allocate(seq_id, num_tokens, write_from=write_from):
+        num_new = self.num_new_blocks_needed(seq_id, num_tokens)
+        shared = self._shared_block_at(seq_id, write_from) if write_from is not None else None
+        if num_new + (shared is not None) > self.num_free_blocks:
             return None
-        copy = self._copy_on_write(seq_id, write_from) if write_from is not None else None
-        new_blocks = self.pool.allocate(self.num_new_blocks_needed(seq_id, num_tokens))
+        copy = self._copy_on_write(seq_id, write_from, shared) if shared is not None else None
+        new_blocks = self.pool.allocate(num_new)
         self._tables.setdefault(seq_id, []).extend(new_blocks)
         self._num_slotted[seq_id] = max(num_tokens, self._num_slotted.get(seq_id, 0))
         return Allocation([block.block_id for block in new_blocks], copy)
 
-    def _copy_on_write(self, seq_id: int, position: int) -> tuple[int, int] | None:
-        shared = self._shared_block_at(seq_id, position)
-        if shared is None:
-            return None
+    def _copy_on_write(self, seq_id: int, position: int, shared: KVCacheBlock) -> tuple[int, int]:
         (fresh,) = self.pool.allocate(1)
         self._tables[seq_id][position // self.block_size] = fresh
         self.pool.free([shared])

@@ -141,6 +141,10 @@ class Scheduler:
         if any(seq.beam_group is not None or seq.pending_siblings for seq in self.running):
             return False
         budget, needed = self.limits.max_num_batched_tokens, 0
+        # Each sequence needs at most ceil(its tokens / block_size) + 1 new blocks, plus one
+        # copy: when even the whole budget spread that way fits, the exact count is not needed.
+        if self.blocks.blocks_for(budget) + 3 * len(self.running) <= self.blocks.num_free_blocks:
+            return True
         for seq in self.running:
             if budget <= 0:
                 break
@@ -254,23 +258,26 @@ class Scheduler:
             num_tokens = scheduled.get(seq.seq_id)
             if num_tokens is None:
                 continue
-            table = self.blocks.block_table(seq.seq_id)
             if not seq.known_to_worker:
                 plan.new.append(NewSequence(
                     request_id=seq.request_id, seq_id=seq.seq_id, index=seq.index,
                     prompt_token_ids=seq.prompt_token_ids, output_token_ids=list(seq.output_token_ids),
-                    sampling_params=seq.worker_params, block_table=table, num_computed_tokens=seq.num_planned_tokens,
-                    num_scheduled_tokens=num_tokens, num_siblings=len(seq.pending_siblings)))
+                    sampling_params=seq.worker_params, block_table=self.blocks.block_table(seq.seq_id),
+                    num_computed_tokens=seq.num_planned_tokens, num_scheduled_tokens=num_tokens,
+                    num_siblings=len(seq.pending_siblings)))
                 seq.known_to_worker = True
             else:
+                # Only the blocks added since the last plan (the whole table only when it was
+                # replaced): per step, the cost follows the sequences, not their lengths.
                 # A placeholder now is the token the step in flight samples: the worker appends its own.
+                table = self.blocks.block_table(seq.seq_id) if seq.table_replaced else None
                 plan.running.append(RunningSequence(
-                    seq.seq_id, seq.token_ids(seq.num_tokens_sent), [] if seq.table_replaced
-                    else table[seq.num_blocks_sent:], seq.num_planned_tokens, num_tokens,
-                    table if seq.table_replaced else None, append_last_sample=seq.num_placeholders > 0))
+                    seq.seq_id, seq.token_ids(seq.num_tokens_sent),
+                    [] if table is not None else self.blocks.block_table(seq.seq_id, seq.num_blocks_sent),
+                    seq.num_planned_tokens, num_tokens, table, append_last_sample=seq.num_placeholders > 0))
             seq.table_replaced = False
             seq.num_tokens_sent = seq.num_tokens + seq.num_placeholders
-            seq.num_blocks_sent = len(table)
+            seq.num_blocks_sent = self.blocks.num_table_blocks(seq.seq_id)
             seq.num_inflight_tokens += num_tokens
             if seq.num_uncomputed_tokens == 0:  # this step reaches the end: it samples the next token
                 seq.num_placeholders += 1
@@ -334,7 +341,7 @@ class Scheduler:
         child.num_computed_tokens = parent.num_computed_tokens
         child.known_to_worker = True
         child.num_tokens_sent = child.num_tokens
-        child.num_blocks_sent = len(self.blocks.block_table(child.seq_id))
+        child.num_blocks_sent = self.blocks.num_table_blocks(child.seq_id)
         child.status = SequenceStatus.RUNNING
         bisect.insort(self.running, child, key=_by_arrival)
 
