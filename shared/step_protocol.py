@@ -74,20 +74,39 @@ class RunningSequence:
     # step just before: the plan was made while that step ran, before its result came back.
     append_last_sample: bool = False
 
-    def to_proto(self) -> wire.RunningSequence:
-        m = wire.RunningSequence(seq_id=self.seq_id, new_token_ids=self.new_token_ids,
-                                 new_block_ids=self.new_block_ids, num_computed_tokens=self.num_computed_tokens,
-                                 num_scheduled_tokens=self.num_scheduled_tokens,
-                                 append_last_sample=self.append_last_sample)
-        if self.new_block_table is not None:
-            m.new_block_table.ids.extend(self.new_block_table)
-        return m
 
-    @classmethod
-    def from_proto(cls, m: wire.RunningSequence) -> "RunningSequence":
-        table = list(m.new_block_table.ids) if m.HasField("new_block_table") else None
-        return cls(m.seq_id, list(m.new_token_ids), list(m.new_block_ids), m.num_computed_tokens,
-                   m.num_scheduled_tokens, table, m.append_last_sample)
+def running_to_proto(deltas: list[RunningSequence]) -> wire.RunningDeltas:
+    """The deltas as columns (entry i is deltas[i]); see RunningDeltas in the proto."""
+    m = wire.RunningDeltas(
+        seq_ids=[d.seq_id for d in deltas], num_computed_tokens=[d.num_computed_tokens for d in deltas],
+        num_scheduled_tokens=[d.num_scheduled_tokens for d in deltas],
+        append_last_sample=[d.append_last_sample for d in deltas],
+        num_new_tokens=[len(d.new_token_ids) for d in deltas],
+        new_token_ids=[t for d in deltas for t in d.new_token_ids],
+        num_new_blocks=[len(d.new_block_ids) for d in deltas],
+        new_block_ids=[b for d in deltas for b in d.new_block_ids])
+    for i, d in enumerate(deltas):
+        if d.new_block_table is not None:
+            m.new_block_tables[i].ids.extend(d.new_block_table)
+    return m
+
+
+def running_from_proto(m: wire.RunningDeltas) -> list[RunningSequence]:
+    columns = (m.seq_ids, m.num_computed_tokens, m.num_scheduled_tokens, m.append_last_sample, m.num_new_tokens,
+               m.num_new_blocks)
+    count = len(m.seq_ids)
+    if any(len(column) != count for column in columns) or sum(m.num_new_tokens) != len(m.new_token_ids) \
+            or sum(m.num_new_blocks) != len(m.new_block_ids) or any(i >= count for i in m.new_block_tables):
+        raise ValueError("malformed plan: the running sequences' columns do not line up")
+    tokens, blocks = list(m.new_token_ids), list(m.new_block_ids)
+    tables = {i: list(table.ids) for i, table in m.new_block_tables.items()}
+    deltas, t, b = [], 0, 0
+    for i, (seq_id, computed, scheduled, append, num_tokens, num_blocks) in enumerate(zip(*columns)):
+        deltas.append(RunningSequence(seq_id, tokens[t:t + num_tokens], blocks[b:b + num_blocks], computed,
+                                      scheduled, tables.get(i), append))
+        t += num_tokens
+        b += num_blocks
+    return deltas
 
 
 @dataclass(slots=True)
@@ -144,14 +163,14 @@ class StepPlan:
 
     def to_proto(self) -> wire.StepPlan:
         return wire.StepPlan(step_id=self.step_id, new=[s.to_proto() for s in self.new],
-                             running=[s.to_proto() for s in self.running], finished_seq_ids=self.finished_seq_ids,
+                             running=running_to_proto(self.running), finished_seq_ids=self.finished_seq_ids,
                              forks=[f.to_proto() for f in self.forks], swap_out=moves_to_proto(self.swap_out),
                              swap_in=moves_to_proto(self.swap_in), copies=moves_to_proto(self.copies))
 
     @classmethod
     def from_proto(cls, m: wire.StepPlan) -> "StepPlan":
         return cls(m.step_id, [NewSequence.from_proto(s) for s in m.new],
-                   [RunningSequence.from_proto(s) for s in m.running], list(m.finished_seq_ids),
+                   running_from_proto(m.running), list(m.finished_seq_ids),
                    [Fork.from_proto(f) for f in m.forks], moves_from_proto(m.swap_out),
                    moves_from_proto(m.swap_in), moves_from_proto(m.copies))
 
@@ -206,6 +225,12 @@ class SequenceOutput:
     prompt_logprobs_start: int = 0
     siblings: list[Sample] = field(default_factory=list)  # first tokens of siblings 1..n-1 (see num_siblings)
 
+    @property
+    def is_plain(self) -> bool:
+        """A sampled token and nothing else: the common output, sent as two column entries."""
+        return (self.token_id is not None and self.logprobs is None and self.prompt_logprobs is None
+                and not self.siblings and self.prompt_logprobs_start == 0)
+
     def to_proto(self) -> wire.SequenceOutput:
         m = wire.SequenceOutput(seq_id=self.seq_id, prompt_logprobs_start=self.prompt_logprobs_start,
                                 siblings=[s.to_proto() for s in self.siblings])
@@ -225,6 +250,33 @@ class SequenceOutput:
                    [Sample.from_proto(s) for s in m.siblings])
 
 
+def outputs_to_proto(outputs: list[SequenceOutput]) -> wire.StepOutputs:
+    """Plain outputs (a token, nothing else) as two columns, the others whole with their places."""
+    m = wire.StepOutputs()
+    seq_ids, token_ids = [], []
+    for position, out in enumerate(outputs):
+        if out.is_plain:
+            seq_ids.append(out.seq_id)
+            token_ids.append(out.token_id)
+        else:
+            m.detailed.append(out.to_proto())
+            m.detailed_positions.append(position)
+    m.seq_ids.extend(seq_ids)
+    m.token_ids.extend(token_ids)
+    return m
+
+
+def outputs_from_proto(m: wire.StepOutputs) -> list[SequenceOutput]:
+    total = len(m.seq_ids) + len(m.detailed)
+    positions = list(m.detailed_positions)
+    if len(m.token_ids) != len(m.seq_ids) or len(positions) != len(m.detailed) \
+            or positions != sorted(set(positions)) or (positions and positions[-1] >= total):
+        raise ValueError("malformed result: the outputs' columns do not line up")
+    plain = iter([SequenceOutput(seq_id, token_id) for seq_id, token_id in zip(m.seq_ids, m.token_ids)])
+    detailed = dict(zip(positions, m.detailed))
+    return [SequenceOutput.from_proto(detailed[i]) if i in detailed else next(plain) for i in range(total)]
+
+
 @dataclass(slots=True)
 class StepResult:
     step_id: int  # the plan's
@@ -233,12 +285,12 @@ class StepResult:
     sample_time_s: float = 0.0  # logits processing and sampling
 
     def to_proto(self) -> wire.StepResult:
-        return wire.StepResult(step_id=self.step_id, outputs=[o.to_proto() for o in self.outputs],
+        return wire.StepResult(step_id=self.step_id, outputs=outputs_to_proto(self.outputs),
                                forward_time_s=self.forward_time_s, sample_time_s=self.sample_time_s)
 
     @classmethod
     def from_proto(cls, m: wire.StepResult) -> "StepResult":
-        return cls(m.step_id, [SequenceOutput.from_proto(o) for o in m.outputs], m.forward_time_s, m.sample_time_s)
+        return cls(m.step_id, outputs_from_proto(m.outputs), m.forward_time_s, m.sample_time_s)
 
 
 @dataclass(frozen=True, slots=True)

@@ -174,23 +174,34 @@ class BlockIds(_message.Message):
     ids: _containers.RepeatedScalarFieldContainer[int]
     def __init__(self, ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
-class RunningSequence(_message.Message):
-    __slots__ = ("seq_id", "new_token_ids", "new_block_ids", "num_computed_tokens", "num_scheduled_tokens", "new_block_table", "append_last_sample")
-    SEQ_ID_FIELD_NUMBER: _ClassVar[int]
-    NEW_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
-    NEW_BLOCK_IDS_FIELD_NUMBER: _ClassVar[int]
+class RunningDeltas(_message.Message):
+    __slots__ = ("seq_ids", "num_computed_tokens", "num_scheduled_tokens", "append_last_sample", "num_new_tokens", "new_token_ids", "num_new_blocks", "new_block_ids", "new_block_tables")
+    class NewBlockTablesEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: int
+        value: BlockIds
+        def __init__(self, key: _Optional[int] = ..., value: _Optional[_Union[BlockIds, _Mapping]] = ...) -> None: ...
+    SEQ_IDS_FIELD_NUMBER: _ClassVar[int]
     NUM_COMPUTED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     NUM_SCHEDULED_TOKENS_FIELD_NUMBER: _ClassVar[int]
-    NEW_BLOCK_TABLE_FIELD_NUMBER: _ClassVar[int]
     APPEND_LAST_SAMPLE_FIELD_NUMBER: _ClassVar[int]
-    seq_id: int
+    NUM_NEW_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    NEW_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    NUM_NEW_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    NEW_BLOCK_IDS_FIELD_NUMBER: _ClassVar[int]
+    NEW_BLOCK_TABLES_FIELD_NUMBER: _ClassVar[int]
+    seq_ids: _containers.RepeatedScalarFieldContainer[int]
+    num_computed_tokens: _containers.RepeatedScalarFieldContainer[int]
+    num_scheduled_tokens: _containers.RepeatedScalarFieldContainer[int]
+    append_last_sample: _containers.RepeatedScalarFieldContainer[bool]
+    num_new_tokens: _containers.RepeatedScalarFieldContainer[int]
     new_token_ids: _containers.RepeatedScalarFieldContainer[int]
+    num_new_blocks: _containers.RepeatedScalarFieldContainer[int]
     new_block_ids: _containers.RepeatedScalarFieldContainer[int]
-    num_computed_tokens: int
-    num_scheduled_tokens: int
-    new_block_table: BlockIds
-    append_last_sample: bool
-    def __init__(self, seq_id: _Optional[int] = ..., new_token_ids: _Optional[_Iterable[int]] = ..., new_block_ids: _Optional[_Iterable[int]] = ..., num_computed_tokens: _Optional[int] = ..., num_scheduled_tokens: _Optional[int] = ..., new_block_table: _Optional[_Union[BlockIds, _Mapping]] = ..., append_last_sample: _Optional[bool] = ...) -> None: ...
+    new_block_tables: _containers.MessageMap[int, BlockIds]
+    def __init__(self, seq_ids: _Optional[_Iterable[int]] = ..., num_computed_tokens: _Optional[_Iterable[int]] = ..., num_scheduled_tokens: _Optional[_Iterable[int]] = ..., append_last_sample: _Optional[_Iterable[bool]] = ..., num_new_tokens: _Optional[_Iterable[int]] = ..., new_token_ids: _Optional[_Iterable[int]] = ..., num_new_blocks: _Optional[_Iterable[int]] = ..., new_block_ids: _Optional[_Iterable[int]] = ..., new_block_tables: _Optional[_Mapping[int, BlockIds]] = ...) -> None: ...
 
 class Fork(_message.Message):
     __slots__ = ("parent_seq_id", "child_seq_id", "child_index")
@@ -222,13 +233,13 @@ class StepPlan(_message.Message):
     COPIES_FIELD_NUMBER: _ClassVar[int]
     step_id: int
     new: _containers.RepeatedCompositeFieldContainer[NewSequence]
-    running: _containers.RepeatedCompositeFieldContainer[RunningSequence]
+    running: RunningDeltas
     finished_seq_ids: _containers.RepeatedScalarFieldContainer[int]
     forks: _containers.RepeatedCompositeFieldContainer[Fork]
     swap_out: _containers.RepeatedCompositeFieldContainer[BlockMove]
     swap_in: _containers.RepeatedCompositeFieldContainer[BlockMove]
     copies: _containers.RepeatedCompositeFieldContainer[BlockMove]
-    def __init__(self, step_id: _Optional[int] = ..., new: _Optional[_Iterable[_Union[NewSequence, _Mapping]]] = ..., running: _Optional[_Iterable[_Union[RunningSequence, _Mapping]]] = ..., finished_seq_ids: _Optional[_Iterable[int]] = ..., forks: _Optional[_Iterable[_Union[Fork, _Mapping]]] = ..., swap_out: _Optional[_Iterable[_Union[BlockMove, _Mapping]]] = ..., swap_in: _Optional[_Iterable[_Union[BlockMove, _Mapping]]] = ..., copies: _Optional[_Iterable[_Union[BlockMove, _Mapping]]] = ...) -> None: ...
+    def __init__(self, step_id: _Optional[int] = ..., new: _Optional[_Iterable[_Union[NewSequence, _Mapping]]] = ..., running: _Optional[_Union[RunningDeltas, _Mapping]] = ..., finished_seq_ids: _Optional[_Iterable[int]] = ..., forks: _Optional[_Iterable[_Union[Fork, _Mapping]]] = ..., swap_out: _Optional[_Iterable[_Union[BlockMove, _Mapping]]] = ..., swap_in: _Optional[_Iterable[_Union[BlockMove, _Mapping]]] = ..., copies: _Optional[_Iterable[_Union[BlockMove, _Mapping]]] = ...) -> None: ...
 
 class Sample(_message.Message):
     __slots__ = ("token_id", "logprobs")
@@ -254,6 +265,18 @@ class SequenceOutput(_message.Message):
     siblings: _containers.RepeatedCompositeFieldContainer[Sample]
     def __init__(self, seq_id: _Optional[int] = ..., token_id: _Optional[int] = ..., logprobs: _Optional[_Union[PositionLogprobs, _Mapping]] = ..., prompt_logprobs: _Optional[_Iterable[_Union[PositionLogprobs, _Mapping]]] = ..., prompt_logprobs_start: _Optional[int] = ..., siblings: _Optional[_Iterable[_Union[Sample, _Mapping]]] = ...) -> None: ...
 
+class StepOutputs(_message.Message):
+    __slots__ = ("seq_ids", "token_ids", "detailed", "detailed_positions")
+    SEQ_IDS_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    DETAILED_FIELD_NUMBER: _ClassVar[int]
+    DETAILED_POSITIONS_FIELD_NUMBER: _ClassVar[int]
+    seq_ids: _containers.RepeatedScalarFieldContainer[int]
+    token_ids: _containers.RepeatedScalarFieldContainer[int]
+    detailed: _containers.RepeatedCompositeFieldContainer[SequenceOutput]
+    detailed_positions: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, seq_ids: _Optional[_Iterable[int]] = ..., token_ids: _Optional[_Iterable[int]] = ..., detailed: _Optional[_Iterable[_Union[SequenceOutput, _Mapping]]] = ..., detailed_positions: _Optional[_Iterable[int]] = ...) -> None: ...
+
 class StepResult(_message.Message):
     __slots__ = ("step_id", "outputs", "forward_time_s", "sample_time_s", "error")
     STEP_ID_FIELD_NUMBER: _ClassVar[int]
@@ -262,8 +285,8 @@ class StepResult(_message.Message):
     SAMPLE_TIME_S_FIELD_NUMBER: _ClassVar[int]
     ERROR_FIELD_NUMBER: _ClassVar[int]
     step_id: int
-    outputs: _containers.RepeatedCompositeFieldContainer[SequenceOutput]
+    outputs: StepOutputs
     forward_time_s: float
     sample_time_s: float
     error: str
-    def __init__(self, step_id: _Optional[int] = ..., outputs: _Optional[_Iterable[_Union[SequenceOutput, _Mapping]]] = ..., forward_time_s: _Optional[float] = ..., sample_time_s: _Optional[float] = ..., error: _Optional[str] = ...) -> None: ...
+    def __init__(self, step_id: _Optional[int] = ..., outputs: _Optional[_Union[StepOutputs, _Mapping]] = ..., forward_time_s: _Optional[float] = ..., sample_time_s: _Optional[float] = ..., error: _Optional[str] = ...) -> None: ...
