@@ -3,8 +3,9 @@
 Reports TTFT, TPOT and ITL (p50, p99), request and output-token throughput, and the scheduler's
 own share of each step; writes JSON. With --compare-offline it also runs the same requests
 through the offline API in this process, so the stack's throughput is quoted against it from
-one run; with --rounds N, offline and serving alternate N times (the stack stays up) and the
-ratio is the median of the rounds' ratios, since a shared machine's speed drifts between runs.
+one run: each round runs offline, serving, serving, offline (the stack stays up), so a drift of
+the machine's speed that is linear over the round cancels; with --rounds N the ratio quoted is the
+median of the rounds' ratios.
 
     python benchmarks/serving.py --num-requests 100 --concurrency 100 --compare-offline --rounds 5
     python benchmarks/serving.py --base-url http://127.0.0.1:8000/v1 --request-rate 2    # a running server
@@ -159,6 +160,21 @@ def run_offline(llm, requests: list[BenchRequest]) -> dict:
             "step_breakdown_s": {key: after[key] - before[key] for key in BREAKDOWN_KEYS}}
 
 
+def one_round(llm, requests: list[BenchRequest], serve) -> dict:
+    """Offline, serving, serving, offline: a drift of the machine's speed that is linear over the
+    round cancels out of the ratio of the means (on a shared machine it drifts by tens of percent
+    within minutes). Without an offline engine, one serving run."""
+    if llm is None:
+        return {"serving": [serve()]}
+    offline, serving = [run_offline(llm, requests)], [serve(), serve()]
+    offline.append(run_offline(llm, requests))
+    return {"offline": offline, "serving": serving, "serving_over_offline": mean_tps(serving) / mean_tps(offline)}
+
+
+def mean_tps(runs: list[dict]) -> float:
+    return statistics.mean(run["tokens_per_s"] for run in runs)
+
+
 def run_serving(base_url: str, model: str, requests: list[BenchRequest], args, processes: dict[int, str]) -> dict:
     before = engine_stats(base_url)
     cpu_before = {pid: cpu_seconds(pid) for pid in processes}
@@ -242,7 +258,7 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--port", type=int, default=8100)
     parser.add_argument("--compare-offline", action="store_true")
-    parser.add_argument("--rounds", type=int, default=1, help="alternate offline and serving this many times")
+    parser.add_argument("--rounds", type=int, default=1, help="rounds of offline, serving, serving, offline")
     parser.add_argument("--warmup", action=argparse.BooleanOptionalAction, default=True,
                         help="run the workload once on each side, unmeasured, first")
     parser.add_argument("--out", default=str(Path(__file__).with_name("results") / "serving.json"))
@@ -268,22 +284,19 @@ def main() -> None:
                 run_offline(llm, requests)
             run_serving(base_url, model, requests, args, processes)
         for _ in range(args.rounds):
-            one = {"offline": run_offline(llm, requests)} if llm is not None else {}
-            one["serving"] = run_serving(base_url, model, requests, args, processes)
+            rounds.append(one_round(llm, requests, lambda: run_serving(base_url, model, requests, args, processes)))
             if llm is not None:
-                one["serving_over_offline"] = one["serving"]["tokens_per_s"] / one["offline"]["tokens_per_s"]
-                print(f"round {len(rounds) + 1}: offline {one['offline']['tokens_per_s']:.1f} tok/s, serving "
-                      f"{one['serving']['tokens_per_s']:.1f} tok/s, ratio {one['serving_over_offline']:.3f}",
-                      file=sys.stderr)
-            rounds.append(one)
+                one = rounds[-1]
+                print(f"round {len(rounds)}: offline {mean_tps(one['offline']):.1f} tok/s, serving "
+                      f"{mean_tps(one['serving']):.1f} tok/s, ratio {one['serving_over_offline']:.3f}", file=sys.stderr)
     finally:
         if stack is not None:
             os.killpg(stack.pid, signal.SIGTERM)
             stack.wait(timeout=60)
     report["rounds"] = rounds
-    report["serving"] = rounds[-1]["serving"]  # the last round in full; each round is in "rounds"
+    report["serving"] = rounds[-1]["serving"][-1]  # the last run in full; every run is in "rounds"
     if llm is not None:
-        report["offline"] = rounds[-1]["offline"]
+        report["offline"] = rounds[-1]["offline"][-1]
         report["serving_over_offline"] = statistics.median(r["serving_over_offline"] for r in rounds)
         report["serving_over_offline_each_round"] = [round(r["serving_over_offline"], 3) for r in rounds]
     print(json.dumps(report, indent=2))
