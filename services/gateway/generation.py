@@ -49,14 +49,14 @@ def new_request_id(prefix: str = "req") -> str:
 # --- what a run yields --------------------------------------------------------------------------
 
 
-@dataclass
+@dataclass(slots=True)
 class TopToken:
     token_id: int
     token: str
     logprob: float
 
 
-@dataclass
+@dataclass(slots=True)
 class TokenLogprob:
     token_id: int
     token: str
@@ -66,7 +66,7 @@ class TokenLogprob:
     text_offset: int = 0  # where this token's text starts in the sequence's output text
 
 
-@dataclass
+@dataclass(slots=True)
 class SeqDelta:
     """New output of one sequence since its last delta."""
     index: int  # the sequence's index within its prompt's n
@@ -81,7 +81,7 @@ class SeqDelta:
 # --- the model, as the scheduler reports it ---------------------------------------------------------
 
 
-@dataclass
+@dataclass(slots=True)
 class Model:
     name: str
     max_model_len: int

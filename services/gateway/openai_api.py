@@ -41,6 +41,14 @@ async def _answer(gen: Generator, body, request_id: str, reply_class):
 
 
 _JSON = json.JSONEncoder(ensure_ascii=False)  # stateless; json.dumps with options makes one per call
+_json_string = json.encoder.encode_basestring  # what _JSON writes for a str (non-ASCII kept as is)
+
+
+def _json_scalar(value: str | int | None) -> str:
+    """A finish or stop reason as _JSON writes it."""
+    if value is None:
+        return "null"
+    return _json_string(value) if isinstance(value, str) else str(int(value))
 
 
 def usage(runs: list[Run]) -> dict:
@@ -72,15 +80,20 @@ class _Reply:
         tail = "}" if usage is None else f', "usage": {self._json(usage)}}}'
         return self._chunk_head + self._json(choices) + tail
 
+    def chunk_event(self, k: int, position: int, delta: SeqDelta) -> str | None:
+        """One delta's stream chunk as JSON; None when it carries nothing."""
+        choice = self.chunk_choice(k, position, delta)
+        return None if choice is None else self.chunk_json([choice])
+
     async def events(self) -> AsyncIterator[str]:
         """The stream's chunks, as JSON text."""
         for choices in self.opening_choices():
             yield self.chunk_json(choices)
         n = self.n
         async for delta in merge(self.runs):
-            choice = self.chunk_choice(delta.position * n + delta.index, delta.position, delta)
-            if choice is not None:
-                yield self.chunk_json([choice])
+            event = self.chunk_event(delta.position * n + delta.index, delta.position, delta)
+            if event is not None:
+                yield event
         if self.body.include_usage:
             yield self.chunk_json([], usage=usage(self.runs))
 
@@ -145,6 +158,17 @@ class _Completion(_Reply):
         base = len(self.prompt_texts[position]) if self.body.echo else 0
         head, tail = completion_logprobs(prompt_entries, 0), completion_logprobs(entries, base)
         return {key: head[key] + tail[key] for key in tail}
+
+    def chunk_event(self, k: int, position: int, delta: SeqDelta) -> str | None:
+        if self.body.logprobs is not None or (self.body.echo and k not in self.echoed):
+            return super().chunk_event(k, position, delta)
+        if not (delta.text or delta.token_ids or delta.finish_reason):
+            return None
+        # The chunk of nearly every token, written out directly: the same JSON that chunk_choice's
+        # dict gives through the encoder (a test holds them equal), at a fraction of the cost.
+        return (f'{self._chunk_head}[{{"index": {k}, "text": {_json_string(delta.text)}, "finish_reason": '
+                f'{_json_scalar(delta.finish_reason)}, "stop_reason": {_json_scalar(delta.stop_reason)}, '
+                f'"logprobs": null}}]}}')
 
     def chunk_choice(self, k: int, position: int, delta: SeqDelta) -> dict | None:
         prefix, prompt_entries = self._prefix(k, position)

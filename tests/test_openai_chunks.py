@@ -1,0 +1,39 @@
+"""The OpenAI stream chunks the gateway writes directly equal what the JSON encoder makes of them."""
+
+from __future__ import annotations
+
+import json
+import random
+
+from services.gateway.generation import Model, SeqDelta
+from services.gateway.openai_api import _Completion, _Reply
+from services.gateway.protocol import CompletionRequest
+
+ALPHABET = ["a", "Z", " ", '"', "\\", "/", "\n", "\t", "\x00", "\x1f", "\x7f", "é", "東", "🎉", "\u2028", "\ud7ff"]
+
+
+def completion(**body) -> _Completion:
+    model = Model("model-ü", 4096, 32000, 20, tokenizer=None)
+    return _Completion(model, CompletionRequest(model="model-ü", prompt="hi", stream=True, **body), "cmpl-1", [],
+                       ["hi"])
+
+
+def test_the_direct_chunk_is_the_encoders_chunk():
+    rng = random.Random()
+    reply = completion()
+    for _ in range(500):
+        text = "".join(rng.choices(ALPHABET, k=rng.randrange(0, 12)))
+        finish, stop = rng.choice([(None, None), ("length", None), ("stop", 2), ("stop", 'E"ND\\'), ("abort", None)])
+        delta = SeqDelta(rng.randrange(3), [rng.randrange(100)], text, None, finish, stop, 0)
+        k = rng.randrange(10)
+        direct = reply.chunk_event(k, 0, delta)
+        assert direct == _Reply.chunk_event(reply, k, 0, delta)
+        assert json.loads(direct)["choices"][0]["text"] == text
+
+
+def test_nothing_to_say_is_no_chunk_and_logprobs_take_the_general_path():
+    assert completion().chunk_event(0, 0, SeqDelta(0, [], "")) is None
+    with_logprobs = completion(logprobs=1)
+    chunk = json.loads(with_logprobs.chunk_event(0, 0, SeqDelta(0, [5], "x", [], None, None, 0)))
+    assert chunk["choices"][0]["logprobs"] == {"tokens": [], "token_logprobs": [], "top_logprobs": [],
+                                               "text_offset": []}
