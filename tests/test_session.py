@@ -124,3 +124,46 @@ def test_stopping_ends_every_open_session():
     assert list(idle) == []  # ended, not left waiting
     with pytest.raises(ServiceUnavailable):
         loop.open_session(Session())
+
+
+def test_session_events_keep_every_output_in_order_through_the_wire():
+    """Token-only updates travel as columns, the others whole; the gateway reads them back in order."""
+    import random
+
+    from services.gateway.scheduler_client import step_outputs
+    from services.scheduler.sequence import SequenceUpdate
+    from shared.proto import pagedserve_internal_pb2 as wire
+    from shared.step_protocol import PositionLogprobs
+
+    class Seq:
+        request_id, index = "r", 0
+
+    rng = random.Random()
+    for _ in range(50):
+        outputs = []
+        for key in rng.sample(range(1000), rng.randrange(0, 30)):
+            update = SequenceUpdate(Seq(), rng.randrange(4))
+            update.new_token_ids = [rng.randrange(32000) for _ in range(rng.choice([0, 1, 1, 2]))]
+            kind = rng.random()
+            if kind < 0.15:
+                update.finish_reason, update.stop_reason = "stop", rng.choice([2, "END"])
+            elif kind < 0.3:
+                update.new_logprobs = [PositionLogprobs(t, -0.5, 1, [t], [-0.5]) for t in update.new_token_ids]
+            outputs.append((key, update))
+        message = wire.SessionEvents.FromString(SessionBatch(outputs=outputs).to_proto().SerializeToString())
+        got = [(key, out.seq_index, list(out.new_token_ids), out.finish_reason or None, len(out.new_logprobs))
+               for key, out in step_outputs(message)]
+        assert got == [(key, u.seq_index, u.new_token_ids, u.finish_reason, len(u.new_logprobs)) for key, u in outputs]
+
+
+def test_malformed_session_events_are_refused():
+    from services.gateway.scheduler_client import step_outputs
+    from shared.proto import pagedserve_internal_pb2 as wire
+
+    message = wire.SessionEvents()
+    message.tokens.keys.extend([1, 2])
+    message.tokens.seq_indexes.extend([0, 0])
+    message.tokens.num_tokens.extend([1, 1])
+    message.tokens.token_ids.extend([5])  # one token short
+    with pytest.raises(ValueError, match="malformed session events"):
+        list(step_outputs(message))

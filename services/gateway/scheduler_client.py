@@ -36,8 +36,42 @@ _END = object()  # the request ended: no more outputs
 log = setup_logging("gateway")
 
 
+class TokenOutput:
+    """An output that is only new tokens (an entry of SessionEvents' token columns), read like the
+    EngineOutput message that carries any other output."""
+    __slots__ = ("seq_index", "new_token_ids")
+    new_logprobs = prompt_logprobs = ()
+    finish_reason = ""
+
+    def __init__(self, seq_index: int, new_token_ids: list[int]):
+        self.seq_index, self.new_token_ids = seq_index, new_token_ids
+
+
+def step_outputs(events: wire.SessionEvents):
+    """(key, output) for every output of a SessionEvents, in step order: a TokenOutput for a column
+    entry, the EngineOutput itself for a detailed one."""
+    columns = events.tokens
+    keys, seq_indexes, num_tokens = list(columns.keys), list(columns.seq_indexes), list(columns.num_tokens)
+    token_ids, positions = list(columns.token_ids), list(events.detailed_positions)
+    total = len(keys) + len(events.detailed)
+    if len(seq_indexes) != len(keys) or len(num_tokens) != len(keys) or sum(num_tokens) != len(token_ids) \
+            or len(positions) != len(events.detailed) or positions != sorted(set(positions)) \
+            or (positions and positions[-1] >= total):
+        raise ValueError("malformed session events: the output columns do not line up")
+    detailed = dict(zip(positions, events.detailed))
+    entry = start = 0
+    for position in range(total):
+        output = detailed.get(position)
+        if output is not None:
+            yield output.key, output
+            continue
+        end = start + num_tokens[entry]
+        yield keys[entry], TokenOutput(seq_indexes[entry], token_ids[start:end])
+        entry, start = entry + 1, end
+
+
 class SubmitStream:
-    """One request's EngineOutputs; cancel() (or leaving early) aborts it at the scheduler.
+    """One request's outputs (EngineOutput or TokenOutput); cancel() (or leaving early) aborts it.
 
     Its own small queue (a deque and at most one waiting future) rather than an asyncio.Queue:
     every streamed token passes through here, and the reader is the only producer."""
@@ -52,7 +86,7 @@ class SubmitStream:
     def __aiter__(self):
         return self
 
-    async def __anext__(self) -> wire.EngineOutput:
+    async def __anext__(self) -> wire.EngineOutput | TokenOutput:
         if self._ended:
             raise StopAsyncIteration
         while not self._items:  # a silent scheduler is the session's watchdog's business
@@ -156,8 +190,8 @@ class Session:
                 return
 
     def _route(self, events: wire.SessionEvents) -> None:
-        for output in events.outputs:
-            stream = self._streams.get(output.key)
+        for key, output in step_outputs(events):
+            stream = self._streams.get(key)
             if stream is not None:
                 stream.deliver(output)
         for key in events.finished:

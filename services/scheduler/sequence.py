@@ -118,3 +118,8 @@ class SequenceUpdate:
         self.prompt_logprobs: list[PositionLogprobs] = []  # newly available, in prompt order from index 1
         self.finish_reason: str | None = None  # "stop", "length" or "abort" once finished
         self.stop_reason: int | str | None = None
+
+    @property
+    def is_plain(self) -> bool:
+        """New tokens and nothing else (the common update; it travels as column entries)."""
+        return not (self.new_logprobs or self.prompt_logprobs or self.finish_reason or self.stop_reason is not None)

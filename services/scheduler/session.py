@@ -46,8 +46,23 @@ class SessionBatch:
         self.errors += other.errors
 
     def to_proto(self) -> wire.SessionEvents:
-        return wire.SessionEvents(outputs=[update_to_proto(key, u) for key, u in self.outputs],
-                                  finished=self.finished, errors=[e.to_proto() for e in self.errors])
+        """Outputs that are only new tokens go in the token columns, the others whole, in their places."""
+        m = wire.SessionEvents(finished=self.finished, errors=[e.to_proto() for e in self.errors])
+        keys, seq_indexes, num_tokens, token_ids = [], [], [], []
+        for position, (key, update) in enumerate(self.outputs):
+            if update.is_plain:
+                keys.append(key)
+                seq_indexes.append(update.seq_index)
+                num_tokens.append(len(update.new_token_ids))
+                token_ids += update.new_token_ids
+            else:
+                m.detailed.append(update_to_proto(key, update))
+                m.detailed_positions.append(position)
+        m.tokens.keys.extend(keys)
+        m.tokens.seq_indexes.extend(seq_indexes)
+        m.tokens.num_tokens.extend(num_tokens)
+        m.tokens.token_ids.extend(token_ids)
+        return m
 
 
 def update_to_proto(key: int, update: SequenceUpdate) -> wire.EngineOutput:

@@ -62,14 +62,30 @@ class RequestError(_message.Message):
     def __init__(self, key: _Optional[int] = ..., code: _Optional[int] = ..., message: _Optional[str] = ...) -> None: ...
 
 class SessionEvents(_message.Message):
-    __slots__ = ("outputs", "finished", "errors")
-    OUTPUTS_FIELD_NUMBER: _ClassVar[int]
+    __slots__ = ("tokens", "detailed", "detailed_positions", "finished", "errors")
+    TOKENS_FIELD_NUMBER: _ClassVar[int]
+    DETAILED_FIELD_NUMBER: _ClassVar[int]
+    DETAILED_POSITIONS_FIELD_NUMBER: _ClassVar[int]
     FINISHED_FIELD_NUMBER: _ClassVar[int]
     ERRORS_FIELD_NUMBER: _ClassVar[int]
-    outputs: _containers.RepeatedCompositeFieldContainer[EngineOutput]
+    tokens: TokenOutputs
+    detailed: _containers.RepeatedCompositeFieldContainer[EngineOutput]
+    detailed_positions: _containers.RepeatedScalarFieldContainer[int]
     finished: _containers.RepeatedScalarFieldContainer[int]
     errors: _containers.RepeatedCompositeFieldContainer[RequestError]
-    def __init__(self, outputs: _Optional[_Iterable[_Union[EngineOutput, _Mapping]]] = ..., finished: _Optional[_Iterable[int]] = ..., errors: _Optional[_Iterable[_Union[RequestError, _Mapping]]] = ...) -> None: ...
+    def __init__(self, tokens: _Optional[_Union[TokenOutputs, _Mapping]] = ..., detailed: _Optional[_Iterable[_Union[EngineOutput, _Mapping]]] = ..., detailed_positions: _Optional[_Iterable[int]] = ..., finished: _Optional[_Iterable[int]] = ..., errors: _Optional[_Iterable[_Union[RequestError, _Mapping]]] = ...) -> None: ...
+
+class TokenOutputs(_message.Message):
+    __slots__ = ("keys", "seq_indexes", "num_tokens", "token_ids")
+    KEYS_FIELD_NUMBER: _ClassVar[int]
+    SEQ_INDEXES_FIELD_NUMBER: _ClassVar[int]
+    NUM_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    keys: _containers.RepeatedScalarFieldContainer[int]
+    seq_indexes: _containers.RepeatedScalarFieldContainer[int]
+    num_tokens: _containers.RepeatedScalarFieldContainer[int]
+    token_ids: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, keys: _Optional[_Iterable[int]] = ..., seq_indexes: _Optional[_Iterable[int]] = ..., num_tokens: _Optional[_Iterable[int]] = ..., token_ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class EngineOutput(_message.Message):
     __slots__ = ("key", "seq_index", "new_token_ids", "new_logprobs", "prompt_logprobs", "finish_reason", "stop_token_id", "stop_string")
