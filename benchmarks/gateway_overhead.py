@@ -75,13 +75,18 @@ async def serve_stand_in(port: int, model_dir: str, step_s: float) -> None:
                     await asyncio.sleep(step_s)
                     if not left:
                         continue
-                    events = wire.SessionEvents()
-                    for key in list(left):
+                    events = wire.SessionEvents()  # as the scheduler sends them: tokens as columns
+                    for position, key in enumerate(list(left)):
                         left[key] -= 1
-                        events.outputs.add(key=key, new_token_ids=[rng.choice(tokens)],
-                                           finish_reason="" if left[key] else "length")
-                        if not left[key]:
+                        if left[key]:
+                            events.tokens.keys.append(key)
+                            events.tokens.seq_indexes.append(0)
+                            events.tokens.num_tokens.append(1)
+                            events.tokens.token_ids.append(rng.choice(tokens))
+                        else:  # the last token comes with its finish reason, as a whole output
                             del left[key]
+                            events.detailed.add(key=key, new_token_ids=[rng.choice(tokens)], finish_reason="length")
+                            events.detailed_positions.append(position)
                             events.finished.append(key)
                     yield events
             finally:
