@@ -1,8 +1,17 @@
 """pagedserve: LLM serving with PagedAttention. The public front; the code lives in services/ and shared/."""
 
-from services.scheduler.llm import LLM
 from shared.outputs import CompletionOutput, Logprob, RequestOutput
 from shared.sampling_params import SamplingParams
 
 __all__ = ["LLM", "SamplingParams", "RequestOutput", "CompletionOutput", "Logprob"]
 __version__ = "0.1.0"
+
+
+def __getattr__(name: str):
+    # LLM brings the engine and torch with it: imported on first use, so that `pagedserve gateway`
+    # and `pagedserve scheduler` (which import this package for the CLI) never load torch.
+    if name == "LLM":
+        from services.scheduler.llm import LLM
+
+        return LLM
+    raise AttributeError(f"module 'pagedserve' has no attribute {name!r}")
