@@ -123,8 +123,9 @@ def serve(args: argparse.Namespace) -> None:
         signal.signal(sig, lambda *_: stop.set())
     while not stop.wait(0.5):
         # A dead worker (noticed by a failed step, or by probing it while idle) makes us NOT_SERVING;
-        # requests then get UNAVAILABLE at once instead of hanging.
-        healthy = loop.healthy and engine.executor.worker_healthy()
+        # requests then get UNAVAILABLE at once instead of hanging. While requests run, their
+        # steps notice: a probe then would only wake the worker's threads beside its compute.
+        healthy = loop.healthy and (loop.num_in_flight() > 0 or engine.executor.worker_healthy())
         health_servicer.set("", health_pb2.HealthCheckResponse.SERVING if healthy
                             else health_pb2.HealthCheckResponse.NOT_SERVING)
     drain(loop, health_servicer, args.drain_timeout)
