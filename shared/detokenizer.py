@@ -26,28 +26,55 @@ class TextDelta:
 class WindowDecoder:
     """Decodes a window of recent tokens through tokenizer.decode (any transformers tokenizer)."""
 
-    def __init__(self, tokenizer, context_ids: list[int], skip_special_tokens: bool):
+    def __init__(self, tokenizer, context_ids: list[int], skip_special_tokens: bool, unreleased: int = 0):
+        """The last `unreleased` of context_ids were decoded but their text not yet handed out (a
+        stream that fell back in the middle of a character)."""
         self.tokenizer = tokenizer
         self.skip_special_tokens = skip_special_tokens
         self._ids = list(context_ids)
         self._prefix_offset = 0
-        self._read_offset = len(self._ids)
+        self._read_offset = len(self._ids) - unreleased
 
     def step(self, token_id: int) -> str:
         """The text this token completes ("" while a character is still partial)."""
         self._ids.append(token_id)
-        prefix = self.tokenizer.decode(self._ids[self._prefix_offset:self._read_offset],
-                                       skip_special_tokens=self.skip_special_tokens)
-        full = self.tokenizer.decode(self._ids[self._prefix_offset:], skip_special_tokens=self.skip_special_tokens)
-        if len(full) > len(prefix) and not full.endswith("\ufffd"):
-            self._prefix_offset, self._read_offset = self._read_offset, len(self._ids)
-            return full[len(prefix):]
-        return ""
+        prefix = self._decode(self._prefix_offset, self._read_offset)
+        full = self._decode(self._prefix_offset, len(self._ids))
+        if full.endswith("\ufffd"):
+            return ""
+        # A context that ended inside a character decodes with U+FFFD at its end; the output that
+        # completes the character replaces it, and the whole character is the output's.
+        start = len(prefix) if full.startswith(prefix) else len(prefix.rstrip("\ufffd"))
+        if len(full) <= start:
+            return ""
+        self._prefix_offset, self._read_offset = self._read_offset, len(self._ids)
+        self._forget_old_tokens()
+        return full[start:]
+
+    def latest(self) -> list[int]:
+        """The last few tokens; after a release they end at a whole character."""
+        return self._ids[-_CONTEXT_TOKENS:]
+
+    def _forget_old_tokens(self) -> None:
+        old = min(self._prefix_offset, len(self._ids) - _CONTEXT_TOKENS)
+        if old > 4 * _CONTEXT_TOKENS:
+            del self._ids[:old]
+            self._prefix_offset -= old
+            self._read_offset -= old
+
+    def _decode(self, start: int, end: int) -> str:
+        return self.tokenizer.decode(self._ids[start:end], skip_special_tokens=self.skip_special_tokens)
 
 
 class StreamDecoder:
-    """tokenizers' DecodeStream; falls back to a WindowDecoder for good if the stream ever refuses a
-    token (it raises on some byte sequences it cannot extend)."""
+    """tokenizers' DecodeStream, with a WindowDecoder in two cases:
+
+    - while the context ends inside a character, until the output has released text: a stream
+      primed with those bytes would show the prompt's half of the character as U+FFFD (when the
+      output does not complete it), one primed without them the output's half;
+    - for good once the stream refuses a token or the context (it raises on some byte sequences it
+      cannot extend); the window then starts where the stream last released text.
+    """
 
     def __init__(self, tokenizer, context_ids: list[int], skip_special_tokens: bool):
         from tokenizers.decoders import DecodeStream
@@ -55,35 +82,45 @@ class StreamDecoder:
         self.tokenizer = tokenizer
         self._backend = tokenizer.backend_tokenizer
         self.skip_special_tokens = skip_special_tokens
-        self._recent = list(context_ids)  # what a fallback needs as its context
-        self._fallback: WindowDecoder | None = None
-        self._stream = self._primed(DecodeStream, context_ids)
+        self._new_stream = lambda: DecodeStream(skip_special_tokens=skip_special_tokens)
+        self._recent: list[int] = []  # the latest tokens, what a fallback window needs as its context
+        self._pending = 0  # tokens of _recent the stream took without releasing text yet
+        self._window: WindowDecoder | None = None
+        self._for_good = False  # the stream refused: no going back to it
+        self._stream = None
+        self._start_stream(context_ids)
 
-    def _primed(self, new_stream, context_ids: list[int]):
-        """A stream that has decoded the context (its text dropped) up to its last whole character:
-        prompt bytes that never formed a character are not the output's to show."""
-        stream, whole = new_stream(skip_special_tokens=self.skip_special_tokens), 0
-        for i, token_id in enumerate(context_ids):
-            if stream.step(self._backend, token_id) is not None:
-                whole = i + 1
-        if whole == len(context_ids):
-            return stream
-        stream = new_stream(skip_special_tokens=self.skip_special_tokens)
-        for token_id in context_ids[:whole]:
-            stream.step(self._backend, token_id)
-        return stream
+    def _start_stream(self, context_ids: list[int]) -> None:
+        """A stream that has decoded the context (its text dropped); the window while the context
+        ends inside a character or the stream refuses it."""
+        try:
+            stream, pending = self._new_stream(), 0
+            for token_id in context_ids:
+                pending = 0 if stream.step(self._backend, token_id) is not None else pending + 1
+        except Exception:  # tokenizers raises plain Exception ("Invalid prefix encountered", ...)
+            self._for_good, pending = True, 1
+        if pending:
+            self._window = WindowDecoder(self.tokenizer, context_ids, self.skip_special_tokens)
+            return
+        self._stream, self._window, self._recent, self._pending = stream, None, list(context_ids), 0
 
     def step(self, token_id: int) -> str:
-        if self._fallback is not None:
-            return self._fallback.step(token_id)
+        if self._window is not None:
+            text = self._window.step(token_id)
+            if text and not self._for_good:
+                self._start_stream(self._window.latest())
+            return text
         try:
             text = self._stream.step(self._backend, token_id)
-        except Exception:  # tokenizers raises plain Exception ("Invalid prefix encountered", ...)
-            self._fallback = WindowDecoder(self.tokenizer, self._recent[-_CONTEXT_TOKENS:], self.skip_special_tokens)
-            return self._fallback.step(token_id)
+        except Exception:
+            context = self._recent[-(_CONTEXT_TOKENS + self._pending):]
+            self._window = WindowDecoder(self.tokenizer, context, self.skip_special_tokens, self._pending)
+            self._for_good = True
+            return self._window.step(token_id)
         self._recent.append(token_id)
-        if len(self._recent) > 4 * _CONTEXT_TOKENS:
-            del self._recent[:-_CONTEXT_TOKENS]
+        self._pending = 0 if text is not None else self._pending + 1
+        if len(self._recent) > 4 * _CONTEXT_TOKENS + self._pending:
+            del self._recent[:-(_CONTEXT_TOKENS + self._pending)]
         return text or ""
 
 

@@ -98,6 +98,9 @@ def test_random_outputs_decode_as_a_whole(tokenizer, fast_tokenizer):
     checked = 0
     for _ in range(300):
         prompt = fast_tokenizer("".join(rng.choices(words, k=rng.randrange(1, 5))), add_special_tokens=False).input_ids
+        if rng.random() < 0.3:  # a prompt that ends inside a character
+            emoji = fast_tokenizer("🎉", add_special_tokens=False).input_ids
+            prompt += emoji[:rng.randrange(1, len(emoji))]
         if rng.random() < 0.5:
             ids = [rng.randrange(known + 50) for _ in range(rng.randrange(1, 30))]
         else:  # text the model could have meant, split into tokens as the tokenizer would
@@ -119,16 +122,46 @@ def test_a_prompt_ending_inside_a_character_does_not_leak_into_the_output(tokeni
     assert detok.append(word).text + detok.flush().text == " done" and detok.text == " done"
 
 
+def test_an_output_that_completes_the_prompts_character_shows_it_whole(tokenizer, fast_tokenizer):
+    emoji = fast_tokenizer("🎉", add_special_tokens=False).input_ids
+    for split in range(1, len(emoji)):
+        prompt = fast_tokenizer("Hi ", add_special_tokens=False).input_ids + emoji[:split]
+        detok = IncrementalDetokenizer(tokenizer, prompt)
+        output = emoji[split:] + fast_tokenizer(" done 🎉", add_special_tokens=False).input_ids
+        pieces = [detok.append([t]).text for t in output] + [detok.flush().text]
+        assert "".join(pieces) == detok.text == "🎉 done 🎉", split
+        assert all("\ufffd" not in p for p in pieces)
+
+
+class Refusing:
+    """A DecodeStream that refuses every token, as tokenizers does on byte runs it cannot extend."""
+
+    def __init__(self, **kwargs):
+        pass
+
+    def step(self, tokenizer, token_id):
+        raise Exception("Invalid prefix encountered")
+
+
 def test_a_stream_that_refuses_a_token_falls_back_to_the_window(fast_tokenizer):
-    ids = fast_tokenizer("naïve café — 東京 done", add_special_tokens=False).input_ids
-    detok = IncrementalDetokenizer(fast_tokenizer, [])
-    cut = len(ids) // 2
-    detok.append(ids[:cut])
+    """Wherever the stream gives up, inside a character or not, no text is lost or repeated."""
+    text = "naïve café — 東京 🎉 done"
+    ids = fast_tokenizer(text, add_special_tokens=False).input_ids
+    prompt = fast_tokenizer("Say:", add_special_tokens=False).input_ids
+    for cut in range(len(ids) + 1):
+        detok = IncrementalDetokenizer(fast_tokenizer, prompt)
+        pieces = [detok.append([t]).text for t in ids[:cut]]
+        detok._decoder._stream = Refusing()
+        pieces += [detok.append([t]).text for t in ids[cut:]] + [detok.flush().text]
+        assert "".join(pieces) == detok.text == text, cut
+        assert all("\ufffd" not in p for p in pieces), cut
 
-    class Refusing:
-        def step(self, tokenizer, token_id):
-            raise Exception("Invalid prefix encountered")
 
-    detok._decoder._stream = Refusing()
-    detok.append(ids[cut:])
-    assert detok.flush() is not None and detok.text == "naïve café — 東京 done"
+def test_a_stream_that_refuses_the_prompt_falls_back_to_the_window(fast_tokenizer, monkeypatch):
+    import tokenizers.decoders
+
+    monkeypatch.setattr(tokenizers.decoders, "DecodeStream", Refusing)
+    detok = IncrementalDetokenizer(fast_tokenizer, fast_tokenizer("Say:", add_special_tokens=False).input_ids)
+    assert isinstance(detok._decoder, StreamDecoder)
+    detok.append(fast_tokenizer(" café 東京", add_special_tokens=False).input_ids)
+    assert detok.flush() is not None and detok.text == " café 東京"
