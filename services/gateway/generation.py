@@ -323,7 +323,11 @@ class Generator:
             for i, prompt in enumerate(prompts):
                 engine_id = f"{request_id}-{i}" if suffix_ids else request_id
                 stream = await self.client.submit(engine_id, prompt, params)
-                runs.append(Run(model, stream, engine_id, prompt, params, self.metrics, position=i))
+                try:
+                    runs.append(Run(model, stream, engine_id, prompt, params, self.metrics, position=i))
+                except BaseException:
+                    stream.cancel()  # submitted but not yet a run: nothing below would abort it
+                    raise
             starts = [asyncio.ensure_future(run.start()) for run in runs]
             await asyncio.gather(*starts)
         except BaseException:
