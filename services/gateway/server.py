@@ -36,11 +36,15 @@ async def _learn_model(gen: Generator) -> None:
     while True:
         try:
             await gen.model()
-            freeze_startup_objects()  # the tokenizer, above all
-            return
+            break
         except Exception as exc:
             log.info("waiting for the scheduler", scheduler=gen.client.address, error=str(exc))
             await asyncio.sleep(1.0)
+    # HTTP is already up: freeze (the tokenizer, above all) only while no request is alive, or its
+    # objects would stay frozen after it ends.
+    while gen.in_flight:
+        await asyncio.sleep(0.5)
+    freeze_startup_objects()
 
 
 async def serve(args: argparse.Namespace) -> None:
