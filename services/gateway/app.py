@@ -132,12 +132,16 @@ class EventStream(StreamingResponse):
         await send({"type": "http.response.start", "status": self.status_code, "headers": self.raw_headers})
         events = self.reply.events()
         try:
-            async for event in events:
+            failed = False
+            while not failed:
+                try:
+                    event = await events.__anext__()
+                except StopAsyncIteration:
+                    break
+                except Exception as exc:  # the generation failed (a failed send is not: it propagates)
+                    log.warning("stream failed", error=str(exc))
+                    event, failed = json.dumps(error_body(exc)[1], ensure_ascii=False), True
                 await send({"type": "http.response.body", "body": f"data: {event}\n\n".encode(), "more_body": True})
-        except Exception as exc:
-            body = json.dumps(error_body(exc)[1], ensure_ascii=False)
-            await send({"type": "http.response.body", "body": f"data: {body}\n\n".encode(), "more_body": True})
-            log.warning("stream failed", error=str(exc))
         finally:
             await events.aclose()  # a disconnect lands here too: the runs abort their requests at the scheduler
         await send({"type": "http.response.body", "body": b"data: [DONE]\n\n", "more_body": False})
