@@ -4,6 +4,7 @@ official openai client, raw HTTP and the public gRPC API."""
 from __future__ import annotations
 
 import asyncio
+import json
 import signal
 import time
 
@@ -405,7 +406,14 @@ def test_every_hop_logs_the_request_id(stack):
         assert any(str(line.get("request_id", "")).startswith("trace-4711") for line in lines), service
 
 
-def test_a_hung_scheduler_fails_requests_after_the_backend_timeout_and_serving_resumes(llama_dir, tmp_path):
+def _wait_until_answered(url: str, timeout_s: float = 15) -> None:
+    deadline = time.monotonic() + timeout_s
+    while (reply := httpx.post(url, json={"prompt": "Hi", "max_tokens": 2}, timeout=30)).status_code != 200:
+        assert time.monotonic() < deadline, reply.text
+        time.sleep(0.2)
+
+
+def test_a_hung_scheduler_or_worker_fails_requests_and_serving_resumes(llama_dir, tmp_path):
     stack = Stack(llama_dir, tmp_path, worker_args=WORKER_ARGS, gateway_args=("--backend-timeout", "2")).start()
     try:
         url = f"{stack.base_url}/v1/completions"
@@ -419,9 +427,31 @@ def test_a_hung_scheduler_fails_requests_after_the_backend_timeout_and_serving_r
         finally:
             stack.procs["scheduler"].send_signal(signal.SIGCONT)
         # The next request opens a new session and is answered.
-        deadline = time.monotonic() + 10
-        while (reply := httpx.post(url, json={"prompt": "Hi", "max_tokens": 2}, timeout=30)).status_code != 200:
-            assert time.monotonic() < deadline, reply.text
-            time.sleep(0.2)
+        _wait_until_answered(url)
+        # A stream already under way when the scheduler hangs ends in an error event, then [DONE].
+        body = {"prompt": "Hi", "max_tokens": 480, "ignore_eos": True, "stream": True}
+        with httpx.stream("POST", url, json=body, timeout=30) as reply:
+            events = reply.iter_lines()
+            first = next(line for line in events if line.startswith("data: "))
+            stack.procs["scheduler"].send_signal(signal.SIGSTOP)
+            try:
+                rest = [line[6:] for line in events if line.startswith("data: ")]
+            finally:
+                stack.procs["scheduler"].send_signal(signal.SIGCONT)
+        assert "choices" in json.loads(first[6:])
+        assert rest[-1] == "[DONE]" and "sent nothing" in json.loads(rest[-2])["error"]["message"], rest[-3:]
+        assert all("choices" in json.loads(event) for event in rest[:-2])
+        # A worker that hangs (alive, silent) under a running request: the scheduler's health says so.
+        with httpx.stream("POST", url, json=body, timeout=30) as reply:
+            next(line for line in reply.iter_lines() if line.startswith("data: "))
+            stack.procs["worker"].send_signal(signal.SIGSTOP)
+            try:
+                deadline = time.monotonic() + 15
+                while http_get(f"{stack.base_url}/health")[0] != 503:
+                    assert time.monotonic() < deadline, "a hung worker was never reported"
+                    time.sleep(0.2)
+            finally:
+                stack.procs["worker"].send_signal(signal.SIGCONT)
+        _wait_until_answered(url)
     finally:
         stack.stop()

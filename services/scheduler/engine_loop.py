@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import queue
 import threading
+import time
 from concurrent.futures import Future
 from dataclasses import dataclass
 
@@ -43,6 +44,7 @@ class EngineLoop:
         self._stopping = threading.Event()
         self._failed: Exception | None = None
         self._closed = False
+        self._last_step_done = time.monotonic()  # when a step's result last came back
         self._thread = threading.Thread(target=self._run, name="engine-loop", daemon=True)
         self._thread.start()
 
@@ -83,6 +85,9 @@ class EngineLoop:
 
     def num_in_flight(self) -> int:
         return len(self._requests)
+
+    def seconds_since_last_step(self) -> float:
+        return time.monotonic() - self._last_step_done
 
     def stop(self) -> None:
         self._stopping.set()
@@ -159,6 +164,7 @@ class EngineLoop:
                     if self.async_scheduling and engine.can_plan_ahead():
                         engine.start_step()
                     batches = self._route(engine.finish_step())
+                    self._last_step_done = time.monotonic()
                 self._drain_inbox(block=not batches and not engine.num_in_flight and not engine.has_unfinished())
                 if not engine.num_in_flight and engine.has_unfinished():
                     engine.start_step()

@@ -27,8 +27,12 @@ from shared.proto import pagedserve_api_pb2 as api
 from shared.proto import pagedserve_internal_pb2 as wire
 from shared.proto import pagedserve_internal_pb2_grpc as wire_grpc
 from shared.sampling_params import SamplingParams
+from shared.wire_version import INTERNAL_PROTOCOL_VERSION
 
 log = setup_logging("scheduler")
+
+# While requests run, a worker whose step has not come back for this long is probed for health.
+STALLED_STEP_S = 5.0
 
 
 class SchedulerServicer(wire_grpc.SchedulerServicer):
@@ -84,7 +88,8 @@ class SchedulerServicer(wire_grpc.SchedulerServicer):
         info = self.loop.engine.info
         return wire.EngineInfo(model=info.model, max_model_len=info.max_model_len, vocab_size=info.vocab_size,
                                eos_token_ids=info.eos_token_ids, num_kv_blocks=info.num_kv_blocks,
-                               block_size=info.block_size, max_logprobs=self.max_logprobs)
+                               block_size=info.block_size, max_logprobs=self.max_logprobs,
+                               protocol_version=INTERNAL_PROTOCOL_VERSION)
 
     def GetStats(self, request, context):
         with grpc_errors(context):
@@ -123,9 +128,11 @@ def serve(args: argparse.Namespace) -> None:
         signal.signal(sig, lambda *_: stop.set())
     while not stop.wait(0.5):
         # A dead worker (noticed by a failed step, or by probing it while idle) makes us NOT_SERVING;
-        # requests then get UNAVAILABLE at once instead of hanging. While requests run, their
-        # steps notice: a probe then would only wake the worker's threads beside its compute.
-        healthy = loop.healthy and (loop.num_in_flight() > 0 or engine.executor.worker_healthy())
+        # requests then get UNAVAILABLE at once instead of hanging. While steps come back the worker
+        # is plainly alive: a probe then would only wake its threads beside its compute. A worker
+        # that is hung rather than dead answers no step, so a stalled step is probed too.
+        busy = loop.num_in_flight() > 0 and loop.seconds_since_last_step() < STALLED_STEP_S
+        healthy = loop.healthy and (busy or engine.executor.worker_healthy())
         health_servicer.set("", health_pb2.HealthCheckResponse.SERVING if healthy
                             else health_pb2.HealthCheckResponse.NOT_SERVING)
     drain(loop, health_servicer, args.drain_timeout)
