@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 
 from shared.proto import pagedserve_internal_pb2 as wire
 from shared.sampling_params import SamplingParams
+from shared.wire_version import INTERNAL_PROTOCOL_VERSION
 
 
 @dataclass(slots=True)
@@ -306,14 +307,15 @@ class WorkerInfo:
     device: str  # e.g. "cpu", "cuda:0"
     dtype: str  # e.g. "float32"
     num_cpu_blocks: int = 0  # host swap space, in blocks (0: no swapping)
+    protocol_version: int = INTERNAL_PROTOCOL_VERSION  # the wire format the worker's release speaks
 
     def to_proto(self) -> wire.WorkerInfo:
         return wire.WorkerInfo(model=self.model, num_kv_blocks=self.num_kv_blocks, block_size=self.block_size,
                                max_model_len=self.max_model_len, vocab_size=self.vocab_size,
                                eos_token_ids=self.eos_token_ids, device=self.device, dtype=self.dtype,
-                               num_cpu_blocks=self.num_cpu_blocks)
+                               num_cpu_blocks=self.num_cpu_blocks, protocol_version=self.protocol_version)
 
     @classmethod
     def from_proto(cls, m: wire.WorkerInfo) -> "WorkerInfo":
         return cls(m.model, m.num_kv_blocks, m.block_size, m.max_model_len, m.vocab_size, tuple(m.eos_token_ids),
-                   m.device, m.dtype, m.num_cpu_blocks)
+                   m.device, m.dtype, m.num_cpu_blocks, m.protocol_version)

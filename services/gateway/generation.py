@@ -26,6 +26,7 @@ from shared.grpc_errors import NotFound, ServiceUnavailable
 from shared.logging import setup_logging
 from shared.sampling_params import SamplingParams
 from shared.tokenizer import load_tokenizer, render_chat
+from shared.wire_version import check_peer_version
 
 log = setup_logging("gateway")
 
@@ -287,6 +288,7 @@ class Generator:
 
     async def _load_model(self) -> Model:
         info = await self.client.info()
+        check_peer_version("scheduler", self.client.address, info.protocol_version)
         path = self.tokenizer_path or info.model
         try:
             tokenizer = await asyncio.to_thread(load_tokenizer, path)

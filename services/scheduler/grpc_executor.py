@@ -17,6 +17,7 @@ from shared.grpc_errors import ServiceUnavailable
 from shared.proto import pagedserve_internal_pb2 as wire
 from shared.proto import pagedserve_internal_pb2_grpc as wire_grpc
 from shared.step_protocol import StepPlan, StepResult, WorkerInfo
+from shared.wire_version import IncompatiblePeer, check_peer_version
 
 _CLOSE = object()
 GRPC_OPTIONS = [("grpc.max_send_message_length", 256 << 20), ("grpc.max_receive_message_length", 256 << 20)]
@@ -33,6 +34,11 @@ class GrpcExecutor:
         except (grpc.FutureTimeoutError, grpc.RpcError) as exc:
             self._channel.close()
             raise ServiceUnavailable(f"worker at {address} is not reachable: {exc}") from exc
+        try:
+            check_peer_version("worker", address, self._info.protocol_version)
+        except IncompatiblePeer:
+            self._channel.close()
+            raise
         self._plans: queue.SimpleQueue = queue.SimpleQueue()
         self._results = self._stub.Steps(iter(self._plans.get, _CLOSE))
         self._in_flight: deque[int] = deque()  # step ids of the plans sent and not yet answered, oldest first

@@ -1,0 +1,24 @@
+"""The version of the internal wire format (protos/pagedserve_internal.proto).
+
+Gateway, scheduler and workers must come from the same release: a peer that reads a field in its
+old place gets an empty value, not an error (the step outputs of version 1 are reserved numbers
+in version 2). So each side reports this number in its info reply, and the side that asks refuses
+a peer that reports another.
+"""
+
+from __future__ import annotations
+
+from shared.grpc_errors import ServiceUnavailable
+
+# 1: the first format (unversioned: it reads as 0); 2: plans, results and session events as columns.
+INTERNAL_PROTOCOL_VERSION = 2
+
+
+class IncompatiblePeer(ServiceUnavailable):
+    """A peer from another release: nothing can be served through it."""
+
+
+def check_peer_version(peer: str, address: str, version: int) -> None:
+    if version != INTERNAL_PROTOCOL_VERSION:
+        raise IncompatiblePeer(f"the {peer} at {address} speaks internal protocol version {version or 1}, this "
+                               f"one version {INTERNAL_PROTOCOL_VERSION}: run the same pagedserve release everywhere")
