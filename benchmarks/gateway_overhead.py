@@ -44,6 +44,7 @@ async def serve_stand_in(port: int, model_dir: str, step_s: float) -> None:
     from shared.proto import pagedserve_internal_pb2 as wire
     from shared.proto import pagedserve_internal_pb2_grpc as wire_grpc
     from shared.tokenizer import load_tokenizer
+    from shared.wire_version import INTERNAL_PROTOCOL_VERSION
 
     tokenizer = load_tokenizer(model_dir)
     vocab = json.loads((Path(model_dir) / "config.json").read_text())["vocab_size"]
@@ -53,7 +54,8 @@ async def serve_stand_in(port: int, model_dir: str, step_s: float) -> None:
     class StandIn(wire_grpc.SchedulerServicer):
         async def GetInfo(self, request, context):
             return wire.EngineInfo(model=model_dir, max_model_len=4096, vocab_size=vocab, eos_token_ids=[2],
-                                   num_kv_blocks=1 << 16, block_size=16, max_logprobs=20)
+                                   num_kv_blocks=1 << 16, block_size=16, max_logprobs=20,
+                                   protocol_version=INTERNAL_PROTOCOL_VERSION)
 
         async def GetStats(self, request, context):
             return wire.EngineStats()
@@ -121,7 +123,7 @@ def one_round(base_url: str, model: str, requests, pids: dict[str, int], concurr
     results, elapsed = run_event_loop(run_load(f"{base_url}/v1", model, requests, None, concurrency, 0))
     tokens = sum(r["output_len"] for r in results)
     cpu = {name: cpu_seconds(pid) - before[name] for name, pid in pids.items()}
-    return {"elapsed_s": elapsed, "tokens": tokens,
+    return {"elapsed_s": elapsed, "tokens": tokens, "chunks_with_text": sum(len(r["arrivals"]) for r in results),
             "cpu_us_per_token": {name: 1e6 * seconds / tokens for name, seconds in cpu.items()}}
 
 

@@ -1,0 +1,21 @@
+"""The benchmark scripts still run against the current services (a stand-in that drifts from the
+protocol would otherwise only show up as a failed or empty measurement)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+from tests.services_harness import REPO
+
+
+def test_gateway_overhead_streams_through_the_real_gateway(tmp_path):
+    out = tmp_path / "overhead.json"
+    subprocess.run([sys.executable, str(REPO / "benchmarks" / "gateway_overhead.py"), "--num-requests", "6",
+                    "--concurrency", "6", "--step-ms", "1", "--rounds", "1", "--out", str(out)],
+                   cwd=REPO, check=True, timeout=240, stdout=subprocess.DEVNULL)
+    report = json.loads(out.read_text())
+    (round_,) = report["rounds"]
+    assert round_["tokens"] > 0 and 0.5 * round_["tokens"] < round_["chunks_with_text"] <= round_["tokens"]
+    assert set(report["median_cpu_us_per_token"]) == {"gateway", "stand-in scheduler", "load generator"}
