@@ -11,6 +11,7 @@ the start of a stop string is held back until it cannot be.
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 # Tokens of context decoded before the new ones, so that word-initial spaces come out right.
@@ -42,18 +43,26 @@ class WindowDecoder:
         full = self._decode(self._prefix_offset, len(self._ids))
         if full.endswith("\ufffd"):
             return ""
-        # A context that ended inside a character decodes with U+FFFD at its end; the output that
-        # completes the character replaces it, and the whole character is the output's.
-        start = len(prefix) if full.startswith(prefix) else len(prefix.rstrip("\ufffd"))
-        if len(full) <= start:
+        prefix_offset = self._read_offset
+        if full.startswith(prefix):
+            text = full[len(prefix):]
+        elif not prefix[(common := len(os.path.commonprefix([prefix, full]))):].strip("\ufffd"):
+            # The context ended in bytes that decoded to U+FFFD and the new tokens completed them
+            # into a character: it is the output's. The window keeps its start, a character boundary.
+            text, prefix_offset = full[common:], self._prefix_offset
+        else:
+            # The decoder rendered text already released differently (byte-fallback decoders turn a
+            # whole run of byte tokens into U+FFFD once it is invalid): the new tokens on their own.
+            text = self._decode(self._read_offset, len(self._ids))
+        if not text or text.endswith("\ufffd"):
             return ""
-        self._prefix_offset, self._read_offset = self._read_offset, len(self._ids)
+        self._prefix_offset, self._read_offset = prefix_offset, len(self._ids)
         self._forget_old_tokens()
-        return full[start:]
+        return text
 
-    def latest(self) -> list[int]:
-        """The last few tokens; after a release they end at a whole character."""
-        return self._ids[-_CONTEXT_TOKENS:]
+    def since_last_release(self) -> list[int]:
+        """The tokens of the last release and its context: they end on a whole character."""
+        return self._ids[self._prefix_offset:]
 
     def _forget_old_tokens(self) -> None:
         old = min(self._prefix_offset, len(self._ids) - _CONTEXT_TOKENS)
@@ -108,7 +117,7 @@ class StreamDecoder:
         if self._window is not None:
             text = self._window.step(token_id)
             if text and not self._for_good:
-                self._start_stream(self._window.latest())
+                self._start_stream(self._window.since_last_release()[-_CONTEXT_TOKENS:])
             return text
         try:
             text = self._stream.step(self._backend, token_id)

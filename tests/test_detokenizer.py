@@ -165,3 +165,72 @@ def test_a_stream_that_refuses_the_prompt_falls_back_to_the_window(fast_tokenize
     assert isinstance(detok._decoder, StreamDecoder)
     detok.append(fast_tokenizer(" café 東京", add_special_tokens=False).input_ids)
     assert detok.flush() is not None and detok.text == " café 東京"
+
+
+def _byte_level_token(tokenizer, byte: int) -> int:
+    """The byte-level BPE token of one raw byte (GPT-2's byte-to-character table)."""
+    printable = [*range(33, 127), *range(0xA1, 0xAD), *range(0xAE, 0x100)]
+    chars = dict(zip(printable, printable))
+    chars.update((b, 256 + i) for i, b in enumerate(b for b in range(256) if b not in chars))
+    return tokenizer.convert_tokens_to_ids(chr(chars[byte]))
+
+
+def test_a_prompt_with_stray_bytes_keeps_their_replacement_characters(tokenizer, fast_tokenizer):
+    """The prompt ends in an invalid byte and half of 杀 (E6 9D 80); the output's 0x80 completes it:
+    the output shows 杀, not the prompt's U+FFFD before it."""
+    raw = [_byte_level_token(fast_tokenizer, b) for b in (0x80, 0xE6, 0x9D)]
+    detok = IncrementalDetokenizer(tokenizer, fast_tokenizer("Hi", add_special_tokens=False).input_ids + raw)
+    output = [_byte_level_token(fast_tokenizer, 0x80)] + fast_tokenizer(" ok", add_special_tokens=False).input_ids
+    pieces = [detok.append([t]).text for t in output] + [detok.flush().text]
+    assert "".join(pieces) == "杀 ok"
+
+
+@pytest.fixture(scope="module")
+def byte_fallback_tokenizer():
+    """A Llama/Mistral-style tokenizer: SentencePiece pieces, bytes as <0xNN> tokens, whose decoder
+    turns a whole run of byte tokens into U+FFFD once the run is invalid."""
+    from tokenizers import AddedToken, Tokenizer, decoders, models, normalizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {"<unk>": 0, "<s>": 1, "</s>": 2, **{f"<0x{b:02X}>": 3 + b for b in range(256)}}
+    for piece in ["▁", "a", "d", "t", "ta", "▁d", "o", "n", "e", "on", "one", "▁done"]:
+        vocab.setdefault(piece, len(vocab))
+    merges = [("t", "a"), ("▁", "d"), ("o", "n"), ("on", "e"), ("▁d", "one")]
+    backend = Tokenizer(models.BPE(vocab=vocab, merges=merges, unk_token="<unk>", byte_fallback=True, fuse_unk=True))
+    backend.normalizer = normalizers.Sequence([normalizers.Prepend("▁"), normalizers.Replace(" ", "▁")])
+    backend.decoder = decoders.Sequence([decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse(),
+                                         decoders.Strip(" ", 1, 0)])
+    backend.add_special_tokens([AddedToken(t, special=True) for t in ("<s>", "</s>", "<unk>")])
+    return PreTrainedTokenizerFast(tokenizer_object=backend, bos_token="<s>", eos_token="</s>", unk_token="<unk>",
+                                   clean_up_tokenization_spaces=False)
+
+
+@pytest.mark.parametrize("decoder", ["stream", "window"])
+@pytest.mark.parametrize("prompt_bytes, output, text", [
+    ([], [0xF0, 0x9F, 0x8E, 0x89, 0x41, 0x9F, "a"], "🎉A\ufffda"),  # a stray byte after released text
+    ([0xE6, 0x9D], [0x8E, 0xB1, "ta"], "李\ufffdta"),  # the prompt's half character, then a stray byte
+    ([0xC3], [0x86, 0xDE, 0xAF], "Æޯ"),  # the character after the completed one is not swallowed
+])
+def test_byte_fallback_runs(byte_fallback_tokenizer, decoder, prompt_bytes, output, text):
+    tok = byte_fallback_tokenizer if decoder == "stream" else WindowOnly(byte_fallback_tokenizer)
+    ids = lambda items: [3 + x if isinstance(x, int) else tok.convert_tokens_to_ids(x) for x in items]  # noqa: E731
+    detok = IncrementalDetokenizer(tok, ids(prompt_bytes))
+    pieces = [detok.append([t]).text for t in ids(output)] + [detok.flush().text]
+    assert "".join(pieces) == text
+
+
+def test_byte_fallback_decoders_agree_on_random_byte_runs(byte_fallback_tokenizer):
+    """tokenizers' stream refuses many of these (it cannot extend a run that turned invalid); its
+    fallback must then give what the window decoder gives. (No ASCII byte tokens: when one is
+    followed by invalid bytes, DecodeStream itself releases it a second time, as U+FFFD.)"""
+    rng = random.Random()
+    pieces = [3 + b for b in (0x80, 0x9F, 0x8E, 0x89, 0xE6, 0x9D, 0xB1, 0xF0, 0xC3, 0xA9)]
+    pieces += [byte_fallback_tokenizer.convert_tokens_to_ids(p) for p in ("ta", "▁done", "a")]
+    for _ in range(200):
+        prompt = rng.choices(pieces, k=rng.randrange(0, 4))
+        output = rng.choices(pieces, k=rng.randrange(1, 30))
+        texts = []
+        for tok in (byte_fallback_tokenizer, WindowOnly(byte_fallback_tokenizer)):
+            detok = IncrementalDetokenizer(tok, prompt)
+            texts.append("".join(detok.append([t]).text for t in output) + detok.flush().text)
+        assert texts[0] == texts[1], (prompt, output)
