@@ -40,9 +40,11 @@ async def _learn_model(gen: Generator) -> None:
         except Exception as exc:
             log.info("waiting for the scheduler", scheduler=gen.client.address, error=str(exc))
             await asyncio.sleep(1.0)
-    # HTTP is already up: freeze (the tokenizer, above all) only while no request is alive, or its
-    # objects would stay frozen after it ends.
-    while gen.in_flight:
+    # HTTP is already up: freeze (the tokenizer, above all) while no request is alive if that comes
+    # soon. A live request's objects frozen with it are still freed by their reference counts; only
+    # its garbage cycles would stay, so under constant traffic it freezes anyway.
+    deadline = asyncio.get_running_loop().time() + 30.0
+    while gen.in_flight and asyncio.get_running_loop().time() < deadline:
         await asyncio.sleep(0.5)
     freeze_startup_objects()
 

@@ -44,7 +44,7 @@ class EngineLoop:
         self._stopping = threading.Event()
         self._failed: Exception | None = None
         self._closed = False
-        self._last_step_done = time.monotonic()  # when a step's result last came back
+        self._last_step_done = time.monotonic()  # when a step last came back (or started from idle)
         self._thread = threading.Thread(target=self._run, name="engine-loop", daemon=True)
         self._thread.start()
 
@@ -167,6 +167,7 @@ class EngineLoop:
                     self._last_step_done = time.monotonic()
                 self._drain_inbox(block=not batches and not engine.num_in_flight and not engine.has_unfinished())
                 if not engine.num_in_flight and engine.has_unfinished():
+                    self._last_step_done = time.monotonic()  # from idle: the wait for a step starts now
                     engine.start_step()
                 for session, batch in batches.items():
                     session.put(batch)
