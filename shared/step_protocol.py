@@ -22,6 +22,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from shared.columns import merge_by_position
 from shared.proto import pagedserve_internal_pb2 as wire
 from shared.sampling_params import SamplingParams
 from shared.wire_version import INTERNAL_PROTOCOL_VERSION
@@ -268,14 +269,11 @@ def outputs_to_proto(outputs: list[SequenceOutput]) -> wire.StepOutputs:
 
 
 def outputs_from_proto(m: wire.StepOutputs) -> list[SequenceOutput]:
-    total = len(m.seq_ids) + len(m.detailed)
-    positions = list(m.detailed_positions)
-    if len(m.token_ids) != len(m.seq_ids) or len(positions) != len(m.detailed) \
-            or positions != sorted(set(positions)) or (positions and positions[-1] >= total):
-        raise ValueError("malformed result: the outputs' columns do not line up")
-    plain = iter([SequenceOutput(seq_id, token_id) for seq_id, token_id in zip(m.seq_ids, m.token_ids)])
-    detailed = dict(zip(positions, m.detailed))
-    return [SequenceOutput.from_proto(detailed[i]) if i in detailed else next(plain) for i in range(total)]
+    if len(m.token_ids) != len(m.seq_ids):
+        raise ValueError("malformed result: the output columns do not line up")
+    plain = [SequenceOutput(seq_id, token_id) for seq_id, token_id in zip(m.seq_ids, m.token_ids)]
+    return merge_by_position(plain, [SequenceOutput.from_proto(o) for o in m.detailed], list(m.detailed_positions),
+                             "result")
 
 
 @dataclass(slots=True)

@@ -18,6 +18,7 @@ from collections import deque
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from shared.columns import merge_by_position
 from shared.grpc_errors import ServiceUnavailable, error_for_code, error_from_status, status_from_int
 from shared.logging import setup_logging
 from shared.proto import pagedserve_api_pb2 as api
@@ -47,27 +48,20 @@ class TokenOutput:
         self.seq_index, self.new_token_ids = seq_index, new_token_ids
 
 
-def step_outputs(events: wire.SessionEvents):
+def step_outputs(events: wire.SessionEvents) -> list[tuple[int, wire.EngineOutput | TokenOutput]]:
     """(key, output) for every output of a SessionEvents, in step order: a TokenOutput for a column
     entry, the EngineOutput itself for a detailed one."""
     columns = events.tokens
     keys, seq_indexes, num_tokens = list(columns.keys), list(columns.seq_indexes), list(columns.num_tokens)
-    token_ids, positions = list(columns.token_ids), list(events.detailed_positions)
-    total = len(keys) + len(events.detailed)
-    if len(seq_indexes) != len(keys) or len(num_tokens) != len(keys) or sum(num_tokens) != len(token_ids) \
-            or len(positions) != len(events.detailed) or positions != sorted(set(positions)) \
-            or (positions and positions[-1] >= total):
+    token_ids = list(columns.token_ids)
+    if len(seq_indexes) != len(keys) or len(num_tokens) != len(keys) or sum(num_tokens) != len(token_ids):
         raise ValueError("malformed session events: the output columns do not line up")
-    detailed = dict(zip(positions, events.detailed))
-    entry = start = 0
-    for position in range(total):
-        output = detailed.get(position)
-        if output is not None:
-            yield output.key, output
-            continue
-        end = start + num_tokens[entry]
-        yield keys[entry], TokenOutput(seq_indexes[entry], token_ids[start:end])
-        entry, start = entry + 1, end
+    plain, start = [], 0
+    for key, seq_index, count in zip(keys, seq_indexes, num_tokens):
+        plain.append((key, TokenOutput(seq_index, token_ids[start:start + count])))
+        start += count
+    return merge_by_position(plain, [(output.key, output) for output in events.detailed],
+                             list(events.detailed_positions), "session events")
 
 
 class SubmitStream:
