@@ -109,6 +109,16 @@ def test_attention_gqa_and_head_dims(num_heads, num_kv_heads, head_dim):
     check_attention(MIXED, block_size=4, num_heads=num_heads, num_kv_heads=num_kv_heads, head_dim=head_dim)
 
 
+def test_prefill_longer_than_one_query_tile():
+    # float32 with head_dim 128 takes 16-row tiles (8 tokens x 2 heads): these prefills span several
+    # tiles each, the last one partial, one after cached blocks.
+    specs = [(9, 40), (0, 33), (5, 1)]
+    check_attention(specs, block_size=8, num_heads=4, num_kv_heads=2, head_dim=128)
+    meta = make_batch(specs, 8, 16, torch.Generator().manual_seed(0))
+    plan = make_launch_plan(meta, torch.empty(74, 4, 128), torch.empty(16, 8, 2, 128))
+    assert (plan.block_q, plan.num_warps, plan.num_tiles) == (8, 8, 5 + 5 + 1)
+
+
 def test_attention_tiny_head_dim_without_dot():
     check_attention([(9, 1), (0, 4)], head_dim=8)  # below tl.dot's minimum: the broadcast-sum path
 

@@ -36,7 +36,13 @@ from services.worker.attention.triton_cache_ops import SUPPORTED_DTYPES, _check_
 
 LOG2E = 1.4426950408889634
 MIN_DOT = 16  # tl.dot needs every tile dimension >= 16
-PREFILL_ROWS = 64  # rows (query token x head) per prefill tile, head_dim <= 128
+PREFILL_ROWS = 64  # rows (query token x head) per prefill tile, 16-bit inputs, head_dim <= 128
+# float32 dots run on CUDA cores (IEEE, no tensor cores): every thread keeps its own copies of operand
+# rows, so the tiles are smaller and the warps more. Chosen where ptxas spills nothing on sm_80, sm_90
+# and sm_100 (benchmarks/triton_compile.py); the tensor-core tiles kept 4 warps spilled kilobytes there.
+FMA_ROWS = 16  # rows per float32 tile, head_dim >= 128 (twice that below)
+FMA_WARPS = 8
+DEFAULT_STAGES = 3  # Triton's own default; see LaunchPlan.num_stages
 MAX_BLOCK_N = 64  # keys per inner-loop step, at most
 KV_TILE_BYTES = 32 << 10  # one K tile + one V tile; times the pipeline stages must fit in shared memory
 SPLIT_MIN_KEYS = 512  # a split shorter than this costs more in the reduce than it gains
@@ -227,6 +233,10 @@ class LaunchPlan:
     block_q: int  # query tokens per tile
     group_pad: int
     block_n: int
+    num_warps: int
+    # Software-pipeline depth. The block-table read feeds every K/V address and takes a stage of its
+    # own: at 3 (Triton's default) decode tiles get one K/V buffer, at 5 two (benchmarks/triton_compile.py).
+    num_stages: int
     split: bool  # split-K: partials per split, then the reduce kernel (even with one split when forced)
     num_splits: int
     keys_per_split: int
@@ -272,10 +282,18 @@ def _query_tiles(query_lens: list[int], block_q: int) -> tuple[list[int], list[i
     return seqs, firsts
 
 
-def _tile_sizes(meta: AttentionMetadata, group: int, head_dim: int, element_size: int) -> tuple[int, int, int]:
+def _rows_per_tile(head_dim: int, fma_dot: bool) -> int:
+    """The float32 accumulator (and, for FMA dots, operand rows) lives in registers: fewer rows when wide."""
+    if fma_dot:
+        return FMA_ROWS if head_dim >= 128 else 2 * FMA_ROWS
+    return PREFILL_ROWS if head_dim <= 128 else PREFILL_ROWS // 2
+
+
+def _tile_sizes(meta: AttentionMetadata, group: int, head_dim: int, dtype: torch.dtype) -> tuple[int, int, int]:
     """(query tokens per tile, GROUP_PAD, keys per loop step)."""
     group_pad = triton.next_power_of_2(group)
-    rows = PREFILL_ROWS if head_dim <= 128 else PREFILL_ROWS // 2  # the accumulator lives in registers
+    element_size = dtype.itemsize
+    rows = _rows_per_tile(head_dim, fma_dot=dtype == torch.float32)
     min_q = max(1, MIN_DOT // group_pad)  # enough query tokens for BLOCK_M >= 16
     block_q = max(min_q, min(max(1, rows // group_pad), triton.next_power_of_2(meta.max_query_len)))
     # A K tile and a V tile of at most KV_TILE_BYTES together, so the pipelined copies fit in shared memory.
@@ -296,11 +314,15 @@ def _split_count(meta: AttentionMetadata, num_programs: int, device: torch.devic
 
 
 def make_launch_plan(meta: AttentionMetadata, q: torch.Tensor, k_cache: torch.Tensor, split_k: bool | None = None,
-                     num_splits: int | None = None, block_n: int | None = None) -> LaunchPlan:
-    """Tile sizes, the query tiles and the split count; split_k forces split-K on or off (None: heuristic)."""
+                     num_splits: int | None = None, block_n: int | None = None,
+                     num_stages: int | None = None) -> LaunchPlan:
+    """Tile sizes, the query tiles and the split count; split_k forces split-K on or off (None: heuristic).
+
+    ``num_splits``, ``block_n`` and ``num_stages`` pin what the heuristics would choose (tests, tuning).
+    """
     num_heads, head_dim = q.shape[1], q.shape[2]
     num_kv_heads = k_cache.shape[2]
-    block_q, group_pad, default_n = _tile_sizes(meta, num_heads // num_kv_heads, head_dim, q.element_size())
+    block_q, group_pad, default_n = _tile_sizes(meta, num_heads // num_kv_heads, head_dim, q.dtype)
     block_n = block_n or default_n
     require(block_n >= MIN_DOT and block_n & (block_n - 1) == 0,
              f"block_n must be a power of two >= 16, got {block_n}")
@@ -311,7 +333,10 @@ def make_launch_plan(meta: AttentionMetadata, q: torch.Tensor, k_cache: torch.Te
     split = bool(split_k) or splits > 1
     splits = _cdiv(meta.max_seq_len, keys_per_split) if split else 1
     tiles = torch.tensor([seqs, firsts], dtype=torch.int32).to(q.device, non_blocking=True)
-    return LaunchPlan(block_q, group_pad, block_n, split, splits, keys_per_split, tiles)
+    num_warps = FMA_WARPS if q.dtype == torch.float32 else 4  # 4: Triton's default
+    require(num_stages is None or num_stages >= 1, f"num_stages must be >= 1, got {num_stages}")
+    return LaunchPlan(block_q, group_pad, block_n, num_warps, num_stages or DEFAULT_STAGES, split, splits,
+                      keys_per_split, tiles)
 
 
 # --- the wrapper ----------------------------------------------------------------------------------
@@ -352,7 +377,8 @@ def _kernel_flags(q: torch.Tensor, k_cache: torch.Tensor, plan: LaunchPlan) -> d
                 BLOCK_N=plan.block_n, BLOCK_SIZE=k_cache.shape[1], HEAD_DIM=head_dim, USE_DOT=head_dim >= MIN_DOT,
                 # IEEE for float32: TF32 would drift from the reference (16-bit inputs are exact anyway).
                 IEEE_DOT=q.dtype == torch.float32,
-                DOT_FP32=q.dtype == torch.bfloat16 and interpreter_enabled())
+                DOT_FP32=q.dtype == torch.bfloat16 and interpreter_enabled(),
+                num_warps=plan.num_warps, num_stages=plan.num_stages)  # launch options, not constexprs
 
 
 def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
