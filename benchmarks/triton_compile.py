@@ -1,0 +1,324 @@
+"""Compile every Triton kernel variant for a CUDA GPU on a machine without one, and report what ptxas made.
+
+    python benchmarks/triton_compile.py [--arch 90] [--quick] [--out benchmarks/results/triton_compile_sm90.json]
+
+Why: the CPU tests run the kernels under the Triton interpreter, which executes their Python semantics
+but never lowers them. A kernel can pass every interpreted test and still fail to compile for a GPU
+(layouts, dot shapes, shared memory), or compile into one that spills registers or whose K/V loads
+are not pipelined; either would sink the decode targets of benchmarks/gpu_kernels.py.
+
+How: the real wrappers (paged_attention, write_kv, copy_blocks) are called with CPU tensors while a
+compile-only driver stands in for CUDA. Every launch is compiled for ``--arch`` with the specialisation
+a GPU launch of the same arguments gets (dtypes, 16-byte divisibility, constexprs) and is not run.
+
+For each variant: registers per thread, spilled bytes, the stack frame and shared memory (from ptxas),
+whether the K/V loads became asynchronous copies (the software pipeline) and which matrix-multiply
+instructions the dots use. Exits 1 when a variant fails to compile, needs more shared memory than the
+architecture has, or (for head sizes of 16 and up: the broadcast-sum path below that only has to work)
+spills more than SPILL_TOLERANCE bytes or, for attention, is not pipelined.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import io
+import json
+import os
+import re
+import sys
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+os.environ["TRITON_INTERPRET"] = "0"  # compile for real; must precede the first triton import
+os.environ.setdefault("TRITON_DEFAULT_FP_FUSION", "1")  # Triton 3.9's default, said aloud (it warns otherwise)
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+import torch  # noqa: E402
+import triton  # noqa: E402
+from triton.backends.compiler import GPUTarget  # noqa: E402
+from triton.runtime.driver import driver  # noqa: E402
+
+from benchmarks.gpu_kernels import Shape  # noqa: E402
+from shared.config import EngineConfig  # noqa: E402
+from shared.model_factory import BENCH_MODEL, DEFAULT_MODEL  # noqa: E402
+
+# Largest dynamic shared memory one program may use (CUDA programming guide, per compute capability).
+SHARED_LIMIT = {80: 163 * 1024, 86: 99 * 1024, 89: 99 * 1024, 90: 227 * 1024, 100: 227 * 1024, 120: 99 * 1024}
+# Spills up to this many bytes are a few values parked outside the hot loop, and move with the ptxas
+# version; kilobytes mean the tile does not fit in registers.
+SPILL_TOLERANCE = 64
+# Which instructions a dot lowered to, by the TTGIR op that carries it (a tt.dot left on a blocked
+# layout is the CUDA-core FMA loop, the path of float32 IEEE dots).
+DOT_OPS = {"ttng.warp_group_dot": "wgmma", "ttng.tc_gen5_mma": "tcgen05"}
+
+
+@dataclass
+class Variant:
+    kernel: str
+    case: str  # what the wrapper was asked to do
+    constexprs: str
+    ok: bool = False
+    error: str | None = None
+    registers: int | None = None
+    spill_bytes: int | None = None  # spill stores
+    stack_bytes: int | None = None
+    shared_bytes: int | None = None
+    async_copies: int | None = None  # cp.async / TMA copies into shared memory in the TTGIR
+    tile_buffers: int | None = None  # most shared-memory buffers of one multi-buffered 2-D (K or V) tile
+    dot: str | None = None
+    compile_s: float = 0.0
+    problems: tuple[str, ...] = ()
+
+
+class CompileOnlyDriver:
+    """Stands in for the CUDA driver: names the target, never touches a device."""
+
+    def __init__(self, arch: int):
+        self.target = GPUTarget("cuda", arch, 32)
+
+    def get_current_target(self) -> GPUTarget:
+        return self.target
+
+    def get_current_device(self) -> int:
+        return 0
+
+    def get_current_stream(self, device: int | None = None) -> int:
+        return 0
+
+    def get_active_torch_device(self) -> torch.device:
+        return torch.device("cpu")
+
+
+class Recorder:
+    """Turns each kernel's launches into compile-only warm-ups and records what came out."""
+
+    def __init__(self, arch: int):
+        self.arch = arch
+        self.variants: list[Variant] = []
+        self.case = ""
+        self._seen: set[tuple] = set()
+
+    def instrument(self, kernel) -> None:
+        compile_only = kernel.run
+
+        def run(*args, grid, warmup, **kwargs):
+            buffer = io.StringIO()
+            started = time.perf_counter()
+            with contextlib.redirect_stdout(buffer):  # the ptxas log Triton prints when asked
+                compiled = compile_only(*args, grid=grid, warmup=True, **kwargs)
+            self.record(kernel.fn.__name__, compiled, buffer.getvalue(), time.perf_counter() - started)
+            return compiled
+
+        kernel.run = run
+
+    def record(self, name: str, compiled, ptxas_log: str, seconds: float) -> None:
+        constexprs = _readable_constexprs(compiled)
+        key = (name, constexprs, str(compiled.src.signature), compiled.metadata.num_warps,
+               compiled.metadata.num_stages)
+        if key in self._seen:  # the same binary: a cache hit
+            return
+        self._seen.add(key)
+        variant = Variant(name, self.case, constexprs, ok=True, compile_s=round(seconds, 2))
+        variant.registers = _first_int(r"Used (\d+) registers", ptxas_log)
+        variant.spill_bytes = _first_int(r"(\d+) bytes spill stores", ptxas_log)
+        variant.stack_bytes = _first_int(r"(\d+) bytes stack frame", ptxas_log)
+        variant.shared_bytes = compiled.metadata.shared
+        ttgir = compiled.asm["ttgir"]
+        variant.async_copies = sum(ttgir.count(op) for op in ("ttg.async_copy_global_to_local",
+                                                               "ttng.async_tma_copy_global_to_local"))
+        variant.dot = "+".join(dot_instructions(ttgir)) or None
+        depths = [int(d) for d in re.findall(r"ttg\.local_alloc : \(\) -> !ttg\.memdesc<(\d+)x\d+x\d+x[bf]", ttgir)]
+        variant.tile_buffers = max(depths, default=None)
+        variant.problems = tuple(self.problems_of(variant))
+        self.variants.append(variant)
+
+    def problems_of(self, v: Variant) -> list[str]:
+        problems = []
+        if v.spill_bytes and v.spill_bytes > SPILL_TOLERANCE:
+            problems.append(f"spills {v.spill_bytes} bytes")
+        limit = SHARED_LIMIT.get(self.arch)
+        if limit is not None and v.shared_bytes is not None and v.shared_bytes > limit:
+            problems.append(f"needs {v.shared_bytes} B of shared memory, the GPU has {limit}")
+        if v.kernel == "_paged_attention_kernel" and not v.async_copies:
+            problems.append("K/V loads are not pipelined (no asynchronous copies)")
+        if "USE_DOT=False" in v.constexprs:  # head_dim < 16: tiny test models only; must compile, need not be fast
+            problems = [p for p in problems if p.startswith("needs")]
+        return problems
+
+    def failed(self, name: str, error: Exception) -> None:
+        self.variants.append(Variant(name, self.case, "", error=f"{type(error).__name__}: {error}"[:4000],
+                                     problems=("does not compile",)))
+
+
+def _readable_constexprs(compiled) -> str:
+    """The constexpr arguments by name (Triton keys them by argument position)."""
+    names = list(compiled.src.signature)
+    parts = []
+    for key, value in compiled.src.constants.items():
+        index = key[0] if isinstance(key, tuple) else key
+        name = names[index] if isinstance(index, int) and index < len(names) else str(index)
+        if str(compiled.src.signature.get(name)) == "constexpr":
+            parts.append(f"{name}={value}")
+    return ", ".join(sorted(parts))
+
+
+def dot_instructions(ttgir: str) -> list[str]:
+    found = {label for op, label in DOT_OPS.items() if op + " " in ttgir}
+    for line in ttgir.splitlines():
+        if " tt.dot " in line:
+            found.add("fma" if "parent = #blocked" in line else "mma")
+    return sorted(found)
+
+
+def _first_int(pattern: str, text: str) -> int | None:
+    match = re.search(pattern, text)
+    return int(match.group(1)) if match else None
+
+
+# --- the cases: what the engine and benchmarks/gpu_kernels.py launch -------------------------------------------
+
+
+def paged_batch(specs: list[tuple[int, int]], block_size: int):
+    """Metadata for (cached, new) sequences on consecutive blocks (placement does not change the binary)."""
+    from services.worker.attention.metadata import AttentionMetadata
+
+    tables, slots, first = [], [], 0
+    for cached, new in specs:
+        count = -(-(cached + new) // block_size)
+        tables.append(list(range(first, first + count)))
+        slots += [first * block_size + p for p in range(cached, cached + new)]
+        first += count
+    width = max(len(t) for t in tables)
+    query_lens = [new for _, new in specs]
+    seq_lens = [cached + new for cached, new in specs]
+    starts = [0]
+    for n in query_lens:
+        starts.append(starts[-1] + n)
+    meta = AttentionMetadata(
+        slot_mapping=torch.tensor(slots, dtype=torch.int64), query_start_loc=torch.tensor(starts, dtype=torch.int32),
+        seq_lens=torch.tensor(seq_lens, dtype=torch.int32),
+        block_tables=torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32),
+        query_lens_cpu=query_lens, seq_lens_cpu=seq_lens, max_query_len=max(query_lens), max_seq_len=max(seq_lens))
+    return meta, first
+
+
+BATCHES = {
+    "decode": [(4095, 1), (511, 1)],
+    "long-decode": [(32767, 1)],
+    "mixed": [(0, 384), (1000, 200), (3000, 1), (17, 1)],
+}
+
+
+def model_shape(config: dict) -> Shape:
+    heads = config["num_attention_heads"]
+    return Shape(heads, config["num_key_value_heads"], config["hidden_size"] // heads, EngineConfig().block_size)
+
+
+def cases(quick: bool) -> list[tuple[Shape, str]]:
+    """(shape, dtype): gpu_kernels.py's shapes, the built-in and bench models (float32, as the engine runs
+    them), and small head sizes of test models."""
+    main = Shape(32, 8, 128)
+    own = [(model_shape(DEFAULT_MODEL), DEFAULT_MODEL["dtype"]), (model_shape(BENCH_MODEL), BENCH_MODEL["dtype"])]
+    if quick:
+        return [(main, d) for d in ("bfloat16", "float32")] + own[1:] + [
+            (Shape(16, 16, 64), "float16"), (Shape(16, 2, 256), "bfloat16"), (Shape(4, 2, 32, 8), "float32")]
+    shapes = [main, Shape(32, 8, 128, 32), Shape(16, 16, 64), Shape(8, 1, 128), Shape(16, 2, 256),
+              Shape(4, 2, 32, 8), Shape(4, 4, 16, 4), Shape(8, 2, 8, 16)]
+    return [(s, d) for s in shapes for d in ("bfloat16", "float16", "float32")] + own
+
+
+def label(shape: Shape) -> str:
+    return f"{shape.label}/B{shape.block_size}"
+
+
+def compile_attention(recorder: Recorder, shape: Shape, dtype_name: str) -> None:
+    from services.worker.attention.triton_attention import paged_attention
+
+    dtype = getattr(torch, dtype_name)
+    for batch_name, specs in BATCHES.items():
+        meta, blocks = paged_batch(specs, shape.block_size)
+        pool = torch.empty(1, 2, blocks, shape.block_size, shape.kv_heads, shape.head_dim, dtype=dtype)
+        q = torch.empty(meta.num_tokens, shape.heads, shape.head_dim, dtype=dtype)
+        for split_k in (False, True):
+            recorder.case = f"{label(shape)} {dtype_name} {batch_name} split={split_k}"
+            try:
+                paged_attention(q, pool[0, 0], pool[0, 1], meta, shape.head_dim ** -0.5, split_k=split_k)
+            except Exception as e:  # recorded, and the other variants still compile
+                recorder.failed("_paged_attention_kernel", e)
+
+
+def compile_cache_ops(recorder: Recorder, shape: Shape, dtype_name: str) -> None:
+    from services.worker.attention.triton_cache_ops import copy_blocks, write_kv
+
+    dtype = getattr(torch, dtype_name)
+    pool = torch.empty(2, 2, 8, shape.block_size, shape.kv_heads, shape.head_dim, dtype=dtype)
+    kv = torch.empty(2, 5, shape.kv_heads, shape.head_dim, dtype=dtype)
+    for name, launch in (
+            ("_write_kv_kernel", lambda: write_kv(pool[0, 0], pool[0, 1], kv[0], kv[1], torch.arange(5) - 1)),
+            ("_copy_blocks_kernel", lambda: copy_blocks(pool, [(0, 3), (1, 4)]))):
+        recorder.case = f"{label(shape)} {dtype_name}"
+        try:
+            launch()
+        except Exception as e:
+            recorder.failed(name, e)
+
+
+# --- report ----------------------------------------------------------------------------------------------------
+
+
+def print_table(variants: list[Variant]) -> None:
+    header = (f"{'kernel':<24}{'case':<52}{'regs':>5}{'spill':>6}{'stack':>6}{'smem KB':>8}{'async':>6}{'bufs':>5}"
+              f"  {'dot':<8}")
+    print(header)
+    for v in variants:
+        kb = f"{v.shared_bytes / 1024:.1f}" if v.shared_bytes is not None else "-"
+        cells = [v.registers, v.spill_bytes, v.stack_bytes]
+        cells = ["-" if c is None else str(c) for c in cells]
+        print(f"{v.kernel:<24}{v.case:<52}{cells[0]:>5}{cells[1]:>6}{cells[2]:>6}{kb:>8}"
+              f"{'-' if v.async_copies is None else v.async_copies:>6}{v.tile_buffers or '-':>5}  {v.dot or '-':<8}"
+              + (f"  PROBLEM: {'; '.join(v.problems)}" if v.problems else ""))
+        if v.error:
+            print(f"    {v.error.splitlines()[0]}")
+
+
+def parse_args() -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--arch", type=int, default=90,
+                        help="compute capability x 10: 80 A100, 89 L4/L40, 90 H100/H200, 100 B200 (default 90)")
+    parser.add_argument("--quick", action="store_true", help="six (shape, dtype) cases instead of twenty-six")
+    parser.add_argument("--out", default=None, help="JSON report (default benchmarks/results/triton_compile_smARCH.json)")
+    return parser.parse_args()
+
+
+def main() -> int:
+    args = parse_args()
+    triton.knobs.nvidia.dump_ptxas_log = True  # registers and spills, as ptxas reports them
+    triton.knobs.compilation.always_compile = True  # a binary from Triton's disk cache comes without that log
+    driver.set_active(CompileOnlyDriver(args.arch))
+    from services.worker.attention import triton_attention, triton_cache_ops
+
+    recorder = Recorder(args.arch)
+    for kernel in (triton_attention._paged_attention_kernel, triton_attention._reduce_splits_kernel,
+                   triton_cache_ops._write_kv_kernel, triton_cache_ops._copy_blocks_kernel):
+        recorder.instrument(kernel)
+    started = time.perf_counter()
+    for shape, dtype_name in cases(args.quick):
+        compile_attention(recorder, shape, dtype_name)
+        compile_cache_ops(recorder, shape, dtype_name)
+    elapsed = time.perf_counter() - started
+    print_table(recorder.variants)
+    bad = [v for v in recorder.variants if v.problems]
+    print(f"\nsm_{args.arch}: {len(recorder.variants)} distinct binaries in {elapsed:.0f} s, "
+          f"{len(bad)} with problems (triton {triton.__version__})")
+    out = Path(args.out or Path(__file__).with_name("results") / f"triton_compile_sm{args.arch}.json")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps({"arch": args.arch, "triton": triton.__version__, "elapsed_s": round(elapsed, 1),
+                               "variants": [asdict(v) for v in recorder.variants]}, indent=2))
+    print(f"wrote {out}")
+    return 1 if bad else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
