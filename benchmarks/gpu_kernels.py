@@ -9,7 +9,8 @@ Sections (each under its own time limit; a section that fails or times out is re
   decode    paged decode at batch 1, 32, 256 x context 512, 4k, 32k (Llama-3-8B attention shape:
             32 query heads, 8 KV heads, head_dim 128, bfloat16, blocks of 16 scattered over the pool)
             against torch scaled_dot_product_attention over the same K/V stored contiguously;
-            combinations that do not fit in memory are skipped
+            combinations that do not fit in memory are skipped. For context >= 4k also the split-K
+            path the heuristic did not take and a 5-stage pipeline (data for tuning both)
   prefill   causal prefill (and a chunk after a cached prefix) against SDPA, in TFLOP/s
   cache     cache write, block copy and swap: time and bandwidth; swap against a plain pinned copy
   engine    the bench model through the engine on the GPU (attention_backend="triton") against
@@ -347,8 +348,8 @@ def decode_case(bench: Bench, shape: Shape, batch: int, ctx: int, generator) -> 
     q = torch.randn(batch, shape.heads, shape.head_dim, device=bench.device).to(dtype)
     out = torch.empty_like(q)
     scale = shape.head_dim ** -0.5
-    def run(split_k):
-        plan = make_launch_plan(meta, q, k_cache, split_k)
+    def run(split_k, num_stages=None):
+        plan = make_launch_plan(meta, q, k_cache, split_k, num_stages=num_stages)
         return plan, bench.measure(lambda: paged_attention(q, k_cache, v_cache, meta, scale, out=out, plan=plan,
                                                            check=False))
 
@@ -360,6 +361,9 @@ def decode_case(bench: Bench, shape: Shape, batch: int, ctx: int, generator) -> 
         times["paged_nosplit"] = run(False)[1]
     elif ctx >= LONG_CONTEXT or bench.smoke:
         times["paged_split"] = run(True)[1]
+    if ctx >= LONG_CONTEXT or bench.smoke:
+        # A deeper pipeline: two K/V buffers per program instead of one (benchmarks/triton_compile.py).
+        times["paged_stages5"] = run(None, num_stages=5)[1]
     # Contiguous baseline: the group's query heads become query rows of their KV head, which is exact
     # for one decode token and lets SDPA use its fastest (flash) kernels without expanding K/V.
     group = shape.heads // shape.kv_heads
@@ -374,7 +378,9 @@ def decode_case(bench: Bench, shape: Shape, batch: int, ctx: int, generator) -> 
            "frac_of_copy_bw": read_gbs / bench.copy_gbs}
     print(f"  decode B={batch:<4} ctx={ctx:<6} splits={splits:<3} paged {times['paged'] * 1e6:9.1f} us  "
           f"sdpa {times['sdpa'] * 1e6:9.1f} us  x{row['speed_vs_sdpa']:.2f}  {read_gbs:7.1f} GB/s "
-          f"({100 * row['frac_of_copy_bw']:.0f}% of copy)", flush=True)
+          f"({100 * row['frac_of_copy_bw']:.0f}% of copy)"
+          + "".join(f"  {k.removeprefix('paged_')} {v * 1e6:.1f} us" for k, v in times.items()
+                    if k.startswith("paged_")), flush=True)
     return row
 
 
