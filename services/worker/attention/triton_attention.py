@@ -36,12 +36,13 @@ from services.worker.attention.triton_cache_ops import SUPPORTED_DTYPES, _check_
 
 LOG2E = 1.4426950408889634
 MIN_DOT = 16  # tl.dot needs every tile dimension >= 16
-PREFILL_ROWS = 64  # rows (query token x head) per prefill tile, 16-bit inputs, head_dim <= 128
+# Tile shapes and warps are where ptxas spills (next to) nothing on sm_80, sm_90 and sm_100
+# (benchmarks/triton_compile.py). 64 rows is also what Hopper's wgmma needs per warpgroup.
+PREFILL_ROWS = 64  # rows (query token x head) per prefill tile, 16-bit inputs
 # float32 dots run on CUDA cores (IEEE, no tensor cores): every thread keeps its own copies of operand
-# rows, so the tiles are smaller and the warps more. Chosen where ptxas spills nothing on sm_80, sm_90
-# and sm_100 (benchmarks/triton_compile.py); the tensor-core tiles kept 4 warps spilled kilobytes there.
+# rows, so the tiles are smaller and the warps more; 64-row tiles on 4 warps spilled kilobytes.
 FMA_ROWS = 16  # rows per float32 tile, head_dim >= 128 (twice that below)
-FMA_WARPS = 8
+WIDE_WARPS = 8  # float32 tiles, and 16-bit tiles whose accumulator is larger than 64 x 128
 DEFAULT_STAGES = 3  # Triton's own default; see LaunchPlan.num_stages
 MAX_BLOCK_N = 64  # keys per inner-loop step, at most
 KV_TILE_BYTES = 32 << 10  # one K tile + one V tile; times the pipeline stages must fit in shared memory
@@ -283,10 +284,15 @@ def _query_tiles(query_lens: list[int], block_q: int) -> tuple[list[int], list[i
 
 
 def _rows_per_tile(head_dim: int, fma_dot: bool) -> int:
-    """The float32 accumulator (and, for FMA dots, operand rows) lives in registers: fewer rows when wide."""
+    """FMA dots hold operand rows per thread besides the float32 accumulator: fewer rows when wide."""
     if fma_dot:
         return FMA_ROWS if head_dim >= 128 else 2 * FMA_ROWS
-    return PREFILL_ROWS if head_dim <= 128 else PREFILL_ROWS // 2
+    return PREFILL_ROWS
+
+
+def _num_warps(block_m: int, head_dim: int, fma_dot: bool) -> int:
+    """More threads where 4 warps' registers would not hold the tile; 4 is Triton's default."""
+    return WIDE_WARPS if fma_dot or block_m * head_dim > PREFILL_ROWS * 128 else 4
 
 
 def _tile_sizes(meta: AttentionMetadata, group: int, head_dim: int, dtype: torch.dtype) -> tuple[int, int, int]:
@@ -333,7 +339,7 @@ def make_launch_plan(meta: AttentionMetadata, q: torch.Tensor, k_cache: torch.Te
     split = bool(split_k) or splits > 1
     splits = _cdiv(meta.max_seq_len, keys_per_split) if split else 1
     tiles = torch.tensor([seqs, firsts], dtype=torch.int32).to(q.device, non_blocking=True)
-    num_warps = FMA_WARPS if q.dtype == torch.float32 else 4  # 4: Triton's default
+    num_warps = _num_warps(block_q * group_pad, head_dim, fma_dot=q.dtype == torch.float32)
     require(num_stages is None or num_stages >= 1, f"num_stages must be >= 1, got {num_stages}")
     return LaunchPlan(block_q, group_pad, block_n, num_warps, num_stages or DEFAULT_STAGES, split, splits,
                       keys_per_split, tiles)
