@@ -1,4 +1,4 @@
-"""Compile every Triton kernel variant for a CUDA GPU on a machine without one, and report what ptxas made.
+"""Compile the Triton kernels for a CUDA GPU on a machine without one, and report what ptxas made.
 
     python benchmarks/triton_compile.py [--arch 90] [--quick] [--out benchmarks/results/triton_compile_sm90.json]
 
@@ -10,9 +10,13 @@ are not pipelined; either would sink the decode targets of benchmarks/gpu_kernel
 How: the real wrappers (paged_attention, write_kv, copy_blocks) are called with CPU tensors while a
 compile-only driver stands in for CUDA. Every launch is compiled for ``--arch`` with the specialisation
 a GPU launch of the same arguments gets (dtypes, 16-byte divisibility, constexprs) and is not run.
+The arguments cover a fixed set of shapes (gpu_kernels.py's, the project's models', small test
+shapes), dtypes, batches (decode, block tables of odd width, long decode, mixed prefill and decode)
+and split-K choices, plus the tuning variants gpu_kernels.py times; each distinct binary is reported once.
 
 For each variant: registers per thread, spilled bytes, the stack frame and shared memory (from ptxas),
-whether the K/V loads became asynchronous copies (the software pipeline) and which matrix-multiply
+whether the K/V tiles arrive by asynchronous copies (the software pipeline), in how many buffers, and
+which matrix-multiply
 instructions the dots use. Exits 1 when a variant fails to compile, needs more shared memory than the
 architecture has, or (for head sizes of 16 and up: the broadcast-sum path below that only has to work)
 spills more than SPILL_TOLERANCE bytes or, for attention, is not pipelined.
@@ -25,7 +29,6 @@ import contextlib
 import io
 import json
 import os
-import re
 import sys
 import time
 from dataclasses import asdict, dataclass
@@ -41,17 +44,17 @@ from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.runtime.driver import driver  # noqa: E402
 
 from benchmarks.gpu_kernels import Shape  # noqa: E402
+from benchmarks.triton_binary import (  # noqa: E402
+    dot_instructions, readable_constexprs, register_usage, tile_buffers, tile_copies)
 from shared.config import EngineConfig  # noqa: E402
 from shared.model_factory import BENCH_MODEL, DEFAULT_MODEL  # noqa: E402
 
 # Largest dynamic shared memory one program may use (CUDA programming guide, per compute capability).
 SHARED_LIMIT = {80: 163 * 1024, 86: 99 * 1024, 89: 99 * 1024, 90: 227 * 1024, 100: 227 * 1024, 120: 99 * 1024}
+SM_COUNT = {80: 108, 86: 84, 89: 142, 90: 132, 100: 148, 120: 170}  # A100, A40, L40S, H100/H200, B200, RTX PRO 6000
 # Spills up to this many bytes are a few values parked outside the hot loop, and move with the ptxas
 # version; kilobytes mean the tile does not fit in registers.
 SPILL_TOLERANCE = 64
-# Which instructions a dot lowered to, by the TTGIR op that carries it (a tt.dot left on a blocked
-# layout is the CUDA-core FMA loop, the path of float32 IEEE dots).
-DOT_OPS = {"ttng.warp_group_dot": "wgmma", "ttng.tc_gen5_mma": "tcgen05"}
 
 
 @dataclass
@@ -65,8 +68,8 @@ class Variant:
     spill_bytes: int | None = None  # spill stores
     stack_bytes: int | None = None
     shared_bytes: int | None = None
-    async_copies: int | None = None  # cp.async / TMA copies into shared memory in the TTGIR
-    tile_buffers: int | None = None  # most shared-memory buffers of one multi-buffered 2-D (K or V) tile
+    tile_copies: int | None = None  # asynchronous copies of K/V tiles into shared memory in the TTGIR
+    tile_buffers: int | None = None  # most shared-memory buffers of one K or V tile
     dot: str | None = None
     compile_s: float = 0.0
     problems: tuple[str, ...] = ()
@@ -92,13 +95,13 @@ class CompileOnlyDriver:
 
 
 class Recorder:
-    """Turns each kernel's launches into compile-only warm-ups and records what came out."""
+    """Turns each kernel's launches into compile-only warm-ups and records each new binary."""
 
     def __init__(self, arch: int):
         self.arch = arch
         self.variants: list[Variant] = []
         self.case = ""
-        self._seen: set[tuple] = set()
+        self._seen: set[str] = set()  # binaries by hash: a launch the in-memory cache served adds nothing
 
     def instrument(self, kernel) -> None:
         compile_only = kernel.run
@@ -114,67 +117,40 @@ class Recorder:
         kernel.run = run
 
     def record(self, name: str, compiled, ptxas_log: str, seconds: float) -> None:
-        constexprs = _readable_constexprs(compiled)
-        key = (name, constexprs, str(compiled.src.signature), compiled.metadata.num_warps,
-               compiled.metadata.num_stages)
-        if key in self._seen:  # the same binary: a cache hit
+        if compiled.hash in self._seen:
             return
-        self._seen.add(key)
-        variant = Variant(name, self.case, constexprs, ok=True, compile_s=round(seconds, 2))
-        variant.registers = _first_int(r"Used (\d+) registers", ptxas_log)
-        variant.spill_bytes = _first_int(r"(\d+) bytes spill stores", ptxas_log)
-        variant.stack_bytes = _first_int(r"(\d+) bytes stack frame", ptxas_log)
-        variant.shared_bytes = compiled.metadata.shared
+        self._seen.add(compiled.hash)
         ttgir = compiled.asm["ttgir"]
-        variant.async_copies = sum(ttgir.count(op) for op in ("ttg.async_copy_global_to_local",
-                                                               "ttng.async_tma_copy_global_to_local"))
-        variant.dot = "+".join(dot_instructions(ttgir)) or None
-        depths = [int(d) for d in re.findall(r"ttg\.local_alloc : \(\) -> !ttg\.memdesc<(\d+)x\d+x\d+x[bf]", ttgir)]
-        variant.tile_buffers = max(depths, default=None)
+        variant = Variant(name, self.case, readable_constexprs(compiled), ok=True, compile_s=round(seconds, 2),
+                          shared_bytes=compiled.metadata.shared, tile_copies=tile_copies(ttgir),
+                          tile_buffers=max(tile_buffers(ttgir), default=None),
+                          dot="+".join(dot_instructions(ttgir)) or None)
+        usage = register_usage(ptxas_log, name)
+        if usage is not None:
+            variant.registers, variant.spill_bytes, variant.stack_bytes = (
+                usage.registers, usage.spill_bytes, usage.stack_bytes)
         variant.problems = tuple(self.problems_of(variant))
         self.variants.append(variant)
 
     def problems_of(self, v: Variant) -> list[str]:
         problems = []
+        limit = SHARED_LIMIT.get(self.arch)
+        if limit is not None and v.shared_bytes > limit:
+            problems.append(f"needs {v.shared_bytes} B of shared memory, the GPU has {limit}")
+        if v.registers is None:
+            problems.append("no ptxas report for it: registers and spills unknown")
+        if "USE_DOT=False" in v.constexprs:  # head_dim < 16: tiny test models only; must compile, need not be fast
+            return problems
         if v.spill_bytes and v.spill_bytes > SPILL_TOLERANCE:
             problems.append(f"spills {v.spill_bytes} bytes")
-        limit = SHARED_LIMIT.get(self.arch)
-        if limit is not None and v.shared_bytes is not None and v.shared_bytes > limit:
-            problems.append(f"needs {v.shared_bytes} B of shared memory, the GPU has {limit}")
-        if v.kernel == "_paged_attention_kernel" and not v.async_copies:
-            problems.append("K/V loads are not pipelined (no asynchronous copies)")
-        if "USE_DOT=False" in v.constexprs:  # head_dim < 16: tiny test models only; must compile, need not be fast
-            problems = [p for p in problems if p.startswith("needs")]
+        if v.kernel == "_paged_attention_kernel" and not v.tile_copies:
+            problems.append("K/V loads are not pipelined (no asynchronous tile copies)")
         return problems
 
-    def failed(self, name: str, error: Exception) -> None:
-        self.variants.append(Variant(name, self.case, "", error=f"{type(error).__name__}: {error}"[:4000],
+    def failed(self, wrapper: str, error: Exception) -> None:
+        """``wrapper`` raised before or while compiling (the message says which kernel, if one)."""
+        self.variants.append(Variant(wrapper, self.case, "", error=f"{type(error).__name__}: {error}"[:4000],
                                      problems=("does not compile",)))
-
-
-def _readable_constexprs(compiled) -> str:
-    """The constexpr arguments by name (Triton keys them by argument position)."""
-    names = list(compiled.src.signature)
-    parts = []
-    for key, value in compiled.src.constants.items():
-        index = key[0] if isinstance(key, tuple) else key
-        name = names[index] if isinstance(index, int) and index < len(names) else str(index)
-        if str(compiled.src.signature.get(name)) == "constexpr":
-            parts.append(f"{name}={value}")
-    return ", ".join(sorted(parts))
-
-
-def dot_instructions(ttgir: str) -> list[str]:
-    found = {label for op, label in DOT_OPS.items() if op + " " in ttgir}
-    for line in ttgir.splitlines():
-        if " tt.dot " in line:
-            found.add("fma" if "parent = #blocked" in line else "mma")
-    return sorted(found)
-
-
-def _first_int(pattern: str, text: str) -> int | None:
-    match = re.search(pattern, text)
-    return int(match.group(1)) if match else None
 
 
 # --- the cases: what the engine and benchmarks/gpu_kernels.py launch -------------------------------------------
@@ -204,8 +180,10 @@ def paged_batch(specs: list[tuple[int, int]], block_size: int):
     return meta, first
 
 
+# Block-table widths 256, 251 (not a multiple of 16: Triton specialises on divisibility), 2048, 188.
 BATCHES = {
     "decode": [(4095, 1), (511, 1)],
+    "odd-decode": [(4000, 1), (700, 1), (33, 1)],
     "long-decode": [(32767, 1)],
     "mixed": [(0, 384), (1000, 200), (3000, 1), (17, 1)],
 }
@@ -233,6 +211,15 @@ def label(shape: Shape) -> str:
     return f"{shape.label}/B{shape.block_size}"
 
 
+def split_choices(recorder: Recorder, meta, shape: Shape) -> list[tuple[bool, int | None]]:
+    """Off, forced on (its default count), and the count the heuristic picks on this GPU's SM count."""
+    from services.worker.attention.triton_attention import choose_num_splits
+
+    programs = meta.num_seqs * shape.kv_heads  # decode: one query tile per sequence
+    by_gpu = choose_num_splits(programs, meta.max_seq_len, meta.max_query_len, SM_COUNT.get(recorder.arch, 132))
+    return [(False, None), (True, None)] + ([(True, by_gpu)] if by_gpu > 1 else [])
+
+
 def compile_attention(recorder: Recorder, shape: Shape, dtype_name: str) -> None:
     from services.worker.attention.triton_attention import paged_attention
 
@@ -241,12 +228,29 @@ def compile_attention(recorder: Recorder, shape: Shape, dtype_name: str) -> None
         meta, blocks = paged_batch(specs, shape.block_size)
         pool = torch.empty(1, 2, blocks, shape.block_size, shape.kv_heads, shape.head_dim, dtype=dtype)
         q = torch.empty(meta.num_tokens, shape.heads, shape.head_dim, dtype=dtype)
-        for split_k in (False, True):
-            recorder.case = f"{label(shape)} {dtype_name} {batch_name} split={split_k}"
+        for split_k, num_splits in split_choices(recorder, meta, shape):
+            recorder.case = (f"{label(shape)} {dtype_name} {batch_name} split={split_k}"
+                             + (f"/{num_splits}" if num_splits else ""))
             try:
-                paged_attention(q, pool[0, 0], pool[0, 1], meta, shape.head_dim ** -0.5, split_k=split_k)
+                paged_attention(q, pool[0, 0], pool[0, 1], meta, shape.head_dim ** -0.5, split_k=split_k,
+                                num_splits=num_splits)
             except Exception as e:  # recorded, and the other variants still compile
-                recorder.failed("_paged_attention_kernel", e)
+                recorder.failed("paged_attention", e)
+
+
+def compile_tuning_variants(recorder: Recorder) -> None:
+    """What gpu_kernels.py times besides the defaults: decode with a 5-stage pipeline."""
+    from services.worker.attention.triton_attention import paged_attention
+
+    shape = Shape(32, 8, 128)
+    meta, blocks = paged_batch(BATCHES["decode"], shape.block_size)
+    pool = torch.empty(1, 2, blocks, shape.block_size, shape.kv_heads, shape.head_dim, dtype=torch.bfloat16)
+    q = torch.empty(meta.num_tokens, shape.heads, shape.head_dim, dtype=torch.bfloat16)
+    recorder.case = f"{label(shape)} bfloat16 decode stages=5"
+    try:
+        paged_attention(q, pool[0, 0], pool[0, 1], meta, shape.head_dim ** -0.5, num_stages=5)
+    except Exception as e:
+        recorder.failed("paged_attention", e)
 
 
 def compile_cache_ops(recorder: Recorder, shape: Shape, dtype_name: str) -> None:
@@ -256,8 +260,8 @@ def compile_cache_ops(recorder: Recorder, shape: Shape, dtype_name: str) -> None
     pool = torch.empty(2, 2, 8, shape.block_size, shape.kv_heads, shape.head_dim, dtype=dtype)
     kv = torch.empty(2, 5, shape.kv_heads, shape.head_dim, dtype=dtype)
     for name, launch in (
-            ("_write_kv_kernel", lambda: write_kv(pool[0, 0], pool[0, 1], kv[0], kv[1], torch.arange(5) - 1)),
-            ("_copy_blocks_kernel", lambda: copy_blocks(pool, [(0, 3), (1, 4)]))):
+            ("write_kv", lambda: write_kv(pool[0, 0], pool[0, 1], kv[0], kv[1], torch.arange(5) - 1)),
+            ("copy_blocks", lambda: copy_blocks(pool, [(0, 3), (1, 4)]))):
         recorder.case = f"{label(shape)} {dtype_name}"
         try:
             launch()
@@ -269,15 +273,15 @@ def compile_cache_ops(recorder: Recorder, shape: Shape, dtype_name: str) -> None
 
 
 def print_table(variants: list[Variant]) -> None:
-    header = (f"{'kernel':<24}{'case':<52}{'regs':>5}{'spill':>6}{'stack':>6}{'smem KB':>8}{'async':>6}{'bufs':>5}"
-              f"  {'dot':<8}")
+    header = (f"{'kernel':<24}{'case':<52}{'regs':>5}{'spill':>6}{'stack':>6}{'smem KB':>8}{'copies':>7}"
+              f"{'bufs':>5}  {'dot':<8}")
     print(header)
     for v in variants:
         kb = f"{v.shared_bytes / 1024:.1f}" if v.shared_bytes is not None else "-"
         cells = [v.registers, v.spill_bytes, v.stack_bytes]
         cells = ["-" if c is None else str(c) for c in cells]
         print(f"{v.kernel:<24}{v.case:<52}{cells[0]:>5}{cells[1]:>6}{cells[2]:>6}{kb:>8}"
-              f"{'-' if v.async_copies is None else v.async_copies:>6}{v.tile_buffers or '-':>5}  {v.dot or '-':<8}"
+              f"{'-' if v.tile_copies is None else v.tile_copies:>7}{v.tile_buffers or '-':>5}  {v.dot or '-':<8}"
               + (f"  PROBLEM: {'; '.join(v.problems)}" if v.problems else ""))
         if v.error:
             print(f"    {v.error.splitlines()[0]}")
@@ -307,6 +311,7 @@ def main() -> int:
     for shape, dtype_name in cases(args.quick):
         compile_attention(recorder, shape, dtype_name)
         compile_cache_ops(recorder, shape, dtype_name)
+    compile_tuning_variants(recorder)
     elapsed = time.perf_counter() - started
     print_table(recorder.variants)
     bad = [v for v in recorder.variants if v.problems]
@@ -315,7 +320,8 @@ def main() -> int:
     out = Path(args.out or Path(__file__).with_name("results") / f"triton_compile_sm{args.arch}.json")
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps({"arch": args.arch, "triton": triton.__version__, "elapsed_s": round(elapsed, 1),
-                               "variants": [asdict(v) for v in recorder.variants]}, indent=2))
+                               "spill_tolerance": SPILL_TOLERANCE, "variants": [asdict(v) for v in recorder.variants]},
+                              indent=2))
     print(f"wrote {out}")
     return 1 if bad else 0
 

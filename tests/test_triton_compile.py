@@ -16,6 +16,7 @@ import pytest
 from tests.services_harness import REPO
 
 KERNELS = {"_paged_attention_kernel", "_reduce_splits_kernel", "_write_kv_kernel", "_copy_blocks_kernel"}
+ARCHS = (80, 90)
 
 
 @pytest.fixture(scope="module")
@@ -25,36 +26,51 @@ def reports(tmp_path_factory):
     # Both architectures at once: each compile is single-threaded.
     runs = {arch: subprocess.Popen([sys.executable, script, "--quick", "--arch", str(arch), "--out",
                                     str(out / f"sm{arch}.json")], cwd=REPO, stdout=subprocess.PIPE,
-                                   stderr=subprocess.STDOUT, text=True) for arch in (80, 90)}
+                                   stderr=subprocess.STDOUT, text=True) for arch in ARCHS}
     results = {}
-    for arch, run in runs.items():
-        try:
+    try:
+        for arch, run in runs.items():
             output, _ = run.communicate(timeout=400)
-        finally:
+            assert run.returncode == 0, f"sm_{arch}:\n{output[-6000:]}"
+            results[arch] = json.loads((out / f"sm{arch}.json").read_text())
+    finally:
+        for run in runs.values():
             run.kill()
-        results[arch] = (run.returncode, output, json.loads((out / f"sm{arch}.json").read_text()))
     return results
 
 
-@pytest.mark.parametrize("arch", [80, 90])
+def attention(report: dict, *words: str) -> list[dict]:
+    """The attention binaries whose case or constexprs mention every word."""
+    found = [v for v in report["variants"] if v["kernel"] == "_paged_attention_kernel"
+             and all(w in f"{v['case']} {v['constexprs']}" for w in words)]
+    assert found, f"no attention binary for {words}"
+    return found
+
+
+@pytest.mark.parametrize("arch", ARCHS)
 def test_every_kernel_compiles_without_spills_and_attention_is_pipelined(reports, arch):
-    returncode, output, report = reports[arch]
-    assert returncode == 0, output[-6000:]
+    report = reports[arch]
     variants = report["variants"]
     assert {v["kernel"] for v in variants} == KERNELS
-    assert all(v["ok"] and v["registers"] is not None for v in variants), output[-6000:]
-    attention = [v for v in variants if v["kernel"] == "_paged_attention_kernel"]
-    assert all(v["async_copies"] > 0 for v in attention)
+    assert all(v["ok"] and v["registers"] is not None for v in variants)
+    assert all(v["spill_bytes"] <= report["spill_tolerance"] for v in variants if "USE_DOT=True" in v["constexprs"])
+    # K and V each in at least one shared-memory buffer, filled by asynchronous copies.
+    assert all(v["tile_copies"] >= 2 and v["tile_buffers"] >= 1 for v in attention(report, "USE_DOT=True"))
     # float32 runs its dots on CUDA cores; these tiles spilled kilobytes before FMA_ROWS / WIDE_WARPS.
-    fp32 = [v for v in attention if "float32" in v["case"]]
-    assert fp32 and all(v["spill_bytes"] <= 64 for v in fp32) and {v["dot"] for v in fp32} == {"fma"}
+    assert {v["dot"] for v in attention(report, "float32")} == {"fma"}
 
 
 def test_sm90_prefill_tiles_use_warpgroup_mma(reports):
     # Hopper's tensor cores are reached through wgmma; a 16-bit prefill tile that fell back to mma.sync
     # (fewer than 64 rows, as D256 tiles had) runs at a fraction of the speed.
-    _, _, report = reports[90]
-    prefill = [v for v in report["variants"] if v["kernel"] == "_paged_attention_kernel" and " mixed " in v["case"]
-               and "bfloat16" in v["case"]]
+    prefill = attention(reports[90], " mixed ", "bfloat16")
     assert {v["case"].split("/")[2] for v in prefill} == {"D128", "D256"}
     assert all(v["dot"] == "wgmma" for v in prefill)
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_five_stages_give_decode_two_kv_buffers(reports, arch):
+    # gpu_kernels.py times this against the default (one buffer each for K and V at 3 stages).
+    (deep,) = attention(reports[arch], "stages=5")
+    default = attention(reports[arch], "H32/KV8/D128/B16 bfloat16 decode split=False")
+    assert deep["tile_buffers"] == 2 and all(v["tile_buffers"] == 1 for v in default)

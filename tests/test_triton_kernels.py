@@ -159,6 +159,8 @@ def test_bad_inputs_are_rejected():
         paged_attention(torch.zeros(2, 16, 2).transpose(1, 2), pool[0, 0], pool[0, 1], meta, 1.0)
     with pytest.raises(ValueError, match="tokens"):
         paged_attention(torch.zeros(3, 2, 16), pool[0, 0], pool[0, 1], meta, 1.0)
+    with pytest.raises(ValueError, match="num_stages"):
+        paged_attention(torch.zeros(2, 2, 16), pool[0, 0], pool[0, 1], meta, 1.0, num_stages=0)
 
 
 def test_split_heuristic():
@@ -172,6 +174,8 @@ def test_split_heuristic():
     plan = make_launch_plan(meta, q, pool[0, 0], split_k=True, num_splits=4)
     assert plan.split and plan.num_splits == 3 and plan.keys_per_split == 16  # 41 keys in 16-key splits
     assert make_launch_plan(meta, q, pool[0, 0], split_k=False).num_splits == 1
+    assert make_launch_plan(meta, q, pool[0, 0]).num_stages == 3  # Triton's default unless pinned
+    assert make_launch_plan(meta, q, pool[0, 0], num_stages=5).num_stages == 5
 
 
 # --- the backend -------------------------------------------------------------------------------------

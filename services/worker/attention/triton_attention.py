@@ -45,7 +45,7 @@ FMA_ROWS = 16  # rows per float32 tile, head_dim >= 128 (twice that below)
 WIDE_WARPS = 8  # float32 tiles, and 16-bit tiles whose accumulator is larger than 64 x 128
 DEFAULT_STAGES = 3  # Triton's own default; see LaunchPlan.num_stages
 MAX_BLOCK_N = 64  # keys per inner-loop step, at most
-KV_TILE_BYTES = 32 << 10  # one K tile + one V tile; times the pipeline stages must fit in shared memory
+KV_TILE_BYTES = 32 << 10  # one K tile + one V tile; with their pipeline buffers they must fit in shared memory
 SPLIT_MIN_KEYS = 512  # a split shorter than this costs more in the reduce than it gains
 SPLIT_MAX = 64
 SPLIT_TARGET_WAVES = 2  # aim for about this many programs per SM when splitting
@@ -341,8 +341,9 @@ def make_launch_plan(meta: AttentionMetadata, q: torch.Tensor, k_cache: torch.Te
     tiles = torch.tensor([seqs, firsts], dtype=torch.int32).to(q.device, non_blocking=True)
     num_warps = _num_warps(block_q * group_pad, head_dim, fma_dot=q.dtype == torch.float32)
     require(num_stages is None or num_stages >= 1, f"num_stages must be >= 1, got {num_stages}")
-    return LaunchPlan(block_q, group_pad, block_n, num_warps, num_stages or DEFAULT_STAGES, split, splits,
-                      keys_per_split, tiles)
+    return LaunchPlan(block_q=block_q, group_pad=group_pad, block_n=block_n, num_warps=num_warps,
+                      num_stages=num_stages or DEFAULT_STAGES, split=split, num_splits=splits,
+                      keys_per_split=keys_per_split, tiles=tiles)
 
 
 # --- the wrapper ----------------------------------------------------------------------------------
@@ -389,19 +390,19 @@ def _kernel_flags(q: torch.Tensor, k_cache: torch.Tensor, plan: LaunchPlan) -> d
 
 def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
                     scale: float, *, out: torch.Tensor | None = None, split_k: bool | None = None,
-                    num_splits: int | None = None, block_n: int | None = None,
+                    num_splits: int | None = None, block_n: int | None = None, num_stages: int | None = None,
                     plan: LaunchPlan | None = None, check: bool = True) -> torch.Tensor:
     """Attention of every new token over its sequence's paged context; ``q`` is ``[T, H, D]``.
 
     The new tokens' K/V must already be in the pool (``write_kv``). ``split_k`` forces split-K on
-    (True) or off (False); None lets the heuristic choose. ``num_splits`` and ``block_n`` pin the split
-    count and the key tile (tests, tuning). ``check=False`` skips the host-side validation (tens of
+    (True) or off (False); None lets the heuristic choose. ``num_splits``, ``block_n`` and ``num_stages``
+    pin the split count, the key tile and the pipeline depth (tests, tuning). ``check=False`` skips the host-side validation (tens of
     microseconds): the backend validates each step's first layer only. Returns ``out``.
     """
     if check:
         _check_attention_inputs(q, k_cache, v_cache, meta, out)
     if plan is None:
-        plan = make_launch_plan(meta, q, k_cache, split_k, num_splits, block_n)
+        plan = make_launch_plan(meta, q, k_cache, split_k, num_splits, block_n, num_stages)
     out = torch.empty_like(q) if out is None else out
     if q.shape[0] == 0:
         return out
