@@ -60,6 +60,14 @@ def test_every_kernel_compiles_without_spills_and_attention_is_pipelined(reports
     assert {v["dot"] for v in attention(report, "float32")} == {"fma"}
 
 
+@pytest.mark.parametrize("arch", ARCHS)
+def test_a_new_block_table_width_or_tile_count_compiles_nothing_new(reports, arch):
+    # "odd-decode" differs from "decode" only in what changes between serving steps (block-table width
+    # 251 against 256, three query tiles against two, seven splits against eight): a binary of its own
+    # would be a compile stall in the middle of serving.
+    assert not [v for v in reports[arch]["variants"] if " odd-decode " in v["case"]]
+
+
 def test_sm90_prefill_tiles_use_warpgroup_mma(reports):
     # Hopper's tensor cores are reached through wgmma; a 16-bit prefill tile that fell back to mma.sync
     # (fewer than 64 rows, as D256 tiles had) runs at a fraction of the speed.

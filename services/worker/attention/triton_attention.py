@@ -125,7 +125,11 @@ def _attend(
     return acc, m, l
 
 
-@triton.jit
+# Arguments that change from batch to batch are kept out of Triton's specialisation (on divisibility by
+# 16, on == 1, on pointer alignment), so a new block-table width or tile count or split count does not
+# compile a new binary in the middle of serving. None of them feeds a vectorised access.
+@triton.jit(do_not_specialize=["stride_lt", "stride_lh", "stride_bt"],
+            do_not_specialize_on_alignment=["tile_seq_ptr", "tile_q0_ptr"])
 def _paged_attention_kernel(
     out_ptr,  # [num_tokens, num_heads, head_dim] q's dtype; with SPLIT: [num_tokens, num_heads, splits, head_dim] f32
     lse_ptr,  # SPLIT only: [num_tokens, num_heads, splits] float32, base-2 log-sum-exp of each split
@@ -197,7 +201,7 @@ def _paged_attention_kernel(
         tl.store(out_ptr + out_offs, out.to(out_ptr.dtype.element_ty), mask=row_ok[:, None])
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_splits", "stride_lt", "stride_lh"])  # as for the kernel above
 def _reduce_splits_kernel(
     out_ptr,  # [num_tokens, num_heads, head_dim] q's dtype
     part_ptr,  # [num_tokens, num_heads, splits, head_dim] float32, contiguous
