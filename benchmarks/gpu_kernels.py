@@ -582,7 +582,26 @@ def compare_greedy(ours: list[int], ref: list[int], logprobs) -> str:
     return "equal" if len(ours) == len(ref) else "MISMATCH (length)"
 
 
-def run_engine(bench: Bench, model_dir: Path, requests, backend: str, warm: bool = True) -> tuple[list, float]:
+@contextlib.contextmanager
+def counting_compiles(names: list[str]):
+    """Appends the name of every kernel Triton compiles inside the block: mid-run compiles are stalls."""
+    import triton
+
+    previous = triton.knobs.runtime.jit_post_compile_hook
+
+    def hook(*, fn, **kwargs):
+        names.append(fn.name)
+        return previous(fn=fn, **kwargs) if previous else None
+
+    triton.knobs.runtime.jit_post_compile_hook = hook
+    try:
+        yield names
+    finally:
+        triton.knobs.runtime.jit_post_compile_hook = previous
+
+
+def run_engine(bench: Bench, model_dir: Path, requests, backend: str, warm: bool = True,
+               compiles: list[str] | None = None) -> tuple[list, float]:
     from pagedserve import LLM, SamplingParams
 
     options = dict(num_gpu_blocks_override=256) if bench.smoke else dict(gpu_memory_utilization=0.5)
@@ -593,8 +612,9 @@ def run_engine(bench: Bench, model_dir: Path, requests, backend: str, warm: bool
         llm.generate(prompts[:2], params[:2], use_tqdm=False)  # compiles the kernels
     bench.synchronize()
     start = time.perf_counter()
-    outputs = llm.generate(prompts, params, use_tqdm=False)
-    bench.synchronize()
+    with counting_compiles(compiles if compiles is not None else []):
+        outputs = llm.generate(prompts, params, use_tqdm=False)
+        bench.synchronize()
     elapsed = time.perf_counter() - start
     del llm
     bench.release()
@@ -618,16 +638,20 @@ def section_engine(bench: Bench, record: dict) -> None:
     record["greedy_ok"] = all(v in ("equal", "near-tie") for v in verdicts)
     print(f"  greedy vs transformers ({len(verdicts)} requests): {record['greedy_vs_transformers']}", flush=True)
     for backend in ("triton", "torch"):
+        compiles: list[str] = []
         try:
-            tokens, elapsed = run_engine(bench, model_dir, speed_requests, backend)
+            tokens, elapsed = run_engine(bench, model_dir, speed_requests, backend, compiles=compiles)
         except Exception as e:  # the torch backend is the CPU reference; it may not run on CUDA
             record[f"{backend}_error"] = repr(e)
             print(f"  engine with attention_backend={backend}: ERROR {e!r}", flush=True)
             continue
         count = sum(len(t) for t in tokens)
         record[f"{backend}_tokens_per_s"] = count / elapsed
+        # Kernels first compiled inside the timed run (after a 2-request warm-up): each one stalled it.
+        record[f"{backend}_compiles_while_timed"] = compiles
         print(f"  engine, attention_backend={backend}: {len(speed_requests)} requests, {count} tokens, "
-              f"{elapsed:.2f} s, {count / elapsed:.1f} tok/s", flush=True)
+              f"{elapsed:.2f} s, {count / elapsed:.1f} tok/s; {len(compiles)} Triton compiles while timed "
+              f"{sorted(set(compiles))}", flush=True)
         bench.rows.append([f"engine bench workload ({len(speed_requests)} req)", backend, "", "", "",
                            f"{count / elapsed:.0f} tok/s", ""])
 
