@@ -1,0 +1,29 @@
+#!/usr/bin/env bash
+# Issue 4's one device call, prepared: benchmarks/gpu_kernels.py with what the device image lacks.
+#
+# The device's Python (3.12: torch, triton, transformers, grpcio, protobuf, but no structlog, and a
+# protobuf and grpcio older than shared/proto's generated code may need) cannot reach a registry, so
+# the missing packages travel as wheels. Here, once per checkout:
+#     bash benchmarks/gpu_run.sh fetch     # wheels into .whl/ (ignored through .git/info/exclude)
+# then one call of the device tool:
+#     run(command="bash benchmarks/gpu_run.sh", carry=[".whl"], timeout_s=590)
+# It leaves gpu.txt, gpu_kernels.log and gpu_kernels.json under $OUT.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+WHEELS=(structlog==26.1.0 protobuf==7.36.2 grpcio==1.85.3)
+
+if [[ "${1:-}" == fetch ]]; then
+    grep -qsx '/.whl/' .git/info/exclude || echo '/.whl/' >> .git/info/exclude
+    python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+        --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \
+        -d .whl "${WHEELS[@]}"
+    exit
+fi
+
+: "${OUT:?run this through the device tool (it sets OUT); use 'fetch' here}"
+python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
+export PYTHONPATH="/tmp/site:$PWD" PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1
+{ nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv
+  python3 -c "import torch, triton, transformers; print(torch.__version__, triton.__version__, transformers.__version__)"
+} | tee "$OUT/gpu.txt"
+python3 benchmarks/gpu_kernels.py --out "$OUT/gpu_kernels.json" 2>&1 | tee "$OUT/gpu_kernels.log"
