@@ -29,6 +29,7 @@ import contextlib
 import io
 import json
 import os
+import random
 import sys
 import time
 from dataclasses import asdict, dataclass
@@ -269,6 +270,61 @@ def compile_cache_ops(recorder: Recorder, shape: Shape, dtype_name: str) -> None
             recorder.failed(name, e)
 
 
+def serving_batches(rng: random.Random, block_size: int, max_model_len: int, budget: int, count: int):
+    """Random steps as a scheduler makes them: decodes at any context, prefill chunks after cached blocks.
+
+    A third are one sequence alone, the batches that split-K serves (few programs, long context)."""
+    from services.worker.input_batch import ScheduledSequence
+
+    batches = []
+    for _ in range(count):
+        batch, tokens = [], 0
+        for _ in range(1 if rng.random() < 1 / 3 else rng.randint(2, 24)):
+            new = 1 if rng.random() < 0.7 else rng.randint(2, 300)
+            cached = rng.randint(0, max_model_len - new)
+            if tokens + new > budget:
+                break
+            tokens += new
+            total = cached + new
+            batch.append(ScheduledSequence([0] * total, list(range(-(-total // block_size))), cached, new))
+        batches.append(batch or [ScheduledSequence([0], [0], 0, 1)])
+    return batches
+
+
+def check_warm_up(recorder: Recorder, dtype_name: str, rounds: int) -> dict:
+    """The worker's kernel warm-up on the built-in model, then serving-like steps: those must compile nothing."""
+    from services.worker.attention.triton_attention import TritonAttentionBackend
+    from services.worker.block_moves import whole_pool
+    from services.worker.input_batch import build_model_inputs
+    from services.worker.kernel_warmup import warm_up_kernels
+    from services.worker.kv_cache import allocate_kv_pools
+    from services.worker.model_loader import load_model
+    from shared.config import token_budget
+    from shared.model_factory import default_model_dir
+
+    dtype, device, block_size = getattr(torch, dtype_name), torch.device("cpu"), EngineConfig().block_size
+    model, config = load_model(default_model_dir(), dtype, device, pack=False)
+    max_model_len = config.max_position_embeddings
+    budget = token_budget(None, True, max_model_len)
+    num_blocks = -(-max_model_len // block_size) * 24 + 1
+    pools = allocate_kv_pools(config, num_blocks, block_size, dtype, device)
+    attention = TritonAttentionBackend(pools, config.head_dim ** -0.5)
+    recorder.case = f"warm-up {dtype_name}"
+    before = len(recorder.variants)
+    passes = warm_up_kernels(model, attention, whole_pool(pools), block_size, max_model_len, budget, device)
+    warmed = len(recorder.variants)
+    recorder.case = f"serving after warm-up {dtype_name}"
+    with torch.inference_mode():
+        for batch in serving_batches(random.Random(0), block_size, max_model_len, budget, rounds):
+            inputs = build_model_inputs(batch, block_size, device)
+            model(inputs.input_ids, inputs.positions, attention, inputs.meta)
+    late = [v.case for v in recorder.variants[warmed:]]
+    for v in recorder.variants[warmed:]:
+        v.problems += ("compiled while serving: the warm-up missed it",)
+    return {"dtype": dtype_name, "warm_up_passes": passes, "warm_up_binaries": warmed - before,
+            "serving_steps": rounds, "compiled_while_serving": len(late)}
+
+
 # --- report ----------------------------------------------------------------------------------------------------
 
 
@@ -308,6 +364,9 @@ def main() -> int:
                    triton_cache_ops._write_kv_kernel, triton_cache_ops._copy_blocks_kernel):
         recorder.instrument(kernel)
     started = time.perf_counter()
+    # First, while no kernel is compiled yet: a binary the matrix below made would hide a warm-up gap.
+    warm_ups = [check_warm_up(recorder, dtype_name, rounds=20 if args.quick else 60)
+                for dtype_name in ("float32", "bfloat16")]
     for shape, dtype_name in cases(args.quick):
         compile_attention(recorder, shape, dtype_name)
         compile_cache_ops(recorder, shape, dtype_name)
@@ -315,12 +374,16 @@ def main() -> int:
     elapsed = time.perf_counter() - started
     print_table(recorder.variants)
     bad = [v for v in recorder.variants if v.problems]
+    for w in warm_ups:
+        print(f"warm-up ({w['dtype']}, built-in model): {w['warm_up_passes']} forward passes, "
+              f"{w['warm_up_binaries']} new binaries; {w['serving_steps']} serving-like steps after it compiled "
+              f"{w['compiled_while_serving']}")
     print(f"\nsm_{args.arch}: {len(recorder.variants)} distinct binaries in {elapsed:.0f} s, "
           f"{len(bad)} with problems (triton {triton.__version__})")
     out = Path(args.out or Path(__file__).with_name("results") / f"triton_compile_sm{args.arch}.json")
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps({"arch": args.arch, "triton": triton.__version__, "elapsed_s": round(elapsed, 1),
-                               "spill_tolerance": SPILL_TOLERANCE, "variants": [asdict(v) for v in recorder.variants]},
+                               "spill_tolerance": SPILL_TOLERANCE, "warm_ups": warm_ups, "variants": [asdict(v) for v in recorder.variants]},
                               indent=2))
     print(f"wrote {out}")
     return 1 if bad else 0

@@ -68,6 +68,15 @@ def test_a_new_block_table_width_or_tile_count_compiles_nothing_new(reports, arc
     assert not [v for v in reports[arch]["variants"] if " odd-decode " in v["case"]]
 
 
+@pytest.mark.parametrize("arch", ARCHS)
+def test_after_the_worker_warm_up_serving_steps_compile_nothing(reports, arch):
+    # The worker's kernel warm-up on the built-in model, then random serving steps (decodes at any
+    # context, one-sequence batches that split-K serves, prefill chunks): each compile there is a stall.
+    warm_ups = reports[arch]["warm_ups"]
+    assert {w["dtype"] for w in warm_ups} == {"float32", "bfloat16"}
+    assert all(w["warm_up_binaries"] >= 5 and w["compiled_while_serving"] == 0 for w in warm_ups)
+
+
 def test_sm90_prefill_tiles_use_warpgroup_mma(reports):
     # Hopper's tensor cores are reached through wgmma; a 16-bit prefill tile that fell back to mma.sync
     # (fewer than 64 rows, as D256 tiles had) runs at a fraction of the speed.

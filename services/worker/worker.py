@@ -5,6 +5,7 @@ from __future__ import annotations
 import time
 from pathlib import Path
 
+import structlog
 import torch
 
 from services.worker.attention.cpu_kernels import cpu_kernels_unavailable_reason
@@ -20,6 +21,8 @@ from shared.config import EngineConfig
 from shared.model_config import ModelConfig
 from shared.model_factory import default_model_dir
 from shared.step_protocol import Sample, SequenceOutput, StepPlan, StepResult, WorkerInfo
+
+log = structlog.get_logger(__name__)
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -56,10 +59,21 @@ class Worker:
                                             pin=self.device.type == "cuda")
         backend = select_attention_backend(config.attention_backend, self.device)
         self.attention = backend(self.kv_pools, self.model_config.head_dim ** -0.5)
+        if self.device.type == "cuda" and self.attention.name == "triton":
+            self._warm_up_kernels(token_budget)
         self.eos_token_ids = load_eos_token_ids(self.model_dir)
         self.vocab_size = self.model_config.vocab_size
         self.sampler = Sampler(self.vocab_size, self.eos_token_ids, seed=config.seed, device=self.device)
         self.seqs: dict[int, WorkerSequence] = {}
+
+    def _warm_up_kernels(self, token_budget: int) -> None:
+        from services.worker.kernel_warmup import warm_up_kernels
+
+        started = time.perf_counter()
+        passes = warm_up_kernels(self.model, self.attention, self.kv_pool, self.config.block_size, self.max_model_len,
+                                 token_budget, self.device)
+        self._synchronize()
+        log.info("triton_kernels_warmed_up", forward_passes=passes, seconds=round(time.perf_counter() - started, 2))
 
     def _resolve_max_model_len(self) -> int:
         model = self.model_config
