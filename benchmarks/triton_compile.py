@@ -31,6 +31,7 @@ import json
 import os
 import random
 import sys
+import tempfile
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -271,58 +272,84 @@ def compile_cache_ops(recorder: Recorder, shape: Shape, dtype_name: str) -> None
 
 
 def serving_batches(rng: random.Random, block_size: int, max_model_len: int, budget: int, count: int):
-    """Random steps as a scheduler makes them: decodes at any context, prefill chunks after cached blocks.
-
-    A third are one sequence alone, the batches that split-K serves (few programs, long context)."""
+    """Steps as a scheduler makes them: the extremes (one decode at the full context, one prefill of the
+    whole budget), then random ones: decodes at any context, prefill chunks after cached blocks, a third
+    of them one sequence alone (the batches split-K serves: few programs, long context)."""
     from services.worker.input_batch import ScheduledSequence
 
-    batches = []
+    def sequence(cached: int, new: int) -> ScheduledSequence:
+        total = cached + new
+        return ScheduledSequence([0] * total, list(range(-(-total // block_size))), cached, new)
+
+    longest = min(budget, max_model_len)
+    batches = [[sequence(max_model_len - 1, 1)], [sequence(0, longest)]]
     for _ in range(count):
         batch, tokens = [], 0
         for _ in range(1 if rng.random() < 1 / 3 else rng.randint(2, 24)):
-            new = 1 if rng.random() < 0.7 else rng.randint(2, 300)
+            new = 1 if rng.random() < 0.7 else rng.randint(2, min(300, longest))
             cached = rng.randint(0, max_model_len - new)
             if tokens + new > budget:
                 break
             tokens += new
-            total = cached + new
-            batch.append(ScheduledSequence([0] * total, list(range(-(-total // block_size))), cached, new))
-        batches.append(batch or [ScheduledSequence([0], [0], 0, 1)])
+            batch.append(sequence(cached, new))
+        batches.append(batch or [sequence(0, 1)])
     return batches
 
 
-def check_warm_up(recorder: Recorder, dtype_name: str, rounds: int) -> dict:
-    """The worker's kernel warm-up on the built-in model, then serving-like steps: those must compile nothing."""
-    from services.worker.attention.triton_attention import TritonAttentionBackend
+@dataclass(frozen=True)
+class WarmUpCase:
+    label: str
+    dtype: str
+    max_model_len: int
+    token_budget: int
+    model: dict | None = None  # create_model_dir arguments; None: the built-in model
+
+
+# The built-in model (GQA 2:1) at its full length, and a multi-head one whose limits are not powers of
+# two: the longest query rounds up to a tile height and the longest context to a split count that the
+# powers of two alone would not reach.
+WARM_UP_CASES = (
+    WarmUpCase("built-in", "float32", 2048, 4096),
+    WarmUpCase("MHA, odd limits", "bfloat16", 3000, 48,
+               dict(vocab_size=512, hidden_size=128, intermediate_size=256, num_hidden_layers=1,
+                    num_attention_heads=4, num_key_value_heads=4, max_position_embeddings=3000)),
+)
+
+
+def check_warm_up(recorder: Recorder, case: WarmUpCase, rounds: int) -> dict:
+    """The worker's kernel warm-up, then serving-like steps: those must compile nothing."""
+    from services.worker.attention import triton_attention
     from services.worker.block_moves import whole_pool
     from services.worker.input_batch import build_model_inputs
     from services.worker.kernel_warmup import warm_up_kernels
     from services.worker.kv_cache import allocate_kv_pools
     from services.worker.model_loader import load_model
-    from shared.config import token_budget
-    from shared.model_factory import default_model_dir
+    from shared.model_factory import create_model_dir, default_model_dir
 
-    dtype, device, block_size = getattr(torch, dtype_name), torch.device("cpu"), EngineConfig().block_size
-    model, config = load_model(default_model_dir(), dtype, device, pack=False)
-    max_model_len = config.max_position_embeddings
-    budget = token_budget(None, True, max_model_len)
-    num_blocks = -(-max_model_len // block_size) * 24 + 1
+    # The split heuristic sizes splits by the GPU's SM count; the CPU stand-in would cap them at a few.
+    sm_count = SM_COUNT.get(recorder.arch, 132)
+    triton_attention._sm_count = lambda device: sm_count
+    model_dir = default_model_dir() if case.model is None else create_model_dir(
+        Path(tempfile.mkdtemp()) / "model", **case.model)
+    dtype, device, block_size = getattr(torch, case.dtype), torch.device("cpu"), EngineConfig().block_size
+    model, config = load_model(model_dir, dtype, device, pack=False)
+    num_blocks = -(-case.max_model_len // block_size) * 24 + 1
     pools = allocate_kv_pools(config, num_blocks, block_size, dtype, device)
-    attention = TritonAttentionBackend(pools, config.head_dim ** -0.5)
-    recorder.case = f"warm-up {dtype_name}"
+    attention = triton_attention.TritonAttentionBackend(pools, config.head_dim ** -0.5)
+    recorder.case = f"warm-up {case.label} {case.dtype}"
     before = len(recorder.variants)
-    passes = warm_up_kernels(model, attention, whole_pool(pools), block_size, max_model_len, budget, device)
+    passes = warm_up_kernels(model, attention, whole_pool(pools), block_size, case.max_model_len, case.token_budget,
+                             device)
     warmed = len(recorder.variants)
-    recorder.case = f"serving after warm-up {dtype_name}"
+    recorder.case = f"serving after warm-up {case.label} {case.dtype}"
     with torch.inference_mode():
-        for batch in serving_batches(random.Random(0), block_size, max_model_len, budget, rounds):
+        for batch in serving_batches(random.Random(0), block_size, case.max_model_len, case.token_budget, rounds):
             inputs = build_model_inputs(batch, block_size, device)
             model(inputs.input_ids, inputs.positions, attention, inputs.meta)
-    late = [v.case for v in recorder.variants[warmed:]]
     for v in recorder.variants[warmed:]:
         v.problems += ("compiled while serving: the warm-up missed it",)
-    return {"dtype": dtype_name, "warm_up_passes": passes, "warm_up_binaries": warmed - before,
-            "serving_steps": rounds, "compiled_while_serving": len(late)}
+    return {**asdict(case), "sm_count": sm_count, "warm_up_passes": passes, "warm_up_binaries": warmed - before,
+            "serving_steps": rounds, "compiled_while_serving": len(recorder.variants) - warmed}
 
 
 # --- report ----------------------------------------------------------------------------------------------------
@@ -360,13 +387,14 @@ def main() -> int:
     from services.worker.attention import triton_attention, triton_cache_ops
 
     recorder = Recorder(args.arch)
+    real_sm_count = triton_attention._sm_count
     for kernel in (triton_attention._paged_attention_kernel, triton_attention._reduce_splits_kernel,
                    triton_cache_ops._write_kv_kernel, triton_cache_ops._copy_blocks_kernel):
         recorder.instrument(kernel)
     started = time.perf_counter()
     # First, while no kernel is compiled yet: a binary the matrix below made would hide a warm-up gap.
-    warm_ups = [check_warm_up(recorder, dtype_name, rounds=20 if args.quick else 60)
-                for dtype_name in ("float32", "bfloat16")]
+    warm_ups = [check_warm_up(recorder, case, rounds=20 if args.quick else 60) for case in WARM_UP_CASES]
+    triton_attention._sm_count = real_sm_count
     for shape, dtype_name in cases(args.quick):
         compile_attention(recorder, shape, dtype_name)
         compile_cache_ops(recorder, shape, dtype_name)
@@ -375,7 +403,7 @@ def main() -> int:
     print_table(recorder.variants)
     bad = [v for v in recorder.variants if v.problems]
     for w in warm_ups:
-        print(f"warm-up ({w['dtype']}, built-in model): {w['warm_up_passes']} forward passes, "
+        print(f"warm-up ({w['label']}, {w['dtype']}, {w['sm_count']} SMs): {w['warm_up_passes']} forward passes, "
               f"{w['warm_up_binaries']} new binaries; {w['serving_steps']} serving-like steps after it compiled "
               f"{w['compiled_while_serving']}")
     print(f"\nsm_{args.arch}: {len(recorder.variants)} distinct binaries in {elapsed:.0f} s, "

@@ -22,7 +22,6 @@ from services.worker.attention.torch_ref import (  # noqa: E402
 from services.worker.attention.triton_attention import (  # noqa: E402
     TritonAttentionBackend, choose_num_splits, make_launch_plan, paged_attention)
 from services.worker.attention.triton_cache_ops import copy_blocks, swap_blocks, whole_pool, write_kv  # noqa: E402
-from services.worker.kernel_warmup import warm_up_batches  # noqa: E402
 
 if os.environ.get("TRITON_INTERPRET") != "1":
     pytest.skip("these tests run the kernels on the CPU: they need TRITON_INTERPRET=1", allow_module_level=True)
@@ -167,19 +166,6 @@ def test_bad_inputs_are_rejected():
         paged_attention(torch.zeros(3, 2, 16), pool[0, 0], pool[0, 1], meta, 1.0)
     with pytest.raises(ValueError, match="num_stages"):
         paged_attention(torch.zeros(2, 2, 16), pool[0, 0], pool[0, 1], meta, 1.0, num_stages=0)
-
-
-def test_warm_up_batches_reach_every_tile_height_and_split_count_within_limits():
-    batches = warm_up_batches(block_size=16, num_blocks=10, max_model_len=2048, token_budget=32)
-    assert all(len(batch) == 1 for batch in batches)
-    seqs = [batch[0] for batch in batches]
-    assert [s.num_scheduled_tokens for s in seqs if s.num_computed_tokens == 0] == [1, 2, 4, 8, 16, 32]
-    decodes = [s.num_computed_tokens + 1 for s in seqs if s.num_computed_tokens > 0]
-    assert decodes == [1024, 2048]  # 2 and 4 splits of 512 keys; 8 would pass max_model_len
-    for s in seqs:
-        total = s.num_computed_tokens + s.num_scheduled_tokens
-        assert len(s.token_ids) == total and len(s.block_table) == -(-total // 16)
-        assert all(0 <= b < 10 for b in s.block_table)
 
 
 def test_split_heuristic():

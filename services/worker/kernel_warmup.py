@@ -1,11 +1,12 @@
 """Compiles the Triton kernels' batch-dependent variants at start, not inside a request's step.
 
 Triton compiles a binary the first time a launch brings a new set of constexprs. The attention
-kernel's change with the batch: the query-tile height (a power of two, up to a prefill tile) and
-split-K on or off; the reduce kernel's with the split count, rounded up to a power of two. Serving
-would meet them one at a time, each a stall of about a second in some request's step. So the worker
-runs the model once over dummy batches that bring every one of them, within its context length and
-token budget, while the pool is still empty: what they write lands in blocks no sequence owns.
+kernel's change with the batch: the query-tile height (the next power of two of the longest query,
+up to a prefill tile) and split-K on or off; the reduce kernel's with the split count, rounded up to
+a power of two. Serving would meet them one at a time, each a stall of about a second in some
+request's step. So a CUDA worker runs the model once over dummy batches that bring every one of
+them, within its context length and token budget, while the pool is still empty: what they write
+lands in blocks no sequence owns, and every later read is of slots a sequence wrote first.
 """
 
 from __future__ import annotations
@@ -19,18 +20,23 @@ from services.worker.input_batch import ScheduledSequence, build_model_inputs
 
 def warm_up_batches(block_size: int, num_blocks: int, max_model_len: int,
                     token_budget: int) -> list[list[ScheduledSequence]]:
-    """One-sequence batches: prefills of 1, 2, 4, ... tokens (every tile height), then decodes over
-    2, 4, ... x SPLIT_MIN_KEYS keys (every split count's power of two the heuristic can reach)."""
-    batches = []
-    length = 1
-    while length <= min(PREFILL_ROWS, token_budget, max_model_len):
-        batches.append([_dummy_sequence(0, length, block_size, num_blocks)])
-        length *= 2
-    splits = 2
-    while splits <= SPLIT_MAX and splits * SPLIT_MIN_KEYS <= max_model_len:
-        batches.append([_dummy_sequence(splits * SPLIT_MIN_KEYS - 1, 1, block_size, num_blocks)])
-        splits *= 2
+    """One-sequence batches: prefills of every tile height, then decodes of every split count's power of two.
+
+    Prefills of 1, 2, 4, ... tokens and of the longest a step allows. Decodes over 2, 4, ... x
+    SPLIT_MIN_KEYS keys and over the longest context: one sequence alone is the fewest programs, so
+    the heuristic splits it the most, and the last decode reaches the largest count serving can.
+    """
+    longest_query = min(PREFILL_ROWS, token_budget, max_model_len)
+    lengths = _powers_of_two_up_to(longest_query) + [longest_query]
+    batches = [[_dummy_sequence(0, n, block_size, num_blocks)] for n in sorted(set(lengths))]
+    contexts = [s * SPLIT_MIN_KEYS for s in _powers_of_two_up_to(SPLIT_MAX) if s > 1] + [max_model_len]
+    contexts = sorted({c for c in contexts if 2 * SPLIT_MIN_KEYS <= c <= max_model_len})
+    batches += [[_dummy_sequence(c - 1, 1, block_size, num_blocks)] for c in contexts]
     return batches
+
+
+def _powers_of_two_up_to(limit: int) -> list[int]:
+    return [1 << i for i in range(limit.bit_length()) if 1 << i <= limit]
 
 
 def _dummy_sequence(cached: int, new: int, block_size: int, num_blocks: int) -> ScheduledSequence:
@@ -41,13 +47,13 @@ def _dummy_sequence(cached: int, new: int, block_size: int, num_blocks: int) -> 
 
 def warm_up_kernels(model, attention, kv_pool: torch.Tensor, block_size: int, max_model_len: int,
                     token_budget: int, device: torch.device) -> int:
-    """Runs ``model`` over the warm-up batches and one block copy; returns the number of forward passes."""
+    """The block copy, and with the Triton backend ``model`` over the warm-up batches; returns the passes."""
     num_blocks = kv_pool.shape[2]
-    batches = warm_up_batches(block_size, num_blocks, max_model_len, token_budget)
+    batches = warm_up_batches(block_size, num_blocks, max_model_len, token_budget) if attention.name == "triton" else []
     with torch.inference_mode():
         for batch in batches:
             inputs = build_model_inputs(batch, block_size, device)
             model(inputs.input_ids, inputs.positions, attention, inputs.meta)
-        if num_blocks >= 2:
+        if num_blocks >= 2:  # the worker copies with Triton on CUDA whatever its attention backend
             copy_blocks(kv_pool, [(0, 1)])
     return len(batches)

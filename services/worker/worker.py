@@ -59,7 +59,7 @@ class Worker:
                                             pin=self.device.type == "cuda")
         backend = select_attention_backend(config.attention_backend, self.device)
         self.attention = backend(self.kv_pools, self.model_config.head_dim ** -0.5)
-        if self.device.type == "cuda" and self.attention.name == "triton":
+        if self.device.type == "cuda":
             self._warm_up_kernels(token_budget)
         self.eos_token_ids = load_eos_token_ids(self.model_dir)
         self.vocab_size = self.model_config.vocab_size
