@@ -400,8 +400,9 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
 
     The new tokens' K/V must already be in the pool (``write_kv``). ``split_k`` forces split-K on
     (True) or off (False); None lets the heuristic choose. ``num_splits``, ``block_n`` and ``num_stages``
-    pin the split count, the key tile and the pipeline depth (tests, tuning). ``check=False`` skips the host-side validation (tens of
-    microseconds): the backend validates each step's first layer only. Returns ``out``.
+    pin the split count, the key tile and the pipeline depth (tests, tuning). ``check=False`` skips the
+    host-side validation (tens of microseconds): the backend validates each step's first layer only.
+    Returns ``out``.
     """
     if check:
         _check_attention_inputs(q, k_cache, v_cache, meta, out)
