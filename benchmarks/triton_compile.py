@@ -158,28 +158,17 @@ class Recorder:
 # --- the cases: what the engine and benchmarks/gpu_kernels.py launch -------------------------------------------
 
 
-def paged_batch(specs: list[tuple[int, int]], block_size: int):
-    """Metadata for (cached, new) sequences on consecutive blocks (placement does not change the binary)."""
-    from services.worker.attention.metadata import AttentionMetadata
+def attention_inputs(shape: Shape, dtype: torch.dtype, specs: list[tuple[int, int]]):
+    """(q, K/V pool, metadata) for (cached, new) sequences, as the worker builds them; every sequence
+    on blocks 0, 1, ... (placement does not change the binary)."""
+    from services.worker.input_batch import build_model_inputs
+    from services.worker.kernel_warmup import dummy_sequence
 
-    tables, slots, first = [], [], 0
-    for cached, new in specs:
-        count = -(-(cached + new) // block_size)
-        tables.append(list(range(first, first + count)))
-        slots += [first * block_size + p for p in range(cached, cached + new)]
-        first += count
-    width = max(len(t) for t in tables)
-    query_lens = [new for _, new in specs]
-    seq_lens = [cached + new for cached, new in specs]
-    starts = [0]
-    for n in query_lens:
-        starts.append(starts[-1] + n)
-    meta = AttentionMetadata(
-        slot_mapping=torch.tensor(slots, dtype=torch.int64), query_start_loc=torch.tensor(starts, dtype=torch.int32),
-        seq_lens=torch.tensor(seq_lens, dtype=torch.int32),
-        block_tables=torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32),
-        query_lens_cpu=query_lens, seq_lens_cpu=seq_lens, max_query_len=max(query_lens), max_seq_len=max(seq_lens))
-    return meta, first
+    blocks = max(-(-(cached + new) // shape.block_size) for cached, new in specs)
+    batch = [dummy_sequence(cached, new, shape.block_size, blocks) for cached, new in specs]
+    meta = build_model_inputs(batch, shape.block_size, torch.device("cpu")).meta
+    pool = torch.empty(1, 2, blocks, shape.block_size, shape.kv_heads, shape.head_dim, dtype=dtype)
+    return torch.empty(meta.num_tokens, shape.heads, shape.head_dim, dtype=dtype), pool, meta
 
 
 # Block-table widths 256, 251 (not a multiple of 16: Triton specialises on divisibility), 2048, 188.
@@ -225,11 +214,8 @@ def split_choices(recorder: Recorder, meta, shape: Shape) -> list[tuple[bool, in
 def compile_attention(recorder: Recorder, shape: Shape, dtype_name: str) -> None:
     from services.worker.attention.triton_attention import paged_attention
 
-    dtype = getattr(torch, dtype_name)
     for batch_name, specs in BATCHES.items():
-        meta, blocks = paged_batch(specs, shape.block_size)
-        pool = torch.empty(1, 2, blocks, shape.block_size, shape.kv_heads, shape.head_dim, dtype=dtype)
-        q = torch.empty(meta.num_tokens, shape.heads, shape.head_dim, dtype=dtype)
+        q, pool, meta = attention_inputs(shape, getattr(torch, dtype_name), specs)
         for split_k, num_splits in split_choices(recorder, meta, shape):
             recorder.case = (f"{label(shape)} {dtype_name} {batch_name} split={split_k}"
                              + (f"/{num_splits}" if num_splits else ""))
@@ -245,9 +231,7 @@ def compile_tuning_variants(recorder: Recorder) -> None:
     from services.worker.attention.triton_attention import paged_attention
 
     shape = Shape(32, 8, 128)
-    meta, blocks = paged_batch(BATCHES["decode"], shape.block_size)
-    pool = torch.empty(1, 2, blocks, shape.block_size, shape.kv_heads, shape.head_dim, dtype=torch.bfloat16)
-    q = torch.empty(meta.num_tokens, shape.heads, shape.head_dim, dtype=torch.bfloat16)
+    q, pool, meta = attention_inputs(shape, torch.bfloat16, BATCHES["decode"])
     recorder.case = f"{label(shape)} bfloat16 decode stages=5"
     try:
         paged_attention(q, pool[0, 0], pool[0, 1], meta, shape.head_dim ** -0.5, num_stages=5)
@@ -275,11 +259,10 @@ def serving_batches(rng: random.Random, block_size: int, max_model_len: int, bud
     """Steps as a scheduler makes them: the extremes (one decode at the full context, one prefill of the
     whole budget), then random ones: decodes at any context, prefill chunks after cached blocks, a third
     of them one sequence alone (the batches split-K serves: few programs, long context)."""
-    from services.worker.input_batch import ScheduledSequence
+    from services.worker.kernel_warmup import dummy_sequence
 
-    def sequence(cached: int, new: int) -> ScheduledSequence:
-        total = cached + new
-        return ScheduledSequence([0] * total, list(range(-(-total // block_size))), cached, new)
+    def sequence(cached: int, new: int):
+        return dummy_sequence(cached, new, block_size, num_blocks=-(-max_model_len // block_size))
 
     longest = min(budget, max_model_len)
     batches = [[sequence(max_model_len - 1, 1)], [sequence(0, longest)]]
@@ -411,8 +394,8 @@ def main() -> int:
     out = Path(args.out or Path(__file__).with_name("results") / f"triton_compile_sm{args.arch}.json")
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps({"arch": args.arch, "triton": triton.__version__, "elapsed_s": round(elapsed, 1),
-                               "spill_tolerance": SPILL_TOLERANCE, "warm_ups": warm_ups, "variants": [asdict(v) for v in recorder.variants]},
-                              indent=2))
+                               "spill_tolerance": SPILL_TOLERANCE, "warm_ups": warm_ups,
+                               "variants": [asdict(v) for v in recorder.variants]}, indent=2))
     print(f"wrote {out}")
     return 1 if bad else 0
 

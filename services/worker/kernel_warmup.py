@@ -28,10 +28,10 @@ def warm_up_batches(block_size: int, num_blocks: int, max_model_len: int,
     """
     longest_query = min(PREFILL_ROWS, token_budget, max_model_len)
     lengths = _powers_of_two_up_to(longest_query) + [longest_query]
-    batches = [[_dummy_sequence(0, n, block_size, num_blocks)] for n in sorted(set(lengths))]
+    batches = [[dummy_sequence(0, n, block_size, num_blocks)] for n in sorted(set(lengths))]
     contexts = [s * SPLIT_MIN_KEYS for s in _powers_of_two_up_to(SPLIT_MAX) if s > 1] + [max_model_len]
     contexts = sorted({c for c in contexts if 2 * SPLIT_MIN_KEYS <= c <= max_model_len})
-    batches += [[_dummy_sequence(c - 1, 1, block_size, num_blocks)] for c in contexts]
+    batches += [[dummy_sequence(c - 1, 1, block_size, num_blocks)] for c in contexts]
     return batches
 
 
@@ -39,7 +39,8 @@ def _powers_of_two_up_to(limit: int) -> list[int]:
     return [1 << i for i in range(limit.bit_length()) if 1 << i <= limit]
 
 
-def _dummy_sequence(cached: int, new: int, block_size: int, num_blocks: int) -> ScheduledSequence:
+def dummy_sequence(cached: int, new: int, block_size: int, num_blocks: int) -> ScheduledSequence:
+    """A sequence of token 0s on blocks 0, 1, ... (wrapping at ``num_blocks``)."""
     total = cached + new
     table = [i % num_blocks for i in range(-(-total // block_size))]  # blocks may repeat: contents are garbage
     return ScheduledSequence([0] * total, table, cached, new)
