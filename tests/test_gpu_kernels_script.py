@@ -1,0 +1,63 @@
+"""benchmarks/gpu_kernels.py, the one script a GPU session runs, runs through on this machine.
+
+A device session has minutes, not hours: a section that breaks there costs its results. ``--cpu-smoke``
+takes every code path at toy sizes under the Triton interpreter; this checks that each section ends
+"ok", that its checks pass and that the report holds what RESULTS.md is filled from. Its timings mean
+nothing and are not looked at.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from tests.services_harness import REPO
+
+triton = pytest.importorskip("triton")
+if tuple(int(part) for part in triton.__version__.split(".")[:2]) < (3, 7):  # as tests/test_triton_kernels.py
+    pytest.skip(f"the Triton {triton.__version__} interpreter cannot run the kernels", allow_module_level=True)
+
+SCRIPT = str(REPO / "benchmarks" / "gpu_kernels.py")
+ALL_SECTIONS = "check,decode,prefill,cache,engine,tune"
+
+
+def run_script(tmp_path, *args: str) -> dict:
+    out = tmp_path / "gpu_kernels.json"
+    run = subprocess.run([sys.executable, SCRIPT, "--cpu-smoke", "--out", str(out), *args], cwd=REPO,
+                         capture_output=True, text=True, timeout=400)
+    assert run.returncode == 0, run.stdout[-6000:] + run.stderr[-3000:]
+    return json.loads(out.read_text())
+
+
+def test_every_section_runs_and_checks_pass(tmp_path):
+    results = run_script(tmp_path, "--sections", ALL_SECTIONS, "--deadline", "350")
+    sections = results["sections"]
+    assert {name: s["status"] for name, s in sections.items()} == {name: "ok" for name in ALL_SECTIONS.split(",")}
+    checks = sections["check"]["cases"]
+    assert sections["check"]["all_ok"] and all(case["ok"] for case in checks)
+    assert {(c["dtype"], c["split_k"]) for c in checks if "dtype" in c} == {
+        (dtype, split) for dtype in ("float32", "bfloat16") for split in (False, True)}
+    assert {c["op"] for c in checks if "op" in c} == {"write_kv", "copy_blocks", "swap_round_trip"}
+    assert results["targets"]["greedy_ok"] and sections["engine"]["triton_compiles_after_warm_up"] == []
+    for row in sections["decode"]["cases"]:
+        assert row["paged_graph_us"] > 0 and row["sdpa_graph_us"] > 0 and "speed_vs_sdpa_graph" in row
+    assert isinstance(results["targets"]["decode_speed_met_graph"], bool)
+    tune = sections["tune"]["cases"]
+    assert [(case["batch"], case["ctx"]) for case in tune] == [(1, 1040), (2, 32)]
+    for case in tune:
+        variants = case["variants"]
+        assert variants[0]["default"] and all(v.get("ok") for v in variants), variants
+        assert case["best"] in variants
+    split_counts = {v["num_splits"] for v in tune[0]["variants"]}
+    assert len(split_counts) > 1, "the split case tries other split counts"
+    assert {"write_kv", "copy_blocks", "swap"} <= set(sections["cache"])
+
+
+def test_a_spent_deadline_skips_sections_but_writes_the_report(tmp_path):
+    results = run_script(tmp_path, "--sections", "decode,tune", "--deadline", "3")
+    assert all(s["status"].startswith("skipped") for s in results["sections"].values()), results["sections"]
+    assert set(results["sections"]) == {"decode", "tune"}
+    assert results["environment"]["cpu_smoke"] is True
