@@ -17,8 +17,8 @@ Sections (each under its own time limit; a section that fails or times out is re
             transformers generate, greedy, token for token (and the Triton kernels that still
             compiled after the worker's warm-up: none expected); its throughput on the bench workload
   tune      (only when named in --sections) decode launch-plan variants, kernel time from CUDA
-            graphs: key tile x pipeline depth x warps, and split counts where the heuristic
-            splits, each output checked against the default plan's; data for choosing defaults
+            graphs: key tile x pipeline depth x warps, and split counts 2-64 (down to 256 keys
+            per split), each output checked against the default plan's; data for choosing defaults
 
 Targets:
   - paged decode >= 0.95x the speed of contiguous SDPA (time_sdpa / time_paged >= 0.95)
@@ -494,14 +494,15 @@ def section_decode(bench: Bench, record: dict) -> None:
 # --- section: tuning data (not in the default run) -----------------------------------------------------
 
 TUNE_CASES = ((1, 32768), (32, 4096), (256, 512))  # (batch, context): split-K, a full GPU, many short
-TUNE_SPLITS = (8, 16, 32, 64)  # tried where the heuristic splits
+TUNE_SPLITS = (2, 4, 8, 16, 32, 64)  # each down to splits of half SPLIT_MIN_KEYS, whatever the heuristic chose
 
 
 def tune_variants(meta, q, k_cache) -> list[tuple[dict, object]]:
-    """(config, plan) pairs: the heuristic's plan first, then key tiles x pipeline depths x warps."""
+    """(config, plan) pairs: the heuristic's plan first, then key tiles x pipeline depths x warps, then
+    split counts (also where the heuristic does not split: a full GPU may still gain from more programs)."""
     from dataclasses import replace
 
-    from services.worker.attention.triton_attention import make_launch_plan
+    from services.worker.attention.triton_attention import SPLIT_MIN_KEYS, make_launch_plan
 
     default = make_launch_plan(meta, q, k_cache)
     tiling = dict(block_n=default.block_n, num_stages=default.num_stages, num_warps=default.num_warps)
@@ -511,8 +512,8 @@ def tune_variants(meta, q, k_cache) -> list[tuple[dict, object]]:
     for config in configs:
         if config != tiling:
             variants.append(({**config, "num_splits": default.num_splits}, replace(default, **config)))
-    if default.split:
-        for splits in TUNE_SPLITS:
+    for splits in TUNE_SPLITS:
+        if splits != default.num_splits and splits <= 2 * meta.max_seq_len // SPLIT_MIN_KEYS:
             plan = make_launch_plan(meta, q, k_cache, split_k=True, num_splits=splits)
             variants.append((dict(block_n=plan.block_n, num_stages=plan.num_stages, num_warps=plan.num_warps,
                                   num_splits=plan.num_splits), plan))
