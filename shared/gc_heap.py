@@ -5,6 +5,10 @@ the process, yet every full collection walks all of them again; per token the ga
 enough to trigger collections often. Freezing them after start-up (as vLLM does for its server
 and engine) moves them out of the collector's reach: the gateway's CPU per streamed token fell by
 ~12 % here (benchmarks/gateway_overhead.py). Objects made later are collected as usual.
+
+At shutdown they are handed back (``unfreeze_startup_objects``): the interpreter's final collection
+skips frozen objects, and extension modules built on nanobind (Triton's, which torch imports) then
+print every object of theirs still alive as a leak, some thirty lines per exit.
 """
 
 from __future__ import annotations
@@ -16,3 +20,8 @@ def freeze_startup_objects() -> None:
     """Collect once, then exempt everything alive now from future collections."""
     gc.collect()
     gc.freeze()
+
+
+def unfreeze_startup_objects() -> None:
+    """Undo ``freeze_startup_objects`` before the process exits, so its objects are freed as usual."""
+    gc.unfreeze()

@@ -18,7 +18,7 @@ from services.gateway.generation import Generator
 from services.gateway.grpc_api import NOT_SERVING, SERVING, create_grpc_server
 from services.gateway.metrics import GatewayMetrics
 from services.gateway.scheduler_client import SchedulerClient
-from shared.gc_heap import freeze_startup_objects
+from shared.gc_heap import freeze_startup_objects, unfreeze_startup_objects
 from shared.logging import setup_logging
 
 log = setup_logging("gateway")
@@ -78,6 +78,7 @@ async def serve(args: argparse.Namespace) -> None:
     http.should_exit = True  # uvicorn closes its listener, then waits for open responses (drain timeout)
     await asyncio.gather(http_task, grpc_server.stop(grace=args.drain_timeout), return_exceptions=True)
     await client.close()
+    unfreeze_startup_objects()
     log.info("gateway stopped")
 
 

@@ -20,7 +20,7 @@ from services.scheduler.grpc_executor import GRPC_OPTIONS, GrpcExecutor
 from services.scheduler.scheduler import SchedulerLimits
 from services.scheduler.session import RequestError, Session, SessionBatch
 from shared.config import token_budget
-from shared.gc_heap import freeze_startup_objects
+from shared.gc_heap import freeze_startup_objects, unfreeze_startup_objects
 from shared.grpc_errors import ServiceUnavailable, grpc_errors, status_for
 from shared.logging import setup_logging
 from shared.proto import pagedserve_api_pb2 as api
@@ -138,6 +138,7 @@ def serve(args: argparse.Namespace) -> None:
     drain(loop, health_servicer, args.drain_timeout)
     server.stop(grace=2).wait()
     loop.stop()
+    unfreeze_startup_objects()
     log.info("scheduler stopped")
 
 

@@ -15,7 +15,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from shared.config import EngineConfig
-from shared.gc_heap import freeze_startup_objects
+from shared.gc_heap import freeze_startup_objects, unfreeze_startup_objects
 from shared.grpc_errors import ServiceUnavailable, grpc_errors
 from shared.logging import setup_logging
 from shared.proto import pagedserve_internal_pb2 as wire
@@ -189,6 +189,7 @@ def serve(config: EngineConfig, address: str, ready: threading.Event | None = No
     compute.serve_until(stop)  # this (main) thread runs the steps until a signal
     health_servicer.enter_graceful_shutdown()
     server.stop(grace=5).wait()
+    unfreeze_startup_objects()
     log.info("worker stopped")
 
 
