@@ -8,6 +8,7 @@ nothing and are not looked at.
 
 from __future__ import annotations
 
+import importlib.metadata
 import json
 import subprocess
 import sys
@@ -16,9 +17,14 @@ import pytest
 
 from tests.services_harness import REPO
 
-triton = pytest.importorskip("triton")
-if tuple(int(part) for part in triton.__version__.split(".")[:2]) < (3, 7):  # as tests/test_triton_kernels.py
-    pytest.skip(f"the Triton {triton.__version__} interpreter cannot run the kernels", allow_module_level=True)
+# The version from the package metadata: importing triton here, before the interpreter tests set
+# TRITON_INTERPRET=1, would leave their kernels compiled for a GPU instead of interpreted.
+try:
+    TRITON_VERSION = importlib.metadata.version("triton")
+except importlib.metadata.PackageNotFoundError:
+    pytest.skip("triton is not installed", allow_module_level=True)
+if tuple(int(part) for part in TRITON_VERSION.split(".")[:2]) < (3, 7):  # as tests/test_triton_kernels.py
+    pytest.skip(f"the Triton {TRITON_VERSION} interpreter cannot run the kernels", allow_module_level=True)
 
 SCRIPT = str(REPO / "benchmarks" / "gpu_kernels.py")
 ALL_SECTIONS = "check,decode,prefill,cache,engine,tune"
