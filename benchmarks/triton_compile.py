@@ -12,7 +12,8 @@ compile-only driver stands in for CUDA. Every launch is compiled for ``--arch`` 
 a GPU launch of the same arguments gets (dtypes, 16-byte divisibility, constexprs) and is not run.
 The arguments cover a fixed set of shapes (gpu_kernels.py's, the project's models', small test
 shapes), dtypes, batches (decode, block tables of odd width, long decode, mixed prefill and decode)
-and split-K choices, plus the tuning variants gpu_kernels.py times; each distinct binary is reported once.
+and split-K choices, plus the 5-stage decode that gpu_kernels.py's decode section times (not its tune
+sweep); each distinct binary is reported once.
 
 For each variant: registers per thread, spilled bytes, the stack frame and shared memory (from ptxas),
 whether the K/V tiles arrive by asynchronous copies (the software pipeline), in how many buffers, and

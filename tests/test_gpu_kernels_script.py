@@ -56,6 +56,7 @@ def test_every_section_runs_and_checks_pass(tmp_path):
     for case in tune:
         variants = case["variants"]
         assert variants[0]["default"] and all(v.get("ok") for v in variants), variants
+        assert case["default_matches_reference"]
         assert case["best"] in variants
     split_counts = {v["num_splits"] for v in tune[0]["variants"]}
     assert len(split_counts) > 1, "the split case tries other split counts"
@@ -67,3 +68,18 @@ def test_a_spent_deadline_skips_sections_but_writes_the_report(tmp_path):
     assert all(s["status"].startswith("skipped") for s in results["sections"].values()), results["sections"]
     assert set(results["sections"]) == {"decode", "tune"}
     assert results["environment"]["cpu_smoke"] is True
+
+
+def test_outputs_are_compared_relative_to_their_scale():
+    """Long-context outputs are small: an all-zero or a partly wrong one must not pass as close."""
+    import torch
+
+    from benchmarks.gpu_kernels import compare_outputs
+
+    ref = torch.randn(64, 8, 128, generator=torch.Generator().manual_seed(0)) * 0.03
+    assert compare_outputs(ref.to(torch.bfloat16), ref, "bfloat16")[1]
+    assert not compare_outputs(torch.zeros_like(ref), ref, "bfloat16")[1]
+    assert not compare_outputs(ref * 0.9, ref, "bfloat16")[1]  # a tenth of the weight lost, as a dropped split
+    poisoned = ref.clone()
+    poisoned[3, 2, 1] = float("nan")
+    assert not compare_outputs(poisoned, ref, "float32")[1]
