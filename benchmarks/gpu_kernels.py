@@ -160,11 +160,13 @@ class Bench:
         # call failing: hold SIGALRM until the graph is done (it is delivered then). No collection
         # inside the capture either: a finalizer that frees CUDA memory there breaks it.
         signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGALRM})
+        collecting = gc.isenabled()
         gc.disable()
         try:
             return triton.testing.do_bench_cudagraph(fn, rep=20, return_mode="median") / 1e3
         finally:
-            gc.enable()
+            if collecting:
+                gc.enable()
             signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGALRM})
 
     def l2_bytes(self) -> int:
