@@ -295,9 +295,12 @@ def test_bad_requests_get_openai_errors(stack, client, llama_dir):
     assert _error(httpx.post(url, json={**ok, "temperature": -0.5}), 400)["param"] == "temperature"
     assert _error(httpx.post(url, json={**ok, "logprobs": 21}), 400)["param"] == "logprobs"
     assert "vocabulary" in _error(httpx.post(url, json={**ok, "prompt": [1, 2, 512]}), 400)["message"]
+    assert "vocabulary" in _error(httpx.post(url, json={**ok, "prompt": [1, -1]}), 400)["message"]
+    assert "vocabulary" in _error(httpx.post(url, json={**ok, "prompt": [[1, 2], [-3]], "echo": True}), 400)["message"]
     assert _error(httpx.post(url, json={**ok, "prompt": ""}), 400)["param"] == "prompt"
     assert _error(httpx.post(url, json={**ok, "prompt": []}), 400)["param"] == "prompt"
     assert _error(httpx.post(url, json={**ok, "n": 2, "best_of": 3}), 400)["param"] == "best_of"
+    assert _error(httpx.post(url, json={**ok, "n": 3, "best_of": 2}), 400)["param"] == "best_of"
     assert _error(httpx.post(url, json={**ok, "stream": True, "max_tokens": 0}), 400)["param"] == "max_tokens"
     chat = f"{stack.base_url}/v1/chat/completions"
     image = [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]

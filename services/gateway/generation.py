@@ -112,13 +112,17 @@ class Model:
             text = self._token_strings[token_id] = self.tokenizer.decode([token_id])
         return text
 
+    def check_token_ids(self, token_ids: list[int]) -> None:
+        """A prompt given as token ids must stay inside the vocabulary (before anything decodes it)."""
+        bad = next((t for t in token_ids if not 0 <= t < self.vocab_size), None)
+        if bad is not None:
+            raise InvalidParameter(f"token id {bad} is outside the vocabulary [0, {self.vocab_size})", "prompt")
+
     def check_prompt(self, prompt: list[int], params: SamplingParams) -> None:
         """What the scheduler would refuse, checked here so a multi-prompt request is all or nothing."""
         if not prompt:
             raise InvalidParameter("the prompt is empty: give at least one token", "prompt")
-        bad = next((t for t in prompt if not 0 <= t < self.vocab_size), None)
-        if bad is not None:
-            raise InvalidParameter(f"token id {bad} is outside the vocabulary [0, {self.vocab_size})", "prompt")
+        self.check_token_ids(prompt)
         if len(prompt) >= self.max_model_len:
             raise InvalidParameter(f"This model's maximum context length is {self.max_model_len} tokens, "
                                    f"but the prompt has {len(prompt)} tokens; it must leave room for at least "

@@ -132,6 +132,9 @@ class _Completion(_Reply):
     @staticmethod
     def prompts(model: Model, body: CompletionRequest) -> tuple[list[list[int]], list[str]]:
         prompts = body.prompts()
+        for p in prompts:
+            if not isinstance(p, str):
+                model.check_token_ids(p)  # the tokenizer would fail on a negative id, with a 500
         return ([model.encode(p) if isinstance(p, str) else list(p) for p in prompts],
                 [p if isinstance(p, str) else model.decode(p) for p in prompts])
 

@@ -1,7 +1,7 @@
 """OpenAI request bodies (plus the vLLM extension fields), and their SamplingParams.
 
 Fields OpenAI defines but the engine cannot honour either have a clear 400
-(best_of > n, suffix, non-text content) or are accepted and ignored (user,
+(best_of other than n, suffix, non-text content) or are accepted and ignored (user,
 metadata, ...: extra="allow").
 """
 
@@ -83,6 +83,8 @@ class CompletionRequest(_Sampling):
     suffix: str | None = None
 
     def checked_params(self) -> SamplingParams:
+        if self.best_of is not None and self.best_of < self.n:
+            raise InvalidParameter(f"best_of must be >= n, got best_of={self.best_of} and n={self.n}", "best_of")
         if self.best_of is not None and self.best_of > self.n:
             raise InvalidParameter("best_of > n is not supported", "best_of")
         if self.suffix:
