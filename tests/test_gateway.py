@@ -308,6 +308,13 @@ def test_bad_requests_get_openai_errors(stack, client, llama_dir):
     _error(httpx.post(chat, json={"model": llama_dir.name, "messages": [], "max_tokens": 2}), 400)
     _error(httpx.post(chat, json={"messages": [{"role": "user", "content": "x"}], "top_logprobs": 30,
                                   "logprobs": True}), 400)
+    hi = {"model": llama_dir.name, "messages": [{"role": "user", "content": "x"}], "max_tokens": 2}
+    tools = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]
+    assert _error(httpx.post(chat, json={**hi, "tools": tools}), 400)["param"] == "tools"
+    assert httpx.post(chat, json={**hi, "tools": tools, "tool_choice": "none"}).status_code == 200
+    json_mode = {"type": "json_object"}
+    assert _error(httpx.post(chat, json={**hi, "response_format": json_mode}), 400)["param"] == "response_format"
+    assert httpx.post(chat, json={**hi, "response_format": {"type": "text"}}).status_code == 200
     _error(httpx.get(f"{stack.base_url}/v1/no-such-endpoint"), 404)
     with pytest.raises(openai.BadRequestError):
         client.completions.create(model=llama_dir.name, prompt="Hi", max_tokens=3, temperature=-1)

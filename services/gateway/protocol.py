@@ -1,8 +1,9 @@
 """OpenAI request bodies (plus the vLLM extension fields), and their SamplingParams.
 
 Fields OpenAI defines but the engine cannot honour either have a clear 400
-(best_of other than n, suffix, non-text content) or are accepted and ignored (user,
-metadata, ...: extra="allow").
+(best_of other than n, suffix, non-text content, tools the model may call, a structured
+response_format) or are accepted and ignored (user, metadata, ...: extra="allow"), but
+never where ignoring them would hand back an answer of another kind than the one asked for.
 """
 
 from __future__ import annotations
@@ -128,10 +129,21 @@ class ChatCompletionRequest(_Sampling):
     max_completion_tokens: int | None = None
     logprobs: bool = False
     top_logprobs: int | None = None
+    # Declared to be refused: there is no tool-call parser and no constrained decoding, so the
+    # client would get plain text where it waits for tool_calls or JSON.
+    tools: list[dict] | None = None
+    tool_choice: str | dict | None = None
+    response_format: dict | None = None
 
     def checked_params(self) -> SamplingParams:
         if self.top_logprobs is not None and not self.logprobs:
             raise InvalidParameter("top_logprobs needs logprobs=true", "top_logprobs")
+        if self.tools and self.tool_choice != "none":
+            raise InvalidParameter("tool calling is not supported: send no tools, or tool_choice='none'", "tools")
+        kind = (self.response_format or {}).get("type", "text")
+        if kind != "text":
+            raise InvalidParameter(f"response_format type {kind!r} is not supported (no structured output); "
+                                   "use 'text'", "response_format")
         if not self.messages:
             raise InvalidParameter("messages must not be empty", "messages")
         max_tokens = self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
