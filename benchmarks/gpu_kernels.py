@@ -553,6 +553,7 @@ def tune_case(bench: Bench, shape: Shape, batch: int, ctx: int, generator, stop_
     pool, meta, q = decode_inputs(bench, shape, batch, ctx, generator)
     k_cache, v_cache = pool[0, 0], pool[0, 1]
     scale = shape.head_dim ** -0.5
+    dtype_name = str(q.dtype).removeprefix("torch.")
     expected = None
     rows = []
     for config, plan in tune_variants(meta, q, k_cache):
@@ -560,16 +561,17 @@ def tune_case(bench: Bench, shape: Shape, batch: int, ctx: int, generator, stop_
             rows.append({"cut": "section time limit"})
             break
         out = torch.full_like(q, float("nan"))
-        try:
+
+        def run(plan=plan, out=out):
             paged_attention(q, k_cache, v_cache, meta, scale, out=out, plan=plan, check=False)
+
+        try:
+            run()
             expected = out.clone() if expected is None else expected
-            ok = compare_outputs(out, expected, str(q.dtype).removeprefix("torch."))[1]
-            us = 1e6 * bench.measure_graph(
-                lambda: paged_attention(q, k_cache, v_cache, meta, scale, out=out, plan=plan, check=False))
-            rows.append({**config, "us": us, "ok": ok})
+            ok = compare_outputs(out, expected, dtype_name)[1]
+            rows.append({**config, "us": 1e6 * bench.measure_graph(run), "ok": ok})
         except Exception as e:  # a tile that does not fit in shared memory, say: recorded, not fatal
             rows.append({**config, "error": repr(e)[:300]})
-    dtype_name = str(q.dtype).removeprefix("torch.")
     ref = paged_attention_reference(q.cpu(), k_cache.cpu(), v_cache.cpu(), meta_to_cpu(meta), scale)
     default_ok = expected is not None and compare_outputs(expected, ref, dtype_name)[1]
     timed = [r for r in rows if r.get("ok")] if default_ok else []  # "ok" means: equal to a correct output

@@ -121,6 +121,13 @@ class _Reply:
         return []
 
 
+def _echoed_text(model: Model, token_ids: list[int]) -> str:
+    """The text of a prompt given as token ids, only needed to echo it; checked first, since the
+    tokenizer fails on an id outside the vocabulary (a 500) before the scheduler's checks run."""
+    model.check_token_ids(token_ids)
+    return model.decode(token_ids)
+
+
 class _Completion(_Reply):
     object_whole = object_chunk = "text_completion"
     id_prefix = "cmpl"
@@ -132,11 +139,8 @@ class _Completion(_Reply):
     @staticmethod
     def prompts(model: Model, body: CompletionRequest) -> tuple[list[list[int]], list[str]]:
         prompts = body.prompts()
-        for p in prompts:
-            if not isinstance(p, str):
-                model.check_token_ids(p)  # the tokenizer would fail on a negative id, with a 500
         return ([model.encode(p) if isinstance(p, str) else list(p) for p in prompts],
-                [p if isinstance(p, str) else model.decode(p) for p in prompts])
+                [p if isinstance(p, str) else _echoed_text(model, p) if body.echo else "" for p in prompts])
 
     def _prefix(self, k: int, position: int) -> tuple[str, list[TokenLogprob]]:
         """The echoed prompt (text and its token logprobs), once per choice."""
