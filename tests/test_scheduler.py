@@ -261,7 +261,9 @@ def test_the_property_test_exercised_preemption():
         pytest.skip("the property test did not run in this session")
     assert sum(1 for n in PREEMPTIONS if n > 0) >= 3, PREEMPTIONS
     assert sum(1 for n in SWAPS if n > 0) >= 2, SWAPS
-    assert sum(1 for n in AHEAD if n > 0) >= 10, AHEAD
+    # Of ~150 examples, 27-47 are pipelined and 9-24 of those plan ahead (measured over 6 runs): the bar
+    # sits well below that, so it fails only when the generator stops reaching the path.
+    assert sum(1 for n in AHEAD if n > 0) >= 3, AHEAD
 
 
 @settings(max_examples=60, deadline=None)
