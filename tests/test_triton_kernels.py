@@ -135,6 +135,24 @@ def test_split_k_forced_matches_reference(specs, num_splits):
     check_attention(specs, block_size=8, num_heads=8, num_kv_heads=2, split_k=True, num_splits=num_splits, block_n=16)
 
 
+@pytest.mark.parametrize("num_splits", [2, 7])
+def test_plan_for_a_longer_context_holds_for_shorter_ones(num_splits):
+    # What a CUDA graph replays: a decode plan made for the longest context, launched over any lengths
+    # (each sequence cuts its own context into the splits; the shortest leave some empty).
+    g = torch.Generator().manual_seed(3)
+    block_size, heads, kv_heads, dim = 8, 4, 2, 32
+    specs = [(0, 1), (15, 1), (40, 1), (129, 1)]
+    pool = random_pools(60, block_size, kv_heads, dim, torch.float32, g)
+    meta = make_batch(specs, block_size, 60, g)
+    q = torch.randn(meta.num_tokens, heads, dim, generator=g)
+    longer = make_batch([(400, 1)] * len(specs), block_size, 60 * 4, g)
+    plan = make_launch_plan(longer, q, pool[0, 0], split_k=True, num_splits=num_splits, block_n=16)
+    assert plan.num_splits == num_splits
+    out = paged_attention(q, pool[0, 0], pool[0, 1], meta, dim ** -0.5, out=torch.full_like(q, NAN), plan=plan)
+    ref = paged_attention_reference(q, pool[0, 0], pool[0, 1], meta, dim ** -0.5)
+    torch.testing.assert_close(out, ref, atol=TOLERANCE[torch.float32], rtol=TOLERANCE[torch.float32])
+
+
 def test_split_k_forced_off_for_long_decode():
     check_attention([(200, 1)], block_size=16, split_k=False)
 
@@ -177,7 +195,7 @@ def test_split_heuristic():
     meta = make_batch([(40, 1)], 8, 8, torch.Generator().manual_seed(0))
     q, pool = torch.zeros(1, 4, 32), torch.zeros(1, 2, 8, 8, 2, 32)
     plan = make_launch_plan(meta, q, pool[0, 0], split_k=True, num_splits=4)
-    assert plan.split and plan.num_splits == 3 and plan.keys_per_split == 16  # 41 keys in 16-key splits
+    assert plan.split and plan.num_splits == 3  # 41 keys in 16-key splits
     assert make_launch_plan(meta, q, pool[0, 0], split_k=False).num_splits == 1
     assert make_launch_plan(meta, q, pool[0, 0]).num_stages == 3  # Triton's default unless pinned
     assert make_launch_plan(meta, q, pool[0, 0], num_stages=5).num_stages == 5

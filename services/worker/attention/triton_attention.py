@@ -142,7 +142,6 @@ def _paged_attention_kernel(
     tile_seq_ptr,  # [num_tiles] int32: the sequence of each query tile
     tile_q0_ptr,  # [num_tiles] int32: the tile's first query index within its sequence
     scale_log2,  # softmax scale * log2(e)
-    keys_per_split,  # SPLIT only: context positions per split
     stride_qt, stride_qh,
     stride_ot, stride_oh, stride_os,  # stride_os: the split dimension (SPLIT only)
     stride_lt, stride_lh,
@@ -181,6 +180,10 @@ def _paged_attention_kernel(
     # No key after the tile's last query matters: it stops the loop early for prefill tiles.
     kv_end = ctx - q_len + tl.minimum(q0 + BLOCK_M // GROUP_PAD, q_len)
     if SPLIT:
+        # Each sequence spreads its own context over the splits, in whole 16-key steps (aligned loads). A
+        # plan made for the longest context so keeps every split busy on shorter ones, and stays valid
+        # whatever the lengths: a CUDA graph replays it with new ones.
+        keys_per_split = tl.cdiv(tl.cdiv(ctx, tl.num_programs(2)), 16) * 16
         lo = split * keys_per_split
         hi = tl.minimum(lo + keys_per_split, kv_end)
     else:
@@ -243,8 +246,7 @@ class LaunchPlan:
     # own: at 3 (Triton's default) decode tiles get one K/V buffer, at 5 two (benchmarks/triton_compile.py).
     num_stages: int
     split: bool  # split-K: partials per split, then the reduce kernel (even with one split when forced)
-    num_splits: int
-    keys_per_split: int
+    num_splits: int  # each sequence's context is cut into this many ranges (the kernel sizes them per sequence)
     tiles: torch.Tensor  # [2, num_tiles] int32 on the device: the tile's sequence, its first query index
 
     @property
@@ -338,7 +340,8 @@ def make_launch_plan(meta: AttentionMetadata, q: torch.Tensor, k_cache: torch.Te
              f"block_n must be a power of two >= 16, got {block_n}")
     seqs, firsts = _query_tiles(meta.query_lens_cpu, block_q)
     splits = _split_count(meta, len(seqs) * num_kv_heads, q.device, split_k, num_splits)
-    # Splits start on a multiple of 16 keys (aligned loads); the count is what that rounding leaves.
+    # Splits start on a multiple of 16 keys (aligned loads); the count is what that rounding leaves for
+    # the longest context (shorter ones leave later splits empty where they have under 16 keys each).
     keys_per_split = _cdiv(_cdiv(meta.max_seq_len, splits), MIN_DOT) * MIN_DOT
     split = bool(split_k) or splits > 1
     splits = _cdiv(meta.max_seq_len, keys_per_split) if split else 1
@@ -346,8 +349,7 @@ def make_launch_plan(meta: AttentionMetadata, q: torch.Tensor, k_cache: torch.Te
     num_warps = _num_warps(block_q * group_pad, head_dim, fma_dot=q.dtype == torch.float32)
     require(num_stages is None or num_stages >= 1, f"num_stages must be >= 1, got {num_stages}")
     return LaunchPlan(block_q=block_q, group_pad=group_pad, block_n=block_n, num_warps=num_warps,
-                      num_stages=num_stages or DEFAULT_STAGES, split=split, num_splits=splits,
-                      keys_per_split=keys_per_split, tiles=tiles)
+                      num_stages=num_stages or DEFAULT_STAGES, split=split, num_splits=splits, tiles=tiles)
 
 
 # --- the wrapper ----------------------------------------------------------------------------------
@@ -414,7 +416,7 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     num_tokens, num_heads, head_dim = q.shape
     grid = (plan.num_tiles, k_cache.shape[2], plan.num_splits)
     common = (q, k_cache, v_cache, meta.block_tables, meta.seq_lens, meta.query_start_loc, plan.tiles[0],
-              plan.tiles[1], scale * LOG2E, plan.keys_per_split, q.stride(0), q.stride(1))
+              plan.tiles[1], scale * LOG2E, q.stride(0), q.stride(1))
     pool_strides = (k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), meta.block_tables.stride(0))
     flags = _kernel_flags(q, k_cache, plan)
     if not plan.split:
