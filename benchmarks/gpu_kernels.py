@@ -798,11 +798,13 @@ def counting_compiles(names: list[str]):
 
 
 def run_engine(bench: Bench, model_dir: Path, requests, backend: str, warm: bool = True,
-               compiles: list[str] | None = None) -> tuple[list, float]:
+               compiles: list[str] | None = None, enforce_eager: bool = False) -> tuple[list, float, bool]:
+    """(token ids per request, seconds, whether decode steps replayed CUDA graphs)."""
     from pagedserve import LLM, SamplingParams
 
     options = dict(num_gpu_blocks_override=256) if bench.smoke else dict(gpu_memory_utilization=0.5)
-    llm = LLM(str(model_dir), attention_backend=backend, **options)
+    llm = LLM(str(model_dir), attention_backend=backend, enforce_eager=enforce_eager, **options)
+    graphs = llm.engine.executor.worker.decode_graphs is not None
     prompts = [{"prompt_token_ids": r.prompt_token_ids} for r in requests]
     params = [SamplingParams(temperature=0, max_tokens=r.output_len, ignore_eos=True) for r in requests]
     if warm:
@@ -815,7 +817,7 @@ def run_engine(bench: Bench, model_dir: Path, requests, backend: str, warm: bool
     elapsed = time.perf_counter() - start
     del llm
     bench.release()
-    return [o.outputs[0].token_ids for o in outputs], elapsed
+    return [o.outputs[0].token_ids for o in outputs], elapsed, graphs
 
 
 def section_engine(bench: Bench, record: dict) -> None:
@@ -831,8 +833,10 @@ def section_engine(bench: Bench, record: dict) -> None:
     # The process's first engine: Triton compiles nothing yet, and the worker warms its kernels up when
     # it starts; whatever compiles inside generate() after that is a stall a request would have felt.
     late_compiles: list[str] = []
-    ours, _ = run_engine(bench, model_dir, check_requests, "triton", warm=False, compiles=late_compiles)
+    ours, _, graphs = run_engine(bench, model_dir, check_requests, "triton", warm=False, compiles=late_compiles)
     record["triton_compiles_after_warm_up"] = late_compiles
+    record["cuda_graphs_captured"] = graphs  # False on a CUDA worker: its log says why (cuda_graphs_disabled)
+    print(f"  decode CUDA graphs captured and checked: {graphs}", flush=True)
     print(f"  Triton compiles after the worker's warm-up: {len(late_compiles)} {sorted(set(late_compiles))}",
           flush=True)
     refs = hf_greedy_all(model_dir, check_requests, bench.device)
@@ -840,19 +844,27 @@ def section_engine(bench: Bench, record: dict) -> None:
     record["greedy_vs_transformers"] = {v: verdicts.count(v) for v in sorted(set(verdicts))}
     record["greedy_ok"] = all(v in ("equal", "near-tie") for v in verdicts)
     print(f"  greedy vs transformers ({len(verdicts)} requests): {record['greedy_vs_transformers']}", flush=True)
-    for backend in ("triton", "torch"):
+    # triton: decode steps replayed from CUDA graphs (the default); triton_eager: every step launched from
+    # Python; torch: the reference backend (never graphed).
+    outputs: dict[str, list] = {}
+    for name, backend, eager in (("triton", "triton", False), ("triton_eager", "triton", True),
+                                 ("torch", "torch", False)):
         try:
-            tokens, elapsed = run_engine(bench, model_dir, speed_requests, backend)
+            tokens, elapsed, graphs = run_engine(bench, model_dir, speed_requests, backend, enforce_eager=eager)
         except Exception as e:  # the torch backend is the CPU reference; it may not run on CUDA
-            record[f"{backend}_error"] = repr(e)
-            print(f"  engine with attention_backend={backend}: ERROR {e!r}", flush=True)
+            record[f"{name}_error"] = repr(e)
+            print(f"  engine {name}: ERROR {e!r}", flush=True)
             continue
         count = sum(len(t) for t in tokens)
-        record[f"{backend}_tokens_per_s"] = count / elapsed
-        print(f"  engine, attention_backend={backend}: {len(speed_requests)} requests, {count} tokens, "
+        record[f"{name}_tokens_per_s"] = count / elapsed
+        print(f"  engine {name} (graphs: {graphs}): {len(speed_requests)} requests, {count} tokens, "
               f"{elapsed:.2f} s, {count / elapsed:.1f} tok/s", flush=True)
-        bench.rows.append([f"engine bench workload ({len(speed_requests)} req)", backend, "", "", "",
+        bench.rows.append([f"engine bench workload ({len(speed_requests)} req)", name, "", "", "",
                            f"{count / elapsed:.0f} tok/s", ""])
+        outputs[name] = tokens
+    if "triton" in outputs and "triton_eager" in outputs:  # greedy: replays must not change a token
+        record["graphs_tokens_equal_eager"] = outputs["triton"] == outputs["triton_eager"]
+        print(f"  greedy tokens with graphs equal those without: {record['graphs_tokens_equal_eager']}", flush=True)
 
 
 # --- report -----------------------------------------------------------------------------------------------
@@ -860,7 +872,7 @@ def section_engine(bench: Bench, record: dict) -> None:
 # Time limits (s): the default five together under the 8-minute budget, with room for start-up and the
 # report. "tune" (launch-plan variants of decode, for choosing the defaults) runs only when asked for.
 SECTIONS = {"check": (section_check, 100), "decode": (section_decode, 140), "prefill": (section_prefill, 50),
-            "cache": (section_cache, 40), "engine": (section_engine, 110), "tune": (section_tune, 90)}
+            "cache": (section_cache, 40), "engine": (section_engine, 125), "tune": (section_tune, 75)}
 REPORT_SECONDS = 5  # kept back from --deadline for the report
 
 

@@ -30,12 +30,14 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--preemption-mode", choices=["swap", "recompute"], default=None,
                         help="how preempted sequences give back their blocks (default: chosen per victim)")
     parser.add_argument("--attention-backend", choices=list(ATTENTION_BACKENDS), default="auto")
+    parser.add_argument("--enforce-eager", action=argparse.BooleanOptionalAction, default=False,
+                        help="never replay decode steps from CUDA graphs (they are captured at a CUDA worker's start)")
 
 
 ENGINE_KEYS = ("model", "tokenizer", "dtype", "device", "seed", "max_model_len", "block_size", "max_num_seqs",
                "max_num_batched_tokens", "enable_chunked_prefill", "gpu_memory_utilization",
                "kv_cache_memory_bytes", "num_gpu_blocks_override", "enable_prefix_caching", "swap_space",
-               "preemption_mode", "attention_backend")
+               "preemption_mode", "attention_backend", "enforce_eager")
 
 
 def engine_options(args: argparse.Namespace) -> dict:

@@ -30,6 +30,7 @@ class EngineConfig:
     swap_space: float = 4.0  # GiB of host memory for swapped-out KV blocks (0: no swapping)
     preemption_mode: str | None = None  # "swap", "recompute", or None: chosen per victim
     attention_backend: str = "auto"  # "auto": Triton on CUDA, the C++ kernels on CPU (torch if they cannot build)
+    enforce_eager: bool = False  # True: no CUDA graphs (a CUDA worker with the Triton backend replays decodes from them)
 
     def __post_init__(self) -> None:
         _require(self.dtype in DTYPES, "dtype", f"must be one of {DTYPES}, got {self.dtype!r}")

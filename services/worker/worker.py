@@ -12,6 +12,7 @@ from services.worker.attention.cpu_kernels import cpu_kernels_unavailable_reason
 from services.worker.attention.selector import select_attention_backend
 from services.worker.block_moves import copy_blocks_torch, swap_blocks, whole_pool
 from services.worker.cpu_tuning import keep_large_allocations_in_heap
+from services.worker.cuda_graphs import CudaGraphCapturer, DecodeGraphs, capture_decode_graphs, check_decode_graphs
 from services.worker.input_batch import ScheduledSequence, build_model_inputs
 from services.worker.kv_cache import allocate_host_pool, allocate_kv_pools, num_host_blocks, num_kv_blocks
 from services.worker.model_loader import load_eos_token_ids, load_model
@@ -61,6 +62,7 @@ class Worker:
         self.attention = backend(self.kv_pools, self.model_config.head_dim ** -0.5)
         if self.device.type == "cuda":
             self._warm_up_kernels(token_budget)
+        self.decode_graphs = self._capture_decode_graphs() if self._wants_cuda_graphs() else None
         self.eos_token_ids = load_eos_token_ids(self.model_dir)
         self.vocab_size = self.model_config.vocab_size
         self.sampler = Sampler(self.vocab_size, self.eos_token_ids, seed=config.seed, device=self.device)
@@ -74,6 +76,29 @@ class Worker:
                                  token_budget, self.device)
         self._synchronize()
         log.info("triton_kernels_warmed_up", forward_passes=passes, seconds=round(time.perf_counter() - started, 2))
+
+    def _wants_cuda_graphs(self) -> bool:
+        return (self.device.type == "cuda" and not self.config.enforce_eager
+                and getattr(self.attention, "supports_cuda_graphs", False))
+
+    def _capture_decode_graphs(self) -> DecodeGraphs | None:
+        """Decode graphs, checked against the eager pass; None (serve eagerly) when either fails."""
+        started = time.perf_counter()
+        try:
+            with torch.inference_mode():
+                graphs = capture_decode_graphs(self.model, self.attention, block_size=self.config.block_size,
+                                               max_model_len=self.max_model_len,
+                                               max_num_seqs=min(self.config.max_num_seqs, self.num_blocks),
+                                               device=self.device, capturer=CudaGraphCapturer())
+                error = check_decode_graphs(graphs, self.model, self.attention, num_blocks=self.num_blocks,
+                                            vocab_size=self.model_config.vocab_size,
+                                            max_model_len=self.max_model_len, dtype=self.dtype)
+        except Exception as exc:  # a graph that cannot be trusted is a slower worker, not a dead one
+            log.warning("cuda_graphs_disabled", reason=repr(exc), fallback="eager")
+            return None
+        log.info("cuda_graphs_captured", batch_sizes=graphs.sizes, max_relative_error=error,
+                 seconds=round(time.perf_counter() - started, 2))
+        return graphs
 
     def _resolve_max_model_len(self) -> int:
         model = self.model_config
@@ -149,6 +174,9 @@ class Worker:
 
     def _forward(self, batch: list[tuple[WorkerSequence, int]]) -> torch.Tensor:
         scheduled = [ScheduledSequence(seq.token_ids, seq.block_table, seq.num_computed_tokens, n) for seq, n in batch]
+        if self.decode_graphs is not None and self.decode_graphs.can_replay(scheduled):
+            self._query_start = list(range(len(batch) + 1))
+            return self.decode_graphs.forward(scheduled)
         inputs = build_model_inputs(scheduled, self.config.block_size, self.device)
         self._query_start = inputs.meta.query_start_loc.tolist()
         return self.model(inputs.input_ids, inputs.positions, self.attention, inputs.meta)

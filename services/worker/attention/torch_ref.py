@@ -121,6 +121,7 @@ class TorchAttentionBackend:
     """
 
     name = "torch"
+    supports_cuda_graphs = False  # plans each step from the host copies of the lengths
 
     def __init__(self, kv_caches: list[tuple[torch.Tensor, torch.Tensor]], scale: float):
         self.kv_caches = kv_caches  # per layer: (K pool, V pool)

@@ -440,6 +440,7 @@ class TritonAttentionBackend:
     """Writes new K/V into the paged pool and attends over it, with the Triton kernels."""
 
     name = "triton"
+    supports_cuda_graphs = True  # every length is read from device tensors, and plan_for keeps a step's plan
 
     def __init__(self, kv_caches: list[tuple[torch.Tensor, torch.Tensor]], scale: float,
                  split_k: bool | None = None):
@@ -461,6 +462,13 @@ class TritonAttentionBackend:
             self._plan = make_launch_plan(meta, q, k_cache, self.split_k)
             self._plan_for = meta  # held here, so the `is` test cannot match a recycled id
         return paged_attention(q, k_cache, v_cache, meta, self.scale, plan=self._plan, check=new_step)
+
+    def plan_for(self, meta: AttentionMetadata) -> LaunchPlan | None:
+        """The plan steps over ``meta`` launch with, once a forward pass over it has run (None before).
+
+        A CUDA graph captured over ``meta`` reads this plan's tile tensor: its owner keeps the plan alive.
+        """
+        return self._plan if self._plan_for is meta else None
 
 
 def interpreter_enabled() -> bool:

@@ -1,0 +1,157 @@
+"""Decode graphs (services/worker/cuda_graphs.py) on the CPU: the Triton kernels under the interpreter, and a
+stand-in capturer that replays by running the captured function again on the same buffers, writing into
+the same output. Real capture needs a GPU (benchmarks/gpu_kernels.py runs the engine with it); what is
+checked here is everything around it: the buffers, the padding, the fixed launch plan, the dispatch."""
+
+from __future__ import annotations
+
+import os
+
+# Whichever test module imports triton first decides interpreted or compiled for the whole session.
+os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+triton = pytest.importorskip("triton")
+if os.environ.get("TRITON_INTERPRET") != "1":
+    pytest.skip("these tests run the kernels on the CPU: they need TRITON_INTERPRET=1", allow_module_level=True)
+if tuple(int(part) for part in triton.__version__.split(".")[:2]) < (3, 7):
+    pytest.skip(f"the Triton {triton.__version__} interpreter cannot run these kernels", allow_module_level=True)
+
+from services.worker.attention.triton_attention import TritonAttentionBackend  # noqa: E402
+from services.worker.block_moves import whole_pool  # noqa: E402
+from services.worker.cuda_graphs import (  # noqa: E402
+    DecodeGraphs, capture_decode_graphs, capture_sizes, check_decode_graphs, random_decode_batch)
+from services.worker.input_batch import ScheduledSequence, build_model_inputs  # noqa: E402
+from services.worker.kv_cache import allocate_kv_pools  # noqa: E402
+from services.worker.model_loader import load_model  # noqa: E402
+
+CPU = torch.device("cpu")
+BLOCK_SIZE, NUM_BLOCKS, MAX_MODEL_LEN = 16, 160, 1024  # 1 and 2 sequences split their context, 4 do not
+
+
+class ReplayByRerunning:
+    """Stands in for torch.cuda graphs: a replay runs the function again and writes the captured output."""
+
+    def __init__(self):
+        self.replays = 0
+
+    def capture(self, fn):
+        out = fn()
+
+        def replay():
+            self.replays += 1
+            out.copy_(fn())
+
+        return replay, out
+
+
+class FrozenReplay:
+    """A broken capture: replays change nothing, as if the inputs had been baked in."""
+
+    def capture(self, fn):
+        return (lambda: None), fn()
+
+
+@pytest.fixture(scope="module")
+def long_llama_dir(tiny_model_factory):
+    return tiny_model_factory("llama", max_position_embeddings=MAX_MODEL_LEN)
+
+
+def model_and_backend(model_dir):
+    model, config = load_model(model_dir, torch.float32, CPU)
+    pools = allocate_kv_pools(config, NUM_BLOCKS, BLOCK_SIZE, torch.float32, CPU)
+    pools[0][0].normal_()  # stale contents, which padding must neither disturb nor be hurt by
+    return model, config, TritonAttentionBackend(pools, config.head_dim ** -0.5), pools
+
+
+def capture(model, backend, capturer, max_num_seqs=4) -> DecodeGraphs:
+    with torch.inference_mode():
+        return capture_decode_graphs(model, backend, block_size=BLOCK_SIZE, max_model_len=MAX_MODEL_LEN,
+                                     max_num_seqs=max_num_seqs, device=CPU, capturer=capturer)
+
+
+def eager(model, backend, batch):
+    inputs = build_model_inputs(batch, BLOCK_SIZE, CPU)
+    with torch.inference_mode():
+        return model(inputs.input_ids, inputs.positions, backend, inputs.meta)
+
+
+def test_capture_sizes():
+    assert capture_sizes(1) == [1]
+    assert capture_sizes(5) == [1, 2, 4, 5]
+    assert capture_sizes(8) == [1, 2, 4, 8]
+    assert capture_sizes(20) == [1, 2, 4, 8, 16, 20]
+    sizes = capture_sizes(10_000)
+    assert sizes[:5] == [1, 2, 4, 8, 16] and sizes[-1] == 256 and all(b - a == 8 for a, b in zip(sizes[3:], sizes[4:]))
+
+
+def test_replays_equal_the_eager_pass_and_padding_writes_nothing(long_llama_dir):
+    model, config, backend, pools = model_and_backend(long_llama_dir)
+    capturer = ReplayByRerunning()
+    graphs = capture(model, backend, capturer)
+    assert graphs.sizes == [1, 2, 4]
+    plans = {size: graph.plan for size, graph in graphs.graphs.items()}
+    assert plans[1].split and plans[2].split and not plans[4].split  # made for the full context
+    g = torch.Generator().manual_seed(0)
+    # A full batch first, so the padded ones after it find the last row's real inputs in the buffers.
+    for n in (4, 3, 1, 2):
+        batch = random_decode_batch(n, BLOCK_SIZE, NUM_BLOCKS, config.vocab_size, MAX_MODEL_LEN, g)
+        first = batch[0]  # not at the full length; its last block stays its own
+        batch[0] = ScheduledSequence(first.token_ids[-40:], first.block_table[:2] + first.block_table[-1:], 39, 1)
+        before = whole_pool(pools).clone()
+        replays = capturer.replays
+        with torch.inference_mode():
+            replayed = graphs.forward(batch).clone()
+        assert capturer.replays == replays + 1 and replayed.shape == (n, config.hidden_size)
+        written = whole_pool(pools).clone()
+        slots = build_model_inputs(batch, BLOCK_SIZE, CPU).meta.slot_mapping
+        changed = (written != before).flatten(4).any(-1)  # [layers, k/v, blocks, block_size]
+        assert set(changed.any(0).any(0).flatten().nonzero().flatten().tolist()) == set(slots.tolist())
+        expected = eager(model, backend, batch)  # its own plan, for this batch's lengths
+        torch.testing.assert_close(replayed, expected, atol=1e-4, rtol=1e-4)
+
+
+def test_only_decodes_up_to_the_largest_graph_replay(long_llama_dir):
+    model, _, backend, _ = model_and_backend(long_llama_dir)
+    graphs = capture(model, backend, ReplayByRerunning(), max_num_seqs=2)
+    decode = ScheduledSequence([1, 2, 3], [0], 2, 1)
+    assert graphs.can_replay([decode]) and graphs.can_replay([decode, decode])
+    assert not graphs.can_replay([decode] * 3)  # past the largest graph
+    assert not graphs.can_replay([decode, ScheduledSequence([1, 2, 3], [0], 1, 2)])  # a prefill chunk
+    assert not graphs.can_replay([])
+    wider = ScheduledSequence([1, 2, 3], [0] * (MAX_MODEL_LEN // BLOCK_SIZE + 1), 2, 1)
+    assert not graphs.can_replay([wider])  # more blocks than the buffers hold
+
+
+def test_check_passes_faithful_graphs_and_catches_frozen_ones(long_llama_dir):
+    model, config, backend, _ = model_and_backend(long_llama_dir)
+    options = dict(num_blocks=NUM_BLOCKS, vocab_size=config.vocab_size, max_model_len=MAX_MODEL_LEN,
+                   dtype=torch.float32)
+    with torch.inference_mode():
+        good = capture(model, backend, ReplayByRerunning(), max_num_seqs=2)
+        assert check_decode_graphs(good, model, backend, **options) <= 1e-6
+        frozen = capture(model, backend, FrozenReplay(), max_num_seqs=2)
+        with pytest.raises(ValueError, match="batch size 1 differs from the eager forward pass"):
+            check_decode_graphs(frozen, model, backend, **options)
+
+
+def test_engine_greedy_tokens_equal_with_and_without_graphs(long_llama_dir):
+    from pagedserve import LLM, SamplingParams
+
+    prompts = [[5, 17, 99, 3, 250, 41, 8, 77, 12], [42, 7, 19], list(range(100, 130))]
+    params = SamplingParams(temperature=0, max_tokens=5, ignore_eos=True)
+    results = {}
+    for graphs in (False, True):
+        llm = LLM(str(long_llama_dir), block_size=BLOCK_SIZE, num_gpu_blocks_override=NUM_BLOCKS,
+                  attention_backend="triton")
+        worker = llm.engine.executor.worker
+        assert worker.decode_graphs is None  # a CPU worker never captures on its own
+        capturer = ReplayByRerunning()
+        if graphs:
+            worker.decode_graphs = capture(worker.model, worker.attention, capturer)
+        outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+        results[graphs] = [o.outputs[0].token_ids for o in outputs]
+        assert (capturer.replays > 0) == graphs
+    assert results[True] == results[False]
