@@ -53,6 +53,13 @@ def flags(args: argparse.Namespace, names) -> list[str]:
     return out
 
 
+def worker_argv(args: argparse.Namespace, address: str) -> list[str]:
+    """Every engine option, the scheduler's limits too: the worker sizes activations, its KV pool and its
+    CUDA graphs for the largest batch the scheduler may send."""
+    engine = engine_options(args)
+    return ["--listen", address] + flags(argparse.Namespace(**engine), engine)
+
+
 class Stack:
     """The three processes; always stopped, in order, whatever happens."""
 
@@ -65,8 +72,7 @@ class Stack:
 
     def start(self) -> None:
         args = self.args
-        engine = {k: v for k, v in engine_options(args).items() if k not in SCHEDULER_FLAGS}
-        self._spawn("worker", ["--listen", self.worker_address] + flags(argparse.Namespace(**engine), engine))
+        self._spawn("worker", worker_argv(args, self.worker_address))
         self._wait_grpc_healthy("worker", self.worker_address)
         scheduler = ["--listen", self.scheduler_address, "--worker", self.worker_address]
         scheduler += flags(args, SCHEDULER_FLAGS)

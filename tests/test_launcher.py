@@ -73,3 +73,19 @@ def test_serve_starts_and_leaves_nothing_behind(llama_dir, tmp_path, how):
         for pid in [proc.pid, *children]:
             if alive(pid):
                 os.kill(pid, signal.SIGKILL)
+
+
+def test_the_worker_gets_every_engine_option():
+    # The worker sizes activations, its KV pool and its CUDA graphs for the scheduler's limits: a worker
+    # that kept the defaults while the scheduler ran 512 sequences would under-count its memory.
+    from pagedserve.cli import engine_options
+    from pagedserve.launcher import build_parser, worker_argv
+    from services.worker import server as worker_server
+
+    args = build_parser().parse_args(["--max-num-seqs", "7", "--max-num-batched-tokens", "300", "--enforce-eager",
+                                      "--no-enable-chunked-prefill", "--block-size", "8", "--max-model-len", "300"])
+    argv = worker_argv(args, "unix:/tmp/w.sock")
+    worker_args = worker_server.build_parser().parse_args(argv)
+    assert worker_args.listen == "unix:/tmp/w.sock"
+    assert engine_options(worker_args) == engine_options(args)
+    assert (worker_args.max_num_seqs, worker_args.enforce_eager, worker_args.enable_chunked_prefill) == (7, True, False)

@@ -196,13 +196,19 @@ def serve(config: EngineConfig, address: str, ready: threading.Event | None = No
 GRPC_OPTIONS = [("grpc.max_send_message_length", 256 << 20), ("grpc.max_receive_message_length", 256 << 20)]
 
 
-def main(argv: list[str] | None = None) -> int:
-    from pagedserve.cli import add_engine_args, apply_env_defaults, engine_options
+def build_parser() -> argparse.ArgumentParser:
+    from pagedserve.cli import add_engine_args, apply_env_defaults
 
     parser = argparse.ArgumentParser(prog="pagedserve worker", description="a pagedserve worker (gRPC)")
     add_engine_args(parser)
     parser.add_argument("--listen", default="127.0.0.1:50061", help="address to serve the worker API on")
     apply_env_defaults(parser)
-    args = parser.parse_args(argv)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    from pagedserve.cli import engine_options
+
+    args = build_parser().parse_args(argv)
     serve(EngineConfig(**engine_options(args)), args.listen)
     return 0
