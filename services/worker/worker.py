@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import structlog
 import torch
@@ -12,7 +13,6 @@ from services.worker.attention.cpu_kernels import cpu_kernels_unavailable_reason
 from services.worker.attention.selector import select_attention_backend
 from services.worker.block_moves import copy_blocks_torch, swap_blocks, whole_pool
 from services.worker.cpu_tuning import keep_large_allocations_in_heap
-from services.worker.cuda_graphs import CudaGraphCapturer, DecodeGraphs, capture_decode_graphs, check_decode_graphs
 from services.worker.input_batch import ScheduledSequence, build_model_inputs
 from services.worker.kv_cache import allocate_host_pool, allocate_kv_pools, num_host_blocks, num_kv_blocks
 from services.worker.model_loader import load_eos_token_ids, load_model
@@ -22,6 +22,9 @@ from shared.config import EngineConfig
 from shared.model_config import ModelConfig
 from shared.model_factory import default_model_dir
 from shared.step_protocol import Sample, SequenceOutput, StepPlan, StepResult, WorkerInfo
+
+if TYPE_CHECKING:
+    from services.worker.cuda_graphs import DecodeGraphs
 
 log = structlog.get_logger(__name__)
 
@@ -83,21 +86,25 @@ class Worker:
 
     def _capture_decode_graphs(self) -> DecodeGraphs | None:
         """Decode graphs, checked against the eager pass; None (serve eagerly) when either fails."""
+        from services.worker.cuda_graphs import CudaGraphCapturer, capture_decode_graphs, check_decode_graphs
+
         started = time.perf_counter()
         try:
             with torch.inference_mode():
+                # A decode batch has a block of its own per sequence: no more sequences than blocks.
                 graphs = capture_decode_graphs(self.model, self.attention, block_size=self.config.block_size,
                                                max_model_len=self.max_model_len,
                                                max_num_seqs=min(self.config.max_num_seqs, self.num_blocks),
                                                device=self.device, capturer=CudaGraphCapturer())
                 error = check_decode_graphs(graphs, self.model, self.attention, num_blocks=self.num_blocks,
-                                            vocab_size=self.model_config.vocab_size,
-                                            max_model_len=self.max_model_len, dtype=self.dtype)
-        except Exception as exc:  # a graph that cannot be trusted is a slower worker, not a dead one
-            log.warning("cuda_graphs_disabled", reason=repr(exc), fallback="eager")
+                                            vocab_size=self.model_config.vocab_size, dtype=self.dtype,
+                                            device=self.device)
+        except Exception as exc:  # a graph that cannot be trusted makes a slower worker, not a dead one
+            log.warning("cuda_graphs_disabled", reason=repr(exc), fallback="eager", exc_info=True)
+            self._synchronize()  # but a broken CUDA context (a fault in a replay) is fatal: this raises
             return None
-        log.info("cuda_graphs_captured", batch_sizes=graphs.sizes, max_relative_error=error,
-                 seconds=round(time.perf_counter() - started, 2))
+        log.info("cuda_graphs_captured", batch_sizes=graphs.sizes, context_classes=graphs.contexts,
+                 max_row_error=round(error, 6), seconds=round(time.perf_counter() - started, 2))
         return graphs
 
     def _resolve_max_model_len(self) -> int:
