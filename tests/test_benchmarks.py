@@ -19,3 +19,12 @@ def test_gateway_overhead_streams_through_the_real_gateway(tmp_path):
     (round_,) = report["rounds"]
     assert round_["tokens"] > 0 and 0.5 * round_["tokens"] < round_["chunks_with_text"] <= round_["tokens"]
     assert set(report["median_cpu_us_per_token"]) == {"gateway", "stand-in scheduler", "load generator"}
+
+
+def test_step_inputs_times_every_case(tmp_path):
+    out = tmp_path / "step_inputs.json"
+    subprocess.run([sys.executable, str(REPO / "benchmarks" / "step_inputs.py"), "--repeats", "1", "--json", str(out)],
+                   cwd=REPO, check=True, timeout=120, stdout=subprocess.DEVNULL)
+    rows = json.loads(out.read_text())
+    assert [(r["num_seqs"], r["context"]) for r in rows] == [(1, 512), (32, 4096), (32, 32768), (256, 2048)]
+    assert all(r[key] > 0 for r in rows for key in r if key.endswith("_us"))

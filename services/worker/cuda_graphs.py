@@ -31,7 +31,7 @@ import torch
 
 from services.worker.attention.metadata import AttentionMetadata
 from services.worker.attention.triton_attention import SPLIT_MIN_KEYS
-from services.worker.input_batch import ScheduledSequence, build_model_inputs
+from services.worker.input_batch import ScheduledSequence, build_model_inputs, padded_block_tables
 
 MAX_CAPTURE_SIZE = 256  # larger decode batches keep the GPU busy without a graph
 SHORT_CONTEXT = 2 * SPLIT_MIN_KEYS - 1  # the longest context the split heuristic never splits
@@ -106,8 +106,11 @@ class DecodeBuffers:
                                  query_lens_cpu=[1] * size, seq_lens_cpu=[max_seq_len] * size, max_query_len=1,
                                  max_seq_len=max_seq_len)
 
-    def fill(self, batch: list[ScheduledSequence], block_size: int, size: int) -> None:
-        """This step's decodes in the first rows, padding up to ``size`` after them: three host-to-device copies."""
+    def fill(self, batch: list[ScheduledSequence], block_size: int, size: int,
+             block_tables: torch.Tensor | None = None) -> None:
+        """This step's decodes in the first rows, padding up to ``size`` after them: three host-to-device copies.
+
+        ``block_tables`` as build_model_inputs takes them (None: built from the lists)."""
         pad = size - len(batch)
         ids, positions, slots, lens = [], [], [], []
         for s in batch:
@@ -120,9 +123,8 @@ class DecodeBuffers:
         self.packed[:, :size].copy_(packed)
         self.seq_lens[:size].copy_(torch.tensor(lens + [1] * pad, dtype=torch.int32))
         # Padding rows keep whatever table they had: every entry is a valid block, and they read one key.
-        width = max(len(s.block_table) for s in batch)
-        tables = torch.tensor([s.block_table + [0] * (width - len(s.block_table)) for s in batch], dtype=torch.int32)
-        self.block_tables[:len(batch), :width].copy_(tables)
+        tables = block_tables if block_tables is not None else padded_block_tables(batch)
+        self.block_tables[:len(batch), :tables.shape[1]].copy_(tables)
 
 
 @dataclass(frozen=True)
@@ -154,10 +156,10 @@ class DecodeGraphs:
         longest = max(s.num_computed_tokens + 1 for s in batch)
         return size, self.contexts[bisect.bisect_left(self.contexts, longest)]
 
-    def forward(self, batch: list[ScheduledSequence]) -> torch.Tensor:
+    def forward(self, batch: list[ScheduledSequence], block_tables: torch.Tensor | None = None) -> torch.Tensor:
         """Hidden states ``[len(batch), hidden]``: a view of the graph's output, valid until the next replay."""
         key = self.graph_for(batch)
-        self.buffers.fill(batch, self.block_size, key[0])
+        self.buffers.fill(batch, self.block_size, key[0], block_tables)
         graph = self.graphs[key]
         graph.replay()
         return graph.output[:len(batch)]

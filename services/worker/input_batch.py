@@ -24,15 +24,16 @@ class ModelInputs:
     meta: AttentionMetadata
 
 
-def build_model_inputs(batch: list[ScheduledSequence], block_size: int, device: torch.device) -> ModelInputs:
+def build_model_inputs(batch: list[ScheduledSequence], block_size: int, device: torch.device,
+                       block_tables: torch.Tensor | None = None) -> ModelInputs:
+    """``block_tables`` ([len(batch), longest table] int32 on the host, padded with 0) saves rebuilding them
+    from the lists: the worker keeps them (host_block_tables.py)."""
     query_lens = [s.num_scheduled_tokens for s in batch]
     seq_lens = [s.num_computed_tokens + s.num_scheduled_tokens for s in batch]
     input_ids: list[int] = []
     for s in batch:
         input_ids.extend(s.token_ids[s.num_computed_tokens:s.num_computed_tokens + s.num_scheduled_tokens])
-    max_blocks = max(len(s.block_table) for s in batch)
-    tables = torch.tensor([s.block_table + [0] * (max_blocks - len(s.block_table)) for s in batch],
-                          dtype=torch.int32)
+    tables = block_tables if block_tables is not None else padded_block_tables(batch)
     query_lens_t = torch.tensor(query_lens, dtype=torch.int64)
     query_start_loc = torch.zeros(len(batch) + 1, dtype=torch.int64)
     torch.cumsum(query_lens_t, 0, out=query_start_loc[1:])
@@ -52,3 +53,9 @@ def build_model_inputs(batch: list[ScheduledSequence], block_size: int, device: 
         max_seq_len=max(seq_lens),
     )
     return ModelInputs(torch.tensor(input_ids, dtype=torch.int64).to(device), positions.to(device), meta)
+
+
+def padded_block_tables(batch: list[ScheduledSequence]) -> torch.Tensor:
+    """``[len(batch), longest table]`` int32, padded with 0, from the lists."""
+    width = max(len(s.block_table) for s in batch)
+    return torch.tensor([s.block_table + [0] * (width - len(s.block_table)) for s in batch], dtype=torch.int32)

@@ -123,7 +123,7 @@ class WorkerServicer(wire_grpc.WorkerServicer):
             log.info("scheduler disconnected")
 
     def _forget_all(self) -> None:
-        self.worker.seqs.clear()  # a new scheduler starts from nothing
+        self.worker.forget_all()  # a new scheduler starts from nothing
         self._requests.clear()
 
 

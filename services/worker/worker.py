@@ -13,6 +13,7 @@ from services.worker.attention.cpu_kernels import cpu_kernels_unavailable_reason
 from services.worker.attention.selector import select_attention_backend
 from services.worker.block_moves import copy_blocks_torch, swap_blocks, whole_pool
 from services.worker.cpu_tuning import keep_large_allocations_in_heap
+from services.worker.host_block_tables import HostBlockTables
 from services.worker.input_batch import ScheduledSequence, build_model_inputs
 from services.worker.kv_cache import allocate_host_pool, allocate_kv_pools, num_host_blocks, num_kv_blocks
 from services.worker.model_loader import load_eos_token_ids, load_model
@@ -70,6 +71,7 @@ class Worker:
         self.vocab_size = self.model_config.vocab_size
         self.sampler = Sampler(self.vocab_size, self.eos_token_ids, seed=config.seed, device=self.device)
         self.seqs: dict[int, WorkerSequence] = {}
+        self.block_tables = HostBlockTables(width=-(-self.max_model_len // config.block_size))
 
     def _warm_up_kernels(self, token_budget: int) -> None:
         from services.worker.kernel_warmup import warm_up_kernels
@@ -129,9 +131,10 @@ class Worker:
 
     def execute(self, plan: StepPlan) -> StepResult:
         for fork in plan.forks:  # before anything else: the child copies the parent as it was
-            self.seqs[fork.child_seq_id] = self.seqs[fork.parent_seq_id].fork(fork.child_seq_id, fork.child_index)
+            child = self.seqs[fork.parent_seq_id].fork(fork.child_seq_id, fork.child_index)
+            self._keep(child)
         for seq_id in plan.finished_seq_ids:
-            self.seqs.pop(seq_id, None)
+            self._drop(seq_id)
         self._move_blocks(plan)
         batch = self._apply_plan(plan)
         if not batch:
@@ -168,8 +171,8 @@ class Worker:
     def _apply_plan(self, plan: StepPlan) -> list[tuple[WorkerSequence, int]]:
         batch = []
         for new in plan.new:
-            seq = WorkerSequence.from_new(new, self.vocab_size)
-            self.seqs[new.seq_id] = seq
+            seq = WorkerSequence.from_new(new, self.vocab_size, self.block_tables)
+            self._keep(seq)  # a sequence preempted by recompute comes back as new
             batch.append((seq, new.num_scheduled_tokens))
         for delta in plan.running:
             seq = self.seqs.get(delta.seq_id)
@@ -179,12 +182,28 @@ class Worker:
             batch.append((seq, delta.num_scheduled_tokens))
         return batch
 
+    def _keep(self, seq: WorkerSequence) -> None:
+        self._drop(seq.seq_id)
+        self.seqs[seq.seq_id] = seq
+
+    def _drop(self, seq_id: int) -> None:
+        seq = self.seqs.pop(seq_id, None)
+        if seq is not None:
+            seq.release()
+
+    def forget_all(self) -> None:
+        """Drops every sequence (a new scheduler starts from nothing)."""
+        for seq_id in list(self.seqs):
+            self._drop(seq_id)
+
     def _forward(self, batch: list[tuple[WorkerSequence, int]]) -> torch.Tensor:
         scheduled = [ScheduledSequence(seq.token_ids, seq.block_table, seq.num_computed_tokens, n) for seq, n in batch]
+        tables = self.block_tables.gather([seq.table_row for seq, _ in batch],
+                                          max(len(seq.block_table) for seq, _ in batch))
         if self.decode_graphs is not None and self.decode_graphs.can_replay(scheduled):
             self._query_start = list(range(len(batch) + 1))
-            return self.decode_graphs.forward(scheduled)
-        inputs = build_model_inputs(scheduled, self.config.block_size, self.device)
+            return self.decode_graphs.forward(scheduled, tables)
+        inputs = build_model_inputs(scheduled, self.config.block_size, self.device, tables)
         self._query_start = inputs.meta.query_start_loc.tolist()
         return self.model(inputs.input_ids, inputs.positions, self.attention, inputs.meta)
 

@@ -2,18 +2,24 @@
 
 from __future__ import annotations
 
+from services.worker.host_block_tables import HostBlockTables
 from services.worker.sampler import SamplingState
 from shared.step_protocol import NewSequence, RunningSequence
 
 
 class WorkerSequence:
     def __init__(self, seq_id: int, index: int, prompt_token_ids: list[int], output_token_ids: list[int],
-                 block_table: list[int], num_computed_tokens: int, params, vocab_size: int, num_siblings: int = 0):
+                 block_table: list[int], num_computed_tokens: int, params, vocab_size: int, tables: HostBlockTables,
+                 num_siblings: int = 0, table_row: int | None = None):
         self.seq_id = seq_id
         self.index = index
         self.prompt_len = len(prompt_token_ids)
         self.token_ids = list(prompt_token_ids) + list(output_token_ids)
+        # The block table twice: the list for per-token lookups, and a row of the worker's host tensor for
+        # building batches. Both change only here.
         self.block_table = list(block_table)
+        self.tables = tables
+        self.table_row = tables.add(self.block_table) if table_row is None else table_row
         self.num_computed_tokens = num_computed_tokens
         self.params = params
         self.vocab_size = vocab_size
@@ -26,15 +32,19 @@ class WorkerSequence:
         self.last_sample: int | None = None
 
     @classmethod
-    def from_new(cls, new: NewSequence, vocab_size: int) -> "WorkerSequence":
+    def from_new(cls, new: NewSequence, vocab_size: int, tables: HostBlockTables) -> "WorkerSequence":
         return cls(new.seq_id, new.index, new.prompt_token_ids, new.output_token_ids, new.block_table,
-                   new.num_computed_tokens, new.sampling_params, vocab_size, new.num_siblings)
+                   new.num_computed_tokens, new.sampling_params, vocab_size, tables, new.num_siblings)
 
     def fork(self, child_seq_id: int, child_index: int) -> "WorkerSequence":
         """A child sharing everything so far; its own random stream from now on."""
         return WorkerSequence(child_seq_id, child_index, self.token_ids[:self.prompt_len],
                               self.token_ids[self.prompt_len:], self.block_table, self.num_computed_tokens,
-                              self.params, self.vocab_size)
+                              self.params, self.vocab_size, self.tables, table_row=self.tables.copy(self.table_row))
+
+    def release(self) -> None:
+        """Gives back the table's row: the worker dropped this sequence."""
+        self.tables.release(self.table_row)
 
     def apply(self, delta: RunningSequence, step_id: int) -> None:
         own, self.last_sample = self.last_sample, None
@@ -49,7 +59,9 @@ class WorkerSequence:
             self.sampling.append(token)
         if delta.new_block_table is not None:
             self.block_table = list(delta.new_block_table)
-        else:
+            self.tables.replace(self.table_row, self.block_table)
+        elif delta.new_block_ids:
+            self.tables.append(self.table_row, len(self.block_table), delta.new_block_ids)
             self.block_table.extend(delta.new_block_ids)
         if self.num_computed_tokens != delta.num_computed_tokens:
             raise ValueError(f"step {step_id}: sequence {self.seq_id} has {self.num_computed_tokens} computed "
