@@ -51,10 +51,10 @@ def run_case(num_seqs: int, context: int, repeats: int) -> dict:
     times = {
         "eager_lists_us": best_of(lambda: build_model_inputs(batch, BLOCK_SIZE, cpu), repeats),
         "eager_host_tables_us": best_of(
-            lambda: build_model_inputs(batch, BLOCK_SIZE, cpu, tables.gather(rows, width)), repeats),
+            lambda: build_model_inputs(batch, BLOCK_SIZE, cpu, tables.gather(rows)), repeats),
         "graph_fill_lists_us": best_of(lambda: buffers.fill(batch, BLOCK_SIZE, num_seqs), repeats),
         "graph_fill_host_tables_us": best_of(
-            lambda: buffers.fill(batch, BLOCK_SIZE, num_seqs, tables.gather(rows, width)), repeats),
+            lambda: buffers.fill(batch, BLOCK_SIZE, num_seqs, tables.gather(rows)), repeats),
     }
     return {"num_seqs": num_seqs, "context": context, **{k: v * 1e6 for k, v in times.items()}}
 

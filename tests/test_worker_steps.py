@@ -43,3 +43,21 @@ def test_a_token_sent_by_the_scheduler_is_used_instead_of_the_one_held(worker):
     worker.execute(StepPlan(step_id=1, new=[new_sequence(prompt, len(prompt))]))
     worker.execute(StepPlan(step_id=2, running=[RunningSequence(7, [42], [], len(prompt), 1)]))  # a beam's choice
     assert worker.seqs[7].token_ids == prompt + [42]
+
+
+def test_a_plan_the_worker_refuses_leaves_no_block_table_row_taken(worker):
+    # A foreign or corrupt plan: its sequence is refused before it holds a row of the host tables.
+    free = len(worker.block_tables.free_rows)
+    bad = NewSequence(request_id="r", seq_id=8, index=0, prompt_token_ids=[1, 2], output_token_ids=[],
+                      sampling_params=SamplingParams(temperature=0, logit_bias={9999: 1.0}), block_table=[0],
+                      num_computed_tokens=0, num_scheduled_tokens=2)
+    with pytest.raises(ValueError):
+        worker.execute(StepPlan(step_id=1, new=[bad]))
+    assert len(worker.block_tables.free_rows) == free and 8 not in worker.seqs
+    prompt = [5, 9, 13, 2, 8]
+    worker.execute(StepPlan(step_id=2, new=[new_sequence(prompt, len(prompt))]))
+    with pytest.raises(ValueError, match="block ids"):  # a table the worker cannot hold: row and list unchanged
+        worker.execute(StepPlan(step_id=3, running=[RunningSequence(7, [], [], len(prompt), 1,
+                                                                    new_block_table=[0, -5])]))
+    assert worker.seqs[7].block_table == [0, 1, 2]
+    assert worker.block_tables.gather([worker.seqs[7].table_row]).tolist() == [[0, 1, 2]]

@@ -11,8 +11,10 @@ copied into fixed buffers first, and whatever the capture baked in must hold for
   class, so it holds for any shorter one (each sequence spreads its own keys over the splits; the
   kernel reads the lengths from the buffer). Two classes per size: contexts under
   ``2 * SPLIT_MIN_KEYS``, where the split heuristic never splits, so short decodes launch exactly what
-  they would eagerly; and the rest, up to the full context length. The plan is kept alive here: the
-  graph holds its tile tensor's address;
+  they would eagerly; and the rest, up to the full context length (a batch just past the short class
+  gets the full length's split count, with short splits: more programs and partials than eager's
+  two or so splits, all of it small next to the launches a replay saves). The plan is kept alive
+  here: the graph holds its tile tensor's address;
 - the block-table width: the most blocks one sequence can hold.
 
 Prefill and mixed steps, and batches larger than the largest graph, run eagerly. Only a backend that
@@ -30,7 +32,7 @@ from typing import Callable, Protocol
 import torch
 
 from services.worker.attention.metadata import AttentionMetadata
-from services.worker.attention.triton_attention import SPLIT_MIN_KEYS
+from services.worker.attention.triton_attention import SPLIT_MIN_KEYS, LaunchPlan
 from services.worker.input_batch import ScheduledSequence, build_model_inputs, padded_block_tables
 
 MAX_CAPTURE_SIZE = 256  # larger decode batches keep the GPU busy without a graph
@@ -132,7 +134,7 @@ class _Graph:
     replay: Callable[[], None]
     output: torch.Tensor  # [size, hidden]
     meta: AttentionMetadata
-    plan: object  # the attention backend's launch plan: the graph reads its tensors
+    plan: LaunchPlan  # the graph reads its tile tensor
 
 
 class DecodeGraphs:
@@ -146,10 +148,11 @@ class DecodeGraphs:
         self.block_size = block_size
 
     def can_replay(self, batch: list[ScheduledSequence]) -> bool:
-        """A decode of at most the largest graph's size, every table within the buffer's width."""
+        """A decode of at most the largest graph's size, every context and table within the graphs' reach."""
         width = self.buffers.block_tables.shape[1]
         return 0 < len(batch) <= self.sizes[-1] and all(
-            s.num_scheduled_tokens == 1 and len(s.block_table) <= width for s in batch)
+            s.num_scheduled_tokens == 1 and len(s.block_table) <= width and s.num_computed_tokens < self.contexts[-1]
+            for s in batch)
 
     def graph_for(self, batch: list[ScheduledSequence]) -> tuple[int, int]:
         size = self.sizes[bisect.bisect_left(self.sizes, len(batch))]

@@ -198,8 +198,7 @@ class Worker:
 
     def _forward(self, batch: list[tuple[WorkerSequence, int]]) -> torch.Tensor:
         scheduled = [ScheduledSequence(seq.token_ids, seq.block_table, seq.num_computed_tokens, n) for seq, n in batch]
-        tables = self.block_tables.gather([seq.table_row for seq, _ in batch],
-                                          max(len(seq.block_table) for seq, _ in batch))
+        tables = self.block_tables.gather([seq.table_row for seq, _ in batch])
         if self.decode_graphs is not None and self.decode_graphs.can_replay(scheduled):
             self._query_start = list(range(len(batch) + 1))
             return self.decode_graphs.forward(scheduled, tables)

@@ -9,17 +9,16 @@ from shared.step_protocol import NewSequence, RunningSequence
 
 class WorkerSequence:
     def __init__(self, seq_id: int, index: int, prompt_token_ids: list[int], output_token_ids: list[int],
-                 block_table: list[int], num_computed_tokens: int, params, vocab_size: int, tables: HostBlockTables,
-                 num_siblings: int = 0, table_row: int | None = None):
+                 block_table: list[int], num_computed_tokens: int, params, vocab_size: int,
+                 block_tables: HostBlockTables, num_siblings: int = 0, table_row: int | None = None):
         self.seq_id = seq_id
         self.index = index
         self.prompt_len = len(prompt_token_ids)
         self.token_ids = list(prompt_token_ids) + list(output_token_ids)
         # The block table twice: the list for per-token lookups, and a row of the worker's host tensor for
-        # building batches. Both change only here.
+        # building batches (taken last below, so nothing that raises can leave it taken). Both change only here.
         self.block_table = list(block_table)
-        self.tables = tables
-        self.table_row = tables.add(self.block_table) if table_row is None else table_row
+        self.block_tables = block_tables
         self.num_computed_tokens = num_computed_tokens
         self.params = params
         self.vocab_size = vocab_size
@@ -30,21 +29,23 @@ class WorkerSequence:
         # The token sampled in this sequence's latest step, until the next plan either appends it
         # (append_last_sample: that plan was made before the scheduler saw it) or sends it.
         self.last_sample: int | None = None
+        self.table_row = block_tables.add(self.block_table) if table_row is None else table_row
 
     @classmethod
-    def from_new(cls, new: NewSequence, vocab_size: int, tables: HostBlockTables) -> "WorkerSequence":
+    def from_new(cls, new: NewSequence, vocab_size: int, block_tables: HostBlockTables) -> "WorkerSequence":
         return cls(new.seq_id, new.index, new.prompt_token_ids, new.output_token_ids, new.block_table,
-                   new.num_computed_tokens, new.sampling_params, vocab_size, tables, new.num_siblings)
+                   new.num_computed_tokens, new.sampling_params, vocab_size, block_tables, new.num_siblings)
 
     def fork(self, child_seq_id: int, child_index: int) -> "WorkerSequence":
         """A child sharing everything so far; its own random stream from now on."""
         return WorkerSequence(child_seq_id, child_index, self.token_ids[:self.prompt_len],
                               self.token_ids[self.prompt_len:], self.block_table, self.num_computed_tokens,
-                              self.params, self.vocab_size, self.tables, table_row=self.tables.copy(self.table_row))
+                              self.params, self.vocab_size, self.block_tables,
+                              table_row=self.block_tables.copy(self.table_row))
 
     def release(self) -> None:
         """Gives back the table's row: the worker dropped this sequence."""
-        self.tables.release(self.table_row)
+        self.block_tables.release(self.table_row)
 
     def apply(self, delta: RunningSequence, step_id: int) -> None:
         own, self.last_sample = self.last_sample, None
@@ -57,11 +58,11 @@ class WorkerSequence:
         self.token_ids.extend(tokens)
         for token in tokens:
             self.sampling.append(token)
-        if delta.new_block_table is not None:
+        if delta.new_block_table is not None:  # the row first: it refuses bad ids before changing anything
+            self.block_tables.replace(self.table_row, delta.new_block_table)
             self.block_table = list(delta.new_block_table)
-            self.tables.replace(self.table_row, self.block_table)
         elif delta.new_block_ids:
-            self.tables.append(self.table_row, len(self.block_table), delta.new_block_ids)
+            self.block_tables.append(self.table_row, delta.new_block_ids)
             self.block_table.extend(delta.new_block_ids)
         if self.num_computed_tokens != delta.num_computed_tokens:
             raise ValueError(f"step {step_id}: sequence {self.seq_id} has {self.num_computed_tokens} computed "
