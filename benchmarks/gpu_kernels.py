@@ -798,13 +798,17 @@ def counting_compiles(names: list[str]):
 
 
 def run_engine(bench: Bench, model_dir: Path, requests, backend: str, warm: bool = True,
-               compiles: list[str] | None = None, enforce_eager: bool = False) -> tuple[list, float, bool]:
-    """(token ids per request, seconds, whether decode steps replayed CUDA graphs)."""
+               compiles: list[str] | None = None, enforce_eager: bool = False,
+               startup: dict | None = None) -> tuple[list, float, bool]:
+    """(token ids per request, seconds, whether decode steps replayed CUDA graphs); ``startup`` gets the
+    worker's start-up timings (kernel warm-up, graph capture and check)."""
     from pagedserve import LLM, SamplingParams
 
     options = dict(num_gpu_blocks_override=256) if bench.smoke else dict(gpu_memory_utilization=0.5)
     llm = LLM(str(model_dir), attention_backend=backend, enforce_eager=enforce_eager, **options)
     graphs = llm.engine.executor.worker.decode_graphs is not None
+    if startup is not None:
+        startup.update(llm.engine.executor.worker.startup_seconds)
     prompts = [{"prompt_token_ids": r.prompt_token_ids} for r in requests]
     params = [SamplingParams(temperature=0, max_tokens=r.output_len, ignore_eos=True) for r in requests]
     if warm:
@@ -833,8 +837,12 @@ def section_engine(bench: Bench, record: dict) -> None:
     # The process's first engine: Triton compiles nothing yet, and the worker warms its kernels up when
     # it starts; whatever compiles inside generate() after that is a stall a request would have felt.
     late_compiles: list[str] = []
-    ours, _, graphs = run_engine(bench, model_dir, check_requests, "triton", warm=False, compiles=late_compiles)
+    startup: dict[str, float] = {}
+    ours, _, graphs = run_engine(bench, model_dir, check_requests, "triton", warm=False, compiles=late_compiles,
+                                 startup=startup)
     record["triton_compiles_after_warm_up"] = late_compiles
+    record["worker_startup_s"] = startup  # the first engine's: Triton compiles (or loads its disk cache) here
+    print(f"  worker start-up: {({k: round(v, 2) for k, v in startup.items()})}", flush=True)
     record["cuda_graphs_captured"] = graphs  # False on a CUDA worker: its log says why (cuda_graphs_disabled)
     print(f"  decode CUDA graphs captured and checked: {graphs}", flush=True)
     print(f"  Triton compiles after the worker's warm-up: {len(late_compiles)} {sorted(set(late_compiles))}",

@@ -64,6 +64,7 @@ class Worker:
                                             pin=self.device.type == "cuda")
         backend = select_attention_backend(config.attention_backend, self.device)
         self.attention = backend(self.kv_pools, self.model_config.head_dim ** -0.5)
+        self.startup_seconds: dict[str, float] = {}  # what a CUDA worker did before serving, and how long it took
         if self.device.type == "cuda":
             self._warm_up_kernels(token_budget)
         self.decode_graphs = self._capture_decode_graphs() if self._wants_cuda_graphs() else None
@@ -79,8 +80,8 @@ class Worker:
         started = time.perf_counter()
         passes = warm_up_kernels(self.model, self.attention, self.kv_pool, self.config.block_size, self.max_model_len,
                                  token_budget, self.device)
-        self._synchronize()
-        log.info("triton_kernels_warmed_up", forward_passes=passes, seconds=round(time.perf_counter() - started, 2))
+        self.startup_seconds["kernel_warm_up"] = self._synchronize() - started
+        log.info("triton_kernels_warmed_up", forward_passes=passes, seconds=round(self.startup_seconds["kernel_warm_up"], 2))
 
     def _wants_cuda_graphs(self) -> bool:
         return (self.device.type == "cuda" and not self.config.enforce_eager
@@ -105,8 +106,9 @@ class Worker:
             log.warning("cuda_graphs_disabled", reason=repr(exc), fallback="eager", exc_info=True)
             self._synchronize()  # but a broken CUDA context (a fault in a replay) is fatal: this raises
             return None
+        self.startup_seconds["cuda_graphs"] = time.perf_counter() - started
         log.info("cuda_graphs_captured", batch_sizes=graphs.sizes, context_classes=graphs.contexts,
-                 max_row_error=round(error, 6), seconds=round(time.perf_counter() - started, 2))
+                 max_row_error=round(error, 6), seconds=round(self.startup_seconds["cuda_graphs"], 2))
         return graphs
 
     def _resolve_max_model_len(self) -> int:
