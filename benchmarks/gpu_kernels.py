@@ -798,17 +798,15 @@ def counting_compiles(names: list[str]):
 
 
 def run_engine(bench: Bench, model_dir: Path, requests, backend: str, warm: bool = True,
-               compiles: list[str] | None = None, enforce_eager: bool = False,
-               startup: dict | None = None) -> tuple[list, float, bool]:
-    """(token ids per request, seconds, whether decode steps replayed CUDA graphs); ``startup`` gets the
-    worker's start-up timings (kernel warm-up, graph capture and check)."""
+               compiles: list[str] | None = None, enforce_eager: bool = False) -> tuple[list, float, dict]:
+    """(token ids per request, seconds, the worker: whether its decode steps replayed CUDA graphs, and its
+    start-up steps' times: kernel warm-up, graph capture and check)."""
     from pagedserve import LLM, SamplingParams
 
     options = dict(num_gpu_blocks_override=256) if bench.smoke else dict(gpu_memory_utilization=0.5)
     llm = LLM(str(model_dir), attention_backend=backend, enforce_eager=enforce_eager, **options)
-    graphs = llm.engine.executor.worker.decode_graphs is not None
-    if startup is not None:
-        startup.update(llm.engine.executor.worker.startup_seconds)
+    worker = llm.engine.executor.worker
+    facts = {"graphs": worker.decode_graphs is not None, "startup_s": dict(worker.startup_seconds)}
     prompts = [{"prompt_token_ids": r.prompt_token_ids} for r in requests]
     params = [SamplingParams(temperature=0, max_tokens=r.output_len, ignore_eos=True) for r in requests]
     if warm:
@@ -821,7 +819,7 @@ def run_engine(bench: Bench, model_dir: Path, requests, backend: str, warm: bool
     elapsed = time.perf_counter() - start
     del llm
     bench.release()
-    return [o.outputs[0].token_ids for o in outputs], elapsed, graphs
+    return [o.outputs[0].token_ids for o in outputs], elapsed, facts
 
 
 def section_engine(bench: Bench, record: dict) -> None:
@@ -837,14 +835,12 @@ def section_engine(bench: Bench, record: dict) -> None:
     # The process's first engine: Triton compiles nothing yet, and the worker warms its kernels up when
     # it starts; whatever compiles inside generate() after that is a stall a request would have felt.
     late_compiles: list[str] = []
-    startup: dict[str, float] = {}
-    ours, _, graphs = run_engine(bench, model_dir, check_requests, "triton", warm=False, compiles=late_compiles,
-                                 startup=startup)
+    ours, _, worker = run_engine(bench, model_dir, check_requests, "triton", warm=False, compiles=late_compiles)
     record["triton_compiles_after_warm_up"] = late_compiles
-    record["worker_startup_s"] = startup  # the first engine's: Triton compiles (or loads its disk cache) here
-    print(f"  worker start-up: {({k: round(v, 2) for k, v in startup.items()})}", flush=True)
-    record["cuda_graphs_captured"] = graphs  # False on a CUDA worker: its log says why (cuda_graphs_disabled)
-    print(f"  decode CUDA graphs captured and checked: {graphs}", flush=True)
+    record["worker_startup_s"] = worker["startup_s"]  # the first engine's: Triton compiles (or loads its cache) here
+    print(f"  worker start-up: {({k: round(v, 2) for k, v in worker['startup_s'].items()})}", flush=True)
+    record["cuda_graphs_captured"] = worker["graphs"]  # False on a CUDA worker: its log says why (cuda_graphs_disabled)
+    print(f"  decode CUDA graphs captured and checked: {worker['graphs']}", flush=True)
     print(f"  Triton compiles after the worker's warm-up: {len(late_compiles)} {sorted(set(late_compiles))}",
           flush=True)
     refs = hf_greedy_all(model_dir, check_requests, bench.device)
@@ -858,14 +854,14 @@ def section_engine(bench: Bench, record: dict) -> None:
     for name, backend, eager in (("triton", "triton", False), ("triton_eager", "triton", True),
                                  ("torch", "torch", False)):
         try:
-            tokens, elapsed, graphs = run_engine(bench, model_dir, speed_requests, backend, enforce_eager=eager)
+            tokens, elapsed, worker = run_engine(bench, model_dir, speed_requests, backend, enforce_eager=eager)
         except Exception as e:  # the torch backend is the CPU reference; it may not run on CUDA
             record[f"{name}_error"] = repr(e)
             print(f"  engine {name}: ERROR {e!r}", flush=True)
             continue
         count = sum(len(t) for t in tokens)
         record[f"{name}_tokens_per_s"] = count / elapsed
-        print(f"  engine {name} (graphs: {graphs}): {len(speed_requests)} requests, {count} tokens, "
+        print(f"  engine {name} (graphs: {worker['graphs']}): {len(speed_requests)} requests, {count} tokens, "
               f"{elapsed:.2f} s, {count / elapsed:.1f} tok/s", flush=True)
         bench.rows.append([f"engine bench workload ({len(speed_requests)} req)", name, "", "", "",
                            f"{count / elapsed:.0f} tok/s", ""])

@@ -17,7 +17,7 @@ import urllib.request
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from pagedserve.cli import add_engine_args, apply_env_defaults, engine_options
+from pagedserve.cli import ENGINE_KEYS, add_engine_args, apply_env_defaults
 
 SCHEDULER_FLAGS = ("max_num_seqs", "max_num_batched_tokens", "enable_chunked_prefill", "enable_prefix_caching",
                    "preemption_mode", "async_scheduling")
@@ -56,8 +56,7 @@ def flags(args: argparse.Namespace, names) -> list[str]:
 def worker_argv(args: argparse.Namespace, address: str) -> list[str]:
     """Every engine option, the scheduler's limits too: the worker sizes activations, its KV pool and its
     CUDA graphs for the largest batch the scheduler may send."""
-    engine = engine_options(args)
-    return ["--listen", address] + flags(argparse.Namespace(**engine), engine)
+    return ["--listen", address] + flags(args, ENGINE_KEYS)
 
 
 class Stack:
