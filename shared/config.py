@@ -3,10 +3,12 @@
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, fields
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 ATTENTION_BACKENDS = ("auto", "torch", "cpu", "triton")
+DEVICE_PATTERN = re.compile(r"auto|cpu|cuda(:\d+)?")
 
 
 @dataclass(frozen=True)
@@ -34,6 +36,8 @@ class EngineConfig:
 
     def __post_init__(self) -> None:
         _require(self.dtype in DTYPES, "dtype", f"must be one of {DTYPES}, got {self.dtype!r}")
+        _require(DEVICE_PATTERN.fullmatch(self.device) is not None, "device",
+                 f"must be 'auto', 'cpu', 'cuda' or 'cuda:N', got {self.device!r}")
         _require(self.block_size >= 1 and self.block_size & (self.block_size - 1) == 0, "block_size",
                  f"must be a power of two, got {self.block_size}")
         _require(self.max_num_seqs >= 1, "max_num_seqs", f"must be >= 1, got {self.max_num_seqs}")

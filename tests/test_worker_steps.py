@@ -4,6 +4,7 @@ if it drew one."""
 from __future__ import annotations
 
 import pytest
+import torch
 
 from pagedserve import LLM
 from shared.sampling_params import SamplingParams
@@ -61,3 +62,31 @@ def test_a_plan_the_worker_refuses_leaves_no_block_table_row_taken(worker):
                                                                     new_block_table=[0, -5])]))
     assert worker.seqs[7].block_table == [0, 1, 2]
     assert worker.block_tables.gather([worker.seqs[7].table_row]).tolist() == [[0, 1, 2]]
+
+
+def test_a_step_reports_its_forward_and_sampling_times(worker):
+    prompt = [5, 9, 13, 2, 8]
+    result = worker.execute(StepPlan(step_id=1, new=[new_sequence(prompt, len(prompt))]))
+    assert result.forward_time_s > 0 and result.sample_time_s > 0
+    # A prefill chunk that samples nothing still takes its forward pass and no sampling to speak of.
+    chunk = worker.execute(StepPlan(step_id=2, new=[NewSequence(
+        request_id="s", seq_id=8, index=0, prompt_token_ids=prompt, output_token_ids=[],
+        sampling_params=SamplingParams(temperature=0), block_table=[3, 4], num_computed_tokens=0,
+        num_scheduled_tokens=3)]))
+    assert chunk.outputs == [] and chunk.forward_time_s > 0 and chunk.sample_time_s >= 0
+
+
+def test_device_names_are_checked_before_anything_loads():
+    from services.worker.worker import resolve_device
+    from shared.config import EngineConfig
+
+    for name in ("gpu", "cuda:x", "CUDA", "mps", "cuda:"):
+        with pytest.raises(ValueError, match="device must be"):
+            EngineConfig(device=name)
+    assert resolve_device("cpu").type == "cpu"
+    if torch.cuda.is_available():
+        assert resolve_device("cuda").index is not None  # tensors report an index; so must the worker's device
+    else:
+        assert resolve_device("auto").type == "cpu"
+        with pytest.raises(ValueError, match="CUDA is not available"):
+            resolve_device("cuda:0")

@@ -18,6 +18,7 @@ from services.worker.input_batch import ScheduledSequence, build_model_inputs
 from services.worker.kv_cache import allocate_host_pool, allocate_kv_pools, num_host_blocks, num_kv_blocks
 from services.worker.model_loader import load_eos_token_ids, load_model
 from services.worker.sampler import Sampler
+from services.worker.step_timer import StepTimer
 from services.worker.worker_sequence import WorkerSequence
 from shared.config import EngineConfig
 from shared.model_config import ModelConfig
@@ -33,11 +34,18 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 
 
 def resolve_device(name: str) -> torch.device:
+    """The worker's device; a CUDA one always with its index, as its tensors report it."""
     if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        name = "cuda" if torch.cuda.is_available() else "cpu"
     device = torch.device(name)
-    if device.type == "cuda" and not torch.cuda.is_available():
+    if device.type != "cuda":
+        return device
+    if not torch.cuda.is_available():
         raise ValueError(f"device {name!r} was asked for, but CUDA is not available")
+    if device.index is None:
+        return torch.device("cuda", torch.cuda.current_device())
+    if device.index >= torch.cuda.device_count():
+        raise ValueError(f"device {name!r} was asked for, but there are {torch.cuda.device_count()} CUDA devices")
     return device
 
 
@@ -45,6 +53,8 @@ class Worker:
     def __init__(self, config: EngineConfig):
         self.config = config
         self.device = resolve_device(config.device)
+        if self.device.type == "cuda":
+            torch.cuda.set_device(self.device)  # Triton launches and timing events use the current device's stream
         if self.device.type == "cpu":
             keep_large_allocations_in_heap()
             cpu_kernels_unavailable_reason()  # build (or load) the C++ kernels now, not inside the first step
@@ -73,6 +83,7 @@ class Worker:
         self.sampler = Sampler(self.vocab_size, self.eos_token_ids, seed=config.seed, device=self.device)
         self.seqs: dict[int, WorkerSequence] = {}
         self.block_tables = HostBlockTables(width=-(-self.max_model_len // config.block_size))
+        self.step_timer = StepTimer(self.device)
 
     def _warm_up_kernels(self, token_budget: int) -> None:
         from services.worker.kernel_warmup import warm_up_kernels
@@ -141,16 +152,15 @@ class Worker:
         batch = self._apply_plan(plan)
         if not batch:
             return StepResult(step_id=plan.step_id)
-        started = time.perf_counter()
+        self.step_timer.start()
         with torch.inference_mode():
             hidden = self._forward(batch)
-            forward_done = self._synchronize()
+            self.step_timer.forward_done()
             outputs = self._sample(batch, hidden)
         for seq, num_tokens in batch:
             seq.num_computed_tokens += num_tokens
-        sample_done = self._synchronize()
-        return StepResult(step_id=plan.step_id, outputs=outputs, forward_time_s=forward_done - started,
-                          sample_time_s=sample_done - forward_done)
+        forward_s, sample_s = self.step_timer.finish()
+        return StepResult(step_id=plan.step_id, outputs=outputs, forward_time_s=forward_s, sample_time_s=sample_s)
 
     def _move_blocks(self, plan: StepPlan) -> None:
         """Swap out, swap in, then copy-on-write copies: all before the forward pass."""
