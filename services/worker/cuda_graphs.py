@@ -26,6 +26,9 @@ forward pass; a worker whose graphs fail that check, or cannot be captured, serv
 from __future__ import annotations
 
 import bisect
+import gc
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Callable, Protocol
 
@@ -70,10 +73,23 @@ class CudaGraphCapturer:
         graph = torch.cuda.CUDAGraph()
         # Our own stream context around torch's: when a capture fails, torch's exit raises before it
         # restores the current stream, and the worker would go on serving on the capture stream.
-        with torch.cuda.stream(self.stream):
+        with torch.cuda.stream(self.stream), collector_paused():
             with torch.cuda.graph(graph, pool=self.pool, stream=self.stream):
                 out = fn()
         return graph.replay, out
+
+
+@contextmanager
+def collector_paused() -> Iterator[None]:
+    """Python's garbage collector off: a Triton kernel object it frees mid-capture unloads its CUDA
+    module, which a capture does not allow (the graph is then invalid)."""
+    was_enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if was_enabled:
+            gc.enable()
 
 
 @dataclass(frozen=True)

@@ -52,8 +52,8 @@ def paged_attention_reference(q: torch.Tensor, k_cache: torch.Tensor, v_cache: t
         values = values.repeat_interleave(group, dim=1)
         scores = torch.einsum("qhd,khd->hqk", query, keys) * scale
         # New token t sits at position context_len - query_len + t and sees keys up to it.
-        query_pos = torch.arange(context_len - query_len, context_len).unsqueeze(1)
-        key_pos = torch.arange(context_len).unsqueeze(0)
+        query_pos = torch.arange(context_len - query_len, context_len, device=q.device).unsqueeze(1)
+        key_pos = torch.arange(context_len, device=q.device).unsqueeze(0)
         scores = scores.masked_fill(key_pos > query_pos, float("-inf"))
         probs = torch.softmax(scores, dim=-1)
         out[start:start + query_len] = torch.einsum("hqk,khd->qhd", probs, values).to(q.dtype)
@@ -100,11 +100,13 @@ class _StepPlan:
     prefill: list[_Prefill]
 
 
-def _causal_mask(query_len: int, context_len: int, padded_len: int, dtype: torch.dtype) -> torch.Tensor:
+def _causal_mask(query_len: int, context_len: int, padded_len: int, dtype: torch.dtype,
+                 device: torch.device) -> torch.Tensor:
     """Additive mask: new token t (at context_len - query_len + t) sees keys up to its own position."""
-    query_pos = torch.arange(context_len - query_len, context_len).unsqueeze(1)
-    key_pos = torch.arange(padded_len).unsqueeze(0)
-    return torch.zeros(query_len, padded_len, dtype=dtype).masked_fill_(key_pos > query_pos, float("-inf"))
+    query_pos = torch.arange(context_len - query_len, context_len, device=device).unsqueeze(1)
+    key_pos = torch.arange(padded_len, device=device).unsqueeze(0)
+    return torch.zeros(query_len, padded_len, dtype=dtype, device=device).masked_fill_(key_pos > query_pos,
+                                                                                        float("-inf"))
 
 
 class TorchAttentionBackend:
@@ -171,7 +173,7 @@ class TorchAttentionBackend:
             length = num_blocks * block_size
             mask = None
             if query_len * length <= MASK_KEEP_ELEMENTS:
-                mask = _causal_mask(query_len, context_len, length, dtype)
+                mask = _causal_mask(query_len, context_len, length, dtype, k_cache.device)
             prefill.append(_Prefill(starts[i], query_len, context_len, tables[i, :num_blocks], mask))
         self._plan = plan = _StepPlan(meta, key, decode, prefill)
         return plan
@@ -181,7 +183,7 @@ class TorchAttentionBackend:
         """Cut the decodes (sequence indices ``order``, longest first; ``tables``: the block tables
         as int64) into chunks of similar length."""
         block_size, num_kv_heads, head_dim = k_cache.shape[1:]
-        seq_lens = meta.seq_lens_cpu
+        seq_lens, device = meta.seq_lens_cpu, k_cache.device
         token_bytes = 2 * num_kv_heads * head_dim * torch.empty((), dtype=k_cache.dtype).element_size()
         budget = max(block_size, DECODE_CHUNK_BYTES // token_bytes)
         chunks = []
@@ -193,17 +195,18 @@ class TorchAttentionBackend:
             while (end < len(order) and (end - first + 1) * length <= budget
                    and (length - seq_lens[order[end]] <= max(length // 2, DECODE_PAD_SLACK))):
                 end += 1
-            seqs = torch.tensor(order[first:end])
-            lens = torch.tensor([seq_lens[i] for i in order[first:end]])
+            chunk_lens = [seq_lens[i] for i in order[first:end]]
+            seqs = torch.tensor(order[first:end], device=device)
+            lens = torch.tensor(chunk_lens, device=device)
             last_block = (lens + block_size - 1) // block_size - 1
-            columns = torch.minimum(torch.arange(num_blocks).unsqueeze(0), last_block.unsqueeze(1))
+            columns = torch.minimum(torch.arange(num_blocks, device=device).unsqueeze(0), last_block.unsqueeze(1))
             blocks = tables[seqs].gather(1, columns).flatten()
             mask = None
-            if bool((lens != length).any()):
-                pad = torch.arange(length).unsqueeze(0) >= lens.unsqueeze(1)
-                mask = torch.zeros(len(seqs), 1, 1, length, dtype=dtype).masked_fill_(
-                    pad.view(len(seqs), 1, 1, length), float("-inf"))
-            chunks.append(_DecodeChunk(torch.tensor(rows[first:end]), blocks, length, mask))
+            if any(n != length for n in chunk_lens):
+                pad = torch.arange(length, device=device).unsqueeze(0) >= lens.unsqueeze(1)
+                mask = torch.zeros(len(chunk_lens), 1, 1, length, dtype=dtype, device=device).masked_fill_(
+                    pad.view(len(chunk_lens), 1, 1, length), float("-inf"))
+            chunks.append(_DecodeChunk(torch.tensor(rows[first:end], device=device), blocks, length, mask))
             first = end
         return chunks
 
@@ -215,7 +218,7 @@ class TorchAttentionBackend:
         size = blocks.numel() * flat.shape[1]
         buffer = self._workspace.get((slot, cache.dtype))
         if buffer is None or buffer.numel() < size:
-            buffer = torch.empty(size, dtype=cache.dtype)
+            buffer = torch.empty(size, dtype=cache.dtype, device=cache.device)
             if size <= WORKSPACE_KEEP_ELEMENTS:
                 self._workspace[(slot, cache.dtype)] = buffer
         gathered = torch.index_select(flat, 0, blocks, out=buffer[:size].view(blocks.numel(), flat.shape[1]))
@@ -255,7 +258,7 @@ class TorchAttentionBackend:
                 keys = self._gather(k_cache, p.blocks, 0).flatten(0, 1).transpose(0, 1).unsqueeze(0)
                 values = self._gather(v_cache, p.blocks, 1).flatten(0, 1).transpose(0, 1).unsqueeze(0)
                 mask = p.mask if p.mask is not None else _causal_mask(p.query_len, p.context_len, length,
-                                                                      q.dtype)
+                                                                      q.dtype, q.device)
                 attended = F.scaled_dot_product_attention(query, keys, values, attn_mask=mask,
                                                           scale=self.scale, enable_gqa=enable_gqa)
             out[p.start:end] = attended[0].transpose(0, 1)
