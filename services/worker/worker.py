@@ -11,7 +11,7 @@ import torch
 
 from services.worker.attention.cpu_kernels import cpu_kernels_unavailable_reason
 from services.worker.attention.selector import select_attention_backend
-from services.worker.block_moves import copy_blocks_torch, swap_blocks, whole_pool
+from services.worker.block_moves import SwapStaging, copy_blocks_torch, swap_blocks, whole_pool
 from services.worker.cpu_tuning import keep_large_allocations_in_heap
 from services.worker.host_block_tables import HostBlockTables
 from services.worker.input_batch import ScheduledSequence, build_model_inputs
@@ -70,8 +70,9 @@ class Worker:
                                           self.device)
         self.kv_pool = whole_pool(self.kv_pools)
         self.num_host_blocks = num_host_blocks(self.model_config, config, self.dtype, self.num_blocks)
-        self.host_pool = allocate_host_pool(self.model_config, self.num_host_blocks, config.block_size, self.dtype,
-                                            pin=self.device.type == "cuda")
+        self.host_pool = allocate_host_pool(self.model_config, self.num_host_blocks, config.block_size, self.dtype)
+        # Swaps with a GPU pass through a reused page-locked buffer; on a CPU both pools are host memory.
+        self.swap_staging = SwapStaging(pin=True) if self.device.type == "cuda" else None
         backend = select_attention_backend(config.attention_backend, self.device)
         self.attention = backend(self.kv_pools, self.model_config.head_dim ** -0.5)
         self.startup_seconds: dict[str, float] = {}  # what a CUDA worker did before serving, and how long it took
@@ -165,9 +166,9 @@ class Worker:
     def _move_blocks(self, plan: StepPlan) -> None:
         """Swap out, swap in, then copy-on-write copies: all before the forward pass."""
         if plan.swap_out:
-            swap_blocks(self.kv_pool, self.host_pool, plan.swap_out)
+            swap_blocks(self.kv_pool, self.host_pool, plan.swap_out, self.swap_staging)
         if plan.swap_in:
-            swap_blocks(self.host_pool, self.kv_pool, plan.swap_in)
+            swap_blocks(self.host_pool, self.kv_pool, plan.swap_in, self.swap_staging)
         if plan.copies:
             self._copy_blocks(plan.copies)
 
