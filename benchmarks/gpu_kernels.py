@@ -811,14 +811,15 @@ def counting_compiles(names: list[str]):
 
 def run_engine(bench: Bench, model_dir: Path, requests, backend: str, warm: bool = True,
                compiles: list[str] | None = None, enforce_eager: bool = False) -> tuple[list, float, dict]:
-    """(token ids per request, seconds, the worker: whether its decode steps replayed CUDA graphs, and its
-    start-up steps' times: kernel warm-up, graph capture and check)."""
+    """(token ids per request, seconds, the worker: whether its decode steps replayed CUDA graphs, its
+    start-up steps' times (kernel warm-up, graph capture and check) and its largest step's memory)."""
     from pagedserve import LLM, SamplingParams
 
     options = dict(num_gpu_blocks_override=256) if bench.smoke else dict(gpu_memory_utilization=0.5)
     llm = LLM(str(model_dir), attention_backend=backend, enforce_eager=enforce_eager, **options)
     worker = llm.engine.executor.worker
-    facts = {"graphs": worker.decode_graphs is not None, "startup_s": dict(worker.startup_seconds)}
+    facts = {"graphs": worker.decode_graphs is not None, "startup_s": dict(worker.startup_seconds),
+             "startup_memory": dict(worker.startup_memory)}
     prompts = [{"prompt_token_ids": r.prompt_token_ids} for r in requests]
     params = [SamplingParams(temperature=0, max_tokens=r.output_len, ignore_eos=True) for r in requests]
     if warm:
@@ -851,6 +852,9 @@ def section_engine(bench: Bench, record: dict) -> None:
     record["triton_compiles_after_warm_up"] = late_compiles
     record["worker_startup_s"] = worker["startup_s"]  # the first engine's: Triton compiles (or loads its cache) here
     print(f"  worker start-up: {({k: round(v, 2) for k, v in worker['startup_s'].items()})}", flush=True)
+    # The largest step's measured peak against what the KV budget set aside for it (activation_bytes_estimate).
+    record["worker_startup_memory"] = worker["startup_memory"]
+    print(f"  largest step's memory: {worker['startup_memory']}", flush=True)
     record["cuda_graphs_captured"] = worker["graphs"]  # False on a CUDA worker: its log says why (cuda_graphs_disabled)
     print(f"  decode CUDA graphs captured and checked: {worker['graphs']}", flush=True)
     print(f"  Triton compiles after the worker's warm-up: {len(late_compiles)} {sorted(set(late_compiles))}",

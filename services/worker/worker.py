@@ -15,7 +15,8 @@ from services.worker.block_moves import SwapStaging, copy_blocks_torch, swap_blo
 from services.worker.cpu_tuning import keep_large_allocations_in_heap
 from services.worker.host_block_tables import HostBlockTables
 from services.worker.input_batch import ScheduledSequence, build_model_inputs
-from services.worker.kv_cache import allocate_host_pool, allocate_kv_pools, num_host_blocks, num_kv_blocks
+from services.worker.kv_cache import (activation_bytes_estimate, allocate_host_pool, allocate_kv_pools, num_host_blocks,
+                                      num_kv_blocks)
 from services.worker.model_loader import load_eos_token_ids, load_model
 from services.worker.sampler import Sampler
 from services.worker.step_timer import StepTimer
@@ -75,13 +76,15 @@ class Worker:
         self.swap_staging = SwapStaging(pin=True) if self.device.type == "cuda" else None
         backend = select_attention_backend(config.attention_backend, self.device)
         self.attention = backend(self.kv_pools, self.model_config.head_dim ** -0.5)
-        self.startup_seconds: dict[str, float] = {}  # what a CUDA worker did before serving, and how long it took
-        if self.device.type == "cuda":
-            self._warm_up_kernels(token_budget)
-        self.decode_graphs = self._capture_decode_graphs() if self._wants_cuda_graphs() else None
         self.eos_token_ids = load_eos_token_ids(self.model_dir)
         self.vocab_size = self.model_config.vocab_size
         self.sampler = Sampler(self.vocab_size, self.eos_token_ids, seed=config.seed, device=self.device)
+        self.startup_seconds: dict[str, float] = {}  # what a CUDA worker did before serving, and how long it took
+        self.startup_memory: dict[str, int] = {}  # the largest step's measured peak beside what was set aside for it
+        if self.device.type == "cuda":
+            self._warm_up_kernels(token_budget)
+            self._run_largest_step(token_budget)
+        self.decode_graphs = self._capture_decode_graphs() if self._wants_cuda_graphs() else None
         self.seqs: dict[int, WorkerSequence] = {}
         self.block_tables = HostBlockTables(width=-(-self.max_model_len // config.block_size))
         self.step_timer = StepTimer(self.device)
@@ -94,6 +97,22 @@ class Worker:
                                  token_budget, self.device)
         self.startup_seconds["kernel_warm_up"] = self._synchronize() - started
         log.info("triton_kernels_warmed_up", forward_passes=passes, seconds=round(self.startup_seconds["kernel_warm_up"], 2))
+
+    def _run_largest_step(self, token_budget: int) -> None:
+        from services.worker.largest_step import run_largest_step
+
+        config = self.config
+        peak = run_largest_step(self.model, self.attention, self.sampler, block_size=config.block_size,
+                                num_blocks=self.num_blocks, max_model_len=self.max_model_len, token_budget=token_budget,
+                                max_num_seqs=config.max_num_seqs, max_logprobs=config.max_logprobs, device=self.device)
+        set_aside = activation_bytes_estimate(self.model_config, config, token_budget)
+        self.startup_memory = {"largest_step_peak_bytes": peak, "set_aside_bytes": set_aside}
+        fields = dict(peak_gib=round(peak / 2**30, 3), set_aside_gib=round(set_aside / 2**30, 3), tokens=token_budget)
+        if peak > set_aside and config.num_gpu_blocks_override is None and config.kv_cache_memory_bytes is None:
+            # It ran, with what is free now; less free later (another process) and a step fails.
+            log.warning("largest_step_exceeds_set_aside", hint="lower gpu_memory_utilization", **fields)
+        else:
+            log.info("largest_step_measured", **fields)
 
     def _wants_cuda_graphs(self) -> bool:
         return (self.device.type == "cuda" and not self.config.enforce_eager
