@@ -44,9 +44,10 @@ def test_greedy_equals_transformers(model_fixture, block_size, request):
         assert out.outputs[0].finish_reason == "length"
 
 
-def test_logprobs_agree_with_transformers(llama_dir):
+@pytest.mark.parametrize("max_num_seqs", [256, 3])  # 3: a step's prompt logprobs come 3 rows at a time
+def test_logprobs_agree_with_transformers(llama_dir, max_num_seqs):
     prompts = random_prompts(seed=3)[1:4]
-    llm = LLM(str(llama_dir), block_size=8, max_num_batched_tokens=32)
+    llm = LLM(str(llama_dir), block_size=8, max_num_batched_tokens=32, max_num_seqs=max_num_seqs)
     params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True, logprobs=5, prompt_logprobs=3)
     outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
     for prompt, out in zip(prompts, outputs):

@@ -6,7 +6,8 @@ the whole token budget as prompts as long as the context allows, then the logits
 rows through the sampler's most expensive path (penalties, top-k, top-p, min-p, logprobs). A step
 that does not fit fails here, at start, rather than inside some request's step; one that fits
 leaves its memory cached in torch's allocator for the real ones. The peak it measured is reported
-beside the estimate. (Prompt logprobs take logits for every prompt row of a step: not covered.)
+beside the estimate. (Prompt logprobs take logits for at most ``max_num_seqs`` rows at a time, and
+a cheaper path than this one.)
 """
 
 from __future__ import annotations

@@ -277,12 +277,18 @@ class Worker:
             outputs[i].siblings.append(Sample(token_id, logprobs))
 
     def _prompt_logprobs(self, hidden, rows, prompt_rows, outputs) -> None:
-        logits = self.model.compute_logits(hidden[rows])
+        """Logits for max_num_seqs prompt rows at a time: a step's whole token budget of [rows, vocab]
+        logits could take gigabytes that the start-up's largest step (largest_step.py) never set aside."""
+        chunk = self.config.max_num_seqs
         for i, seq, first, count in prompt_rows:
             start = seq.num_computed_tokens
             targets = seq.token_ids[start + 1:start + 1 + count]
-            outputs[i].prompt_logprobs = self.sampler.prompt_logprobs(
-                logits[first:first + count], targets, seq.params.prompt_logprobs)
+            positions = []
+            for offset in range(0, count, chunk):
+                logits = self.model.compute_logits(hidden[rows[first + offset:first + min(offset + chunk, count)]])
+                positions += self.sampler.prompt_logprobs(logits, targets[offset:offset + chunk],
+                                                          seq.params.prompt_logprobs)
+            outputs[i].prompt_logprobs = positions
             outputs[i].prompt_logprobs_start = start + 1
 
     def _synchronize(self) -> float:
