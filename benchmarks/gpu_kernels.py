@@ -867,8 +867,15 @@ def section_engine(bench: Bench, record: dict) -> None:
     # triton: decode steps replayed from CUDA graphs (the default); triton_eager: every step launched from
     # Python; torch: the reference backend (never graphed).
     outputs: dict[str, list] = {}
+    eager_s = 0.0
     for name, backend, eager in (("triton", "triton", False), ("triton_eager", "triton", True),
                                  ("torch", "torch", False)):
+        left = bench.section_ends_at - time.perf_counter()
+        if name == "torch" and left < 3 * eager_s + 20:  # plans every layer on the host: allow 3x eager's time
+            record["torch_skipped"] = f"{left:.0f} s left in the section"
+            print(f"  engine torch: skipped, {left:.0f} s left (a time limit mid-run could stop CUDA for tune)",
+                  flush=True)
+            continue
         try:
             tokens, elapsed, worker = run_engine(bench, model_dir, speed_requests, backend, enforce_eager=eager)
         except Exception as e:  # one engine failing must not cost the others
@@ -882,6 +889,7 @@ def section_engine(bench: Bench, record: dict) -> None:
         bench.rows.append([f"engine bench workload ({len(speed_requests)} req)", name, "", "", "",
                            f"{count / elapsed:.0f} tok/s", ""])
         outputs[name] = tokens
+        eager_s = elapsed if name == "triton_eager" else eager_s
         if name == "triton_eager" and "triton" in outputs:  # greedy: replays must not change a token
             record["graphs_tokens_equal_eager"] = outputs["triton"] == tokens
             print(f"  greedy tokens with graphs equal those without: {record['graphs_tokens_equal_eager']}",
