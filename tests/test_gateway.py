@@ -146,6 +146,22 @@ def test_stream_completion_with_usage(client, llama_dir):
     assert chunks[-1].usage.prompt_tokens == whole.usage.prompt_tokens
 
 
+def test_latency_histograms_count_each_request(stack, client, llama_dir):
+    def counts() -> dict[str, float]:
+        text = http_get(f"{stack.base_url}/metrics")[1]
+        return {line.split()[0]: float(line.split()[1]) for line in text.splitlines()
+                if line.split()[0].endswith("_seconds_count")}
+
+    before = counts()
+    client.completions.create(model=llama_dir.name, prompt=PROMPTS[0], max_tokens=6, temperature=0,
+                              extra_body={"ignore_eos": True})
+    client.completions.create(model=llama_dir.name, prompt=PROMPTS[0], max_tokens=1, temperature=0)
+    after = counts()
+    for name, new in (("time_to_first_token", 2), ("e2e_request_latency", 2), ("time_per_output_token", 1)):
+        key = f"pagedserve_{name}_seconds_count"
+        assert after[key] - before.get(key, 0) == new, name  # one token has no time per output token
+
+
 def test_stream_chat_n2(client, llama_dir):
     messages = [{"role": "user", "content": "Count to ten"}]
     whole = client.chat.completions.create(model=llama_dir.name, messages=messages, max_tokens=6, temperature=0)

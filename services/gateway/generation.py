@@ -163,6 +163,7 @@ class Run:
         self.completion_tokens = 0
         self.prompt_logprobs: list[TokenLogprob | None] | None = None
         self._started = time.perf_counter()
+        self._first_output_s: float | None = None  # submit to first output (start())
 
     @property
     def finished(self) -> bool:
@@ -178,7 +179,8 @@ class Run:
         except BaseException:
             self.cancel()
             raise
-        self._metrics.ttft.observe(time.perf_counter() - self._started)
+        self._first_output_s = time.perf_counter() - self._started
+        self._metrics.ttft.observe(self._first_output_s)
 
     async def __aiter__(self) -> AsyncIterator[SeqDelta]:
         try:
@@ -197,7 +199,8 @@ class Run:
                     yield SeqDelta(index, [], self._detoks[index].flush().text, None, "abort", None, self.position)
         finally:
             self.cancel()  # no-op after a normal end; otherwise aborts the rest at the scheduler
-            self._metrics.finish(len(self.prompt), self.completion_tokens, time.perf_counter() - self._started)
+            self._metrics.finish(len(self.prompt), self.completion_tokens, time.perf_counter() - self._started,
+                                 self._first_output_s, self.params.n)
 
     def _apply(self, message) -> SeqDelta | None:
         # Every streamed token comes through here: each protobuf field is read once.

@@ -8,6 +8,7 @@ from __future__ import annotations
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
 LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
+TOKEN_BUCKETS = (0.005, 0.01, 0.02, 0.03, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 1, 2.5)
 
 
 class GatewayMetrics:
@@ -22,13 +23,20 @@ class GatewayMetrics:
                               buckets=LATENCY_BUCKETS, registry=r)
         self.e2e = Histogram("pagedserve_e2e_request_latency_seconds", "submit to last output, per engine request",
                              buckets=LATENCY_BUCKETS, registry=r)
+        self.tpot = Histogram("pagedserve_time_per_output_token_seconds",
+                              "first output to last over the tokens after the first, per engine request",
+                              buckets=TOKEN_BUCKETS, registry=r)
         self.scheduler_up = Gauge("pagedserve_scheduler_up", "1 when the last GetStats succeeded", registry=r)
         self._engine: dict[str, Gauge] = {}  # pagedserve_engine_<stat>, made as the scheduler reports them
 
-    def finish(self, prompt_tokens: int, generation_tokens: int, seconds: float) -> None:
+    def finish(self, prompt_tokens: int, generation_tokens: int, seconds: float,
+               first_output_s: float | None = None, num_sequences: int = 1) -> None:
         self.prompt_tokens.inc(prompt_tokens)
         self.generation_tokens.inc(generation_tokens)
         self.e2e.observe(seconds)
+        per_sequence = generation_tokens / num_sequences  # n > 1: the sequences decode side by side
+        if first_output_s is not None and per_sequence > 1:
+            self.tpot.observe((seconds - first_output_s) / (per_sequence - 1))
 
     def render(self, engine_stats: dict[str, float] | None) -> bytes:
         self.scheduler_up.set(0 if engine_stats is None else 1)
