@@ -103,6 +103,13 @@ class SamplingParams:
     def num_beams(self) -> int:
         return (self.beam_width or self.n) if self.use_beam_search else 0
 
+    def check_sequences_fit(self, max_num_seqs: int) -> None:
+        """A request's sequences (n samples, or its beams) decode side by side: more than an engine's
+        max_num_seqs never could, and building that many would only take its memory."""
+        name, count = ("beam_width", self.num_beams) if self.use_beam_search else ("n", self.n)
+        _check(count <= max_num_seqs, name, f"({count}) exceeds the engine's max_num_seqs ({max_num_seqs}): a "
+                                            "request's sequences must be able to run together")
+
     # --- wire form (pagedserve.api.v1.SamplingParameters) ---------------------------------------
 
     _SCALARS = ("n", "temperature", "top_p", "top_k", "min_p", "presence_penalty", "frequency_penalty",

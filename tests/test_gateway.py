@@ -318,6 +318,10 @@ def test_bad_requests_get_openai_errors(stack, client, llama_dir):
     assert _error(httpx.post(url, json={**ok, "n": 2, "best_of": 3}), 400)["param"] == "best_of"
     assert _error(httpx.post(url, json={**ok, "n": 3, "best_of": 2}), 400)["param"] == "best_of"
     assert _error(httpx.post(url, json={**ok, "stream": True, "max_tokens": 0}), 400)["param"] == "max_tokens"
+    # Refused before the gateway builds anything per sequence (2**31 detokenizers took all memory).
+    assert _error(httpx.post(url, json={**ok, "n": 2**31}, timeout=10), 400)["param"] == "n"
+    beams = {**ok, "use_beam_search": True, "beam_width": 10**6}
+    assert _error(httpx.post(url, json=beams, timeout=10), 400)["param"] == "beam_width"
     chat = f"{stack.base_url}/v1/chat/completions"
     image = [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]
     _error(httpx.post(chat, json={"model": llama_dir.name, "messages": image}), 400)

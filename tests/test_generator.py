@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import re
 
 import pytest
 
@@ -18,6 +19,9 @@ class RecordingStream:
 
     def cancel(self) -> None:
         self._cancelled.append(self.request_id)
+
+    async def __anext__(self):
+        raise StopAsyncIteration  # no output: enough for start(), which waits for the first
 
 
 class RecordingClient:
@@ -52,5 +56,15 @@ def test_a_run_that_fails_to_start_aborts_every_submitted_request(monkeypatch):
     gen = Generator(client, GatewayMetrics())
     with pytest.raises(RuntimeError, match="refused"):
         asyncio.run(gen.start(AnyPrompt(), "req-1", [[1, 2], [3, 4], [5]], SamplingParams(max_tokens=4)))
-    assert client.submitted == ["req-1-0", "req-1-1"]
-    assert sorted(client.cancelled) == ["req-1-0", "req-1-1"]
+    first, second = client.submitted
+    assert re.fullmatch(r"req-1-[0-9a-f]{8}-0", first) and second == first[:-1] + "1"
+    assert sorted(client.cancelled) == client.submitted
+
+
+def test_a_client_request_id_that_repeats_gives_distinct_engine_ids(monkeypatch):
+    monkeypatch.setattr(generation, "IncrementalDetokenizer", lambda *args, **kwargs: object())
+    client = RecordingClient()
+    gen = Generator(client, GatewayMetrics())
+    for _ in range(2):  # X-Request-Id is a tracing header: a retry or a proxy may send it again
+        asyncio.run(gen.start(AnyPrompt(), "same", [[1, 2]], SamplingParams(max_tokens=4)))
+    assert len(set(client.submitted)) == 2 and all(i.startswith("same-") for i in client.submitted)

@@ -112,6 +112,8 @@ def test_stats_report_the_cache(llm):
     ({"prompt_token_ids": [1, 10**6]}, SamplingParams(), "vocabulary"),
     ("ok", SamplingParams(logprobs=21, max_tokens=2), "logprobs=21 exceeds the maximum of 20"),
     ("ok", SamplingParams(logprobs=20, max_tokens=2), None),
+    ("ok", SamplingParams(n=2**31, max_tokens=2), r"n \(2147483648\) exceeds the engine's max_num_seqs"),
+    ("ok", SamplingParams(use_beam_search=True, beam_width=300, max_tokens=2), "beam_width"),
 ])
 def test_bad_prompts_are_refused_and_the_engine_keeps_serving(llm, prompt, params, match):
     if match is not None:

@@ -89,6 +89,7 @@ class Model:
     vocab_size: int
     max_logprobs: int
     tokenizer: object
+    max_num_seqs: int = 0  # per request (n, beams); 0: the scheduler did not say
     _token_strings: dict[int, str] = field(default_factory=dict)
 
     def check_name(self, requested: str | None) -> None:
@@ -119,7 +120,14 @@ class Model:
             raise InvalidParameter(f"token id {bad} is outside the vocabulary [0, {self.vocab_size})", "prompt")
 
     def check_prompt(self, prompt: list[int], params: SamplingParams) -> None:
-        """What the scheduler would refuse, checked here so a multi-prompt request is all or nothing."""
+        """What the scheduler would refuse, checked here so a multi-prompt request is all or nothing
+        (and before a run builds a detokenizer per sequence)."""
+        if self.max_num_seqs:
+            try:
+                params.check_sequences_fit(self.max_num_seqs)
+            except ValueError as exc:
+                message = str(exc).removeprefix("SamplingParams.")
+                raise InvalidParameter(message, message.split(" ", 1)[0]) from None
         if not prompt:
             raise InvalidParameter("the prompt is empty: give at least one token", "prompt")
         self.check_token_ids(prompt)
@@ -303,7 +311,7 @@ class Generator:
             raise ServiceUnavailable(f"cannot load the tokenizer ({exc}); pass --tokenizer") from exc
         name = self.served_model_name or Path(info.model).name or info.model
         log.info("model ready", model=name, path=info.model, max_model_len=info.max_model_len)
-        return Model(name, info.max_model_len, info.vocab_size, info.max_logprobs, tokenizer)
+        return Model(name, info.max_model_len, info.vocab_size, info.max_logprobs, tokenizer, info.max_num_seqs)
 
     @contextlib.asynccontextmanager
     async def admitted(self):
@@ -321,16 +329,18 @@ class Generator:
                     suffix_ids: bool = True) -> list[Run]:
         """Validate every prompt, then submit them all and wait for each one's first output.
 
-        One engine request per prompt; their ids are request_id-<i> (or request_id itself when
-        suffix_ids is false, as the gRPC API needs to abort by the client's id).
+        One engine request per prompt; their ids are request_id-<8 random hex digits>-<i> (or
+        request_id itself when suffix_ids is false, as the gRPC API needs to abort by the client's id).
         """
         for prompt in prompts:
             model.check_prompt(prompt, params)
         runs: list[Run] = []
         starts: list[asyncio.Future] = []
+        # A client's X-Request-Id may repeat (a tracing header); engine ids must not.
+        unique = f"{request_id}-{uuid.uuid4().hex[:8]}"
         try:
             for i, prompt in enumerate(prompts):
-                engine_id = f"{request_id}-{i}" if suffix_ids else request_id
+                engine_id = f"{unique}-{i}" if suffix_ids else request_id
                 stream = await self.client.submit(engine_id, prompt, params)
                 try:
                     runs.append(Run(model, stream, engine_id, prompt, params, self.metrics, position=i))

@@ -89,6 +89,7 @@ class EngineCore:
         info = self.info
         if request_id in self._requests:
             raise ValueError(f"request id {request_id!r} is already in use")
+        params.check_sequences_fit(self.scheduler.limits.max_num_seqs)
         if not prompt:
             raise ValueError("the prompt is empty: give at least one token")
         bad = [t for t in prompt if not isinstance(t, int) or not 0 <= t < info.vocab_size]

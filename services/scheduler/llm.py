@@ -96,6 +96,7 @@ class LLM:
             raise ValueError(f"a prompt must be a string or a dict with 'prompt' or 'prompt_token_ids', got {prompt!r}")
         if not isinstance(params, SamplingParams):
             raise ValueError(f"sampling_params must be SamplingParams, got {type(params).__name__}")
+        params.check_sequences_fit(self.engine.scheduler.limits.max_num_seqs)  # before a detokenizer per sequence
         return RequestTracker(str(next(self._request_ids)), text, token_ids, params, self.tokenizer)
 
     def _add_all(self, trackers: list[RequestTracker]) -> None:

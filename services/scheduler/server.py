@@ -89,7 +89,8 @@ class SchedulerServicer(wire_grpc.SchedulerServicer):
         return wire.EngineInfo(model=info.model, max_model_len=info.max_model_len, vocab_size=info.vocab_size,
                                eos_token_ids=info.eos_token_ids, num_kv_blocks=info.num_kv_blocks,
                                block_size=info.block_size, max_logprobs=self.max_logprobs,
-                               protocol_version=INTERNAL_PROTOCOL_VERSION)
+                               protocol_version=INTERNAL_PROTOCOL_VERSION,
+                               max_num_seqs=self.loop.engine.scheduler.limits.max_num_seqs)
 
     def GetStats(self, request, context):
         with grpc_errors(context):
