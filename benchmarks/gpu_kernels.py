@@ -292,7 +292,7 @@ def check_cache_ops(bench: Bench, generator) -> list[dict]:
     torch = bench.torch
     from services.worker.attention import torch_ref
     from services.worker.attention.triton_cache_ops import copy_blocks, swap_blocks, write_kv
-    from services.worker.block_moves import SwapStaging
+    from services.worker.swap_staging import SwapStaging
 
     shape = Shape(8, 4, 64) if bench.smoke else Shape(32, 8, 128)
     layers, blocks = (2, 16) if bench.smoke else (4, 1024)
@@ -319,10 +319,10 @@ def check_cache_ops(bench: Bench, generator) -> list[dict]:
     host = torch.empty((layers, 2, blocks // 2) + tuple(pool.shape[3:]), dtype=pool.dtype)
     staging = SwapStaging(pin=not bench.smoke)
     out_pairs = [(s, i) for i, (s, _) in enumerate(pairs)]
-    swap_blocks(pool, host, out_pairs, staging)
+    staging.swap_out(pool, host, out_pairs)
     back = [(i, d) for i, (_, d) in enumerate(pairs)]  # swap back in, onto the copies' destinations
     pool[:, :, dst] = 0
-    swap_blocks(host, pool, back, staging)
+    staging.swap_in(host, pool, back)
     bench.synchronize()
     results.append({"op": "swap_round_trip", "ok": bool(torch.equal(pool, expected))})
     return results
@@ -679,7 +679,7 @@ def section_cache(bench: Bench, record: dict) -> None:
     torch = bench.torch
     from services.worker.attention import torch_ref
     from services.worker.attention.triton_cache_ops import copy_blocks, swap_blocks, write_kv
-    from services.worker.block_moves import SwapStaging
+    from services.worker.swap_staging import SwapStaging
 
     generator = torch.Generator().manual_seed(bench.args.seed)
     shape = Shape(4, 2, 32, 8) if bench.smoke else Shape(32, 8, 128)
@@ -717,8 +717,8 @@ def section_cache(bench: Bench, record: dict) -> None:
     out_pairs = [(s, h) for (s, _), h in zip(pairs, host_blocks)]
     in_pairs = [(h, d) for (_, d), h in zip(pairs, host_blocks)]
     staging = SwapStaging(pin=not bench.smoke)
-    t_out = bench.measure(lambda: swap_blocks(pool, host, out_pairs, staging))
-    t_in = bench.measure(lambda: swap_blocks(host, pool, in_pairs, staging))
+    t_out = bench.measure(lambda: staging.swap_out(pool, host, out_pairs))
+    t_in = bench.measure(lambda: staging.swap_in(host, pool, in_pairs))
     t_out_direct = bench.measure(lambda: swap_blocks(pool, pinned_host, out_pairs))
     t_in_direct = bench.measure(lambda: swap_blocks(pinned_host, pool, in_pairs))
     device_bytes = torch.empty(moved * block_bytes, dtype=torch.uint8, device=bench.device)
@@ -871,7 +871,9 @@ def section_engine(bench: Bench, record: dict) -> None:
     for name, backend, eager in (("triton", "triton", False), ("triton_eager", "triton", True),
                                  ("torch", "torch", False)):
         left = bench.section_ends_at - time.perf_counter()
-        if name == "torch" and left < 3 * eager_s + 20:  # plans every layer on the host: allow 3x eager's time
+        # A guess, not a guarantee: the torch backend plans every layer on the host (3x eager's time
+        # allowed), and 20 s for its engine's start-up.
+        if name == "torch" and left < 3 * eager_s + 20:
             record["torch_skipped"] = f"{left:.0f} s left in the section"
             print(f"  engine torch: skipped, {left:.0f} s left (a time limit mid-run could stop CUDA for tune)",
                   flush=True)

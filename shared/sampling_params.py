@@ -106,7 +106,8 @@ class SamplingParams:
     def check_sequences_fit(self, max_num_seqs: int) -> None:
         """A request's sequences (n samples, or its beams) decode side by side: more than an engine's
         max_num_seqs never could, and building that many would only take its memory."""
-        name, count = ("beam_width", self.num_beams) if self.use_beam_search else ("n", self.n)
+        named_width = self.use_beam_search and self.beam_width is not None
+        name, count = ("beam_width", self.num_beams) if named_width else ("n", self.num_beams or self.n)
         _check(count <= max_num_seqs, name, f"({count}) exceeds the engine's max_num_seqs ({max_num_seqs}): a "
                                             "request's sequences must be able to run together")
 

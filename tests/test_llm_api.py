@@ -54,6 +54,30 @@ def test_seeded_sampling_survives_preemption(llama_dir):
     assert [o.outputs[0].token_ids for o in roomy] == [o.outputs[0].token_ids for o in tight]
 
 
+def test_forked_siblings_past_max_num_seqs_are_sampled_max_num_seqs_rows_at_a_time(llama_dir, monkeypatch):
+    llm = LLM(str(llama_dir), block_size=4, max_num_seqs=2)
+    worker = llm.engine.executor.worker
+    step_rows, sampler_rows = [], []
+    sample_tokens, sample = worker._sample_tokens, worker.sampler.sample
+
+    def recording_step(hidden, sampling, sample_rows, outputs):
+        step_rows.append(len(sample_rows) + sum(len(seq.sibling_sampling) for _, seq in sampling))
+        return sample_tokens(hidden, sampling, sample_rows, outputs)
+
+    def recording_sampler(logits, states):
+        sampler_rows.append(logits.shape[0])
+        return sample(logits, states)
+
+    monkeypatch.setattr(worker, "_sample_tokens", recording_step)
+    monkeypatch.setattr(worker.sampler, "sample", recording_sampler)
+    params = SamplingParams(n=2, seed=5, temperature=1.0, max_tokens=5, ignore_eos=True)
+    prompts = [{"prompt_token_ids": [5, 9, 13]}, {"prompt_token_ids": [7, 2]}]
+    chunked = llm.generate(prompts, params, use_tqdm=False)
+    assert max(step_rows) > 2 and max(sampler_rows) == 2  # two requests' siblings, sampled two rows at a time
+    roomy = LLM(str(llama_dir), block_size=4).generate(prompts, params, use_tqdm=False)
+    assert [[c.token_ids for c in o.outputs] for o in chunked] == [[c.token_ids for c in o.outputs] for o in roomy]
+
+
 def test_n_sequences_differ_and_are_indexed(llm):
     out = llm.generate("Pick", SamplingParams(n=3, temperature=1.0, max_tokens=10, seed=5, ignore_eos=True),
                        use_tqdm=False)[0]
@@ -114,6 +138,7 @@ def test_stats_report_the_cache(llm):
     ("ok", SamplingParams(logprobs=20, max_tokens=2), None),
     ("ok", SamplingParams(n=2**31, max_tokens=2), r"n \(2147483648\) exceeds the engine's max_num_seqs"),
     ("ok", SamplingParams(use_beam_search=True, beam_width=300, max_tokens=2), "beam_width"),
+    ("ok", SamplingParams(use_beam_search=True, n=300, max_tokens=2), r"SamplingParams\.n \(300\)"),  # the width n gave
 ])
 def test_bad_prompts_are_refused_and_the_engine_keeps_serving(llm, prompt, params, match):
     if match is not None:

@@ -22,7 +22,7 @@ from services.worker.attention.torch_ref import (  # noqa: E402
 from services.worker.attention.triton_attention import (  # noqa: E402
     TritonAttentionBackend, choose_num_splits, make_launch_plan, paged_attention)
 from services.worker.attention.triton_cache_ops import copy_blocks, swap_blocks, whole_pool, write_kv  # noqa: E402
-from services.worker.block_moves import SwapStaging  # noqa: E402
+from services.worker.swap_staging import SwapStaging  # noqa: E402
 
 if os.environ.get("TRITON_INTERPRET") != "1":
     pytest.skip("these tests run the kernels on the CPU: they need TRITON_INTERPRET=1", allow_module_level=True)
@@ -253,38 +253,41 @@ def test_copy_blocks_all_layers(dtype):
         copy_blocks(pool, [(1, 10)])
 
 
-@pytest.mark.parametrize("staged", [False, True])
-def test_swap_round_trip(staged):
+def test_swap_round_trip():
     g = torch.Generator().manual_seed(4)
-    staging = SwapStaging(pin=False) if staged else None
     device_pool = random_pools(8, 4, 2, 16, torch.float32, g, layers=2)
     host_pool = torch.full((2, 2, 5, 4, 2, 16), NAN)
     original = device_pool.clone()
-    swap_blocks(device_pool, host_pool, [(6, 0), (1, 4), (3, 2)], staging)
+    swap_blocks(device_pool, host_pool, [(6, 0), (1, 4), (3, 2)])
     assert torch.equal(host_pool[:, :, [0, 4, 2]], original[:, :, [6, 1, 3]])
     device_pool.fill_(NAN)
-    swap_blocks(host_pool, device_pool, [(0, 2), (4, 5), (2, 7)], staging)
+    swap_blocks(host_pool, device_pool, [(0, 2), (4, 5), (2, 7)])
     assert torch.equal(device_pool[:, :, [2, 5, 7]], original[:, :, [6, 1, 3]])
     with pytest.raises(ValueError, match="per-block shape"):
-        swap_blocks(device_pool, torch.zeros(2, 2, 5, 8, 2, 16), [(0, 0)], staging)
+        swap_blocks(device_pool, torch.zeros(2, 2, 5, 8, 2, 16), [(0, 0)])
 
 
-def test_staged_swaps_equal_direct_ones_as_the_buffer_grows_and_is_reused():
+@pytest.mark.parametrize("max_blocks", [1, 3, 64])  # a piece of 1 or 3 blocks, or the whole swap at once
+def test_staged_swaps_equal_direct_ones_in_pieces_of_any_size(max_blocks):
     g = torch.Generator().manual_seed(9)
-    staging = SwapStaging(pin=False)
     device_pool = random_pools(12, 4, 2, 16, torch.bfloat16, g, layers=3)
-    for step, count in enumerate([3, 1, 7, 12, 2, 12]):  # grows, shrinks back, refills to the largest
+    block_bytes = device_pool[:, :, 0].numel() * device_pool.element_size()
+    staging = SwapStaging(pin=False, max_bytes=max_blocks * block_bytes)
+    for step, count in enumerate([3, 1, 7, 12, 2, 12]):  # the buffer grows, is reused, and refills
         host_pool = torch.full((3, 2, 16, 4, 2, 16), NAN, dtype=torch.bfloat16)
         expected = host_pool.clone()
         src = torch.randperm(12, generator=g)[:count].tolist()
         dst = torch.randperm(16, generator=g)[:count].tolist()
-        swap_blocks(device_pool, host_pool, list(zip(src, dst)), staging)
+        staging.swap_out(device_pool, host_pool, list(zip(src, dst)))
         swap_blocks(device_pool, expected, list(zip(src, dst)))
         torch.testing.assert_close(host_pool, expected, rtol=0, atol=0, equal_nan=True, msg=f"step {step}")
         back = torch.full_like(device_pool, NAN)
-        swap_blocks(host_pool, back, list(zip(dst, src)), staging)
+        staging.swap_in(host_pool, back, list(zip(dst, src)))
         untouched = [b for b in range(12) if b not in src]
         assert torch.equal(back[:, :, src], device_pool[:, :, src]) and back[:, :, untouched].isnan().all()
+        assert staging._buffer.numel() <= max(max_blocks, 1) * block_bytes  # bounded by max_bytes
+    with pytest.raises(ValueError, match="outside"):
+        staging.swap_out(device_pool, host_pool, [(12, 0)])
 
 
 def test_whole_pool_recovers_the_pool_tensor():

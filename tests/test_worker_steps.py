@@ -68,12 +68,12 @@ def test_a_step_reports_its_forward_and_sampling_times(worker):
     prompt = [5, 9, 13, 2, 8]
     result = worker.execute(StepPlan(step_id=1, new=[new_sequence(prompt, len(prompt))]))
     assert result.forward_time_s > 0 and result.sample_time_s > 0
-    # A prefill chunk that samples nothing still takes its forward pass and no sampling to speak of.
+    # A prefill chunk that samples nothing still reports its forward pass.
     chunk = worker.execute(StepPlan(step_id=2, new=[NewSequence(
         request_id="s", seq_id=8, index=0, prompt_token_ids=prompt, output_token_ids=[],
         sampling_params=SamplingParams(temperature=0), block_table=[3, 4], num_computed_tokens=0,
         num_scheduled_tokens=3)]))
-    assert chunk.outputs == [] and chunk.forward_time_s > 0 and chunk.sample_time_s >= 0
+    assert chunk.outputs == [] and chunk.forward_time_s > 0
 
 
 def test_device_names_are_checked_before_anything_loads():

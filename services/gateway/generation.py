@@ -207,8 +207,10 @@ class Run:
                     yield SeqDelta(index, [], self._detoks[index].flush().text, None, "abort", None, self.position)
         finally:
             self.cancel()  # no-op after a normal end; otherwise aborts the rest at the scheduler
+            # Beam search reports its beams once, at the end: there is no time per token to see.
+            first = None if self.params.use_beam_search else self._first_output_s
             self._metrics.finish(len(self.prompt), self.completion_tokens, time.perf_counter() - self._started,
-                                 self._first_output_s, self.params.n)
+                                 first, self.params.n)
 
     def _apply(self, message) -> SeqDelta | None:
         # Every streamed token comes through here: each protobuf field is read once.
@@ -337,10 +339,10 @@ class Generator:
         runs: list[Run] = []
         starts: list[asyncio.Future] = []
         # A client's X-Request-Id may repeat (a tracing header); engine ids must not.
-        unique = f"{request_id}-{uuid.uuid4().hex[:8]}"
+        unique = f"{request_id}-{uuid.uuid4().hex[:8]}" if suffix_ids else request_id
         try:
             for i, prompt in enumerate(prompts):
-                engine_id = f"{unique}-{i}" if suffix_ids else request_id
+                engine_id = f"{unique}-{i}" if suffix_ids else unique
                 stream = await self.client.submit(engine_id, prompt, params)
                 try:
                     runs.append(Run(model, stream, engine_id, prompt, params, self.metrics, position=i))

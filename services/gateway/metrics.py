@@ -24,7 +24,8 @@ class GatewayMetrics:
         self.e2e = Histogram("pagedserve_e2e_request_latency_seconds", "submit to last output, per engine request",
                              buckets=LATENCY_BUCKETS, registry=r)
         self.tpot = Histogram("pagedserve_time_per_output_token_seconds",
-                              "first output to last over the tokens after the first, per engine request",
+                              "first output to last over the tokens after the first, per sequence of an engine "
+                              "request (n > 1: their mean length; beam search: not observed)",
                               buckets=TOKEN_BUCKETS, registry=r)
         self.scheduler_up = Gauge("pagedserve_scheduler_up", "1 when the last GetStats succeeded", registry=r)
         self._engine: dict[str, Gauge] = {}  # pagedserve_engine_<stat>, made as the scheduler reports them

@@ -68,48 +68,8 @@ def copy_blocks_torch(pool: torch.Tensor, pairs: BlockPairs) -> None:
     pool.index_copy_(2, dst_idx, pool.index_select(2, src_idx))
 
 
-class SwapStaging:
-    """A reused page-locked host buffer that swaps pass through on their way to or from a GPU.
-
-    A copy between the device and pageable memory blocks the host while the driver stages it through
-    small pinned chunks of its own, and a fresh pageable tensor per swap first faults in every page.
-    From page-locked memory the copy is one DMA at the link's speed, and host to device does not
-    block the host. The buffer grows (doubling) to the largest swap seen; before it is rewritten, the
-    last host-to-device copy out of it must be done, which an event marks.
-    """
-
-    def __init__(self, pin: bool):
-        self.pin = pin  # False: plain memory (a CPU-only build cannot pin; the logic is the same)
-        self._buffer = torch.empty(0, dtype=torch.uint8)
-        self._in_flight: torch.cuda.Event | None = None
-
-    def take(self, shape: torch.Size, dtype: torch.dtype) -> torch.Tensor:
-        """A contiguous tensor of ``shape`` over the buffer, once nothing reads the buffer any more."""
-        if self._in_flight is not None:
-            self._in_flight.synchronize()
-            self._in_flight = None
-        nbytes = shape.numel() * dtype.itemsize
-        if self._buffer.numel() < nbytes:
-            self._buffer = torch.empty(max(nbytes, 2 * self._buffer.numel()), dtype=torch.uint8, pin_memory=self.pin)
-        return self._buffer[:nbytes].view(dtype).view(shape)
-
-    def mark_read_by(self, device: torch.device) -> None:
-        """A copy out of the buffer was queued on ``device``'s current stream."""
-        if device.type == "cuda":
-            self._in_flight = torch.cuda.Event()
-            self._in_flight.record(torch.cuda.current_stream(device))
-
-
-def swap_blocks(src_pool: torch.Tensor, dst_pool: torch.Tensor, pairs: BlockPairs,
-                staging: SwapStaging | None = None) -> None:
-    """Copy block ``src`` of ``src_pool`` to block ``dst`` of ``dst_pool``, all layers, K and V.
-
-    The pools are whole pools (``[layers, 2, num_blocks, ...]``) of the same per-block shape and dtype,
-    usually one on the device and one in host memory. Plain torch indexing: one gather on the source
-    device, one transfer, one scatter on the destination, whatever the number of layers. A Triton kernel
-    cannot read pageable host memory, and the transfer dominates anyway. With ``staging`` the transfer
-    goes through its page-locked buffer: the host side gathers into it or scatters out of it.
-    """
+def checked_swap_pairs(src_pool: torch.Tensor, dst_pool: torch.Tensor, pairs: BlockPairs) -> list[tuple[int, int]]:
+    """The pairs as a list, once both pools and every pair are valid for a swap between them."""
     check_whole_pool(src_pool, "src_pool")
     check_whole_pool(dst_pool, "dst_pool")
     require(src_pool.shape[:2] == dst_pool.shape[:2] and src_pool.shape[3:] == dst_pool.shape[3:],
@@ -117,22 +77,25 @@ def swap_blocks(src_pool: torch.Tensor, dst_pool: torch.Tensor, pairs: BlockPair
     require(src_pool.dtype == dst_pool.dtype, f"pools differ in dtype: {src_pool.dtype} vs {dst_pool.dtype}")
     pairs = pairs_list(pairs)
     check_pairs(pairs, src_pool.shape[2], dst_pool.shape[2])
+    return pairs
+
+
+def swap_blocks(src_pool: torch.Tensor, dst_pool: torch.Tensor, pairs: BlockPairs) -> None:
+    """Copy block ``src`` of ``src_pool`` to block ``dst`` of ``dst_pool``, all layers, K and V.
+
+    The pools are whole pools (``[layers, 2, num_blocks, ...]``) of the same per-block shape and dtype,
+    usually one on the device and one in host memory. Plain torch indexing: one gather on the source
+    device, one transfer, one scatter on the destination, whatever the number of layers. A Triton kernel
+    cannot read pageable host memory, and the transfer dominates anyway. With a GPU the worker swaps
+    through a page-locked buffer instead (swap_staging.py).
+    """
+    pairs = checked_swap_pairs(src_pool, dst_pool, pairs)
     if not pairs:
         return
     src_idx, dst_idx = pair_indices(pairs, src_pool.device, dst_pool.device)
-    moved_shape = src_pool.shape[:2] + (len(pairs),) + src_pool.shape[3:]  # [layers, 2, num_pairs, block_size, heads, dim]
-    if staging is None:
-        moved = src_pool.index_select(2, src_idx)
-        # Host to device may overlap with the host; device to host must finish before the host scatters.
-        moved = moved.to(dst_pool.device, non_blocking=dst_pool.device.type == "cuda")
-    elif src_pool.device.type == "cpu":  # swap in: gather into the buffer, copy it over asynchronously
-        staged = staging.take(moved_shape, src_pool.dtype)
-        torch.index_select(src_pool, 2, src_idx, out=staged)
-        moved = staged.to(dst_pool.device, non_blocking=True)
-        staging.mark_read_by(dst_pool.device)
-    else:  # swap out: gather on the device, one copy into the buffer (waited for), scatter from there
-        moved = staging.take(moved_shape, src_pool.dtype)
-        moved.copy_(src_pool.index_select(2, src_idx))
+    moved = src_pool.index_select(2, src_idx)  # [layers, 2, num_pairs, block_size, heads, dim]
+    # Host to device may overlap with the host; device to host must finish before the host scatters.
+    moved = moved.to(dst_pool.device, non_blocking=dst_pool.device.type == "cuda")
     dst_pool.index_copy_(2, dst_idx, moved)
 
 

@@ -79,7 +79,7 @@ def num_host_blocks(model: ModelConfig, config: EngineConfig, dtype: torch.dtype
 def allocate_host_pool(model: ModelConfig, num_blocks: int, block_size: int, dtype: torch.dtype) -> torch.Tensor:
     """The host pool, same per-block shape as the device pool. Left uninitialised: a host block is
     always written by a swap-out before a swap-in reads it. Pageable: a swap's blocks are scattered
-    over the pool, so the transfer goes through a page-locked staging buffer (block_moves.SwapStaging)
+    over the pool, so the transfer goes through a page-locked staging buffer (swap_staging.py)
     rather than out of the pool itself, and gigabytes of it need not be locked."""
     return torch.empty(model.num_hidden_layers, 2, num_blocks, block_size, model.num_key_value_heads,
                        model.head_dim, dtype=dtype)

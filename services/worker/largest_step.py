@@ -3,7 +3,8 @@
 The KV budget sets aside ``activation_bytes_estimate`` (kv_cache.py) for one step's forward pass and
 sampling. A CUDA worker then runs the largest step its limits allow, while its pool is still empty:
 the whole token budget as prompts as long as the context allows, then the logits of ``max_num_seqs``
-rows through the sampler's most expensive path (penalties, top-k, top-p, min-p, logprobs). A step
+rows through the sampler's most expensive path (penalties, top-k, top-p, min-p, logprobs, seeds): the
+worker samples at most that many rows at a time, however many forked siblings a step holds. A step
 that does not fit fails here, at start, rather than inside some request's step; one that fits
 leaves its memory cached in torch's allocator for the real ones. The peak it measured is reported
 beside the estimate. (Prompt logprobs take logits for at most ``max_num_seqs`` rows at a time, and

@@ -11,7 +11,7 @@ import torch
 
 from services.worker.attention.cpu_kernels import cpu_kernels_unavailable_reason
 from services.worker.attention.selector import select_attention_backend
-from services.worker.block_moves import SwapStaging, copy_blocks_torch, swap_blocks, whole_pool
+from services.worker.block_moves import copy_blocks_torch, swap_blocks, whole_pool
 from services.worker.cpu_tuning import keep_large_allocations_in_heap
 from services.worker.host_block_tables import HostBlockTables
 from services.worker.input_batch import ScheduledSequence, build_model_inputs
@@ -20,6 +20,7 @@ from services.worker.kv_cache import (activation_bytes_estimate, allocate_host_p
 from services.worker.model_loader import load_eos_token_ids, load_model
 from services.worker.sampler import Sampler
 from services.worker.step_timer import StepTimer
+from services.worker.swap_staging import SwapStaging
 from services.worker.worker_sequence import WorkerSequence
 from shared.config import EngineConfig
 from shared.model_config import ModelConfig
@@ -184,10 +185,17 @@ class Worker:
 
     def _move_blocks(self, plan: StepPlan) -> None:
         """Swap out, swap in, then copy-on-write copies: all before the forward pass."""
+        staging = self.swap_staging
         if plan.swap_out:
-            swap_blocks(self.kv_pool, self.host_pool, plan.swap_out, self.swap_staging)
+            if staging is None:
+                swap_blocks(self.kv_pool, self.host_pool, plan.swap_out)
+            else:
+                staging.swap_out(self.kv_pool, self.host_pool, plan.swap_out)
         if plan.swap_in:
-            swap_blocks(self.host_pool, self.kv_pool, plan.swap_in, self.swap_staging)
+            if staging is None:
+                swap_blocks(self.host_pool, self.kv_pool, plan.swap_in)
+            else:
+                staging.swap_in(self.host_pool, self.kv_pool, plan.swap_in)
         if plan.copies:
             self._copy_blocks(plan.copies)
 
@@ -269,7 +277,14 @@ class Worker:
                 states.append(state)
                 owners.append(i)
             seq.sibling_sampling = []
-        sampled = self.sampler.sample(self.model.compute_logits(hidden[rows]), states)
+        # max_num_seqs rows at a time: forked siblings can take a step past it, and the start-up's
+        # largest step (largest_step.py) measured the sampler at that many rows.
+        sampled = []
+        chunk = self.config.max_num_seqs
+        for first in range(0, len(rows), chunk):
+            logits = self.model.compute_logits(hidden[rows[first:first + chunk]])
+            sampled += self.sampler.sample(logits, states[first:first + chunk])
+            del logits  # before the next chunk's
         for (i, seq), (token_id, logprobs) in zip(sampling, sampled):
             outputs[i].token_id, outputs[i].logprobs = token_id, logprobs
             seq.last_sample = token_id
@@ -288,6 +303,7 @@ class Worker:
                 logits = self.model.compute_logits(hidden[rows[first + offset:first + min(offset + chunk, count)]])
                 positions += self.sampler.prompt_logprobs(logits, targets[offset:offset + chunk],
                                                           seq.params.prompt_logprobs)
+                del logits  # before the next chunk's
             outputs[i].prompt_logprobs = positions
             outputs[i].prompt_logprobs_start = start + 1
 
