@@ -28,3 +28,16 @@ def test_step_inputs_times_every_case(tmp_path):
     rows = json.loads(out.read_text())
     assert [(r["num_seqs"], r["context"]) for r in rows] == [(1, 512), (32, 4096), (32, 32768), (256, 2048)]
     assert all(r[key] > 0 for r in rows for key in r if key.endswith("_us"))
+
+
+def test_sampler_memory_measures_each_case_in_its_own_process(tmp_path):
+    out = tmp_path / "sampler_memory.json"
+    subprocess.run([sys.executable, str(REPO / "benchmarks" / "sampler_memory.py"), "--cases",
+                    "greedy:8:5000,costliest:64:32000", "--json", str(out)],
+                   cwd=REPO, check=True, timeout=120, stdout=subprocess.DEVNULL)
+    greedy, costliest = json.loads(out.read_text())
+    assert greedy["kind"] == "greedy" and costliest["rows"] == 64
+    # The costliest path holds many [rows, vocab] temporaries at once; its bound in kv_cache.py covers them.
+    from services.worker.kv_cache import SAMPLER_BYTES_PER_LOGIT
+
+    assert 8 < costliest["bytes_per_entry"] <= SAMPLER_BYTES_PER_LOGIT - 4

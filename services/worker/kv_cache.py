@@ -17,12 +17,19 @@ def bytes_per_block(model: ModelConfig, block_size: int, dtype: torch.dtype) -> 
     return 2 * model.num_hidden_layers * block_size * model.num_key_value_heads * model.head_dim * element
 
 
+# One sampler call's transient bytes per [row, vocab] entry: its costliest path (penalties, top-k/p,
+# min-p, logprobs, seeded noise) peaked at 52-55 (benchmarks/sampler_memory.py); plus 4 for the float32
+# copy of 16-bit logits, and a margin.
+SAMPLER_BYTES_PER_LOGIT = 64
+
+
 def activation_bytes_estimate(model: ModelConfig, config: EngineConfig, max_tokens: int) -> int:
-    """A generous bound on one forward pass's transient memory: hidden states, MLP, attention, logits."""
+    """A generous bound on one step's transient memory: the forward pass's hidden states, MLP and
+    attention (twice over), and the sampler over max_num_seqs rows (the most one call takes)."""
     per_token = 4 * (4 * model.hidden_size + 3 * model.intermediate_size
                      + 2 * (model.num_attention_heads + 2 * model.num_key_value_heads) * model.head_dim)
-    logits = 4 * 3 * config.max_num_seqs * model.vocab_size
-    return 2 * (max_tokens * per_token + logits)
+    sampling = SAMPLER_BYTES_PER_LOGIT * config.max_num_seqs * model.vocab_size
+    return 2 * max_tokens * per_token + sampling
 
 
 def kv_budget_bytes(model: ModelConfig, config: EngineConfig, device: torch.device, max_tokens: int) -> int:
