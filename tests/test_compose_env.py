@@ -66,7 +66,9 @@ def test_services_run_from_compose_environment(llama_dir, tmp_path):
                     break
             except OSError:
                 pass  # not listening yet
-            assert all(p.poll() is None for p in procs.values()), (tmp_path / "scheduler.log").read_text()[-2000:]
+            dead = {name: p.returncode for name, p in procs.items() if p.poll() is not None}
+            assert not dead, f"exited: {dead}\n" + "\n".join(
+                f"--- {name}.log\n{(tmp_path / f'{name}.log').read_text()[-1500:]}" for name in procs)
             time.sleep(0.25)
         request = urllib.request.Request(f"{base}/v1/completions", method="POST",
                                          headers={"Content-Type": "application/json"},
