@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import random
 import signal
 import socket
 import subprocess
@@ -16,10 +17,37 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 
 
+_HANDED_OUT: set[int] = set()
+
+
 def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
+    """A free loopback port below the kernel's ephemeral range, never the same one twice.
+
+    A port from bind(("", 0)) is ephemeral: between this check and the service's own bind, any
+    outgoing connection (a client retrying a service that is not up yet) may take it as its local
+    port, and the service then fails to start.
+    """
+    low = _ephemeral_range_start()
+    rng = random.Random()
+    for _ in range(1000):
+        port = rng.randrange(max(1024, low - 12000), low)
+        if port in _HANDED_OUT:
+            continue
+        with socket.socket() as sock:
+            try:
+                sock.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+        _HANDED_OUT.add(port)
+        return port
+    raise RuntimeError("no free port below the ephemeral range")
+
+
+def _ephemeral_range_start() -> int:
+    try:
+        return int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768  # Linux's default
 
 
 def http_get(url: str, timeout: float = 5.0) -> tuple[int, dict | str]:
