@@ -11,6 +11,9 @@ from dataclasses import dataclass, field
 
 # OpenAI caps top logprobs at 20; so do we (per position, sampled token excluded).
 MAX_LOGPROBS = 20
+# The wire's float fields are float32: smaller magnitudes would arrive as 0, larger as infinity.
+FLOAT32_TINY = 1.1754943508222875e-38  # the smallest normal float32
+FLOAT32_MAX = 3.4028234663852886e38
 
 
 @dataclass(frozen=True)
@@ -87,6 +90,10 @@ class SamplingParams:
             _check(_is_number(self.length_penalty), "length_penalty", f"must be a number, got {self.length_penalty!r}")
             _check(self.seed is None and self.min_tokens == 0 and self.logit_bias is None, "use_beam_search",
                    "cannot be combined with seed, min_tokens or logit_bias")
+        for name in self._WIRE_FLOATS:  # what the float32 wire field would turn into 0 or infinity
+            value = getattr(self, name)
+            _check(value == 0 or FLOAT32_TINY <= abs(value) <= FLOAT32_MAX, name,
+                   f"must be 0 or of magnitude in [{FLOAT32_TINY:.3g}, {FLOAT32_MAX:.3g}] (a float32), got {value!r}")
         _check(all(isinstance(s, str) and s for s in self.stop), "stop", "must be non-empty strings")
         _check(all(_is_int(t) and t >= 0 for t in self.stop_token_ids), "stop_token_ids",
                "must be non-negative integers")
@@ -113,6 +120,8 @@ class SamplingParams:
 
     # --- wire form (pagedserve.api.v1.SamplingParameters) ---------------------------------------
 
+    _WIRE_FLOATS = ("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty",
+                    "length_penalty")
     _SCALARS = ("n", "temperature", "top_p", "top_k", "min_p", "presence_penalty", "frequency_penalty",
                 "repetition_penalty", "seed", "max_tokens", "min_tokens", "include_stop_str_in_output",
                 "ignore_eos", "logprobs", "prompt_logprobs", "skip_special_tokens", "use_beam_search", "beam_width",
@@ -139,8 +148,7 @@ class SamplingParams:
         if message.HasField("early_stopping"):
             kwargs["early_stopping"] = {"true": True, "false": False}.get(message.early_stopping,
                                                                           message.early_stopping)
-        for name in ("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty",
-                     "length_penalty"):
+        for name in cls._WIRE_FLOATS:
             if name in kwargs:  # float32 on the wire: 0.1 must come back as 0.1
                 kwargs[name] = float(f"{kwargs[name]:.7g}")
         return cls(**kwargs, stop=list(message.stop), stop_token_ids=list(message.stop_token_ids),

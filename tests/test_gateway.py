@@ -310,6 +310,7 @@ def test_bad_requests_get_openai_errors(stack, client, llama_dir):
                             400)["message"]
     assert _error(httpx.post(url, json={**ok, "temperature": -0.5}), 400)["param"] == "temperature"
     assert _error(httpx.post(url, json={**ok, "logprobs": 21}), 400)["param"] == "logprobs"
+    assert _error(httpx.post(url, json={**ok, "top_p": 1e-300}), 400)["param"] == "top_p"  # 0 as a float32
     assert "vocabulary" in _error(httpx.post(url, json={**ok, "prompt": [1, 2, 512]}), 400)["message"]
     assert "vocabulary" in _error(httpx.post(url, json={**ok, "prompt": [1, -1]}), 400)["message"]
     assert "vocabulary" in _error(httpx.post(url, json={**ok, "prompt": [[1, 2], [-3]], "echo": True}), 400)["message"]

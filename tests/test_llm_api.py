@@ -163,6 +163,8 @@ def test_bad_prompts_are_refused_and_the_engine_keeps_serving(llm, prompt, param
     (dict(n=0), "n"),
     (dict(min_tokens=5, max_tokens=2), "min_tokens"),
     (dict(logit_bias={3: 1000.0}), "logit_bias"),
+    (dict(top_p=1e-300), "top_p must be 0 or of magnitude"),  # 0.0 after the float32 wire
+    (dict(temperature=1e308), "temperature must be 0 or of magnitude"),  # infinity after it
 ])
 def test_invalid_sampling_params_name_the_parameter(kwargs, match):
     with pytest.raises(ValueError, match=match):
