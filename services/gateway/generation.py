@@ -38,6 +38,13 @@ class InvalidParameter(ValueError):
         super().__init__(message)
         self.param = param
 
+    @classmethod
+    def from_sampling_error(cls, exc: ValueError) -> "InvalidParameter":
+        """SamplingParams' "SamplingParams.<name> must ..." errors name the parameter."""
+        named = str(exc).startswith("SamplingParams.")
+        message = str(exc).removeprefix("SamplingParams.")
+        return cls(message, message.split(" ", 1)[0] if named else None)
+
 
 class Overloaded(ServiceUnavailable):
     """More requests in flight than --max-concurrent-requests allows."""
@@ -126,8 +133,7 @@ class Model:
             try:
                 params.check_sequences_fit(self.max_num_seqs)
             except ValueError as exc:
-                message = str(exc).removeprefix("SamplingParams.")
-                raise InvalidParameter(message, message.split(" ", 1)[0]) from None
+                raise InvalidParameter.from_sampling_error(exc) from None
         if not prompt:
             raise InvalidParameter("the prompt is empty: give at least one token", "prompt")
         self.check_token_ids(prompt)

@@ -66,10 +66,8 @@ class _Sampling(BaseModel):
             return SamplingParams(**kwargs, max_tokens=max_tokens, logprobs=logprobs, prompt_logprobs=prompt_logprobs,
                                   stop=[self.stop] if isinstance(self.stop, str) else list(self.stop or []),
                                   logit_bias=bias)
-        except ValueError as exc:  # "SamplingParams.<name> must ..." names the parameter
-            named = str(exc).startswith("SamplingParams.")
-            message = str(exc).removeprefix("SamplingParams.")
-            raise InvalidParameter(message, message.split(" ", 1)[0] if named else None) from None
+        except ValueError as exc:
+            raise InvalidParameter.from_sampling_error(exc) from None
 
     @property
     def include_usage(self) -> bool:

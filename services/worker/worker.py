@@ -74,7 +74,11 @@ class Worker:
         self.num_host_blocks = num_host_blocks(self.model_config, config, self.dtype, self.num_blocks)
         self.host_pool = allocate_host_pool(self.model_config, self.num_host_blocks, config.block_size, self.dtype)
         # Swaps with a GPU pass through a reused page-locked buffer; on a CPU both pools are host memory.
-        self.swap_staging = SwapStaging(pin=True) if self.device.type == "cuda" else None
+        if self.device.type == "cuda":
+            staging = SwapStaging(pin=True)
+            self._swap_out, self._swap_in = staging.swap_out, staging.swap_in
+        else:
+            self._swap_out = self._swap_in = swap_blocks
         backend = select_attention_backend(config.attention_backend, self.device)
         self.attention = backend(self.kv_pools, self.model_config.head_dim ** -0.5)
         self.eos_token_ids = load_eos_token_ids(self.model_dir)
@@ -185,17 +189,10 @@ class Worker:
 
     def _move_blocks(self, plan: StepPlan) -> None:
         """Swap out, swap in, then copy-on-write copies: all before the forward pass."""
-        staging = self.swap_staging
         if plan.swap_out:
-            if staging is None:
-                swap_blocks(self.kv_pool, self.host_pool, plan.swap_out)
-            else:
-                staging.swap_out(self.kv_pool, self.host_pool, plan.swap_out)
+            self._swap_out(self.kv_pool, self.host_pool, plan.swap_out)
         if plan.swap_in:
-            if staging is None:
-                swap_blocks(self.host_pool, self.kv_pool, plan.swap_in)
-            else:
-                staging.swap_in(self.host_pool, self.kv_pool, plan.swap_in)
+            self._swap_in(self.host_pool, self.kv_pool, plan.swap_in)
         if plan.copies:
             self._copy_blocks(plan.copies)
 
