@@ -41,3 +41,13 @@ def test_sampler_memory_measures_each_case_in_its_own_process(tmp_path):
     from services.worker.kv_cache import SAMPLER_BYTES_PER_LOGIT
 
     assert 8 < costliest["bytes_per_entry"] <= SAMPLER_BYTES_PER_LOGIT - 4
+
+
+def test_scheduler_overhead_decodes_every_sequence_every_step(tmp_path):
+    # The script checks that each timed step gave every sequence one token (its worker stand-in keeps the protocol).
+    out = tmp_path / "scheduler_overhead.json"
+    subprocess.run([sys.executable, str(REPO / "benchmarks" / "scheduler_overhead.py"), "--batch", "8", "--steps", "5",
+                    "--out", str(out)], cwd=REPO, check=True, timeout=120, stdout=subprocess.DEVNULL)
+    rows = json.loads(out.read_text())["rows"]
+    assert {(r["n"], r["plan_ahead"]) for r in rows} == {(1, False), (1, True), (4, False), (4, True)}
+    assert all(r["sequences"] == 8 and r["plan_us"] > 0 and r["apply_us"] > 0 for r in rows)

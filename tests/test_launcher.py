@@ -60,7 +60,9 @@ def test_serve_starts_and_leaves_nothing_behind(llama_dir, tmp_path, how):
     proc, port = start_serve(llama_dir, tmp_path)
     children = children_of(proc.pid)
     try:
-        status, models = http_get(f"http://127.0.0.1:{port}/v1/models")
+        # /health answers once the scheduler does; the first model request may still wait for the
+        # gateway's tokenizer load, seconds on a loaded 2-core machine.
+        status, models = http_get(f"http://127.0.0.1:{port}/v1/models", 60)
         assert status == 200 and models["data"][0]["id"]
         if how == "sigterm":  # drain and stop in order; exit code 0
             proc.send_signal(signal.SIGTERM)
