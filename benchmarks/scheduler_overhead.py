@@ -1,6 +1,7 @@
 """The scheduler's own cost per step, with a worker that answers at once (no model, no tensors).
 
     python benchmarks/scheduler_overhead.py [--batch 32 256] [--steps 300] [--profile]
+    python benchmarks/scheduler_overhead.py --against ../other-checkout [--batch 256] [--bursts 40]
 
 Why: on a GPU a decode step of a small model, or of a large one replayed from a CUDA graph, takes
 about a millisecond; the scheduler plans every step in Python (and the scheduler service plans the
@@ -14,20 +15,28 @@ report is microseconds per step and per sequence, of planning (``start_step``: s
 gauges, the plan) and of applying the result (``finish_step``: tokens, stop checks, prefix-cache
 hashes), and of the plan's and result's protobuf round trip (what the gRPC transport adds at the
 scheduler and the worker). Also run with n=4 parallel sampling, whose forked siblings share blocks.
+
+``--against`` compares two checkouts: one long-lived process each, taking turns at bursts of 20
+steps, and reports the per-burst ratio of step times. On a shared host one process's medians swing
+by half between runs minutes apart; bursts a fraction of a second apart see the same host.
 """
 
 from __future__ import annotations
 
 import argparse
 import cProfile
+import os
 import pstats
 import random
 import statistics
+import subprocess
 import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+# The code under test: this checkout, or (for one side of --against) the one the variable names.
+TREE = Path(os.environ.get("SCHEDULER_OVERHEAD_TREE") or Path(__file__).resolve().parent.parent)
+sys.path.insert(0, str(TREE))
 
 from benchmarks.workload import write_report  # noqa: E402
 from services.scheduler.engine_core import EngineCore  # noqa: E402
@@ -91,56 +100,106 @@ class InstantWorker:
         return out
 
 
-def measure(batch: int, n: int, steps: int, block_size: int, plan_ahead: bool, profile: cProfile.Profile | None
-            ) -> dict:
+def decoding_engine(requests: int, n: int, max_tokens: int, block_size: int) -> tuple[EngineCore, InstantWorker]:
+    """``requests`` × ``n`` sequences past their prompts (siblings forked), each decoding from now on."""
     max_model_len = 4096
-    worker = InstantWorker(num_blocks=batch * n * (max_model_len // block_size), block_size=block_size,
+    worker = InstantWorker(num_blocks=requests * n * (max_model_len // block_size), block_size=block_size,
                            max_model_len=max_model_len)
-    engine = EngineCore(worker, SchedulerLimits(max_num_seqs=batch * n, max_num_batched_tokens=8192,
+    engine = EngineCore(worker, SchedulerLimits(max_num_seqs=requests * n, max_num_batched_tokens=8192,
                                                 enable_chunked_prefill=True))
     rng = random.Random(0)
-    params = SamplingParams(n=n, temperature=1.0 if n > 1 else 0.0, max_tokens=steps + 64, ignore_eos=True)
-    for i in range(batch):
+    params = SamplingParams(n=n, temperature=1.0 if n > 1 else 0.0, max_tokens=max_tokens, ignore_eos=True)
+    for i in range(requests):
         engine.add_request(str(i), [rng.randrange(3, VOCAB) for _ in range(rng.randint(16, 256))], params)
-    for _ in range(1000):  # prompts in, siblings forked
-        if len(engine.scheduler.running) == batch * n and not engine.scheduler.waiting:
-            break
+    for _ in range(1000):
+        if len(engine.scheduler.running) == requests * n and not engine.scheduler.waiting:
+            return engine, worker
         engine.step()
-    else:
-        raise RuntimeError(f"{len(engine.scheduler.running)} of {batch * n} sequences running after 1000 steps")
-    plan_s, apply_s, tokens = [], [], 0
-    if plan_ahead:
-        engine.start_step()  # one step always in flight, as in the scheduler service
+    raise RuntimeError(f"{len(engine.scheduler.running)} of {requests * n} sequences running after 1000 steps")
+
+
+class Stepper:
+    """Turns the engine one step at a time, the plain way or as the scheduler service does (one step
+    always in flight, the next planned before the last result is applied)."""
+
+    def __init__(self, engine: EngineCore, plan_ahead: bool):
+        self.engine, self.plan_ahead = engine, plan_ahead
+        if plan_ahead:
+            engine.start_step()
+
+    def step(self) -> tuple[float, float, int]:
+        """Seconds planning, seconds applying the result, tokens that came back."""
+        engine = self.engine
+        t0 = time.perf_counter()
+        ahead = self.plan_ahead and engine.can_plan_ahead()
+        if ahead or not self.plan_ahead:
+            engine.start_step()
+        t1 = time.perf_counter()
+        updates = engine.finish_step()
+        t2 = time.perf_counter()
+        if self.plan_ahead and not ahead:
+            engine.start_step()  # planning ahead was not allowed: plan once the result is in
+        planning = (t1 - t0) + (time.perf_counter() - t2)
+        return planning, t2 - t1, sum(len(update.new_token_ids) for update in updates)
+
+
+def measure(requests: int, n: int, steps: int, block_size: int, plan_ahead: bool,
+            profile: cProfile.Profile | None) -> dict:
+    engine, worker = decoding_engine(requests, n, steps + 64, block_size)
+    stepper = Stepper(engine, plan_ahead)
     if profile is not None:
         profile.enable()
-    for _ in range(steps):
-        t0 = time.perf_counter()
-        if plan_ahead:
-            ahead = engine.can_plan_ahead()
-            if ahead:
-                engine.start_step()  # the next step, planned while the one in flight runs
-            t1 = time.perf_counter()
-            updates = engine.finish_step()
-            if not ahead:
-                engine.start_step()
-        else:
-            engine.start_step()
-            t1 = time.perf_counter()
-            updates = engine.finish_step()
-        t2 = time.perf_counter()
-        tokens += sum(len(update.new_token_ids) for update in updates)
-        plan_s.append(t1 - t0)
-        apply_s.append(t2 - t1)
+    plan_s, apply_s, tokens = zip(*(stepper.step() for _ in range(steps)))
     if profile is not None:
         profile.disable()
     plan = worker.plans[-1]
     seqs = len(plan.running) + len(plan.new)
     # Every step is a decode of every sequence: anything else means the stand-in broke the protocol.
-    if seqs != batch * n or tokens != steps * seqs:
-        raise RuntimeError(f"expected {batch * n} sequences with {steps} tokens each, got {seqs} and {tokens} tokens")
+    if seqs != requests * n or sum(tokens) != steps * seqs:
+        raise RuntimeError(f"expected {requests * n} sequences with {steps} tokens each, got {seqs} and "
+                           f"{sum(tokens)} tokens")
     plan_us, apply_us = 1e6 * statistics.median(plan_s), 1e6 * statistics.median(apply_s)
-    return {"batch": batch, "n": n, "sequences": seqs, "plan_us": plan_us, "apply_us": apply_us,
-            "per_seq_us": (plan_us + apply_us) / seqs, **wire_round_trip(plan)}
+    return {"requests": requests, "n": n, "sequences": seqs, "plan_ahead": plan_ahead, "plan_us": plan_us,
+            "apply_us": apply_us, "per_seq_us": (plan_us + apply_us) / seqs, **wire_round_trip(plan)}
+
+
+def burst_child(requests: int, n: int, plan_ahead: bool, block_size: int) -> None:
+    """--burst-child: for each line K on stdin, K steps; prints their median step time (planning and
+    applying). A long-lived process per tree, so an A/B comparison alternates bursts a fraction of a
+    second apart, and a shared host's slow spells hit both sides alike."""
+    import services
+
+    if not Path(services.__file__).resolve().is_relative_to(TREE.resolve()):
+        raise RuntimeError(f"the services under test come from {services.__file__}, not from {TREE}")
+    engine, _ = decoding_engine(requests, n, 3500, block_size)
+    stepper = Stepper(engine, plan_ahead)
+    for line in sys.stdin:
+        times = [sum(stepper.step()[:2]) for _ in range(int(line))]
+        print(statistics.median(times), flush=True)
+
+
+def compare(other: Path, requests: int, n: int, plan_ahead: bool, block_size: int, bursts: int) -> dict:
+    """This tree against ``other`` (another checkout), alternating bursts of 20 steps. Both sides run
+    this script's worker stand-in over their own scheduler."""
+    argv = [sys.executable, __file__, "--burst-child", str(requests), str(n), str(int(plan_ahead)),
+            "--block-size", str(block_size)]
+    children = [subprocess.Popen(argv, env={**os.environ, "SCHEDULER_OVERHEAD_TREE": str(tree)}, cwd=tree,
+                                 stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+                for tree in (TREE, other.resolve())]
+    medians: list[list[float]] = [[], []]
+    try:
+        for burst in range(bursts):
+            for i in (0, 1) if burst % 2 == 0 else (1, 0):
+                children[i].stdin.write("20\n")
+                children[i].stdin.flush()
+                medians[i].append(float(children[i].stdout.readline()))
+    finally:
+        for child in children:
+            child.kill()
+    ratios = sorted(this / that for this, that in zip(*medians))
+    return {"requests": requests, "n": n, "plan_ahead": plan_ahead, "this_us": 1e6 * statistics.median(medians[0]),
+            "other_us": 1e6 * statistics.median(medians[1]), "ratio_median": statistics.median(ratios),
+            "ratio_quartiles": statistics.quantiles(ratios, n=4)[::2]}
 
 
 def wire_round_trip(plan: StepPlan) -> dict:
@@ -161,22 +220,25 @@ def wire_round_trip(plan: StepPlan) -> dict:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--batch", type=int, nargs="+", default=[32, 256])
+    parser.add_argument("--batch", type=int, nargs="+", default=[32, 256], help="sequences decoding side by side")
     parser.add_argument("--steps", type=int, default=300)
     parser.add_argument("--block-size", type=int, default=16)
     parser.add_argument("--profile", action="store_true", help="print the 30 costliest functions")
+    parser.add_argument("--against", type=Path, default=None,
+                        help="another checkout (with this script): the step time of this tree over that one's, "
+                             "in alternating bursts, for each batch with n=1 planned plainly and n=4 planned ahead")
+    parser.add_argument("--bursts", type=int, default=40, help="with --against: bursts per side")
+    parser.add_argument("--burst-child", nargs=3, type=int, default=None, help=argparse.SUPPRESS)
     parser.add_argument("--out", default=str(Path(__file__).with_name("results") / "scheduler_overhead.json"))
     args = parser.parse_args()
+    if args.burst_child:
+        requests, n, ahead = args.burst_child
+        return burst_child(requests, n, bool(ahead), args.block_size)
+    if args.against is not None:
+        return report_comparison(args)
     profile = cProfile.Profile() if args.profile else None
-    rows = []
-    for batch in args.batch:
-        for n in (1, 4):
-            if batch % n:
-                continue
-            for ahead in (False, True):
-                row = measure(batch // n, n, args.steps, args.block_size, ahead, profile)
-                row["plan_ahead"] = ahead
-                rows.append(row)
+    rows = [measure(batch // n, n, args.steps, args.block_size, ahead, profile)
+            for batch in args.batch for n in (1, 4) if batch % n == 0 for ahead in (False, True)]
     print(f"{'seqs':>5} {'n':>2} {'ahead':>5} {'plan µs':>9} {'apply µs':>9} {'µs/seq':>7} "
           f"{'plan wire':>10} {'result wire':>11}")
     for r in rows:
@@ -185,6 +247,18 @@ def main() -> None:
     print(f"wrote {write_report(args.out, {'steps': args.steps, 'block_size': args.block_size, 'rows': rows})}")
     if profile is not None:
         pstats.Stats(profile).sort_stats("tottime").print_stats(30)
+
+
+def report_comparison(args) -> None:
+    rows = [compare(args.against, batch // n, n, ahead, args.block_size, args.bursts)
+            for batch in args.batch for n, ahead in ((1, False), (4, True)) if batch % n == 0]
+    print(f"this tree over {args.against}, step time (planning + applying), median of {args.bursts} bursts per side")
+    print(f"{'seqs':>5} {'n':>2} {'ahead':>5} {'this µs':>9} {'other µs':>9} {'ratio':>6} {'quartiles':>12}")
+    for r in rows:
+        low, high = r["ratio_quartiles"]
+        print(f"{r['requests'] * r['n']:>5} {r['n']:>2} {str(r['plan_ahead']):>5} {r['this_us']:>9.0f} "
+              f"{r['other_us']:>9.0f} {r['ratio_median']:>6.3f} {low:>5.3f}-{high:.3f}")
+    print(f"wrote {write_report(args.out, {'against': str(args.against), 'rows': rows})}")
 
 
 if __name__ == "__main__":

@@ -51,3 +51,14 @@ def test_scheduler_overhead_decodes_every_sequence_every_step(tmp_path):
     rows = json.loads(out.read_text())["rows"]
     assert {(r["n"], r["plan_ahead"]) for r in rows} == {(1, False), (1, True), (4, False), (4, True)}
     assert all(r["sequences"] == 8 and r["plan_us"] > 0 and r["apply_us"] > 0 for r in rows)
+
+
+def test_scheduler_overhead_compares_two_checkouts(tmp_path):
+    # Against itself: both children run this checkout's scheduler, so the ratio is near 1.
+    out = tmp_path / "compare.json"
+    subprocess.run([sys.executable, str(REPO / "benchmarks" / "scheduler_overhead.py"), "--batch", "8",
+                    "--against", str(REPO), "--bursts", "3", "--out", str(out)],
+                   cwd=REPO, check=True, timeout=120, stdout=subprocess.DEVNULL)
+    rows = json.loads(out.read_text())["rows"]
+    assert [(r["n"], r["plan_ahead"]) for r in rows] == [(1, False), (4, True)]
+    assert all(r["this_us"] > 0 and r["other_us"] > 0 and 0.2 < r["ratio_median"] < 5 for r in rows)

@@ -74,11 +74,11 @@ def test_free_queue_is_lru_and_removal_is_anywhere():
 
 def test_append_slots_grows_one_block_at_a_time_and_accounts_waste():
     manager = BlockManager(num_blocks=8, block_size=4)
-    assert manager.append_slots(1, 5).new_block_ids == [0, 1]
+    assert manager.append_slots(1, 5).new_block_ids == (0, 1)
     assert manager.wasted_slots() == 3
-    assert manager.append_slots(1, 8).new_block_ids == []
+    assert manager.append_slots(1, 8).new_block_ids == ()
     assert manager.wasted_slots() == 0
-    assert manager.append_slots(1, 9).new_block_ids == [2]
+    assert manager.append_slots(1, 9).new_block_ids == (2,)
     assert manager.append_slots(2, 100) is None  # nothing partial on failure
     assert manager.block_table(2) == []
     manager.free(1)

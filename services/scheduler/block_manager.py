@@ -22,8 +22,12 @@ TokenSlice = Callable[[int, int], list[int]]  # (start, end) -> the sequence's t
 
 @dataclass(frozen=True)
 class Allocation:
-    new_block_ids: list[int]  # appended to the table
+    new_block_ids: tuple[int, ...]  # appended to the table
     copy: tuple[int, int] | None  # copy-on-write (old, new) of the block written first, when it was shared
+
+
+# Most decode steps write into the last block's free slots: nothing to allocate, nothing to copy.
+NO_NEW_BLOCKS = Allocation((), None)
 
 
 class BlockManager:
@@ -61,7 +65,8 @@ class BlockManager:
 
     def block_table(self, seq_id: int, start: int = 0) -> list[int]:
         """The physical block ids of the sequence's table, from logical block ``start`` on."""
-        return [block.block_id for block in self._tables.get(seq_id, ())[start:]]
+        table = self._tables.get(seq_id, ())
+        return [block.block_id for block in table[start:]] if start < len(table) else []
 
     def num_table_blocks(self, seq_id: int) -> int:
         return len(self._tables.get(seq_id, ()))
@@ -118,15 +123,20 @@ class BlockManager:
         partly filled last block), the sequence gets its own copy first; a shared block is never
         written in place.
         """
-        num_new = self.num_new_blocks_needed(seq_id, num_tokens)
         shared = self._shared_block_at(seq_id, write_from) if write_from is not None else None
+        table = self._tables.get(seq_id)
+        if shared is None and table is not None and num_tokens <= len(table) * self.block_size:
+            if num_tokens > self._num_slotted[seq_id]:
+                self._num_slotted[seq_id] = num_tokens
+            return NO_NEW_BLOCKS  # the common decode step: the hot path does no more than this
+        num_new = self.num_new_blocks_needed(seq_id, num_tokens)
         if num_new + (shared is not None) > self.num_free_blocks:
             return None
         copy = self._copy_on_write(seq_id, write_from, shared) if shared is not None else None
         new_blocks = self.pool.allocate(num_new)
         self._tables.setdefault(seq_id, []).extend(new_blocks)
         self._num_slotted[seq_id] = max(num_tokens, self._num_slotted.get(seq_id, 0))
-        return Allocation([block.block_id for block in new_blocks], copy)
+        return Allocation(tuple(block.block_id for block in new_blocks), copy)
 
     def _copy_on_write(self, seq_id: int, position: int, shared: KVCacheBlock) -> tuple[int, int]:
         (fresh,) = self.pool.allocate(1)

@@ -98,13 +98,14 @@ class Scheduler:
         for seq in list(self.running):
             if budget <= 0:
                 break
-            if not self._has_work(seq):
+            work = self._work_left(seq)
+            if not work:
                 continue  # preempted just now, a beam waiting for its siblings, or its last token is coming
-            num_tokens = min(seq.num_uncomputed_tokens, budget)
+            num_tokens = min(work, budget)
+            planned = seq.num_planned_tokens  # preempting others leaves it; preempting this one ends the loop
             allocation = None
             while seq.status is SequenceStatus.RUNNING:
-                allocation = self.blocks.append_slots(seq.seq_id, seq.num_planned_tokens + num_tokens,
-                                                      write_from=seq.num_planned_tokens)
+                allocation = self.blocks.append_slots(seq.seq_id, planned + num_tokens, write_from=planned)
                 if allocation is not None:
                     break
                 self._preempt(self._victim(), plan)
@@ -126,9 +127,12 @@ class Scheduler:
         self._describe_work(scheduled, plan)
         return plan, scheduled
 
-    def _has_work(self, seq: Sequence) -> bool:
-        return (seq.status is SequenceStatus.RUNNING and seq.num_uncomputed_tokens > 0
-                and not seq.awaits_last_token(self.max_model_len))
+    def _work_left(self, seq: Sequence) -> int:
+        """Tokens the running sequence could compute in this step; 0 when it has none to schedule."""
+        if seq.status is not SequenceStatus.RUNNING:
+            return 0
+        work = seq.num_uncomputed_tokens
+        return work if work > 0 and not seq.awaits_last_token(self.max_model_len) else 0
 
     def can_plan_ahead(self) -> bool:
         """Whether the next plan may be made now, while a step runs, rather than after its result.
@@ -148,9 +152,10 @@ class Scheduler:
         for seq in self.running:
             if budget <= 0:
                 break
-            if not self._has_work(seq):
+            work = self._work_left(seq)
+            if not work:
                 continue
-            num_tokens = min(seq.num_uncomputed_tokens, budget)
+            num_tokens = min(work, budget)
             budget -= num_tokens
             needed += self.blocks.num_blocks_to_grow(seq.seq_id, seq.num_planned_tokens + num_tokens,
                                                      write_from=seq.num_planned_tokens)
@@ -254,15 +259,17 @@ class Scheduler:
 
     def _describe_work(self, scheduled: dict[int, int], plan: StepPlan) -> None:
         """New sequences in full, known ones as deltas; then their tokens count as in flight."""
+        blocks = self.blocks
         for seq in self.running:
             num_tokens = scheduled.get(seq.seq_id)
             if num_tokens is None:
                 continue
+            seq_tokens = seq.num_tokens
             if not seq.known_to_worker:
                 plan.new.append(NewSequence(
                     request_id=seq.request_id, seq_id=seq.seq_id, index=seq.index,
                     prompt_token_ids=seq.prompt_token_ids, output_token_ids=list(seq.output_token_ids),
-                    sampling_params=seq.worker_params, block_table=self.blocks.block_table(seq.seq_id),
+                    sampling_params=seq.worker_params, block_table=blocks.block_table(seq.seq_id),
                     num_computed_tokens=seq.num_planned_tokens, num_scheduled_tokens=num_tokens,
                     num_siblings=len(seq.pending_siblings)))
                 seq.known_to_worker = True
@@ -270,14 +277,14 @@ class Scheduler:
                 # Only the blocks added since the last plan (the whole table only when it was
                 # replaced): per step, the cost follows the sequences, not their lengths.
                 # A placeholder now is the token the step in flight samples: the worker appends its own.
-                table = self.blocks.block_table(seq.seq_id) if seq.table_replaced else None
+                table = blocks.block_table(seq.seq_id) if seq.table_replaced else None
                 plan.running.append(RunningSequence(
-                    seq.seq_id, seq.token_ids(seq.num_tokens_sent),
-                    [] if table is not None else self.blocks.block_table(seq.seq_id, seq.num_blocks_sent),
+                    seq.seq_id, seq.token_slice(seq.num_tokens_sent, seq_tokens),
+                    [] if table is not None else blocks.block_table(seq.seq_id, seq.num_blocks_sent),
                     seq.num_planned_tokens, num_tokens, table, append_last_sample=seq.num_placeholders > 0))
             seq.table_replaced = False
-            seq.num_tokens_sent = seq.num_tokens + seq.num_placeholders
-            seq.num_blocks_sent = self.blocks.num_table_blocks(seq.seq_id)
+            seq.num_tokens_sent = seq_tokens + seq.num_placeholders
+            seq.num_blocks_sent = blocks.num_table_blocks(seq.seq_id)
             seq.num_inflight_tokens += num_tokens
             if seq.num_uncomputed_tokens == 0:  # this step reaches the end: it samples the next token
                 seq.num_placeholders += 1
