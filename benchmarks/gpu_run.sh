@@ -7,7 +7,7 @@
 #     bash benchmarks/gpu_run.sh fetch     # wheels into .whl/ (ignored through .git/info/exclude)
 # then one call of the device tool:
 #     run(command="bash benchmarks/gpu_run.sh", carry=[".whl"], timeout_s=590)
-# It leaves gpu.txt, gpu_kernels.log and gpu_kernels.json under $OUT: the five sections, then the
+# It leaves gpu.txt, scheduler_overhead.{log,json}, gpu_kernels.log and gpu_kernels.json under $OUT: the five sections, then the
 # decode tuning sweep, all within 545 s of this script's start (the call's limit is 590 s; the script's
 # own imports and its report take the rest). The JSON is rewritten after every section.
 set -euo pipefail
@@ -29,6 +29,9 @@ export PYTHONPATH="/tmp/site:$PWD" PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TRANSFORM
 { nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv || true  # a note, not a step to stop on
   python3 -c "import torch, triton, transformers; print(torch.__version__, triton.__version__, transformers.__version__)"
 } | tee "$OUT/gpu.txt"
+# The scheduler's time per step on this host's CPU (about 10 s), beside the GPU's step times below.
+python3 benchmarks/scheduler_overhead.py --batch 32 256 --steps 100 --out "$OUT/scheduler_overhead.json" \
+    > "$OUT/scheduler_overhead.log" 2>&1 || true
 python3 benchmarks/gpu_kernels.py --sections check,decode,prefill,cache,engine,tune \
     --deadline $((START + 545 - $(date +%s))) \
     --out "$OUT/gpu_kernels.json" 2>&1 | tee "$OUT/gpu_kernels.log"
