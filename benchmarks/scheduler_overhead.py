@@ -12,12 +12,13 @@ here nothing does.
 What: ``--batch`` requests decode side by side (short prompts, long outputs, ignore_eos), through
 EngineCore with an in-process worker stand-in that samples one token per sampling sequence. The
 report is microseconds per step and per sequence, of planning (``start_step``: schedule, the usage
-gauges, the plan) and of applying the result (``finish_step``: tokens, stop checks, prefix-cache
+gauges, the plan; the stand-in's own time, spent inside it, left out) and of applying the result (``finish_step``: tokens, stop checks, prefix-cache
 hashes), and of the plan's and result's protobuf round trip (what the gRPC transport adds at the
 scheduler and the worker). Also run with n=4 parallel sampling, whose forked siblings share blocks.
 
 ``--against`` compares two checkouts: one long-lived process each, taking turns at bursts of 20
-steps, and reports the per-burst ratio of step times. On a shared host one process's medians swing
+steps, and reports the median and quartiles of the per-burst ratios of step times (each side's
+median burst is printed too, but slow spells weigh on it; the ratio is the number). On a shared host one process's medians swing
 by half between runs minutes apart; bursts a fraction of a second apart see the same host.
 """
 
@@ -45,6 +46,8 @@ from shared.sampling_params import SamplingParams  # noqa: E402
 from shared.step_protocol import Sample, SequenceOutput, StepPlan, StepResult, WorkerInfo  # noqa: E402
 
 VOCAB = 32000
+MAX_MODEL_LEN = 4096
+BURST = 20  # steps per turn in --against
 
 
 class InstantWorker:
@@ -57,13 +60,16 @@ class InstantWorker:
         self._tokens: dict[int, int] = {}  # seq id -> tokens the worker knows
         self._siblings: dict[int, int] = {}  # seq id -> siblings still to fork from its first sample
         self._results: list[StepResult] = []
+        self.busy_s = 0.0  # seconds spent in execute through submit: the worker's share, not the scheduler's
         self.plans: list[StepPlan] = []
 
     def worker_info(self) -> WorkerInfo:
         return self.info
 
     def submit(self, plan: StepPlan) -> None:
+        started = time.perf_counter()
         self._results.append(self.execute(plan))
+        self.busy_s += time.perf_counter() - started  # the stand-in's own time, left out of the scheduler's
 
     def wait(self) -> StepResult:
         return self._results.pop(0)
@@ -102,9 +108,8 @@ class InstantWorker:
 
 def decoding_engine(requests: int, n: int, max_tokens: int, block_size: int) -> tuple[EngineCore, InstantWorker]:
     """``requests`` × ``n`` sequences past their prompts (siblings forked), each decoding from now on."""
-    max_model_len = 4096
-    worker = InstantWorker(num_blocks=requests * n * (max_model_len // block_size), block_size=block_size,
-                           max_model_len=max_model_len)
+    worker = InstantWorker(num_blocks=requests * n * (MAX_MODEL_LEN // block_size), block_size=block_size,
+                           max_model_len=MAX_MODEL_LEN)
     engine = EngineCore(worker, SchedulerLimits(max_num_seqs=requests * n, max_num_batched_tokens=8192,
                                                 enable_chunked_prefill=True))
     rng = random.Random(0)
@@ -122,31 +127,33 @@ class Stepper:
     """Turns the engine one step at a time, the plain way or as the scheduler service does (one step
     always in flight, the next planned before the last result is applied)."""
 
-    def __init__(self, engine: EngineCore, plan_ahead: bool):
-        self.engine, self.plan_ahead = engine, plan_ahead
+    def __init__(self, engine: EngineCore, worker: InstantWorker, plan_ahead: bool):
+        self.engine, self.worker, self.plan_ahead = engine, worker, plan_ahead
         if plan_ahead:
             engine.start_step()
 
     def step(self) -> tuple[float, float, int]:
-        """Seconds planning, seconds applying the result, tokens that came back."""
+        """Seconds planning, seconds applying the result (both without the worker stand-in's time),
+        tokens that came back."""
         engine = self.engine
+        busy = self.worker.busy_s
         t0 = time.perf_counter()
         ahead = self.plan_ahead and engine.can_plan_ahead()
         if ahead or not self.plan_ahead:
-            engine.start_step()
+            engine.start_step()  # the in-process executor runs the worker inside: its time comes off
         t1 = time.perf_counter()
         updates = engine.finish_step()
         t2 = time.perf_counter()
         if self.plan_ahead and not ahead:
             engine.start_step()  # planning ahead was not allowed: plan once the result is in
-        planning = (t1 - t0) + (time.perf_counter() - t2)
+        planning = (t1 - t0) + (time.perf_counter() - t2) - (self.worker.busy_s - busy)
         return planning, t2 - t1, sum(len(update.new_token_ids) for update in updates)
 
 
 def measure(requests: int, n: int, steps: int, block_size: int, plan_ahead: bool,
             profile: cProfile.Profile | None) -> dict:
     engine, worker = decoding_engine(requests, n, steps + 64, block_size)
-    stepper = Stepper(engine, plan_ahead)
+    stepper = Stepper(engine, worker, plan_ahead)
     if profile is not None:
         profile.enable()
     plan_s, apply_s, tokens = zip(*(stepper.step() for _ in range(steps)))
@@ -163,7 +170,7 @@ def measure(requests: int, n: int, steps: int, block_size: int, plan_ahead: bool
             "apply_us": apply_us, "per_seq_us": (plan_us + apply_us) / seqs, **wire_round_trip(plan)}
 
 
-def burst_child(requests: int, n: int, plan_ahead: bool, block_size: int) -> None:
+def burst_child(requests: int, n: int, plan_ahead: bool, bursts: int, block_size: int) -> None:
     """--burst-child: for each line K on stdin, K steps; prints their median step time (planning and
     applying). A long-lived process per tree, so an A/B comparison alternates bursts a fraction of a
     second apart, and a shared host's slow spells hit both sides alike."""
@@ -171,17 +178,19 @@ def burst_child(requests: int, n: int, plan_ahead: bool, block_size: int) -> Non
 
     if not Path(services.__file__).resolve().is_relative_to(TREE.resolve()):
         raise RuntimeError(f"the services under test come from {services.__file__}, not from {TREE}")
-    engine, _ = decoding_engine(requests, n, 3500, block_size)
-    stepper = Stepper(engine, plan_ahead)
+    engine, worker = decoding_engine(requests, n, BURST * bursts + 64, block_size)
+    stepper = Stepper(engine, worker, plan_ahead)
     for line in sys.stdin:
-        times = [sum(stepper.step()[:2]) for _ in range(int(line))]
-        print(statistics.median(times), flush=True)
+        steps = [stepper.step() for _ in range(int(line))]
+        if any(tokens != requests * n for *_, tokens in steps):  # a side doing less work would look faster
+            raise RuntimeError(f"a step did not decode all {requests * n} sequences")
+        print(statistics.median(planning + applying for planning, applying, _ in steps), flush=True)
 
 
 def compare(other: Path, requests: int, n: int, plan_ahead: bool, block_size: int, bursts: int) -> dict:
-    """This tree against ``other`` (another checkout), alternating bursts of 20 steps. Both sides run
+    """This tree against ``other`` (another checkout), alternating bursts of BURST steps. Both sides run
     this script's worker stand-in over their own scheduler."""
-    argv = [sys.executable, __file__, "--burst-child", str(requests), str(n), str(int(plan_ahead)),
+    argv = [sys.executable, __file__, "--burst-child", str(requests), str(n), str(int(plan_ahead)), str(bursts),
             "--block-size", str(block_size)]
     children = [subprocess.Popen(argv, env={**os.environ, "SCHEDULER_OVERHEAD_TREE": str(tree)}, cwd=tree,
                                  stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
@@ -190,7 +199,7 @@ def compare(other: Path, requests: int, n: int, plan_ahead: bool, block_size: in
     try:
         for burst in range(bursts):
             for i in (0, 1) if burst % 2 == 0 else (1, 0):
-                children[i].stdin.write("20\n")
+                children[i].stdin.write(f"{BURST}\n")
                 children[i].stdin.flush()
                 medians[i].append(float(children[i].stdout.readline()))
     finally:
@@ -228,13 +237,15 @@ def main() -> None:
                         help="another checkout (with this script): the step time of this tree over that one's, "
                              "in alternating bursts, for each batch with n=1 planned plainly and n=4 planned ahead")
     parser.add_argument("--bursts", type=int, default=40, help="with --against: bursts per side")
-    parser.add_argument("--burst-child", nargs=3, type=int, default=None, help=argparse.SUPPRESS)
+    parser.add_argument("--burst-child", nargs=4, type=int, default=None, help=argparse.SUPPRESS)
     parser.add_argument("--out", default=str(Path(__file__).with_name("results") / "scheduler_overhead.json"))
     args = parser.parse_args()
     if args.burst_child:
-        requests, n, ahead = args.burst_child
-        return burst_child(requests, n, bool(ahead), args.block_size)
+        requests, n, ahead, bursts = args.burst_child
+        return burst_child(requests, n, bool(ahead), bursts, args.block_size)
     if args.against is not None:
+        if BURST * args.bursts + 64 + 256 > MAX_MODEL_LEN:
+            parser.error(f"--bursts {args.bursts}: the sequences would reach the context length before the end")
         return report_comparison(args)
     profile = cProfile.Profile() if args.profile else None
     rows = [measure(batch // n, n, args.steps, args.block_size, ahead, profile)
@@ -253,7 +264,8 @@ def report_comparison(args) -> None:
     rows = [compare(args.against, batch // n, n, ahead, args.block_size, args.bursts)
             for batch in args.batch for n, ahead in ((1, False), (4, True)) if batch % n == 0]
     print(f"this tree over {args.against}, step time (planning + applying), median of {args.bursts} bursts per side")
-    print(f"{'seqs':>5} {'n':>2} {'ahead':>5} {'this µs':>9} {'other µs':>9} {'ratio':>6} {'quartiles':>12}")
+    print(f"{'seqs':>5} {'n':>2} {'ahead':>5} {'this µs':>9} {'other µs':>9} {'ratio':>6} {'quartiles':>12}"
+          "   (µs: each side's median burst; ratio: median of the per-burst ratios)")
     for r in rows:
         low, high = r["ratio_quartiles"]
         print(f"{r['requests'] * r['n']:>5} {r['n']:>2} {str(r['plan_ahead']):>5} {r['this_us']:>9.0f} "
