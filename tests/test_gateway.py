@@ -146,6 +146,27 @@ def test_stream_completion_with_usage(client, llama_dir):
     assert chunks[-1].usage.prompt_tokens == whole.usage.prompt_tokens
 
 
+def _sse_chunks(url: str, body: dict) -> list[dict]:
+    with httpx.stream("POST", url, json=body, timeout=30) as reply:
+        assert reply.status_code == 200
+        data = [line.removeprefix("data: ") for line in reply.iter_lines() if line.startswith("data: ")]
+    assert data[-1] == "[DONE]"
+    return [json.loads(item) for item in data[:-1]]
+
+
+def test_stream_usage_is_null_until_the_last_chunk(stack, llama_dir):
+    # OpenAI's wire format with include_usage: every chunk has "usage", null but on the last one;
+    # without it, no chunk has the field.
+    for path, extra in (("completions", {"prompt": PROMPTS[1]}),
+                        ("chat/completions", {"messages": [{"role": "user", "content": "Hi"}]})):
+        body = {"model": llama_dir.name, "max_tokens": 5, "temperature": 0, "stream": True, **extra}
+        chunks = _sse_chunks(f"{stack.base_url}/v1/{path}", {**body, "stream_options": {"include_usage": True}})
+        assert len(chunks) > 2 and all("usage" in c for c in chunks), path
+        assert all(c["usage"] is None for c in chunks[:-1]), path
+        assert chunks[-1]["usage"]["completion_tokens"] >= 1 and chunks[-1]["choices"] == [], path
+        assert not any("usage" in c for c in _sse_chunks(f"{stack.base_url}/v1/{path}", body)), path
+
+
 def test_latency_histograms_count_each_request(stack, client, llama_dir):
     def counts() -> dict[str, float]:
         text = http_get(f"{stack.base_url}/metrics")[1]

@@ -5,6 +5,8 @@ from __future__ import annotations
 import json
 import random
 
+import pytest
+
 from services.gateway.generation import Model, SeqDelta
 from services.gateway.openai_api import _Completion, _Reply
 from services.gateway.protocol import CompletionRequest
@@ -18,9 +20,10 @@ def completion(**body) -> _Completion:
                        ["hi"])
 
 
-def test_the_direct_chunk_is_the_encoders_chunk():
+@pytest.mark.parametrize("stream_options", [None, {"include_usage": True}])
+def test_the_direct_chunk_is_the_encoders_chunk(stream_options):
     rng = random.Random()
-    reply = completion()
+    reply = completion(stream_options=stream_options)
     for _ in range(500):
         text = "".join(rng.choices(ALPHABET, k=rng.randrange(0, 12)))
         finish, stop = rng.choice([(None, None), ("length", None), ("stop", 2), ("stop", 'E"ND\\'), ("abort", None)])
@@ -29,6 +32,7 @@ def test_the_direct_chunk_is_the_encoders_chunk():
         direct = reply.chunk_event(k, 0, delta)
         assert direct == _Reply.chunk_event(reply, k, 0, delta)
         assert json.loads(direct)["choices"][0]["text"] == text
+        assert ("usage" in json.loads(direct)) == (stream_options is not None)  # null until the last chunk
 
 
 def test_nothing_to_say_is_no_chunk_and_logprobs_take_the_general_path():
