@@ -264,7 +264,7 @@ class Scheduler:
             num_tokens = scheduled.get(seq.seq_id)
             if num_tokens is None:
                 continue
-            seq_tokens = seq.num_tokens
+            seq_tokens, num_blocks = seq.num_tokens, blocks.num_table_blocks(seq.seq_id)
             if not seq.known_to_worker:
                 plan.new.append(NewSequence(
                     request_id=seq.request_id, seq_id=seq.seq_id, index=seq.index,
@@ -278,13 +278,14 @@ class Scheduler:
                 # replaced): per step, the cost follows the sequences, not their lengths.
                 # A placeholder now is the token the step in flight samples: the worker appends its own.
                 table = blocks.block_table(seq.seq_id) if seq.table_replaced else None
+                added = [] if table is not None or num_blocks == seq.num_blocks_sent else \
+                    blocks.block_table(seq.seq_id, seq.num_blocks_sent)
                 plan.running.append(RunningSequence(
-                    seq.seq_id, seq.token_slice(seq.num_tokens_sent, seq_tokens),
-                    [] if table is not None else blocks.block_table(seq.seq_id, seq.num_blocks_sent),
-                    seq.num_planned_tokens, num_tokens, table, append_last_sample=seq.num_placeholders > 0))
+                    seq.seq_id, seq.token_slice(seq.num_tokens_sent, seq_tokens), added, seq.num_planned_tokens,
+                    num_tokens, table, seq.num_placeholders > 0))
             seq.table_replaced = False
             seq.num_tokens_sent = seq_tokens + seq.num_placeholders
-            seq.num_blocks_sent = blocks.num_table_blocks(seq.seq_id)
+            seq.num_blocks_sent = num_blocks
             seq.num_inflight_tokens += num_tokens
             if seq.num_uncomputed_tokens == 0:  # this step reaches the end: it samples the next token
                 seq.num_placeholders += 1
@@ -298,13 +299,14 @@ class Scheduler:
 
     def update(self, scheduled: dict[int, int], result: StepResult, seqs: dict[int, Sequence]) -> list[SequenceUpdate]:
         """Advance the scheduled sequences by the step's result; the updates for the front end."""
+        cache_full_blocks = self.blocks.cache_full_blocks
         for seq_id, num_tokens in scheduled.items():
             seq = seqs.get(seq_id)
             if seq is not None and seq.status is SequenceStatus.RUNNING:
                 seq.num_inflight_tokens -= num_tokens
                 seq.num_computed_tokens += num_tokens
                 # Every computed token is known: the placeholders of earlier steps are resolved.
-                self.blocks.cache_full_blocks(seq_id, seq.num_computed_tokens, seq.token_slice, seq.cache_extra)
+                cache_full_blocks(seq_id, seq.num_computed_tokens, seq.token_slice, seq.cache_extra)
         updates = []
         for out in result.outputs:
             seq = seqs.get(out.seq_id)
@@ -336,8 +338,7 @@ class Scheduler:
         update.new_token_ids.append(token_id)
         if logprobs is not None:
             update.new_logprobs.append(logprobs)
-        self._check_stop(seq, token_id)
-        if seq.status.is_finished:
+        if self._check_stop(seq, token_id):
             update.finish_reason, update.stop_reason = seq.status.value, seq.stop_reason
 
     def _fork(self, parent: Sequence, child: Sequence) -> None:
@@ -426,15 +427,21 @@ class Scheduler:
         update.prompt_logprobs.extend(fresh)
         seq.num_prompt_logprobs += len(fresh)
 
-    def _check_stop(self, seq: Sequence, token_id: int) -> None:
+    def _check_stop(self, seq: Sequence, token_id: int) -> bool:
+        """Finish the sequence if ``token_id`` (just appended) ends it; whether it did."""
         num_out = len(seq.output_token_ids)
-        if num_out >= seq.params.min_tokens:
-            if token_id in self.eos_token_ids and not seq.params.ignore_eos:
-                return self._finish(seq, SequenceStatus.FINISHED_STOPPED, None)
-            if token_id in seq.params.stop_token_ids:
-                return self._finish(seq, SequenceStatus.FINISHED_STOPPED, token_id)
+        params = seq.params
+        if num_out >= params.min_tokens:
+            if token_id in self.eos_token_ids and not params.ignore_eos:
+                self._finish(seq, SequenceStatus.FINISHED_STOPPED, None)
+                return True
+            if token_id in params.stop_token_ids:
+                self._finish(seq, SequenceStatus.FINISHED_STOPPED, token_id)
+                return True
         if num_out >= seq.max_output_tokens or seq.num_tokens >= self.max_model_len:
             self._finish(seq, SequenceStatus.FINISHED_LENGTH)
+            return True
+        return False
 
     def finish_by_stop_string(self, seq: Sequence, stop: str) -> None:
         if not seq.status.is_finished:
