@@ -41,6 +41,7 @@ sys.path.insert(0, str(TREE))
 
 from benchmarks.workload import write_report  # noqa: E402
 from services.scheduler.engine_core import EngineCore  # noqa: E402
+from services.scheduler.executor import InProcessExecutor  # noqa: E402
 from services.scheduler.scheduler import SchedulerLimits  # noqa: E402
 from shared.sampling_params import SamplingParams  # noqa: E402
 from shared.step_protocol import Sample, SequenceOutput, StepPlan, StepResult, WorkerInfo  # noqa: E402
@@ -59,25 +60,16 @@ class InstantWorker:
                                dtype="float32", num_cpu_blocks=0)
         self._tokens: dict[int, int] = {}  # seq id -> tokens the worker knows
         self._siblings: dict[int, int] = {}  # seq id -> siblings still to fork from its first sample
-        self._results: list[StepResult] = []
-        self.busy_s = 0.0  # seconds spent in execute through submit: the worker's share, not the scheduler's
+        self.busy_s = 0.0  # seconds spent in execute: the worker's share, not the scheduler's
         self.plans: list[StepPlan] = []
 
-    def worker_info(self) -> WorkerInfo:
-        return self.info
-
-    def submit(self, plan: StepPlan) -> None:
-        started = time.perf_counter()
-        self._results.append(self.execute(plan))
-        self.busy_s += time.perf_counter() - started  # the stand-in's own time, left out of the scheduler's
-
-    def wait(self) -> StepResult:
-        return self._results.pop(0)
-
-    def shutdown(self) -> None:
-        pass
-
     def execute(self, plan: StepPlan) -> StepResult:
+        started = time.perf_counter()
+        result = self._execute(plan)
+        self.busy_s += time.perf_counter() - started  # the stand-in's own time, left out of the scheduler's
+        return result
+
+    def _execute(self, plan: StepPlan) -> StepResult:
         self.plans.append(plan)
         for fork in plan.forks:
             self._tokens[fork.child_seq_id] = self._tokens[fork.parent_seq_id]
@@ -110,7 +102,7 @@ def decoding_engine(requests: int, n: int, max_tokens: int, block_size: int) -> 
     """``requests`` × ``n`` sequences past their prompts (siblings forked), each decoding from now on."""
     worker = InstantWorker(num_blocks=requests * n * (MAX_MODEL_LEN // block_size), block_size=block_size,
                            max_model_len=MAX_MODEL_LEN)
-    engine = EngineCore(worker, SchedulerLimits(max_num_seqs=requests * n, max_num_batched_tokens=8192,
+    engine = EngineCore(InProcessExecutor(worker), SchedulerLimits(max_num_seqs=requests * n, max_num_batched_tokens=8192,
                                                 enable_chunked_prefill=True))
     rng = random.Random(0)
     params = SamplingParams(n=n, temperature=1.0 if n > 1 else 0.0, max_tokens=max_tokens, ignore_eos=True)

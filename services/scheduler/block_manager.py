@@ -65,8 +65,7 @@ class BlockManager:
 
     def block_table(self, seq_id: int, start: int = 0) -> list[int]:
         """The physical block ids of the sequence's table, from logical block ``start`` on."""
-        table = self._tables.get(seq_id, ())
-        return [block.block_id for block in table[start:]] if start < len(table) else []
+        return [block.block_id for block in self._tables.get(seq_id, ())[start:]]
 
     def num_table_blocks(self, seq_id: int) -> int:
         return len(self._tables.get(seq_id, ()))
