@@ -311,6 +311,23 @@ def test_grpc_abort_ends_the_stream(stack):
     assert wait_blocks_free(stack)["kv_blocks_used"] == 0
 
 
+def test_grpc_cancel_aborts_and_the_id_may_be_reused_at_once(stack):
+    with grpc.insecure_channel(f"127.0.0.1:{stack.grpc_port}") as channel:
+        stub = api_grpc.GenerationStub(channel)
+        for attempt in range(5):
+            long = api.GenerateRequest(request_id="grpc-reuse", text="Hello",
+                                       params=api.SamplingParameters(max_tokens=480, ignore_eos=True, n=2))
+            stream = stub.Generate(long, timeout=30)
+            next(stream)
+            stream.cancel()
+            short = api.GenerateRequest(request_id="grpc-reuse", text="Hello",
+                                        params=api.SamplingParameters(max_tokens=3, ignore_eos=True))
+            replies = list(stub.Generate(short, timeout=30))
+            assert replies[-1].finish_reason == "length", attempt
+    after = wait_blocks_free(stack)
+    assert after["kv_blocks_used"] == 0 and after["num_requests_running"] == 0
+
+
 # --- bad requests ---------------------------------------------------------------------------------------
 
 

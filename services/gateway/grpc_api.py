@@ -7,6 +7,7 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
+from services.gateway.call_ids import CallIds
 from services.gateway.generation import Generator, Overloaded, SeqDelta, TokenLogprob, new_request_id
 from shared.grpc_errors import status_for
 from shared.logging import bind_request_id, clear_request_id, setup_logging
@@ -32,14 +33,15 @@ def _token_logprob(entry: TokenLogprob) -> api.TokenLogprob:
 
 
 class GenerationServicer(api_grpc.GenerationServicer):
-    def __init__(self, gen: Generator):
+    def __init__(self, gen: Generator, call_ids: CallIds | None = None):
         self.gen = gen
+        self.call_ids = call_ids or CallIds()
 
     async def Generate(self, request, context):
         request_id = request.request_id or new_request_id()
         bind_request_id(request_id)
         try:
-            async with self.gen.admitted():
+            async with self.call_ids.claim(request_id), self.gen.admitted():
                 model = await self.gen.model()
                 model.check_name(request.model)
                 params = SamplingParams.from_proto(request.params)
@@ -47,16 +49,25 @@ class GenerationServicer(api_grpc.GenerationServicer):
                     else list(request.token_ids.ids)
                 # The engine request keeps the client's id, so Abort(request_id) reaches it.
                 (run,) = await self.gen.start(model, request_id, [prompt], params, suffix_ids=False)
-                first = True
-                async for delta in run:
-                    yield self._response(request_id, delta, run, first)
-                    first = False
+                try:
+                    await self._stream(context, request_id, run)
+                finally:
+                    run.cancel()  # a cancelled stream: abort now, before a new call reusing the id is submitted
         except grpc.aio.AbortError:
             raise
         except Exception as exc:
             await _abort_with(context, exc)
         finally:
             clear_request_id()
+
+    async def _stream(self, context: grpc.aio.ServicerContext, request_id: str, run) -> None:
+        # context.write rather than yield: a client's cancellation then lands in this coroutine and
+        # the finally above runs at once. A generator cancelled while its response was being sent
+        # is closed only later, by the event loop, and its abort would trail the next call.
+        first = True
+        async for delta in run:
+            await context.write(self._response(request_id, delta, run, first))
+            first = False
 
     @staticmethod
     def _response(request_id: str, delta: SeqDelta, run, first: bool) -> api.GenerateResponse:

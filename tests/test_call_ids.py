@@ -1,0 +1,146 @@
+"""A gRPC request id reused right after its stream was cancelled: the old call's abort goes first."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+
+import pytest
+
+from services.gateway.call_ids import CallIds
+from services.gateway.generation import SeqDelta
+from services.gateway.grpc_api import GenerationServicer
+from shared.proto import pagedserve_api_pb2 as api
+
+
+def test_a_reused_id_waits_for_the_call_before_it_to_end():
+    async def main():
+        ids, order = CallIds(grace_s=5), []
+        first_in = asyncio.Event()
+        release = asyncio.Event()
+
+        async def first():
+            async with ids.claim("a"):
+                first_in.set()
+                await release.wait()
+                order.append("first ends")
+
+        async def second():
+            async with ids.claim("a"):
+                order.append("second starts")
+
+        one = asyncio.create_task(first())
+        await first_in.wait()
+        two = asyncio.create_task(second())
+        async with ids.claim("b"):  # another id does not wait
+            order.append("other id")
+        for _ in range(20):
+            await asyncio.sleep(0)
+        release.set()
+        await asyncio.gather(one, two)
+        assert order == ["other id", "first ends", "second starts"]
+        assert len(ids) == 0  # nothing kept once the calls ended
+
+    asyncio.run(main())
+
+
+def test_a_true_duplicate_goes_ahead_after_the_grace():
+    async def main():
+        ids = CallIds(grace_s=0.05)
+        async with ids.claim("a"):
+            loop = asyncio.get_running_loop()
+            started = loop.time()
+            async with ids.claim("a"):  # the first never ends: the scheduler will refuse this one
+                waited = loop.time() - started
+            assert 0.04 <= waited < 2
+            async with ids.claim("a"):  # the duplicate's entry replaced the first's, and it has ended
+                pass
+        assert len(ids) == 0
+
+    asyncio.run(main())
+
+
+def test_a_negative_grace_is_refused():
+    with pytest.raises(ValueError, match="grace_s"):
+        CallIds(grace_s=-1)
+
+
+# --- the servicer: a cancelled call whose send was in progress ------------------------------------------
+
+
+class Stream:
+    """A run that has tokens to give until it is cancelled; it records what the scheduler would see."""
+
+    def __init__(self, request_id: str, log: list[str]):
+        self.request_id, self._log = request_id, log
+        self.prompt, self.prompt_logprobs, self.completion_tokens = [1], None, 0
+        self._cancelled = False
+
+    def cancel(self) -> None:
+        if not self._cancelled:
+            self._cancelled = True
+            self._log.append(f"abort {self.request_id}")
+
+    async def __aiter__(self):
+        index = 0
+        while True:
+            index += 1
+            yield SeqDelta(0, [index], "x")
+
+
+class Gen:
+    def __init__(self):
+        self.log: list[str] = []
+
+    def check_name(self, name: str) -> None:
+        pass
+
+    def encode(self, text: str) -> list[int]:
+        return [1]
+
+    async def model(self):
+        return self
+
+    def admitted(self):
+        return contextlib.nullcontext()  # async-capable
+
+    async def start(self, model, request_id, prompts, params, suffix_ids):
+        self.log.append(f"submit {request_id}")
+        return [Stream(request_id, self.log)]
+
+
+class SlowContext:
+    """A call's context whose first write never completes (a send in progress when the client cancels)."""
+
+    def __init__(self):
+        self.writing = asyncio.Event()
+
+    async def write(self, message) -> None:
+        self.writing.set()
+        await asyncio.Event().wait()
+
+    async def abort(self, code, details):
+        raise AssertionError(f"unexpected abort: {code} {details}")
+
+
+def test_a_cancelled_call_aborts_before_the_next_call_with_its_id_submits():
+    async def main():
+        gen = Gen()
+        servicer = GenerationServicer(gen, CallIds(grace_s=5))
+        request = api.GenerateRequest(request_id="r", text="hi")
+        old_context = SlowContext()
+        old = asyncio.create_task(servicer.Generate(request, old_context))
+        await old_context.writing.wait()
+        # gRPC starts the new call before it tells the old one that its client cancelled.
+        new_context = SlowContext()
+        new = asyncio.create_task(servicer.Generate(request, new_context))
+        for _ in range(20):
+            await asyncio.sleep(0)
+        old.cancel()
+        await new_context.writing.wait()
+        assert gen.log == ["submit r", "abort r", "submit r"]
+        new.cancel()
+        await asyncio.gather(old, new, return_exceptions=True)
+        assert gen.log[-1] == "abort r" and len(servicer.call_ids) == 0
+
+    asyncio.run(main())
