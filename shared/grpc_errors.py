@@ -16,7 +16,12 @@ class NotFound(Exception):
     """The named thing (model, request) does not exist."""
 
 
-STATUS_OF: tuple[tuple[type[BaseException], grpc.StatusCode], ...] = (
+class AlreadyExists(ValueError):
+    """A request id that is still in use (a ValueError to Python callers, ALREADY_EXISTS over gRPC)."""
+
+
+STATUS_OF: tuple[tuple[type[BaseException], grpc.StatusCode], ...] = (  # first match wins
+    (AlreadyExists, grpc.StatusCode.ALREADY_EXISTS),
     (ValueError, grpc.StatusCode.INVALID_ARGUMENT),
     (TypeError, grpc.StatusCode.INVALID_ARGUMENT),
     (NotFound, grpc.StatusCode.NOT_FOUND),
@@ -58,6 +63,8 @@ def error_for_code(code: grpc.StatusCode, details: str) -> Exception:
         return ValueError(details)
     if code == grpc.StatusCode.NOT_FOUND:
         return NotFound(details)
+    if code == grpc.StatusCode.ALREADY_EXISTS:
+        return AlreadyExists(details)
     if code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED, grpc.StatusCode.DEADLINE_EXCEEDED):
         return ServiceUnavailable(details)
     return RuntimeError(f"{code.name}: {details}")

@@ -324,6 +324,12 @@ def test_grpc_cancel_aborts_and_the_id_may_be_reused_at_once(stack):
                                         params=api.SamplingParameters(max_tokens=3, ignore_eos=True))
             replies = list(stub.Generate(short, timeout=30))
             assert replies[-1].finish_reason == "length", attempt
+        running = stub.Generate(long, timeout=30)
+        next(running)
+        with pytest.raises(grpc.RpcError) as duplicate:  # a true duplicate: refused once the grace is up
+            list(stub.Generate(short, timeout=30))
+        assert duplicate.value.code() == grpc.StatusCode.ALREADY_EXISTS and "in use" in duplicate.value.details()
+        running.cancel()
     after = wait_blocks_free(stack)
     assert after["kv_blocks_used"] == 0 and after["num_requests_running"] == 0
 

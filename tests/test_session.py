@@ -66,7 +66,7 @@ def test_each_session_gets_only_its_own_requests():
         assert sum(len(u.new_token_ids) for _, u in got_second.outputs) == 6  # two sequences of three
         refused = {e.key: e for e in got_second.errors}
         assert refused[2].code == grpc.StatusCode.INVALID_ARGUMENT and "empty" in refused[2].message
-        assert refused[3].code == grpc.StatusCode.INVALID_ARGUMENT and "already in use" in refused[3].message
+        assert refused[3].code == grpc.StatusCode.ALREADY_EXISTS and "already in use" in refused[3].message
         assert loop.num_in_flight() == 0
     finally:
         loop.stop()

@@ -17,6 +17,7 @@ from services.scheduler.executor import Executor
 from services.scheduler.scheduler import Scheduler, SchedulerLimits
 from services.scheduler.sequence import Sequence, SequenceUpdate
 from services.scheduler.stats import EngineStats
+from shared.grpc_errors import AlreadyExists
 from shared.sampling_params import SamplingParams
 from shared.step_protocol import StepPlan, WorkerInfo
 
@@ -88,7 +89,7 @@ class EngineCore:
     def _validate(self, request_id: str, prompt: list[int], params: SamplingParams) -> None:
         info = self.info
         if request_id in self._requests:
-            raise ValueError(f"request id {request_id!r} is already in use")
+            raise AlreadyExists(f"request id {request_id!r} is already in use")
         params.check_sequences_fit(self.scheduler.limits.max_num_seqs)
         if not prompt:
             raise ValueError("the prompt is empty: give at least one token")
