@@ -57,6 +57,32 @@ def test_beam_search_equals_transformers(llama_dir, llm, beams, n, length_penalt
     assert llm.stats()["kv_blocks_used"] == 0
 
 
+@pytest.mark.parametrize("top", [0, 2, 9])  # 9: more than the group's own candidates (2 * beams)
+def test_beams_carry_their_tokens_logprobs(llama_dir, llm, top):
+    rng = random.Random(top)
+    prompt = [rng.randrange(1, 500) for _ in range(rng.randint(4, 20))]
+    plain = SamplingParams(use_beam_search=True, beam_width=3, n=2, max_tokens=6, ignore_eos=True)
+    with_logprobs = SamplingParams(use_beam_search=True, beam_width=3, n=2, max_tokens=6, ignore_eos=True, logprobs=top)
+    expected = llm.generate({"prompt_token_ids": prompt}, plain, use_tqdm=False)[0].outputs
+    outputs = llm.generate({"prompt_token_ids": prompt}, with_logprobs, use_tqdm=False)[0].outputs
+    assert [c.token_ids for c in outputs] == [c.token_ids for c in expected]  # asking for them changes nothing
+    assert all(c.logprobs is None and c.cumulative_logprob is None for c in expected)
+    model = hf_beam_model(str(llama_dir))
+    for completion in outputs:
+        tokens = completion.token_ids
+        with torch.no_grad():  # the oracle: transformers' distribution at every position of this beam
+            logits = model(torch.tensor([prompt + tokens])).logits[0, len(prompt) - 1:-1]
+        reference = torch.log_softmax(logits.float(), dim=-1)
+        assert len(completion.logprobs) == len(tokens)
+        for position, token, row in zip(completion.logprobs, tokens, reference):
+            assert position[token].logprob == pytest.approx(row[token].item(), abs=1e-4)
+            best = torch.topk(row, top).indices.tolist() if top else []
+            assert [t for t in position if position[t].rank <= top] == best
+            assert position[token].rank == 1 + int((row > row[token]).sum())
+        assert completion.cumulative_logprob == pytest.approx(sum(p[t].logprob for p, t in zip(completion.logprobs,
+                                                                                                tokens)))
+
+
 @pytest.mark.parametrize("mode", [None, "recompute", "swap"])
 def test_beams_survive_preemption(llama_dir, mode):
     rng = random.Random(5)

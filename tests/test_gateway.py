@@ -466,6 +466,17 @@ def test_beam_search_over_the_openai_api(stack, llama_dir):
                                            SamplingParams(use_beam_search=True, beam_width=3, n=2, max_tokens=6,
                                                           ignore_eos=True), use_tqdm=False)[0]
     assert [c.text for c in sorted(reply.choices, key=lambda c: c.index)] == [c.text for c in offline.outputs]
+    # With logprobs: the same text, and one entry per token (the beams once came back empty).
+    scored = client.completions.create(model=model, prompt=[5, 6, 7, 8, 9], max_tokens=6, n=2, logprobs=2,
+                                       extra_body={"use_beam_search": True, "beam_width": 3, "ignore_eos": True})
+    choices = sorted(scored.choices, key=lambda c: c.index)
+    assert [c.text for c in choices] == [c.text for c in offline.outputs]
+    assert all(len(c.logprobs.tokens) == 6 and "".join(c.logprobs.tokens) == c.text for c in choices)
+    chat = client.chat.completions.create(model=model, messages=[{"role": "user", "content": "Hi"}], max_tokens=4,
+                                          logprobs=True, top_logprobs=1,
+                                          extra_body={"use_beam_search": True, "beam_width": 2, "ignore_eos": True})
+    content = chat.choices[0].logprobs.content
+    assert len(content) == 4 and "".join(e.token for e in content) == chat.choices[0].message.content
 
 
 def test_every_hop_logs_the_request_id(stack):

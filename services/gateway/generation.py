@@ -232,6 +232,8 @@ class Run:
         detok = self._detoks[index]
         delta = SeqDelta(index, ids, "", position=self.position)
         if params.logprobs is not None:
+            if len(message.new_logprobs) != len(ids):  # zip would drop the text of the tokens without
+                raise RuntimeError(f"the engine sent {len(ids)} tokens with {len(message.new_logprobs)} logprobs")
             delta.logprobs = []
             for token_id, position in zip(ids, message.new_logprobs):
                 delta.logprobs.append(self.model.logprob(position, text_offset=len(detok.text)))

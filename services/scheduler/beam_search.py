@@ -9,11 +9,17 @@ hypotheses scored sum / generated_length ** length_penalty, of which the best B 
 search ends when B hypotheses are finished and early_stopping is True, when no running beam can
 still beat the worst of them (early_stopping False: judged at the current length; "never":
 at the longest length when length_penalty > 0), or when every continuation hits the limit.
+
+With `logprobs=k`, a beam carries each of its tokens' log-probability, its rank among its parent's
+candidates (the top of the raw distribution, best first) and the k best of them, as a sampled
+sequence's logprobs would.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+
+from shared.step_protocol import PositionLogprobs
 
 NEG_INF = -1.0e9
 
@@ -23,6 +29,7 @@ class Beam:
     seq_id: int  # the sequence carrying this beam
     score: float  # sum of its tokens' log-probabilities
     token_ids: list[int]  # generated so far
+    positions: list[PositionLogprobs] = field(default_factory=list)  # one per token, when logprobs were asked for
 
 
 @dataclass(order=True)
@@ -31,6 +38,7 @@ class Hypothesis:
     token_ids: list[int] = field(compare=False)
     logprob_sum: float = field(compare=False)
     stopped: bool = field(compare=False)  # ended on a stop token (else by length)
+    positions: list[PositionLogprobs] = field(compare=False, default_factory=list)
 
 
 @dataclass(frozen=True)
@@ -38,6 +46,7 @@ class Continuation:
     parent_seq_id: int  # the beam it extends
     token_id: int
     score: float
+    position: PositionLogprobs | None = None  # the token's logprobs, when asked for
 
 
 @dataclass
@@ -50,13 +59,14 @@ class BeamStep:
 
 class BeamGroup:
     def __init__(self, beam_width: int, stop_token_ids: set[int], max_new_tokens: int, length_penalty: float,
-                 early_stopping: bool | str):
+                 early_stopping: bool | str, num_logprobs: int | None = None):
         self.width = beam_width
         self.stop_token_ids = stop_token_ids
         self.max_new_tokens = max_new_tokens
         self.length_penalty = length_penalty
         self.early_stopping = early_stopping
         self.num_candidates = max(2, 1 + len(stop_token_ids)) * beam_width
+        self.num_logprobs = num_logprobs  # k of logprobs=k; None: no logprobs kept
         self.beams: dict[int, Beam] = {}
         self.finished: list[Hypothesis] = []  # at most `width`, best first
         self.improvable = True  # transformers' early-stop heuristic, still unsatisfied
@@ -83,14 +93,16 @@ class BeamGroup:
         return self._select()
 
     def _select(self) -> BeamStep:
-        ranked = sorted(((beam.score + lp, beam.seq_id, token) for beam in self.beams.values()
-                         for token, lp in self._pending[beam.seq_id]), key=lambda c: -c[0])[:self.num_candidates]
-        self._pending = {}
+        ranked = sorted(((beam.score + lp, beam.seq_id, token, rank) for beam in self.beams.values()
+                         for rank, (token, lp) in enumerate(self._pending[beam.seq_id], start=1)),
+                        key=lambda c: -c[0])[:self.num_candidates]
         length = self.generated + 1
         at_limit = length >= self.max_new_tokens
-        continuations = [Continuation(seq_id, token, score) for score, seq_id, token in ranked
+        continuations = [Continuation(seq_id, token, score, self._position(seq_id, rank))
+                         for score, seq_id, token, rank in ranked
                          if token not in self.stop_token_ids and not at_limit][:self.width]
         self._collect_finished(ranked[:self.width], length, at_limit)
+        self._pending = {}
         self.improvable = self._still_improvable(continuations, length)
         full = len(self.finished) == self.width
         done = not self.improvable or (full and self.early_stopping is True) or not continuations
@@ -99,12 +111,23 @@ class BeamGroup:
     def _collect_finished(self, best: list[tuple[float, int, int]], length: int, at_limit: bool) -> None:
         if not self.improvable or (len(self.finished) == self.width and self.early_stopping is True):
             return
-        for score, seq_id, token in best:
+        for score, seq_id, token, rank in best:
             if token in self.stop_token_ids or at_limit:
-                tokens = self.beams[seq_id].token_ids + [token]
-                self.finished.append(Hypothesis(score / length ** self.length_penalty, tokens, score,
-                                                token in self.stop_token_ids))
+                beam = self.beams[seq_id]
+                position = self._position(seq_id, rank)
+                self.finished.append(Hypothesis(score / length ** self.length_penalty, beam.token_ids + [token], score,
+                                                token in self.stop_token_ids,
+                                                beam.positions + [position] if position else []))
         self.finished = sorted(self.finished, reverse=True)[:self.width]
+
+    def _position(self, seq_id: int, rank: int) -> PositionLogprobs | None:
+        """The logprobs of the rank-th candidate of a beam's pending step (None when none were asked for)."""
+        if self.num_logprobs is None:
+            return None
+        candidates = self._pending[seq_id]
+        token, logprob = candidates[rank - 1]
+        top = candidates[:self.num_logprobs]
+        return PositionLogprobs(token, logprob, rank, [t for t, _ in top], [lp for _, lp in top])
 
     def _still_improvable(self, continuations: list[Continuation], length: int) -> bool:
         if not self.improvable or len(self.finished) < self.width or not continuations:
@@ -118,7 +141,8 @@ class BeamGroup:
 
     def advance(self, continuations: list[Continuation], seq_ids: list[int]) -> None:
         """The chosen continuations now live in these sequences (the parent's own or a fork)."""
-        self.beams = {seq_id: Beam(seq_id, c.score, self.beams[c.parent_seq_id].token_ids + [c.token_id])
+        self.beams = {seq_id: Beam(seq_id, c.score, self.beams[c.parent_seq_id].token_ids + [c.token_id],
+                                   self.beams[c.parent_seq_id].positions + [c.position] if c.position else [])
                       for c, seq_id in zip(continuations, seq_ids)}
 
     def best(self, n: int) -> list[Hypothesis]:

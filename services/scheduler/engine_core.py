@@ -75,11 +75,12 @@ class EngineCore:
                           arrival: int, cache_salt: str | None) -> None:
         """One sequence to start with; the beams fork from it as the search goes."""
         stops = set(params.stop_token_ids) | (set() if params.ignore_eos else set(self.info.eos_token_ids))
-        group = BeamGroup(params.num_beams, stops, max_output, params.length_penalty, params.early_stopping)
+        group = BeamGroup(params.num_beams, stops, max_output, params.length_penalty, params.early_stopping,
+                          params.logprobs)
         seq = Sequence(next(self._seq_ids), request_id, 0, list(prompt), params, max_output, arrival, cache_salt)
         # The worker returns the top candidates of the raw distribution; the group chooses.
-        seq.worker_params = SamplingParams(temperature=0, logprobs=group.num_candidates, max_tokens=None,
-                                           ignore_eos=True)
+        seq.worker_params = SamplingParams(temperature=0, logprobs=max(group.num_candidates, params.logprobs or 0),
+                                           max_tokens=None, ignore_eos=True)
         seq.beam_group = group
         group.start(seq.seq_id)
         self._requests[request_id] = seq.siblings

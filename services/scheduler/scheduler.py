@@ -415,6 +415,7 @@ class Scheduler:
     def _final_update(reporter: Sequence, index: int, hyp) -> SequenceUpdate:
         update = SequenceUpdate(reporter, index)
         update.new_token_ids = list(hyp.token_ids)
+        update.new_logprobs = list(hyp.positions)
         update.finish_reason = "stop" if hyp.stopped else "length"
         update.stop_reason = hyp.token_ids[-1] if hyp.stopped and hyp.token_ids[-1] in reporter.params.stop_token_ids \
             else None
