@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import re
+import threading
+import types
 
 import pytest
 
@@ -68,3 +71,68 @@ def test_a_client_request_id_that_repeats_gives_distinct_engine_ids(monkeypatch)
     for _ in range(2):  # X-Request-Id is a tracing header: a retry or a proxy may send it again
         asyncio.run(gen.start(AnyPrompt(), "same", [[1, 2]], SamplingParams(max_tokens=4)))
     assert len(set(client.submitted)) == 2 and all(i.startswith("same-") for i in client.submitted)
+
+
+# --- tokenization runs off the event loop --------------------------------------------------------
+
+
+class ThreadRecordingTokenizer:
+    """Records the thread that tokenizes or renders: a megabyte prompt takes seconds."""
+    chat_template = "{{ messages }}"
+
+    def __init__(self):
+        self.threads: list[int] = []
+
+    def __call__(self, text, add_special_tokens=True):
+        self.threads.append(threading.get_ident())
+        return types.SimpleNamespace(input_ids=[1, 2, 3])
+
+    def apply_chat_template(self, messages, **kwargs):
+        self.threads.append(threading.get_ident())
+        return "rendered"
+
+
+class Submitted(Exception):
+    pass
+
+
+class RefusingGen:
+    """Enough of a Generator for a request to reach start(), which stops it."""
+
+    def __init__(self, tokenizer):
+        self.model_card = generation.Model("m", 512, 512, 20, tokenizer)
+
+    def admitted(self):
+        return contextlib.nullcontext()
+
+    async def model(self):
+        return self.model_card
+
+    async def start(self, *args, **kwargs):
+        raise Submitted
+
+
+def test_prompts_are_tokenized_off_the_event_loop():
+    from services.gateway.grpc_api import GenerationServicer
+    from services.gateway.openai_api import create_chat_completion, create_completion
+    from services.gateway.protocol import ChatCompletionRequest, CompletionRequest
+    from shared.proto import pagedserve_api_pb2 as api
+
+    class Context:
+        async def abort(self, code, details):
+            raise Submitted(details)
+
+    async def main():
+        tokenizer = ThreadRecordingTokenizer()
+        gen = RefusingGen(tokenizer)
+        with pytest.raises(Submitted):
+            await create_completion(gen, CompletionRequest(prompt=["a", "b"], max_tokens=2), "r1")
+        with pytest.raises(Submitted):
+            await create_chat_completion(gen, ChatCompletionRequest(messages=[{"role": "user", "content": "hi"}],
+                                                                    max_tokens=2), "r2")
+        with pytest.raises(Submitted):
+            await GenerationServicer(gen).Generate(api.GenerateRequest(text="hi"), Context())
+        return threading.get_ident(), tokenizer.threads
+
+    loop_thread, threads = asyncio.run(main())
+    assert len(threads) == 5 and loop_thread not in threads

@@ -3,6 +3,8 @@ with grpc.health.v1 and server reflection."""
 
 from __future__ import annotations
 
+import asyncio
+
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
@@ -45,8 +47,9 @@ class GenerationServicer(api_grpc.GenerationServicer):
                 model = await self.gen.model()
                 model.check_name(request.model)
                 params = SamplingParams.from_proto(request.params)
-                prompt = model.encode(request.text) if request.WhichOneof("prompt") == "text" \
-                    else list(request.token_ids.ids)
+                # Off the event loop, as over HTTP: a huge prompt must not stall the other streams.
+                prompt = await asyncio.to_thread(model.encode, request.text) \
+                    if request.WhichOneof("prompt") == "text" else list(request.token_ids.ids)
                 # The engine request keeps the client's id, so Abort(request_id) reaches it.
                 (run,) = await self.gen.start(model, request_id, [prompt], params, suffix_ids=False)
                 try:

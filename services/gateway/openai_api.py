@@ -6,6 +6,7 @@ Choice k of a completions request with several prompts is prompt k // n, sequenc
 
 from __future__ import annotations
 
+import asyncio
 import json
 import time
 from collections import defaultdict
@@ -31,7 +32,9 @@ async def _answer(gen: Generator, body, request_id: str, reply_class):
         model = await gen.model()
         model.check_name(body.model)
         params = body.checked_params()
-        prompts, texts = reply_class.prompts(model, body)
+        # Off the event loop: a megabyte prompt takes seconds to tokenize (or render and tokenize),
+        # and every other stream would wait that long (the tokenizer lets go of the GIL).
+        prompts, texts = await asyncio.to_thread(reply_class.prompts, model, body)
         runs = await gen.start(model, request_id, prompts, params)
         reply = reply_class(model, body, f"{reply_class.id_prefix}-{request_id}", runs, texts)
         if not body.stream:
