@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import inspect
 from pathlib import Path
 
 
@@ -18,12 +19,23 @@ def load_tokenizer(path: str | Path):
 
 
 def render_chat(tokenizer, messages: list[dict], add_generation_prompt: bool = True,
-                chat_template: str | None = None) -> str:
-    """The conversation as prompt text, through the tokenizer's chat template."""
+                chat_template: str | None = None, continue_final_message: bool = False,
+                template_kwargs: dict | None = None) -> str:
+    """The conversation as prompt text, through the tokenizer's chat template.
+
+    continue_final_message leaves the last message open, for the model to go on with it;
+    template_kwargs are extra variables for the template (e.g. enable_thinking)."""
     if chat_template is None and not getattr(tokenizer, "chat_template", None):
         raise ValueError("the tokenizer has no chat template; pass chat_template=... or use generate()")
     for i, message in enumerate(messages):
         if not isinstance(message, dict) or "role" not in message or "content" not in message:
             raise ValueError(f"message {i} must be a dict with 'role' and 'content'")
+    if continue_final_message and (add_generation_prompt or not messages):
+        raise ValueError("continue_final_message needs add_generation_prompt=False and a message to continue")
+    template_kwargs = template_kwargs or {}
+    taken = set(template_kwargs) & set(inspect.signature(tokenizer.apply_chat_template).parameters)
+    if taken:  # they would change how the template is applied, not what it sees
+        raise ValueError(f"chat template variable {sorted(taken)[0]!r} is reserved")
     return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt,
-                                         chat_template=chat_template)
+                                         chat_template=chat_template, continue_final_message=continue_final_message,
+                                         **template_kwargs)

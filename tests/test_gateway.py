@@ -124,6 +124,25 @@ def test_n_logprobs_and_usage(client, llama_dir):
     assert reply.usage.total_tokens == reply.usage.prompt_tokens + 15
 
 
+def test_chat_template_options(client, offline, llama_dir):
+    """vLLM's add_generation_prompt and continue_final_message reach the template as offline."""
+    messages = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Well, "}]
+    greedy = SamplingParams(temperature=0, max_tokens=5)
+    for options in ({"add_generation_prompt": False, "continue_final_message": True},
+                    {"add_generation_prompt": False}, {"chat_template_kwargs": {"unused_variable": 1}}):
+        reply = client.chat.completions.create(model=llama_dir.name, messages=messages, temperature=0, max_tokens=5,
+                                               extra_body=options)
+        offline_options = {k: v for k, v in options.items() if k != "chat_template_kwargs"}
+        expected = offline.chat(messages, greedy, use_tqdm=False, chat_template_kwargs=options.get(
+            "chat_template_kwargs"), **offline_options)[0]
+        assert reply.usage.prompt_tokens == len(expected.prompt_token_ids), options
+        assert reply.choices[0].message.content == expected.outputs[0].text, options
+    plain = offline.chat(messages, greedy, use_tqdm=False)[0]
+    continued = offline.chat(messages, greedy, use_tqdm=False, add_generation_prompt=False,
+                             continue_final_message=True)[0]
+    assert continued.prompt.endswith("Well, ") and not plain.prompt.endswith("Well, ")
+
+
 def test_chat_logprobs(client, llama_dir):
     reply = client.chat.completions.create(model=llama_dir.name, messages=[{"role": "user", "content": "Hi"}],
                                            max_tokens=4, temperature=0, logprobs=True, top_logprobs=2,
@@ -390,6 +409,26 @@ def test_bad_requests_get_openai_errors(stack, client, llama_dir):
               "stop_token_ids": [3], "skip_special_tokens": False, "include_stop_str_in_output": False, "seed": 3,
               "logit_bias": {"7": 1.5}, "best_of": 1, "user": "someone"}
     assert httpx.post(url, json={**ok, **extras}).status_code == 200
+    # What would change the kind of answer, and this engine does not do, is refused by name.
+    for name, value in [("guided_json", {"type": "object"}), ("guided_choice", ["a", "b"]),
+                        ("allowed_token_ids", [1, 2]), ("response_format", json_mode), ("prompt_logprobs", 1),
+                        ("stream_options", {"include_usage": True})]:
+        assert _error(httpx.post(url, json={**ok, name: value}), 400)["param"] == name, name
+    assert httpx.post(url, json={**ok, "guided_json": None}).status_code == 200  # null is not asking
+    functions = [{"name": "f", "parameters": {"type": "object"}}]
+    assert _error(httpx.post(chat, json={**hi, "functions": functions}), 400)["param"] == "functions"
+    assert _error(httpx.post(chat, json={**hi, "echo": True}), 400)["param"] == "echo"
+    assert _error(httpx.post(chat, json={**hi, "continue_final_message": True}), 400)["param"] == \
+        "continue_final_message"
+    assert "reserved" in _error(httpx.post(chat, json={**hi, "chat_template_kwargs": {"tokenize": True}}),
+                                400)["message"]
+    # An explicit null is the field's default, as the openai client sends for None.
+    nulls = httpx.post(url, json={**ok, "n": None, "stream": None, "echo": None, "stream_options": None,
+                                  "temperature": None})
+    assert nulls.status_code == 200 and len(nulls.json()["choices"]) == 1
+    reply = client.chat.completions.create(model=llama_dir.name, messages=hi["messages"], max_tokens=2, n=None,
+                                           logprobs=None, stream=None)
+    assert len(reply.choices) == 1
     # ... and the server still serves correctly.
     reply = client.completions.create(model=llama_dir.name, prompt="Hello", max_tokens=3, temperature=0)
     assert reply.choices[0].finish_reason in ("stop", "length")
@@ -397,11 +436,18 @@ def test_bad_requests_get_openai_errors(stack, client, llama_dir):
 
 
 def test_context_length(client, llama_dir):
-    # max_tokens absent: generate up to the context length.
+    # max_tokens null: generate up to the context length (absent: OpenAI's 16, for completions).
     prompt = list(range(10, 10 + 500))
-    reply = client.completions.create(model=llama_dir.name, prompt=prompt, temperature=0,
+    reply = client.completions.create(model=llama_dir.name, prompt=prompt, temperature=0, max_tokens=None,
                                       extra_body={"ignore_eos": True})
     assert reply.usage.completion_tokens == 12 and reply.choices[0].finish_reason == "length"
+    with pytest.raises(openai.BadRequestError, match="516"):
+        client.completions.create(model=llama_dir.name, prompt=prompt)
+    short = client.completions.create(model=llama_dir.name, prompt=[5, 6], extra_body={"ignore_eos": True})
+    assert short.usage.completion_tokens == 16
+    chat = client.chat.completions.create(model=llama_dir.name, messages=[{"role": "user", "content": "Hi"}],
+                                          extra_body={"ignore_eos": True})
+    assert chat.usage.prompt_tokens + chat.usage.completion_tokens == 512
     with pytest.raises(openai.BadRequestError, match="512"):
         client.completions.create(model=llama_dir.name, prompt=prompt, max_tokens=13)
     with pytest.raises(openai.BadRequestError, match="context length"):

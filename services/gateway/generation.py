@@ -106,9 +106,9 @@ class Model:
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         return list(self.tokenizer(text, add_special_tokens=add_special_tokens).input_ids)
 
-    def encode_chat(self, messages: list[dict]) -> tuple[str, list[int]]:
+    def encode_chat(self, messages: list[dict], **template_options) -> tuple[str, list[int]]:
         # As the offline LLM.chat does: the template already holds any special tokens.
-        text = render_chat(self.tokenizer, messages)
+        text = render_chat(self.tokenizer, messages, **template_options)
         return text, self.encode(text, add_special_tokens=False)
 
     def decode(self, token_ids: list[int]) -> str:

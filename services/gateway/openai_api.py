@@ -211,7 +211,10 @@ class _Chat(_Reply):
 
     @staticmethod
     def prompts(model: Model, body: ChatCompletionRequest) -> tuple[list[list[int]], list[str]]:
-        text, ids = model.encode_chat([m.as_dict() for m in body.messages])
+        text, ids = model.encode_chat([m.as_dict() for m in body.messages],
+                                      add_generation_prompt=body.add_generation_prompt,
+                                      continue_final_message=body.continue_final_message,
+                                      template_kwargs=body.chat_template_kwargs)
         return [ids], [text]
 
     def opening_choices(self) -> list[list[dict]]:

@@ -1,16 +1,18 @@
 """OpenAI request bodies (plus the vLLM extension fields), and their SamplingParams.
 
 Fields OpenAI defines but the engine cannot honour either have a clear 400
-(best_of other than n, suffix, non-text content, tools the model may call, a structured
-response_format) or are accepted and ignored (user, metadata, ...: extra="allow"), but
-never where ignoring them would hand back an answer of another kind than the one asked for.
+(best_of other than n, suffix, non-text content, tools or functions the model may call, a
+structured response_format, vLLM's guided decoding) or are accepted and ignored (user,
+metadata, ...: extra="allow"), but never where ignoring them would hand back an answer of
+another kind than the one asked for. An explicit null means the field's default, as the
+openai client sends null for a None argument.
 """
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from services.gateway.generation import InvalidParameter
 from shared.sampling_params import SamplingParams
@@ -18,6 +20,24 @@ from shared.sampling_params import SamplingParams
 
 class StreamOptions(BaseModel):
     include_usage: bool = False
+
+    @field_validator("include_usage", mode="before")
+    @classmethod
+    def _null_is_default(cls, value: Any) -> Any:
+        return False if value is None else value
+
+
+# vLLM's and OpenAI's fields that change what comes back, which this engine does not do: refused
+# when given (not null), rather than answered with plain text.
+UNSUPPORTED = {
+    "guided_json": "guided decoding", "guided_regex": "guided decoding", "guided_choice": "guided decoding",
+    "guided_grammar": "guided decoding", "structured_outputs": "guided decoding",
+    "allowed_token_ids": "restricting the vocabulary", "bad_words": "banning words",
+    "prompt_logprobs": "prompt logprobs over this API (use echo with logprobs)",
+    "truncate_prompt_tokens": "prompt truncation", "return_tokens_as_token_ids": "token ids as tokens",
+    "logits_processors": "logits processors", "chat_template": "a chat template per request",
+    "functions": "function calling", "function_call": "function calling",
+}
 
 
 class _Sampling(BaseModel):
@@ -50,13 +70,28 @@ class _Sampling(BaseModel):
     beam_width: int | None = None
     length_penalty: float | None = None
     early_stopping: bool | Literal["never"] | None = None
+    spaces_between_special_tokens: bool | None = None
 
     _PASSED = ("n", "temperature", "top_p", "presence_penalty", "frequency_penalty", "seed", "top_k", "min_p",
                "repetition_penalty", "min_tokens", "ignore_eos", "stop_token_ids", "skip_special_tokens",
-               "include_stop_str_in_output", "use_beam_search", "beam_width", "length_penalty", "early_stopping")
+               "include_stop_str_in_output", "use_beam_search", "beam_width", "length_penalty", "early_stopping",
+               "spaces_between_special_tokens")
+
+    @field_validator("n", "stream", mode="before")
+    @classmethod
+    def _null_is_default(cls, value: Any, info) -> Any:
+        return cls.model_fields[info.field_name].default if value is None else value
+
+    def check_supported(self, unsupported: dict[str, str] = UNSUPPORTED) -> None:
+        for name, value in (self.model_extra or {}).items():
+            if name in unsupported and value is not None and not (name == "function_call" and value == "none"):
+                raise InvalidParameter(f"{name} is not supported: this server does no {unsupported[name]}", name)
+        if self.stream_options is not None and not self.stream:
+            raise InvalidParameter("stream_options is only allowed with stream=true", "stream_options")
 
     def sampling_params(self, max_tokens: int | None, logprobs: int | None,
                         prompt_logprobs: int | None = None) -> SamplingParams:
+        self.check_supported()
         kwargs = {name: getattr(self, name) for name in self._PASSED if getattr(self, name) is not None}
         try:
             bias = {int(k): v for k, v in self.logit_bias.items()} if self.logit_bias else None
@@ -80,8 +115,17 @@ class CompletionRequest(_Sampling):
     logprobs: int | None = None
     best_of: int | None = None
     suffix: str | None = None
+    # OpenAI's and vLLM's default for completions; an explicit null runs up to the context length.
+    max_tokens: int | None = Field(16, description="null: up to the context length")
+    response_format: dict | None = None
+
+    @field_validator("echo", mode="before")
+    @classmethod
+    def _null_echo(cls, value: Any) -> Any:
+        return False if value is None else value
 
     def checked_params(self) -> SamplingParams:
+        _check_text_format(self.response_format)
         if self.best_of is not None and self.best_of < self.n:
             raise InvalidParameter(f"best_of must be >= n, got best_of={self.best_of} and n={self.n}", "best_of")
         if self.best_of is not None and self.best_of > self.n:
@@ -132,17 +176,35 @@ class ChatCompletionRequest(_Sampling):
     tools: list[dict] | None = None
     tool_choice: str | dict | None = None
     response_format: dict | None = None
+    # vLLM's chat template extensions
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    chat_template_kwargs: dict[str, Any] | None = None
+
+    @field_validator("logprobs", "add_generation_prompt", "continue_final_message", mode="before")
+    @classmethod
+    def _null_flag(cls, value: Any, info) -> Any:
+        return cls.model_fields[info.field_name].default if value is None else value
 
     def checked_params(self) -> SamplingParams:
         if self.top_logprobs is not None and not self.logprobs:
             raise InvalidParameter("top_logprobs needs logprobs=true", "top_logprobs")
         if self.tools and self.tool_choice != "none":
             raise InvalidParameter("tool calling is not supported: send no tools, or tool_choice='none'", "tools")
-        kind = (self.response_format or {}).get("type", "text")
-        if kind != "text":
-            raise InvalidParameter(f"response_format type {kind!r} is not supported (no structured output); "
-                                   "use 'text'", "response_format")
+        _check_text_format(self.response_format)
+        if (self.model_extra or {}).get("echo"):
+            raise InvalidParameter("echo is not supported for chat completions", "echo")
+        if self.continue_final_message and self.add_generation_prompt:
+            raise InvalidParameter("continue_final_message needs add_generation_prompt=false",
+                                   "continue_final_message")
         if not self.messages:
             raise InvalidParameter("messages must not be empty", "messages")
         max_tokens = self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
         return self.sampling_params(max_tokens, (self.top_logprobs or 0) if self.logprobs else None)
+
+
+def _check_text_format(response_format: dict | None) -> None:
+    kind = (response_format or {}).get("type", "text")
+    if kind != "text":
+        raise InvalidParameter(f"response_format type {kind!r} is not supported (no structured output); "
+                               "use 'text'", "response_format")

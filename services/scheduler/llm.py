@@ -64,10 +64,12 @@ class LLM:
 
     def chat(self, messages: list[dict] | list[list[dict]],
              sampling_params: SamplingParams | SequenceABC[SamplingParams] | None = None, use_tqdm: bool = True,
-             add_generation_prompt: bool = True, chat_template: str | None = None) -> list[RequestOutput]:
+             add_generation_prompt: bool = True, chat_template: str | None = None,
+             continue_final_message: bool = False, chat_template_kwargs: dict | None = None) -> list[RequestOutput]:
         """One conversation (a list of messages) or several; each through the chat template."""
         conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
-        prompts = [render_chat(self.tokenizer, conv, add_generation_prompt, chat_template) for conv in conversations]
+        prompts = [render_chat(self.tokenizer, conv, add_generation_prompt, chat_template, continue_final_message,
+                               chat_template_kwargs) for conv in conversations]
         token_ids = [self.tokenizer(p, add_special_tokens=False).input_ids for p in prompts]
         return self.generate([{"prompt": p, "prompt_token_ids": ids} for p, ids in zip(prompts, token_ids)],
                              sampling_params, use_tqdm)
