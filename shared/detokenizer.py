@@ -143,13 +143,17 @@ def make_decoder(tokenizer, context_ids: list[int], skip_special_tokens: bool):
 
 class IncrementalDetokenizer:
     def __init__(self, tokenizer, prompt_token_ids: list[int], *, skip_special_tokens: bool = True,
-                 stop: list[str] | None = None, include_stop_str_in_output: bool = False):
+                 stop: list[str] | None = None, include_stop_str_in_output: bool = False, min_tokens: int = 0):
         self._special = set(tokenizer.all_special_ids) if skip_special_tokens else set()
         context = [t for t in prompt_token_ids[-_CONTEXT_TOKENS:] if t not in self._special]
         self._decoder = make_decoder(tokenizer, context, skip_special_tokens)
         self.stop = list(stop or [])
         self.include_stop = include_stop_str_in_output
         self._hold = max((len(s) for s in self.stop), default=1) - 1
+        # As vLLM: no stop string ends the output before min_tokens tokens, and a match must end in
+        # the text of a token from the min_tokens-th on.
+        self._min_tokens = min_tokens
+        self._num_tokens = 0
         self.text = ""  # all decoded output text (after a stop: cut at it)
         self._released = 0  # characters of self.text already handed out
         self.stopped: str | None = None
@@ -158,11 +162,13 @@ class IncrementalDetokenizer:
         """Feed new output tokens; returns the text that is now safe to show."""
         if self.stopped is None:
             for token_id in token_ids:
+                self._num_tokens += 1
                 if token_id in self._special:
                     continue
                 checked = len(self.text)
                 self.text += self._decoder.step(token_id)
-                if self.stop and self._check_stop(max(0, checked - self._hold)):
+                past_min = self._num_tokens >= self._min_tokens
+                if self.stop and past_min and self._check_stop(max(0, checked - self._hold)):
                     break
         return self._release(final=self.stopped is not None)
 

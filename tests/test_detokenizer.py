@@ -79,6 +79,18 @@ def test_include_stop_str_in_output(tokenizer):
     assert detok.text == "alpha beta"
 
 
+def test_no_stop_string_ends_the_output_before_min_tokens(tokenizer):
+    ids = tokenizer("a b a b a b", add_special_tokens=False).input_ids
+    first_b = next(i for i in range(len(ids)) if "b" in tokenizer.decode(ids[:i + 1]))
+    for min_tokens in (0, first_b + 1, first_b + 2):
+        detok = IncrementalDetokenizer(tokenizer, [], stop=["b"], min_tokens=min_tokens)
+        used = next((i + 1 for i, t in enumerate(ids) if detok.append([t]).stop), None)
+        # The first "b" to end in a token from the min_tokens-th on stops it, as in vLLM.
+        ends = [i + 1 for i in range(len(ids)) if tokenizer.decode(ids[:i + 1]).endswith("b")]
+        assert used == next(n for n in ends if n >= min_tokens), min_tokens
+        assert detok.text == tokenizer.decode(ids[:used])[:-1]
+
+
 def test_special_tokens_are_skipped_or_kept(tokenizer):
     ids = tokenizer("hi", add_special_tokens=False).input_ids + [tokenizer.convert_tokens_to_ids("<|im_end|>")]
     skip = IncrementalDetokenizer(tokenizer, [])

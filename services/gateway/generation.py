@@ -171,7 +171,8 @@ class Run:
         self._first = None
         self._detoks = [IncrementalDetokenizer(model.tokenizer, prompt, stop=params.stop,
                                                skip_special_tokens=params.skip_special_tokens,
-                                               include_stop_str_in_output=params.include_stop_str_in_output)
+                                               include_stop_str_in_output=params.include_stop_str_in_output,
+                                               min_tokens=params.min_tokens)
                         for _ in range(params.n)]
         self._done = [False] * params.n
         self.completion_tokens = 0

@@ -23,7 +23,8 @@ class RequestTracker:
                                              [] if params.logprobs is not None else None) for i in range(params.n)]
         self.detokenizers = [IncrementalDetokenizer(tokenizer, prompt_token_ids,
                                                     skip_special_tokens=params.skip_special_tokens, stop=params.stop,
-                                                    include_stop_str_in_output=params.include_stop_str_in_output)
+                                                    include_stop_str_in_output=params.include_stop_str_in_output,
+                                                    min_tokens=params.min_tokens)
                              for _ in range(params.n)]
 
     @property
