@@ -109,6 +109,17 @@ def test_token_id_prompts_and_echo(client, offline, llama_dir):
     prompt_len = echoed.usage.prompt_tokens
     assert len(choice.logprobs.tokens) == prompt_len + 3 and choice.logprobs.token_logprobs[0] is None
     assert all(isinstance(lp, float) for lp in choice.logprobs.token_logprobs[1:])
+    # text_offset points into the text, also where a character spans tokens (each alone decodes to U+FFFD).
+    for prompt in ("日本 and ü", "Hello there"):
+        echoed = client.completions.create(model=llama_dir.name, prompt=prompt, max_tokens=3, temperature=0,
+                                           echo=True, logprobs=0, extra_body={"ignore_eos": True})
+        logprobs, text = echoed.choices[0].logprobs, echoed.choices[0].text
+        offsets = logprobs.text_offset
+        assert offsets[0] == 0 and offsets == sorted(offsets) and offsets[-1] <= len(text), offsets
+        prompt_len = echoed.usage.prompt_tokens
+        assert offsets[prompt_len] == len(prompt)  # the completion starts right after the prompt's text
+        whole = [i for i in range(prompt_len) if "\ufffd" not in logprobs.tokens[i]]
+        assert all(text[offsets[i]:].startswith(logprobs.tokens[i]) for i in whole if logprobs.tokens[i]), prompt
 
 
 def test_n_logprobs_and_usage(client, llama_dir):

@@ -15,6 +15,7 @@ from contextlib import AsyncExitStack
 
 from services.gateway.generation import Generator, Model, Run, SeqDelta, TokenLogprob, merge
 from services.gateway.protocol import ChatCompletionRequest, CompletionRequest
+from shared.detokenizer import IncrementalDetokenizer
 
 
 async def create_completion(gen: Generator, body: CompletionRequest, request_id: str):
@@ -156,12 +157,16 @@ class _Completion(_Reply):
 
     def _prompt_entries(self, run: Run) -> list[TokenLogprob]:
         got = run.prompt_logprobs or []
-        entries, offset = [], 0
+        # Offsets into the prompt's text as it decodes, not sums of single-token strings: a token
+        # holding part of a character decodes alone to U+FFFD, and special tokens to their names.
+        text = IncrementalDetokenizer(self.model.tokenizer, [])
+        entries = []
         for i, token_id in enumerate(run.prompt):
             entry = got[i] if i < len(got) and got[i] is not None else \
                 TokenLogprob(token_id, self.model.token_string(token_id), None, 0, [])
-            entries.append(TokenLogprob(entry.token_id, entry.token, entry.logprob, entry.rank, entry.top, offset))
-            offset += len(entry.token)
+            entries.append(TokenLogprob(entry.token_id, entry.token, entry.logprob, entry.rank, entry.top,
+                                        len(text.text)))
+            text.append([token_id])
         return entries
 
     def _logprobs(self, position: int, prompt_entries: list[TokenLogprob], entries: list[TokenLogprob]) -> dict | None:
