@@ -5,11 +5,13 @@ from __future__ import annotations
 import asyncio
 import contextlib
 
+import grpc
 import pytest
 
 from services.gateway.call_ids import CallIds
 from services.gateway.generation import SeqDelta
 from services.gateway.grpc_api import GenerationServicer
+from shared.grpc_errors import error_for_code
 from shared.proto import pagedserve_api_pb2 as api
 
 
@@ -121,6 +123,25 @@ class SlowContext:
 
     async def abort(self, code, details):
         raise AssertionError(f"unexpected abort: {code} {details}")
+
+
+def test_a_duplicate_the_scheduler_refuses_is_already_exists():
+    class Duplicate(Gen):
+        async def start(self, *args, **kwargs):  # what the session hands back for the scheduler's refusal
+            raise error_for_code(grpc.StatusCode.ALREADY_EXISTS, "request id 'r' is already in use")
+
+    class Context:
+        async def abort(self, code, details):
+            raise Aborted(code, details)
+
+    with pytest.raises(Aborted) as refused:
+        asyncio.run(GenerationServicer(Duplicate()).Generate(api.GenerateRequest(request_id="r", text="hi"),
+                                                             Context()))
+    assert refused.value.args == (grpc.StatusCode.ALREADY_EXISTS, "request id 'r' is already in use")
+
+
+class Aborted(Exception):
+    pass
 
 
 def test_a_cancelled_call_aborts_before_the_next_call_with_its_id_submits():

@@ -9,6 +9,7 @@ import uuid
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
+from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException
@@ -23,6 +24,7 @@ log = setup_logging("gateway")
 
 REQUEST_ID = "pagedserve.request_id"  # where the middleware leaves the request id in the ASGI scope
 ENDPOINTS = {"/v1/completions", "/v1/chat/completions", "/v1/models", "/health", "/metrics"}
+RETRY_AFTER_S = 1  # told to a client turned away at --max-concurrent-requests (429)
 
 
 # --- errors ------------------------------------------------------------------------------------------
@@ -47,7 +49,8 @@ def error_response(exc: BaseException) -> JSONResponse:
     status, body = error_body(exc)
     if status >= 500:
         log.warning("request failed", status=status, error=body["error"]["message"])
-    return JSONResponse(body, status_code=status)
+    headers = {"Retry-After": str(RETRY_AFTER_S)} if status == 429 else None
+    return JSONResponse(body, status_code=status, headers=headers)
 
 
 def _validation_error(request: Request, exc: RequestValidationError) -> JSONResponse:
@@ -60,9 +63,10 @@ def _validation_error(request: Request, exc: RequestValidationError) -> JSONResp
 
 
 def _http_error(request: Request, exc: HTTPException) -> JSONResponse:
-    kind = {404: "NotFoundError", 405: "MethodNotAllowedError"}.get(exc.status_code, "BadRequestError")
-    return JSONResponse({"error": {"message": str(exc.detail), "type": kind, "param": None, "code": exc.status_code}},
-                        status_code=exc.status_code)
+    kind, code = {404: ("NotFoundError", "not_found"), 405: ("MethodNotAllowedError", "method_not_allowed")}.get(
+        exc.status_code, ("BadRequestError", "invalid_request"))
+    return JSONResponse({"error": {"message": str(exc.detail), "type": kind, "param": None, "code": code}},
+                        status_code=exc.status_code, headers=exc.headers)
 
 
 # --- request ids and counts ------------------------------------------------------------------------
@@ -153,8 +157,12 @@ class EventStream(StreamingResponse):
             await self.reply.aclose()
 
 
-def create_app(gen: Generator) -> FastAPI:
+def create_app(gen: Generator, allowed_origins: tuple[str, ...] = ("*",)) -> FastAPI:
+    """allowed_origins: the browser origins CORS lets call the API (as vLLM: any, by default; none: no CORS)."""
     app = FastAPI(title="pagedserve gateway", description="OpenAI-compatible API of pagedserve")
+    if allowed_origins:
+        app.add_middleware(CORSMiddleware, allow_origins=list(allowed_origins), allow_methods=["*"],
+                           allow_headers=["*"], expose_headers=["x-request-id"])
     app.add_middleware(RequestContext, metrics=gen.metrics)
     app.add_exception_handler(RequestValidationError, _validation_error)
     app.add_exception_handler(HTTPException, _http_error)
@@ -180,11 +188,22 @@ def create_app(gen: Generator) -> FastAPI:
     async def chat_completions(body: ChatCompletionRequest, request: Request):
         return await respond(request, create_chat_completion, body)
 
+    def model_card(model) -> dict:
+        return {"id": model.name, "object": "model", "created": int(time.time()), "owned_by": "pagedserve",
+                "max_model_len": model.max_model_len}
+
     @app.get("/v1/models")
     async def models():
-        model = await gen.model()
-        return {"object": "list", "data": [{"id": model.name, "object": "model", "created": int(time.time()),
-                                            "owned_by": "pagedserve", "max_model_len": model.max_model_len}]}
+        return {"object": "list", "data": [model_card(await gen.model())]}
+
+    @app.get("/v1/models/{model_id:path}")
+    async def model(model_id: str):
+        served = await gen.model()
+        try:
+            served.check_name(model_id)
+        except NotFound as exc:
+            return error_response(exc)
+        return model_card(served)
 
     @app.get("/health")
     async def health():

@@ -55,7 +55,8 @@ async def serve(args: argparse.Namespace) -> None:
                              idle_timeout_s=args.backend_timeout)
     gen = Generator(client, metrics, args.served_model_name, args.tokenizer, args.max_concurrent_requests)
     grpc_server, grpc_health = create_grpc_server(gen, f"{args.host}:{args.grpc_port}")
-    http = _Uvicorn(uvicorn.Config(create_app(gen), host=args.host, port=args.port, log_config=None,
+    origins = tuple(o.strip() for o in args.allowed_origins.split(",") if o.strip())
+    http = _Uvicorn(uvicorn.Config(create_app(gen, origins), host=args.host, port=args.port, log_config=None,
                                    log_level="warning", access_log=False, lifespan="off",
                                    timeout_graceful_shutdown=args.drain_timeout))
     stop = asyncio.Event()
@@ -100,6 +101,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--backend-timeout", type=float, default=120.0,
                         help="seconds the scheduler may stay silent while requests are in flight before they "
                              "are abandoned with 503")
+    parser.add_argument("--allowed-origins", default="*",
+                        help="comma-separated origins browsers may call the HTTP API from (CORS); '' turns CORS off")
     parser.add_argument("--drain-timeout", type=float, default=10.0,
                         help="seconds in-flight requests get to finish on shutdown")
     return parser
