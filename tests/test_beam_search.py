@@ -100,3 +100,13 @@ def test_beam_parameters_are_validated():
         SamplingParams(use_beam_search=True, beam_width=2, n=3)
     with pytest.raises(ValueError, match="early_stopping"):
         SamplingParams(use_beam_search=True, early_stopping="sometimes")
+
+
+@pytest.mark.parametrize("length_penalty", [1000.0, -1e30, 3e38, -3e38])
+def test_an_extreme_length_penalty_ranks_beams_instead_of_failing(llm, length_penalty):
+    """length ** penalty overflowed (or vanished) and took the engine loop down with it."""
+    params = SamplingParams(use_beam_search=True, beam_width=2, n=2, max_tokens=4, length_penalty=length_penalty)
+    out = llm.generate({"prompt_token_ids": [5, 6, 7]}, params, use_tqdm=False)[0]
+    assert len(out.outputs) == 2 and all(c.token_ids for c in out.outputs)
+    assert llm.stats()["kv_blocks_used"] == 0
+    assert llm.generate({"prompt_token_ids": [5, 6]}, SamplingParams(max_tokens=2), use_tqdm=False)[0].outputs

@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 from shared.step_protocol import PositionLogprobs
 
 NEG_INF = -1.0e9
+_LENGTH_FACTOR_RANGE = (1e-300, 1e300)  # length ** penalty kept finite and non-zero: extreme penalties rank
 
 
 @dataclass
@@ -115,10 +116,20 @@ class BeamGroup:
             if token in self.stop_token_ids or at_limit:
                 beam = self.beams[seq_id]
                 position = self._position(seq_id, rank)
-                self.finished.append(Hypothesis(score / length ** self.length_penalty, beam.token_ids + [token], score,
+                self.finished.append(Hypothesis(self._normalised(score, length), beam.token_ids + [token], score,
                                                 token in self.stop_token_ids,
                                                 beam.positions + [position] if position else []))
         self.finished = sorted(self.finished, reverse=True)[:self.width]
+
+    def _normalised(self, score: float, length: int) -> float:
+        """score / length ** length_penalty, as transformers; a penalty so large that the power
+        overflows (or vanishes) is clamped rather than raising in the engine loop."""
+        try:
+            factor = length ** self.length_penalty
+        except OverflowError:
+            factor = _LENGTH_FACTOR_RANGE[1]
+        low, high = _LENGTH_FACTOR_RANGE
+        return score / min(max(factor, low), high)
 
     def _position(self, seq_id: int, rank: int) -> PositionLogprobs | None:
         """The logprobs of the rank-th candidate of a beam's pending step (None when none were asked for)."""
@@ -136,7 +147,7 @@ class BeamGroup:
             best_length = self.max_new_tokens
         else:
             best_length = length
-        best_possible = continuations[0].score / best_length ** self.length_penalty
+        best_possible = self._normalised(continuations[0].score, best_length)
         return best_possible > self.finished[-1].score
 
     def advance(self, continuations: list[Continuation], seq_ids: list[int]) -> None:
