@@ -167,3 +167,34 @@ def test_malformed_session_events_are_refused():
     message.tokens.token_ids.extend([5])  # one token short
     with pytest.raises(ValueError, match="malformed session events"):
         list(step_outputs(message))
+
+
+def test_a_session_broken_with_any_status_fails_its_requests_as_unavailable():
+    """INTERNAL from the transport (e.g. 'Internal error from Core') was a RuntimeError: a bare 500."""
+    import asyncio
+
+    from services.gateway.scheduler_client import Session as GatewaySession
+    from shared.proto import pagedserve_internal_pb2 as wire
+
+    class BrokenCall:
+        async def read(self):
+            await asyncio.sleep(0.01)
+            raise grpc.aio.AioRpcError(grpc.StatusCode.INTERNAL, grpc.aio.Metadata(), grpc.aio.Metadata(),
+                                       details="Internal error from Core")
+
+        def cancel(self):
+            pass
+
+    class Stub:
+        def Session(self, requests):
+            return BrokenCall()
+
+    async def main():
+        session = GatewaySession(Stub(), "unix:/nowhere", idle_timeout_s=60)
+        stream = session.submit(wire.EngineRequest(request_id="r", prompt_token_ids=[1]))
+        with pytest.raises(ServiceUnavailable, match="Internal error from Core"):
+            await anext(stream)
+        assert session.closed
+        await session.close()
+
+    asyncio.run(main())

@@ -62,6 +62,11 @@ def _validation_error(request: Request, exc: RequestValidationError) -> JSONResp
     return error_response(InvalidParameter(f"{'.'.join(where)}: {first.get('msg')}", where[0] if where else None))
 
 
+def _internal_error(request: Request, exc: Exception) -> JSONResponse:
+    log.error("request failed", error=repr(exc), exc_info=exc)
+    return error_response(exc)
+
+
 def _http_error(request: Request, exc: HTTPException) -> JSONResponse:
     kind, code = {404: ("NotFoundError", "not_found"), 405: ("MethodNotAllowedError", "method_not_allowed")}.get(
         exc.status_code, ("BadRequestError", "invalid_request"))
@@ -168,6 +173,7 @@ def create_app(gen: Generator, allowed_origins: tuple[str, ...] = ("*",)) -> Fas
     app.add_exception_handler(HTTPException, _http_error)
     for kind in (ValueError, TypeError, NotFound, ServiceUnavailable, TimeoutError):
         app.add_exception_handler(kind, lambda request, exc: error_response(exc))
+    app.add_exception_handler(Exception, _internal_error)  # still an OpenAI error object, never a bare 500
 
     async def respond(request: Request, create, body):
         try:

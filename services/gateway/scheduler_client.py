@@ -158,8 +158,8 @@ class Session:
             while (events := await self._call.read()) is not grpc.aio.EOF:
                 self._last_heard = self._loop.time()
                 self._route(events)
-        except grpc.aio.AioRpcError as exc:
-            error = _domain_error(exc, self.address)
+        except grpc.aio.AioRpcError as exc:  # whatever its code, a broken session means the scheduler is not there
+            error = ServiceUnavailable(f"the scheduler at {self.address} is unavailable: {exc.details()}")
         except Exception as exc:  # a bug here must not leave requests waiting or running unseen
             log.exception("scheduler session reader failed")
             error = ServiceUnavailable(f"the session with the scheduler at {self.address} failed: {exc}")
