@@ -90,8 +90,7 @@ class Stack:
 
     def start(self, timeout_s: float = 60.0) -> "Stack":
         # All three at once: the scheduler waits for its worker, the gateway learns the model lazily.
-        self._spawn("worker", "--model", str(self.model_dir), "--listen", f"127.0.0.1:{self.worker_port}",
-                    *self.worker_args)
+        self.start_worker()
         self._spawn("scheduler", "--worker", f"127.0.0.1:{self.worker_port}", "--listen", self.scheduler_address)
         self._spawn("gateway", "--port", str(self.http_port), "--grpc-port", str(self.grpc_port),
                     "--scheduler", self.scheduler_address, *self.gateway_args)
@@ -101,6 +100,11 @@ class Stack:
             self.stop()
             raise
         return self
+
+    def start_worker(self) -> None:
+        """The worker (again, after kill("worker"): on the same address)."""
+        self._spawn("worker", "--model", str(self.model_dir), "--listen", f"127.0.0.1:{self.worker_port}",
+                    *self.worker_args)
 
     def _wait_ready(self, timeout_s: float) -> None:
         deadline = time.monotonic() + timeout_s

@@ -500,6 +500,13 @@ def test_overload_then_dead_worker_then_dead_scheduler(llama_dir, tmp_path):
         while http_get(f"{stack.base_url}/health")[0] != 503 and time.monotonic() < deadline:
             time.sleep(0.1)
         assert http_get(f"{stack.base_url}/health")[0] == 503
+        # A restarted worker is picked up: the scheduler builds a new engine on it and serves again.
+        stack.start_worker()
+        deadline = time.monotonic() + 90
+        while httpx.post(url, json={"prompt": "Hi", "max_tokens": 2}, timeout=30).status_code != 200:
+            assert time.monotonic() < deadline, stack.log_tail("scheduler")
+            time.sleep(0.5)
+        assert http_get(f"{stack.base_url}/health")[0] == 200
 
         stack.kill("scheduler")
         started = time.monotonic()

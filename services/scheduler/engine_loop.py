@@ -83,6 +83,11 @@ class EngineLoop:
     def healthy(self) -> bool:
         return self._failed is None and not self._stopping.is_set()
 
+    @property
+    def failed(self) -> bool:
+        """The loop died (its worker went away, or a bug): every request was failed, the worker let go."""
+        return self._failed is not None
+
     def num_in_flight(self) -> int:
         return len(self._requests)
 

@@ -42,10 +42,11 @@ class SchedulerServicer(wire_grpc.SchedulerServicer):
 
     def Session(self, request_iterator, context):
         session = Session(context.peer())
+        loop = self.loop  # a session belongs to the engine loop it opened on, even once that is replaced
         with grpc_errors(context):
-            self.loop.open_session(session)
-        context.add_callback(lambda: self.loop.close_session(session))  # however the stream ends
-        reader = threading.Thread(target=self._read_requests, args=(request_iterator, session),
+            loop.open_session(session)
+        context.add_callback(lambda: loop.close_session(session))  # however the stream ends
+        reader = threading.Thread(target=self._read_requests, args=(request_iterator, session, loop),
                                   name="session-reader", daemon=True)
         reader.start()
         log.info("gateway session opened", peer=session.peer)
@@ -54,14 +55,15 @@ class SchedulerServicer(wire_grpc.SchedulerServicer):
                 yield batch.to_proto()
         log.info("gateway session closed", peer=session.peer)
 
-    def _read_requests(self, request_iterator, session: Session) -> None:
+    @staticmethod
+    def _read_requests(request_iterator, session: Session, loop: EngineLoop) -> None:
         """Submissions and aborts from the gateway, handed to the engine loop without waiting."""
         try:
             for message in request_iterator:
                 if message.HasField("submit"):
-                    self._submit(session, message.submit)
+                    SchedulerServicer._submit(session, message.submit, loop)
                 else:
-                    self.loop.abort_soon(session, message.abort)
+                    loop.abort_soon(session, message.abort)
         except grpc.RpcError:
             pass  # the stream broke; the callback closes the session
         except ServiceUnavailable:
@@ -69,16 +71,17 @@ class SchedulerServicer(wire_grpc.SchedulerServicer):
         except Exception:  # a malformed message or a bug: end this gateway's session, keep serving others
             log.exception("session reader failed", peer=session.peer)
         finally:
-            self.loop.close_session(session)
+            loop.close_session(session)
 
-    def _submit(self, session: Session, submit: wire.SessionSubmit) -> None:
+    @staticmethod
+    def _submit(session: Session, submit: wire.SessionSubmit, loop: EngineLoop) -> None:
         request = submit.request
         try:
             params = SamplingParams.from_proto(request.params)
         except (ValueError, TypeError) as exc:
             session.put(SessionBatch(errors=[RequestError(submit.key, status_for(exc), str(exc))]))
             return
-        self.loop.submit(session, submit.key, request.request_id, list(request.prompt_token_ids), params)
+        loop.submit(session, submit.key, request.request_id, list(request.prompt_token_ids), params)
 
     def Abort(self, request, context):
         with grpc_errors(context):
@@ -98,10 +101,10 @@ class SchedulerServicer(wire_grpc.SchedulerServicer):
 
 
 def build_engine(worker_addresses: list[str], limits_from, watermark: float, max_logprobs: int,
-                 enable_prefix_caching: bool) -> EngineCore:
+                 enable_prefix_caching: bool, connect_timeout_s: float = 60.0) -> EngineCore:
     if len(worker_addresses) != 1:
         raise ValueError("one worker per scheduler for now (tensor parallelism comes later)")
-    executor = GrpcExecutor(worker_addresses[0])
+    executor = GrpcExecutor(worker_addresses[0], connect_timeout_s)
     limits = limits_from(executor.worker_info().max_model_len)
     return EngineCore(executor, limits, watermark, max_logprobs, enable_prefix_caching)
 
@@ -111,11 +114,16 @@ def serve(args: argparse.Namespace) -> None:
         budget = token_budget(args.max_num_batched_tokens, args.enable_chunked_prefill, max_model_len)
         return SchedulerLimits(args.max_num_seqs, budget, args.enable_chunked_prefill, args.preemption_mode)
 
-    engine = build_engine(args.worker, limits_from, args.watermark, args.max_logprobs, args.enable_prefix_caching)
+    def new_engine(connect_timeout_s: float = 60.0) -> EngineCore:
+        return build_engine(args.worker, limits_from, args.watermark, args.max_logprobs, args.enable_prefix_caching,
+                            connect_timeout_s)
+
+    engine = new_engine()
     freeze_startup_objects()
     loop = EngineLoop(engine, async_scheduling=args.async_scheduling)
+    servicer = SchedulerServicer(loop, args.max_logprobs)
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=args.max_streams), options=GRPC_OPTIONS)
-    wire_grpc.add_SchedulerServicer_to_server(SchedulerServicer(loop, args.max_logprobs), server)
+    wire_grpc.add_SchedulerServicer_to_server(servicer, server)
     health_servicer = health.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     reflection.enable_server_reflection([wire.DESCRIPTOR.services_by_name["Scheduler"].full_name,
@@ -128,6 +136,12 @@ def serve(args: argparse.Namespace) -> None:
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: stop.set())
     while not stop.wait(0.5):
+        if loop.failed:  # its requests have failed; serve again as soon as a worker answers
+            restarted = restart_engine(new_engine, args.async_scheduling)
+            if restarted is not None:
+                loop.stop()
+                servicer.loop = loop = restarted
+                engine = loop.engine
         # A dead worker (noticed by a failed step, or by probing it while idle) makes us NOT_SERVING;
         # requests then get UNAVAILABLE at once instead of hanging. While steps come back the worker
         # is plainly alive: a probe then would only wake its threads beside its compute. A worker
@@ -141,6 +155,20 @@ def serve(args: argparse.Namespace) -> None:
     loop.stop()
     unfreeze_startup_objects()
     log.info("scheduler stopped")
+
+
+def restart_engine(new_engine, async_scheduling: bool) -> EngineLoop | None:
+    """A new engine on the worker (restarted, or the same one once it let go of the old stream),
+    with fresh block tables: the old engine's requests have all been failed. None: not reachable yet."""
+    try:
+        engine = new_engine(connect_timeout_s=1.0)
+    except ServiceUnavailable:
+        return None
+    except Exception:  # e.g. a worker of another release: keep refusing, and keep saying why
+        log.exception("cannot restart the engine")
+        return None
+    log.info("engine restarted", kv_blocks=engine.info.num_kv_blocks)
+    return EngineLoop(engine, async_scheduling=async_scheduling)
 
 
 def drain(loop: EngineLoop, health_servicer, timeout_s: float) -> None:
