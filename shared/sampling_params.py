@@ -81,13 +81,15 @@ class SamplingParams:
             value = getattr(self, name)
             _check(value is None or (_is_int(value) and value >= 0), name,
                    f"must be an integer >= 0, got {value!r}")
+        # The beam fields are checked even without use_beam_search: a bad value is a bad request either way.
+        _check(self.beam_width is None or (_is_int(self.beam_width) and self.beam_width >= 1), "beam_width",
+               f"must be an integer >= 1, got {self.beam_width!r}")
+        _check(self.early_stopping in (True, False, "never"), "early_stopping",
+               f"must be True, False or 'never', got {self.early_stopping!r}")
+        _check(_is_number(self.length_penalty), "length_penalty", f"must be a number, got {self.length_penalty!r}")
         if self.use_beam_search:
             width = self.beam_width if self.beam_width is not None else self.n
-            _check(_is_int(width) and width >= 1, "beam_width", f"must be an integer >= 1, got {width!r}")
             _check(self.n <= width, "n", f"({self.n}) must not exceed beam_width ({width})")
-            _check(self.early_stopping in (True, False, "never"), "early_stopping",
-                   f"must be True, False or 'never', got {self.early_stopping!r}")
-            _check(_is_number(self.length_penalty), "length_penalty", f"must be a number, got {self.length_penalty!r}")
             _check(self.seed is None and self.min_tokens == 0 and self.logit_bias is None, "use_beam_search",
                    "cannot be combined with seed, min_tokens or logit_bias")
         for name in self._WIRE_FLOATS:  # what the float32 wire field would turn into 0 or infinity

@@ -100,6 +100,11 @@ def test_beam_parameters_are_validated():
         SamplingParams(use_beam_search=True, beam_width=2, n=3)
     with pytest.raises(ValueError, match="early_stopping"):
         SamplingParams(use_beam_search=True, early_stopping="sometimes")
+    # Bad beam fields are refused without use_beam_search too (the gRPC API accepted them).
+    with pytest.raises(ValueError, match="early_stopping"):
+        SamplingParams(early_stopping="bogus")
+    with pytest.raises(ValueError, match="beam_width"):
+        SamplingParams(beam_width=0)
 
 
 @pytest.mark.parametrize("length_penalty", [1000.0, -1e30, 3e38, -3e38])

@@ -399,6 +399,8 @@ def test_bad_requests_get_openai_errors(stack, client, llama_dir):
     assert _error(httpx.post(url, json={**ok, "n": 2, "best_of": 3}), 400)["param"] == "best_of"
     assert _error(httpx.post(url, json={**ok, "n": 3, "best_of": 2}), 400)["param"] == "best_of"
     assert _error(httpx.post(url, json={**ok, "stream": True, "max_tokens": 0}), 400)["param"] == "max_tokens"
+    assert _error(httpx.post(url, json={**ok, "max_tokens": None, "min_tokens": 2**32 - 1}), 400)["param"] == \
+        "min_tokens"
     # Refused before the gateway builds anything per sequence (2**31 detokenizers took all memory).
     assert _error(httpx.post(url, json={**ok, "n": 2**31}, timeout=10), 400)["param"] == "n"
     beams = {**ok, "use_beam_search": True, "beam_width": 10**6}

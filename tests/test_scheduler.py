@@ -167,6 +167,7 @@ def test_abort_frees_blocks_and_tells_the_worker():
     ([], SamplingParams(), "empty"),
     ([1] * 600, SamplingParams(), "context length"),
     ([1, 2, 3], SamplingParams(max_tokens=510), "exceeds the context"),
+    ([1, 2, 3], SamplingParams(max_tokens=None, min_tokens=510), "min_tokens"),
     ([1, 2, 1000], SamplingParams(), "outside the vocabulary"),
     ([1, 2], SamplingParams(stop_token_ids=[500]), "outside the vocabulary"),
     ([1, 2], SamplingParams(max_tokens=400), "could never run"),

@@ -146,6 +146,10 @@ class Model:
                 f"This model's maximum context length is {self.max_model_len} tokens. However, you requested "
                 f"{len(prompt) + params.max_tokens} tokens ({len(prompt)} in the prompt, {params.max_tokens} "
                 "for the completion). Please reduce the prompt or max_tokens.", "max_tokens")
+        if len(prompt) + params.min_tokens > self.max_model_len:
+            raise InvalidParameter(f"This model's maximum context length is {self.max_model_len} tokens, but the "
+                                   f"prompt ({len(prompt)} tokens) + min_tokens ({params.min_tokens}) exceed it.",
+                                   "min_tokens")
         for name in ("logprobs", "prompt_logprobs"):
             value = getattr(params, name)
             if value is not None and value > self.max_logprobs:

@@ -107,6 +107,9 @@ class EngineCore:
         if params.max_tokens is not None and len(prompt) + params.max_tokens > info.max_model_len:
             raise ValueError(f"prompt ({len(prompt)} tokens) + max_tokens ({params.max_tokens}) exceeds the "
                              f"context length of {info.max_model_len} tokens")
+        if len(prompt) + params.min_tokens > info.max_model_len:
+            raise ValueError(f"prompt ({len(prompt)} tokens) + min_tokens ({params.min_tokens}) exceeds the "
+                             f"context length of {info.max_model_len} tokens")
         for name in ("logprobs", "prompt_logprobs"):
             value = getattr(params, name)
             if value is not None and value > self.max_logprobs:
