@@ -612,6 +612,9 @@ def test_a_hung_scheduler_or_worker_fails_requests_and_serving_resumes(llama_dir
                 while http_get(f"{stack.base_url}/health")[0] != 503:
                     assert time.monotonic() < deadline, "a hung worker was never reported"
                     time.sleep(0.2)
+                # ... and a new request is refused at once rather than queued behind the hung step.
+                refused = _error(httpx.post(url, json={"prompt": "Hi", "max_tokens": 2}, timeout=30), 503)
+                assert "worker" in refused["message"], refused  # not the gateway's "sent nothing" timeout
             finally:
                 stack.procs["worker"].send_signal(signal.SIGCONT)
         _wait_until_answered(url)

@@ -45,6 +45,9 @@ class EngineLoop:
         self._failed: Exception | None = None
         self._closed = False
         self._last_step_done = time.monotonic()  # when a step last came back (or started from idle)
+        # Set (by the health poll) while the worker is known dead or hung: why new requests are refused
+        # at once with UNAVAILABLE, rather than queued behind a step that may never come back.
+        self.refusing: str | None = None
         self._thread = threading.Thread(target=self._run, name="engine-loop", daemon=True)
         self._thread.start()
 
@@ -58,6 +61,11 @@ class EngineLoop:
     def submit(self, session: Session, key: int, request_id: str, prompt_token_ids: list[int],
                params: SamplingParams) -> None:
         """Queue a request for admission; a refusal arrives on the session as a RequestError."""
+        refusing = self.refusing
+        if refusing is not None:
+            error = ServiceUnavailable(refusing)
+            session.put(SessionBatch(errors=[RequestError(key, status_for(error), str(error))]))
+            return
         self._post(None, self._add, session, key, request_id, prompt_token_ids, params)
 
     def abort_soon(self, session: Session, key: int) -> None:

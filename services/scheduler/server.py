@@ -148,6 +148,7 @@ def serve(args: argparse.Namespace) -> None:
         # that is hung rather than dead answers no step, so a stalled step is probed too.
         busy = loop.num_in_flight() > 0 and loop.seconds_since_last_step() < STALLED_STEP_S
         healthy = loop.healthy and (busy or engine.executor.worker_healthy())
+        loop.refusing = None if healthy else f"the worker at {engine.executor.address} is not answering"
         health_servicer.set("", health_pb2.HealthCheckResponse.SERVING if healthy
                             else health_pb2.HealthCheckResponse.NOT_SERVING)
     drain(loop, health_servicer, args.drain_timeout)
