@@ -106,7 +106,7 @@ class Gen:
     def admitted(self):
         return contextlib.nullcontext()  # async-capable
 
-    async def start(self, model, request_id, prompts, params, suffix_ids):
+    async def start(self, model, request_id, prompts, params, suffix_ids, cache_salt=None):
         self.log.append(f"submit {request_id}")
         return [Stream(request_id, self.log)]
 

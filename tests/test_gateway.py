@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import random
 import signal
 import time
 
@@ -309,6 +310,33 @@ def test_client_disconnect_aborts_the_request(stack):
     assert after["kv_blocks_used"] == 0 and after["num_steps"] - before["num_steps"] < 480
 
 
+def test_cache_salt_keeps_prefix_caches_apart(stack, llama_dir):
+    """Only requests with the same cache_salt share cached prefix blocks (REST and gRPC)."""
+    url = f"{stack.base_url}/v1/completions"
+    prompt = [random.randrange(1, 500) for _ in range(40)]  # two full blocks of 16, fresh to the cache
+    def hits_after(**fields) -> float:
+        before = engine_stats(stack)["prefix_cache_hits"]
+        assert httpx.post(url, json={"prompt": prompt, "max_tokens": 1, **fields}, timeout=30).status_code == 200
+        return engine_stats(stack)["prefix_cache_hits"] - before
+
+    assert hits_after(cache_salt="tenant-a") == 0
+    assert hits_after(cache_salt="tenant-b") == 0  # the same prompt, another tenant: nothing shared
+    assert hits_after() == 0  # nor with no salt
+    assert hits_after(cache_salt="tenant-a") > 0
+    assert hits_after() > 0
+    with grpc.insecure_channel(f"127.0.0.1:{stack.grpc_port}") as channel:
+        stub = api_grpc.GenerationStub(channel)
+        before = engine_stats(stack)["prefix_cache_hits"]
+        list(stub.Generate(api.GenerateRequest(token_ids=api.TokenIds(ids=prompt), cache_salt="tenant-c",
+                                               params=api.SamplingParameters(max_tokens=1)), timeout=30))
+        assert engine_stats(stack)["prefix_cache_hits"] == before
+        list(stub.Generate(api.GenerateRequest(token_ids=api.TokenIds(ids=prompt), cache_salt="tenant-b",
+                                               params=api.SamplingParameters(max_tokens=1)), timeout=30))
+        assert engine_stats(stack)["prefix_cache_hits"] > before
+    assert _error(httpx.post(url, json={"prompt": prompt, "max_tokens": 1, "cache_salt": ""}), 400)["param"] == \
+        "cache_salt"
+
+
 # --- the public gRPC API ----------------------------------------------------------------------------------
 
 
@@ -508,7 +536,9 @@ def test_overload_then_dead_worker_then_dead_scheduler(llama_dir, tmp_path):
         while httpx.post(url, json={"prompt": "Hi", "max_tokens": 2}, timeout=30).status_code != 200:
             assert time.monotonic() < deadline, stack.log_tail("scheduler")
             time.sleep(0.5)
-        assert http_get(f"{stack.base_url}/health")[0] == 200
+        while http_get(f"{stack.base_url}/health")[0] != 200:  # the health poll catches up within 0.5 s
+            assert time.monotonic() < deadline, stack.log_tail("scheduler")
+            time.sleep(0.1)
 
         stack.kill("scheduler")
         started = time.monotonic()

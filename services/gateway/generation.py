@@ -341,7 +341,7 @@ class Generator:
             self.in_flight -= 1
 
     async def start(self, model: Model, request_id: str, prompts: list[list[int]], params: SamplingParams,
-                    suffix_ids: bool = True) -> list[Run]:
+                    suffix_ids: bool = True, cache_salt: str | None = None) -> list[Run]:
         """Validate every prompt, then submit them all and wait for each one's first output.
 
         One engine request per prompt; their ids are request_id-<8 random hex digits>-<i> (or
@@ -356,7 +356,7 @@ class Generator:
         try:
             for i, prompt in enumerate(prompts):
                 engine_id = f"{unique}-{i}" if suffix_ids else unique
-                stream = await self.client.submit(engine_id, prompt, params)
+                stream = await self.client.submit(engine_id, prompt, params, cache_salt)
                 try:
                     runs.append(Run(model, stream, engine_id, prompt, params, self.metrics, position=i))
                 except BaseException:

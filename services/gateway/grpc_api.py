@@ -51,7 +51,8 @@ class GenerationServicer(api_grpc.GenerationServicer):
                 prompt = await asyncio.to_thread(model.encode, request.text) \
                     if request.WhichOneof("prompt") == "text" else list(request.token_ids.ids)
                 # The engine request keeps the client's id, so Abort(request_id) reaches it.
-                (run,) = await self.gen.start(model, request_id, [prompt], params, suffix_ids=False)
+                salt = request.cache_salt if request.HasField("cache_salt") else None
+                (run,) = await self.gen.start(model, request_id, [prompt], params, suffix_ids=False, cache_salt=salt)
                 try:
                     await self._stream(context, request_id, run)
                 finally:

@@ -71,6 +71,8 @@ class _Sampling(BaseModel):
     length_penalty: float | None = None
     early_stopping: bool | Literal["never"] | None = None
     spaces_between_special_tokens: bool | None = None
+    cache_salt: str | None = Field(None, min_length=1, description="only requests with the same salt share "
+                                                                    "prefix-cache blocks")
 
     _PASSED = ("n", "temperature", "top_p", "presence_penalty", "frequency_penalty", "seed", "top_k", "min_p",
                "repetition_penalty", "min_tokens", "ignore_eos", "stop_token_ids", "skip_special_tokens",

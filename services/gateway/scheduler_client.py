@@ -242,12 +242,13 @@ class SchedulerClient:
         except grpc.aio.AioRpcError as exc:
             raise _domain_error(exc, self.address) from None
 
-    async def submit(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> SubmitStream:
+    async def submit(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
+                     cache_salt: str | None = None) -> SubmitStream:
         await self._connected()
         if self._session is None or self._session.closed:  # first use, or the scheduler restarted
             self._session = Session(self._stub, self.address, self.idle_timeout_s)
         request = wire.EngineRequest(request_id=request_id, prompt_token_ids=prompt_token_ids,
-                                     params=params.to_proto())
+                                     params=params.to_proto(), cache_salt=cache_salt)
         return self._session.submit(request)
 
     async def abort(self, request_id: str) -> bool:

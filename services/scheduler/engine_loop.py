@@ -59,14 +59,14 @@ class EngineLoop:
             self._sessions.add(session)
 
     def submit(self, session: Session, key: int, request_id: str, prompt_token_ids: list[int],
-               params: SamplingParams) -> None:
+               params: SamplingParams, cache_salt: str | None = None) -> None:
         """Queue a request for admission; a refusal arrives on the session as a RequestError."""
         refusing = self.refusing
         if refusing is not None:
             error = ServiceUnavailable(refusing)
             session.put(SessionBatch(errors=[RequestError(key, status_for(error), str(error))]))
             return
-        self._post(None, self._add, session, key, request_id, prompt_token_ids, params)
+        self._post(None, self._add, session, key, request_id, prompt_token_ids, params, cache_salt)
 
     def abort_soon(self, session: Session, key: int) -> None:
         """Abort one of the session's own requests, without waiting (a session's abort message)."""
@@ -126,9 +126,9 @@ class EngineLoop:
     # --- the loop thread ------------------------------------------------------------------------------
 
     def _add(self, session: Session, key: int, request_id: str, prompt_token_ids: list[int],
-             params: SamplingParams) -> None:
+             params: SamplingParams, cache_salt: str | None) -> None:
         try:
-            self.engine.add_request(request_id, prompt_token_ids, params)
+            self.engine.add_request(request_id, prompt_token_ids, params, cache_salt=cache_salt)
         except Exception as exc:  # refused at admission: tell the gateway, keep serving
             session.put(SessionBatch(errors=[RequestError(key, status_for(exc), str(exc))]))
             return

@@ -81,7 +81,8 @@ class SchedulerServicer(wire_grpc.SchedulerServicer):
         except (ValueError, TypeError) as exc:
             session.put(SessionBatch(errors=[RequestError(submit.key, status_for(exc), str(exc))]))
             return
-        loop.submit(session, submit.key, request.request_id, list(request.prompt_token_ids), params)
+        salt = request.cache_salt if request.HasField("cache_salt") else None
+        loop.submit(session, submit.key, request.request_id, list(request.prompt_token_ids), params, salt)
 
     def Abort(self, request, context):
         with grpc_errors(context):
