@@ -18,13 +18,15 @@ from services.gateway.generation import InvalidParameter
 from shared.sampling_params import SamplingParams
 
 
+def _null_is_default(cls, value: Any, info) -> Any:
+    """A field validator: null stands for the field's default."""
+    return cls.model_fields[info.field_name].default if value is None else value
+
+
 class StreamOptions(BaseModel):
     include_usage: bool = False
 
-    @field_validator("include_usage", mode="before")
-    @classmethod
-    def _null_is_default(cls, value: Any) -> Any:
-        return False if value is None else value
+    _include_usage_null = field_validator("include_usage", mode="before")(classmethod(_null_is_default))
 
 
 # vLLM's and OpenAI's fields that change what comes back, which this engine does not do: refused
@@ -79,10 +81,9 @@ class _Sampling(BaseModel):
                "include_stop_str_in_output", "use_beam_search", "beam_width", "length_penalty", "early_stopping",
                "spaces_between_special_tokens")
 
-    @field_validator("n", "stream", mode="before")
-    @classmethod
-    def _null_is_default(cls, value: Any, info) -> Any:
-        return cls.model_fields[info.field_name].default if value is None else value
+    # Completions' echo and chat's logprobs and template flags too (check_fields: declared below).
+    _nulls = field_validator("n", "stream", "echo", "logprobs", "add_generation_prompt", "continue_final_message",
+                             mode="before", check_fields=False)(classmethod(_null_is_default))
 
     def check_supported(self, unsupported: dict[str, str] = UNSUPPORTED) -> None:
         for name, value in (self.model_extra or {}).items():
@@ -120,11 +121,6 @@ class CompletionRequest(_Sampling):
     # OpenAI's and vLLM's default for completions; an explicit null runs up to the context length.
     max_tokens: int | None = Field(16, description="null: up to the context length")
     response_format: dict | None = None
-
-    @field_validator("echo", mode="before")
-    @classmethod
-    def _null_echo(cls, value: Any) -> Any:
-        return False if value is None else value
 
     def checked_params(self) -> SamplingParams:
         _check_text_format(self.response_format)
@@ -182,11 +178,6 @@ class ChatCompletionRequest(_Sampling):
     add_generation_prompt: bool = True
     continue_final_message: bool = False
     chat_template_kwargs: dict[str, Any] | None = None
-
-    @field_validator("logprobs", "add_generation_prompt", "continue_final_message", mode="before")
-    @classmethod
-    def _null_flag(cls, value: Any, info) -> Any:
-        return cls.model_fields[info.field_name].default if value is None else value
 
     def checked_params(self) -> SamplingParams:
         if self.top_logprobs is not None and not self.logprobs:

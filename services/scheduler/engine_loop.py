@@ -17,8 +17,8 @@ from dataclasses import dataclass
 
 from services.scheduler.engine_core import EngineCore
 from services.scheduler.sequence import SequenceUpdate
-from services.scheduler.session import RequestError, Session, SessionBatch
-from shared.grpc_errors import ServiceUnavailable, status_for
+from services.scheduler.session import Session, SessionBatch
+from shared.grpc_errors import ServiceUnavailable
 from shared.logging import setup_logging
 from shared.sampling_params import SamplingParams
 
@@ -61,10 +61,8 @@ class EngineLoop:
     def submit(self, session: Session, key: int, request_id: str, prompt_token_ids: list[int],
                params: SamplingParams, cache_salt: str | None = None) -> None:
         """Queue a request for admission; a refusal arrives on the session as a RequestError."""
-        refusing = self.refusing
-        if refusing is not None:
-            error = ServiceUnavailable(refusing)
-            session.put(SessionBatch(errors=[RequestError(key, status_for(error), str(error))]))
+        if self.refusing is not None:
+            session.refuse(key, ServiceUnavailable(self.refusing))
             return
         self._post(None, self._add, session, key, request_id, prompt_token_ids, params, cache_salt)
 
@@ -130,7 +128,7 @@ class EngineLoop:
         try:
             self.engine.add_request(request_id, prompt_token_ids, params, cache_salt=cache_salt)
         except Exception as exc:  # refused at admission: tell the gateway, keep serving
-            session.put(SessionBatch(errors=[RequestError(key, status_for(exc), str(exc))]))
+            session.refuse(key, exc)
             return
         self._requests[request_id] = _InFlight(session, key, params.n)
         session.requests[key] = request_id
@@ -249,7 +247,7 @@ class EngineLoop:
                 future.set_exception(error)
             elif fn == self._add:  # a submission that never got in: refuse it on its session
                 session, key = args[0], args[1]
-                session.put(SessionBatch(errors=[RequestError(key, status_for(error), str(error))]))
+                session.refuse(key, error)
 
     def _route(self, updates: list[SequenceUpdate]) -> dict[Session, SessionBatch]:
         """One batch per session with this step's outputs and the requests that ended."""

@@ -18,10 +18,10 @@ from services.scheduler.engine_core import EngineCore
 from services.scheduler.engine_loop import EngineLoop
 from services.scheduler.grpc_executor import GRPC_OPTIONS, GrpcExecutor
 from services.scheduler.scheduler import SchedulerLimits
-from services.scheduler.session import RequestError, Session, SessionBatch
+from services.scheduler.session import Session
 from shared.config import token_budget
 from shared.gc_heap import freeze_startup_objects, unfreeze_startup_objects
-from shared.grpc_errors import ServiceUnavailable, grpc_errors, status_for
+from shared.grpc_errors import ServiceUnavailable, grpc_errors
 from shared.logging import setup_logging
 from shared.proto import pagedserve_api_pb2 as api
 from shared.proto import pagedserve_internal_pb2 as wire
@@ -79,7 +79,7 @@ class SchedulerServicer(wire_grpc.SchedulerServicer):
         try:
             params = SamplingParams.from_proto(request.params)
         except (ValueError, TypeError) as exc:
-            session.put(SessionBatch(errors=[RequestError(submit.key, status_for(exc), str(exc))]))
+            session.refuse(submit.key, exc)
             return
         salt = request.cache_salt if request.HasField("cache_salt") else None
         loop.submit(session, submit.key, request.request_id, list(request.prompt_token_ids), params, salt)

@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 import grpc
 
 from services.scheduler.sequence import SequenceUpdate
+from shared.grpc_errors import status_for
 from shared.proto import pagedserve_internal_pb2 as wire
 
 _END = object()
@@ -85,6 +86,10 @@ class Session:
         self.peer = peer
         self.requests: dict[int, str] = {}  # key -> request id, in flight; touched by the engine loop thread only
         self._queue: queue.SimpleQueue = queue.SimpleQueue()
+
+    def refuse(self, key: int, exc: BaseException) -> None:
+        """The request with this key never started: it gets the status of exc."""
+        self.put(SessionBatch(errors=[RequestError(key, status_for(exc), str(exc))]))
 
     def put(self, batch: SessionBatch) -> None:
         self._queue.put(batch)
