@@ -263,6 +263,27 @@ def test_stop_strings(stack, client, llama_dir):
     assert stats["kv_blocks_used"] == 0 and stats["num_requests_running"] == 0
 
 
+def test_a_stop_string_ends_its_own_sequence_at_the_scheduler_while_its_siblings_run_on(stack, client, llama_dir):
+    """With n = 2, the sequence that hits a stop string stops decoding (and frees its blocks) at once."""
+    def run(stop=None):
+        before = engine_stats(stack)["num_scheduled_tokens"]
+        reply = client.completions.create(model=llama_dir.name, prompt=PROMPTS[0], max_tokens=120, n=2,
+                                          temperature=1.0, seed=11, stop=stop, extra_body={"ignore_eos": True})
+        by_index = sorted(reply.choices, key=lambda c: c.index)
+        return [c.text for c in by_index], [c.finish_reason for c in by_index], \
+            engine_stats(stack)["num_scheduled_tokens"] - before
+    texts, _, full_cost = run()
+    # A stop string early in the first sequence's text and nowhere in the second's.
+    stop = next(texts[0][i:i + 3] for i in range(len(texts[0]) // 4)
+                if texts[0][i:i + 3].strip() and texts[0][i:i + 3] not in texts[1])
+    stopped, finishes, cost = run(stop=[stop])
+    assert stopped == [texts[0][:texts[0].find(stop)], texts[1]] and finishes == ["stop", "length"]
+    # Without the per-sequence stop the first sequence decoded on to 120 tokens beside its sibling.
+    assert cost < full_cost - 120 * 0.5, (cost, full_cost)
+    stats = wait_blocks_free(stack)
+    assert stats["kv_blocks_used"] == 0 and stats["num_requests_running"] == 0
+
+
 def test_many_concurrent_streams(client, stack, llama_dir):
     prompts = [f"Request number {i}" for i in range(8)]
     expected = {p: client.completions.create(model=llama_dir.name, prompt=p, max_tokens=8, temperature=0)

@@ -6,6 +6,7 @@ import grpc
 import pytest
 
 from services.scheduler.engine_loop import EngineLoop
+from services.scheduler.sequence import SequenceStatus
 from services.scheduler.session import RequestError, Session, SessionBatch
 from shared.grpc_errors import ServiceUnavailable, error_for_code, status_from_int
 from shared.sampling_params import SamplingParams
@@ -112,6 +113,40 @@ def test_aborts_end_the_request_on_its_session_and_only_the_owner_can_abort_by_k
         received = drain(session, {2})
         assert received.finished == [2] and not received.errors
         assert loop.stats()["kv_blocks_used"] == 0 and loop.num_in_flight() == 0
+    finally:
+        loop.stop()
+
+
+def test_a_sequence_stopped_by_its_session_ends_alone_and_the_request_with_its_last_sibling():
+    engine, _ = make_engine(num_blocks=512, max_model_len=1024)
+    loop = EngineLoop(engine)
+    try:
+        session = opened(loop)
+        params = SamplingParams(temperature=0, max_tokens=900, ignore_eos=True, n=3)
+        loop.submit(session, 1, "x", [1, 2, 3], params)
+        received = SessionBatch()
+        while {u.seq_index for _, u in received.outputs} != {0, 1, 2}:  # every sequence has forked and run
+            received.merge(next(iter(session)))
+        stopped = engine._requests["x"][1]
+        loop.stop_sequence_soon(session, 1, 1, "stop!")
+        loop.stop_sequence_soon(session, 1, 1, "again")  # ended already: ignored
+        loop.stop_sequence_soon(session, 1, 7, "no such")  # no such sequence: ignored
+        loop.stats()  # answered after the stops were applied
+        assert stopped.status is SequenceStatus.FINISHED_STOPPED and stopped.stop_reason == "stop!"
+        tokens_at_stop = len(stopped.output_token_ids)
+        received.merge(drain(session, {1}))
+        tokens = {i: sum(len(u.new_token_ids) for _, u in received.outputs if u.seq_index == i) for i in range(3)}
+        assert tokens[0] == tokens[2] == 900  # its siblings ran on to max_tokens
+        assert tokens[1] <= tokens_at_stop + 1 < 900  # (a step planned ahead may carry one more token)
+        assert len(stopped.output_token_ids) <= tokens_at_stop + 1
+        assert not any(u.seq_index == 1 and u.finish_reason for _, u in received.outputs)  # the gateway reports it
+        assert loop.num_in_flight() == 0 and loop.stats()["kv_blocks_used"] == 0
+        # Stopping the last running sequence ends the request (no step output says so).
+        loop.submit(session, 2, "y", [4, 5], SamplingParams(temperature=0, max_tokens=900, ignore_eos=True))
+        assert {key for key, _ in next(iter(session)).outputs} == {2}
+        loop.stop_sequence_soon(session, 2, 0, "stop!")
+        assert drain(session, {2}).finished == [2]
+        assert loop.num_in_flight() == 0 and loop.stats()["kv_blocks_used"] == 0
     finally:
         loop.stop()
 

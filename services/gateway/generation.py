@@ -3,9 +3,9 @@
 It learns the model from the scheduler (lazily, so the gateway starts before its
 backend), tokenizes and validates prompts, submits each prompt as one engine
 request, and turns the engine's token ids into text deltas per sequence: an
-IncrementalDetokenizer per sequence applies stop strings, and once every
-sequence of a request has stopped the request is cancelled on the Session stream, which aborts
-the remaining work at the scheduler and frees its KV blocks.
+IncrementalDetokenizer per sequence applies stop strings: a sequence that hits one is ended at
+the scheduler, freeing its KV blocks while its siblings run on, and once every sequence of a
+request has stopped the request is cancelled on the Session stream, which aborts the rest.
 """
 
 from __future__ import annotations
@@ -248,6 +248,9 @@ class Run:
         finish_reason = message.finish_reason
         if detok.stopped is not None:
             delta.finish_reason, delta.stop_reason = "stop", detok.stopped
+            self._done[index] = True
+            if not finish_reason and not self.finished:  # its siblings run on: free this one's blocks now
+                self._stream.stop_sequence(index, detok.stopped)
         elif finish_reason:
             delta.text += detok.flush().text
             delta.finish_reason = finish_reason

@@ -104,6 +104,11 @@ class SubmitStream:
         if self._waiter is not None and not self._waiter.done():
             self._waiter.set_result(None)
 
+    def stop_sequence(self, seq_index: int, stop: str) -> None:
+        """End one sequence at the scheduler (its text hit a stop string); its siblings run on."""
+        if not self._ended:
+            self._session.stop_sequence(self._key, seq_index, stop)
+
     def cancel(self) -> None:
         """Abort the request at the scheduler (its blocks are free at the next step); no-op once ended."""
         if not self._ended:
@@ -151,6 +156,11 @@ class Session:
     def abort(self, key: int) -> None:
         if self._streams.pop(key, None) is not None and not self.closed:
             self._outgoing.put_nowait(wire.SessionRequest(abort=key))
+
+    def stop_sequence(self, key: int, seq_index: int, stop: str) -> None:
+        if key in self._streams and not self.closed:
+            stop_sequence = wire.SessionStopSequence(key=key, seq_index=seq_index, stop_string=stop)
+            self._outgoing.put_nowait(wire.SessionRequest(stop_sequence=stop_sequence))
 
     async def _read(self) -> None:
         error: Exception = ServiceUnavailable(f"the scheduler at {self.address} closed the session")

@@ -129,11 +129,15 @@ class EngineCore:
             for seq in seqs:
                 self._seqs.pop(seq.seq_id, None)
 
-    def finish_by_stop_string(self, request_id: str, seq_index: int, stop: str) -> None:
+    def finish_by_stop_string(self, request_id: str, seq_index: int, stop: str) -> bool:
+        """End one sequence of a request (its text hit a stop string); False if it had ended already
+        (or the request is gone). Its siblings run on."""
         seqs = self._requests.get(request_id)
-        if seqs:
-            self.scheduler.finish_by_stop_string(seqs[seq_index], stop)
-            self._forget_if_done(request_id)
+        if not seqs or not 0 <= seq_index < len(seqs):
+            return False
+        ended = self.scheduler.finish_by_stop_string(seqs[seq_index], stop)
+        self._forget_if_done(request_id)
+        return ended
 
     # --- stepping -----------------------------------------------------------------------------------
 

@@ -70,6 +70,10 @@ class EngineLoop:
         """Abort one of the session's own requests, without waiting (a session's abort message)."""
         self._post(None, self._abort_key, session, key)
 
+    def stop_sequence_soon(self, session: Session, key: int, seq_index: int, stop: str) -> None:
+        """End one sequence of the session's request by a stop string, without waiting."""
+        self._post(None, self._stop_sequence, session, key, seq_index, stop)
+
     def close_session(self, session: Session) -> None:
         """The gateway went away: abort its requests and end its stream. Safe to call twice (the
         stream's callback and its reader both do: whichever runs last also catches a submission
@@ -141,13 +145,27 @@ class EngineLoop:
 
     def _abort(self, request_id: str) -> bool:
         self.engine.abort_request(request_id)
-        entry = self._requests.pop(request_id, None)
+        entry = self._requests.get(request_id)
         if entry is None:
             return False
-        entry.session.requests.pop(entry.key, None)
-        entry.session.put(SessionBatch(finished=[entry.key]))
+        self._end(request_id, entry)
         log.info("request aborted", request_id=request_id)
         return True
+
+    def _stop_sequence(self, session: Session, key: int, seq_index: int, stop: str) -> None:
+        request_id = session.requests.get(key)
+        if request_id is None or not self.engine.finish_by_stop_string(request_id, seq_index, stop):
+            return  # the request or that sequence has ended already
+        entry = self._requests[request_id]
+        entry.unfinished -= 1
+        if entry.unfinished == 0:  # its siblings had ended: the request is done
+            self._end(request_id, entry)
+            log.info("request finished", request_id=request_id)
+
+    def _end(self, request_id: str, entry: _InFlight) -> None:
+        del self._requests[request_id]
+        entry.session.requests.pop(entry.key, None)
+        entry.session.put(SessionBatch(finished=[entry.key]))
 
     def _close_session(self, session: Session) -> None:
         for request_id in session.requests.values():

@@ -444,9 +444,12 @@ class Scheduler:
             return True
         return False
 
-    def finish_by_stop_string(self, seq: Sequence, stop: str) -> None:
-        if not seq.status.is_finished:
-            self._finish(seq, SequenceStatus.FINISHED_STOPPED, stop)
+    def finish_by_stop_string(self, seq: Sequence, stop: str) -> bool:
+        """End a sequence whose text hit a stop string; False if it had ended already."""
+        if seq.status.is_finished:
+            return False
+        self._finish(seq, SequenceStatus.FINISHED_STOPPED, stop)
+        return True
 
     def _finish(self, seq: Sequence, status: SequenceStatus, stop_reason: int | str | None = None) -> None:
         if seq.status is SequenceStatus.RUNNING:

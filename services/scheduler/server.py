@@ -60,10 +60,14 @@ class SchedulerServicer(wire_grpc.SchedulerServicer):
         """Submissions and aborts from the gateway, handed to the engine loop without waiting."""
         try:
             for message in request_iterator:
-                if message.HasField("submit"):
+                kind = message.WhichOneof("kind")
+                if kind == "submit":
                     SchedulerServicer._submit(session, message.submit, loop)
-                else:
+                elif kind == "abort":
                     loop.abort_soon(session, message.abort)
+                elif kind == "stop_sequence":
+                    stop = message.stop_sequence
+                    loop.stop_sequence_soon(session, stop.key, stop.seq_index, stop.stop_string)
         except grpc.RpcError:
             pass  # the stream broke; the callback closes the session
         except ServiceUnavailable:

@@ -38,12 +38,24 @@ class PositionLogprobs(_message.Message):
     def __init__(self, token_id: _Optional[int] = ..., logprob: _Optional[float] = ..., rank: _Optional[int] = ..., top_token_ids: _Optional[_Iterable[int]] = ..., top_logprobs: _Optional[_Iterable[float]] = ...) -> None: ...
 
 class SessionRequest(_message.Message):
-    __slots__ = ("submit", "abort")
+    __slots__ = ("submit", "abort", "stop_sequence")
     SUBMIT_FIELD_NUMBER: _ClassVar[int]
     ABORT_FIELD_NUMBER: _ClassVar[int]
+    STOP_SEQUENCE_FIELD_NUMBER: _ClassVar[int]
     submit: SessionSubmit
     abort: int
-    def __init__(self, submit: _Optional[_Union[SessionSubmit, _Mapping]] = ..., abort: _Optional[int] = ...) -> None: ...
+    stop_sequence: SessionStopSequence
+    def __init__(self, submit: _Optional[_Union[SessionSubmit, _Mapping]] = ..., abort: _Optional[int] = ..., stop_sequence: _Optional[_Union[SessionStopSequence, _Mapping]] = ...) -> None: ...
+
+class SessionStopSequence(_message.Message):
+    __slots__ = ("key", "seq_index", "stop_string")
+    KEY_FIELD_NUMBER: _ClassVar[int]
+    SEQ_INDEX_FIELD_NUMBER: _ClassVar[int]
+    STOP_STRING_FIELD_NUMBER: _ClassVar[int]
+    key: int
+    seq_index: int
+    stop_string: str
+    def __init__(self, key: _Optional[int] = ..., seq_index: _Optional[int] = ..., stop_string: _Optional[str] = ...) -> None: ...
 
 class SessionSubmit(_message.Message):
     __slots__ = ("key", "request")
