@@ -83,6 +83,9 @@ class Stream:
             self._cancelled = True
             self._log.append(f"abort {self.request_id}")
 
+    def abort(self) -> None:  # an Abort RPC: the stream would go on to the sequences' "abort" ends
+        self._log.append(f"abort rpc {self.request_id}")
+
     async def __aiter__(self):
         index = 0
         while True:
@@ -106,9 +109,12 @@ class Gen:
     def admitted(self):
         return contextlib.nullcontext()  # async-capable
 
-    async def start(self, model, request_id, prompts, params, suffix_ids, cache_salt=None):
+    async def start(self, model, request_id, prompts, params, suffix_ids, cache_salt=None, on_submit=None):
         self.log.append(f"submit {request_id}")
-        return [Stream(request_id, self.log)]
+        stream = Stream(request_id, self.log)
+        if on_submit is not None:
+            on_submit(stream)
+        return [stream]
 
 
 class SlowContext:
@@ -165,3 +171,70 @@ def test_a_cancelled_call_aborts_before_the_next_call_with_its_id_submits():
         assert gen.log[-1] == "abort r" and len(servicer.call_ids) == 0
 
     asyncio.run(main())
+
+
+def test_an_abort_of_a_call_open_here_goes_through_the_call_even_before_it_submits():
+    class Tokenizing(Gen):
+        def __init__(self):
+            super().__init__()
+            self.release = asyncio.Event()
+            self.client = self  # the scheduler's Abort RPC: must not be needed
+
+        async def start(self, *args, **kwargs):
+            await self.release.wait()  # still tokenizing when the Abort comes
+            return await super().start(*args, **kwargs)
+
+        async def abort(self, request_id):
+            self.log.append(f"scheduler abort {request_id}")
+            return False
+
+    async def main():
+        gen = Tokenizing()
+        servicer = GenerationServicer(gen, CallIds())
+        context = SlowContext()
+        call = asyncio.create_task(servicer.Generate(api.GenerateRequest(request_id="r", text="hi"), context))
+        for _ in range(20):
+            await asyncio.sleep(0)
+        assert (await servicer.Abort(api.AbortRequest(request_id="r"), None)).found
+        assert gen.log == []  # not submitted yet: the abort waits for the submission
+        gen.release.set()
+        await context.writing.wait()
+        assert gen.log == ["submit r", "abort rpc r"]
+        assert (await servicer.Abort(api.AbortRequest(request_id="r"), None)).found  # again: nothing more sent
+        assert gen.log == ["submit r", "abort rpc r"]
+        call.cancel()
+        await asyncio.gather(call, return_exceptions=True)
+        # The call has ended: an Abort naming it now asks the scheduler (the request may be at another gateway).
+        assert not (await servicer.Abort(api.AbortRequest(request_id="r"), None)).found
+        assert gen.log[-1] == "scheduler abort r" and len(servicer.call_ids) == 0
+
+    asyncio.run(main())
+
+
+def test_an_abort_that_overtakes_its_generate_waits_for_the_call_to_open():
+    async def main():
+        ids = CallIds(arrival_s=5)
+        aborted = []
+
+        class Run:
+            def abort(self):
+                aborted.append("r")
+
+        waiting = asyncio.create_task(ids.abort_arriving("r"))
+        for _ in range(20):
+            await asyncio.sleep(0)
+        assert not waiting.done()
+        async with ids.claim("r") as call:
+            assert await waiting is True and call.aborted
+            call.attach(Run())  # submitted after the Abort came: aborted at once
+        assert aborted == ["r"]
+        quick = CallIds(arrival_s=0.05)
+        assert await quick.abort_arriving("nobody") is False  # no such call: a short wait, then not found
+        assert not quick._arrivals and len(quick) == 0
+
+    asyncio.run(main())
+
+
+def test_negative_waits_are_refused():
+    with pytest.raises(ValueError, match="arrival_s"):
+        CallIds(arrival_s=-1)

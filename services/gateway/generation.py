@@ -15,7 +15,7 @@ import contextlib
 import itertools
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -191,6 +191,10 @@ class Run:
     def cancel(self) -> None:
         self._stream.cancel()
 
+    def abort(self) -> None:
+        """Abort at the scheduler; iterating goes on to the sequences' ends, as "abort" (the Abort RPC)."""
+        self._stream.abort()
+
     async def start(self) -> None:
         """Wait for the first output, so admission errors surface before any response is sent."""
         try:
@@ -344,11 +348,13 @@ class Generator:
             self.in_flight -= 1
 
     async def start(self, model: Model, request_id: str, prompts: list[list[int]], params: SamplingParams,
-                    suffix_ids: bool = True, cache_salt: str | None = None) -> list[Run]:
+                    suffix_ids: bool = True, cache_salt: str | None = None,
+                    on_submit: Callable[[Run], None] | None = None) -> list[Run]:
         """Validate every prompt, then submit them all and wait for each one's first output.
 
         One engine request per prompt; their ids are request_id-<8 random hex digits>-<i> (or
         request_id itself when suffix_ids is false, as the gRPC API needs to abort by the client's id).
+        on_submit gets each run as soon as it is submitted, before its first output.
         """
         for prompt in prompts:
             model.check_prompt(prompt, params)
@@ -362,6 +368,8 @@ class Generator:
                 stream = await self.client.submit(engine_id, prompt, params, cache_salt)
                 try:
                     runs.append(Run(model, stream, engine_id, prompt, params, self.metrics, position=i))
+                    if on_submit is not None:
+                        on_submit(runs[-1])
                 except BaseException:
                     stream.cancel()  # submitted but not yet a run: nothing below would abort it
                     raise

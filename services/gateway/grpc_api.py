@@ -43,7 +43,7 @@ class GenerationServicer(api_grpc.GenerationServicer):
         request_id = request.request_id or new_request_id()
         bind_request_id(request_id)
         try:
-            async with self.call_ids.claim(request_id), self.gen.admitted():
+            async with self.call_ids.claim(request_id) as call, self.gen.admitted():
                 model = await self.gen.model()
                 model.check_name(request.model)
                 params = SamplingParams.from_proto(request.params)
@@ -52,7 +52,8 @@ class GenerationServicer(api_grpc.GenerationServicer):
                     if request.WhichOneof("prompt") == "text" else list(request.token_ids.ids)
                 # The engine request keeps the client's id, so Abort(request_id) reaches it.
                 salt = request.cache_salt if request.HasField("cache_salt") else None
-                (run,) = await self.gen.start(model, request_id, [prompt], params, suffix_ids=False, cache_salt=salt)
+                (run,) = await self.gen.start(model, request_id, [prompt], params, suffix_ids=False, cache_salt=salt,
+                                              on_submit=call.attach)
                 try:
                     await self._stream(context, request_id, run)
                 finally:
@@ -90,8 +91,12 @@ class GenerationServicer(api_grpc.GenerationServicer):
         return out
 
     async def Abort(self, request, context):
-        try:
-            return api.AbortResponse(found=await self.gen.client.abort(request.request_id))
+        if self.call_ids.abort(request.request_id):  # a call open here: its own session stream carries it
+            return api.AbortResponse(found=True)
+        try:  # a call at another gateway, or one that has not opened here yet
+            found = await self.gen.client.abort(request.request_id) or \
+                await self.call_ids.abort_arriving(request.request_id)
+            return api.AbortResponse(found=found)
         except Exception as exc:
             await _abort_with(context, exc)
 

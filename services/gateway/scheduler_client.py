@@ -115,6 +115,12 @@ class SubmitStream:
             self._ended = True
             self._session.abort(self._key)
 
+    def abort(self) -> None:
+        """Abort the request at the scheduler and keep listening: its end comes back on this stream,
+        so the reader sees the sequences end as aborted (an Abort RPC) rather than a cancelled stream."""
+        if not self._ended:
+            self._session.send_abort(self._key)
+
 
 class Session:
     """The Session stream: one writer queue, one reader task that routes outputs to their requests.
@@ -154,7 +160,13 @@ class Session:
         return stream
 
     def abort(self, key: int) -> None:
+        """Abort a request and stop listening to it."""
         if self._streams.pop(key, None) is not None and not self.closed:
+            self._outgoing.put_nowait(wire.SessionRequest(abort=key))
+
+    def send_abort(self, key: int) -> None:
+        """Abort a request; its stream stays to hear that it ended."""
+        if key in self._streams and not self.closed:
             self._outgoing.put_nowait(wire.SessionRequest(abort=key))
 
     def stop_sequence(self, key: int, seq_index: int, stop: str) -> None:
