@@ -13,7 +13,7 @@ from collections import defaultdict
 from collections.abc import AsyncIterator
 from contextlib import AsyncExitStack
 
-from services.gateway.generation import Generator, Model, Run, SeqDelta, TokenLogprob, merge
+from services.gateway.generation import Generator, InvalidParameter, Model, Run, SeqDelta, TokenLogprob, merge
 from services.gateway.protocol import ChatCompletionRequest, CompletionRequest
 from shared.detokenizer import IncrementalDetokenizer
 
@@ -32,11 +32,14 @@ async def _answer(gen: Generator, body, request_id: str, reply_class):
         await stack.enter_async_context(gen.admitted())
         model = await gen.model()
         model.check_name(body.model)
-        params = body.checked_params()
-        # Off the event loop: a megabyte prompt takes seconds to tokenize (or render and tokenize),
-        # and every other stream would wait that long (the tokenizer lets go of the GIL).
-        prompts, texts = await asyncio.to_thread(reply_class.prompts, model, body)
-        runs = await gen.start(model, request_id, prompts, params, cache_salt=body.cache_salt)
+        try:
+            params = body.checked_params()
+            # Off the event loop: a megabyte prompt takes seconds to tokenize (or render and tokenize),
+            # and every other stream would wait that long (the tokenizer lets go of the GIL).
+            prompts, texts = await asyncio.to_thread(reply_class.prompts, model, body)
+            runs = await gen.start(model, request_id, prompts, params, cache_salt=body.cache_salt)
+        except InvalidParameter as exc:
+            raise body.public_error(exc) from None
         reply = reply_class(model, body, f"{reply_class.id_prefix}-{request_id}", runs, texts)
         if not body.stream:
             return await reply.whole()

@@ -10,6 +10,7 @@ openai client sends null for a None argument.
 
 from __future__ import annotations
 
+import re
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
@@ -91,6 +92,10 @@ class _Sampling(BaseModel):
                 raise InvalidParameter(f"{name} is not supported: this server does no {unsupported[name]}", name)
         if self.stream_options is not None and not self.stream:
             raise InvalidParameter("stream_options is only allowed with stream=true", "stream_options")
+
+    def public_error(self, exc: InvalidParameter) -> InvalidParameter:
+        """An error about an engine parameter, under the name this request's client gave the field."""
+        return exc
 
     def sampling_params(self, max_tokens: int | None, logprobs: int | None,
                         prompt_logprobs: int | None = None) -> SamplingParams:
@@ -194,6 +199,15 @@ class ChatCompletionRequest(_Sampling):
             raise InvalidParameter("messages must not be empty", "messages")
         max_tokens = self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
         return self.sampling_params(max_tokens, (self.top_logprobs or 0) if self.logprobs else None)
+
+    def public_error(self, exc: InvalidParameter) -> InvalidParameter:
+        names = {"logprobs": "top_logprobs", "prompt": "messages"}
+        if self.max_completion_tokens is not None:
+            names["max_tokens"] = "max_completion_tokens"
+        name = names.get(exc.param)
+        if name is None:
+            return exc
+        return InvalidParameter(re.sub(rf"\b{exc.param}\b", name, str(exc)), name)
 
 
 def _check_text_format(response_format: dict | None) -> None:
