@@ -284,6 +284,38 @@ def test_a_stop_string_ends_its_own_sequence_at_the_scheduler_while_its_siblings
     assert stats["kv_blocks_used"] == 0 and stats["num_requests_running"] == 0
 
 
+def test_tokenize_and_detokenize_see_prompts_as_the_engine_does(stack, client, llama_dir):
+    from transformers import AutoTokenizer
+    tokenizer = AutoTokenizer.from_pretrained(llama_dir)
+    base, name = stack.base_url, llama_dir.name
+    got = httpx.post(f"{base}/tokenize", json={"model": name, "prompt": PROMPTS[1]}).json()
+    completion = client.completions.create(model=name, prompt=PROMPTS[1], max_tokens=1)
+    assert got["tokens"] == tokenizer(PROMPTS[1]).input_ids and got["count"] == completion.usage.prompt_tokens
+    assert got["max_model_len"] == 512 and got["token_strs"] is None
+    bare = httpx.post(f"{base}/tokenize", json={"prompt": PROMPTS[1], "add_special_tokens": False,
+                                                "return_token_strs": True}).json()
+    assert bare["tokens"] == tokenizer(PROMPTS[1], add_special_tokens=False).input_ids
+    assert bare["token_strs"] == [tokenizer.decode([t]) for t in bare["tokens"]]
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": PROMPTS[2]}]
+    chat = httpx.post(f"{base}/tokenize", json={"messages": messages}).json()
+    reply = client.chat.completions.create(model=name, messages=messages, max_tokens=1)
+    assert chat["count"] == reply.usage.prompt_tokens
+    assert chat["tokens"] == tokenizer(tokenizer.apply_chat_template(messages, tokenize=False,
+                                                                     add_generation_prompt=True),
+                                       add_special_tokens=False).input_ids
+    back = httpx.post(f"{base}/detokenize", json={"model": name, "tokens": got["tokens"]}).json()
+    assert back == {"prompt": tokenizer.decode(got["tokens"])}
+    assert _error(httpx.post(f"{base}/tokenize", json={"prompt": "x", "messages": messages}), 400)["param"] == "prompt"
+    _error(httpx.post(f"{base}/tokenize", json={}), 400)
+    _error(httpx.post(f"{base}/tokenize", json={"prompt": "x", "add_special_token": False}), 400)  # a typo
+    assert _error(httpx.post(f"{base}/tokenize", json={"model": "nope", "prompt": "x"}), 404)["type"] == \
+        "NotFoundError"
+    for bad in ([-1], [tokenizer.vocab_size + 1000]):
+        assert _error(httpx.post(f"{base}/detokenize", json={"tokens": bad}), 400)["param"] == "tokens"
+    from pagedserve import __version__
+    assert http_get(f"{base}/version") == (200, {"version": __version__})
+
+
 def test_many_concurrent_streams(client, stack, llama_dir):
     prompts = [f"Request number {i}" for i in range(8)]
     expected = {p: client.completions.create(model=llama_dir.name, prompt=p, max_tokens=8, temperature=0)

@@ -14,16 +14,19 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException
 
+from pagedserve import __version__
 from services.gateway.generation import Generator, InvalidParameter, Overloaded
 from services.gateway.openai_api import create_chat_completion, create_completion
 from services.gateway.protocol import ChatCompletionRequest, CompletionRequest
+from services.gateway.tokenizer_api import DetokenizeRequest, TokenizeRequest, detokenize, tokenize
 from shared.grpc_errors import NotFound, ServiceUnavailable
 from shared.logging import bind_request_id, clear_request_id, setup_logging
 
 log = setup_logging("gateway")
 
 REQUEST_ID = "pagedserve.request_id"  # where the middleware leaves the request id in the ASGI scope
-ENDPOINTS = {"/v1/completions", "/v1/chat/completions", "/v1/models", "/health", "/metrics"}
+ENDPOINTS = {"/v1/completions", "/v1/chat/completions", "/v1/models", "/tokenize", "/detokenize", "/version", "/health",
+             "/metrics"}
 RETRY_AFTER_S = 1  # told to a client turned away at --max-concurrent-requests (429)
 
 
@@ -210,6 +213,18 @@ def create_app(gen: Generator, allowed_origins: tuple[str, ...] = ("*",)) -> Fas
         except NotFound as exc:
             return error_response(exc)
         return model_card(served)
+
+    @app.post("/tokenize")
+    async def tokenize_prompt(body: TokenizeRequest):
+        return await tokenize(gen, body)
+
+    @app.post("/detokenize")
+    async def detokenize_tokens(body: DetokenizeRequest):
+        return await detokenize(gen, body)
+
+    @app.get("/version")
+    async def version():
+        return {"version": __version__}
 
     @app.get("/health")
     async def health():
