@@ -150,16 +150,21 @@ class IncrementalDetokenizer:
         self.stop = list(stop or [])
         self.include_stop = include_stop_str_in_output
         self._hold = max((len(s) for s in self.stop), default=1) - 1
-        # As vLLM: no stop string ends the output before min_tokens tokens, and a match must end in
-        # the text of a token from the min_tokens-th on.
+        # As vLLM: the first min_tokens tokens are kept whatever they say, so a match must end in
+        # the text of a later token (it may start earlier).
         self._min_tokens = min_tokens
         self._num_tokens = 0
         self.text = ""  # all decoded output text (after a stop: cut at it)
         self._released = 0  # characters of self.text already handed out
         self.stopped: str | None = None
 
-    def append(self, token_ids: list[int]) -> TextDelta:
-        """Feed new output tokens; returns the text that is now safe to show."""
+    def append(self, token_ids: list[int], ends_on_stop_token: bool = False) -> TextDelta:
+        """Feed new output tokens; returns the text that is now safe to show.
+
+        ends_on_stop_token: the engine ended the output on the last of them (EOS or a stop token
+        id). As vLLM, that token's text is left out unless include_stop_str_in_output."""
+        if ends_on_stop_token and not self.include_stop:
+            token_ids = token_ids[:-1]
         if self.stopped is None:
             for token_id in token_ids:
                 self._num_tokens += 1
@@ -167,7 +172,7 @@ class IncrementalDetokenizer:
                     continue
                 checked = len(self.text)
                 self.text += self._decoder.step(token_id)
-                past_min = self._num_tokens >= self._min_tokens
+                past_min = self._num_tokens > self._min_tokens
                 if self.stop and past_min and self._check_stop(max(0, checked - self._hold)):
                     break
         return self._release(final=self.stopped is not None)

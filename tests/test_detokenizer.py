@@ -85,10 +85,24 @@ def test_no_stop_string_ends_the_output_before_min_tokens(tokenizer):
     for min_tokens in (0, first_b + 1, first_b + 2):
         detok = IncrementalDetokenizer(tokenizer, [], stop=["b"], min_tokens=min_tokens)
         used = next((i + 1 for i, t in enumerate(ids) if detok.append([t]).stop), None)
-        # The first "b" to end in a token from the min_tokens-th on stops it, as in vLLM.
+        # The first "b" to end in a token after the min_tokens-th stops it, as in vLLM (whose
+        # min_tokens=5 keeps every stop string in the first five tokens' text).
         ends = [i + 1 for i in range(len(ids)) if tokenizer.decode(ids[:i + 1]).endswith("b")]
-        assert used == next(n for n in ends if n >= min_tokens), min_tokens
+        assert used == next(n for n in ends if n > min_tokens), min_tokens
         assert detok.text == tokenizer.decode(ids[:used])[:-1]
+
+
+def test_the_stop_token_that_ends_the_output_is_left_out_of_its_text_unless_asked_for(tokenizer):
+    ids = tokenizer("alpha beta gamma", add_special_tokens=False).input_ids
+    for include, expected in ((False, tokenizer.decode(ids[:-1])), (True, tokenizer.decode(ids))):
+        detok = IncrementalDetokenizer(tokenizer, [], include_stop_str_in_output=include)
+        detok.append(ids[:2])
+        detok.append(ids[2:], ends_on_stop_token=True)  # the engine stopped on the last id (a stop token id)
+        assert detok.flush().stop is None and detok.text == expected, include
+    end = tokenizer.convert_tokens_to_ids("<|im_end|>")  # EOS, shown with skip_special_tokens=False
+    kept = IncrementalDetokenizer(tokenizer, [], skip_special_tokens=False)
+    kept.append(ids + [end], ends_on_stop_token=True)
+    assert kept.text == tokenizer.decode(ids)
 
 
 def test_special_tokens_are_skipped_or_kept(tokenizer):

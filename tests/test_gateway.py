@@ -258,6 +258,23 @@ def test_stop_strings(stack, client, llama_dir):
     kept = client.completions.create(model=llama_dir.name, prompt=PROMPTS[0], max_tokens=16, temperature=0,
                                      stop=stop, extra_body={"ignore_eos": True, "include_stop_str_in_output": True})
     assert kept.choices[0].text == expected + stop
+    # A stop token's text is left out, as vLLM does, unless include_stop_str_in_output.
+    with grpc.insecure_channel(f"127.0.0.1:{stack.grpc_port}") as channel:
+        replies = api_grpc.GenerationStub(channel).Generate(api.GenerateRequest(
+            text=PROMPTS[0], params=api.SamplingParameters(temperature=0, max_tokens=8, ignore_eos=True)), timeout=30)
+        greedy = [t for reply in replies for t in reply.token_ids]
+    end = next(i for i in range(1, len(greedy)) if greedy[i] not in greedy[:i])  # its first appearance
+    texts = {}
+    for include in (False, True):
+        reply = client.completions.create(model=llama_dir.name, prompt=PROMPTS[0], max_tokens=16, temperature=0,
+                                          extra_body={"stop_token_ids": [greedy[end]], "ignore_eos": True,
+                                                      "include_stop_str_in_output": include}).choices[0]
+        assert reply.finish_reason == "stop" and reply.model_extra["stop_reason"] == greedy[end]
+        texts[include] = reply.text
+    # The same as the text of the tokens before it (or up to it), cut by max_tokens.
+    cut = {n: client.completions.create(model=llama_dir.name, prompt=PROMPTS[0], max_tokens=n, temperature=0,
+                                        extra_body={"ignore_eos": True}).choices[0].text for n in (end, end + 1)}
+    assert texts == {False: cut[end], True: cut[end + 1]} and cut[end] != cut[end + 1]
     # The stop string aborted the request at the scheduler: nothing is left holding blocks.
     stats = wait_blocks_free(stack)
     assert stats["kv_blocks_used"] == 0 and stats["num_requests_running"] == 0

@@ -104,7 +104,13 @@ def test_stop_token_and_min_tokens(llm):
     out = llm.generate("Count", SamplingParams(temperature=0, max_tokens=10, stop_token_ids=[greedy[3]]),
                        use_tqdm=False)[0].outputs[0]
     assert out.finish_reason == "stop" and out.stop_reason == greedy[3]
-    assert out.token_ids == greedy[:greedy.index(greedy[3]) + 1]
+    end = greedy.index(greedy[3])
+    assert out.token_ids == greedy[:end + 1]
+    # As vLLM: the stop token's text is left out (it is not a stop string), unless asked for.
+    assert out.text == llm.tokenizer.decode(greedy[:end])
+    kept = llm.generate("Count", SamplingParams(temperature=0, max_tokens=10, stop_token_ids=[greedy[3]],
+                                                include_stop_str_in_output=True), use_tqdm=False)[0].outputs[0]
+    assert kept.text == llm.tokenizer.decode(greedy[:end + 1]) != out.text
     late = llm.generate("Count", SamplingParams(temperature=0, max_tokens=10, min_tokens=10,
                                                 stop_token_ids=[greedy[0]]), use_tqdm=False)[0].outputs[0]
     assert len(late.token_ids) == 10 and greedy[0] not in late.token_ids

@@ -240,16 +240,17 @@ class Run:
         self.completion_tokens += len(ids)
         detok = self._detoks[index]
         delta = SeqDelta(index, ids, "", position=self.position)
+        finish_reason = message.finish_reason
+        on_stop_token = finish_reason == "stop"  # the engine's stops are EOS and stop token ids
         if params.logprobs is not None:
             if len(message.new_logprobs) != len(ids):  # zip would drop the text of the tokens without
                 raise RuntimeError(f"the engine sent {len(ids)} tokens with {len(message.new_logprobs)} logprobs")
             delta.logprobs = []
-            for token_id, position in zip(ids, message.new_logprobs):
+            for i, (token_id, position) in enumerate(zip(ids, message.new_logprobs)):
                 delta.logprobs.append(self.model.logprob(position, text_offset=len(detok.text)))
-                delta.text += detok.append([token_id]).text
+                delta.text += detok.append([token_id], on_stop_token and i == len(ids) - 1).text
         else:
-            delta.text = detok.append(ids).text
-        finish_reason = message.finish_reason
+            delta.text = detok.append(ids, on_stop_token).text
         if detok.stopped is not None:
             delta.finish_reason, delta.stop_reason = "stop", detok.stopped
             self._done[index] = True

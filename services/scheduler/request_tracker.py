@@ -43,7 +43,7 @@ class RequestTracker:
             completion.logprobs.append(self._logprob_dict(position))
             completion.cumulative_logprob += position.logprob
         detokenizer = self.detokenizers[update.seq_index]
-        delta = detokenizer.append(update.new_token_ids)
+        delta = detokenizer.append(update.new_token_ids, ends_on_stop_token=update.finish_reason == "stop")
         if delta.stop is not None:
             completion.finish_reason, completion.stop_reason = "stop", delta.stop
         elif update.finish_reason is not None:
