@@ -7,6 +7,7 @@ admission, in the engine; everything checkable alone is checked here.
 
 from __future__ import annotations
 
+import numbers
 from dataclasses import dataclass, field
 
 # OpenAI caps top logprobs at 20; so do we (per position, sampled token excluded).
@@ -44,14 +45,24 @@ class SamplingParams:
     early_stopping: bool | str = False  # True, False or "never", as in transformers
 
     def __post_init__(self) -> None:
+        for name in self._INTS + self._FLOATS:  # numpy and torch scalars as Python numbers (the wire wants them)
+            object.__setattr__(self, name, _plain_number(getattr(self, name), float if name in self._FLOATS else int))
         if isinstance(self.stop, str):
             object.__setattr__(self, "stop", [self.stop])
+        _check(isinstance(self.stop or [], (list, tuple)), "stop", f"must be a string or a list of them, got {self.stop!r}")
         object.__setattr__(self, "stop", list(self.stop or []))
-        object.__setattr__(self, "stop_token_ids", list(self.stop_token_ids or []))
+        _check(isinstance(self.stop_token_ids or [], (list, tuple)), "stop_token_ids",
+               f"must be a list of token ids, got {self.stop_token_ids!r}")
+        object.__setattr__(self, "stop_token_ids", [_plain_number(t, int) for t in self.stop_token_ids or []])
         if self.top_k in (0, -1):
             object.__setattr__(self, "top_k", None)
         if self.logit_bias is not None:
-            object.__setattr__(self, "logit_bias", {int(k): float(v) for k, v in self.logit_bias.items()})
+            try:
+                bias = {int(k): float(v) for k, v in dict(self.logit_bias).items()}
+            except (TypeError, ValueError):
+                bias = None
+            _check(bias is not None, "logit_bias", f"must map token ids to numbers, got {self.logit_bias!r}")
+            object.__setattr__(self, "logit_bias", bias)
         self._validate()
 
     def _validate(self) -> None:
@@ -90,8 +101,10 @@ class SamplingParams:
         if self.use_beam_search:
             width = self.beam_width if self.beam_width is not None else self.n
             _check(self.n <= width, "n", f"({self.n}) must not exceed beam_width ({width})")
-            _check(self.seed is None and self.min_tokens == 0 and self.logit_bias is None, "use_beam_search",
-                   "cannot be combined with seed, min_tokens or logit_bias")
+            # Beams are ranked by the model's own log-probabilities: nothing that reshapes them applies (nor
+            # prompt logprobs, which a beam request does not return).
+            reshaped = [name for name, default in self._NOT_FOR_BEAMS if getattr(self, name) != default]
+            _check(not reshaped, "use_beam_search", f"cannot be combined with {', '.join(reshaped)}")
         for name in self._WIRE_FLOATS:  # what the float32 wire field would turn into 0 or infinity
             value = getattr(self, name)
             _check(value == 0 or FLOAT32_TINY <= abs(value) <= FLOAT32_MAX, name,
@@ -119,6 +132,13 @@ class SamplingParams:
         name, count = ("beam_width", self.num_beams) if named_width else ("n", self.num_beams or self.n)
         _check(count <= max_num_seqs, name, f"({count}) exceeds the engine's max_num_seqs ({max_num_seqs}): a "
                                             "request's sequences must be able to run together")
+
+    _INTS = ("n", "top_k", "seed", "max_tokens", "min_tokens", "logprobs", "prompt_logprobs", "beam_width")
+    _FLOATS = ("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty",
+               "length_penalty")
+    _NOT_FOR_BEAMS = (("seed", None), ("min_tokens", 0), ("logit_bias", None), ("top_p", 1.0), ("top_k", None),
+                      ("min_p", 0.0), ("presence_penalty", 0.0), ("frequency_penalty", 0.0),
+                      ("repetition_penalty", 1.0), ("prompt_logprobs", None))
 
     # --- wire form (pagedserve.api.v1.SamplingParameters) ---------------------------------------
 
@@ -159,6 +179,19 @@ class SamplingParams:
     def token_ids_in_use(self) -> list[int]:
         """Every token id this request names, for the engine's vocabulary check."""
         return list(self.stop_token_ids) + list((self.logit_bias or {}).keys())
+
+
+def _plain_number(value: object, kind: type) -> object:
+    """A numpy or torch scalar (or a Python number) as a Python int or float; anything else as it is."""
+    if isinstance(value, bool) or type(value).__name__ in ("bool", "bool_"):
+        return value
+    if kind is int and isinstance(value, numbers.Integral):
+        return int(value)
+    if kind is float and isinstance(value, numbers.Real):
+        return float(value)
+    if hasattr(value, "item") and getattr(value, "ndim", None) == 0:  # a 0-d array or tensor
+        return _plain_number(value.item(), kind)
+    return value
 
 
 def _is_int(value: object) -> bool:

@@ -25,17 +25,45 @@ def render_chat(tokenizer, messages: list[dict], add_generation_prompt: bool = T
 
     continue_final_message leaves the last message open, for the model to go on with it;
     template_kwargs are extra variables for the template (e.g. enable_thinking)."""
+    from jinja2 import TemplateError
+
     if chat_template is None and not getattr(tokenizer, "chat_template", None):
         raise ValueError("the tokenizer has no chat template; pass chat_template=... or use generate()")
-    for i, message in enumerate(messages):
-        if not isinstance(message, dict) or "role" not in message or "content" not in message:
-            raise ValueError(f"message {i} must be a dict with 'role' and 'content'")
+    if not isinstance(messages, list):
+        raise ValueError(f"messages must be a list of dicts, got {type(messages).__name__}")
+    messages = [_template_message(i, message) for i, message in enumerate(messages)]
     if continue_final_message and (add_generation_prompt or not messages):
         raise ValueError("continue_final_message needs add_generation_prompt=False and a message to continue")
     template_kwargs = template_kwargs or {}
     taken = set(template_kwargs) & set(inspect.signature(tokenizer.apply_chat_template).parameters)
     if taken:  # they would change how the template is applied, not what it sees
         raise ValueError(f"chat template variable {sorted(taken)[0]!r} is reserved")
-    return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt,
-                                         chat_template=chat_template, continue_final_message=continue_final_message,
-                                         **template_kwargs)
+    try:
+        return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt,
+                                             chat_template=chat_template,
+                                             continue_final_message=continue_final_message, **template_kwargs)
+    except TemplateError as exc:  # a bad template, or one that refuses these messages (raise_exception)
+        raise ValueError(f"the chat template cannot render these messages: {exc}") from exc
+
+
+def message_text(content) -> str:
+    """A message's content as a string template sees it: OpenAI's text parts joined by newlines (as
+    vLLM does); null (an assistant message with tool calls) is empty."""
+    if content is None:
+        return ""
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list) and all(isinstance(part, dict) and part.get("type") == "text"
+                                         and isinstance(part.get("text"), str) for part in content):
+        return "\n".join(part["text"] for part in content)
+    raise ValueError("a message's content must be a string, null, or a list of text parts "
+                     "({'type': 'text', 'text': ...}); no other part types are supported")
+
+
+def _template_message(i: int, message) -> dict:
+    if not isinstance(message, dict) or not isinstance(message.get("role"), str) or not message["role"]:
+        raise ValueError(f"message {i} must be a dict with a string 'role' (and 'content')")
+    try:
+        return {**message, "content": message_text(message.get("content"))}
+    except ValueError as exc:
+        raise ValueError(f"message {i}: {exc}") from None

@@ -127,6 +127,57 @@ def test_chat_uses_the_template(llm):
     assert "<|im_start|>user" in out[0].prompt and out[0].prompt.rstrip().endswith("assistant")
 
 
+def test_chat_takes_openai_message_shapes_and_refuses_bad_ones_clearly(llm):
+    params = SamplingParams(temperature=0, max_tokens=3)
+    plain = llm.chat([{"role": "user", "content": "Hi\nthere"}], params, use_tqdm=False)[0]
+    parts = llm.chat([{"role": "user", "content": [{"type": "text", "text": "Hi"}, {"type": "text", "text": "there"}]}],
+                     params, use_tqdm=False)[0]
+    assert parts.prompt == plain.prompt and parts.outputs[0].token_ids == plain.outputs[0].token_ids
+    empty = llm.chat([{"role": "user", "content": "Hi"}, {"role": "assistant", "content": None},
+                      {"role": "user", "content": "more"}], params, use_tqdm=False)[0]
+    assert "more" in empty.prompt
+    for messages, match in (([{"role": 5, "content": "hi"}], "string 'role'"),
+                            ([{"content": "hi"}], "string 'role'"),
+                            ([{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}], "text parts"),
+                            ([{"role": "user", "content": 7}], "message 0"),
+                            ("hello", "list of dicts")):
+        with pytest.raises(ValueError, match=match):
+            llm.chat(messages, params, use_tqdm=False)
+    with pytest.raises(ValueError, match="cannot render"):  # a template that fails, or that refuses the messages
+        llm.chat([{"role": "user", "content": "hi"}], params, chat_template="{% for m in messages %}", use_tqdm=False)
+    with pytest.raises(ValueError, match="roles must alternate"):
+        llm.chat([{"role": "user", "content": "hi"}], params, use_tqdm=False,
+                 chat_template="{{ raise_exception('roles must alternate') }}")
+    assert llm.chat([{"role": "user", "content": "hi"}], params, use_tqdm=False)[0].outputs[0].token_ids
+
+
+def test_prompts_as_numpy_or_torch_ids_and_numpy_scalars_in_params(llm):
+    import numpy as np
+    import torch
+    ids = [5, 17, 99, 3]
+    params = SamplingParams(temperature=np.float32(0.0), max_tokens=np.int64(4), ignore_eos=True)
+    assert params.max_tokens == 4 and type(params.max_tokens) is int and type(params.temperature) is float
+    outs = llm.generate([{"prompt_token_ids": ids}, {"prompt_token_ids": np.array(ids)},
+                         {"prompt_token_ids": torch.tensor(ids)}], params, use_tqdm=False)
+    assert all(o.prompt_token_ids == ids and o.outputs[0].token_ids == outs[0].outputs[0].token_ids for o in outs)
+
+
+@pytest.mark.parametrize("prompts, params, match", [
+    (None, SamplingParams(), "prompts must be"),
+    (5, SamplingParams(), "prompts must be"),
+    ({"prompt_token_ids": None}, SamplingParams(), "prompt_token_ids must be a sequence"),
+    ({"prompt_token_ids": "abc"}, SamplingParams(), "prompt_token_ids must be a sequence"),
+    ({"prompt_token_ids": [1, 2.5]}, SamplingParams(), "prompt_token_ids must be a sequence"),
+    ({"prompt": None}, SamplingParams(), "must be a string"),
+    ({"prompt": "hi", "multi_modal_data": {}}, SamplingParams(), "multi_modal_data"),
+    ("hi", {"max_tokens": 2}, "sampling_params must be"),
+])
+def test_malformed_generate_arguments_are_value_errors(llm, prompts, params, match):
+    with pytest.raises(ValueError, match=match):
+        llm.generate(prompts, params, use_tqdm=False)
+    assert llm.stats()["kv_blocks_used"] == 0
+
+
 def test_stats_report_the_cache(llm):
     stats = llm.stats()
     for key in ("num_preemptions", "kv_blocks_total", "kv_blocks_used", "kv_waste_pct", "kv_waste_pct_peak"):
@@ -171,6 +222,13 @@ def test_bad_prompts_are_refused_and_the_engine_keeps_serving(llm, prompt, param
     (dict(logit_bias={3: 1000.0}), "logit_bias"),
     (dict(top_p=1e-300), "top_p must be 0 or of magnitude"),  # 0.0 after the float32 wire
     (dict(temperature=1e308), "temperature must be 0 or of magnitude"),  # infinity after it
+    (dict(stop_token_ids=5), "stop_token_ids must be a list"),
+    (dict(stop=5), "stop must be a string or a list"),
+    (dict(logit_bias={"a": 1.0}), "logit_bias must map token ids to numbers"),
+    (dict(use_beam_search=True, top_p=0.5), "use_beam_search cannot be combined with top_p"),
+    (dict(use_beam_search=True, repetition_penalty=1.2, top_k=3), "combined with top_k, repetition_penalty"),
+    (dict(use_beam_search=True, prompt_logprobs=1), "combined with prompt_logprobs"),
+    (dict(use_beam_search=True, seed=3), "combined with seed"),
 ])
 def test_invalid_sampling_params_name_the_parameter(kwargs, match):
     with pytest.raises(ValueError, match=match):

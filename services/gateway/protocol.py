@@ -17,6 +17,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from services.gateway.generation import InvalidParameter
 from shared.sampling_params import SamplingParams
+from shared.tokenizer import message_text
 
 
 def _null_is_default(cls, value: Any, info) -> Any:
@@ -162,11 +163,11 @@ class ChatMessage(BaseModel):
     def as_dict(self) -> dict:
         content = self.content
         if isinstance(content, list):
-            if not all(isinstance(part, TextPart) for part in content):
-                raise InvalidParameter("only text content parts ({'type': 'text', 'text': ...}) are supported",
-                                       "messages")
-            content = "\n".join(part.text for part in content)
-        return {"role": self.role, "content": content or ""}
+            content = [part.model_dump() if isinstance(part, TextPart) else part for part in content]
+        try:
+            return {"role": self.role, "content": message_text(content)}
+        except ValueError as exc:
+            raise InvalidParameter(str(exc), "messages") from None
 
 
 class ChatCompletionRequest(_Sampling):

@@ -8,6 +8,7 @@ them for the services.
 from __future__ import annotations
 
 import itertools
+import operator
 from collections.abc import Sequence as SequenceABC
 
 from tqdm import tqdm
@@ -50,7 +51,12 @@ class LLM:
                  sampling_params: SamplingParams | SequenceABC[SamplingParams] | None = None,
                  use_tqdm: bool = True) -> list[RequestOutput]:
         """Generate for every prompt; outputs come back in input order."""
-        prompts = [prompts] if isinstance(prompts, (str, dict)) else list(prompts)
+        if isinstance(prompts, (str, dict)):
+            prompts = [prompts]
+        elif isinstance(prompts, SequenceABC):
+            prompts = list(prompts)
+        else:
+            raise ValueError(f"prompts must be a string, a prompt dict or a list of them, got {type(prompts).__name__}")
         params = self._params_per_prompt(sampling_params, len(prompts))
         trackers = [self._tracker(prompt, p) for prompt, p in zip(prompts, params)]
         self._add_all(trackers)
@@ -82,16 +88,25 @@ class LLM:
             return [SamplingParams()] * count
         if isinstance(sampling_params, SamplingParams):
             return [sampling_params] * count
+        if not isinstance(sampling_params, SequenceABC):
+            raise ValueError(f"sampling_params must be SamplingParams or a list of them, got "
+                             f"{type(sampling_params).__name__}")
         params = list(sampling_params)
         if len(params) != count:
             raise ValueError(f"got {len(params)} sampling params for {count} prompts; give one, or one per prompt")
         return params
 
     def _tracker(self, prompt: PromptType, params: SamplingParams) -> RequestTracker:
+        if isinstance(prompt, dict):
+            unknown = set(prompt) - {"prompt", "prompt_token_ids"}
+            if unknown:
+                raise ValueError(f"prompt keys {sorted(unknown)} are not supported (only 'prompt' and 'prompt_token_ids')")
+            if "prompt" in prompt and not isinstance(prompt["prompt"], str):
+                raise ValueError(f"a prompt's 'prompt' must be a string, got {type(prompt['prompt']).__name__}")
         if isinstance(prompt, str):
             text, token_ids = prompt, self.tokenizer(prompt).input_ids
         elif isinstance(prompt, dict) and "prompt_token_ids" in prompt:
-            text, token_ids = prompt.get("prompt"), list(prompt["prompt_token_ids"])
+            text, token_ids = prompt.get("prompt"), _token_ids(prompt["prompt_token_ids"])
         elif isinstance(prompt, dict) and "prompt" in prompt:
             text, token_ids = prompt["prompt"], self.tokenizer(prompt["prompt"]).input_ids
         else:
@@ -129,3 +144,16 @@ class LLM:
                         progress.update(1)
         finally:
             progress.close()
+
+
+def _token_ids(value) -> list[int]:
+    """prompt_token_ids as Python ints: a list or tuple of ints, or a 1-d numpy array or torch tensor."""
+    try:
+        if isinstance(value, (str, bytes)) or getattr(value, "ndim", 1) != 1:
+            raise TypeError
+        ids = [operator.index(t) for t in value]
+        if any(isinstance(t, bool) for t in value):
+            raise TypeError
+        return ids
+    except TypeError:
+        raise ValueError(f"prompt_token_ids must be a sequence of integer token ids, got {value!r:.80}") from None
