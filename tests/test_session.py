@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import time
+import types
+
 import grpc
 import pytest
 
 from services.scheduler.engine_loop import EngineLoop
-from services.scheduler.sequence import SequenceStatus
+from services.scheduler.sequence import SequenceStatus, SequenceUpdate
 from services.scheduler.session import RequestError, Session, SessionBatch
 from shared.grpc_errors import ServiceUnavailable, error_for_code, status_from_int
 from shared.sampling_params import SamplingParams
@@ -147,6 +150,96 @@ def test_a_sequence_stopped_by_its_session_ends_alone_and_the_request_with_its_l
         loop.stop_sequence_soon(session, 2, 0, "stop!")
         assert drain(session, {2}).finished == [2]
         assert loop.num_in_flight() == 0 and loop.stats()["kv_blocks_used"] == 0
+    finally:
+        loop.stop()
+
+
+class ScriptedEngine:
+    """Steps that return given updates, one step in flight at most; an inbox message can be posted
+    while a step runs (on_step), so that the loop reads it in the same turn as that step's outputs."""
+
+    def __init__(self, steps: list[list[SequenceUpdate]]):
+        self.steps, self.num_in_flight, self.on_step, self.stopped = list(steps), 0, None, set()
+        self.admitted = False
+
+    def can_plan_ahead(self) -> bool:
+        return False
+
+    def has_unfinished(self) -> bool:
+        return self.admitted and bool(self.steps)
+
+    def start_step(self) -> bool:
+        self.num_in_flight = int(self.has_unfinished())
+        return bool(self.num_in_flight)
+
+    def finish_step(self) -> list[SequenceUpdate]:
+        self.num_in_flight = 0
+        if self.on_step is not None:
+            self.on_step(len(self.steps))
+        return self.steps.pop(0)
+
+    def add_request(self, *args, **kwargs) -> None:
+        self.admitted = True
+
+    def abort_request(self, request_id: str) -> None:
+        pass
+
+    def finish_by_stop_string(self, request_id: str, seq_index: int, stop: str) -> bool:
+        ended = (request_id, seq_index) not in self.stopped
+        self.stopped.add((request_id, seq_index))
+        return ended
+
+    def get_stats(self) -> dict:
+        return {}
+
+    def shutdown(self) -> None:
+        pass
+
+
+def update(index: int, tokens: list[int], finish_reason: str | None = None) -> SequenceUpdate:
+    out = SequenceUpdate(types.SimpleNamespace(request_id="x", index=index))
+    out.new_token_ids, out.finish_reason = tokens, finish_reason
+    return out
+
+
+def test_a_request_ended_by_an_inbox_message_ends_after_the_outputs_of_the_same_turn():
+    """Sibling 1's last tokens and the stop that ends sibling 0 (the request's last) meet in one turn:
+    the request's end must not overtake those tokens (the gateway drops what comes after it)."""
+    engine = ScriptedEngine([[update(0, [1]), update(1, [2])], [update(1, [3, 4], "length")]])
+    loop = EngineLoop(engine)
+    try:
+        session = opened(loop)
+        engine.on_step = lambda left: left == 1 and loop.stop_sequence_soon(session, 1, 0, "stop!")
+        loop.submit(session, 1, "x", [1, 2], SamplingParams(max_tokens=4, n=2))
+        received = []
+        while not received or received[-1][0] != "end":  # batch by batch as put (reading would merge them)
+            batch = session._queue.get(timeout=10)
+            received += [(u.seq_index, u.new_token_ids) for _, u in batch.outputs] + [("end", k) for k in batch.finished]
+        assert received == [(0, [1]), (1, [2]), (1, [3, 4]), ("end", 1)]
+        assert loop.num_in_flight() == 0
+    finally:
+        loop.stop()
+
+
+def test_sessions_with_requests_in_flight_hear_from_the_loop_while_it_steps_with_nothing_for_them():
+    """A queued request or a beam search has no outputs for a long time; the gateway must not take
+    the scheduler for hung (it gives up on a session that is silent for --backend-timeout)."""
+    engine = ScriptedEngine([[] for _ in range(30)] + [[update(0, [1], "length")]])
+    engine.on_step = lambda left: time.sleep(0.1)  # 3 s of steps with no outputs for this request
+    loop = EngineLoop(engine)
+    try:
+        session, idle = opened(loop), opened(loop)
+        loop.submit(session, 1, "x", [1, 2], SamplingParams(max_tokens=4))
+        arrivals = []
+        while True:
+            batch = session._queue.get(timeout=10)
+            arrivals.append(time.monotonic())
+            if batch.finished:
+                break
+            assert not batch.outputs and not batch.errors
+        gaps = [b - a for a, b in zip(arrivals, arrivals[1:])]
+        assert len(arrivals) >= 3 and max(gaps) < 2.0, gaps
+        assert idle._queue.empty()  # a session with nothing in flight gets no heartbeats
     finally:
         loop.stop()
 

@@ -6,7 +6,8 @@ task hands to the request it belongs to. Every wait is bounded: a scheduler that
 unreachable turns into ServiceUnavailable within `connect_timeout_s`, unary calls carry a
 deadline, and when the scheduler sends nothing on the session for `idle_timeout_s` while requests
 are in flight, they are all abandoned with ServiceUnavailable (a hung scheduler; a request merely
-waiting in a long queue behind others that progress is not abandoned).
+waiting in a long queue behind others that progress, or a beam search, is not abandoned: while
+its engine steps, the scheduler sends a session with requests in flight a message every second).
 """
 
 from __future__ import annotations

@@ -25,6 +25,12 @@ from shared.sampling_params import SamplingParams
 log = setup_logging("scheduler")
 
 
+# While the engine steps, every session with requests in flight hears from the loop at least this
+# often, outputs or not: a gateway takes a silent scheduler for hung (--backend-timeout), and a
+# request queued behind others, or a beam search (whose beams come at its end), has nothing to say.
+HEARTBEAT_S = 1.0
+
+
 @dataclass
 class _InFlight:
     session: Session
@@ -39,12 +45,16 @@ class EngineLoop:
         self.async_scheduling = async_scheduling  # plan step N+1 while the worker computes step N
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
         self._requests: dict[str, _InFlight] = {}  # by request id; loop thread only
+        # What this turn of the loop sends each session, once the inbox is read: a request that an
+        # inbox message ends (an abort, its last sequence stopped) ends after this step's outputs.
+        self._outgoing: dict[Session, SessionBatch] = {}  # loop thread only
         self._sessions: set[Session] = set()  # open sessions, ended or failed when the loop exits
         self._lock = threading.Lock()  # orders posting against the loop's exit (nothing is posted after it)
         self._stopping = threading.Event()
         self._failed: Exception | None = None
         self._closed = False
         self._last_step_done = time.monotonic()  # when a step last came back (or started from idle)
+        self._last_heartbeat = time.monotonic()
         # Set (by the health poll) while the worker is known dead or hung: why new requests are refused
         # at once with UNAVAILABLE, rather than queued behind a step that may never come back.
         self.refusing: str | None = None
@@ -165,7 +175,13 @@ class EngineLoop:
     def _end(self, request_id: str, entry: _InFlight) -> None:
         del self._requests[request_id]
         entry.session.requests.pop(entry.key, None)
-        entry.session.put(SessionBatch(finished=[entry.key]))
+        self._batch_for(entry.session).finished.append(entry.key)
+
+    def _batch_for(self, session: Session) -> SessionBatch:
+        batch = self._outgoing.get(session)
+        if batch is None:
+            batch = self._outgoing[session] = SessionBatch()
+        return batch
 
     def _close_session(self, session: Session) -> None:
         for request_id in session.requests.values():
@@ -173,6 +189,7 @@ class EngineLoop:
             self._requests.pop(request_id, None)
             log.info("request aborted: its gateway stream closed", request_id=request_id)
         session.requests.clear()
+        self._outgoing.pop(session, None)  # nobody reads it any more
         session.end()
         with self._lock:
             self._sessions.discard(session)
@@ -188,18 +205,16 @@ class EngineLoop:
         engine = self.engine
         try:
             while not self._stopping.is_set():
-                batches = {}
                 if engine.num_in_flight:
                     if self.async_scheduling and engine.can_plan_ahead():
                         engine.start_step()
-                    batches = self._route(engine.finish_step())
+                    self._route(engine.finish_step())
                     self._last_step_done = time.monotonic()
-                self._drain_inbox(block=not batches and not engine.num_in_flight and not engine.has_unfinished())
+                self._drain_inbox(block=not self._outgoing and not engine.num_in_flight and not engine.has_unfinished())
                 if not engine.num_in_flight and engine.has_unfinished():
                     self._last_step_done = time.monotonic()  # from idle: the wait for a step starts now
                     engine.start_step()
-                for session, batch in batches.items():
-                    session.put(batch)
+                self._send_outgoing()
         except Exception as exc:  # a worker died or a bug: fail every request rather than hang them
             log.exception("engine loop failed")
             self._failed = exc
@@ -267,20 +282,27 @@ class EngineLoop:
                 session, key = args[0], args[1]
                 session.refuse(key, error)
 
-    def _route(self, updates: list[SequenceUpdate]) -> dict[Session, SessionBatch]:
-        """One batch per session with this step's outputs and the requests that ended."""
-        batches: dict[Session, SessionBatch] = {}
+    def _route(self, updates: list[SequenceUpdate]) -> None:
+        """This step's outputs, and the requests that ended, into each session's outgoing batch."""
         for update in updates:
             entry = self._requests.get(update.request_id)
             if entry is None:  # not in flight any more (the engine drops aborted sequences' outputs; a guard)
                 continue
-            batch = batches.setdefault(entry.session, SessionBatch())
-            batch.outputs.append((entry.key, update))
+            self._batch_for(entry.session).outputs.append((entry.key, update))
             if update.finish_reason is not None:
                 entry.unfinished -= 1
                 if entry.unfinished == 0:
-                    del self._requests[update.request_id]
-                    entry.session.requests.pop(entry.key, None)
-                    batch.finished.append(entry.key)
+                    self._end(update.request_id, entry)
                     log.info("request finished", request_id=update.request_id)
-        return batches
+
+    def _send_outgoing(self) -> None:
+        if time.monotonic() - self._last_heartbeat >= HEARTBEAT_S:
+            self._last_heartbeat = time.monotonic()
+            with self._lock:
+                sessions = list(self._sessions)
+            for session in sessions:
+                if session.requests:
+                    self._batch_for(session)  # an empty batch, if nothing else goes out to it
+        outgoing, self._outgoing = self._outgoing, {}
+        for session, batch in outgoing.items():
+            session.put(batch)
