@@ -4,6 +4,7 @@ official openai client, raw HTTP and the public gRPC API."""
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import json
 import random
 import signal
@@ -748,5 +749,27 @@ def test_a_hung_scheduler_or_worker_fails_requests_and_serving_resumes(llama_dir
             finally:
                 stack.procs["worker"].send_signal(signal.SIGCONT)
         _wait_until_answered(url)
+    finally:
+        stack.stop()
+
+
+def test_requests_still_running_at_the_end_of_the_drain_get_a_503_not_a_cut_connection(llama_dir, tmp_path):
+    stack = Stack(llama_dir, tmp_path, worker_args=WORKER_ARGS, gateway_args=("--drain-timeout", "0.5")).start()
+    try:
+        url = f"{stack.base_url}/v1/completions"
+        long = {"prompt": "Hi", "max_tokens": 480, "ignore_eos": True, "n": 4}
+        with httpx.stream("POST", url, json={**long, "stream": True}, timeout=60) as stream:
+            events = stream.iter_lines()
+            next(line for line in events if line.startswith("data: "))
+            with concurrent.futures.ThreadPoolExecutor(1) as pool:
+                whole = pool.submit(httpx.post, url, json=long, timeout=60)
+                time.sleep(0.5)  # under way
+                started = time.monotonic()
+                stack.procs["gateway"].send_signal(signal.SIGTERM)
+                rest = [line[6:] for line in events if line.startswith("data: ")]
+                error = _error(whole.result(), 503)
+        assert stack.procs["gateway"].wait(15) == 0 and time.monotonic() - started < 10
+        assert "shutting down" in error["message"]
+        assert rest[-1] == "[DONE]" and "shutting down" in json.loads(rest[-2])["error"]["message"], rest[-3:]
     finally:
         stack.stop()

@@ -199,12 +199,17 @@ class Session:
             await asyncio.sleep(max(0.05, min(1.0, idle_timeout_s / 4)))
             silent = self._loop.time() - self._last_heard
             if self._streams and silent > idle_timeout_s:
-                self._failure = ServiceUnavailable(
-                    f"the scheduler at {self.address} sent nothing for {silent:.0f} s; its requests were abandoned")
                 log.warning("scheduler session silent: abandoning its requests", requests=len(self._streams))
-                self.closed = True  # no new request joins it from now on
-                self._call.cancel()  # the reader ends and fails every request with the reason above
+                self.abandon(ServiceUnavailable(
+                    f"the scheduler at {self.address} sent nothing for {silent:.0f} s; its requests were abandoned"))
                 return
+
+    def abandon(self, error: Exception) -> None:
+        """Fail every request of this session with error and end it (the scheduler aborts them)."""
+        if not self.closed:
+            self._failure = error
+            self.closed = True  # no new request joins it from now on
+            self._call.cancel()  # the reader ends and fails every request with the error
 
     def _route(self, events: wire.SessionEvents) -> None:
         for key, output in step_outputs(events):
@@ -290,6 +295,11 @@ class SchedulerClient:
         except ServiceUnavailable:
             return False
         return reply.status == health_pb2.HealthCheckResponse.SERVING
+
+    def abandon_requests(self, error: Exception) -> None:
+        """Fail every request in flight with error (a shutdown that cannot wait for them any longer)."""
+        if self._session is not None:
+            self._session.abandon(error)
 
     async def close(self) -> None:
         if self._session is not None:

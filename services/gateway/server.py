@@ -1,7 +1,8 @@
 """`pagedserve gateway`: the OpenAI HTTP API (uvicorn) and the public gRPC API (grpc.aio) in one
 asyncio event loop, over one scheduler client. Stateless: any number can run side by side.
 
-On SIGTERM/SIGINT it stops accepting, gives in-flight streams --drain-timeout seconds, then closes.
+On SIGTERM/SIGINT it stops accepting, gives in-flight requests --drain-timeout seconds, then fails
+the rest with 503 (an error event, then [DONE], for a stream; UNAVAILABLE over gRPC) and closes.
 """
 
 from __future__ import annotations
@@ -19,9 +20,14 @@ from services.gateway.grpc_api import NOT_SERVING, SERVING, create_grpc_server
 from services.gateway.metrics import GatewayMetrics
 from services.gateway.scheduler_client import SchedulerClient
 from shared.gc_heap import freeze_startup_objects, unfreeze_startup_objects
+from shared.grpc_errors import ServiceUnavailable
 from shared.logging import setup_logging
 
 log = setup_logging("gateway")
+
+# After the drain timeout, what the requests still in flight get to say that they failed, before
+# the servers close their connections.
+FAREWELL_S = 2.0
 
 
 class _Uvicorn(uvicorn.Server):
@@ -58,7 +64,7 @@ async def serve(args: argparse.Namespace) -> None:
     origins = tuple(o.strip() for o in args.allowed_origins.split(",") if o.strip())
     http = _Uvicorn(uvicorn.Config(create_app(gen, origins), host=args.host, port=args.port, log_config=None,
                                    log_level="warning", access_log=False, lifespan="off",
-                                   timeout_graceful_shutdown=args.drain_timeout))
+                                   timeout_graceful_shutdown=args.drain_timeout + FAREWELL_S))
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
@@ -76,11 +82,22 @@ async def serve(args: argparse.Namespace) -> None:
     log.info("gateway stopping", in_flight=gen.in_flight)
     learn.cancel()
     await grpc_health.set("", NOT_SERVING)
-    http.should_exit = True  # uvicorn closes its listener, then waits for open responses (drain timeout)
-    await asyncio.gather(http_task, grpc_server.stop(grace=args.drain_timeout), return_exceptions=True)
+    http.should_exit = True  # uvicorn closes its listener, then waits for open responses
+    grpc_stopped = asyncio.ensure_future(grpc_server.stop(grace=args.drain_timeout + FAREWELL_S))
+    await _drain(gen, args.drain_timeout)
+    if gen.in_flight:  # an answer that says so, rather than a connection cut mid-response
+        log.warning("drain timeout: failing the requests still in flight", in_flight=gen.in_flight)
+        client.abandon_requests(ServiceUnavailable("the gateway is shutting down; retry the request"))
+    await asyncio.gather(http_task, grpc_stopped, return_exceptions=True)
     await client.close()
     unfreeze_startup_objects()
     log.info("gateway stopped")
+
+
+async def _drain(gen: Generator, timeout_s: float) -> None:
+    deadline = asyncio.get_running_loop().time() + timeout_s
+    while gen.in_flight and asyncio.get_running_loop().time() < deadline:
+        await asyncio.sleep(0.05)
 
 
 def build_parser() -> argparse.ArgumentParser:
