@@ -176,10 +176,6 @@ class SamplingParams:
         return cls(**kwargs, stop=list(message.stop), stop_token_ids=list(message.stop_token_ids),
                    logit_bias={int(k): float(f"{v:.7g}") for k, v in message.logit_bias.items()} or None)
 
-    def token_ids_in_use(self) -> list[int]:
-        """Every token id this request names, for the engine's vocabulary check."""
-        return list(self.stop_token_ids) + list((self.logit_bias or {}).keys())
-
 
 def _plain_number(value: object, kind: type) -> object:
     """A numpy or torch scalar (or a Python number) as a Python int or float; anything else as it is."""

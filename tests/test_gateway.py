@@ -508,6 +508,14 @@ def test_bad_requests_get_openai_errors(stack, client, llama_dir):
     assert "512" in too_long["message"] and "600" in too_long["message"] and too_long["param"] == "max_tokens"
     assert "JSON" in _error(httpx.post(url, content=b'{"prompt": ', headers={"content-type": "application/json"}),
                             400)["message"]
+    form = _error(httpx.post(url, content=json.dumps(ok).encode(),  # curl -d without -H sends a form type
+                             headers={"content-type": "application/x-www-form-urlencoded"}), 400)["message"]
+    assert "Content-Type: application/json" in form and "x-www-form-urlencoded" in form
+    assert "JSON object" in _error(httpx.post(url, json=[1, 2]), 400)["message"]
+    for field in ("stop_token_ids", "logit_bias"):
+        value = [10**6] if field == "stop_token_ids" else {str(10**6): 1}
+        vocab = _error(httpx.post(url, json={**ok, field: value}), 400)
+        assert vocab["param"] == field and "vocabulary" in vocab["message"], vocab
     assert _error(httpx.post(url, json={**ok, "temperature": -0.5}), 400)["param"] == "temperature"
     assert _error(httpx.post(url, json={**ok, "logprobs": 21}), 400)["param"] == "logprobs"
     assert _error(httpx.post(url, json={**ok, "top_p": 1e-300}), 400)["param"] == "top_p"  # 0 as a float32

@@ -169,7 +169,8 @@ def test_abort_frees_blocks_and_tells_the_worker():
     ([1, 2, 3], SamplingParams(max_tokens=510), "exceeds the context"),
     ([1, 2, 3], SamplingParams(max_tokens=None, min_tokens=510), "min_tokens"),
     ([1, 2, 1000], SamplingParams(), "outside the vocabulary"),
-    ([1, 2], SamplingParams(stop_token_ids=[500]), "outside the vocabulary"),
+    ([1, 2], SamplingParams(stop_token_ids=[500]), "500 in stop_token_ids is outside the vocabulary"),
+    ([1, 2], SamplingParams(logit_bias={600: 1.0}), "600 in logit_bias is outside the vocabulary"),
     ([1, 2], SamplingParams(max_tokens=400), "could never run"),
     ([1, 2], SamplingParams(logprobs=20, max_tokens=4), None),
 ])

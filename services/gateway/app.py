@@ -62,6 +62,11 @@ def _validation_error(request: Request, exc: RequestValidationError) -> JSONResp
     if first.get("type") == "json_invalid":
         message = f"malformed JSON: {first.get('ctx', {}).get('error', first.get('msg'))}"
         return error_response(InvalidParameter(message))
+    if not where:  # the body as a whole: not JSON at all, or not an object
+        content_type = request.headers.get("content-type", "")
+        hint = "" if "json" in content_type else f" (it was sent as {content_type or 'no content type'!r})"
+        return error_response(InvalidParameter(f"the request body must be a JSON object with Content-Type: "
+                                               f"application/json{hint}"))
     return error_response(InvalidParameter(f"{'.'.join(where)}: {first.get('msg')}", where[0] if where else None))
 
 
