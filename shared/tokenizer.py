@@ -42,7 +42,7 @@ def render_chat(tokenizer, messages: list[dict], add_generation_prompt: bool = T
         return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt,
                                              chat_template=chat_template,
                                              continue_final_message=continue_final_message, **template_kwargs)
-    except TemplateError as exc:  # a bad template, or one that refuses these messages (raise_exception)
+    except (TemplateError, TypeError) as exc:  # a bad template, one that refuses these messages, or their shape
         raise ValueError(f"the chat template cannot render these messages: {exc}") from exc
 
 

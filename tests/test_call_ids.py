@@ -238,3 +238,67 @@ def test_an_abort_that_overtakes_its_generate_waits_for_the_call_to_open():
 def test_negative_waits_are_refused():
     with pytest.raises(ValueError, match="arrival_s"):
         CallIds(arrival_s=-1)
+
+
+def test_an_abort_naming_a_call_that_just_ended_does_not_abort_the_next_call_with_its_id():
+    async def main():
+        ids = CallIds(arrival_s=5)
+        async with ids.claim("r"):
+            pass  # the first call ends
+        stale = asyncio.create_task(ids.abort_arriving("r"))  # the client's late Abort of the first call
+        await asyncio.sleep(0)  # it arrives first (its scheduler knew nothing of "r" any more)
+        async with ids.claim("r") as reuse:
+            assert await stale is False and not reuse.aborted
+        assert not ids._arrivals
+
+    asyncio.run(main())
+
+
+def test_an_abort_reaches_a_call_still_waiting_for_its_predecessor_and_a_duplicate_alike():
+    async def main():
+        ids, release = CallIds(grace_s=5), asyncio.Event()
+        entered = asyncio.Event()
+
+        async def first():
+            async with ids.claim("r") as call:
+                entered.set()
+                await release.wait()
+                return call
+
+        one = asyncio.create_task(first())
+        await entered.wait()
+        second_call = []
+
+        async def second():
+            async with ids.claim("r") as call:  # waits for the first to end
+                second_call.append(call)
+
+        two = asyncio.create_task(second())
+        for _ in range(20):
+            await asyncio.sleep(0)
+        assert ids.abort("r")  # both: the one running, and the one waiting to reuse the id
+        release.set()
+        first_call = await one
+        await two
+        assert first_call.aborted and second_call[0].aborted and len(ids) == 0
+
+    asyncio.run(main())
+
+
+def test_aborts_waiting_for_a_call_leave_nothing_behind_when_cancelled_or_many():
+    async def main():
+        ids = CallIds(arrival_s=5)
+        cancelled = asyncio.create_task(ids.abort_arriving("x"))
+        await asyncio.sleep(0)
+        cancelled.cancel()
+        await asyncio.gather(cancelled, return_exceptions=True)
+        assert not ids._arrivals  # a cancelled Abort (client deadline) leaves no waiter behind
+        quick = CallIds(arrival_s=0.05)
+        early = asyncio.create_task(quick.abort_arriving("y"))
+        await asyncio.sleep(0.02)
+        late = asyncio.create_task(quick.abort_arriving("y"))  # a second Abort, its window ends later
+        assert await early is False
+        async with quick.claim("y") as call:
+            assert await late is True and call.aborted
+
+    asyncio.run(main())

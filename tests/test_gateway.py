@@ -136,6 +136,26 @@ def test_token_id_prompts_and_echo(client, offline, llama_dir):
         assert all(text[offsets[i]:].startswith(logprobs.tokens[i]) for i in whole if logprobs.tokens[i]), prompt
 
 
+def test_echo_with_max_tokens_0_scores_the_prompt(client, llama_dir):
+    """As OpenAI and vLLM: the prompt and its logprobs, nothing generated (how clients score a prompt)."""
+    prompts = ["Hello there", "The quick brown fox"]
+    generated = client.completions.create(model=llama_dir.name, prompt=prompts, max_tokens=2, temperature=0,
+                                          echo=True, logprobs=2, extra_body={"ignore_eos": True})
+    scored = client.completions.create(model=llama_dir.name, prompt=prompts, max_tokens=0, echo=True, logprobs=2)
+    assert scored.usage.completion_tokens == 0 and scored.usage.total_tokens == scored.usage.prompt_tokens
+    for one, full, prompt in zip(scored.choices, generated.choices, prompts):
+        assert one.text == prompt and one.finish_reason == "length"
+        count = len(one.logprobs.tokens)
+        assert count == len(full.logprobs.tokens) - 2 and one.logprobs.token_logprobs[0] is None
+        for field in ("tokens", "token_logprobs", "top_logprobs", "text_offset"):
+            assert getattr(one.logprobs, field) == getattr(full.logprobs, field)[:count], field
+    chunks = list(client.completions.create(model=llama_dir.name, prompt=prompts[0], max_tokens=0, echo=True,
+                                            stream=True))
+    assert "".join(c.choices[0].text for c in chunks) == prompts[0] and chunks[-1].choices[0].finish_reason == "length"
+    with pytest.raises(openai.BadRequestError):  # without echo, max_tokens must be at least 1
+        client.completions.create(model=llama_dir.name, prompt=prompts[0], max_tokens=0)
+
+
 def test_n_logprobs_and_usage(client, llama_dir):
     reply = client.completions.create(model=llama_dir.name, prompt="Once upon a time", n=3, max_tokens=5,
                                       temperature=1.0, seed=7, logprobs=3, extra_body={"ignore_eos": True})
@@ -684,6 +704,11 @@ def test_beam_search_over_the_openai_api(stack, llama_dir):
     choices = sorted(scored.choices, key=lambda c: c.index)
     assert [c.text for c in choices] == [c.text for c in offline.outputs]
     assert all(len(c.logprobs.tokens) == 6 and "".join(c.logprobs.tokens) == c.text for c in choices)
+    # Echo with logprobs: the prompt's come back null (beams carry none), the request is not refused.
+    echoed = client.completions.create(model=model, prompt=[5, 6, 7, 8, 9], max_tokens=6, n=2, logprobs=1, echo=True,
+                                       extra_body={"use_beam_search": True, "beam_width": 3, "ignore_eos": True})
+    assert all(len(c.logprobs.tokens) == 5 + 6 and c.logprobs.token_logprobs[:5] == [None] * 5
+               for c in echoed.choices)
     chat = client.chat.completions.create(model=model, messages=[{"role": "user", "content": "Hi"}], max_tokens=4,
                                           logprobs=True, top_logprobs=1,
                                           extra_body={"use_beam_search": True, "beam_width": 2, "ignore_eos": True})

@@ -56,49 +56,70 @@ class CallIds:
             raise ValueError(f"grace_s and arrival_s must be >= 0, got {grace_s} and {arrival_s}")
         self.grace_s = grace_s
         self.arrival_s = arrival_s
-        self._calls: dict[str, Call] = {}  # by request id: the latest call that claimed it
-        self._arrivals: dict[str, asyncio.Event] = {}  # by request id: Aborts waiting for its call to open
+        # By request id, oldest first: the calls open with it (a reuse waiting on its predecessor, or
+        # a duplicate the scheduler will refuse, besides the call that owns the engine request).
+        self._calls: dict[str, list[Call]] = {}
+        self._arrivals: dict[str, list[asyncio.Event]] = {}  # by request id: Aborts waiting for its call
+        self._ended: dict[str, float] = {}  # by request id: when its last call here ended (within arrival_s)
 
     @contextlib.asynccontextmanager
     async def claim(self, request_id: str):
         """Hold request_id for the body (a call's whole life), after the call before it with that id ended."""
-        earlier = self._calls.get(request_id)
-        if earlier is not None:
-            with contextlib.suppress(TimeoutError):
-                async with asyncio.timeout(self.grace_s):
-                    await earlier.ended.wait()
+        calls = self._calls.setdefault(request_id, [])
+        earlier = calls[-1] if calls else None
         call = Call()
-        self._calls[request_id] = call  # a duplicate that outlived the grace replaces the entry
-        if (arrival := self._arrivals.pop(request_id, None)) is not None:
+        calls.append(call)  # an Abort from now on reaches this call too, even while it waits
+        for arrival in self._arrivals.pop(request_id, ()):
             arrival.set()
         try:
+            if earlier is not None:
+                with contextlib.suppress(TimeoutError):
+                    async with asyncio.timeout(self.grace_s):
+                        await earlier.ended.wait()
             yield call
         finally:
             call.ended.set()
-            if self._calls.get(request_id) is call:
+            calls.remove(call)
+            if not calls:
                 del self._calls[request_id]
+            self._note_end(request_id)
 
     def abort(self, request_id: str) -> bool:
-        """Abort the open call with this id through its own stream; False if no call here has it."""
-        call = self._calls.get(request_id)
-        if call is None:
-            return False
-        call.abort()
-        return True
+        """Abort the open calls with this id through their own streams; False if no call here has it."""
+        calls = self._calls.get(request_id, [])
+        for call in calls:
+            call.abort()
+        return bool(calls)
 
     async def abort_arriving(self, request_id: str) -> bool:
-        """Abort the call with this id that opens here within arrival_s; False if none does."""
+        """Abort the call with this id that opens here within arrival_s; False if none does. An id
+        whose call ended here just now names that call: a new call reusing it is not aborted."""
         if self.abort(request_id):
             return True
-        arrival = self._arrivals.setdefault(request_id, asyncio.Event())
+        ended = self._ended.get(request_id)
+        if ended is not None and asyncio.get_running_loop().time() - ended < self.arrival_s:
+            return False
+        arrival = asyncio.Event()
+        self._arrivals.setdefault(request_id, []).append(arrival)
         try:
             async with asyncio.timeout(self.arrival_s):
                 await arrival.wait()
         except TimeoutError:
-            if self._arrivals.get(request_id) is arrival:
-                del self._arrivals[request_id]
             return False
+        finally:  # also when the Abort itself is cancelled
+            waiting = self._arrivals.get(request_id, [])
+            if arrival in waiting:
+                waiting.remove(arrival)
+                if not waiting:
+                    del self._arrivals[request_id]
         return self.abort(request_id)
+
+    def _note_end(self, request_id: str) -> None:
+        now = asyncio.get_running_loop().time()
+        self._ended.pop(request_id, None)
+        self._ended[request_id] = now  # insertion order is end order: the stale ones are at the front
+        while self._ended and now - next(iter(self._ended.values())) >= self.arrival_s:
+            del self._ended[next(iter(self._ended))]
 
     def __len__(self) -> int:
         return len(self._calls)

@@ -99,12 +99,12 @@ class _Reply:
         for choices in self.opening_choices():
             yield self.chunk_json(choices)
         n = self.n
-        async for delta in merge(self.runs):
+        async for delta in self.deltas():
             event = self.chunk_event(delta.position * n + delta.index, delta.position, delta)
             if event is not None:
                 yield event
         if self.body.include_usage:
-            yield self.chunk_json([], usage=usage(self.runs))
+            yield self.chunk_json([], usage=self.usage())
 
     async def aclose(self) -> None:
         """Idempotent; also right when events() never started (a client gone before the first byte)."""
@@ -116,7 +116,7 @@ class _Reply:
         texts: dict[int, str] = defaultdict(str)
         logprobs: dict[int, list[TokenLogprob]] = defaultdict(list)
         ends: dict[int, SeqDelta] = {}
-        async for delta in merge(self.runs):
+        async for delta in self.deltas():
             k = delta.position * self.n + delta.index
             texts[k] += delta.text
             logprobs[k] += delta.logprobs or []
@@ -124,7 +124,13 @@ class _Reply:
                 ends[k] = delta
         choices = [self.whole_choice(k, k // self.n, texts[k], logprobs[k], ends.get(k))
                    for k in range(len(self.runs) * self.n)]
-        return self.envelope(self.object_whole, choices, usage=usage(self.runs))
+        return self.envelope(self.object_whole, choices, usage=self.usage())
+
+    def deltas(self) -> AsyncIterator[SeqDelta]:
+        return merge(self.runs)
+
+    def usage(self) -> dict:
+        return usage(self.runs)
 
     def opening_choices(self) -> list[list[dict]]:
         return []
@@ -150,6 +156,15 @@ class _Completion(_Reply):
         prompts = body.prompts()
         return ([model.encode(p) if isinstance(p, str) else list(p) for p in prompts],
                 [p if isinstance(p, str) else _echoed_text(model, p) if body.echo else "" for p in prompts])
+
+    def deltas(self) -> AsyncIterator[SeqDelta]:
+        return _nothing_generated(merge(self.runs)) if self.body.echo_only else merge(self.runs)
+
+    def usage(self) -> dict:
+        counts = usage(self.runs)
+        if self.body.echo_only:  # the token the engine sampled is not part of the answer
+            counts.update(completion_tokens=0, total_tokens=counts["prompt_tokens"])
+        return counts
 
     def _prefix(self, k: int, position: int) -> tuple[str, list[TokenLogprob]]:
         """The echoed prompt (text and its token logprobs), once per choice."""
@@ -202,6 +217,13 @@ class _Completion(_Reply):
         prefix, prompt_entries = self._prefix(k, position)
         return {"index": k, "text": prefix + text, "finish_reason": end and end.finish_reason,
                 "stop_reason": end and end.stop_reason, "logprobs": self._logprobs(position, prompt_entries, logprobs)}
+
+
+async def _nothing_generated(deltas: AsyncIterator[SeqDelta]) -> AsyncIterator[SeqDelta]:
+    """Each sequence's end, without what it generated (echo with max_tokens=0)."""
+    async for delta in deltas:
+        if delta.finish_reason is not None:
+            yield SeqDelta(delta.index, [], "", [], "length", None, delta.position)
 
 
 def completion_logprobs(entries: list[TokenLogprob], base_offset: int) -> dict:

@@ -136,8 +136,18 @@ class CompletionRequest(_Sampling):
             raise InvalidParameter("best_of > n is not supported", "best_of")
         if self.suffix:
             raise InvalidParameter("suffix is not supported", "suffix")
-        # echo with logprobs: the prompt's logprobs come back too, as OpenAI does.
-        return self.sampling_params(self.max_tokens, self.logprobs, self.logprobs if self.echo else None)
+        # echo with logprobs: the prompt's logprobs come back too, as OpenAI does. With max_tokens=0
+        # too, that is all that comes back (how a prompt is scored): the engine runs the prompt and
+        # samples one token, which is not shown.
+        max_tokens = 1 if self.echo_only else self.max_tokens
+        # (Beam search returns no prompt logprobs: the echoed prompt's come back as null.)
+        prompt_logprobs = self.logprobs if self.echo and not self.use_beam_search else None
+        return self.sampling_params(max_tokens, self.logprobs, prompt_logprobs)
+
+    @property
+    def echo_only(self) -> bool:
+        """echo with max_tokens=0: the prompt (and its logprobs) and nothing generated, as OpenAI and vLLM."""
+        return self.echo and self.max_tokens == 0
 
     def prompts(self) -> list[str | list[int]]:
         """One entry per prompt: a string, or token ids."""
@@ -202,7 +212,9 @@ class ChatCompletionRequest(_Sampling):
         return self.sampling_params(max_tokens, (self.top_logprobs or 0) if self.logprobs else None)
 
     def public_error(self, exc: InvalidParameter) -> InvalidParameter:
-        names = {"logprobs": "top_logprobs", "prompt": "messages"}
+        if exc.param == "prompt":  # the rendered messages (the message still says "prompt": it is one)
+            return InvalidParameter(str(exc), "messages")
+        names = {"logprobs": "top_logprobs"}
         if self.max_completion_tokens is not None:
             names["max_tokens"] = "max_completion_tokens"
         name = names.get(exc.param)

@@ -243,6 +243,7 @@ class SchedulerClient:
         self._stub = wire_grpc.SchedulerStub(self._channel)
         self._health = health_pb2_grpc.HealthStub(self._channel)
         self._session: Session | None = None
+        self._refusing: Exception | None = None  # set once shutting down: why new requests are refused
 
     async def _connected(self) -> None:
         """Wait (briefly) for a ready connection, so a dead scheduler fails fast rather than hangs.
@@ -272,6 +273,8 @@ class SchedulerClient:
 
     async def submit(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                      cache_salt: str | None = None) -> SubmitStream:
+        if self._refusing is not None:
+            raise self._refusing
         await self._connected()
         if self._session is None or self._session.closed:  # first use, or the scheduler restarted
             self._session = Session(self._stub, self.address, self.idle_timeout_s)
@@ -297,7 +300,9 @@ class SchedulerClient:
         return reply.status == health_pb2.HealthCheckResponse.SERVING
 
     def abandon_requests(self, error: Exception) -> None:
-        """Fail every request in flight with error (a shutdown that cannot wait for them any longer)."""
+        """Fail every request in flight with error, and any submitted from now on (a shutdown that
+        cannot wait for them any longer; one still tokenizing would otherwise open a new session)."""
+        self._refusing = error
         if self._session is not None:
             self._session.abandon(error)
 

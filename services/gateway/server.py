@@ -117,7 +117,8 @@ def build_parser() -> argparse.ArgumentParser:
                         help="seconds to wait for a connection to the scheduler before answering 503")
     parser.add_argument("--backend-timeout", type=float, default=120.0,
                         help="seconds the scheduler may stay silent while requests are in flight before they "
-                             "are abandoned with 503")
+                             "are abandoned with 503 (while its engine steps it speaks at least once a second, "
+                             "so keep this well above 1)")
     parser.add_argument("--allowed-origins", default="*",
                         help="comma-separated origins browsers may call the HTTP API from (CORS); '' turns CORS off")
     parser.add_argument("--drain-timeout", type=float, default=10.0,
