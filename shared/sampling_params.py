@@ -51,9 +51,10 @@ class SamplingParams:
             object.__setattr__(self, "stop", [self.stop])
         _check(isinstance(self.stop or [], (list, tuple)), "stop", f"must be a string or a list of them, got {self.stop!r}")
         object.__setattr__(self, "stop", list(self.stop or []))
-        _check(isinstance(self.stop_token_ids or [], (list, tuple)), "stop_token_ids",
-               f"must be a list of token ids, got {self.stop_token_ids!r}")
-        object.__setattr__(self, "stop_token_ids", [_plain_number(t, int) for t in self.stop_token_ids or []])
+        ids = self.stop_token_ids if self.stop_token_ids is not None else []
+        _check(not isinstance(ids, (str, bytes, dict)) and getattr(ids, "ndim", 1) == 1 and hasattr(ids, "__iter__"),
+               "stop_token_ids", f"must be a list of token ids, got {self.stop_token_ids!r}")
+        object.__setattr__(self, "stop_token_ids", [_plain_number(t, int) for t in ids])
         if self.top_k in (0, -1):
             object.__setattr__(self, "top_k", None)
         if self.logit_bias is not None:

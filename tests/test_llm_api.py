@@ -160,6 +160,10 @@ def test_prompts_as_numpy_or_torch_ids_and_numpy_scalars_in_params(llm):
     outs = llm.generate([{"prompt_token_ids": ids}, {"prompt_token_ids": np.array(ids)},
                          {"prompt_token_ids": torch.tensor(ids)}], params, use_tqdm=False)
     assert all(o.prompt_token_ids == ids and o.outputs[0].token_ids == outs[0].outputs[0].token_ids for o in outs)
+    from_generator = llm.generate(({"prompt_token_ids": p} for p in (ids, ids[:2])), (params for _ in range(2)),
+                                  use_tqdm=False)
+    assert [o.prompt_token_ids for o in from_generator] == [ids, ids[:2]]
+    assert SamplingParams(stop_token_ids=np.array([3, 4])).stop_token_ids == [3, 4]
 
 
 @pytest.mark.parametrize("prompts, params, match", [

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import itertools
 import operator
+from collections.abc import Iterable
 from collections.abc import Sequence as SequenceABC
 
 from tqdm import tqdm
@@ -53,7 +54,7 @@ class LLM:
         """Generate for every prompt; outputs come back in input order."""
         if isinstance(prompts, (str, dict)):
             prompts = [prompts]
-        elif isinstance(prompts, SequenceABC):
+        elif isinstance(prompts, Iterable):  # a list, a tuple, a generator
             prompts = list(prompts)
         else:
             raise ValueError(f"prompts must be a string, a prompt dict or a list of them, got {type(prompts).__name__}")
@@ -88,7 +89,7 @@ class LLM:
             return [SamplingParams()] * count
         if isinstance(sampling_params, SamplingParams):
             return [sampling_params] * count
-        if not isinstance(sampling_params, SequenceABC):
+        if isinstance(sampling_params, dict) or not isinstance(sampling_params, Iterable):
             raise ValueError(f"sampling_params must be SamplingParams or a list of them, got "
                              f"{type(sampling_params).__name__}")
         params = list(sampling_params)
