@@ -46,7 +46,7 @@ class SamplingParams:
 
     def __post_init__(self) -> None:
         for name in self._INTS + self._FLOATS:  # numpy and torch scalars as Python numbers (the wire wants them)
-            object.__setattr__(self, name, _plain_number(getattr(self, name), float if name in self._FLOATS else int))
+            object.__setattr__(self, name, _plain_number(getattr(self, name), int if name in self._INTS else float))
         if isinstance(self.stop, str):
             object.__setattr__(self, "stop", [self.stop])
         _check(isinstance(self.stop or [], (list, tuple)), "stop", f"must be a string or a list of them, got {self.stop!r}")
@@ -106,7 +106,7 @@ class SamplingParams:
             # prompt logprobs, which a beam request does not return).
             reshaped = [name for name, default in self._NOT_FOR_BEAMS if getattr(self, name) != default]
             _check(not reshaped, "use_beam_search", f"cannot be combined with {', '.join(reshaped)}")
-        for name in self._WIRE_FLOATS:  # what the float32 wire field would turn into 0 or infinity
+        for name in self._FLOATS:  # what the float32 wire field would turn into 0 or infinity
             value = getattr(self, name)
             _check(value == 0 or FLOAT32_TINY <= abs(value) <= FLOAT32_MAX, name,
                    f"must be 0 or of magnitude in [{FLOAT32_TINY:.3g}, {FLOAT32_MAX:.3g}] (a float32), got {value!r}")
@@ -134,6 +134,7 @@ class SamplingParams:
         _check(count <= max_num_seqs, name, f"({count}) exceeds the engine's max_num_seqs ({max_num_seqs}): a "
                                             "request's sequences must be able to run together")
 
+    # The numeric fields (the floats are float32 on the wire).
     _INTS = ("n", "top_k", "seed", "max_tokens", "min_tokens", "logprobs", "prompt_logprobs", "beam_width")
     _FLOATS = ("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty",
                "length_penalty")
@@ -143,8 +144,6 @@ class SamplingParams:
 
     # --- wire form (pagedserve.api.v1.SamplingParameters) ---------------------------------------
 
-    _WIRE_FLOATS = ("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty",
-                    "length_penalty")
     _SCALARS = ("n", "temperature", "top_p", "top_k", "min_p", "presence_penalty", "frequency_penalty",
                 "repetition_penalty", "seed", "max_tokens", "min_tokens", "include_stop_str_in_output",
                 "ignore_eos", "logprobs", "prompt_logprobs", "skip_special_tokens", "use_beam_search", "beam_width",
@@ -171,11 +170,19 @@ class SamplingParams:
         if message.HasField("early_stopping"):
             kwargs["early_stopping"] = {"true": True, "false": False}.get(message.early_stopping,
                                                                           message.early_stopping)
-        for name in cls._WIRE_FLOATS:
+        for name in cls._FLOATS:
             if name in kwargs:  # float32 on the wire: 0.1 must come back as 0.1
                 kwargs[name] = float(f"{kwargs[name]:.7g}")
         return cls(**kwargs, stop=list(message.stop), stop_token_ids=list(message.stop_token_ids),
                    logit_bias={int(k): float(f"{v:.7g}") for k, v in message.logit_bias.items()} or None)
+
+    def token_id_outside(self, vocab_size: int) -> tuple[str, int] | None:
+        """The first token id this request names beyond the vocabulary, with the field naming it."""
+        for name, token_ids in (("stop_token_ids", self.stop_token_ids), ("logit_bias", self.logit_bias or ())):
+            bad = next((t for t in token_ids if t >= vocab_size), None)
+            if bad is not None:
+                return name, bad
+        return None
 
 
 def _plain_number(value: object, kind: type) -> object:

@@ -154,11 +154,9 @@ class Model:
             value = getattr(params, name)
             if value is not None and value > self.max_logprobs:
                 raise InvalidParameter(f"{name}={value} exceeds the maximum of {self.max_logprobs}", name)
-        for name, token_ids in (("stop_token_ids", params.stop_token_ids), ("logit_bias", params.logit_bias or ())):
-            bad = next((t for t in token_ids if t >= self.vocab_size), None)
-            if bad is not None:
-                raise InvalidParameter(f"token id {bad} in {name} is outside the vocabulary [0, {self.vocab_size})",
-                                       name)
+        if (outside := params.token_id_outside(self.vocab_size)) is not None:
+            name, bad = outside
+            raise InvalidParameter(f"token id {bad} in {name} is outside the vocabulary [0, {self.vocab_size})", name)
 
     def logprob(self, position, text_offset: int = 0) -> TokenLogprob:
         top = [TopToken(t, self.token_string(t), lp) for t, lp in zip(position.top_token_ids, position.top_logprobs)]

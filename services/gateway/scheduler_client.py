@@ -162,8 +162,8 @@ class Session:
 
     def abort(self, key: int) -> None:
         """Abort a request and stop listening to it."""
-        if self._streams.pop(key, None) is not None and not self.closed:
-            self._outgoing.put_nowait(wire.SessionRequest(abort=key))
+        self.send_abort(key)
+        self._streams.pop(key, None)
 
     def send_abort(self, key: int) -> None:
         """Abort a request; its stream stays to hear that it ended."""

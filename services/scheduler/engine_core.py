@@ -97,10 +97,9 @@ class EngineCore:
         bad = [t for t in prompt if not isinstance(t, int) or not 0 <= t < info.vocab_size]
         if bad:
             raise ValueError(f"prompt token id {bad[0]!r} is outside the vocabulary [0, {info.vocab_size})")
-        for name, token_ids in (("stop_token_ids", params.stop_token_ids), ("logit_bias", params.logit_bias or ())):
-            bad = [t for t in token_ids if t >= info.vocab_size]
-            if bad:
-                raise ValueError(f"token id {bad[0]} in {name} is outside the vocabulary [0, {info.vocab_size})")
+        if (outside := params.token_id_outside(info.vocab_size)) is not None:
+            name, bad = outside
+            raise ValueError(f"token id {bad} in {name} is outside the vocabulary [0, {info.vocab_size})")
         if len(prompt) >= info.max_model_len:
             raise ValueError(f"the prompt has {len(prompt)} tokens, but the context length is "
                              f"{info.max_model_len}: it must be shorter to leave room for one output token")
