@@ -18,11 +18,11 @@ from tests.pipeline import Pipeline
 
 
 def make_engine(num_blocks=16, block_size=4, max_num_seqs=8, budget=32, chunked=True, max_model_len=512,
-                caching=False, host_blocks=0, preemption_mode=None):
+                caching=False, host_blocks=0, preemption_mode=None, watermark=0.0):
     worker = FakeWorker(num_blocks, block_size, max_model_len=max_model_len, num_cpu_blocks=host_blocks)
     limits = SchedulerLimits(max_num_seqs=max_num_seqs, max_num_batched_tokens=budget, enable_chunked_prefill=chunked,
                              preemption_mode=preemption_mode)
-    return EngineCore(InProcessExecutor(worker), limits, watermark=0.0, enable_prefix_caching=caching), worker
+    return EngineCore(InProcessExecutor(worker), limits, watermark=watermark, enable_prefix_caching=caching), worker
 
 
 def check_invariants(engine: EngineCore) -> None:
@@ -110,6 +110,20 @@ def test_without_chunked_prefill_a_prompt_waits_for_a_step_with_room():
     engine.step()
     assert [s.num_scheduled_tokens for s in worker.plans[-1].new] == [15]
     run_to_completion(engine)
+
+
+@pytest.mark.parametrize("chunked", [False, True])
+def test_a_prompt_needing_the_watermarked_blocks_runs_once_nothing_else_does(chunked):
+    # 10 blocks, 2 of them watermark: the 37-token prompt needs all 10 (the request fits, 39 tokens).
+    engine, worker = make_engine(num_blocks=10, block_size=4, budget=40, chunked=chunked, max_model_len=40,
+                                 watermark=0.2)
+    engine.add_request("small", [1, 2, 3], SamplingParams(max_tokens=3, ignore_eos=True))
+    engine.add_request("big", list(range(1, 38)), SamplingParams(max_tokens=2, ignore_eos=True))
+    first = engine.step()
+    assert [s.seq_id for s in worker.plans[-1].new] == [0]  # big waits: small runs and may grow
+    outputs = run_to_completion(engine, max_steps=20)
+    assert len(first[0].new_token_ids + outputs["small"]) == 3 and len(outputs["big"]) == 2
+    assert engine.scheduler.blocks.num_free_blocks == 10
 
 
 def test_preemption_takes_the_newest_and_it_resumes_first():
@@ -209,14 +223,14 @@ AHEAD: list[int] = []  # steps planned ahead, per pipelined example
        caching=st.booleans(), prefixes=st.lists(st.lists(st.integers(1, 50), min_size=1, max_size=40), min_size=1,
                                                 max_size=3),
        host_blocks=st.sampled_from([0, 4, 40]), mode=st.sampled_from([None, "swap", "recompute"]),
-       pipelined=st.booleans())
+       pipelined=st.booleans(), watermark=st.sampled_from([0.0, 0.0, 0.2]))
 def test_random_interleavings_keep_every_invariant(first, ops, block_size, num_blocks, budget, max_num_seqs, chunked,
-                                                   caching, prefixes, host_blocks, mode, pipelined):
+                                                   caching, prefixes, host_blocks, mode, pipelined, watermark):
     max_model_len = 64
     if not chunked:
         budget = max(budget, max_model_len)  # else a long prompt could never be scheduled
     engine, worker = make_engine(num_blocks, block_size, max_num_seqs, budget, chunked, max_model_len, caching,
-                                 host_blocks, mode)
+                                 host_blocks, mode, watermark)
     pipeline = Pipeline(engine) if pipelined else None
     driver = pipeline or engine
     added = []

@@ -244,6 +244,40 @@ def test_sessions_with_requests_in_flight_hear_from_the_loop_while_it_steps_with
         loop.stop()
 
 
+class StalledEngine(ScriptedEngine):
+    """Work waits but nothing can ever be scheduled (a scheduler bug, if it ever happens)."""
+
+    def __init__(self):
+        super().__init__([])
+        self.attempts = 0
+
+    def has_unfinished(self) -> bool:
+        return self.admitted
+
+    def start_step(self) -> bool:
+        self.attempts += 1
+        return False
+
+    def abort_request(self, request_id: str) -> None:
+        self.admitted = False
+
+
+def test_a_stalled_engine_does_not_spin_and_still_answers_its_inbox():
+    engine = StalledEngine()
+    loop = EngineLoop(engine, idle_wait_s=0.05)
+    try:
+        session = opened(loop)
+        loop.submit(session, 1, "x", [1, 2], SamplingParams(max_tokens=4))
+        time.sleep(0.5)
+        assert engine.attempts < 30, engine.attempts  # spinning made over half a million
+        started = time.monotonic()
+        loop.abort_soon(session, 1)
+        assert drain(session, {1}).finished == [1]
+        assert time.monotonic() - started < 1.0
+    finally:
+        loop.stop()
+
+
 def test_stopping_ends_every_open_session():
     engine, _ = make_engine(num_blocks=32)
     loop = EngineLoop(engine)

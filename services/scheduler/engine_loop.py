@@ -55,6 +55,7 @@ class EngineLoop:
         self._closed = False
         self._last_step_done = time.monotonic()  # when a step last came back (or started from idle)
         self._last_heartbeat = time.monotonic()
+        self._stalled_turns = 0  # turns in a row that found work waiting but nothing to run
         # Set (by the health poll) while the worker is known dead or hung: why new requests are refused
         # at once with UNAVAILABLE, rather than queued behind a step that may never come back.
         self.refusing: str | None = None
@@ -210,10 +211,11 @@ class EngineLoop:
                         engine.start_step()
                     self._route(engine.finish_step())
                     self._last_step_done = time.monotonic()
-                self._drain_inbox(block=not self._outgoing and not engine.num_in_flight and not engine.has_unfinished())
+                idle = not engine.num_in_flight and (not engine.has_unfinished() or self._stalled_turns >= 2)
+                self._drain_inbox(block=not self._outgoing and idle)
                 if not engine.num_in_flight and engine.has_unfinished():
                     self._last_step_done = time.monotonic()  # from idle: the wait for a step starts now
-                    engine.start_step()
+                    self._note_stall(started=engine.start_step())
                 self._send_outgoing()
         except Exception as exc:  # a worker died or a bug: fail every request rather than hang them
             log.exception("engine loop failed")
@@ -222,6 +224,16 @@ class EngineLoop:
         finally:
             self._close_everything()
             self._shutdown_engine()
+
+    def _note_stall(self, started: bool) -> None:
+        """Work that waits with nothing runnable should not happen (the scheduler's rule always lets
+        the oldest advance); if it does, the loop waits on its inbox instead of spinning a core."""
+        if started:
+            self._stalled_turns = 0
+            return
+        self._stalled_turns += 1  # one turn may be a plan of block moves only: the next one runs
+        if self._stalled_turns == 2:
+            log.warning("requests wait but nothing can be scheduled", stats=self.engine.get_stats())
 
     def _close_everything(self) -> None:
         """Nothing is posted after this; what was, and every open session, gets its answer."""

@@ -78,7 +78,7 @@ class Scheduler:
            no block is moved both ways in one step.)
         3. Then, only without preemption and once nothing is left swapped, waiting sequences in queue order (a recompute
            victim sits at its head) while the budget, max_num_seqs and free blocks (less a small
-           watermark) allow; a prompt starts after its cached prefix. With chunked prefill a
+           watermark, kept while anything runs) allow; a prompt starts after its cached prefix. With chunked prefill a
            prompt may take part of the budget left; without, it must fit whole.
         4. If nothing at all could be scheduled while sequences wait, the newest beam parked on
            its siblings' candidates is preempted: the blocks of beams that already reported are
@@ -200,7 +200,9 @@ class Scheduler:
                 break
             num_tokens = min(num_tokens, budget)
             total = num_cached + num_tokens
-            if not self.blocks.can_allocate(seq.seq_id, total, keep_watermark=True, hits=hits):
+            # The watermark keeps room for running sequences to grow; with none, it protects nobody
+            # (and a prompt needing nearly the whole cache, admissible as it is, would wait forever).
+            if not self.blocks.can_allocate(seq.seq_id, total, keep_watermark=bool(self.running), hits=hits):
                 break
             self.blocks.allocate_with_hits(seq.seq_id, hits, total)
             self._count_cache_lookup(seq, num_cached)
