@@ -64,6 +64,62 @@ def cmd_generate(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_api_keys(args: argparse.Namespace) -> int:
+    """Make, list and revoke the API keys a gateway with --api-key-store accepts."""
+    import asyncio
+
+    from services.gateway.api_keys import RedisKeyStore
+
+    async def run() -> int:
+        store = RedisKeyStore(args.store, args.prefix)
+        try:
+            if args.action == "create":
+                key, record = await store.create(args.name, args.requests_per_minute, args.tokens_per_minute)
+                print(json.dumps({"name": record.name, "key": key, "requests_per_minute": record.requests_per_minute,
+                                  "tokens_per_minute": record.tokens_per_minute}))
+                print("the key is shown only now: the store keeps its hash", file=sys.stderr)
+            elif args.action == "list":
+                for record, created in await store.list():
+                    print(json.dumps({"name": record.name, "key_sha256": record.key_id[:16],
+                                      "requests_per_minute": record.requests_per_minute,
+                                      "tokens_per_minute": record.tokens_per_minute, "created": created}))
+            elif not await store.revoke(args.name):
+                raise ValueError(f"no key is named {args.name!r}")
+        finally:
+            await store.close()
+        return 0
+
+    try:
+        return asyncio.run(run())
+    except (OSError, ConnectionError) as exc:
+        raise ValueError(f"cannot reach the key store at {args.store}: {exc}") from exc
+    except Exception as exc:
+        if type(exc).__module__.startswith("redis"):  # redis.exceptions.ConnectionError and the like
+            raise ValueError(f"cannot reach the key store at {args.store}: {exc}") from exc
+        raise
+
+
+def add_api_keys_command(commands) -> None:
+    from services.gateway.api_keys import DEFAULT_PREFIX
+
+    keys = commands.add_parser("api-keys", help="make, list and revoke API keys in the Redis key store")
+    store = argparse.ArgumentParser(add_help=False)  # --store, after the action as before it
+    store.add_argument("--store", default=os.environ.get("PAGEDSERVE_API_KEY_STORE", "redis://127.0.0.1:6379/0"),
+                       help="Redis URL of the key store (default: $PAGEDSERVE_API_KEY_STORE, else the local Redis)")
+    store.add_argument("--prefix", default=os.environ.get("PAGEDSERVE_API_KEY_STORE_PREFIX", DEFAULT_PREFIX),
+                       help="the gateways' --api-key-store-prefix")
+    actions = keys.add_subparsers(dest="action", required=True)
+    create = actions.add_parser("create", help="make a key and print it (once)", parents=[store])
+    create.add_argument("name", help="a unique name for the key (who holds it)")
+    create.add_argument("--requests-per-minute", "--rpm", type=int, default=None)
+    create.add_argument("--tokens-per-minute", "--tpm", type=int, default=None,
+                        help="prompt plus completion tokens")
+    actions.add_parser("list", help="every key's name, limits and hash prefix (never the key)", parents=[store])
+    revoke = actions.add_parser("revoke", help="stop a key at once, on every gateway", parents=[store])
+    revoke.add_argument("name")
+    keys.set_defaults(func=cmd_api_keys)
+
+
 def apply_env_defaults(parser: argparse.ArgumentParser, prefix: str = "PAGEDSERVE_") -> None:
     """Every flag may also come from the environment: --max-num-seqs from PAGEDSERVE_MAX_NUM_SEQS.
 
@@ -105,6 +161,7 @@ def build_parser() -> argparse.ArgumentParser:
     generate.add_argument("--max-tokens", type=int, default=32)
     generate.add_argument("--sampling-seed", type=int, default=None)
     generate.set_defaults(func=cmd_generate)
+    add_api_keys_command(commands)
     for name, module in SERVICES.items():
         commands.add_parser(name, help=f"run {'gateway, scheduler and one worker' if name == 'serve' else 'the ' + name} "
                                       f"(see pagedserve {name} --help)", add_help=False)

@@ -32,6 +32,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--port", type=int, default=8000, help="HTTP (OpenAI API) port")
     parser.add_argument("--grpc-port", type=int, default=50050, help="public gRPC API port")
     parser.add_argument("--served-model-name", default=None)
+    parser.add_argument("--api-key", action="append", default=None,
+                        help="a key every request must carry (see pagedserve gateway --help); repeatable")
+    parser.add_argument("--api-key-store", default=None, help="Redis URL of the keys made with 'pagedserve api-keys'")
     parser.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=True,
                         help="the scheduler plans each step while the worker computes the one before")
     parser.add_argument("--startup-timeout", type=float, default=300.0, help="seconds to wait for health")
@@ -59,6 +62,19 @@ def worker_argv(args: argparse.Namespace, address: str) -> list[str]:
     return ["--listen", address] + flags(args, ENGINE_KEYS)
 
 
+def gateway_secrets(args: argparse.Namespace) -> dict[str, str]:
+    """API keys (and a key store URL, which may hold a password) go to the gateway in its environment:
+    a command line is readable by anyone on the machine (ps)."""
+    secrets = {}
+    if args.api_key:
+        if any("," in key for key in args.api_key):
+            raise ValueError("an --api-key may not contain a comma")
+        secrets["PAGEDSERVE_API_KEY"] = ",".join(args.api_key)
+    if args.api_key_store:
+        secrets["PAGEDSERVE_API_KEY_STORE"] = args.api_key_store
+    return secrets
+
+
 class Stack:
     """The three processes; always stopped, in order, whatever happens."""
 
@@ -77,14 +93,15 @@ class Stack:
         scheduler += flags(args, SCHEDULER_FLAGS)
         self._spawn("scheduler", scheduler)
         self._wait_grpc_healthy("scheduler", self.scheduler_address)
-        self._spawn("gateway", ["--scheduler", self.scheduler_address] + flags(args, GATEWAY_FLAGS))
+        self._spawn("gateway", ["--scheduler", self.scheduler_address] + flags(args, GATEWAY_FLAGS),
+                    gateway_secrets(args))
         self._wait_http_healthy("gateway", f"http://{args.host}:{args.port}/health")
 
-    def _spawn(self, name: str, argv: list[str]) -> None:
+    def _spawn(self, name: str, argv: list[str], secrets: dict[str, str] | None = None) -> None:
         cmd = [sys.executable, "-m", "pagedserve", name, *argv]
         # A session of its own: Ctrl-C reaches only the launcher, which stops the children in order.
         # Should the launcher itself die (SIGKILL), the kernel sends the children SIGTERM: no orphans.
-        env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+        env = {**os.environ, "PYTHONUNBUFFERED": "1", **(secrets or {})}
         self.procs[name] = subprocess.Popen(cmd, env=env, start_new_session=True, preexec_fn=_terminate_with_parent)
 
     def _check_alive(self, name: str) -> None:
@@ -184,7 +201,7 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("pagedserve: stopping (draining requests)", file=sys.stderr, flush=True)
         return 0
-    except (RuntimeError, TimeoutError) as exc:
+    except (RuntimeError, TimeoutError, ValueError) as exc:
         print(f"pagedserve: {exc}", file=sys.stderr)
         return 1
     finally:

@@ -20,11 +20,25 @@ class AlreadyExists(ValueError):
     """A request id that is still in use (a ValueError to Python callers, ALREADY_EXISTS over gRPC)."""
 
 
+class Unauthenticated(Exception):
+    """No API key, or one the gateway does not accept (HTTP 401, UNAUTHENTICATED)."""
+
+
+class ResourceExhausted(Exception):
+    """A limit was reached: the gateway's concurrency, or an API key's rate (HTTP 429, RESOURCE_EXHAUSTED)."""
+
+    def __init__(self, message: str, retry_after_s: int = 1):
+        super().__init__(message)
+        self.retry_after_s = retry_after_s  # when the client may try again (HTTP's Retry-After)
+
+
 STATUS_OF: tuple[tuple[type[BaseException], grpc.StatusCode], ...] = (  # first match wins
     (AlreadyExists, grpc.StatusCode.ALREADY_EXISTS),
     (ValueError, grpc.StatusCode.INVALID_ARGUMENT),
     (TypeError, grpc.StatusCode.INVALID_ARGUMENT),
     (NotFound, grpc.StatusCode.NOT_FOUND),
+    (Unauthenticated, grpc.StatusCode.UNAUTHENTICATED),
+    (ResourceExhausted, grpc.StatusCode.RESOURCE_EXHAUSTED),
     (ServiceUnavailable, grpc.StatusCode.UNAVAILABLE),
     (TimeoutError, grpc.StatusCode.DEADLINE_EXCEEDED),
 )

@@ -50,9 +50,9 @@ def _ephemeral_range_start() -> int:
         return 32768  # Linux's default
 
 
-def http_get(url: str, timeout: float = 5.0) -> tuple[int, dict | str]:
+def http_get(url: str, timeout: float = 5.0, headers: dict[str, str] | None = None) -> tuple[int, dict | str]:
     try:
-        with urllib.request.urlopen(url, timeout=timeout) as reply:
+        with urllib.request.urlopen(urllib.request.Request(url, headers=headers or {}), timeout=timeout) as reply:
             status, raw = reply.status, reply.read().decode()
     except urllib.error.HTTPError as exc:
         status, raw = exc.code, exc.read().decode()
@@ -78,6 +78,11 @@ class Stack:
         return f"http://127.0.0.1:{self.http_port}"
 
     @property
+    def model_name(self) -> str:
+        """The id the gateway serves the model under (its directory's name)."""
+        return self.model_dir.name
+
+    @property
     def scheduler_address(self) -> str:
         return f"127.0.0.1:{self.scheduler_port}"
 
@@ -88,14 +93,15 @@ class Stack:
                                             stdout=log, stderr=subprocess.STDOUT)
         log.close()  # the child holds its own copy
 
-    def start(self, timeout_s: float = 60.0) -> "Stack":
+    def start(self, timeout_s: float = 60.0, headers: dict[str, str] | None = None) -> "Stack":
+        """headers: what a request needs to be served (an API key), for the readiness check."""
         # All three at once: the scheduler waits for its worker, the gateway learns the model lazily.
         self.start_worker()
         self._spawn("scheduler", "--worker", f"127.0.0.1:{self.worker_port}", "--listen", self.scheduler_address)
         self._spawn("gateway", "--port", str(self.http_port), "--grpc-port", str(self.grpc_port),
                     "--scheduler", self.scheduler_address, *self.gateway_args)
         try:
-            self._wait_ready(timeout_s)
+            self._wait_ready(timeout_s, headers)
         except BaseException:
             self.stop()
             raise
@@ -106,7 +112,7 @@ class Stack:
         self._spawn("worker", "--model", str(self.model_dir), "--listen", f"127.0.0.1:{self.worker_port}",
                     *self.worker_args)
 
-    def _wait_ready(self, timeout_s: float) -> None:
+    def _wait_ready(self, timeout_s: float, headers: dict[str, str] | None = None) -> None:
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
             for name, proc in self.procs.items():
@@ -114,7 +120,7 @@ class Stack:
                     raise RuntimeError(f"{name} exited with {proc.returncode} during start-up:\n{self.log_tail(name)}")
             try:
                 if http_get(f"{self.base_url}/health", 2)[0] == 200 and \
-                        http_get(f"{self.base_url}/v1/models", 10)[0] == 200:
+                        http_get(f"{self.base_url}/v1/models", 10, headers)[0] == 200:
                     return
             except OSError:
                 pass

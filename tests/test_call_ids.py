@@ -9,7 +9,7 @@ import grpc
 import pytest
 
 from services.gateway.call_ids import CallIds
-from services.gateway.generation import SeqDelta
+from services.gateway.generation import Admission, SeqDelta
 from services.gateway.grpc_api import GenerationServicer
 from shared.grpc_errors import error_for_code
 from shared.proto import pagedserve_api_pb2 as api
@@ -106,8 +106,8 @@ class Gen:
     async def model(self):
         return self
 
-    def admitted(self):
-        return contextlib.nullcontext()  # async-capable
+    def admitted(self, api_key=None):
+        return contextlib.nullcontext(Admission())  # async-capable
 
     async def start(self, model, request_id, prompts, params, suffix_ids, cache_salt=None, on_submit=None):
         self.log.append(f"submit {request_id}")

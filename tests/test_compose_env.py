@@ -28,7 +28,7 @@ def compose_services(user_env: dict[str, str]) -> dict[str, dict]:
     spec = yaml.safe_load((REPO / "compose.yaml").read_text())
     return {name: {"command": svc["command"], "env": {k: interpolate(v, user_env) for k, v in svc["environment"].items()},
                    "healthcheck": svc["healthcheck"]["test"]}
-            for name, svc in spec["services"].items()}
+            for name, svc in spec["services"].items() if svc.get("image") == "pagedserve:latest"}  # not redis
 
 
 def to_loopback(services: dict[str, dict], ports: dict[str, int]) -> None:

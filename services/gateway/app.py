@@ -15,11 +15,14 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException
 
 from pagedserve import __version__
-from services.gateway.generation import Generator, InvalidParameter, Overloaded
+from services.gateway.auth import OPEN_PATHS as AUTH_OPEN_PATHS
+from services.gateway.auth import Authenticator
+from services.gateway.generation import Generator, InvalidParameter
 from services.gateway.openai_api import create_chat_completion, create_completion
 from services.gateway.protocol import ChatCompletionRequest, CompletionRequest
+from services.gateway.rate_limits import RateLimited
 from services.gateway.tokenizer_api import DetokenizeRequest, TokenizeRequest, detokenize, tokenize
-from shared.grpc_errors import NotFound, ServiceUnavailable
+from shared.grpc_errors import NotFound, ResourceExhausted, ServiceUnavailable, Unauthenticated
 from shared.logging import bind_request_id, clear_request_id, setup_logging
 
 log = setup_logging("gateway")
@@ -27,15 +30,20 @@ log = setup_logging("gateway")
 REQUEST_ID = "pagedserve.request_id"  # where the middleware leaves the request id in the ASGI scope
 ENDPOINTS = {"/v1/completions", "/v1/chat/completions", "/v1/models", "/tokenize", "/detokenize", "/version", "/health",
              "/metrics"}
-RETRY_AFTER_S = 1  # told to a client turned away at --max-concurrent-requests (429)
+API_KEY = "pagedserve.api_key"  # where the auth middleware leaves the caller's ApiKey in the ASGI scope
+OPEN_PATHS = AUTH_OPEN_PATHS | {"/openapi.json", "/docs", "/docs/oauth2-redirect", "/redoc"}
 
 
 # --- errors ------------------------------------------------------------------------------------------
 
 def error_body(exc: BaseException) -> tuple[int, dict]:
     """The status and OpenAI error object for a domain error."""
-    if isinstance(exc, Overloaded):
+    if isinstance(exc, RateLimited):
+        status, kind, code = 429, exc.kind, "rate_limit_exceeded"  # OpenAI's type: what ran out
+    elif isinstance(exc, ResourceExhausted):
         status, kind, code = 429, "TooManyRequestsError", "too_many_requests"
+    elif isinstance(exc, Unauthenticated):
+        status, kind, code = 401, "AuthenticationError", "invalid_api_key"
     elif isinstance(exc, NotFound):
         status, kind, code = 404, "NotFoundError", "model_not_found"
     elif isinstance(exc, (ValueError, TypeError)):
@@ -52,8 +60,19 @@ def error_response(exc: BaseException) -> JSONResponse:
     status, body = error_body(exc)
     if status >= 500:
         log.warning("request failed", status=status, error=body["error"]["message"])
-    headers = {"Retry-After": str(RETRY_AFTER_S)} if status == 429 else None
-    return JSONResponse(body, status_code=status, headers=headers)
+    return JSONResponse(body, status_code=status, headers=error_headers(exc))
+
+
+def error_headers(exc: BaseException) -> dict[str, str] | None:
+    if isinstance(exc, Unauthenticated):
+        return {"WWW-Authenticate": "Bearer"}
+    if not isinstance(exc, ResourceExhausted):
+        return None
+    headers = {"Retry-After": str(exc.retry_after_s)}
+    if isinstance(exc, RateLimited):  # as OpenAI's: which limit, and when it has room again
+        headers[f"x-ratelimit-limit-{exc.kind}"] = str(exc.limit)
+        headers[f"x-ratelimit-reset-{exc.kind}"] = f"{exc.retry_after_s}s"
+    return headers
 
 
 def _validation_error(request: Request, exc: RequestValidationError) -> JSONResponse:
@@ -115,6 +134,27 @@ class RequestContext:
             clear_request_id()
 
 
+class ApiKeyAuth:
+    """Pure ASGI, innermost: every request but OPEN_PATHS' and CORS preflights needs a known API key
+    (when the gateway has any); the caller's ApiKey goes into the scope for the rate limits."""
+
+    def __init__(self, app, auth: Authenticator, metrics):
+        self.app, self.auth, self.metrics = app, auth, metrics
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http" or scope.get("path") in OPEN_PATHS or scope.get("method") == "OPTIONS":
+            return await self.app(scope, receive, send)
+        headers = dict(scope.get("headers") or [])
+        authorization = headers.get(b"authorization")
+        try:
+            scope[API_KEY] = await self.auth.authenticate(authorization.decode("latin-1") if authorization else None)
+        except (Unauthenticated, ServiceUnavailable) as exc:
+            if isinstance(exc, Unauthenticated):
+                self.metrics.unauthenticated.inc()
+            return await error_response(exc)(scope, receive, send)
+        return await self.app(scope, receive, send)
+
+
 # --- the app --------------------------------------------------------------------------------------------
 
 async def _unless_disconnected(request: Request, work, poll_s: float = 0.25):
@@ -170,23 +210,27 @@ class EventStream(StreamingResponse):
             await self.reply.aclose()
 
 
-def create_app(gen: Generator, allowed_origins: tuple[str, ...] = ("*",)) -> FastAPI:
-    """allowed_origins: the browser origins CORS lets call the API (as vLLM: any, by default; none: no CORS)."""
+def create_app(gen: Generator, allowed_origins: tuple[str, ...] = ("*",), auth: Authenticator | None = None) -> FastAPI:
+    """allowed_origins: the browser origins CORS lets call the API (as vLLM: any, by default; none: no CORS).
+    auth: the API keys a request must carry (None or none configured: the gateway is open)."""
     app = FastAPI(title="pagedserve gateway", description="OpenAI-compatible API of pagedserve")
+    if auth is not None and auth.enabled:  # inside CORS, so that a 401 carries CORS headers too
+        app.add_middleware(ApiKeyAuth, auth=auth, metrics=gen.metrics)
     if allowed_origins:
         app.add_middleware(CORSMiddleware, allow_origins=list(allowed_origins), allow_methods=["*"],
                            allow_headers=["*"], expose_headers=["x-request-id"])
     app.add_middleware(RequestContext, metrics=gen.metrics)
     app.add_exception_handler(RequestValidationError, _validation_error)
     app.add_exception_handler(HTTPException, _http_error)
-    for kind in (ValueError, TypeError, NotFound, ServiceUnavailable, TimeoutError):
+    for kind in (ValueError, TypeError, NotFound, ServiceUnavailable, ResourceExhausted, Unauthenticated, TimeoutError):
         app.add_exception_handler(kind, lambda request, exc: error_response(exc))
     app.add_exception_handler(Exception, _internal_error)  # still an OpenAI error object, never a bare 500
 
     async def respond(request: Request, create, body):
         try:
-            result = await _unless_disconnected(request, create(gen, body, request.scope[REQUEST_ID]))
-        except (ValueError, TypeError, NotFound, ServiceUnavailable, TimeoutError) as exc:
+            result = await _unless_disconnected(request, create(gen, body, request.scope[REQUEST_ID],
+                                                                request.scope.get(API_KEY)))
+        except (ValueError, TypeError, NotFound, ServiceUnavailable, ResourceExhausted, TimeoutError) as exc:
             return error_response(exc)
         if result is None:  # nobody to answer; 499 as nginx logs a client that closed the request
             return Response(status_code=499)

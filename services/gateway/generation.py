@@ -19,10 +19,12 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from services.gateway.api_keys import ApiKey
 from services.gateway.metrics import GatewayMetrics
+from services.gateway.rate_limits import RateLimiter
 from services.gateway.scheduler_client import SchedulerClient, SubmitStream
 from shared.detokenizer import IncrementalDetokenizer
-from shared.grpc_errors import NotFound, ServiceUnavailable
+from shared.grpc_errors import NotFound, ResourceExhausted, ServiceUnavailable
 from shared.logging import setup_logging
 from shared.sampling_params import SamplingParams
 from shared.tokenizer import load_tokenizer, render_chat
@@ -46,7 +48,7 @@ class InvalidParameter(ValueError):
         return cls(message, message.split(" ", 1)[0] if named else None)
 
 
-class Overloaded(ServiceUnavailable):
+class Overloaded(ResourceExhausted):
     """More requests in flight than --max-concurrent-requests allows."""
 
 
@@ -307,10 +309,21 @@ async def _merged(runs: list[Run]) -> AsyncIterator[SeqDelta]:
 # --- the core ---------------------------------------------------------------------------------------
 
 
+@dataclass
+class Admission:
+    """One admitted request: its runs, once started, count towards its key's tokens per minute."""
+    runs: list = field(default_factory=list)
+
+    def num_tokens(self) -> int:
+        return sum(len(run.prompt) + run.completion_tokens for run in self.runs)
+
+
 class Generator:
     def __init__(self, client: SchedulerClient, metrics: GatewayMetrics, served_model_name: str | None = None,
-                 tokenizer: str | None = None, max_concurrent_requests: int | None = None):
+                 tokenizer: str | None = None, max_concurrent_requests: int | None = None,
+                 limiter: RateLimiter | None = None):
         self.client = client
+        self.limiter = limiter  # per-key rate limits (keys from the Redis store); None: none kept
         self.metrics = metrics
         self.served_model_name = served_model_name
         self.tokenizer_path = tokenizer
@@ -318,6 +331,7 @@ class Generator:
         self.in_flight = 0
         self._model: Model | None = None
         self._lock = asyncio.Lock()
+        self._charges: set[asyncio.Task] = set()  # token charges on their way to the rate limit store
 
     async def model(self) -> Model:
         """The served model; learned from the scheduler on first use and kept (the gateway holds no other state)."""
@@ -340,16 +354,46 @@ class Generator:
         return Model(name, info.max_model_len, info.vocab_size, info.max_logprobs, tokenizer, info.max_num_seqs)
 
     @contextlib.asynccontextmanager
-    async def admitted(self):
-        """Holds one of --max-concurrent-requests slots for as long as a request (and its stream) lasts."""
+    async def admitted(self, api_key: ApiKey | None = None):
+        """Holds one of --max-concurrent-requests slots for as long as a request (and its stream)
+        lasts, within the caller's rate limits. Yields an Admission: the runs put in it are
+        charged to the key's tokens per minute when the request ends."""
         if self.max_concurrent_requests and self.in_flight >= self.max_concurrent_requests:
             raise Overloaded(f"the gateway is at its limit of {self.max_concurrent_requests} concurrent requests; "
                              "retry later")
+        if api_key is not None and self.limiter is not None:
+            await self._within_limits(api_key)
+        admission = Admission()
         self.in_flight += 1
         try:
-            yield
+            yield admission
         finally:
             self.in_flight -= 1
+            if api_key is not None and self.limiter is not None:
+                self._charge_later(api_key, admission.num_tokens())
+
+    async def _within_limits(self, api_key: ApiKey) -> None:
+        try:
+            await self.limiter.admit(api_key)
+        except ResourceExhausted:
+            self.metrics.rate_limited.labels(api_key=api_key.name).inc()
+            raise
+        except Exception as exc:  # redis' errors: the limits cannot be checked, so nothing is let through
+            log.warning("rate limit store unreachable", error=str(exc))
+            raise ServiceUnavailable("the rate limit store is unreachable; retry later") from exc
+
+    def _charge_later(self, api_key: ApiKey, num_tokens: int) -> None:
+        """Off the request's path (it may be ending by cancellation): a task the gateway keeps."""
+        async def charge():
+            try:
+                await self.limiter.charge_tokens(api_key, num_tokens)
+            except Exception as exc:
+                log.warning("could not charge tokens to the API key", api_key=api_key.name, tokens=num_tokens,
+                            error=str(exc))
+
+        task = asyncio.get_running_loop().create_task(charge())
+        self._charges.add(task)
+        task.add_done_callback(self._charges.discard)
 
     async def start(self, model: Model, request_id: str, prompts: list[list[int]], params: SamplingParams,
                     suffix_ids: bool = True, cache_salt: str | None = None,

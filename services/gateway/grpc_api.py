@@ -10,8 +10,10 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from services.gateway.call_ids import CallIds
-from services.gateway.generation import Generator, Overloaded, SeqDelta, TokenLogprob, new_request_id
-from shared.grpc_errors import status_for
+from services.gateway.api_keys import ApiKey
+from services.gateway.auth import Authenticator
+from services.gateway.generation import Generator, SeqDelta, TokenLogprob, new_request_id
+from shared.grpc_errors import ResourceExhausted, Unauthenticated, status_for
 from shared.logging import bind_request_id, clear_request_id, setup_logging
 from shared.proto import pagedserve_api_pb2 as api
 from shared.proto import pagedserve_api_pb2_grpc as api_grpc
@@ -22,9 +24,11 @@ log = setup_logging("gateway")
 
 async def _abort_with(context: grpc.aio.ServicerContext, exc: Exception) -> None:
     """Domain error -> status, through shared/grpc_errors (grpc.aio's abort must be awaited)."""
-    code = grpc.StatusCode.RESOURCE_EXHAUSTED if isinstance(exc, Overloaded) else status_for(exc)
+    code = status_for(exc)
     if code == grpc.StatusCode.INTERNAL:
         log.exception("request failed")
+    if isinstance(exc, ResourceExhausted):  # when to try again, as HTTP's Retry-After says it
+        context.set_trailing_metadata((("retry-after", str(exc.retry_after_s)),))
     await context.abort(code, str(exc) or type(exc).__name__)
 
 
@@ -35,15 +39,28 @@ def _token_logprob(entry: TokenLogprob) -> api.TokenLogprob:
 
 
 class GenerationServicer(api_grpc.GenerationServicer):
-    def __init__(self, gen: Generator, call_ids: CallIds | None = None):
+    def __init__(self, gen: Generator, call_ids: CallIds | None = None, auth: Authenticator | None = None):
         self.gen = gen
         self.call_ids = call_ids or CallIds()
+        self.auth = auth or Authenticator()
+
+    async def _caller(self, context: grpc.aio.ServicerContext) -> ApiKey | None:
+        """The call's API key, from its `authorization: Bearer <key>` metadata (None: the gateway is open)."""
+        if not self.auth.enabled:
+            return None
+        authorization = dict(context.invocation_metadata() or ()).get("authorization")
+        try:
+            return await self.auth.authenticate(authorization)
+        except Unauthenticated:
+            self.gen.metrics.unauthenticated.inc()
+            raise
 
     async def Generate(self, request, context):
         request_id = request.request_id or new_request_id()
         bind_request_id(request_id)
         try:
-            async with self.call_ids.claim(request_id) as call, self.gen.admitted():
+            api_key = await self._caller(context)
+            async with self.call_ids.claim(request_id) as call, self.gen.admitted(api_key) as admission:
                 model = await self.gen.model()
                 model.check_name(request.model)
                 params = SamplingParams.from_proto(request.params)
@@ -52,8 +69,8 @@ class GenerationServicer(api_grpc.GenerationServicer):
                     if request.WhichOneof("prompt") == "text" else list(request.token_ids.ids)
                 # The engine request keeps the client's id, so Abort(request_id) reaches it.
                 salt = request.cache_salt if request.HasField("cache_salt") else None
-                (run,) = await self.gen.start(model, request_id, [prompt], params, suffix_ids=False, cache_salt=salt,
-                                              on_submit=call.attach)
+                (run,) = admission.runs = await self.gen.start(model, request_id, [prompt], params, suffix_ids=False,
+                                                               cache_salt=salt, on_submit=call.attach)
                 try:
                     await self._stream(context, request_id, run)
                 finally:
@@ -91,6 +108,10 @@ class GenerationServicer(api_grpc.GenerationServicer):
         return out
 
     async def Abort(self, request, context):
+        try:
+            await self._caller(context)
+        except Exception as exc:
+            await _abort_with(context, exc)
         if self.call_ids.abort(request.request_id):  # a call open here: its own session stream carries it
             return api.AbortResponse(found=True)
         try:  # a call at another gateway, or one that has not opened here yet
@@ -102,6 +123,7 @@ class GenerationServicer(api_grpc.GenerationServicer):
 
     async def ListModels(self, request, context):
         try:
+            await self._caller(context)
             model = await self.gen.model()
         except Exception as exc:
             await _abort_with(context, exc)
@@ -109,9 +131,10 @@ class GenerationServicer(api_grpc.GenerationServicer):
                                                             vocab_size=model.vocab_size)])
 
 
-def create_grpc_server(gen: Generator, address: str) -> tuple[grpc.aio.Server, health.aio.HealthServicer]:
+def create_grpc_server(gen: Generator, address: str, auth: Authenticator | None = None
+                       ) -> tuple[grpc.aio.Server, health.aio.HealthServicer]:
     server = grpc.aio.server()
-    api_grpc.add_GenerationServicer_to_server(GenerationServicer(gen), server)
+    api_grpc.add_GenerationServicer_to_server(GenerationServicer(gen, auth=auth), server)
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     reflection.enable_server_reflection([api.DESCRIPTOR.services_by_name["Generation"].full_name,

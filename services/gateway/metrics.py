@@ -27,6 +27,10 @@ class GatewayMetrics:
                               "first output to last over the tokens after the first, per sequence of an engine "
                               "request (n > 1: their mean length; beam search: not observed)",
                               buckets=TOKEN_BUCKETS, registry=r)
+        self.rate_limited = Counter("pagedserve_rate_limited_requests",
+                                    "requests refused with 429 for an API key's rate limit", ["api_key"], registry=r)
+        self.unauthenticated = Counter("pagedserve_unauthenticated_requests",
+                                       "requests refused for a missing or unknown API key", registry=r)
         self.scheduler_up = Gauge("pagedserve_scheduler_up", "1 when the last GetStats succeeded", registry=r)
         self._engine: dict[str, Gauge] = {}  # pagedserve_engine_<stat>, made as the scheduler reports them
 

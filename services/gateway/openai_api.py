@@ -13,23 +13,25 @@ from collections import defaultdict
 from collections.abc import AsyncIterator
 from contextlib import AsyncExitStack
 
+from services.gateway.api_keys import ApiKey
 from services.gateway.generation import Generator, InvalidParameter, Model, Run, SeqDelta, TokenLogprob, merge
 from services.gateway.protocol import ChatCompletionRequest, CompletionRequest
 from shared.detokenizer import IncrementalDetokenizer
 
 
-async def create_completion(gen: Generator, body: CompletionRequest, request_id: str):
-    return await _answer(gen, body, request_id, _Completion)
+async def create_completion(gen: Generator, body: CompletionRequest, request_id: str, api_key: ApiKey | None = None):
+    return await _answer(gen, body, request_id, api_key, _Completion)
 
 
-async def create_chat_completion(gen: Generator, body: ChatCompletionRequest, request_id: str):
-    return await _answer(gen, body, request_id, _Chat)
+async def create_chat_completion(gen: Generator, body: ChatCompletionRequest, request_id: str,
+                                 api_key: ApiKey | None = None):
+    return await _answer(gen, body, request_id, api_key, _Chat)
 
 
-async def _answer(gen: Generator, body, request_id: str, reply_class):
+async def _answer(gen: Generator, body, request_id: str, api_key: ApiKey | None, reply_class):
     """The whole answer (a dict), or for stream=True the started reply (events(), then aclose())."""
     async with AsyncExitStack() as stack:
-        await stack.enter_async_context(gen.admitted())
+        admission = await stack.enter_async_context(gen.admitted(api_key))
         model = await gen.model()
         model.check_name(body.model)
         try:
@@ -37,7 +39,7 @@ async def _answer(gen: Generator, body, request_id: str, reply_class):
             # Off the event loop: a megabyte prompt takes seconds to tokenize (or render and tokenize),
             # and every other stream would wait that long (the tokenizer lets go of the GIL).
             prompts, texts = await asyncio.to_thread(reply_class.prompts, model, body)
-            runs = await gen.start(model, request_id, prompts, params, cache_salt=body.cache_salt)
+            runs = admission.runs = await gen.start(model, request_id, prompts, params, cache_salt=body.cache_salt)
         except InvalidParameter as exc:
             raise body.public_error(exc) from None
         reply = reply_class(model, body, f"{reply_class.id_prefix}-{request_id}", runs, texts)

@@ -14,10 +14,13 @@ import signal
 
 import uvicorn
 
+from services.gateway.api_keys import DEFAULT_PREFIX, RedisKeyStore, StaticKeys
 from services.gateway.app import create_app
+from services.gateway.auth import Authenticator
 from services.gateway.generation import Generator
 from services.gateway.grpc_api import NOT_SERVING, SERVING, create_grpc_server
 from services.gateway.metrics import GatewayMetrics
+from services.gateway.rate_limits import RateLimiter
 from services.gateway.scheduler_client import SchedulerClient
 from shared.gc_heap import freeze_startup_objects, unfreeze_startup_objects
 from shared.grpc_errors import ServiceUnavailable
@@ -55,14 +58,34 @@ async def _learn_model(gen: Generator) -> None:
     freeze_startup_objects()
 
 
+def build_auth(args: argparse.Namespace) -> tuple[Authenticator, RateLimiter | None]:
+    """The keys requests must carry, and the rate limits of those kept in Redis."""
+    store = RedisKeyStore(args.api_key_store, args.api_key_store_prefix) if args.api_key_store else None
+    auth = Authenticator(StaticKeys(args.api_key) if args.api_key else None, store)
+    return auth, RateLimiter(store.redis, store.prefix) if store is not None else None
+
+
+async def _check_store(auth: Authenticator) -> None:
+    """Say at start if the key store cannot be reached (requests get 503 until it can)."""
+    try:
+        await auth.store.redis.ping()
+        log.info("API keys from Redis", store=auth.store.url)
+    except Exception as exc:
+        log.warning("API key store unreachable: requests get 503 until it answers", store=auth.store.url,
+                    error=str(exc))
+
+
 async def serve(args: argparse.Namespace) -> None:
     metrics = GatewayMetrics()
     client = SchedulerClient(args.scheduler, connect_timeout_s=args.connect_timeout,
                              idle_timeout_s=args.backend_timeout)
-    gen = Generator(client, metrics, args.served_model_name, args.tokenizer, args.max_concurrent_requests)
-    grpc_server, grpc_health = create_grpc_server(gen, f"{args.host}:{args.grpc_port}")
+    auth, limiter = build_auth(args)
+    if auth.store is not None:
+        await _check_store(auth)
+    gen = Generator(client, metrics, args.served_model_name, args.tokenizer, args.max_concurrent_requests, limiter)
+    grpc_server, grpc_health = create_grpc_server(gen, f"{args.host}:{args.grpc_port}", auth)
     origins = tuple(o.strip() for o in args.allowed_origins.split(",") if o.strip())
-    http = _Uvicorn(uvicorn.Config(create_app(gen, origins), host=args.host, port=args.port, log_config=None,
+    http = _Uvicorn(uvicorn.Config(create_app(gen, origins, auth), host=args.host, port=args.port, log_config=None,
                                    log_level="warning", access_log=False, lifespan="off",
                                    timeout_graceful_shutdown=args.drain_timeout + FAREWELL_S))
     stop = asyncio.Event()
@@ -90,6 +113,7 @@ async def serve(args: argparse.Namespace) -> None:
         client.abandon_requests(ServiceUnavailable("the gateway is shutting down; retry the request"))
     await asyncio.gather(http_task, grpc_stopped, return_exceptions=True)
     await client.close()
+    await auth.close()
     unfreeze_startup_objects()
     log.info("gateway stopped")
 
@@ -121,6 +145,17 @@ def build_parser() -> argparse.ArgumentParser:
                              "so keep this well above 1)")
     parser.add_argument("--allowed-origins", default="*",
                         help="comma-separated origins browsers may call the HTTP API from (CORS); '' turns CORS off")
+    parser.add_argument("--api-key", action="append", default=None,
+                        help="a key every request must carry as 'Authorization: Bearer <key>' (HTTP) or "
+                             "'authorization' metadata (gRPC); repeat for several, or comma-separate them in "
+                             "PAGEDSERVE_API_KEY")
+    parser.add_argument("--api-key-store", default=None,
+                        help="Redis URL (redis://host:6379/0) of the API keys made with 'pagedserve api-keys', "
+                             "with their per-minute request and token limits; requests must carry one of them "
+                             "(or an --api-key)")
+    parser.add_argument("--api-key-store-prefix", default=DEFAULT_PREFIX,
+                        help="where in Redis the keys and their rate counters live (deployments sharing one "
+                             "Redis keep apart with their own)")
     parser.add_argument("--drain-timeout", type=float, default=10.0,
                         help="seconds in-flight requests get to finish on shutdown")
     return parser
