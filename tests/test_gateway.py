@@ -229,6 +229,16 @@ def test_stream_usage_is_null_until_the_last_chunk(stack, llama_dir):
         assert all(c["usage"] is None for c in chunks[:-1]), path
         assert chunks[-1]["usage"]["completion_tokens"] >= 1 and chunks[-1]["choices"] == [], path
         assert not any("usage" in c for c in _sse_chunks(f"{stack.base_url}/v1/{path}", body)), path
+        # vLLM's continuous_usage_stats: every chunk carries the usage so far, the last the whole.
+        continuous = _sse_chunks(f"{stack.base_url}/v1/{path}", {**body, "max_tokens": 8, "logprobs": None,
+                                                                   "stream_options": {"include_usage": True,
+                                                                                      "continuous_usage_stats": True}})
+        counts = [c["usage"]["completion_tokens"] for c in continuous]
+        assert counts == sorted(counts) and counts[-1] == continuous[-1]["usage"]["total_tokens"] - \
+            continuous[-1]["usage"]["prompt_tokens"], (path, counts)
+        first = 0 if path == "chat/completions" else 1  # chat opens with the role, before any token
+        assert counts[0] == first and counts[-2] == counts[-1], (path, counts)  # the last token's chunk counts all
+        assert all(c["usage"]["prompt_tokens"] == chunks[-1]["usage"]["prompt_tokens"] for c in continuous), path
 
 
 def test_latency_histograms_count_each_request(stack, client, llama_dir):

@@ -79,8 +79,10 @@ class _Reply:
         # serializes its choices (the gateway writes one chunk per token per stream).
         self._json = _JSON.encode
         self._chunk_head = self._json(self.envelope(self.object_chunk, []))[:-len('[]}')]
-        # With stream_options.include_usage, OpenAI's chunks carry "usage": null until the last one.
+        # With stream_options.include_usage, OpenAI's chunks carry "usage": null until the last one
+        # (with vLLM's continuous_usage_stats too, the usage so far).
         self._chunk_tail = ', "usage": null}' if body.include_usage else "}"
+        self.continuous_usage = body.continuous_usage
 
     def envelope(self, kind: str, choices: list[dict], **extra) -> dict:
         return {"id": self.id, "object": kind, "created": self.created, "model": self.model.name,
@@ -88,8 +90,12 @@ class _Reply:
 
     def chunk_json(self, choices: list[dict], usage: dict | None = None) -> str:
         """One stream chunk as JSON: the envelope, these choices and, on the last one, usage."""
-        tail = self._chunk_tail if usage is None else f', "usage": {self._json(usage)}}}'
-        return self._chunk_head + self._json(choices) + tail
+        return self._chunk_head + self._json(choices) + self.chunk_tail(usage)
+
+    def chunk_tail(self, usage: dict | None = None) -> str:
+        if usage is None and self.continuous_usage:
+            usage = self.usage()
+        return self._chunk_tail if usage is None else f', "usage": {self._json(usage)}}}'
 
     def chunk_event(self, k: int, position: int, delta: SeqDelta) -> str | None:
         """One delta's stream chunk as JSON; None when it carries nothing."""
@@ -205,7 +211,7 @@ class _Completion(_Reply):
         # dict gives through the encoder (a test holds them equal), at a fraction of the cost.
         return (f'{self._chunk_head}[{{"index": {k}, "text": {_json_string(delta.text)}, "finish_reason": '
                 f'{_json_scalar(delta.finish_reason)}, "stop_reason": {_json_scalar(delta.stop_reason)}, '
-                f'"logprobs": null}}]{self._chunk_tail}')
+                f'"logprobs": null}}]{self.chunk_tail()}')
 
     def chunk_choice(self, k: int, position: int, delta: SeqDelta) -> dict | None:
         prefix, prompt_entries = self._prefix(k, position)

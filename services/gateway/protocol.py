@@ -27,8 +27,9 @@ def _null_is_default(cls, value: Any, info) -> Any:
 
 class StreamOptions(BaseModel):
     include_usage: bool = False
+    continuous_usage_stats: bool = False  # vLLM's: with include_usage, every chunk carries the usage so far
 
-    _include_usage_null = field_validator("include_usage", mode="before")(classmethod(_null_is_default))
+    _null = field_validator("include_usage", "continuous_usage_stats", mode="before")(classmethod(_null_is_default))
 
 
 # vLLM's and OpenAI's fields that change what comes back, which this engine does not do: refused
@@ -116,6 +117,10 @@ class _Sampling(BaseModel):
     @property
     def include_usage(self) -> bool:
         return bool(self.stream and self.stream_options and self.stream_options.include_usage)
+
+    @property
+    def continuous_usage(self) -> bool:
+        return self.include_usage and self.stream_options.continuous_usage_stats
 
 
 class CompletionRequest(_Sampling):
