@@ -239,12 +239,17 @@ def engine_stats(base_url: str) -> dict:
     """The engine's counters, read from the gateway's Prometheus text."""
     root = base_url.rsplit("/v1", 1)[0]
     with urllib.request.urlopen(f"{root}/metrics", timeout=5) as response:
-        text = response.read().decode()
-    stats = {}
-    for line in text.splitlines():
+        return parse_engine_stats(response.read().decode())
+
+
+def parse_engine_stats(metrics_text: str) -> dict[str, float]:
+    """pagedserve_engine_<stat>{scheduler="..."} lines, summed over the gateway's schedulers."""
+    stats: dict[str, float] = {}
+    for line in metrics_text.splitlines():
         if line.startswith("pagedserve_engine_") and " " in line:
             name, value = line.rsplit(" ", 1)
-            stats[name.removeprefix("pagedserve_engine_")] = float(value)
+            name = name.split("{", 1)[0].removeprefix("pagedserve_engine_")
+            stats[name] = stats.get(name, 0.0) + float(value)
     return stats
 
 

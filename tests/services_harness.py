@@ -107,6 +107,32 @@ class Stack:
             raise
         return self
 
+    def start_backend(self, timeout_s: float = 60.0) -> "Stack":
+        """Only the worker and the scheduler (for another stack's gateway to use); returns once the
+        scheduler serves."""
+        import grpc
+        from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+        self.start_worker()
+        self._spawn("scheduler", "--worker", f"127.0.0.1:{self.worker_port}", "--listen", self.scheduler_address)
+        deadline = time.monotonic() + timeout_s
+        with grpc.insecure_channel(self.scheduler_address) as channel:
+            health = health_pb2_grpc.HealthStub(channel)
+            while time.monotonic() < deadline:
+                for name, proc in self.procs.items():
+                    if proc.poll() is not None:
+                        self.stop()
+                        raise RuntimeError(f"{name} exited with {proc.returncode}:\n{self.log_tail(name)}")
+                try:
+                    if health.Check(health_pb2.HealthCheckRequest(), timeout=2).status == \
+                            health_pb2.HealthCheckResponse.SERVING:
+                        return self
+                except grpc.RpcError:
+                    pass
+                time.sleep(0.25)
+        self.stop()
+        raise TimeoutError(f"the scheduler did not serve in {timeout_s} s")
+
     def start_worker(self) -> None:
         """The worker (again, after kill("worker"): on the same address)."""
         self._spawn("worker", "--model", str(self.model_dir), "--listen", f"127.0.0.1:{self.worker_port}",

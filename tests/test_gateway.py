@@ -17,6 +17,7 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha.proto_reflection_descriptor_database import ProtoReflectionDescriptorDatabase
 
+from benchmarks.serving import parse_engine_stats
 from pagedserve import LLM, SamplingParams
 from shared.proto import pagedserve_api_pb2 as api
 from shared.proto import pagedserve_api_pb2_grpc as api_grpc
@@ -53,8 +54,7 @@ def offline(llama_dir):
 def engine_stats(stack) -> dict[str, float]:
     status, text = http_get(f"{stack.base_url}/metrics")
     assert status == 200
-    return {line.split()[0].removeprefix("pagedserve_engine_"): float(line.split()[1])
-            for line in text.splitlines() if line.startswith("pagedserve_engine_")}
+    return parse_engine_stats(text)
 
 
 def wait_blocks_free(stack, timeout_s: float = 5.0) -> dict[str, float]:

@@ -22,7 +22,8 @@ from pathlib import Path
 from services.gateway.api_keys import ApiKey
 from services.gateway.metrics import GatewayMetrics
 from services.gateway.rate_limits import RateLimiter
-from services.gateway.scheduler_client import SchedulerClient, SubmitStream
+from services.gateway.scheduler_client import SubmitStream
+from services.gateway.scheduler_pool import SchedulerPool
 from shared.detokenizer import IncrementalDetokenizer
 from shared.grpc_errors import NotFound, ResourceExhausted, ServiceUnavailable
 from shared.logging import setup_logging
@@ -319,7 +320,7 @@ class Admission:
 
 
 class Generator:
-    def __init__(self, client: SchedulerClient, metrics: GatewayMetrics, served_model_name: str | None = None,
+    def __init__(self, client: SchedulerPool, metrics: GatewayMetrics, served_model_name: str | None = None,
                  tokenizer: str | None = None, max_concurrent_requests: int | None = None,
                  limiter: RateLimiter | None = None):
         self.client = client

@@ -31,7 +31,8 @@ class GatewayMetrics:
                                     "requests refused with 429 for an API key's rate limit", ["api_key"], registry=r)
         self.unauthenticated = Counter("pagedserve_unauthenticated_requests",
                                        "requests refused for a missing or unknown API key", registry=r)
-        self.scheduler_up = Gauge("pagedserve_scheduler_up", "1 when the last GetStats succeeded", registry=r)
+        self.scheduler_up = Gauge("pagedserve_scheduler_up", "1 when the last GetStats succeeded", ["scheduler"],
+                                  registry=r)
         self._engine: dict[str, Gauge] = {}  # pagedserve_engine_<stat>, made as the scheduler reports them
 
     def finish(self, prompt_tokens: int, generation_tokens: int, seconds: float,
@@ -43,11 +44,13 @@ class GatewayMetrics:
         if first_output_s is not None and per_sequence > 1:
             self.tpot.observe((seconds - first_output_s) / (per_sequence - 1))
 
-    def render(self, engine_stats: dict[str, float] | None) -> bytes:
-        self.scheduler_up.set(0 if engine_stats is None else 1)
-        for name, value in (engine_stats or {}).items():
-            if name not in self._engine:
-                self._engine[name] = Gauge(f"pagedserve_engine_{name}", f"engine stat {name} (GetStats)",
-                                           registry=self.registry)
-            self._engine[name].set(value)
+    def render(self, engine_stats: dict[str, dict[str, float] | None]) -> bytes:
+        """engine_stats: each scheduler's GetStats by address (None: it did not answer)."""
+        for address, stats in engine_stats.items():
+            self.scheduler_up.labels(scheduler=address).set(0 if stats is None else 1)
+            for name, value in (stats or {}).items():
+                if name not in self._engine:
+                    self._engine[name] = Gauge(f"pagedserve_engine_{name}", f"engine stat {name} (GetStats)",
+                                               ["scheduler"], registry=self.registry)
+                self._engine[name].labels(scheduler=address).set(value)
         return generate_latest(self.registry)

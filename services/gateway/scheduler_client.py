@@ -151,6 +151,10 @@ class Session:
                 return
             yield message
 
+    @property
+    def num_streams(self) -> int:
+        return len(self._streams)
+
     def submit(self, request: wire.EngineRequest) -> SubmitStream:
         key = next(self._keys)
         stream = SubmitStream(self, key)
@@ -281,6 +285,12 @@ class SchedulerClient:
         request = wire.EngineRequest(request_id=request_id, prompt_token_ids=prompt_token_ids,
                                      params=params.to_proto(), cache_salt=cache_salt)
         return self._session.submit(request)
+
+    @property
+    def num_in_flight(self) -> int:
+        """Requests submitted here that have not ended: the load a gateway balances over schedulers."""
+        session = self._session
+        return 0 if session is None or session.closed else session.num_streams
 
     async def abort(self, request_id: str) -> bool:
         return (await self._unary(self._stub.Abort, api.AbortRequest(request_id=request_id))).found

@@ -1,5 +1,5 @@
 """`pagedserve gateway`: the OpenAI HTTP API (uvicorn) and the public gRPC API (grpc.aio) in one
-asyncio event loop, over one scheduler client. Stateless: any number can run side by side.
+asyncio event loop, over one or more schedulers. Stateless: any number can run side by side.
 
 On SIGTERM/SIGINT it stops accepting, gives in-flight requests --drain-timeout seconds, then fails
 the rest with 503 (an error event, then [DONE], for a stream; UNAVAILABLE over gRPC) and closes.
@@ -21,7 +21,7 @@ from services.gateway.generation import Generator
 from services.gateway.grpc_api import NOT_SERVING, SERVING, create_grpc_server
 from services.gateway.metrics import GatewayMetrics
 from services.gateway.rate_limits import RateLimiter
-from services.gateway.scheduler_client import SchedulerClient
+from services.gateway.scheduler_pool import SchedulerPool
 from shared.gc_heap import freeze_startup_objects, unfreeze_startup_objects
 from shared.grpc_errors import ServiceUnavailable
 from shared.logging import setup_logging
@@ -77,8 +77,9 @@ async def _check_store(auth: Authenticator) -> None:
 
 async def serve(args: argparse.Namespace) -> None:
     metrics = GatewayMetrics()
-    client = SchedulerClient(args.scheduler, connect_timeout_s=args.connect_timeout,
-                             idle_timeout_s=args.backend_timeout)
+    client = SchedulerPool.connect(args.scheduler, connect_timeout_s=args.connect_timeout,
+                                   idle_timeout_s=args.backend_timeout)
+    client.start()
     auth, limiter = build_auth(args)
     if auth.store is not None:
         await _check_store(auth)
@@ -130,7 +131,10 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--host", default="127.0.0.1", help="address to listen on (HTTP and gRPC)")
     parser.add_argument("--port", type=int, default=8000, help="HTTP (OpenAI API) port")
     parser.add_argument("--grpc-port", type=int, default=50050, help="public gRPC API port")
-    parser.add_argument("--scheduler", default="127.0.0.1:50051", help="scheduler address (host:port)")
+    parser.add_argument("--scheduler", action="append", default=None,
+                        help="scheduler address (host:port; default 127.0.0.1:50051); repeat (or comma-separate "
+                             "in PAGEDSERVE_SCHEDULER) for several, each with its own worker: requests are spread "
+                             "over them (services/gateway/scheduler_pool.py)")
     parser.add_argument("--served-model-name", default=None, help="model id clients use (default: the model "
                                                                    "directory's name)")
     parser.add_argument("--tokenizer", default=None, help="tokenizer directory (default: the model directory "
@@ -166,7 +170,9 @@ def main(argv: list[str] | None = None) -> int:
 
     parser = build_parser()
     apply_env_defaults(parser)
-    run_event_loop(serve(parser.parse_args(argv)))
+    args = parser.parse_args(argv)
+    args.scheduler = [a.strip() for item in args.scheduler or ["127.0.0.1:50051"] for a in item.split(",") if a.strip()]
+    run_event_loop(serve(args))
     return 0
 
 

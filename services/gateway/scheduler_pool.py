@@ -1,0 +1,176 @@
+"""Several schedulers behind one gateway (data parallelism: each scheduler drives its own worker,
+with its own KV cache), one SchedulerClient each; the gateway's requests are spread over them.
+
+Routing rule, per request:
+1. Only schedulers whose health the last poll (every HEALTH_POLL_S) found SERVING are chosen from;
+   the others are tried last, in case they are back.
+2. A request goes to the scheduler that its prompt's first AFFINITY_TOKENS tokens (and cache
+   salt) hash to (rendezvous hashing: every gateway agrees, and a scheduler that leaves moves only
+   its own share), so prompts that share a prefix meet the same prefix cache...
+3. ...unless that scheduler has more than BALANCE_SLACK (or a quarter) more requests in flight
+   from this gateway than the least loaded one: then it goes to the least loaded.
+4. A scheduler that cannot be reached when the request is submitted is skipped for the next one;
+   a request that a scheduler has accepted stays there (if it fails, the client gets 503).
+A scheduler serving another model (or another context length or vocabulary) than the first one
+the gateway learned is never used, and says so in the log.
+"""
+
+from __future__ import annotations
+
+import array
+import asyncio
+import hashlib
+
+from services.gateway.scheduler_client import SchedulerClient, SubmitStream
+from shared.grpc_errors import ServiceUnavailable
+from shared.logging import setup_logging
+from shared.proto import pagedserve_internal_pb2 as wire
+from shared.sampling_params import SamplingParams
+
+log = setup_logging("gateway")
+
+HEALTH_POLL_S = 1.0
+AFFINITY_TOKENS = 32
+BALANCE_SLACK = 4
+
+
+class SchedulerPool:
+    def __init__(self, clients: list[SchedulerClient]):
+        addresses = [client.address for client in clients]
+        if not addresses or len(set(addresses)) != len(addresses):
+            raise ValueError(f"give one or more distinct scheduler addresses, got {addresses}")
+        self.clients = clients
+        self.address = ",".join(addresses)  # for messages
+        self._serving = {client.address: True for client in self.clients}  # hopeful until the first poll
+        self._excluded: dict[str, str] = {}  # address -> why it is never used (another model)
+        self._reference: wire.EngineInfo | None = None  # the first scheduler's model: all must match it
+        self._poller: asyncio.Task | None = None
+
+    @classmethod
+    def connect(cls, addresses: list[str], connect_timeout_s: float = 2.0, idle_timeout_s: float = 120.0
+                ) -> "SchedulerPool":
+        return cls([SchedulerClient(a, connect_timeout_s=connect_timeout_s, idle_timeout_s=idle_timeout_s)
+                    for a in addresses])
+
+    def start(self) -> None:
+        """Poll health in the background (a single scheduler needs no choosing)."""
+        if len(self.clients) > 1 and self._poller is None:
+            self._poller = asyncio.get_running_loop().create_task(self._poll())
+
+    # --- choosing ------------------------------------------------------------------------------------
+
+    def candidates(self, prompt_token_ids: list[int], cache_salt: str | None) -> list[SchedulerClient]:
+        """The schedulers to try for a request, best first (the rule above)."""
+        if len(self.clients) == 1:
+            return self.clients
+        usable = [c for c in self.clients if c.address not in self._excluded]
+        serving = [c for c in usable if self._serving[c.address]]
+        resting = sorted((c for c in usable if not self._serving[c.address]), key=lambda c: c.num_in_flight)
+        if not serving:
+            return resting
+        key = _affinity_key(prompt_token_ids, cache_salt)
+        by_hash = sorted(serving, key=lambda c: _score(c.address, key), reverse=True)
+        least = min(c.num_in_flight for c in serving)
+        preferred = by_hash[0]
+        if preferred.num_in_flight > least + max(BALANCE_SLACK, least // 4):
+            preferred = min(by_hash, key=lambda c: c.num_in_flight)  # ties: the hash order
+        rest = sorted((c for c in serving if c is not preferred), key=lambda c: c.num_in_flight)
+        return [preferred, *rest, *resting]
+
+    async def submit(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
+                     cache_salt: str | None = None) -> SubmitStream:
+        error: Exception | None = None
+        for client in self.candidates(prompt_token_ids, cache_salt):
+            try:
+                return await client.submit(request_id, prompt_token_ids, params, cache_salt)
+            except ServiceUnavailable as exc:  # not reachable: nothing was sent, so the next one may take it
+                if len(self.clients) > 1:
+                    self._serving[client.address] = False
+                    log.warning("scheduler unreachable, trying the next", scheduler=client.address, error=str(exc))
+                error = exc
+        raise error or ServiceUnavailable(f"no scheduler serves the model: {self._excluded}")
+
+    # --- asking all of them ----------------------------------------------------------------------------
+
+    async def info(self) -> wire.EngineInfo:
+        """The model, from the first scheduler that answers (it becomes the reference the others must match)."""
+        error: Exception | None = None
+        for client in sorted(self.clients, key=lambda c: not self._serving[c.address]):
+            if client.address in self._excluded:
+                continue
+            try:
+                info = await client.info()
+            except ServiceUnavailable as exc:
+                error = exc
+                continue
+            self._check_same_model(client.address, info)
+            if client.address not in self._excluded:
+                return info
+        raise error or ServiceUnavailable(f"no scheduler serves the model: {self._excluded}")
+
+    async def abort(self, request_id: str) -> bool:
+        """Whether any scheduler had the request (ServiceUnavailable only when none answers)."""
+        results = await asyncio.gather(*(c.abort(request_id) for c in self.clients), return_exceptions=True)
+        errors = [r for r in results if isinstance(r, BaseException)]
+        if len(errors) == len(results):
+            raise errors[0]
+        return any(r is True for r in results)
+
+    async def stats(self) -> dict[str, dict[str, float] | None]:
+        """Each scheduler's engine stats by address; None for one that did not answer."""
+        results = await asyncio.gather(*(c.stats() for c in self.clients), return_exceptions=True)
+        return {c.address: None if isinstance(r, BaseException) else r for c, r in zip(self.clients, results)}
+
+    async def healthy(self) -> bool:
+        """Whether any scheduler serves (the gateway can answer requests)."""
+        results = await asyncio.gather(*(c.healthy() for c in self.clients if c.address not in self._excluded))
+        return any(results)
+
+    def abandon_requests(self, error: Exception) -> None:
+        for client in self.clients:
+            client.abandon_requests(error)
+
+    async def close(self) -> None:
+        if self._poller is not None:
+            self._poller.cancel()
+        await asyncio.gather(*(c.close() for c in self.clients), return_exceptions=True)
+
+    # --- health ------------------------------------------------------------------------------------------
+
+    async def _poll(self) -> None:
+        while True:
+            await asyncio.gather(*(self._poll_one(c) for c in self.clients if c.address not in self._excluded))
+            await asyncio.sleep(HEALTH_POLL_S)
+
+    async def _poll_one(self, client: SchedulerClient) -> None:
+        serving = await client.healthy()
+        if serving and not self._serving[client.address] and self._reference is not None:
+            try:  # back (or new): it must still serve the same model
+                self._check_same_model(client.address, await client.info())
+            except ServiceUnavailable:
+                serving = False
+        if serving != self._serving[client.address]:
+            log.info("scheduler serving" if serving else "scheduler not serving", scheduler=client.address)
+        self._serving[client.address] = serving
+
+    def _check_same_model(self, address: str, info: wire.EngineInfo) -> None:
+        if self._reference is None:
+            self._reference = info
+            return
+        ref = self._reference
+        mine = (info.model, info.max_model_len, info.vocab_size, info.protocol_version)
+        theirs = (ref.model, ref.max_model_len, ref.vocab_size, ref.protocol_version)
+        if mine != theirs:
+            why = f"serves {mine}, the others {theirs}"
+            if self._excluded.get(address) != why:
+                log.error("scheduler serves another model: never used", scheduler=address, why=why)
+            self._excluded[address] = why
+
+
+def _affinity_key(prompt_token_ids: list[int], cache_salt: str | None) -> bytes:
+    head = array.array("q", prompt_token_ids[:AFFINITY_TOKENS]).tobytes()
+    return head + (cache_salt or "").encode()
+
+
+def _score(address: str, key: bytes) -> bytes:
+    return hashlib.blake2b(address.encode() + b"\0" + key, digest_size=8).digest()

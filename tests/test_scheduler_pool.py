@@ -1,0 +1,163 @@
+"""A gateway over several schedulers: the routing rule on stand-in clients, then two real
+schedulers (each with its worker) behind one gateway, one of whose workers dies and comes back."""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import random
+import time
+
+import httpx2 as httpx
+import pytest
+
+from benchmarks.serving import parse_engine_stats
+from pagedserve import LLM, SamplingParams
+from services.gateway.scheduler_pool import BALANCE_SLACK, SchedulerPool
+from shared.grpc_errors import ServiceUnavailable
+from shared.proto import pagedserve_internal_pb2 as wire
+from tests.services_harness import Stack, http_get
+
+
+class StandIn:
+    """As much of a SchedulerClient as the pool uses for choosing and submitting."""
+
+    def __init__(self, address: str, reachable: bool = True):
+        self.address, self.num_in_flight, self.reachable, self.submitted = address, 0, reachable, []
+
+    async def submit(self, request_id, prompt_token_ids, params, cache_salt=None):
+        if not self.reachable:
+            raise ServiceUnavailable(f"{self.address} is down")
+        self.submitted.append(request_id)
+        return self.address
+
+
+def prompt(rng: random.Random) -> list[int]:
+    return [rng.randrange(1, 500) for _ in range(rng.randrange(1, 80))]
+
+
+def test_prompts_sharing_a_head_meet_on_one_scheduler_and_the_rest_spread():
+    clients = [StandIn(f"s{i}:1") for i in range(3)]
+    pool = SchedulerPool(clients)
+    rng = random.Random(0)
+    head = prompt(rng)[:10] * 4  # 40 tokens: longer than what the hash reads
+    first = pool.candidates(head + [1, 2], None)[0]
+    assert all(pool.candidates(head + prompt(rng), None)[0] is first for _ in range(20))
+    assert pool.candidates(head, "salt")[0] is not first or pool.candidates(head, "other")[0] is not first
+    counts = {c.address: 0 for c in clients}
+    for _ in range(600):
+        counts[pool.candidates(prompt(rng), None)[0].address] += 1
+    assert all(150 < n < 250 for n in counts.values()), counts
+
+
+def test_an_overloaded_preferred_scheduler_yields_to_the_least_loaded_and_down_ones_go_last():
+    a, b, c = StandIn("a:1"), StandIn("b:1"), StandIn("c:1")
+    pool = SchedulerPool([a, b, c])
+    tokens = next(p for p in ([i] * 5 for i in range(100)) if pool.candidates(p, None)[0] is a)
+    a.num_in_flight, b.num_in_flight, c.num_in_flight = BALANCE_SLACK + 1, 1, 1
+    assert pool.candidates(tokens, None)[0] is a  # within the slack: the prefix cache wins
+    a.num_in_flight = BALANCE_SLACK + 2
+    assert pool.candidates(tokens, None)[0] in (b, c) and pool.candidates(tokens, None)[2] is a
+    c.num_in_flight = 0
+    assert pool.candidates(tokens, None) == [c, b, a]
+    a.num_in_flight, b.num_in_flight, c.num_in_flight = 100, 80, 81  # the slack grows with the load
+    assert pool.candidates(tokens, None)[0] is a
+    pool._serving["c:1"] = False
+    assert pool.candidates(tokens, None)[-1] is c
+    pool._excluded["b:1"] = "another model"
+    assert pool.candidates(tokens, None) == [a, c]
+
+
+def test_a_request_goes_to_the_next_scheduler_when_one_cannot_be_reached():
+    down, up = StandIn("down:1", reachable=False), StandIn("up:1")
+    pool = SchedulerPool([down, up])
+    tokens = next(p for p in ([i] * 5 for i in range(100)) if pool.candidates(p, None)[0] is down)
+    assert asyncio.run(pool.submit("r1", tokens, SamplingParams())) == "up:1"
+    assert not pool._serving["down:1"] and pool.candidates(tokens, None)[0] is up  # marked until a poll says otherwise
+    up.reachable = False
+    with pytest.raises(ServiceUnavailable, match="down"):
+        asyncio.run(pool.submit("r2", tokens, SamplingParams()))
+    with pytest.raises(ValueError, match="distinct"):
+        SchedulerPool([StandIn("a:1"), StandIn("a:1")])
+
+
+def test_a_scheduler_serving_another_model_is_never_used():
+    pool = SchedulerPool([StandIn("a:1"), StandIn("b:1")])
+    info = wire.EngineInfo(model="/m/one", max_model_len=512, vocab_size=512, protocol_version=3)
+    pool._check_same_model("a:1", info)
+    pool._check_same_model("b:1", wire.EngineInfo(model="/m/two", max_model_len=512, vocab_size=512,
+                                                  protocol_version=3))
+    assert "b:1" in pool._excluded and [c.address for c in pool.candidates([1], None)] == ["a:1"]
+
+
+# --- two real schedulers ------------------------------------------------------------------------------
+
+WORKER_ARGS = ("--num-gpu-blocks-override", "256")
+
+
+@pytest.fixture(scope="module")
+def stacks(llama_dir, tmp_path_factory):
+    second = Stack(llama_dir, tmp_path_factory.mktemp("pool-b"), worker_args=WORKER_ARGS).start_backend()
+    try:
+        first = Stack(llama_dir, tmp_path_factory.mktemp("pool-a"), worker_args=WORKER_ARGS,
+                      gateway_args=("--scheduler", second.scheduler_address)).start()
+        try:
+            yield first, second
+        finally:
+            first.stop()
+    finally:
+        second.stop()
+
+
+def per_scheduler(stack, stat: str) -> dict[str, float]:
+    text = http_get(f"{stack.base_url}/metrics")[1]
+    found = {}
+    for line in text.splitlines():
+        if line.startswith(f"pagedserve_engine_{stat}{{"):
+            found[line.split('scheduler="', 1)[1].split('"', 1)[0]] = float(line.rsplit(" ", 1)[1])
+    return found
+
+
+def complete(stack, text: str, timeout: float = 30) -> httpx.Response:
+    return httpx.post(f"{stack.base_url}/v1/completions", timeout=timeout,
+                      json={"model": stack.model_name, "prompt": text, "max_tokens": 5, "temperature": 0})
+
+
+def test_requests_spread_over_both_schedulers_with_the_offline_api_s_tokens(stacks, llama_dir):
+    first, second = stacks
+    rng = random.Random(1)
+    texts = [" ".join(rng.choice(["alpha", "beta", "gamma", "delta", "eps"]) for _ in range(rng.randrange(2, 30)))
+             for _ in range(24)]
+    offline = LLM(str(llama_dir)).generate(texts, SamplingParams(max_tokens=5, temperature=0), use_tqdm=False)
+    with concurrent.futures.ThreadPoolExecutor(8) as pool:
+        replies = list(pool.map(lambda t: complete(first, t), texts))
+    assert [r.status_code for r in replies] == [200] * len(texts)
+    assert [r.json()["choices"][0]["text"] for r in replies] == [o.outputs[0].text for o in offline]
+    steps = per_scheduler(first, "num_steps")
+    assert set(steps) == {first.scheduler_address, second.scheduler_address} and all(steps.values()), steps
+    # One prompt, again and again: always the same scheduler, whose prefix cache has it.
+    hits = per_scheduler(first, "prefix_cache_hits")
+    long_prompt = " ".join(["omega"] * 60)
+    for _ in range(4):
+        assert complete(first, long_prompt).status_code == 200
+    gained = {a: n - hits.get(a, 0) for a, n in per_scheduler(first, "prefix_cache_hits").items()}
+    assert sorted(v > 0 for v in gained.values()) == [False, True], gained
+
+
+def test_a_dead_worker_s_scheduler_is_routed_around_then_used_again(stacks):
+    first, second = stacks
+    second.kill("worker")
+    rng = random.Random(2)
+    statuses, deadline = [], time.monotonic() + 20
+    while time.monotonic() < deadline and statuses[-10:] != [200] * 10:  # until the health poll has seen it
+        statuses.append(complete(first, " ".join(str(rng.randrange(1000)) for _ in range(8))).status_code)
+    assert statuses[-10:] == [200] * 10 and set(statuses) <= {200, 503}, statuses
+    replies = [complete(first, " ".join(str(rng.randrange(1000)) for _ in range(8))) for _ in range(20)]
+    assert [r.status_code for r in replies] == [200] * 20
+    assert http_get(f"{first.base_url}/health")[0] == 200
+    second.start_worker()  # the scheduler rebuilds its engine on it; the gateway's poll sees it serve
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline and not per_scheduler(first, "num_steps").get(second.scheduler_address):
+        assert complete(first, " ".join(str(rng.randrange(1000)) for _ in range(8))).status_code == 200
+        time.sleep(0.1)
+    assert per_scheduler(first, "num_steps").get(second.scheduler_address), "the second scheduler got no request"
