@@ -66,11 +66,11 @@ class Stack:
     """worker -> scheduler -> gateway; `with Stack(...) as stack:` or start()/stop()."""
 
     def __init__(self, model_dir: Path, log_dir: Path, worker_args: tuple[str, ...] = (),
-                 gateway_args: tuple[str, ...] = ()):
+                 gateway_args: tuple[str, ...] = (), scheduler_args: tuple[str, ...] = ()):
         self.model_dir, self.log_dir = Path(model_dir), Path(log_dir)
         self.worker_port, self.scheduler_port = free_port(), free_port()
         self.http_port, self.grpc_port = free_port(), free_port()
-        self.worker_args, self.gateway_args = worker_args, gateway_args
+        self.worker_args, self.gateway_args, self.scheduler_args = worker_args, gateway_args, scheduler_args
         self.procs: dict[str, subprocess.Popen] = {}
 
     @property
@@ -97,7 +97,8 @@ class Stack:
         """headers: what a request needs to be served (an API key), for the readiness check."""
         # All three at once: the scheduler waits for its worker, the gateway learns the model lazily.
         self.start_worker()
-        self._spawn("scheduler", "--worker", f"127.0.0.1:{self.worker_port}", "--listen", self.scheduler_address)
+        self._spawn("scheduler", "--worker", f"127.0.0.1:{self.worker_port}", "--listen", self.scheduler_address,
+                    *self.scheduler_args)
         self._spawn("gateway", "--port", str(self.http_port), "--grpc-port", str(self.grpc_port),
                     "--scheduler", self.scheduler_address, *self.gateway_args)
         try:
@@ -114,7 +115,8 @@ class Stack:
         from grpc_health.v1 import health_pb2, health_pb2_grpc
 
         self.start_worker()
-        self._spawn("scheduler", "--worker", f"127.0.0.1:{self.worker_port}", "--listen", self.scheduler_address)
+        self._spawn("scheduler", "--worker", f"127.0.0.1:{self.worker_port}", "--listen", self.scheduler_address,
+                    *self.scheduler_args)
         deadline = time.monotonic() + timeout_s
         with grpc.insecure_channel(self.scheduler_address) as channel:
             health = health_pb2_grpc.HealthStub(channel)

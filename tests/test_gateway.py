@@ -464,9 +464,40 @@ def test_grpc_generate(stack, offline, llama_dir):
             list(stub.Generate(api.GenerateRequest(model="nope", text="x")))
         assert unknown.value.code() == grpc.StatusCode.NOT_FOUND
         assert not stub.Abort(api.AbortRequest(request_id="no-such-request")).found
-        health = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=5)
-        assert health.status == health_pb2.HealthCheckResponse.SERVING
+        for service in ("", "pagedserve.api.v1.Generation"):
+            health = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(service=service),
+                                                               timeout=5)
+            assert health.status == health_pb2.HealthCheckResponse.SERVING, service
         assert "pagedserve.api.v1.Generation" in ProtoReflectionDescriptorDatabase(channel).get_services()
+        with pytest.raises(grpc.RpcError) as bad:
+            list(stub.Generate(api.GenerateRequest(text="x", params=api.SamplingParameters(top_p=2))))
+        assert bad.value.details().startswith("top_p")  # as over HTTP, without the class name
+        for bad_call in (lambda: stub.Abort(api.AbortRequest(request_id="")),
+                         lambda: list(stub.Generate(api.GenerateRequest(text="x", cache_salt="")))):
+            with pytest.raises(grpc.RpcError) as bad:
+                bad_call()
+            assert bad.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+
+
+@pytest.mark.parametrize("n", [1, 3])
+def test_grpc_prompt_logprobs_come_whole_in_the_first_message(llama_dir, tmp_path, n):
+    """With n > 1 too, and over a prefill chunked into several steps (budget 64 < 150 tokens)."""
+    prompt = [(7 * i) % 500 + 1 for i in range(150)]
+    expected = LLM(str(llama_dir), block_size=16).generate(
+        {"prompt_token_ids": prompt}, SamplingParams(max_tokens=2, temperature=0, prompt_logprobs=1),
+        use_tqdm=False)[0].prompt_logprobs
+    budget = ("--max-num-batched-tokens", "64")
+    with Stack(llama_dir, tmp_path, worker_args=WORKER_ARGS + budget, scheduler_args=budget) as stack:
+        with grpc.insecure_channel(f"127.0.0.1:{stack.grpc_port}") as channel:
+            params = api.SamplingParameters(max_tokens=2, temperature=0, prompt_logprobs=1, n=n, seed=1)
+            replies = list(api_grpc.GenerationStub(channel).Generate(
+                api.GenerateRequest(token_ids=api.TokenIds(ids=prompt), params=params), timeout=60))
+    assert all(r.token_ids or r.finish_reason for r in replies)  # no empty messages for prefill chunks
+    first = replies[0].prompt_logprobs
+    assert [e.token_id for e in first] == prompt[1:]
+    assert [e.logprob for e in first] == pytest.approx([p[t].logprob for p, t in zip(expected[1:], prompt[1:])],
+                                                       abs=1e-4)
+    assert not any(r.prompt_logprobs for r in replies[1:])
 
 
 def test_grpc_abort_ends_the_stream(stack):
@@ -691,6 +722,14 @@ def test_overload_then_dead_worker_then_dead_scheduler(llama_dir, tmp_path):
             with pytest.raises(grpc.RpcError) as failed:
                 list(api_grpc.GenerationStub(channel).Generate(api.GenerateRequest(text="Hi"), timeout=10))
             assert failed.value.code() == grpc.StatusCode.UNAVAILABLE
+            # The gRPC health service says what /health says (a gRPC-only probe would route to it).
+            health = health_pb2_grpc.HealthStub(channel)
+            deadline = time.monotonic() + 10
+            for service in ("", "pagedserve.api.v1.Generation"):
+                while health.Check(health_pb2.HealthCheckRequest(service=service), timeout=5).status != \
+                        health_pb2.HealthCheckResponse.NOT_SERVING:
+                    assert time.monotonic() < deadline, service
+                    time.sleep(0.1)
     finally:
         codes = stack.stop()
     assert codes["gateway"] == 0, stack.log_tail("gateway")

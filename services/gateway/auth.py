@@ -49,7 +49,8 @@ class Authenticator:
 
 def bearer_token(authorization: str | None) -> str:
     if not authorization:
-        raise Unauthenticated("no API key provided: send it as the header 'Authorization: Bearer <key>'")
+        raise Unauthenticated("no API key provided: send 'Authorization: Bearer <key>' (an HTTP header, or gRPC "
+                              "metadata 'authorization')")
     scheme, _, token = authorization.strip().partition(" ")
     if scheme.lower() != "bearer" or not token.strip():
         raise Unauthenticated("the Authorization header must be 'Bearer <key>'")

@@ -216,7 +216,8 @@ class Run:
             message = self._first
             while message is not None:
                 delta = self._apply(message)
-                if delta is not None:
+                # A prefill chunk's output brings only prompt logprobs (kept in the run): no delta.
+                if delta is not None and (delta.token_ids or delta.text or delta.finish_reason):
                     yield delta
                 if self.finished:
                     return

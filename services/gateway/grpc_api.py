@@ -12,7 +12,7 @@ from grpc_reflection.v1alpha import reflection
 from services.gateway.call_ids import CallIds
 from services.gateway.api_keys import ApiKey
 from services.gateway.auth import Authenticator
-from services.gateway.generation import Generator, SeqDelta, TokenLogprob, new_request_id
+from services.gateway.generation import Generator, InvalidParameter, SeqDelta, TokenLogprob, new_request_id
 from shared.grpc_errors import ResourceExhausted, Unauthenticated, status_for
 from shared.logging import bind_request_id, clear_request_id, setup_logging
 from shared.proto import pagedserve_api_pb2 as api
@@ -63,7 +63,10 @@ class GenerationServicer(api_grpc.GenerationServicer):
             async with self.call_ids.claim(request_id) as call, self.gen.admitted(api_key) as admission:
                 model = await self.gen.model()
                 model.check_name(request.model)
-                params = SamplingParams.from_proto(request.params)
+                try:
+                    params = SamplingParams.from_proto(request.params)
+                except ValueError as exc:  # its messages name the field, as over HTTP
+                    raise InvalidParameter.from_sampling_error(exc) from None
                 # Off the event loop, as over HTTP: a huge prompt must not stall the other streams.
                 prompt = await asyncio.to_thread(model.encode, request.text) \
                     if request.WhichOneof("prompt") == "text" else list(request.token_ids.ids)
@@ -110,6 +113,8 @@ class GenerationServicer(api_grpc.GenerationServicer):
     async def Abort(self, request, context):
         try:
             await self._caller(context)
+            if not request.request_id:
+                raise ValueError("request_id must name the request to abort")
         except Exception as exc:
             await _abort_with(context, exc)
         if self.call_ids.abort(request.request_id):  # a call open here: its own session stream carries it
@@ -144,5 +149,7 @@ def create_grpc_server(gen: Generator, address: str, auth: Authenticator | None 
     return server, health_servicer
 
 
+# The whole server ("") and the Generation service, for probes that name it.
+HEALTH_SERVICES = ("", api.DESCRIPTOR.services_by_name["Generation"].full_name)
 SERVING = health_pb2.HealthCheckResponse.SERVING
 NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING

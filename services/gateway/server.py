@@ -18,10 +18,10 @@ from services.gateway.api_keys import DEFAULT_PREFIX, RedisKeyStore, StaticKeys
 from services.gateway.app import create_app
 from services.gateway.auth import Authenticator
 from services.gateway.generation import Generator
-from services.gateway.grpc_api import NOT_SERVING, SERVING, create_grpc_server
+from services.gateway.grpc_api import HEALTH_SERVICES, NOT_SERVING, SERVING, create_grpc_server
 from services.gateway.metrics import GatewayMetrics
 from services.gateway.rate_limits import RateLimiter
-from services.gateway.scheduler_pool import SchedulerPool
+from services.gateway.scheduler_pool import HEALTH_POLL_S, SchedulerPool
 from shared.gc_heap import freeze_startup_objects, unfreeze_startup_objects
 from shared.grpc_errors import ServiceUnavailable
 from shared.logging import setup_logging
@@ -75,6 +75,16 @@ async def _check_store(auth: Authenticator) -> None:
                     error=str(exc))
 
 
+async def _report_health(gen: Generator, grpc_health) -> None:
+    """The gRPC health service says what HTTP /health says: SERVING while a scheduler serves (a
+    gRPC-only probe must not keep sending traffic to a gateway without a backend)."""
+    while True:
+        status = SERVING if await gen.client.healthy() else NOT_SERVING
+        for service in HEALTH_SERVICES:
+            await grpc_health.set(service, status)
+        await asyncio.sleep(HEALTH_POLL_S)
+
+
 async def serve(args: argparse.Namespace) -> None:
     metrics = GatewayMetrics()
     client = SchedulerPool.connect(args.scheduler, connect_timeout_s=args.connect_timeout,
@@ -94,9 +104,11 @@ async def serve(args: argparse.Namespace) -> None:
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
 
+    for service in HEALTH_SERVICES:  # until the first poll has seen a scheduler serve
+        await grpc_health.set(service, NOT_SERVING)
     await grpc_server.start()
-    await grpc_health.set("", SERVING)
     learn = asyncio.create_task(_learn_model(gen))
+    health_task = asyncio.create_task(_report_health(gen, grpc_health))
     http_task = asyncio.create_task(http.serve())
     log.info("gateway serving", http=f"{args.host}:{args.port}", grpc=f"{args.host}:{args.grpc_port}",
              scheduler=args.scheduler)
@@ -105,7 +117,9 @@ async def serve(args: argparse.Namespace) -> None:
 
     log.info("gateway stopping", in_flight=gen.in_flight)
     learn.cancel()
-    await grpc_health.set("", NOT_SERVING)
+    health_task.cancel()
+    for service in HEALTH_SERVICES:
+        await grpc_health.set(service, NOT_SERVING)
     http.should_exit = True  # uvicorn closes its listener, then waits for open responses
     grpc_stopped = asyncio.ensure_future(grpc_server.stop(grace=args.drain_timeout + FAREWELL_S))
     await _drain(gen, args.drain_timeout)

@@ -53,7 +53,7 @@ class EngineCore:
 
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                     cache_salt: str | None = None) -> None:
-        self._validate(request_id, prompt_token_ids, params)
+        self._validate(request_id, prompt_token_ids, params, cache_salt)
         max_output = self.info.max_model_len - len(prompt_token_ids)
         if params.max_tokens is not None:
             max_output = min(max_output, params.max_tokens)
@@ -87,13 +87,15 @@ class EngineCore:
         self._seqs[seq.seq_id] = seq
         self.scheduler.add(seq)
 
-    def _validate(self, request_id: str, prompt: list[int], params: SamplingParams) -> None:
+    def _validate(self, request_id: str, prompt: list[int], params: SamplingParams, cache_salt: str | None) -> None:
         info = self.info
         if request_id in self._requests:
             raise AlreadyExists(f"request id {request_id!r} is already in use")
         params.check_sequences_fit(self.scheduler.limits.max_num_seqs)
         if not prompt:
             raise ValueError("the prompt is empty: give at least one token")
+        if cache_salt is not None and not cache_salt:
+            raise ValueError("cache_salt must not be empty: leave it out for no salt")
         bad = [t for t in prompt if not isinstance(t, int) or not 0 <= t < info.vocab_size]
         if bad:
             raise ValueError(f"prompt token id {bad[0]!r} is outside the vocabulary [0, {info.vocab_size})")

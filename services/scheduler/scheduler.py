@@ -319,14 +319,16 @@ class Scheduler:
             if seq.beam_group is not None:
                 updates.extend(self._beam_report(seq, out))
                 continue
-            if out.siblings:
-                updates.extend(self._fork_siblings(seq, out.siblings))
+            # Siblings fork before the parent's token is appended; their updates go after the
+            # parent's, which carries the prompt logprobs (the front ends send them first).
+            forked = self._fork_siblings(seq, out.siblings) if out.siblings else []
             update = SequenceUpdate(seq)
             if out.prompt_logprobs:
                 self._take_prompt_logprobs(seq, out, update)
             if out.token_id is not None:
                 self._append_token(seq, out.token_id, out.logprobs, update)
             updates.append(update)
+            updates.extend(forked)
         return updates
 
     @staticmethod
