@@ -1,4 +1,5 @@
-"""`pagedserve serve`: three processes up and healthy, and always all gone after a stop or a crash."""
+"""`pagedserve serve`: its processes up and healthy, a crashed one started again, and always all gone
+after a stop or a crash of the launcher."""
 
 from __future__ import annotations
 
@@ -29,17 +30,18 @@ def alive(pid: int) -> bool:
     return not Path(f"/proc/{pid}/stat").read_text().split()[2] == "Z"
 
 
-def start_serve(model_dir: Path, tmp_path: Path) -> tuple[subprocess.Popen, int]:
+def start_serve(model_dir: Path, tmp_path: Path, *extra: str, num_children: int = 3) -> tuple[subprocess.Popen, int]:
     port = free_port()
     log = open(tmp_path / "serve.log", "wb")
     proc = subprocess.Popen([sys.executable, "-m", "pagedserve", "serve", "--model", str(model_dir), "--port", str(port),
-                             "--grpc-port", str(free_port()), "--kv-cache-memory-bytes", str(8 << 20)],
+                             "--grpc-port", str(free_port()), "--kv-cache-memory-bytes", str(8 << 20), *extra],
                             cwd=REPO, stdout=log, stderr=subprocess.STDOUT)
     deadline = time.monotonic() + 120
     while time.monotonic() < deadline:
         assert proc.poll() is None, (tmp_path / "serve.log").read_text()[-3000:]
         try:
-            if http_get(f"http://127.0.0.1:{port}/health", 2)[0] == 200 and len(children_of(proc.pid)) == 3:
+            if http_get(f"http://127.0.0.1:{port}/health", 2)[0] == 200 and \
+                    len(children_of(proc.pid)) == num_children:
                 return proc, port
         except OSError:
             pass
@@ -91,3 +93,57 @@ def test_the_worker_gets_every_engine_option():
     assert worker_args.listen == "unix:/tmp/w.sock"
     assert engine_options(worker_args) == engine_options(args)
     assert (worker_args.max_num_seqs, worker_args.enforce_eager, worker_args.enable_chunked_prefill) == (7, True, False)
+
+
+def command_of(pid: int) -> str:
+    return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()
+
+
+def test_data_parallel_backends_serve_and_a_crashed_worker_is_started_again(llama_dir, tmp_path):
+    proc, port = start_serve(llama_dir, tmp_path, "--data-parallel-size", "2", num_children=5)
+    children = children_of(proc.pid)
+    base = f"http://127.0.0.1:{port}"
+    body = {"prompt": "Hello", "max_tokens": 3, "temperature": 0}
+    try:
+        import httpx2 as httpx
+
+        assert httpx.post(f"{base}/v1/completions", json=body, timeout=60).status_code == 200
+        up = [line for line in http_get(f"{base}/metrics")[1].splitlines()
+              if line.startswith("pagedserve_scheduler_up{")]
+        assert len(up) == 2 and all(line.endswith(" 1.0") for line in up), up
+        workers = [p for p in children if " worker " in command_of(p)]
+        assert len(workers) == 2
+        for worker in workers:  # each takes its share of the cores, not all of them
+            threads = Path(f"/proc/{worker}/environ").read_bytes().split(b"\0")
+            assert f"OMP_NUM_THREADS={max(1, (os.cpu_count() or 1) // 2)}".encode() in threads
+        os.kill(workers[0], signal.SIGKILL)
+        deadline = time.monotonic() + 90
+        while len(children_of(proc.pid)) < 5 or workers[0] in children_of(proc.pid):
+            assert time.monotonic() < deadline and proc.poll() is None, (tmp_path / "serve.log").read_text()[-3000:]
+            time.sleep(0.2)
+        assert "starting it again" in (tmp_path / "serve.log").read_text()
+        statuses = []
+        while len(statuses) < 10 or statuses[-10:] != [200] * 10:  # the other backend serves meanwhile
+            assert time.monotonic() < deadline, statuses
+            statuses.append(httpx.post(f"{base}/v1/completions", json=body, timeout=60).status_code)
+        assert set(statuses) <= {200, 503}, statuses
+        while '"event": "scheduler serving"' not in (tmp_path / "serve.log").read_text():  # on the new worker
+            assert time.monotonic() < deadline, (tmp_path / "serve.log").read_text()[-3000:]
+            time.sleep(0.2)
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(60) == 0
+        assert wait_gone(children + children_of(proc.pid), 30) == []
+    finally:
+        for pid in [proc.pid, *children]:
+            if alive(pid):
+                os.kill(pid, signal.SIGKILL)
+
+
+def test_data_parallel_size_is_checked():
+    from pagedserve.launcher import backend_envs, build_parser
+
+    with pytest.raises(ValueError, match=">= 1"):
+        backend_envs(build_parser().parse_args(["--data-parallel-size", "0"]))
+    with pytest.raises(ValueError, match="leave --device auto"):
+        backend_envs(build_parser().parse_args(["--data-parallel-size", "2", "--device", "cuda:1"]))
+    assert backend_envs(build_parser().parse_args([])) == [{}]
