@@ -68,7 +68,7 @@ def cmd_api_keys(args: argparse.Namespace) -> int:
     """Make, list and revoke the API keys a gateway with --api-key-store accepts."""
     import asyncio
 
-    from services.gateway.api_keys import RedisKeyStore
+    from services.gateway.api_keys import RedisKeyStore, redacted_url
 
     async def run() -> int:
         store = RedisKeyStore(args.store, args.prefix)
@@ -91,11 +91,9 @@ def cmd_api_keys(args: argparse.Namespace) -> int:
 
     try:
         return asyncio.run(run())
-    except (OSError, ConnectionError) as exc:
-        raise ValueError(f"cannot reach the key store at {args.store}: {exc}") from exc
     except Exception as exc:
-        if type(exc).__module__.startswith("redis"):  # redis.exceptions.ConnectionError and the like
-            raise ValueError(f"cannot reach the key store at {args.store}: {exc}") from exc
+        if isinstance(exc, OSError) or type(exc).__module__.startswith("redis"):  # redis.exceptions.ConnectionError
+            raise ValueError(f"cannot reach the key store at {redacted_url(args.store)}: {exc}") from exc
         raise
 
 

@@ -4,7 +4,7 @@ gateway's HTTP and gRPC APIs refusing what they must (real processes on loopback
 from __future__ import annotations
 
 import asyncio
-import time
+import concurrent.futures
 import uuid
 
 import grpc
@@ -15,9 +15,9 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from pagedserve.launcher import build_parser as serve_parser
 from pagedserve.launcher import gateway_secrets
-from services.gateway.api_keys import ApiKey, RedisKeyStore, StaticKeys, key_id
+from services.gateway.api_keys import ApiKey, RedisKeyStore, StaticKeys, key_id, redacted_url
 from services.gateway.auth import Authenticator, bearer_token
-from services.gateway.rate_limits import RateLimited, RateLimiter, Window
+from services.gateway.rate_limits import RateLimited, RateLimiter, Reservation, Window
 from shared.grpc_errors import ServiceUnavailable, Unauthenticated
 from shared.proto import pagedserve_api_pb2 as api
 from shared.proto import pagedserve_api_pb2_grpc as api_grpc
@@ -125,14 +125,21 @@ def test_limits_are_shared_counted_once_and_taken_back_when_refused():
         with pytest.raises(RateLimited):
             await limiter.admit(key)
         tokens = ApiKey("t", "id-" + uuid.uuid4().hex, tokens_per_minute=100)
-        await limiter.admit(tokens)
-        await limiter.charge_tokens(tokens, 99)
-        await limiter.admit(tokens)  # 99 tokens < 100: still admitted (one request may overshoot)
-        await limiter.charge_tokens(tokens, 1)
+        await limiter.admit(tokens)  # no request limit: nothing counted
+        first = await limiter.reserve_tokens(tokens, 500)  # the window was empty: it may overshoot...
+        with pytest.raises(RateLimited) as refused:  # ...but a request beside it waits
+            await limiter.reserve_tokens(tokens, 1)
+        await limiter.settle(tokens, first, 99)  # it used 99 of its 500
+        second = await limiter.reserve_tokens(tokens, 30)  # 99 < 100
+        await limiter.settle(tokens, second, 1)
         with pytest.raises(RateLimited) as refused:
-            await limiter.admit(tokens)
+            await limiter.reserve_tokens(tokens, 1)
         assert refused.value.kind == "tokens" and refused.value.limit == 100
         assert refused.value.retry_after_s == 30 + 1  # the next minute, once 1/100 of these has gone
+        now[0] += 120  # a request that ends two minutes on: its reservation is not taken from the new window
+        await limiter.settle(tokens, Reservation(first.minute, 400), 10)
+        assert int(await store.redis.get(f"{store.prefix}rate:{tokens.key_id}:tokens:{first.minute + 2}")) == 10
+        assert await limiter.reserve_tokens(ApiKey("r", "id-" + uuid.uuid4().hex), 10) is None  # no token limit
         unlimited = ApiKey("u", "id-" + uuid.uuid4().hex)
         for _ in range(10):
             await limiter.admit(unlimited)  # nothing counted, nothing refused
@@ -153,6 +160,45 @@ def test_an_unreachable_store_is_a_503_not_a_401():
             await auth.authenticate(None)
         await auth.close()
         assert await Authenticator().authenticate(None) is None  # no keys configured: open
+
+    asyncio.run(run())
+
+
+def test_a_store_url_s_password_never_reaches_a_message():
+    store = RedisKeyStore("redis://default:hunter2@127.0.0.1:1/0")
+    assert store.url == "redis://default:***@127.0.0.1:1/0" and redacted_url(REDIS) == REDIS
+
+    async def run():
+        with pytest.raises(ServiceUnavailable) as failed:
+            await Authenticator(store=store).authenticate("Bearer x")
+        assert "hunter2" not in str(failed.value)
+        await store.close()
+
+    asyncio.run(run())
+
+
+def test_the_concurrency_limit_holds_while_the_limiter_is_asked():
+    """The slot is taken before the rate check's round trip, so concurrent requests cannot all pass."""
+    from services.gateway.generation import Generator, Overloaded
+    from services.gateway.metrics import GatewayMetrics
+
+    class SlowLimiter:
+        async def admit(self, key):
+            await asyncio.sleep(0.05)
+
+    async def run():
+        gen = Generator(None, GatewayMetrics(), max_concurrent_requests=2, limiter=SlowLimiter())
+        key = ApiKey("k", "id", requests_per_minute=1000)
+        peak = 0
+
+        async def one():
+            nonlocal peak
+            async with gen.admitted(key):
+                peak = max(peak, gen.in_flight)
+                await asyncio.sleep(0.1)
+
+        results = await asyncio.gather(*(one() for _ in range(10)), return_exceptions=True)
+        assert peak <= 2 and sum(isinstance(r, Overloaded) for r in results) == 8 and gen.in_flight == 0
 
     asyncio.run(run())
 
@@ -281,17 +327,37 @@ def test_requests_per_minute_over_http_and_grpc(stack, keys):
     assert 'pagedserve_rate_limited_requests_total{api_key="rpm2"}' in http_get(f"{stack.base_url}/metrics")[1]
 
 
-def test_tokens_per_minute_count_prompt_and_completion_of_streams_too(stack, keys):
+def test_tokens_per_minute_reserve_what_concurrent_requests_may_use(stack, keys):
     _, made = keys
-    with httpx.stream("POST", f"{stack.base_url}/v1/completions", headers=bearer(made["tpm"]), timeout=30,
-                      json={"prompt": "Hello there", "max_tokens": 30, "temperature": 0, "stream": True,
-                            "stream_options": {"include_usage": True}}) as streamed:
-        assert streamed.status_code == 200
-        lines = [line for line in streamed.iter_lines() if line.startswith("data: ")]
-    assert lines[-1] == "data: [DONE]"  # over 30 tokens in one request: it overshoots, the next waits
-    deadline = time.monotonic() + 5  # the charge is made as the request ends, off its path
-    while (reply := completion(stack, made["tpm"])).status_code == 200 and time.monotonic() < deadline:
-        time.sleep(0.1)
-    assert reply.status_code == 429 and reply.json()["error"]["type"] == "tokens"
-    assert "30 tokens per minute" in reply.json()["error"]["message"]
-    assert reply.headers["x-ratelimit-limit-tokens"] == "30"
+    body = {"max_tokens": 30, "ignore_eos": True}
+    with concurrent.futures.ThreadPoolExecutor(6) as pool:  # all at once: each sees the others' reservations
+        replies = list(pool.map(lambda _: completion(stack, made["tpm"], **body), range(6)))
+    assert sorted(r.status_code for r in replies) == [200] + [429] * 5  # the first of the window overshoots
+    refused = next(r for r in replies if r.status_code == 429)
+    assert refused.json()["error"]["type"] == "tokens" and "30 tokens per minute" in refused.json()["error"]["message"]
+    assert refused.headers["x-ratelimit-limit-tokens"] == "30"
+    # It used all it reserved (prompt + 30): the window stays full, a stream included.
+    reply = httpx.post(f"{stack.base_url}/v1/completions", headers=bearer(made["tpm"]), timeout=30,
+                       json={"prompt": "Hello there", "max_tokens": 5, "stream": True})
+    assert reply.status_code == 429
+
+
+def test_grpc_request_ids_belong_to_their_key(stack, keys):
+    _, made = keys
+    params = api.SamplingParameters(max_tokens=40, temperature=0, ignore_eos=True)
+    mine = (("authorization", f"Bearer {made['plain']}"),)
+    theirs = (("authorization", f"Bearer {STATIC_KEY}"),)
+    with grpc.insecure_channel(f"127.0.0.1:{stack.grpc_port}") as channel:
+        stub = api_grpc.GenerationStub(channel)
+        stream = stub.Generate(api.GenerateRequest(request_id="job-1", text="Hello", params=params), metadata=mine,
+                               timeout=60)
+        first = next(stream)
+        assert first.request_id == "job-1"
+        # Another key: the id is free for it, and an Abort of it does not reach the first key's request.
+        assert not stub.Abort(api.AbortRequest(request_id="job-1"), metadata=theirs, timeout=10).found
+        other = list(stub.Generate(api.GenerateRequest(request_id="job-1", text="Hi", params=api.SamplingParameters(
+            max_tokens=2)), metadata=theirs, timeout=60))
+        assert other[-1].finish_reason == "length" and other[-1].request_id == "job-1"
+        rest = list(stream)
+        assert rest[-1].finish_reason == "length"  # not "abort"
+        assert len(first.token_ids) + sum(len(r.token_ids) for r in rest) == 40

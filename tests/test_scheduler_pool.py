@@ -20,16 +20,37 @@ from tests.services_harness import Stack, http_get
 
 
 class StandIn:
-    """As much of a SchedulerClient as the pool uses for choosing and submitting."""
+    """As much of a SchedulerClient as the pool uses for choosing, submitting and polling."""
 
-    def __init__(self, address: str, reachable: bool = True):
+    def __init__(self, address: str, reachable: bool = True, model: str = "/m/one"):
         self.address, self.num_in_flight, self.reachable, self.submitted = address, 0, reachable, []
+        self.model, self.health_error = model, None
 
     async def submit(self, request_id, prompt_token_ids, params, cache_salt=None):
         if not self.reachable:
             raise ServiceUnavailable(f"{self.address} is down")
         self.submitted.append(request_id)
         return self.address
+
+    async def healthy(self) -> bool:
+        if self.health_error is not None:
+            raise self.health_error
+        return self.reachable
+
+    async def info(self) -> wire.EngineInfo:
+        return wire.EngineInfo(model=self.model, max_model_len=512, vocab_size=512, protocol_version=3)
+
+
+def polled(*clients: StandIn) -> SchedulerPool:
+    """A pool over the stand-ins, after one health poll."""
+    pool = SchedulerPool(list(clients))
+
+    async def poll():
+        for client in clients:
+            await pool._poll_one(client)
+
+    asyncio.run(poll())
+    return pool
 
 
 def prompt(rng: random.Random) -> list[int]:
@@ -38,7 +59,7 @@ def prompt(rng: random.Random) -> list[int]:
 
 def test_prompts_sharing_a_head_meet_on_one_scheduler_and_the_rest_spread():
     clients = [StandIn(f"s{i}:1") for i in range(3)]
-    pool = SchedulerPool(clients)
+    pool = polled(*clients)
     rng = random.Random(0)
     head = prompt(rng)[:10] * 4  # 40 tokens: longer than what the hash reads
     first = pool.candidates(head + [1, 2], None)[0]
@@ -52,7 +73,7 @@ def test_prompts_sharing_a_head_meet_on_one_scheduler_and_the_rest_spread():
 
 def test_an_overloaded_preferred_scheduler_yields_to_the_least_loaded_and_down_ones_go_last():
     a, b, c = StandIn("a:1"), StandIn("b:1"), StandIn("c:1")
-    pool = SchedulerPool([a, b, c])
+    pool = polled(a, b, c)
     tokens = next(p for p in ([i] * 5 for i in range(100)) if pool.candidates(p, None)[0] is a)
     a.num_in_flight, b.num_in_flight, c.num_in_flight = BALANCE_SLACK + 1, 1, 1
     assert pool.candidates(tokens, None)[0] is a  # within the slack: the prefix cache wins
@@ -69,9 +90,10 @@ def test_an_overloaded_preferred_scheduler_yields_to_the_least_loaded_and_down_o
 
 
 def test_a_request_goes_to_the_next_scheduler_when_one_cannot_be_reached():
-    down, up = StandIn("down:1", reachable=False), StandIn("up:1")
-    pool = SchedulerPool([down, up])
+    down, up = StandIn("down:1"), StandIn("up:1")
+    pool = polled(down, up)
     tokens = next(p for p in ([i] * 5 for i in range(100)) if pool.candidates(p, None)[0] is down)
+    down.reachable = False  # since the poll
     assert asyncio.run(pool.submit("r1", tokens, SamplingParams())) == "up:1"
     assert not pool._serving["down:1"] and pool.candidates(tokens, None)[0] is up  # marked until a poll says otherwise
     up.reachable = False
@@ -81,13 +103,19 @@ def test_a_request_goes_to_the_next_scheduler_when_one_cannot_be_reached():
         SchedulerPool([StandIn("a:1"), StandIn("a:1")])
 
 
-def test_a_scheduler_serving_another_model_is_never_used():
-    pool = SchedulerPool([StandIn("a:1"), StandIn("b:1")])
-    info = wire.EngineInfo(model="/m/one", max_model_len=512, vocab_size=512, protocol_version=3)
-    pool._check_same_model("a:1", info)
-    pool._check_same_model("b:1", wire.EngineInfo(model="/m/two", max_model_len=512, vocab_size=512,
-                                                  protocol_version=3))
-    assert "b:1" in pool._excluded and [c.address for c in pool.candidates([1], None)] == ["a:1"]
+def test_a_scheduler_serving_another_model_is_never_used_and_a_failing_poll_means_not_serving():
+    a, b, c = StandIn("a:1"), StandIn("b:1", model="/m/two"), StandIn("c:1")
+    pool = polled(a, b, c)  # all healthy from the start: b is still compared
+    assert "b:1" in pool._excluded and [x.address for x in pool.candidates([1], None)] in (["a:1", "c:1"],
+                                                                                          ["c:1", "a:1"])
+    c.health_error = RuntimeError("UNIMPLEMENTED: no health service there")
+    asyncio.run(pool._poll_one(c))
+    assert not pool._serving["c:1"] and pool.candidates([1], None)[0] is a
+    c.health_error, c.model = None, "/m/three"  # back, on another model
+    asyncio.run(pool._poll_one(c))
+    assert "c:1" in pool._excluded and pool.candidates([1], None) == [a]
+    fresh = SchedulerPool([StandIn("x:1"), StandIn("y:1")])  # before any poll: every one, least loaded first
+    assert len(fresh.candidates([1], None)) == 2
 
 
 # --- two real schedulers ------------------------------------------------------------------------------

@@ -15,6 +15,7 @@ import hashlib
 import hmac
 import secrets
 import time
+import urllib.parse
 from dataclasses import dataclass
 
 DEFAULT_PREFIX = "pagedserve:api_keys:"
@@ -71,7 +72,7 @@ class RedisKeyStore:
     def __init__(self, url: str, prefix: str = DEFAULT_PREFIX):
         import redis.asyncio  # only a deployment that keeps keys in Redis needs the client
 
-        self.url = url
+        self.url = redacted_url(url)  # for messages and logs
         self.prefix = prefix
         self.redis = redis.asyncio.Redis.from_url(url, decode_responses=True, socket_timeout=2.0,
                                                   socket_connect_timeout=2.0)
@@ -121,6 +122,16 @@ class RedisKeyStore:
 
     async def close(self) -> None:
         await self.redis.aclose()
+
+
+def redacted_url(url: str) -> str:
+    """The URL without its password (redis://user:secret@host -> redis://user:***@host)."""
+    parts = urllib.parse.urlsplit(url)
+    if parts.password is None:
+        return url
+    user = f"{parts.username}:" if parts.username else ":"
+    host = parts.hostname + (f":{parts.port}" if parts.port else "")
+    return urllib.parse.urlunsplit(parts._replace(netloc=f"{user}***@{host}"))
 
 
 def _from_fields(ident: str, fields: dict[str, str]) -> ApiKey:

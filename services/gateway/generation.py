@@ -21,7 +21,7 @@ from pathlib import Path
 
 from services.gateway.api_keys import ApiKey
 from services.gateway.metrics import GatewayMetrics
-from services.gateway.rate_limits import RateLimiter
+from services.gateway.rate_limits import RateLimiter, Reservation
 from services.gateway.scheduler_client import SubmitStream
 from services.gateway.scheduler_pool import SchedulerPool
 from shared.detokenizer import IncrementalDetokenizer
@@ -313,8 +313,11 @@ async def _merged(runs: list[Run]) -> AsyncIterator[SeqDelta]:
 
 @dataclass
 class Admission:
-    """One admitted request: its runs, once started, count towards its key's tokens per minute."""
+    """One admitted request, and what it counts towards its key's tokens per minute: a reservation
+    made when its runs are submitted, settled to what they used when it ends."""
+    api_key: ApiKey | None = None
     runs: list = field(default_factory=list)
+    reservation: Reservation | None = None
 
     def num_tokens(self) -> int:
         return sum(len(run.prompt) + run.completion_tokens for run in self.runs)
@@ -363,20 +366,21 @@ class Generator:
         if self.max_concurrent_requests and self.in_flight >= self.max_concurrent_requests:
             raise Overloaded(f"the gateway is at its limit of {self.max_concurrent_requests} concurrent requests; "
                              "retry later")
-        if api_key is not None and self.limiter is not None:
-            await self._within_limits(api_key)
-        admission = Admission()
-        self.in_flight += 1
+        limited = api_key is not None and self.limiter is not None
+        admission = Admission(api_key if limited else None)
+        self.in_flight += 1  # before the limiter's wait: the slot is taken while it checks
         try:
+            if limited:
+                await self._within_limits(self.limiter.admit(api_key), api_key)
             yield admission
         finally:
             self.in_flight -= 1
-            if api_key is not None and self.limiter is not None:
-                self._charge_later(api_key, admission.num_tokens())
+            if admission.reservation is not None:
+                self._settle_later(admission)
 
-    async def _within_limits(self, api_key: ApiKey) -> None:
+    async def _within_limits(self, check, api_key: ApiKey):
         try:
-            await self.limiter.admit(api_key)
+            return await check
         except ResourceExhausted:
             self.metrics.rate_limited.labels(api_key=api_key.name).inc()
             raise
@@ -384,22 +388,37 @@ class Generator:
             log.warning("rate limit store unreachable", error=str(exc))
             raise ServiceUnavailable("the rate limit store is unreachable; retry later") from exc
 
-    def _charge_later(self, api_key: ApiKey, num_tokens: int) -> None:
+    async def _reserve(self, admission: Admission, model: Model, prompts: list[list[int]],
+                       params: SamplingParams) -> None:
+        """The most the runs can use, against the key's tokens per minute (before they are submitted)."""
+        most = sum(len(p) + params.n * (model.max_model_len - len(p) if params.max_tokens is None
+                                        else params.max_tokens) for p in prompts)
+        admission.reservation = await self._within_limits(
+            self.limiter.reserve_tokens(admission.api_key, most), admission.api_key)
+
+    def _settle_later(self, admission: Admission) -> None:
         """Off the request's path (it may be ending by cancellation): a task the gateway keeps."""
-        async def charge():
+        api_key, used = admission.api_key, admission.num_tokens()
+
+        async def settle():
             try:
-                await self.limiter.charge_tokens(api_key, num_tokens)
+                await self.limiter.settle(api_key, admission.reservation, used)
             except Exception as exc:
-                log.warning("could not charge tokens to the API key", api_key=api_key.name, tokens=num_tokens,
+                log.warning("could not charge tokens to the API key", api_key=api_key.name, tokens=used,
                             error=str(exc))
 
-        task = asyncio.get_running_loop().create_task(charge())
+        task = asyncio.get_running_loop().create_task(settle())
         self._charges.add(task)
         task.add_done_callback(self._charges.discard)
 
+    async def settle_charges(self) -> None:
+        """Wait for the token charges still on their way (at shutdown, before the store closes)."""
+        if self._charges:
+            await asyncio.wait(list(self._charges), timeout=5)
+
     async def start(self, model: Model, request_id: str, prompts: list[list[int]], params: SamplingParams,
                     suffix_ids: bool = True, cache_salt: str | None = None,
-                    on_submit: Callable[[Run], None] | None = None) -> list[Run]:
+                    on_submit: Callable[[Run], None] | None = None, admission: Admission | None = None) -> list[Run]:
         """Validate every prompt, then submit them all and wait for each one's first output.
 
         One engine request per prompt; their ids are request_id-<8 random hex digits>-<i> (or
@@ -408,6 +427,8 @@ class Generator:
         """
         for prompt in prompts:
             model.check_prompt(prompt, params)
+        if admission is not None and admission.api_key is not None:
+            await self._reserve(admission, model, prompts, params)
         runs: list[Run] = []
         starts: list[asyncio.Future] = []
         # A client's X-Request-Id may repeat (a tracing header); engine ids must not.

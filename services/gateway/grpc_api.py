@@ -38,6 +38,12 @@ def _token_logprob(entry: TokenLogprob) -> api.TokenLogprob:
                                  for t in entry.top])
 
 
+def _engine_id(api_key: ApiKey | None, request_id: str) -> str:
+    """The engine knows a call by its client's id, within the caller's key when there are keys: one
+    tenant can neither abort another's request nor learn (ALREADY_EXISTS) which ids are in use."""
+    return request_id if api_key is None else f"{api_key.key_id[:16]}/{request_id}"
+
+
 class GenerationServicer(api_grpc.GenerationServicer):
     def __init__(self, gen: Generator, call_ids: CallIds | None = None, auth: Authenticator | None = None):
         self.gen = gen
@@ -60,7 +66,8 @@ class GenerationServicer(api_grpc.GenerationServicer):
         bind_request_id(request_id)
         try:
             api_key = await self._caller(context)
-            async with self.call_ids.claim(request_id) as call, self.gen.admitted(api_key) as admission:
+            engine_id = _engine_id(api_key, request_id)
+            async with self.call_ids.claim(engine_id) as call, self.gen.admitted(api_key) as admission:
                 model = await self.gen.model()
                 model.check_name(request.model)
                 try:
@@ -72,8 +79,9 @@ class GenerationServicer(api_grpc.GenerationServicer):
                     if request.WhichOneof("prompt") == "text" else list(request.token_ids.ids)
                 # The engine request keeps the client's id, so Abort(request_id) reaches it.
                 salt = request.cache_salt if request.HasField("cache_salt") else None
-                (run,) = admission.runs = await self.gen.start(model, request_id, [prompt], params, suffix_ids=False,
-                                                               cache_salt=salt, on_submit=call.attach)
+                (run,) = admission.runs = await self.gen.start(model, engine_id, [prompt], params, suffix_ids=False,
+                                                               cache_salt=salt, on_submit=call.attach,
+                                                               admission=admission)
                 try:
                     await self._stream(context, request_id, run)
                 finally:
@@ -112,16 +120,15 @@ class GenerationServicer(api_grpc.GenerationServicer):
 
     async def Abort(self, request, context):
         try:
-            await self._caller(context)
+            engine_id = _engine_id(await self._caller(context), request.request_id)
             if not request.request_id:
                 raise ValueError("request_id must name the request to abort")
         except Exception as exc:
             await _abort_with(context, exc)
-        if self.call_ids.abort(request.request_id):  # a call open here: its own session stream carries it
+        if self.call_ids.abort(engine_id):  # a call open here: its own session stream carries it
             return api.AbortResponse(found=True)
         try:  # a call at another gateway, or one that has not opened here yet
-            found = await self.gen.client.abort(request.request_id) or \
-                await self.call_ids.abort_arriving(request.request_id)
+            found = await self.gen.client.abort(engine_id) or await self.call_ids.abort_arriving(engine_id)
             return api.AbortResponse(found=found)
         except Exception as exc:
             await _abort_with(context, exc)

@@ -5,9 +5,11 @@ counters: the previous minute's count weighted by how much of it the sliding win
 covers, plus this minute's. (A fixed window alone would let a client send twice its limit across
 a minute boundary; an exact log of timestamps would cost a sorted set per key.)
 
-A request is counted when admitted, and taken back when refused. Tokens (prompt plus completion)
-are charged when the request ends; a request is refused while the key's tokens in the window are
-at or over the limit, so one request may overshoot it but the next waits.
+A request is counted when admitted, and taken back when refused. Its tokens are reserved when it
+is submitted (the prompt plus what max_tokens allows, for every sequence) and settled to what it
+used when it ends: concurrent requests see each other's reservations. A request is refused while
+the key's tokens in the window are at or over the limit, so one request may overshoot it (its
+reservation alone may be larger), but the next waits.
 """
 
 from __future__ import annotations
@@ -62,45 +64,60 @@ class RateLimiter:
     def _counter(self, key: ApiKey, kind: str, minute: int) -> str:
         return f"{self.prefix}rate:{key.key_id}:{kind}:{minute}"
 
+    def _now(self) -> tuple[int, float]:
+        now = self.clock()
+        return int(now // WINDOW_S), (now % WINDOW_S) / WINDOW_S
+
     async def admit(self, key: ApiKey) -> None:
         """Count one request for the key, or raise RateLimited (and count nothing)."""
-        if not key.is_limited:
-            return
-        now = self.clock()
-        minute, elapsed = int(now // WINDOW_S), (now % WINDOW_S) / WINDOW_S
-        requests_now = self._counter(key, "requests", minute)
-        pipe = self.redis.pipeline(transaction=False)
-        pipe.incr(requests_now)
-        pipe.expire(requests_now, 2 * WINDOW_S)
-        pipe.get(self._counter(key, "requests", minute - 1))
-        pipe.get(self._counter(key, "tokens", minute))
-        pipe.get(self._counter(key, "tokens", minute - 1))
-        counted, _, requests_before, tokens_now, tokens_before = await pipe.execute()
-        requests = Window(int(requests_before or 0), int(counted) - 1, elapsed)  # before this one
-        tokens = Window(int(tokens_before or 0), int(tokens_now or 0), elapsed)
-        refusal = self._refusal(key, requests, tokens)
-        if refusal is not None:
-            await self.redis.decr(requests_now)
-            raise refusal
+        await self._take(key, "requests", 1, key.requests_per_minute)
 
-    @staticmethod
-    def _refusal(key: ApiKey, requests: Window, tokens: Window) -> RateLimited | None:
-        rpm, tpm = key.requests_per_minute, key.tokens_per_minute
-        if rpm is not None and requests.estimate() + 1 > rpm:
-            wait = requests.seconds_until(1, rpm)
-            return RateLimited(f"rate limit reached for API key {key.name!r}: {rpm} requests per minute; "
-                               f"retry in {wait} s", wait, "requests", rpm)
-        if tpm is not None and tokens.estimate() >= tpm:
-            wait = tokens.seconds_until(1, tpm)
-            return RateLimited(f"rate limit reached for API key {key.name!r}: {tpm} tokens per minute "
-                               f"(prompt and completion); retry in {wait} s", wait, "tokens", tpm)
-        return None
+    async def reserve_tokens(self, key: ApiKey, num_tokens: int) -> Reservation | None:
+        """Count the most a request can use, or raise RateLimited (and count nothing); None when the
+        key has no token limit."""
+        if key.tokens_per_minute is None:
+            return None
+        minute = await self._take(key, "tokens", num_tokens, key.tokens_per_minute)
+        return Reservation(minute, num_tokens)
 
-    async def charge_tokens(self, key: ApiKey, num_tokens: int) -> None:
-        if key.tokens_per_minute is None or num_tokens <= 0:
-            return
-        counter = self._counter(key, "tokens", int(self.clock() // WINDOW_S))
+    async def settle(self, key: ApiKey, reservation: Reservation, used: int) -> None:
+        """Replace the reservation by what the request used, counted in the minute it ends."""
+        minute, _ = self._now()
         pipe = self.redis.pipeline(transaction=False)
-        pipe.incrby(counter, num_tokens)
-        pipe.expire(counter, 2 * WINDOW_S)
+        if reservation.minute >= minute - 1:  # older counters are read no more (and may have expired)
+            reserved = self._counter(key, "tokens", reservation.minute)
+            pipe.decrby(reserved, reservation.num_tokens)
+            pipe.expire(reserved, 2 * WINDOW_S)
+        if used > 0:
+            counter = self._counter(key, "tokens", minute)
+            pipe.incrby(counter, used)
+            pipe.expire(counter, 2 * WINDOW_S)
         await pipe.execute()
+
+    async def _take(self, key: ApiKey, kind: str, amount: int, limit: int | None) -> int:
+        """Add amount to this minute's counter, unless the window was already at its limit (requests:
+        would go over it); the minute it was counted in."""
+        minute, elapsed = self._now()
+        if limit is None:
+            return minute
+        counter = self._counter(key, kind, minute)
+        pipe = self.redis.pipeline(transaction=False)
+        pipe.incrby(counter, amount)
+        pipe.expire(counter, 2 * WINDOW_S)
+        pipe.get(self._counter(key, kind, minute - 1))
+        counted, _, before = await pipe.execute()
+        window = Window(int(before or 0), int(counted) - amount, elapsed)  # as it was before this one
+        full = window.estimate() + 1 > limit if kind == "requests" else window.estimate() >= limit
+        if full:
+            await self.redis.decrby(counter, amount)
+            wait = window.seconds_until(1, limit)
+            what = "requests per minute" if kind == "requests" else "tokens per minute (prompt and completion)"
+            raise RateLimited(f"rate limit reached for API key {key.name!r}: {limit} {what}; retry in {wait} s",
+                              wait, kind, limit)
+        return minute
+
+
+@dataclass(frozen=True)
+class Reservation:
+    minute: int  # the window it was counted in
+    num_tokens: int

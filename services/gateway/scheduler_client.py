@@ -305,7 +305,7 @@ class SchedulerClient:
         """The scheduler's grpc.health.v1 status (it turns NOT_SERVING when its worker fails)."""
         try:
             reply = await self._unary(self._health.Check, health_pb2.HealthCheckRequest())
-        except ServiceUnavailable:
+        except Exception:  # unreachable, or something else answers there (UNIMPLEMENTED): not serving
             return False
         return reply.status == health_pb2.HealthCheckResponse.SERVING
 

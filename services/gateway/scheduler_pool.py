@@ -3,7 +3,8 @@ with its own KV cache), one SchedulerClient each; the gateway's requests are spr
 
 Routing rule, per request:
 1. Only schedulers whose health the last poll (every HEALTH_POLL_S) found SERVING are chosen from;
-   the others are tried last, in case they are back.
+   the others are tried last, least loaded first, in case they are back (before the first poll,
+   that is every one).
 2. A request goes to the scheduler that its prompt's first AFFINITY_TOKENS tokens (and cache
    salt) hash to (rendezvous hashing: every gateway agrees, and a scheduler that leaves moves only
    its own share), so prompts that share a prefix meet the same prefix cache...
@@ -12,7 +13,8 @@ Routing rule, per request:
 4. A scheduler that cannot be reached when the request is submitted is skipped for the next one;
    a request that a scheduler has accepted stays there (if it fails, the client gets 503).
 A scheduler serving another model (or another context length or vocabulary) than the first one
-the gateway learned is never used, and says so in the log.
+the gateway learned is never used, and says so in the log; each is compared when the poll first
+finds it serving, and again whenever it comes back.
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ from shared.sampling_params import SamplingParams
 log = setup_logging("gateway")
 
 HEALTH_POLL_S = 1.0
+STATS_TIMEOUT_S = 2.0  # /metrics must answer well within a scrape's timeout (Prometheus: 10 s)
 AFFINITY_TOKENS = 32
 BALANCE_SLACK = 4
 
@@ -41,7 +44,9 @@ class SchedulerPool:
             raise ValueError(f"give one or more distinct scheduler addresses, got {addresses}")
         self.clients = clients
         self.address = ",".join(addresses)  # for messages
-        self._serving = {client.address: True for client in self.clients}  # hopeful until the first poll
+        # Until the first poll says, each is tried in turn (a single scheduler is never polled).
+        self._serving = {client.address: len(clients) == 1 for client in self.clients}
+        self._checked: set[str] = set()  # serve the reference model: compared once, when first seen serving
         self._excluded: dict[str, str] = {}  # address -> why it is never used (another model)
         self._reference: wire.EngineInfo | None = None  # the first scheduler's model: all must match it
         self._poller: asyncio.Task | None = None
@@ -117,14 +122,17 @@ class SchedulerPool:
         return any(r is True for r in results)
 
     async def stats(self) -> dict[str, dict[str, float] | None]:
-        """Each scheduler's engine stats by address; None for one that did not answer."""
-        results = await asyncio.gather(*(c.stats() for c in self.clients), return_exceptions=True)
+        """Each scheduler's engine stats by address; None for one that did not answer within
+        STATS_TIMEOUT_S (a scheduler whose step hangs on its worker answers only after it)."""
+        results = await asyncio.gather(*(asyncio.wait_for(c.stats(), STATS_TIMEOUT_S) for c in self.clients),
+                                       return_exceptions=True)
         return {c.address: None if isinstance(r, BaseException) else r for c, r in zip(self.clients, results)}
 
     async def healthy(self) -> bool:
         """Whether any scheduler serves (the gateway can answer requests)."""
-        results = await asyncio.gather(*(c.healthy() for c in self.clients if c.address not in self._excluded))
-        return any(results)
+        results = await asyncio.gather(*(c.healthy() for c in self.clients if c.address not in self._excluded),
+                                       return_exceptions=True)
+        return any(r is True for r in results)
 
     def abandon_requests(self, error: Exception) -> None:
         for client in self.clients:
@@ -139,19 +147,26 @@ class SchedulerPool:
 
     async def _poll(self) -> None:
         while True:
-            await asyncio.gather(*(self._poll_one(c) for c in self.clients if c.address not in self._excluded))
+            await asyncio.gather(*(self._poll_one(c) for c in self.clients if c.address not in self._excluded),
+                                 return_exceptions=True)  # (each catches its own; nothing may end the poll)
             await asyncio.sleep(HEALTH_POLL_S)
 
     async def _poll_one(self, client: SchedulerClient) -> None:
-        serving = await client.healthy()
-        if serving and not self._serving[client.address] and self._reference is not None:
-            try:  # back (or new): it must still serve the same model
-                self._check_same_model(client.address, await client.info())
-            except ServiceUnavailable:
-                serving = False
-        if serving != self._serving[client.address]:
-            log.info("scheduler serving" if serving else "scheduler not serving", scheduler=client.address)
-        self._serving[client.address] = serving
+        address = client.address
+        try:
+            serving = await client.healthy()
+            if serving and (address not in self._checked or not self._serving[address]):
+                # First seen serving, or back: (still) the model the others serve? A restarted
+                # scheduler may have come back on another worker.
+                self._check_same_model(address, await client.info())
+                self._checked.add(address)
+                serving = address not in self._excluded
+        except Exception as exc:  # unreachable, or not a scheduler at all (UNIMPLEMENTED)
+            log.debug("scheduler health poll failed", scheduler=address, error=str(exc))
+            serving = False
+        if serving != self._serving[address]:
+            log.info("scheduler serving" if serving else "scheduler not serving", scheduler=address)
+        self._serving[address] = serving
 
     def _check_same_model(self, address: str, info: wire.EngineInfo) -> None:
         if self._reference is None:

@@ -79,7 +79,11 @@ async def _report_health(gen: Generator, grpc_health) -> None:
     """The gRPC health service says what HTTP /health says: SERVING while a scheduler serves (a
     gRPC-only probe must not keep sending traffic to a gateway without a backend)."""
     while True:
-        status = SERVING if await gen.client.healthy() else NOT_SERVING
+        try:
+            status = SERVING if await gen.client.healthy() else NOT_SERVING
+        except Exception:  # (healthy() catches what it expects; nothing may end this loop)
+            log.exception("health check failed")
+            status = NOT_SERVING
         for service in HEALTH_SERVICES:
             await grpc_health.set(service, status)
         await asyncio.sleep(HEALTH_POLL_S)
@@ -127,6 +131,7 @@ async def serve(args: argparse.Namespace) -> None:
         log.warning("drain timeout: failing the requests still in flight", in_flight=gen.in_flight)
         client.abandon_requests(ServiceUnavailable("the gateway is shutting down; retry the request"))
     await asyncio.gather(http_task, grpc_stopped, return_exceptions=True)
+    await gen.settle_charges()  # the last requests' tokens, before the store closes
     await client.close()
     await auth.close()
     unfreeze_startup_objects()
