@@ -109,7 +109,8 @@ class Gen:
     def admitted(self, api_key=None):
         return contextlib.nullcontext(Admission())  # async-capable
 
-    async def start(self, model, request_id, prompts, params, suffix_ids, cache_salt=None, on_submit=None):
+    async def start(self, model, request_id, prompts, params, suffix_ids, cache_salt=None, on_submit=None,
+                    admission=None):
         self.log.append(f"submit {request_id}")
         stream = Stream(request_id, self.log)
         if on_submit is not None:
