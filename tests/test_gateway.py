@@ -8,6 +8,8 @@ import concurrent.futures
 import json
 import random
 import signal
+import subprocess
+import sys
 import time
 
 import grpc
@@ -21,7 +23,7 @@ from benchmarks.serving import parse_engine_stats
 from pagedserve import LLM, SamplingParams
 from shared.proto import pagedserve_api_pb2 as api
 from shared.proto import pagedserve_api_pb2_grpc as api_grpc
-from tests.services_harness import Stack, http_get
+from tests.services_harness import Stack, free_port, http_get
 
 PROMPTS = ["Hello there", "The quick brown fox", "Once upon a time"]
 WORKER_ARGS = ("--block-size", "16", "--num-gpu-blocks-override", "512")
@@ -733,6 +735,35 @@ def test_overload_then_dead_worker_then_dead_scheduler(llama_dir, tmp_path):
     finally:
         codes = stack.stop()
     assert codes["gateway"] == 0, stack.log_tail("gateway")
+
+
+def test_a_worker_restarted_while_idle_serves_the_very_next_request(llama_dir, tmp_path):
+    """However briefly it was gone: the scheduler rebuilds its engine once the worker's stream ends,
+    not when a request finds the stream broken (that request got a 503)."""
+    with Stack(llama_dir, tmp_path, worker_args=WORKER_ARGS) as stack:
+        url = f"{stack.base_url}/v1/completions"
+        assert httpx.post(url, json={"prompt": "Hi", "max_tokens": 2}, timeout=30).status_code == 200
+        for _ in range(2):
+            stack.kill("worker")
+            stack.start_worker()  # at once, on the same address
+            deadline = time.monotonic() + 60
+            while "engine restarted" not in (stack.log_dir / "scheduler.log").read_text():
+                assert time.monotonic() < deadline, stack.log_tail("scheduler")
+                time.sleep(0.1)
+            while http_get(f"{stack.base_url}/health")[0] != 200:
+                assert time.monotonic() < deadline, stack.log_tail("scheduler")
+                time.sleep(0.1)
+            reply = httpx.post(url, json={"prompt": "Hi", "max_tokens": 2}, timeout=30)
+            assert reply.status_code == 200, reply.text
+            (stack.log_dir / "scheduler.log").write_text("")  # the next round's restart must log anew
+
+
+def test_a_scheduler_without_a_worker_exits_saying_why(tmp_path):
+    done = subprocess.run([sys.executable, "-m", "pagedserve", "scheduler", "--listen", f"127.0.0.1:{free_port()}",
+                           "--worker", f"127.0.0.1:{free_port()}", "--connect-timeout", "1"],
+                          capture_output=True, text=True, timeout=60)
+    assert done.returncode == 1 and "Traceback" not in done.stderr
+    assert "is not reachable (no connection within 1 s)" in done.stderr, done.stderr
 
 
 def test_beam_search_over_the_openai_api(stack, llama_dir):

@@ -94,6 +94,15 @@ class EngineLoop:
         except ServiceUnavailable:
             session.end()
 
+    def fail_if_idle(self, reason: str) -> None:
+        """The worker went away while nothing ran: end this loop now (no request is lost), so the
+        scheduler builds a fresh engine as soon as a worker answers, rather than the next request
+        finding the old engine's broken stream."""
+        try:
+            self._post(None, self._fail_if_idle, reason)
+        except ServiceUnavailable:
+            pass  # failed or stopping already
+
     def abort(self, request_id: str) -> bool:
         return self._call(self._abort, request_id)
 
@@ -148,6 +157,10 @@ class EngineLoop:
         self._requests[request_id] = _InFlight(session, key, params.n)
         session.requests[key] = request_id
         log.info("request admitted", request_id=request_id, prompt_tokens=len(prompt_token_ids), n=params.n)
+
+    def _fail_if_idle(self, reason: str) -> None:
+        if not self._requests and not self.engine.num_in_flight:
+            raise ServiceUnavailable(reason)  # the loop's own failure path: sessions told, engine shut down
 
     def _abort_key(self, session: Session, key: int) -> None:
         request_id = session.requests.get(key)

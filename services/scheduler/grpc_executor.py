@@ -31,9 +31,13 @@ class GrpcExecutor:
         try:
             grpc.channel_ready_future(self._channel).result(timeout=connect_timeout_s)
             self._info = WorkerInfo.from_proto(self._stub.GetInfo(wire.Empty(), timeout=connect_timeout_s))
-        except (grpc.FutureTimeoutError, grpc.RpcError) as exc:
+        except grpc.FutureTimeoutError as exc:
             self._channel.close()
-            raise ServiceUnavailable(f"worker at {address} is not reachable: {exc}") from exc
+            raise ServiceUnavailable(f"worker at {address} is not reachable (no connection within "
+                                     f"{connect_timeout_s:g} s)") from exc
+        except grpc.RpcError as exc:
+            self._channel.close()
+            raise ServiceUnavailable(f"worker at {address} is not reachable: {exc.details() or exc}") from exc
         try:
             check_peer_version("worker", address, self._info.protocol_version)
         except IncompatiblePeer:
@@ -54,6 +58,10 @@ class GrpcExecutor:
         except grpc.RpcError:
             return False
         return reply.status == health_pb2.HealthCheckResponse.SERVING
+
+    def stream_ended(self) -> bool:
+        """The Steps stream is over (the worker went away, or restarted): no step can run on it."""
+        return self._results.done()
 
     def submit(self, plan: StepPlan) -> None:
         self._plans.put(plan.to_proto())

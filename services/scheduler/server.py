@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import argparse
 import signal
+import sys
 import threading
 import time
 from concurrent import futures
@@ -123,7 +124,7 @@ def serve(args: argparse.Namespace) -> None:
         return build_engine(args.worker, limits_from, args.watermark, args.max_logprobs, args.enable_prefix_caching,
                             connect_timeout_s)
 
-    engine = new_engine()
+    engine = new_engine(args.connect_timeout)
     freeze_startup_objects()
     loop = EngineLoop(engine, async_scheduling=args.async_scheduling)
     servicer = SchedulerServicer(loop, args.max_logprobs)
@@ -154,6 +155,8 @@ def serve(args: argparse.Namespace) -> None:
         busy = loop.num_in_flight() > 0 and loop.seconds_since_last_step() < STALLED_STEP_S
         healthy = loop.healthy and (busy or engine.executor.worker_healthy())
         loop.refusing = None if healthy else f"the worker at {engine.executor.address} is not answering"
+        if not loop.failed and loop.num_in_flight() == 0 and engine.executor.stream_ended():
+            loop.fail_if_idle(f"the worker at {engine.executor.address} went away")  # rebuilt once one answers
         health_servicer.set("", health_pb2.HealthCheckResponse.SERVING if healthy
                             else health_pb2.HealthCheckResponse.NOT_SERVING)
     drain(loop, health_servicer, args.drain_timeout)
@@ -201,10 +204,17 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--watermark", type=float, default=0.01)
     parser.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=True,
                         help="plan each step while the worker computes the one before")
+    parser.add_argument("--connect-timeout", type=float, default=60.0,
+                        help="seconds to wait at start for the worker to answer")
     parser.add_argument("--max-streams", type=int, default=1024, help="concurrent gateway streams")
     parser.add_argument("--drain-timeout", type=float, default=30.0, help="seconds to let requests finish on stop")
     apply_env_defaults(parser)
     args = parser.parse_args(argv)
     args.worker = args.worker or ["127.0.0.1:50061"]
-    serve(args)
+    try:
+        serve(args)
+    except (ServiceUnavailable, ValueError) as exc:  # no worker to start on, or one of another release
+        log.error("scheduler cannot start", error=str(exc))
+        print(f"pagedserve scheduler: {exc}", file=sys.stderr)
+        return 1
     return 0
