@@ -44,8 +44,13 @@ class SchedulerServicer(wire_grpc.SchedulerServicer):
     def Session(self, request_iterator, context):
         session = Session(context.peer())
         loop = self.loop  # a session belongs to the engine loop it opened on, even once that is replaced
-        with grpc_errors(context):
+        try:
             loop.open_session(session)
+        except ServiceUnavailable as exc:
+            _read_for_a_moment(request_iterator)
+            context.set_code(grpc.StatusCode.UNAVAILABLE)
+            context.set_details(str(exc))
+            return
         context.add_callback(lambda: loop.close_session(session))  # however the stream ends
         reader = threading.Thread(target=self._read_requests, args=(request_iterator, session, loop),
                                   name="session-reader", daemon=True)
@@ -104,6 +109,21 @@ class SchedulerServicer(wire_grpc.SchedulerServicer):
     def GetStats(self, request, context):
         with grpc_errors(context):
             return wire.EngineStats(values={k: float(v) for k, v in self.loop.stats().items()})
+
+
+def _read_for_a_moment(request_iterator, seconds: float = 0.2) -> None:
+    """Take in what the client has sent before ending its call: a call ended with messages unread
+    reaches the client as INTERNAL "Internal error from Core", not with the status given."""
+    def read():
+        try:
+            for _ in request_iterator:
+                pass
+        except grpc.RpcError:
+            pass
+
+    reader = threading.Thread(target=read, name="session-refusal", daemon=True)
+    reader.start()
+    reader.join(seconds)
 
 
 def build_engine(worker_addresses: list[str], limits_from, watermark: float, max_logprobs: int,
