@@ -768,6 +768,23 @@ def test_a_worker_restarted_while_idle_serves_the_very_next_request(llama_dir, t
             (stack.log_dir / "scheduler.log").write_text("")  # the next round's restart must log anew
 
 
+def test_a_stopping_scheduler_finishes_its_requests_and_refuses_new_ones(llama_dir, tmp_path):
+    with Stack(llama_dir, tmp_path, worker_args=WORKER_ARGS) as stack:
+        url = f"{stack.base_url}/v1/completions"
+        long = {"prompt": "Hi", "max_tokens": 300, "ignore_eos": True, "stream": True, "temperature": 0}
+        with httpx.stream("POST", url, json=long, timeout=60) as running:
+            lines = running.iter_lines()
+            assert next(lines).startswith("data: ")
+            stack.procs["scheduler"].send_signal(signal.SIGTERM)
+            deadline = time.monotonic() + 10
+            while (reply := httpx.post(url, json={"prompt": "Hi", "max_tokens": 2}, timeout=30)).status_code == 200:
+                assert time.monotonic() < deadline  # (a request may slip in before the signal lands)
+                time.sleep(0.05)
+            assert reply.status_code == 503 and "shutting down" in reply.json()["error"]["message"], reply.text
+            chunks = [json.loads(line[6:]) for line in lines if line.startswith("data: {")]
+        assert chunks[-1]["choices"][0]["finish_reason"] == "length"  # the running one finished
+
+
 def test_a_scheduler_without_a_worker_exits_saying_why(tmp_path):
     done = subprocess.run([sys.executable, "-m", "pagedserve", "scheduler", "--listen", f"127.0.0.1:{free_port()}",
                            "--worker", f"127.0.0.1:{free_port()}", "--connect-timeout", "1"],

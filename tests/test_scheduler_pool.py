@@ -137,13 +137,25 @@ def stacks(llama_dir, tmp_path_factory):
         second.stop()
 
 
-def per_scheduler(stack, stat: str) -> dict[str, float]:
+def per_metric(stack, name: str) -> dict[str, float]:
     text = http_get(f"{stack.base_url}/metrics")[1]
     found = {}
     for line in text.splitlines():
-        if line.startswith(f"pagedserve_engine_{stat}{{"):
+        if line.startswith(f"{name}{{"):
             found[line.split('scheduler="', 1)[1].split('"', 1)[0]] = float(line.rsplit(" ", 1)[1])
     return found
+
+
+def per_scheduler(stack, stat: str) -> dict[str, float]:
+    return per_metric(stack, f"pagedserve_engine_{stat}")
+
+
+def wait_routable(stack, addresses: set[str], timeout_s: float = 60) -> None:
+    """Until the gateway's health poll sends new requests to exactly these schedulers."""
+    deadline = time.monotonic() + timeout_s
+    while {a for a, up in per_metric(stack, "pagedserve_scheduler_routable").items() if up} != addresses:
+        assert time.monotonic() < deadline, per_metric(stack, "pagedserve_scheduler_routable")
+        time.sleep(0.1)
 
 
 def complete(stack, text: str, timeout: float = 30) -> httpx.Response:
@@ -157,6 +169,7 @@ def test_requests_spread_over_both_schedulers_with_the_offline_api_s_tokens(stac
     texts = [" ".join(rng.choice(["alpha", "beta", "gamma", "delta", "eps"]) for _ in range(rng.randrange(2, 30)))
              for _ in range(24)]
     offline = LLM(str(llama_dir)).generate(texts, SamplingParams(max_tokens=5, temperature=0), use_tqdm=False)
+    wait_routable(first, {first.scheduler_address, second.scheduler_address})
     with concurrent.futures.ThreadPoolExecutor(8) as pool:
         replies = list(pool.map(lambda t: complete(first, t), texts))
     assert [r.status_code for r in replies] == [200] * len(texts)
@@ -175,6 +188,7 @@ def test_requests_spread_over_both_schedulers_with_the_offline_api_s_tokens(stac
 def test_a_dead_worker_s_scheduler_is_routed_around_then_used_again(stacks):
     first, second = stacks
     second.kill("worker")
+    wait_routable(first, {first.scheduler_address})  # its scheduler says NOT_SERVING: the poll sees it
     rng = random.Random(2)
     statuses, deadline = [], time.monotonic() + 20
     while time.monotonic() < deadline and statuses[-10:] != [200] * 10:  # until the health poll has seen it
@@ -184,6 +198,7 @@ def test_a_dead_worker_s_scheduler_is_routed_around_then_used_again(stacks):
     assert [r.status_code for r in replies] == [200] * 20
     assert http_get(f"{first.base_url}/health")[0] == 200
     second.start_worker()  # the scheduler rebuilds its engine on it; the gateway's poll sees it serve
+    wait_routable(first, {first.scheduler_address, second.scheduler_address})
     deadline = time.monotonic() + 60
     while time.monotonic() < deadline and not per_scheduler(first, "num_steps").get(second.scheduler_address):
         assert complete(first, " ".join(str(rng.randrange(1000)) for _ in range(8))).status_code == 200

@@ -284,6 +284,7 @@ def create_app(gen: Generator, allowed_origins: tuple[str, ...] = ("*",), auth: 
 
     @app.get("/metrics")
     async def metrics():
-        return Response(gen.metrics.render(await gen.client.stats()), media_type=CONTENT_TYPE_LATEST)
+        stats = await gen.client.stats()
+        return Response(gen.metrics.render(stats, gen.client.routable()), media_type=CONTENT_TYPE_LATEST)
 
     return app

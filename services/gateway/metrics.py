@@ -33,6 +33,9 @@ class GatewayMetrics:
                                        "requests refused for a missing or unknown API key", registry=r)
         self.scheduler_up = Gauge("pagedserve_scheduler_up", "1 when the last GetStats succeeded", ["scheduler"],
                                   registry=r)
+        self.scheduler_routable = Gauge("pagedserve_scheduler_routable",
+                                        "1 while new requests may go to the scheduler (serving, same model)",
+                                        ["scheduler"], registry=r)
         self._engine: dict[str, Gauge] = {}  # pagedserve_engine_<stat>, made as the scheduler reports them
 
     def finish(self, prompt_tokens: int, generation_tokens: int, seconds: float,
@@ -44,10 +47,12 @@ class GatewayMetrics:
         if first_output_s is not None and per_sequence > 1:
             self.tpot.observe((seconds - first_output_s) / (per_sequence - 1))
 
-    def render(self, engine_stats: dict[str, dict[str, float] | None]) -> bytes:
-        """engine_stats: each scheduler's GetStats by address (None: it did not answer)."""
+    def render(self, engine_stats: dict[str, dict[str, float] | None], routable: dict[str, bool]) -> bytes:
+        """engine_stats: each scheduler's GetStats by address (None: it did not answer); routable:
+        whether new requests go to it (the gateway's health poll found it serving its model)."""
         for address, stats in engine_stats.items():
             self.scheduler_up.labels(scheduler=address).set(0 if stats is None else 1)
+            self.scheduler_routable.labels(scheduler=address).set(1 if routable.get(address) else 0)
             for name, value in (stats or {}).items():
                 if name not in self._engine:
                     self._engine[name] = Gauge(f"pagedserve_engine_{name}", f"engine stat {name} (GetStats)",

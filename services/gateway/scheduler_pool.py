@@ -128,6 +128,10 @@ class SchedulerPool:
                                        return_exceptions=True)
         return {c.address: None if isinstance(r, BaseException) else r for c, r in zip(self.clients, results)}
 
+    def routable(self) -> dict[str, bool]:
+        """By address: whether new requests may go there now (rule 1, and the same model)."""
+        return {c.address: self._serving[c.address] and c.address not in self._excluded for c in self.clients}
+
     async def healthy(self) -> bool:
         """Whether any scheduler serves (the gateway can answer requests)."""
         results = await asyncio.gather(*(c.healthy() for c in self.clients if c.address not in self._excluded),

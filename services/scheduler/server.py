@@ -203,6 +203,7 @@ def restart_engine(new_engine, async_scheduling: bool) -> EngineLoop | None:
 def drain(loop: EngineLoop, health_servicer, timeout_s: float) -> None:
     """Stop taking requests, let the running ones finish (up to timeout_s)."""
     health_servicer.enter_graceful_shutdown()
+    loop.refusing = "the scheduler is shutting down"  # also on sessions already open: new ones get 503 at once
     deadline = time.monotonic() + timeout_s
     while loop.num_in_flight() and time.monotonic() < deadline and loop.healthy:
         time.sleep(0.1)
