@@ -203,6 +203,31 @@ def test_the_concurrency_limit_holds_while_the_limiter_is_asked():
     asyncio.run(run())
 
 
+def test_requests_the_service_fails_before_they_run_do_not_count():
+    from services.gateway.generation import Generator
+    from services.gateway.metrics import GatewayMetrics
+
+    async def run(store):
+        gen = Generator(None, GatewayMetrics(), limiter=RateLimiter(store.redis, store.prefix))
+        key = ApiKey("k", "id-" + uuid.uuid4().hex, requests_per_minute=2)
+        for _ in range(5):  # the scheduler is down: a client retrying keeps its quota
+            with pytest.raises(ServiceUnavailable):
+                async with gen.admitted(key):
+                    raise ServiceUnavailable("the scheduler is not reachable")
+            await gen.settle_charges()
+        for _ in range(2):
+            with pytest.raises(ServiceUnavailable):
+                async with gen.admitted(key) as admission:
+                    admission.runs = ["ran"]  # started: it counts, whatever happens next
+                    raise ServiceUnavailable("the scheduler went away mid-stream")
+            await gen.settle_charges()
+        with pytest.raises(RateLimited):
+            async with gen.admitted(key):
+                pass
+
+    in_fresh_store(run)
+
+
 def test_serve_hands_keys_to_the_gateway_in_its_environment_not_its_command_line():
     args = serve_parser().parse_args(["--api-key", "a", "--api-key", "b", "--api-key-store", REDIS])
     assert gateway_secrets(args) == {"PAGEDSERVE_API_KEY": "a,b", "PAGEDSERVE_API_KEY_STORE": REDIS}

@@ -318,6 +318,7 @@ class Admission:
     api_key: ApiKey | None = None
     runs: list = field(default_factory=list)
     reservation: Reservation | None = None
+    counted_in: int | None = None  # the minute its request was counted in, if its key has a request limit
 
     def num_tokens(self) -> int:
         return sum(len(run.prompt) + run.completion_tokens for run in self.runs)
@@ -371,12 +372,17 @@ class Generator:
         self.in_flight += 1  # before the limiter's wait: the slot is taken while it checks
         try:
             if limited:
-                await self._within_limits(self.limiter.admit(api_key), api_key)
+                admission.counted_in = await self._within_limits(self.limiter.admit(api_key), api_key)
             yield admission
+        except ServiceUnavailable:
+            if admission.counted_in is not None and not admission.runs:  # failed by us, before it ran
+                self._later(self.limiter.take_back_request(api_key, admission.counted_in), api_key, "request")
+            raise
         finally:
             self.in_flight -= 1
             if admission.reservation is not None:
-                self._settle_later(admission)
+                self._later(self.limiter.settle(api_key, admission.reservation, admission.num_tokens()),
+                            api_key, "tokens")
 
     async def _within_limits(self, check, api_key: ApiKey):
         try:
@@ -396,18 +402,17 @@ class Generator:
         admission.reservation = await self._within_limits(
             self.limiter.reserve_tokens(admission.api_key, most), admission.api_key)
 
-    def _settle_later(self, admission: Admission) -> None:
-        """Off the request's path (it may be ending by cancellation): a task the gateway keeps."""
-        api_key, used = admission.api_key, admission.num_tokens()
-
-        async def settle():
+    def _later(self, charge, api_key: ApiKey, what: str) -> None:
+        """A change to the key's counters, off the request's path (it may be ending by cancellation):
+        a task the gateway keeps."""
+        async def run():
             try:
-                await self.limiter.settle(api_key, admission.reservation, used)
+                await charge
             except Exception as exc:
-                log.warning("could not charge tokens to the API key", api_key=api_key.name, tokens=used,
+                log.warning("could not update the API key's rate counters", api_key=api_key.name, what=what,
                             error=str(exc))
 
-        task = asyncio.get_running_loop().create_task(settle())
+        task = asyncio.get_running_loop().create_task(run())
         self._charges.add(task)
         task.add_done_callback(self._charges.discard)
 

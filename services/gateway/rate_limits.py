@@ -5,7 +5,8 @@ counters: the previous minute's count weighted by how much of it the sliding win
 covers, plus this minute's. (A fixed window alone would let a client send twice its limit across
 a minute boundary; an exact log of timestamps would cost a sorted set per key.)
 
-A request is counted when admitted, and taken back when refused. Its tokens are reserved when it
+A request is counted when admitted, and taken back when refused, or when the service fails it
+before it started (a 503: a client retrying through an outage keeps its quota). Its tokens are reserved when it
 is submitted (the prompt plus what max_tokens allows, for every sequence) and settled to what it
 used when it ends: concurrent requests see each other's reservations. A request is refused while
 the key's tokens in the window are at or over the limit, so one request may overshoot it (its
@@ -68,9 +69,17 @@ class RateLimiter:
         now = self.clock()
         return int(now // WINDOW_S), (now % WINDOW_S) / WINDOW_S
 
-    async def admit(self, key: ApiKey) -> None:
-        """Count one request for the key, or raise RateLimited (and count nothing)."""
-        await self._take(key, "requests", 1, key.requests_per_minute)
+    async def admit(self, key: ApiKey) -> int | None:
+        """Count one request for the key, or raise RateLimited (and count nothing); the minute it
+        was counted in (None: the key has no request limit)."""
+        if key.requests_per_minute is None:
+            return None
+        return await self._take(key, "requests", 1, key.requests_per_minute)
+
+    async def take_back_request(self, key: ApiKey, minute: int) -> None:
+        """A request that the service failed (503) does not count against its key."""
+        if minute >= self._now()[0] - 1:  # older counters are read no more
+            await self.redis.decr(self._counter(key, "requests", minute))
 
     async def reserve_tokens(self, key: ApiKey, num_tokens: int) -> Reservation | None:
         """Count the most a request can use, or raise RateLimited (and count nothing); None when the
