@@ -15,8 +15,7 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException
 
 from pagedserve import __version__
-from services.gateway.auth import OPEN_PATHS as AUTH_OPEN_PATHS
-from services.gateway.auth import Authenticator
+from services.gateway.auth import OPEN_PATHS, Authenticator
 from services.gateway.generation import Generator, InvalidParameter
 from services.gateway.openai_api import create_chat_completion, create_completion
 from services.gateway.protocol import ChatCompletionRequest, CompletionRequest
@@ -31,7 +30,6 @@ REQUEST_ID = "pagedserve.request_id"  # where the middleware leaves the request 
 ENDPOINTS = {"/v1/completions", "/v1/chat/completions", "/v1/models", "/tokenize", "/detokenize", "/version", "/health",
              "/metrics"}
 API_KEY = "pagedserve.api_key"  # where the auth middleware leaves the caller's ApiKey in the ASGI scope
-OPEN_PATHS = AUTH_OPEN_PATHS | {"/openapi.json", "/docs", "/docs/oauth2-redirect", "/redoc"}
 
 
 # --- errors ------------------------------------------------------------------------------------------

@@ -2,8 +2,9 @@
 `authorization` metadata, checked against the gateway's keys (--api-key) and the Redis key store
 (--api-key-store). Without either, the gateway is open, as vLLM's is without --api-key.
 
-Open to everyone whatever the setting: /health, /metrics, /version and the gRPC health service
-(probes and scrapers carry no keys), and CORS preflights (browsers send them without credentials).
+Open to everyone whatever the setting: /health, /metrics, /version, the OpenAPI docs and the gRPC
+health service (probes and scrapers carry no keys), and CORS preflights (browsers send them
+without credentials).
 """
 
 from __future__ import annotations
@@ -14,7 +15,8 @@ from shared.logging import setup_logging
 
 log = setup_logging("gateway")
 
-OPEN_PATHS = frozenset({"/health", "/metrics", "/version", "/ping"})
+OPEN_PATHS = frozenset({"/health", "/metrics", "/version", "/ping",
+                        "/openapi.json", "/docs", "/docs/oauth2-redirect", "/redoc"})  # (the API's own description)
 
 
 class Authenticator:

@@ -459,4 +459,6 @@ class Generator:
             raise
         log.info("request started", prompts=len(prompts), n=params.n, max_tokens=params.max_tokens,
                  prompt_tokens=sum(map(len, prompts)))
+        if admission is not None:
+            admission.runs = runs
         return runs

@@ -52,7 +52,7 @@ class GenerationServicer(api_grpc.GenerationServicer):
 
     async def _caller(self, context: grpc.aio.ServicerContext) -> ApiKey | None:
         """The call's API key, from its `authorization: Bearer <key>` metadata (None: the gateway is open)."""
-        if not self.auth.enabled:
+        if not self.auth.enabled:  # nothing to read
             return None
         authorization = dict(context.invocation_metadata() or ()).get("authorization")
         try:
@@ -79,9 +79,8 @@ class GenerationServicer(api_grpc.GenerationServicer):
                     if request.WhichOneof("prompt") == "text" else list(request.token_ids.ids)
                 # The engine request keeps the client's id, so Abort(request_id) reaches it.
                 salt = request.cache_salt if request.HasField("cache_salt") else None
-                (run,) = admission.runs = await self.gen.start(model, engine_id, [prompt], params, suffix_ids=False,
-                                                               cache_salt=salt, on_submit=call.attach,
-                                                               admission=admission)
+                (run,) = await self.gen.start(model, engine_id, [prompt], params, suffix_ids=False, cache_salt=salt,
+                                              on_submit=call.attach, admission=admission)
                 try:
                     await self._stream(context, request_id, run)
                 finally:

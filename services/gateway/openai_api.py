@@ -39,8 +39,7 @@ async def _answer(gen: Generator, body, request_id: str, api_key: ApiKey | None,
             # Off the event loop: a megabyte prompt takes seconds to tokenize (or render and tokenize),
             # and every other stream would wait that long (the tokenizer lets go of the GIL).
             prompts, texts = await asyncio.to_thread(reply_class.prompts, model, body)
-            runs = admission.runs = await gen.start(model, request_id, prompts, params, cache_salt=body.cache_salt,
-                                                    admission=admission)
+            runs = await gen.start(model, request_id, prompts, params, cache_salt=body.cache_salt, admission=admission)
         except InvalidParameter as exc:
             raise body.public_error(exc) from None
         reply = reply_class(model, body, f"{reply_class.id_prefix}-{request_id}", runs, texts)

@@ -103,12 +103,10 @@ class RateLimiter:
             pipe.expire(counter, 2 * WINDOW_S)
         await pipe.execute()
 
-    async def _take(self, key: ApiKey, kind: str, amount: int, limit: int | None) -> int:
+    async def _take(self, key: ApiKey, kind: str, amount: int, limit: int) -> int:
         """Add amount to this minute's counter, unless the window was already at its limit (requests:
         would go over it); the minute it was counted in."""
         minute, elapsed = self._now()
-        if limit is None:
-            return minute
         counter = self._counter(key, kind, minute)
         pipe = self.redis.pipeline(transaction=False)
         pipe.incrby(counter, amount)
