@@ -8,6 +8,7 @@ import os
 import sys
 
 from shared.config import ATTENTION_BACKENDS
+from shared.speculative_config import SpeculativeConfig
 
 
 def add_engine_args(parser: argparse.ArgumentParser) -> None:
@@ -32,12 +33,23 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--attention-backend", choices=list(ATTENTION_BACKENDS), default="auto")
     parser.add_argument("--enforce-eager", action=argparse.BooleanOptionalAction, default=False,
                         help="never replay decode steps from CUDA graphs (they are captured at a CUDA worker's start)")
+    parser.add_argument("--speculative-config", type=speculative_config_json, default=None,
+                        help='speculative decoding, as JSON: {"method": "ngram", "num_speculative_tokens": 4, '
+                             '"prompt_lookup_max": 4, "prompt_lookup_min": 1}')
+
+
+def speculative_config_json(raw: str) -> str:
+    """--speculative-config checked when the flags are read (a clear usage error), kept as JSON."""
+    try:
+        return SpeculativeConfig.parse(raw).to_json()
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
 
 
 ENGINE_KEYS = ("model", "tokenizer", "dtype", "device", "seed", "max_model_len", "block_size", "max_num_seqs",
                "max_num_batched_tokens", "enable_chunked_prefill", "gpu_memory_utilization",
                "kv_cache_memory_bytes", "num_gpu_blocks_override", "enable_prefix_caching", "swap_space",
-               "preemption_mode", "attention_backend", "enforce_eager")
+               "preemption_mode", "attention_backend", "enforce_eager", "speculative_config")
 
 
 def engine_options(args: argparse.Namespace) -> dict:

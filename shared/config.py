@@ -6,6 +6,8 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass, fields
 
+from shared.speculative_config import SpeculativeConfig
+
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 ATTENTION_BACKENDS = ("auto", "torch", "cpu", "triton")
 DEVICE_PATTERN = re.compile(r"auto|cpu|cuda(:\d+)?")
@@ -33,8 +35,11 @@ class EngineConfig:
     preemption_mode: str | None = None  # "swap", "recompute", or None: chosen per victim
     attention_backend: str = "auto"  # "auto": Triton on CUDA, the C++ kernels on CPU (torch if they cannot build)
     enforce_eager: bool = False  # True: no CUDA graphs (a CUDA worker with the Triton backend replays decodes from them)
+    # Speculative decoding (a dict or its JSON is parsed into a SpeculativeConfig); None: off.
+    speculative_config: SpeculativeConfig | None = None
 
     def __post_init__(self) -> None:
+        object.__setattr__(self, "speculative_config", SpeculativeConfig.parse(self.speculative_config))
         _require(self.dtype in DTYPES, "dtype", f"must be one of {DTYPES}, got {self.dtype!r}")
         _require(DEVICE_PATTERN.fullmatch(self.device) is not None, "device",
                  f"must be 'auto', 'cpu', 'cuda' or 'cuda:N', got {self.device!r}")

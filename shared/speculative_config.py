@@ -1,0 +1,67 @@
+"""Speculative decoding settings, validated once (vLLM's ``speculative_config``).
+
+A worker with these proposes up to ``num_speculative_tokens`` draft tokens per sequence after each
+step; the next step computes them beside the sequence's real next token and keeps the longest
+prefix the model itself would have sampled. Only ``"ngram"`` (prompt lookup: the tokens that
+followed the latest earlier occurrence of the sequence's last n tokens) is built: it needs no second
+model, and the KV cache, block tables and step protocol are the same for any proposer.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, fields
+
+METHODS = ("ngram",)
+# vLLM's other methods, refused with a clear error rather than silently ignored.
+NOT_BUILT = ("draft_model", "eagle", "eagle3", "medusa", "mlp_speculator", "mtp", "suffix")
+
+
+@dataclass(frozen=True)
+class SpeculativeConfig:
+    num_speculative_tokens: int  # the most draft tokens verified per sequence and step
+    method: str = "ngram"
+    prompt_lookup_max: int = 4  # the longest suffix n-gram looked up (tried first)
+    prompt_lookup_min: int = 1  # the shortest one tried when longer ones have no earlier occurrence
+
+    def __post_init__(self) -> None:
+        if self.method in NOT_BUILT:
+            raise ValueError(f"speculative_config method {self.method!r} is not supported here; "
+                             f"supported: {', '.join(METHODS)}")
+        if self.method not in METHODS:
+            raise ValueError(f"speculative_config method must be one of {METHODS}, got {self.method!r}")
+        _require_int(self.num_speculative_tokens, "num_speculative_tokens", 1, 64)
+        _require_int(self.prompt_lookup_min, "prompt_lookup_min", 1, 64)
+        _require_int(self.prompt_lookup_max, "prompt_lookup_max", 1, 64)
+        if self.prompt_lookup_min > self.prompt_lookup_max:
+            raise ValueError(f"speculative_config prompt_lookup_min ({self.prompt_lookup_min}) must not exceed "
+                             f"prompt_lookup_max ({self.prompt_lookup_max})")
+
+    @classmethod
+    def parse(cls, value: "SpeculativeConfig | dict | str | None") -> "SpeculativeConfig | None":
+        """From a dict (``LLM(speculative_config={...})``), its JSON (``--speculative-config``) or None."""
+        if value is None or isinstance(value, SpeculativeConfig):
+            return value
+        if isinstance(value, str):
+            try:
+                value = json.loads(value)
+            except json.JSONDecodeError as exc:
+                raise ValueError(f"speculative_config is not valid JSON: {exc}") from None
+        if not isinstance(value, dict):
+            raise ValueError(f"speculative_config must be a JSON object / dict, got {type(value).__name__}")
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(value) - known)
+        if unknown:
+            raise ValueError(f"unknown speculative_config key(s): {', '.join(unknown)}; known: "
+                             f"{', '.join(sorted(known))}")
+        if "num_speculative_tokens" not in value:
+            raise ValueError("speculative_config needs num_speculative_tokens")
+        return cls(**value)
+
+    def to_json(self) -> str:
+        return json.dumps({f.name: getattr(self, f.name) for f in fields(self)}, separators=(",", ":"))
+
+
+def _require_int(value, name: str, low: int, high: int) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= high:
+        raise ValueError(f"speculative_config {name} must be an integer in [{low}, {high}], got {value!r}")
