@@ -12,6 +12,12 @@ state as it was before this step); drop ``finished_seq_ids``; move blocks
 ``running`` deltas; then run one forward pass over every scheduled token and
 sample for each sequence whose computed tokens reach its end this step.
 
+Speculative decoding: a running sequence may carry draft tokens, computed after its own. The
+worker samples at each of their positions, keeps the drafts up to the first one its sample
+disagrees with, and returns them (``accepted_token_ids``) before the token it sampled there. After
+such a step both sides cut the sequence's block table to the blocks its computed tokens fill
+(ceil(computed / block_size)): the blocks that held only rejected drafts go back to the pool.
+
 A plan may be made while the step before it still runs (the scheduler plans ahead):
 a sequence sampling in that step then gets ``append_last_sample`` instead of the
 token, which the worker has and the scheduler does not know yet. Plans are executed
@@ -75,6 +81,9 @@ class RunningSequence:
     # After new_token_ids, append the token the worker itself sampled for this sequence in the
     # step just before: the plan was made while that step ran, before its result came back.
     append_last_sample: bool = False
+    # Speculative decoding: draft tokens to compute after the sequence's own tokens (they count in
+    # num_scheduled_tokens); the worker keeps the longest prefix its own samples confirm.
+    draft_token_ids: list[int] = field(default_factory=list)
 
 
 def running_to_proto(deltas: list[RunningSequence]) -> wire.RunningDeltas:
@@ -90,6 +99,10 @@ def running_to_proto(deltas: list[RunningSequence]) -> wire.RunningDeltas:
     for i, d in enumerate(deltas):
         if d.new_block_table is not None:
             m.new_block_tables[i].ids.extend(d.new_block_table)
+    # Columns of speculative decoding only when some sequence uses them: plans without stay as small.
+    if any(d.draft_token_ids for d in deltas):
+        m.num_draft_tokens.extend(len(d.draft_token_ids) for d in deltas)
+        m.draft_token_ids.extend(t for d in deltas for t in d.draft_token_ids)
     return m
 
 
@@ -98,16 +111,19 @@ def running_from_proto(m: wire.RunningDeltas) -> list[RunningSequence]:
                m.num_new_blocks)
     count = len(m.seq_ids)
     if any(len(column) != count for column in columns) or sum(m.num_new_tokens) != len(m.new_token_ids) \
-            or sum(m.num_new_blocks) != len(m.new_block_ids) or any(i >= count for i in m.new_block_tables):
+            or sum(m.num_new_blocks) != len(m.new_block_ids) or any(i >= count for i in m.new_block_tables) \
+            or len(m.num_draft_tokens) not in (0, count) or sum(m.num_draft_tokens) != len(m.draft_token_ids):
         raise ValueError("malformed plan: the running sequences' columns do not line up")
-    tokens, blocks = list(m.new_token_ids), list(m.new_block_ids)
+    tokens, blocks, drafts = list(m.new_token_ids), list(m.new_block_ids), list(m.draft_token_ids)
+    num_drafts = list(m.num_draft_tokens) or [0] * count
     tables = {i: list(table.ids) for i, table in m.new_block_tables.items()}
-    deltas, t, b = [], 0, 0
+    deltas, t, b, d = [], 0, 0, 0
     for i, (seq_id, computed, scheduled, append, num_tokens, num_blocks) in enumerate(zip(*columns)):
         deltas.append(RunningSequence(seq_id, tokens[t:t + num_tokens], blocks[b:b + num_blocks], computed,
-                                      scheduled, tables.get(i), append))
+                                      scheduled, tables.get(i), append, drafts[d:d + num_drafts[i]]))
         t += num_tokens
         b += num_blocks
+        d += num_drafts[i]
     return deltas
 
 
@@ -226,16 +242,24 @@ class SequenceOutput:
     prompt_logprobs: list[PositionLogprobs] | None = None
     prompt_logprobs_start: int = 0
     siblings: list[Sample] = field(default_factory=list)  # first tokens of siblings 1..n-1 (see num_siblings)
+    # Speculative decoding: the step's draft tokens the worker accepted, in order; the new tokens
+    # are these followed by token_id. Their logprobs (when asked for), same order.
+    accepted_token_ids: list[int] = field(default_factory=list)
+    accepted_logprobs: list[PositionLogprobs] = field(default_factory=list)
+    draft_token_ids: list[int] = field(default_factory=list)  # proposed for the sequence's next step
 
     @property
     def is_plain(self) -> bool:
-        """A sampled token and nothing else: the common output, sent as two column entries."""
+        """Sampled tokens (and drafts) without logprobs: the common output, sent as column entries."""
         return (self.token_id is not None and self.logprobs is None and self.prompt_logprobs is None
-                and not self.siblings and self.prompt_logprobs_start == 0)
+                and not self.siblings and self.prompt_logprobs_start == 0 and not self.accepted_logprobs)
 
     def to_proto(self) -> wire.SequenceOutput:
         m = wire.SequenceOutput(seq_id=self.seq_id, prompt_logprobs_start=self.prompt_logprobs_start,
-                                siblings=[s.to_proto() for s in self.siblings])
+                                siblings=[s.to_proto() for s in self.siblings],
+                                accepted_token_ids=self.accepted_token_ids,
+                                accepted_logprobs=[p.to_proto() for p in self.accepted_logprobs],
+                                draft_token_ids=self.draft_token_ids)
         if self.token_id is not None:
             m.token_id = self.token_id
         if self.logprobs is not None:
@@ -249,31 +273,52 @@ class SequenceOutput:
         return cls(m.seq_id, m.token_id if m.HasField("token_id") else None,
                    PositionLogprobs.from_proto(m.logprobs) if m.HasField("logprobs") else None,
                    [PositionLogprobs.from_proto(p) for p in m.prompt_logprobs] or None, m.prompt_logprobs_start,
-                   [Sample.from_proto(s) for s in m.siblings])
+                   [Sample.from_proto(s) for s in m.siblings], list(m.accepted_token_ids),
+                   [PositionLogprobs.from_proto(p) for p in m.accepted_logprobs], list(m.draft_token_ids))
 
 
 def outputs_to_proto(outputs: list[SequenceOutput]) -> wire.StepOutputs:
-    """Plain outputs (a token, nothing else) as two columns, the others whole with their places."""
+    """Plain outputs (tokens, nothing else) as columns, the others whole with their places."""
     m = wire.StepOutputs()
-    seq_ids, token_ids = [], []
+    plain = []
     for position, out in enumerate(outputs):
         if out.is_plain:
-            seq_ids.append(out.seq_id)
-            token_ids.append(out.token_id)
+            plain.append(out)
         else:
             m.detailed.append(out.to_proto())
             m.detailed_positions.append(position)
-    m.seq_ids.extend(seq_ids)
-    m.token_ids.extend(token_ids)
+    m.seq_ids.extend([out.seq_id for out in plain])
+    m.token_ids.extend([out.token_id for out in plain])
+    # The speculative columns only when some output uses them: results without stay as small.
+    if any(out.accepted_token_ids for out in plain):
+        m.num_accepted.extend([len(out.accepted_token_ids) for out in plain])
+        m.accepted_token_ids.extend([t for out in plain for t in out.accepted_token_ids])
+    if any(out.draft_token_ids for out in plain):
+        m.num_drafts.extend([len(out.draft_token_ids) for out in plain])
+        m.draft_token_ids.extend([t for out in plain for t in out.draft_token_ids])
     return m
 
 
 def outputs_from_proto(m: wire.StepOutputs) -> list[SequenceOutput]:
-    if len(m.token_ids) != len(m.seq_ids):
+    count = len(m.seq_ids)
+    if len(m.token_ids) != count or len(m.num_accepted) not in (0, count) or len(m.num_drafts) not in (0, count) \
+            or sum(m.num_accepted) != len(m.accepted_token_ids) or sum(m.num_drafts) != len(m.draft_token_ids):
         raise ValueError("malformed result: the output columns do not line up")
     plain = [SequenceOutput(seq_id, token_id) for seq_id, token_id in zip(m.seq_ids, m.token_ids)]
+    _split_column(plain, m.num_accepted, m.accepted_token_ids, "accepted_token_ids")
+    _split_column(plain, m.num_drafts, m.draft_token_ids, "draft_token_ids")
     return merge_by_position(plain, [SequenceOutput.from_proto(o) for o in m.detailed], list(m.detailed_positions),
                              "result")
+
+
+def _split_column(outputs: list[SequenceOutput], counts, flat, name: str) -> None:
+    """Output i's ``name`` is the next counts[i] ids of ``flat`` (no column: every list stays empty)."""
+    if not counts:
+        return
+    ids, start = list(flat), 0
+    for out, count in zip(outputs, counts):
+        setattr(out, name, ids[start:start + count])
+        start += count
 
 
 @dataclass(slots=True)
@@ -306,14 +351,16 @@ class WorkerInfo:
     dtype: str  # e.g. "float32"
     num_cpu_blocks: int = 0  # host swap space, in blocks (0: no swapping)
     protocol_version: int = INTERNAL_PROTOCOL_VERSION  # the wire format the worker's release speaks
+    num_speculative_tokens: int = 0  # the most draft tokens it proposes per sequence (0: no speculative decoding)
 
     def to_proto(self) -> wire.WorkerInfo:
         return wire.WorkerInfo(model=self.model, num_kv_blocks=self.num_kv_blocks, block_size=self.block_size,
                                max_model_len=self.max_model_len, vocab_size=self.vocab_size,
                                eos_token_ids=self.eos_token_ids, device=self.device, dtype=self.dtype,
-                               num_cpu_blocks=self.num_cpu_blocks, protocol_version=self.protocol_version)
+                               num_cpu_blocks=self.num_cpu_blocks, protocol_version=self.protocol_version,
+                               num_speculative_tokens=self.num_speculative_tokens)
 
     @classmethod
     def from_proto(cls, m: wire.WorkerInfo) -> "WorkerInfo":
         return cls(m.model, m.num_kv_blocks, m.block_size, m.max_model_len, m.vocab_size, tuple(m.eos_token_ids),
-                   m.device, m.dtype, m.num_cpu_blocks, m.protocol_version)
+                   m.device, m.dtype, m.num_cpu_blocks, m.protocol_version, m.num_speculative_tokens)

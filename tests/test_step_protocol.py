@@ -19,7 +19,8 @@ def random_delta(rng: random.Random, seq_id: int) -> RunningSequence:
         seq_id, [rng.randrange(32000) for _ in range(rng.choice([0, 0, 1, 1, 3]))],
         [] if replaced else [rng.randrange(5000) for _ in range(rng.choice([0, 0, 0, 1, 2]))],
         rng.randrange(4096), rng.randrange(1, 600), [rng.randrange(5000) for _ in range(rng.randrange(1, 9))]
-        if replaced else None, append_last_sample=rng.random() < 0.5)
+        if replaced else None, append_last_sample=rng.random() < 0.5,
+        draft_token_ids=[rng.randrange(32000) for _ in range(rng.choice([0, 0, 0, 1, 4]))])
 
 
 def random_logprobs(rng: random.Random) -> PositionLogprobs:
@@ -30,6 +31,16 @@ def random_logprobs(rng: random.Random) -> PositionLogprobs:
 
 
 def random_output(rng: random.Random, seq_id: int) -> SequenceOutput:
+    out = _random_output(rng, seq_id)
+    if out.token_id is not None and rng.random() < 0.3:  # speculative decoding: accepted drafts, new drafts
+        out.accepted_token_ids = [rng.randrange(32000) for _ in range(rng.randrange(4))]
+        if out.logprobs is not None:
+            out.accepted_logprobs = [random_logprobs(rng) for _ in out.accepted_token_ids]
+        out.draft_token_ids = [rng.randrange(32000) for _ in range(rng.randrange(4))]
+    return out
+
+
+def _random_output(rng: random.Random, seq_id: int) -> SequenceOutput:
     kind = rng.random()
     if kind < 0.6:
         return SequenceOutput(seq_id, rng.randrange(32000))  # plain: a token, nothing else
@@ -66,6 +77,11 @@ def test_random_results_round_trip_in_order():
 def test_plain_outputs_travel_as_columns():
     message = StepResult(1, [SequenceOutput(i, 100 + i) for i in range(5)]).to_proto()
     assert list(message.outputs.seq_ids) == [0, 1, 2, 3, 4] and not message.outputs.detailed
+    assert not message.outputs.num_accepted and not message.outputs.num_drafts  # no speculative columns
+    speculative = [SequenceOutput(1, 5, accepted_token_ids=[3, 4], draft_token_ids=[6]), SequenceOutput(2, 7)]
+    message = StepResult(1, speculative).to_proto()
+    assert not message.outputs.detailed and list(message.outputs.num_accepted) == [2, 0]
+    assert StepResult.from_proto(message).outputs == speculative
 
 
 def test_malformed_columns_are_refused():
@@ -79,5 +95,13 @@ def test_malformed_columns_are_refused():
         StepPlan.from_proto(plan)
     result = StepResult(1, [SequenceOutput(1, 5), SequenceOutput(2, None, prompt_logprobs=[])]).to_proto()
     result.outputs.detailed_positions[0] = 7
+    with pytest.raises(ValueError, match="malformed result"):
+        StepResult.from_proto(result)
+    plan = StepPlan(step_id=1, running=[RunningSequence(1, [5], [], 10, 3, draft_token_ids=[6, 7])]).to_proto()
+    plan.running.draft_token_ids.append(8)  # more drafts than the counts say
+    with pytest.raises(ValueError, match="malformed plan"):
+        StepPlan.from_proto(plan)
+    result = StepResult(1, [SequenceOutput(1, 5, draft_token_ids=[6]), SequenceOutput(2, 5)]).to_proto()
+    del result.outputs.num_drafts[1:]  # a column shorter than the outputs
     with pytest.raises(ValueError, match="malformed result"):
         StepResult.from_proto(result)

@@ -157,7 +157,7 @@ class EngineStats(_message.Message):
     def __init__(self, values: _Optional[_Mapping[str, float]] = ...) -> None: ...
 
 class WorkerInfo(_message.Message):
-    __slots__ = ("model", "num_kv_blocks", "block_size", "max_model_len", "vocab_size", "eos_token_ids", "device", "dtype", "num_cpu_blocks", "protocol_version")
+    __slots__ = ("model", "num_kv_blocks", "block_size", "max_model_len", "vocab_size", "eos_token_ids", "device", "dtype", "num_cpu_blocks", "protocol_version", "num_speculative_tokens")
     MODEL_FIELD_NUMBER: _ClassVar[int]
     NUM_KV_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
@@ -168,6 +168,7 @@ class WorkerInfo(_message.Message):
     DTYPE_FIELD_NUMBER: _ClassVar[int]
     NUM_CPU_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     PROTOCOL_VERSION_FIELD_NUMBER: _ClassVar[int]
+    NUM_SPECULATIVE_TOKENS_FIELD_NUMBER: _ClassVar[int]
     model: str
     num_kv_blocks: int
     block_size: int
@@ -178,7 +179,8 @@ class WorkerInfo(_message.Message):
     dtype: str
     num_cpu_blocks: int
     protocol_version: int
-    def __init__(self, model: _Optional[str] = ..., num_kv_blocks: _Optional[int] = ..., block_size: _Optional[int] = ..., max_model_len: _Optional[int] = ..., vocab_size: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., device: _Optional[str] = ..., dtype: _Optional[str] = ..., num_cpu_blocks: _Optional[int] = ..., protocol_version: _Optional[int] = ...) -> None: ...
+    num_speculative_tokens: int
+    def __init__(self, model: _Optional[str] = ..., num_kv_blocks: _Optional[int] = ..., block_size: _Optional[int] = ..., max_model_len: _Optional[int] = ..., vocab_size: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., device: _Optional[str] = ..., dtype: _Optional[str] = ..., num_cpu_blocks: _Optional[int] = ..., protocol_version: _Optional[int] = ..., num_speculative_tokens: _Optional[int] = ...) -> None: ...
 
 class NewSequence(_message.Message):
     __slots__ = ("request_id", "seq_id", "index", "prompt_token_ids", "output_token_ids", "sampling_params", "block_table", "num_computed_tokens", "num_scheduled_tokens", "num_siblings")
@@ -211,7 +213,7 @@ class BlockIds(_message.Message):
     def __init__(self, ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class RunningDeltas(_message.Message):
-    __slots__ = ("seq_ids", "num_computed_tokens", "num_scheduled_tokens", "append_last_sample", "num_new_tokens", "new_token_ids", "num_new_blocks", "new_block_ids", "new_block_tables")
+    __slots__ = ("seq_ids", "num_computed_tokens", "num_scheduled_tokens", "append_last_sample", "num_new_tokens", "new_token_ids", "num_new_blocks", "new_block_ids", "new_block_tables", "num_draft_tokens", "draft_token_ids")
     class NewBlockTablesEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -228,6 +230,8 @@ class RunningDeltas(_message.Message):
     NUM_NEW_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     NEW_BLOCK_IDS_FIELD_NUMBER: _ClassVar[int]
     NEW_BLOCK_TABLES_FIELD_NUMBER: _ClassVar[int]
+    NUM_DRAFT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    DRAFT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     seq_ids: _containers.RepeatedScalarFieldContainer[int]
     num_computed_tokens: _containers.RepeatedScalarFieldContainer[int]
     num_scheduled_tokens: _containers.RepeatedScalarFieldContainer[int]
@@ -237,7 +241,9 @@ class RunningDeltas(_message.Message):
     num_new_blocks: _containers.RepeatedScalarFieldContainer[int]
     new_block_ids: _containers.RepeatedScalarFieldContainer[int]
     new_block_tables: _containers.MessageMap[int, BlockIds]
-    def __init__(self, seq_ids: _Optional[_Iterable[int]] = ..., num_computed_tokens: _Optional[_Iterable[int]] = ..., num_scheduled_tokens: _Optional[_Iterable[int]] = ..., append_last_sample: _Optional[_Iterable[bool]] = ..., num_new_tokens: _Optional[_Iterable[int]] = ..., new_token_ids: _Optional[_Iterable[int]] = ..., num_new_blocks: _Optional[_Iterable[int]] = ..., new_block_ids: _Optional[_Iterable[int]] = ..., new_block_tables: _Optional[_Mapping[int, BlockIds]] = ...) -> None: ...
+    num_draft_tokens: _containers.RepeatedScalarFieldContainer[int]
+    draft_token_ids: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, seq_ids: _Optional[_Iterable[int]] = ..., num_computed_tokens: _Optional[_Iterable[int]] = ..., num_scheduled_tokens: _Optional[_Iterable[int]] = ..., append_last_sample: _Optional[_Iterable[bool]] = ..., num_new_tokens: _Optional[_Iterable[int]] = ..., new_token_ids: _Optional[_Iterable[int]] = ..., num_new_blocks: _Optional[_Iterable[int]] = ..., new_block_ids: _Optional[_Iterable[int]] = ..., new_block_tables: _Optional[_Mapping[int, BlockIds]] = ..., num_draft_tokens: _Optional[_Iterable[int]] = ..., draft_token_ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class Fork(_message.Message):
     __slots__ = ("parent_seq_id", "child_seq_id", "child_index")
@@ -286,32 +292,46 @@ class Sample(_message.Message):
     def __init__(self, token_id: _Optional[int] = ..., logprobs: _Optional[_Union[PositionLogprobs, _Mapping]] = ...) -> None: ...
 
 class SequenceOutput(_message.Message):
-    __slots__ = ("seq_id", "token_id", "logprobs", "prompt_logprobs", "prompt_logprobs_start", "siblings")
+    __slots__ = ("seq_id", "token_id", "logprobs", "prompt_logprobs", "prompt_logprobs_start", "siblings", "accepted_token_ids", "accepted_logprobs", "draft_token_ids")
     SEQ_ID_FIELD_NUMBER: _ClassVar[int]
     TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
     LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     PROMPT_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     PROMPT_LOGPROBS_START_FIELD_NUMBER: _ClassVar[int]
     SIBLINGS_FIELD_NUMBER: _ClassVar[int]
+    ACCEPTED_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    ACCEPTED_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    DRAFT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     seq_id: int
     token_id: int
     logprobs: PositionLogprobs
     prompt_logprobs: _containers.RepeatedCompositeFieldContainer[PositionLogprobs]
     prompt_logprobs_start: int
     siblings: _containers.RepeatedCompositeFieldContainer[Sample]
-    def __init__(self, seq_id: _Optional[int] = ..., token_id: _Optional[int] = ..., logprobs: _Optional[_Union[PositionLogprobs, _Mapping]] = ..., prompt_logprobs: _Optional[_Iterable[_Union[PositionLogprobs, _Mapping]]] = ..., prompt_logprobs_start: _Optional[int] = ..., siblings: _Optional[_Iterable[_Union[Sample, _Mapping]]] = ...) -> None: ...
+    accepted_token_ids: _containers.RepeatedScalarFieldContainer[int]
+    accepted_logprobs: _containers.RepeatedCompositeFieldContainer[PositionLogprobs]
+    draft_token_ids: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, seq_id: _Optional[int] = ..., token_id: _Optional[int] = ..., logprobs: _Optional[_Union[PositionLogprobs, _Mapping]] = ..., prompt_logprobs: _Optional[_Iterable[_Union[PositionLogprobs, _Mapping]]] = ..., prompt_logprobs_start: _Optional[int] = ..., siblings: _Optional[_Iterable[_Union[Sample, _Mapping]]] = ..., accepted_token_ids: _Optional[_Iterable[int]] = ..., accepted_logprobs: _Optional[_Iterable[_Union[PositionLogprobs, _Mapping]]] = ..., draft_token_ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class StepOutputs(_message.Message):
-    __slots__ = ("seq_ids", "token_ids", "detailed", "detailed_positions")
+    __slots__ = ("seq_ids", "token_ids", "detailed", "detailed_positions", "num_accepted", "accepted_token_ids", "num_drafts", "draft_token_ids")
     SEQ_IDS_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     DETAILED_FIELD_NUMBER: _ClassVar[int]
     DETAILED_POSITIONS_FIELD_NUMBER: _ClassVar[int]
+    NUM_ACCEPTED_FIELD_NUMBER: _ClassVar[int]
+    ACCEPTED_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    NUM_DRAFTS_FIELD_NUMBER: _ClassVar[int]
+    DRAFT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     seq_ids: _containers.RepeatedScalarFieldContainer[int]
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     detailed: _containers.RepeatedCompositeFieldContainer[SequenceOutput]
     detailed_positions: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, seq_ids: _Optional[_Iterable[int]] = ..., token_ids: _Optional[_Iterable[int]] = ..., detailed: _Optional[_Iterable[_Union[SequenceOutput, _Mapping]]] = ..., detailed_positions: _Optional[_Iterable[int]] = ...) -> None: ...
+    num_accepted: _containers.RepeatedScalarFieldContainer[int]
+    accepted_token_ids: _containers.RepeatedScalarFieldContainer[int]
+    num_drafts: _containers.RepeatedScalarFieldContainer[int]
+    draft_token_ids: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, seq_ids: _Optional[_Iterable[int]] = ..., token_ids: _Optional[_Iterable[int]] = ..., detailed: _Optional[_Iterable[_Union[SequenceOutput, _Mapping]]] = ..., detailed_positions: _Optional[_Iterable[int]] = ..., num_accepted: _Optional[_Iterable[int]] = ..., accepted_token_ids: _Optional[_Iterable[int]] = ..., num_drafts: _Optional[_Iterable[int]] = ..., draft_token_ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class StepResult(_message.Message):
     __slots__ = ("step_id", "outputs", "forward_time_s", "sample_time_s", "error")
