@@ -466,3 +466,27 @@ def test_top_k_samples_the_same_with_or_without_the_sort():
             batch = torch.cat([logits, torch.randn(len(others), vocab)])
             tokens.add(sample_tokens(Sampler(vocab, []), batch, states)[0])
         assert len(tokens) == 1 and tokens <= set(logits.topk(5).indices[0].tolist())
+
+
+@settings(max_examples=60, deadline=None)
+@given(drafts=st.lists(st.integers(0, V - 1), min_size=1, max_size=5), output=st.lists(st.integers(0, V - 1), max_size=6),
+       seed=st.integers(0, 2**31), min_tokens=st.integers(0, 8))
+def test_verification_states_equal_states_that_sampled_the_drafts_one_by_one(drafts, output, seed, min_tokens):
+    """Speculative decoding samples position j of a verification from a view of the state as if
+    drafts 0..j-1 had been appended: the same penalties, min_tokens mask and seeded counter, so the
+    same token as decoding one step at a time."""
+    params = dict(temperature=1.0, seed=seed, presence_penalty=1.5, frequency_penalty=2.0, repetition_penalty=1.5,
+                  min_tokens=min_tokens, stop_token_ids=[5], logit_bias={3: 1.0})
+    state = make_state(output=output, **params)
+    views = state.verification_states(drafts, torch.device("cpu"))
+    assert len(views) == len(drafts) + 1
+    logits = torch.randn(len(views), V, generator=torch.Generator().manual_seed(seed)) * 3
+    one_by_one = []
+    for j in range(len(views)):
+        reference = make_state(output=output + drafts[:j], **params)
+        assert views[j].num_output_tokens == reference.num_output_tokens
+        assert torch.equal(views[j].output_counts, reference.output_counts)
+        one_by_one.append(sample_tokens(Sampler(V, [EOS]), logits[j:j + 1], [reference])[0])
+    assert sample_tokens(Sampler(V, [EOS]), logits, views) == one_by_one
+    assert state.num_output_tokens == len(output)  # the views leave the state itself alone
+    assert torch.equal(state.output_counts, make_state(output=output, **params).output_counts)

@@ -90,3 +90,41 @@ def test_device_names_are_checked_before_anything_loads():
         assert resolve_device("auto").type == "cpu"
         with pytest.raises(ValueError, match="CUDA is not available"):
             resolve_device("cuda:0")
+
+
+def decode_greedily(worker, seq_id: int, prompt: list[int], steps: int) -> list[int]:
+    """Plain decoding, one token a step (the scheduler's part played here): the tokens it samples."""
+    new = new_sequence(prompt, len(prompt))
+    new.seq_id, new.block_table = seq_id, [3 + seq_id * 4 + i for i in range(4)]
+    tokens = [worker.execute(StepPlan(step_id=1, new=[new])).outputs[0].token_id]
+    for step in range(steps - 1):
+        result = worker.execute(StepPlan(step_id=2 + step, running=[
+            RunningSequence(seq_id, [tokens[-1]], [], len(prompt) + step, 1)]))
+        tokens.append(result.outputs[0].token_id)
+    return tokens
+
+
+@pytest.mark.parametrize("num_right", [0, 2, 3])
+def test_drafts_are_kept_up_to_the_first_wrong_one_and_the_table_is_cut_to_the_computed_tokens(worker, num_right):
+    prompt = [5, 9, 13, 2, 8]
+    truth = decode_greedily(worker, 1, prompt, 5)  # the first token, then what drafts should say
+    worker.execute(StepPlan(step_id=10, new=[new_sequence(prompt, len(prompt))]))  # seq 7, blocks 0..2
+    drafts = truth[1:4][:num_right] + [(t + 1) % 512 for t in truth[1 + num_right:4]]
+    result = worker.execute(StepPlan(step_id=11, running=[
+        RunningSequence(7, [truth[0]], [], len(prompt), 1 + len(drafts), draft_token_ids=drafts)]))
+    out = result.outputs[0]
+    assert out.accepted_token_ids == truth[1:1 + num_right] and out.token_id == truth[1 + num_right]
+    seq = worker.seqs[7]
+    assert seq.num_computed_tokens == len(prompt) + 1 + num_right
+    assert seq.block_table == [0, 1, 2][:-(-seq.num_computed_tokens // 4)]  # blocks of rejected drafts dropped
+    assert not seq.draft_token_ids
+
+
+def test_drafts_that_do_not_follow_every_token_or_leave_the_vocabulary_are_refused(worker):
+    prompt = [5, 9, 13, 2, 8]
+    token = worker.execute(StepPlan(step_id=1, new=[new_sequence(prompt, len(prompt))])).outputs[0].token_id
+    with pytest.raises(ValueError, match="draft tokens do not follow"):  # 2 scheduled: the token and one draft
+        worker.execute(StepPlan(step_id=2, running=[RunningSequence(7, [token], [], 5, 2, draft_token_ids=[1, 2])]))
+    assert worker.seqs[7].token_ids == prompt  # refused before anything changed
+    with pytest.raises(ValueError, match="leave the vocabulary"):
+        worker.execute(StepPlan(step_id=3, running=[RunningSequence(7, [token], [], 5, 2, draft_token_ids=[10**6])]))

@@ -35,6 +35,13 @@ class HostBlockTables:
         """``blocks`` after the row's last entry: the ids a plan appended."""
         self._write(row, self.lengths[self._live(row)], _ids(blocks))
 
+    def truncate(self, row: int, length: int) -> None:
+        """Keep the row's first ``length`` entries (the scheduler released the blocks after them)."""
+        if not 0 <= length <= self.lengths[self._live(row)]:
+            raise ValueError(f"block-table row {row} has {self.lengths[row]} entries, cannot keep {length}")
+        self.table[row, length:self.lengths[row]] = 0
+        self.lengths[row] = length
+
     def replace(self, row: int, blocks: list[int]) -> None:
         """A whole new table for ``row`` (after a copy-on-write of an inner block, or a swap-in)."""
         ids = _ids(blocks)

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -14,7 +14,8 @@ class ScheduledSequence:
     token_ids: list[int]  # the worker's copy of prompt + output
     block_table: list[int]
     num_computed_tokens: int  # tokens already in the cache
-    num_scheduled_tokens: int  # tokens to compute now
+    num_scheduled_tokens: int  # tokens to compute now, the drafts included
+    draft_token_ids: list[int] = field(default_factory=list)  # computed after the sequence's own tokens
 
 
 @dataclass
@@ -32,7 +33,9 @@ def build_model_inputs(batch: list[ScheduledSequence], block_size: int, device: 
     seq_lens = [s.num_computed_tokens + s.num_scheduled_tokens for s in batch]
     input_ids: list[int] = []
     for s in batch:
-        input_ids.extend(s.token_ids[s.num_computed_tokens:s.num_computed_tokens + s.num_scheduled_tokens])
+        own = s.num_scheduled_tokens - len(s.draft_token_ids)
+        input_ids.extend(s.token_ids[s.num_computed_tokens:s.num_computed_tokens + own])
+        input_ids.extend(s.draft_token_ids)
     tables = block_tables if block_tables is not None else padded_block_tables(batch)
     query_lens_t = torch.tensor(query_lens, dtype=torch.int64)
     query_start_loc = torch.zeros(len(batch) + 1, dtype=torch.int64)

@@ -18,6 +18,7 @@ samples the same tokens whatever shares its batch and after a recompute preempti
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Sequence
 
 import torch
@@ -66,6 +67,23 @@ class SamplingState:
         self._num_output_tokens += 1
         if self.output_counts is not None:
             self.output_counts[token_id] += 1
+
+    def verification_states(self, draft_token_ids: list[int], device: torch.device) -> list["SamplingState"]:
+        """The states of the len(drafts) + 1 positions a step verifying these drafts samples: position j
+        as if drafts 0..j-1 had been accepted, so their counts feed the penalties, min_tokens and the
+        seeded counter exactly as when those tokens had been sampled one step at a time."""
+        if self.device != device:
+            self.to(device)  # once, before the views share the dense rows
+        views, counts = [], self.output_counts
+        for j in range(len(draft_token_ids) + 1):
+            view = copy.copy(self)
+            view._num_output_tokens = self._num_output_tokens + j
+            if counts is not None and j:
+                counts = counts.clone()
+                counts[draft_token_ids[j - 1]] += 1
+                view.output_counts = counts
+            views.append(view)
+        return views
 
     def to(self, device: torch.device) -> None:
         """Move the dense rows to the sampler's device (once, when it first sees this state)."""

@@ -18,6 +18,7 @@ from services.worker.input_batch import ScheduledSequence, build_model_inputs
 from services.worker.kv_cache import (activation_bytes_estimate, allocate_host_pool, allocate_kv_pools, num_host_blocks,
                                       num_kv_blocks)
 from services.worker.model_loader import load_eos_token_ids, load_model
+from services.worker.ngram_proposer import NgramProposer
 from services.worker.sampler import Sampler
 from services.worker.step_timer import StepTimer
 from services.worker.swap_staging import SwapStaging
@@ -84,6 +85,8 @@ class Worker:
         self.eos_token_ids = load_eos_token_ids(self.model_dir)
         self.vocab_size = self.model_config.vocab_size
         self.sampler = Sampler(self.vocab_size, self.eos_token_ids, seed=config.seed, device=self.device)
+        spec = config.speculative_config
+        self.proposer = NgramProposer(spec) if spec is not None else None  # drafts for the next step
         self.startup_seconds: dict[str, float] = {}  # what a CUDA worker did before serving, and how long it took
         self.startup_memory: dict[str, int] = {}  # the largest step's measured peak beside what was set aside for it
         if self.device.type == "cuda":
@@ -163,7 +166,8 @@ class Worker:
         return WorkerInfo(model=str(self.model_dir), num_kv_blocks=self.num_blocks, block_size=self.config.block_size,
                           max_model_len=self.max_model_len, vocab_size=self.vocab_size,
                           eos_token_ids=tuple(self.eos_token_ids), device=str(self.device),
-                          dtype=str(self.dtype).removeprefix("torch."), num_cpu_blocks=self.num_host_blocks)
+                          dtype=str(self.dtype).removeprefix("torch."), num_cpu_blocks=self.num_host_blocks,
+                          num_speculative_tokens=self.proposer.num_tokens if self.proposer is not None else 0)
 
     # --- one step ---------------------------------------------------------------------------------
 
@@ -183,7 +187,7 @@ class Worker:
             self.step_timer.forward_done()
             outputs = self._sample(batch, hidden)
         for seq, num_tokens in batch:
-            seq.num_computed_tokens += num_tokens
+            seq.finish_verification(num_tokens, self.config.block_size)
         forward_s, sample_s = self.step_timer.finish()
         return StepResult(step_id=plan.step_id, outputs=outputs, forward_time_s=forward_s, sample_time_s=sample_s)
 
@@ -208,7 +212,8 @@ class Worker:
     def _apply_plan(self, plan: StepPlan) -> list[tuple[WorkerSequence, int]]:
         batch = []
         for new in plan.new:
-            seq = WorkerSequence.from_new(new, self.vocab_size, self.block_tables)
+            seq = WorkerSequence.from_new(new, self.vocab_size, self.block_tables,
+                                          keep_history=self.proposer is not None)
             self._keep(seq)  # a sequence preempted by recompute comes back as new
             batch.append((seq, new.num_scheduled_tokens))
         for delta in plan.running:
@@ -234,7 +239,8 @@ class Worker:
             self._drop(seq_id)
 
     def _forward(self, batch: list[tuple[WorkerSequence, int]]) -> torch.Tensor:
-        scheduled = [ScheduledSequence(seq.token_ids, seq.block_table, seq.num_computed_tokens, n) for seq, n in batch]
+        scheduled = [ScheduledSequence(seq.token_ids, seq.block_table, seq.num_computed_tokens, n, seq.draft_token_ids)
+                     for seq, n in batch]
         tables = self.block_tables.gather([seq.table_row for seq, _ in batch])
         if self.decode_graphs is not None and self.decode_graphs.can_replay(scheduled):
             self._query_start = list(range(len(batch) + 1))
@@ -254,7 +260,7 @@ class Worker:
                 count = min(end, seq.prompt_len - 1) - start
                 prompt_rows.append((i, seq, len(rows), count))
                 rows.extend(range(self._query_start[i], self._query_start[i] + count))
-            if end == len(seq.token_ids):
+            if end == len(seq.token_ids) + len(seq.draft_token_ids):
                 sampling.append((i, seq))
         sample_rows = [self._query_start[i + 1] - 1 for i, _ in sampling]
         involved = sorted({i for i, *_ in prompt_rows} | {i for i, _ in sampling})
@@ -266,8 +272,18 @@ class Worker:
         return [outputs[i] for i in sorted(outputs)]
 
     def _sample_tokens(self, hidden, sampling, sample_rows, outputs) -> None:
-        """One token per sequence, plus one per waiting sibling from the same row (n > 1)."""
-        rows, states, owners = list(sample_rows), [seq.sampling for _, seq in sampling], []
+        """One token per sequence (one per position, for a sequence verifying drafts), plus one per
+        waiting sibling from the same row (n > 1); then the drafts of the next step."""
+        rows, states, owners = [], [], []
+        for (_, seq), row in zip(sampling, sample_rows):
+            drafts = seq.draft_token_ids
+            if drafts:  # the last len(drafts) + 1 rows: after the sequence's last token, then after each draft
+                rows.extend(range(row - len(drafts), row + 1))
+                states.extend(seq.sampling.verification_states(drafts, self.sampler.device))
+            else:
+                rows.append(row)
+                states.append(seq.sampling)
+        num_own = len(rows)
         for (i, seq), row in zip(sampling, sample_rows):
             for state in seq.sibling_sampling:
                 rows.append(row)
@@ -282,11 +298,37 @@ class Worker:
             logits = self.model.compute_logits(hidden[rows[first:first + chunk]])
             sampled += self.sampler.sample(logits, states[first:first + chunk])
             del logits  # before the next chunk's
-        for (i, seq), (token_id, logprobs) in zip(sampling, sampled):
-            outputs[i].token_id, outputs[i].logprobs = token_id, logprobs
-            seq.last_sample = token_id
-        for i, (token_id, logprobs) in zip(owners, sampled[len(sampling):]):
+        taken = 0
+        for i, seq in sampling:
+            positions = sampled[taken:taken + len(seq.draft_token_ids) + 1]
+            taken += len(positions)
+            self._accept(seq, positions, outputs[i])
+        for i, (token_id, logprobs) in zip(owners, sampled[num_own:]):
             outputs[i].siblings.append(Sample(token_id, logprobs))
+        if self.proposer is not None:
+            for i, seq in sampling:
+                out = outputs[i]
+                out.draft_token_ids = self.proposer.propose(seq.history.with_pending(out.accepted_token_ids
+                                                                                     + [out.token_id]))
+
+    @staticmethod
+    def _accept(seq: WorkerSequence, positions: list, out: SequenceOutput) -> None:
+        """Keep the drafts up to the first one the model's own sample at its position disagrees with,
+        then that sample (or, all kept, the one after the last draft). Each position was sampled
+        exactly as it would have been without drafts (same state, same seeded noise), so the
+        output is what plain decoding gives: for greedy and seeded requests, token for token."""
+        drafts = seq.draft_token_ids
+        accepted = 0
+        while accepted < len(drafts) and positions[accepted][0] == drafts[accepted]:
+            accepted += 1
+        out.token_id, out.logprobs = positions[accepted]
+        if accepted:
+            out.accepted_token_ids = drafts[:accepted]
+            if out.logprobs is not None:
+                out.accepted_logprobs = [logprobs for _, logprobs in positions[:accepted]]
+        seq.num_rejected_drafts = len(drafts) - accepted
+        # append_last_sample stands for one token: a plan made ahead must never follow accepted drafts.
+        seq.last_sample = None if accepted else out.token_id
 
     def _prompt_logprobs(self, hidden, rows, prompt_rows, outputs) -> None:
         """Logits for max_num_seqs prompt rows at a time: a step's whole token budget of [rows, vocab]

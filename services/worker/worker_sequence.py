@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from services.worker.host_block_tables import HostBlockTables
+from services.worker.ngram_proposer import TokenHistory
 from services.worker.sampler import SamplingState
 from shared.step_protocol import NewSequence, RunningSequence
 
@@ -10,7 +11,8 @@ from shared.step_protocol import NewSequence, RunningSequence
 class WorkerSequence:
     def __init__(self, seq_id: int, index: int, prompt_token_ids: list[int], output_token_ids: list[int],
                  block_table: list[int], num_computed_tokens: int, params, vocab_size: int,
-                 block_tables: HostBlockTables, num_siblings: int = 0, table_row: int | None = None):
+                 block_tables: HostBlockTables, num_siblings: int = 0, table_row: int | None = None,
+                 keep_history: bool = False):
         self.seq_id = seq_id
         self.index = index
         self.prompt_len = len(prompt_token_ids)
@@ -29,19 +31,29 @@ class WorkerSequence:
         # The token sampled in this sequence's latest step, until the next plan either appends it
         # (append_last_sample: that plan was made before the scheduler saw it) or sends it.
         self.last_sample: int | None = None
+        # Speculative decoding: the drafts this step verifies after the sequence's own tokens (set
+        # by each delta), how many of them the step rejected, and the tokens as an array for the
+        # n-gram proposer's search (only when the worker speculates).
+        self.draft_token_ids: list[int] = []
+        self.num_rejected_drafts = 0
+        self.history = TokenHistory(self.token_ids) if keep_history else None
         self.table_row = block_tables.add(self.block_table) if table_row is None else table_row
 
     @classmethod
-    def from_new(cls, new: NewSequence, vocab_size: int, block_tables: HostBlockTables) -> "WorkerSequence":
+    def from_new(cls, new: NewSequence, vocab_size: int, block_tables: HostBlockTables,
+                 keep_history: bool = False) -> "WorkerSequence":
         return cls(new.seq_id, new.index, new.prompt_token_ids, new.output_token_ids, new.block_table,
-                   new.num_computed_tokens, new.sampling_params, vocab_size, block_tables, new.num_siblings)
+                   new.num_computed_tokens, new.sampling_params, vocab_size, block_tables, new.num_siblings,
+                   keep_history=keep_history)
 
     def fork(self, child_seq_id: int, child_index: int) -> "WorkerSequence":
         """A child sharing everything so far; its own random stream from now on."""
-        return WorkerSequence(child_seq_id, child_index, self.token_ids[:self.prompt_len],
-                              self.token_ids[self.prompt_len:], self.block_table, self.num_computed_tokens,
-                              self.params, self.vocab_size, self.block_tables,
-                              table_row=self.block_tables.copy(self.table_row))
+        child = WorkerSequence(child_seq_id, child_index, self.token_ids[:self.prompt_len],
+                               self.token_ids[self.prompt_len:], self.block_table, self.num_computed_tokens,
+                               self.params, self.vocab_size, self.block_tables,
+                               table_row=self.block_tables.copy(self.table_row))
+        child.history = self.history.copy() if self.history is not None else None
+        return child
 
     def release(self) -> None:
         """Gives back the table's row: the worker dropped this sequence."""
@@ -55,9 +67,12 @@ class WorkerSequence:
                 raise ValueError(f"step {step_id}: sequence {self.seq_id} is told to append its last sample, "
                                  f"but it sampled nothing in its previous step")
             tokens = [*tokens, own]
+        self._take_drafts(delta, len(self.token_ids) + len(tokens), step_id)
         self.token_ids.extend(tokens)
         for token in tokens:
             self.sampling.append(token)
+        if self.history is not None:
+            self.history.extend(tokens)
         if delta.new_block_table is not None:  # the row first: it refuses bad ids before changing anything
             self.block_tables.replace(self.table_row, delta.new_block_table)
             self.block_table = list(delta.new_block_table)
@@ -67,3 +82,25 @@ class WorkerSequence:
         if self.num_computed_tokens != delta.num_computed_tokens:
             raise ValueError(f"step {step_id}: sequence {self.seq_id} has {self.num_computed_tokens} computed "
                              f"tokens here, the scheduler says {delta.num_computed_tokens}")
+
+    def finish_verification(self, num_tokens: int, block_size: int) -> None:
+        """After a step that computed ``num_tokens`` (drafts included): only accepted drafts count as
+        computed, and, as the scheduler does, the table keeps just the blocks the computed tokens fill."""
+        self.num_computed_tokens += num_tokens - self.num_rejected_drafts
+        if self.draft_token_ids:
+            keep = -(-self.num_computed_tokens // block_size)
+            if keep < len(self.block_table):
+                self.block_tables.truncate(self.table_row, keep)
+                del self.block_table[keep:]
+            self.draft_token_ids, self.num_rejected_drafts = [], 0
+
+    def _take_drafts(self, delta: RunningSequence, num_tokens: int, step_id: int) -> None:
+        """Drafts follow every one of the sequence's ``num_tokens`` tokens: the step computes them all,
+        then samples. Checked before the delta changes anything."""
+        drafts, self.num_rejected_drafts = delta.draft_token_ids, 0
+        if drafts and (delta.num_computed_tokens + delta.num_scheduled_tokens != num_tokens + len(drafts)
+                       or not 0 <= min(drafts) <= max(drafts) < self.vocab_size):
+            raise ValueError(f"step {step_id}: sequence {self.seq_id}'s {len(drafts)} draft tokens do not follow "
+                             f"its {num_tokens} tokens within {delta.num_scheduled_tokens} scheduled ones, "
+                             f"or leave the vocabulary")
+        self.draft_token_ids = drafts
