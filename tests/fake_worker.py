@@ -2,7 +2,11 @@
 checks every plan against the protocol, and simulates the KV pools: each slot holds the token
 whose KV was written there, block moves move those contents, and before computing, every token
 of a sequence's context must be found in its own slot. So a lost swap, a bad copy-on-write, a
-shared block written in place or a wrong prefix-cache hit shows up as a wrong context."""
+shared block written in place or a wrong prefix-cache hit shows up as a wrong context.
+
+With ``num_speculative_tokens`` it also proposes drafts, some right and some wrong (its tokens are
+a function of the sequence and its length, so it knows which), and verifies them: an accepted
+draft's KV must later read as the token it became."""
 
 from __future__ import annotations
 
@@ -11,10 +15,12 @@ from shared.step_protocol import PositionLogprobs, Sample, SequenceOutput, StepP
 
 class FakeWorker:
     def __init__(self, num_blocks: int, block_size: int, max_model_len: int = 512, vocab_size: int = 100,
-                 eos_token_ids: tuple[int, ...] = (0,), num_cpu_blocks: int = 0):
+                 eos_token_ids: tuple[int, ...] = (0,), num_cpu_blocks: int = 0, num_speculative_tokens: int = 0):
         self.info = WorkerInfo(model="fake", num_kv_blocks=num_blocks, block_size=block_size,
                                max_model_len=max_model_len, vocab_size=vocab_size, eos_token_ids=eos_token_ids,
-                               device="cpu", dtype="float32", num_cpu_blocks=num_cpu_blocks)
+                               device="cpu", dtype="float32", num_cpu_blocks=num_cpu_blocks,
+                               num_speculative_tokens=num_speculative_tokens)
+        self.num_accepted = 0  # drafts accepted, over all steps
         self.seqs: dict[int, dict] = {}
         self.plans: list[StepPlan] = []
         self.device = {b: [None] * block_size for b in range(num_blocks)}
@@ -26,8 +32,19 @@ class FakeWorker:
     def shutdown(self) -> None:
         pass
 
-    def token_for(self, seq: dict, stream: int = 0) -> int:
-        return 1 + (seq["seq_id"] * 31 + len(seq["tokens"]) * 7 + stream * 13) % (self.info.vocab_size - 1)
+    def token_for(self, seq: dict, stream: int = 0, length: int | None = None) -> int:
+        length = len(seq["tokens"]) if length is None else length
+        return 1 + (seq["seq_id"] * 31 + length * 7 + stream * 13) % (self.info.vocab_size - 1)
+
+    def drafts_for(self, seq: dict) -> list[int]:
+        """Up to k drafts after the sequence's tokens (the sampled one included): right ones, then
+        from a position on (chosen by the sequence and its length) wrong ones."""
+        k = self.info.num_speculative_tokens
+        length = len(seq["tokens"]) + 1
+        count = (seq["seq_id"] + length) % (k + 1)
+        right = (seq["seq_id"] * 5 + length * 3) % (count + 1)
+        drafts = [self.token_for(seq, length=length + j) for j in range(count)]
+        return [t if j < right else 1 + t % (self.info.vocab_size - 1) for j, t in enumerate(drafts)]
 
     def logprobs_for(self, seq: dict) -> PositionLogprobs | None:
         """Distinct candidates with falling log-probabilities (what a beam search reads)."""
@@ -91,6 +108,7 @@ class FakeWorker:
                 seq["tokens"].append(own)
             seq["table"] = list(delta.new_block_table) if delta.new_block_table is not None \
                 else seq["table"] + delta.new_block_ids
+            seq["drafts"] = list(delta.draft_token_ids)
             seq["swapped"] = False
             assert seq["computed"] == delta.num_computed_tokens
             batch.append((seq, delta.num_scheduled_tokens))
@@ -98,8 +116,11 @@ class FakeWorker:
 
     def _compute(self, seq: dict, n: int, users: dict[int, int]) -> SequenceOutput | None:
         bs = self.info.block_size
+        drafts, seq["drafts"] = seq.get("drafts", []), []
+        inputs = seq["tokens"] + drafts
         start, end = seq["computed"], seq["computed"] + n
-        assert n >= 1 and end <= len(seq["tokens"]), "scheduled past the known tokens"
+        assert n >= 1 and end <= len(inputs), "scheduled past the known tokens"
+        assert not drafts or end == len(inputs), "drafts must follow every token of the sequence"
         assert len(seq["table"]) == -(-end // bs), "table does not cover exactly the computed tokens"
         for pos in range(start):  # the context must be intact
             assert self.device[seq["table"][pos // bs]][pos % bs] == seq["tokens"][pos], \
@@ -107,12 +128,26 @@ class FakeWorker:
         for pos in range(start, end):
             block = seq["table"][pos // bs]
             assert users[block] == 1, "a shared block was written in place"
-            self.device[block][pos % bs] = seq["tokens"][pos]
+            self.device[block][pos % bs] = inputs[pos]
         seq["computed"] = end
-        if end < len(seq["tokens"]):
+        if end < len(inputs):
             return None
-        out = SequenceOutput(seq_id=seq["seq_id"], token_id=self.token_for(seq), logprobs=self.logprobs_for(seq))
-        seq["last_sample"] = out.token_id
+        length = len(seq["tokens"])
+        accepted = 0
+        while accepted < len(drafts) and drafts[accepted] == self.token_for(seq, length=length + accepted):
+            accepted += 1
+        seq["computed"] = end - (len(drafts) - accepted)
+        if drafts:  # the protocol's rule: the table keeps the blocks the computed tokens fill
+            del seq["table"][-(-seq["computed"] // bs):]
+        self.num_accepted += accepted
+        out = SequenceOutput(seq_id=seq["seq_id"], token_id=self.token_for(seq, length=length + accepted),
+                             logprobs=self.logprobs_for(seq), accepted_token_ids=drafts[:accepted])
+        if out.logprobs is not None and accepted:
+            out.accepted_logprobs = [self.logprobs_for({**seq, "tokens": seq["tokens"] + drafts[:j]})
+                                     for j in range(accepted)]
+        if self.info.num_speculative_tokens:
+            out.draft_token_ids = self.drafts_for({**seq, "tokens": seq["tokens"] + drafts[:accepted]})
+        seq["last_sample"] = out.token_id if not accepted else None
         out.siblings = [Sample(self.token_for(seq, i)) for i in range(1, seq["siblings"] + 1)]
         seq["siblings"] = 0
         return out

@@ -137,6 +137,17 @@ class BlockManager:
         self._num_slotted[seq_id] = max(num_tokens, self._num_slotted.get(seq_id, 0))
         return Allocation(tuple(block.block_id for block in new_blocks), copy)
 
+    def trim_slots(self, seq_id: int, num_tokens: int) -> int:
+        """Shrink the sequence to ``num_tokens`` slotted tokens (slots given to drafts the worker
+        rejected); returns how many blocks came off the table's end, freed last first."""
+        table = self._tables[seq_id]
+        keep = self.blocks_for(num_tokens)
+        released = table[keep:]
+        del table[keep:]
+        self._num_slotted[seq_id] = min(self._num_slotted[seq_id], num_tokens)
+        self.pool.free(released[::-1])
+        return len(released)
+
     def _copy_on_write(self, seq_id: int, position: int, shared: KVCacheBlock) -> tuple[int, int]:
         (fresh,) = self.pool.allocate(1)
         self._tables[seq_id][position // self.block_size] = fresh

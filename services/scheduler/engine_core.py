@@ -156,8 +156,11 @@ class EngineCore:
 
     def can_plan_ahead(self) -> bool:
         """Whether start_step may be called now, with one step in flight (the scheduler service
-        plans step N+1 while the worker computes step N, so the worker never waits for a plan)."""
-        return len(self._in_flight) == 1 and self.scheduler.can_plan_ahead()
+        plans step N+1 while the worker computes step N, so the worker never waits for a plan).
+
+        Never with speculative decoding: a step's drafts continue the tokens it samples, so a plan
+        made before that result could not carry them (and every later result's drafts would be stale)."""
+        return len(self._in_flight) == 1 and not self.info.num_speculative_tokens and self.scheduler.can_plan_ahead()
 
     def start_step(self) -> bool:
         """Plan the next step and send it to the worker without waiting; False when there is nothing to run.

@@ -38,12 +38,13 @@ class RequestTracker:
             return None
         if update.prompt_logprobs and self.prompt_logprobs is not None:
             self.prompt_logprobs.extend(self._logprob_dict(p) for p in update.prompt_logprobs)
-        completion.token_ids.extend(update.new_token_ids)
-        for position in update.new_logprobs:
-            completion.logprobs.append(self._logprob_dict(position))
-            completion.cumulative_logprob += position.logprob
         detokenizer = self.detokenizers[update.seq_index]
         delta = detokenizer.append(update.new_token_ids, ends_on_stop_token=update.finish_reason == "stop")
+        # A stop string in the text of one of several new tokens (speculative decoding) ends the output there.
+        completion.token_ids.extend(update.new_token_ids[:delta.num_tokens_kept])
+        for position in update.new_logprobs[:delta.num_tokens_kept]:
+            completion.logprobs.append(self._logprob_dict(position))
+            completion.cumulative_logprob += position.logprob
         if delta.stop is not None:
             completion.finish_reason, completion.stop_reason = "stop", delta.stop
         elif update.finish_reason is not None:

@@ -46,6 +46,9 @@ class Scheduler:
         self.num_swaps_in = 0  # sequences moved back
         self.prefix_cache_queries = 0  # prompt tokens looked up in the prefix cache
         self.prefix_cache_hits = 0  # of those, tokens found (their prefill skipped)
+        self.num_spec_drafts = 0  # sequence-steps that verified drafts (speculative decoding)
+        self.num_spec_draft_tokens = 0  # draft tokens verified
+        self.num_spec_accepted_tokens = 0  # of those, the ones the worker accepted
 
     # --- requests in and out ----------------------------------------------------------------------
 
@@ -80,6 +83,9 @@ class Scheduler:
            victim sits at its head) while the budget, max_num_seqs and free blocks (less a small
            watermark, kept while anything runs) allow; a prompt starts after its cached prefix. With chunked prefill a
            prompt may take part of the budget left; without, it must fit whole.
+        Speculative decoding: a decoding sequence the worker proposed drafts for computes them after
+        its token, within the budget, max_tokens and the context (its blocks grow to hold them). They
+        are granted where its token is, in rule 1, so drafts never displace another sequence's token.
         4. If nothing at all could be scheduled while sequences wait, the newest beam parked on
            its siblings' candidates is preempted: the blocks of beams that already reported are
            what the waiting siblings need (else beam groups could hold each other's blocks forever).
@@ -102,10 +108,12 @@ class Scheduler:
             if not work:
                 continue  # preempted just now, a beam waiting for its siblings, or its last token is coming
             num_tokens = min(work, budget)
+            drafts = self._drafts_to_verify(seq, num_tokens, budget)
             planned = seq.num_planned_tokens  # preempting others leaves it; preempting this one ends the loop
             allocation = None
             while seq.status is SequenceStatus.RUNNING:
-                allocation = self.blocks.append_slots(seq.seq_id, planned + num_tokens, write_from=planned)
+                allocation = self.blocks.append_slots(seq.seq_id, planned + num_tokens + len(drafts),
+                                                      write_from=planned)
                 if allocation is not None:
                     break
                 self._preempt(self._victim(), plan)
@@ -116,7 +124,8 @@ class Scheduler:
                 plan.copies.append(allocation.copy)
                 seq.table_replaced = True
             scheduled[seq.seq_id] = num_tokens
-            budget -= num_tokens
+            seq.inflight_drafts = drafts
+            budget -= num_tokens + len(drafts)
         if not preempted:
             budget = self._swap_in(budget, scheduled, plan)
             if not any(seq.num_uncomputed_tokens for seq in self.swapped):
@@ -126,6 +135,18 @@ class Scheduler:
                 self._unpark_one(plan)
         self._describe_work(scheduled, plan)
         return plan, scheduled
+
+    def _drafts_to_verify(self, seq: Sequence, num_tokens: int, budget: int) -> list[int]:
+        """The worker's drafts this sequence computes after its token; none unless this step brings it to
+        sampling. A sequence may gain at most max_tokens and the context: each accepted draft is one
+        token, and the step's own sample one more."""
+        drafts = seq.draft_token_ids
+        if not drafts or seq.beam_group is not None or seq.num_placeholders or not seq.known_to_worker \
+                or num_tokens != seq.num_uncomputed_tokens:
+            return []
+        room = min(budget - num_tokens, seq.max_output_tokens - len(seq.output_token_ids) - 1,
+                   self.max_model_len - seq.num_tokens - 1)
+        return drafts[:room] if room > 0 else []
 
     def _work_left(self, seq: Sequence) -> int:
         """Tokens the running sequence could compute in this step; 0 when it has none to schedule."""
@@ -138,11 +159,12 @@ class Scheduler:
         """Whether the next plan may be made now, while a step runs, rather than after its result.
 
         Not while a running sequence needs that result to be planned (beam search chooses tokens
-        from it; n > 1 siblings fork from their parent's first sample), and not when the running
+        from it; n > 1 siblings fork from their parent's first sample; drafts in verification add
+        an unknown number of tokens), and not when the running
         sequences' next tokens might not fit in the free blocks: preemption happens only with no
         step in flight, so a preempted sequence never has a token on the way.
         """
-        if any(seq.beam_group is not None or seq.pending_siblings for seq in self.running):
+        if any(seq.beam_group is not None or seq.pending_siblings or seq.inflight_drafts for seq in self.running):
             return False
         budget, needed = self.limits.max_num_batched_tokens, 0
         # Each sequence needs at most ceil(its tokens / block_size) + 1 new blocks, plus one
@@ -284,7 +306,10 @@ class Scheduler:
                     blocks.block_table(seq.seq_id, seq.num_blocks_sent)
                 plan.running.append(RunningSequence(
                     seq.seq_id, seq.token_slice(seq.num_tokens_sent, seq_tokens), added, seq.num_planned_tokens,
-                    num_tokens, table, seq.num_placeholders > 0))
+                    num_tokens + len(seq.inflight_drafts), table, seq.num_placeholders > 0, seq.inflight_drafts))
+                if seq.inflight_drafts:
+                    self.num_spec_drafts += 1
+                    self.num_spec_draft_tokens += len(seq.inflight_drafts)
             seq.table_replaced = False
             seq.num_tokens_sent = seq_tokens + seq.num_placeholders
             seq.num_blocks_sent = num_blocks
@@ -326,10 +351,38 @@ class Scheduler:
             if out.prompt_logprobs:
                 self._take_prompt_logprobs(seq, out, update)
             if out.token_id is not None:
-                self._append_token(seq, out.token_id, out.logprobs, update)
+                self._append_output(seq, out, update)
             updates.append(update)
             updates.extend(forked)
         return updates
+
+    def _append_output(self, seq: Sequence, out, update: SequenceUpdate) -> None:
+        """The accepted drafts (each one a computed token more), then the sampled token; a stop among
+        them ends the sequence there. A sequence verifying drafts gives back the blocks of the rejected ones."""
+        drafts, seq.inflight_drafts = seq.inflight_drafts, []
+        accepted = out.accepted_token_ids
+        if accepted != drafts[:len(accepted)]:
+            raise ValueError(f"the worker accepted tokens {accepted} for sequence {seq.seq_id}, not a prefix of the "
+                             f"drafts {drafts} it was sent")
+        logprobs = out.accepted_logprobs or [None] * len(accepted)
+        self.num_spec_accepted_tokens += len(accepted)
+        for token_id, position in zip(accepted, logprobs):
+            seq.num_computed_tokens += 1  # the draft's KV, written in this step, is the token's
+            if self._append_token(seq, token_id, position, update):
+                return
+        if self._append_token(seq, out.token_id, out.logprobs, update):
+            return
+        if drafts:
+            self.blocks.cache_full_blocks(seq.seq_id, seq.num_computed_tokens, seq.token_slice, seq.cache_extra)
+            self._release_rejected_slots(seq)
+        # Drafts continue the sequence as the worker knew it; with another step of it in flight they would not.
+        seq.draft_token_ids = out.draft_token_ids if not seq.num_placeholders else []
+
+    def _release_rejected_slots(self, seq: Sequence) -> None:
+        """Blocks past the sequence's computed tokens held only rejected drafts: free them now. The
+        worker cuts its copy of the table alike (the step protocol's rule), so nothing is sent."""
+        if self.blocks.trim_slots(seq.seq_id, seq.num_computed_tokens):
+            seq.num_blocks_sent = min(seq.num_blocks_sent, self.blocks.num_table_blocks(seq.seq_id))
 
     @staticmethod
     def _resolve_placeholder(seq: Sequence) -> None:
@@ -337,13 +390,16 @@ class Scheduler:
             raise ValueError(f"the worker sampled a token for sequence {seq.seq_id}, which was not due to sample")
         seq.num_placeholders -= 1
 
-    def _append_token(self, seq: Sequence, token_id: int, logprobs, update: SequenceUpdate) -> None:
+    def _append_token(self, seq: Sequence, token_id: int, logprobs, update: SequenceUpdate) -> bool:
+        """Append one token; whether it ended the sequence."""
         seq.output_token_ids.append(token_id)
         update.new_token_ids.append(token_id)
         if logprobs is not None:
             update.new_logprobs.append(logprobs)
         if self._check_stop(seq, token_id):
             update.finish_reason, update.stop_reason = seq.status.value, seq.stop_reason
+            return True
+        return False
 
     def _fork(self, parent: Sequence, child: Sequence) -> None:
         """The child runs from now on, sharing every block of the parent; the worker copies the

@@ -53,6 +53,10 @@ class Sequence:
         self.pending_siblings: list[Sequence] = []
         self.worker_params = params  # what the worker samples with (beams: the top candidates instead)
         self.beam_group = None  # the BeamGroup deciding this sequence's tokens, for beam search
+        # Speculative decoding: the worker's drafts for this sequence's next step (from the latest
+        # result), and the ones the step in flight verifies.
+        self.draft_token_ids: list[int] = []
+        self.inflight_drafts: list[int] = []
 
     @property
     def num_tokens(self) -> int:
@@ -98,6 +102,7 @@ class Sequence:
         self.known_to_worker = False
         self.table_replaced = False
         self.num_tokens_sent = self.num_blocks_sent = 0
+        self.inflight_drafts = []
 
     def __repr__(self) -> str:
         return (f"Sequence(id={self.seq_id}, req={self.request_id!r}, {self.status.value}, "
