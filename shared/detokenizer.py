@@ -22,6 +22,9 @@ _CONTEXT_TOKENS = 6
 class TextDelta:
     text: str  # newly released text
     stop: str | None  # the stop string that ended the output, if one did
+    # Of the tokens just appended, how many the output keeps: all of them, or those up to the one
+    # whose text completed a stop string (several arrive at once with speculative decoding).
+    num_tokens_kept: int = 0
 
 
 class WindowDecoder:
@@ -163,10 +166,11 @@ class IncrementalDetokenizer:
 
         ends_on_stop_token: the engine ended the output on the last of them (EOS or a stop token
         id). As vLLM, that token's text is left out unless include_stop_str_in_output."""
+        kept = 0 if self.stopped is not None else len(token_ids)
         if ends_on_stop_token and not self.include_stop:
             token_ids = token_ids[:-1]
         if self.stopped is None:
-            for token_id in token_ids:
+            for i, token_id in enumerate(token_ids):
                 self._num_tokens += 1
                 if token_id in self._special:
                     continue
@@ -174,8 +178,11 @@ class IncrementalDetokenizer:
                 self.text += self._decoder.step(token_id)
                 past_min = self._num_tokens > self._min_tokens
                 if self.stop and past_min and self._check_stop(max(0, checked - self._hold)):
+                    kept = i + 1
                     break
-        return self._release(final=self.stopped is not None)
+        delta = self._release(final=self.stopped is not None)
+        delta.num_tokens_kept = kept
+        return delta
 
     def flush(self) -> TextDelta:
         """At the end of the output: release whatever was held back."""

@@ -244,7 +244,6 @@ class Run:
         if self._done[index]:  # stopped by a stop string; the engine may still be running it for a moment
             return None
         ids = list(message.new_token_ids)
-        self.completion_tokens += len(ids)
         detok = self._detoks[index]
         delta = SeqDelta(index, ids, "", position=self.position)
         finish_reason = message.finish_reason
@@ -256,8 +255,14 @@ class Run:
             for i, (token_id, position) in enumerate(zip(ids, message.new_logprobs)):
                 delta.logprobs.append(self.model.logprob(position, text_offset=len(detok.text)))
                 delta.text += detok.append([token_id], on_stop_token and i == len(ids) - 1).text
+                if detok.stopped is not None:  # several tokens at once (speculative decoding): the rest go
+                    del ids[i + 1:]
+                    break
         else:
-            delta.text = detok.append(ids, on_stop_token).text
+            text = detok.append(ids, on_stop_token)
+            delta.text = text.text
+            del ids[text.num_tokens_kept:]
+        self.completion_tokens += len(ids)
         if detok.stopped is not None:
             delta.finish_reason, delta.stop_reason = "stop", detok.stopped
             self._done[index] = True
