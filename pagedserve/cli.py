@@ -35,7 +35,7 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                         help="never replay decode steps from CUDA graphs (they are captured at a CUDA worker's start)")
     parser.add_argument("--speculative-config", type=speculative_config_json, default=None,
                         help='speculative decoding, as JSON: {"method": "ngram", "num_speculative_tokens": 4, '
-                             '"prompt_lookup_max": 4, "prompt_lookup_min": 1}')
+                             '"prompt_lookup_max": 4, "prompt_lookup_min": 2}')
 
 
 def speculative_config_json(raw: str) -> str:

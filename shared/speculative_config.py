@@ -13,6 +13,7 @@ import json
 from dataclasses import dataclass, fields
 
 METHODS = ("ngram",)
+DEFAULT_PROMPT_LOOKUP = 5
 # vLLM's other methods, refused with a clear error rather than silently ignored.
 NOT_BUILT = ("draft_model", "eagle", "eagle3", "medusa", "mlp_speculator", "mtp", "suffix")
 
@@ -21,10 +22,17 @@ NOT_BUILT = ("draft_model", "eagle", "eagle3", "medusa", "mlp_speculator", "mtp"
 class SpeculativeConfig:
     num_speculative_tokens: int  # the most draft tokens verified per sequence and step
     method: str = "ngram"
-    prompt_lookup_max: int = 4  # the longest suffix n-gram looked up (tried first)
-    prompt_lookup_min: int = 1  # the shortest one tried when longer ones have no earlier occurrence
+    # The longest suffix n-gram looked up (tried first), and the shortest tried when longer ones have
+    # no earlier occurrence. As vLLM: 5 and 5 when neither is given, else the one given for both.
+    prompt_lookup_max: int | None = None
+    prompt_lookup_min: int | None = None
 
     def __post_init__(self) -> None:
+        low, high = self.prompt_lookup_min, self.prompt_lookup_max
+        if low is None and high is None:
+            low = high = DEFAULT_PROMPT_LOOKUP
+        object.__setattr__(self, "prompt_lookup_min", high if low is None else low)
+        object.__setattr__(self, "prompt_lookup_max", low if high is None else high)
         if self.method in NOT_BUILT:
             raise ValueError(f"speculative_config method {self.method!r} is not supported here; "
                              f"supported: {', '.join(METHODS)}")

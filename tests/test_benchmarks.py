@@ -62,3 +62,16 @@ def test_scheduler_overhead_compares_two_checkouts(tmp_path):
     rows = json.loads(out.read_text())["rows"]
     assert [(r["n"], r["plan_ahead"]) for r in rows] == [(1, False), (4, True)]
     assert all(r["this_us"] > 0 and r["other_us"] > 0 and 0.2 < r["ratio_median"] < 5 for r in rows)
+
+
+def test_spec_decode_decodes_the_same_tokens_in_every_mode(tmp_path, tiny_model_factory):
+    # The script asserts that every mode's tokens equal plain decoding's; a small model and run here.
+    out = tmp_path / "spec.json"
+    model = tiny_model_factory("llama")
+    subprocess.run([sys.executable, str(REPO / "benchmarks" / "spec_decode.py"), "--model", str(model), "--batches",
+                    "1,3", "--output-len", "12", "--prompt-len", "8", "--rounds", "1", "--wrong", "0.0",
+                    "--proposal-contexts", "256", "--out", str(out)], cwd=REPO, check=True, timeout=180, stdout=subprocess.DEVNULL)
+    report = json.loads(out.read_text())
+    first = report["batches"][0]["rows"]
+    assert [r["mode"] for r in first] == ["plain", "ngram", "reference, 0% wrong"]
+    assert first[2]["acceptance"] > 0.9 and first[2]["steps"] < first[0]["steps"]

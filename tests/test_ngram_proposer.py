@@ -92,6 +92,12 @@ def test_bad_speculative_configs_are_refused(value, match):
         EngineConfig(speculative_config=value)
 
 
+def test_prompt_lookup_sizes_default_as_vllm_s():
+    assert (SpeculativeConfig(2).prompt_lookup_min, SpeculativeConfig(2).prompt_lookup_max) == (5, 5)
+    assert SpeculativeConfig(2, prompt_lookup_max=3).prompt_lookup_min == 3
+    assert SpeculativeConfig(2, prompt_lookup_min=2).prompt_lookup_max == 2
+
+
 def test_a_speculative_config_round_trips_through_json():
     config = EngineConfig(speculative_config='{"num_speculative_tokens": 3, "prompt_lookup_max": 2}')
     assert config.speculative_config == SpeculativeConfig(num_speculative_tokens=3, prompt_lookup_max=2)

@@ -330,7 +330,7 @@ def test_planning_ahead_changes_no_output(requests, block_size, num_blocks, budg
 ACCEPTED: list[int] = []  # drafts accepted, per speculative example
 
 
-@settings(max_examples=80, deadline=None)
+@settings(max_examples=50, deadline=None)
 @given(requests=st.lists(st.tuples(st.integers(1, 30), st.integers(1, 16), st.integers(1, 3), st.booleans()),
                          min_size=1, max_size=8),
        block_size=st.sampled_from([1, 2, 4, 8]), num_blocks=st.integers(8, 40), budget=st.integers(2, 40),
