@@ -396,6 +396,42 @@ def test_rejected_drafts_give_their_blocks_back():
     assert not engine.can_plan_ahead()  # never with speculation: a result's drafts would be stale
 
 
+def test_drafts_never_displace_a_running_sequence_s_token_nor_preempt():
+    """Drafts are optional: the newer of two decoding sequences gets its token every step however
+    many drafts the older was offered, and drafts that do not fit in the free blocks are cut rather
+    than preempting anyone (found by review: both happened)."""
+    for k in (0, 4):
+        engine, worker = make_engine(num_blocks=64, block_size=4, budget=4, speculate=k)
+        for request_id, prompt in (("a", [1, 2, 3]), ("b", [4, 5, 6])):
+            engine.add_request(request_id, prompt, SamplingParams(max_tokens=40, ignore_eos=True))
+        while engine.has_unfinished():
+            decoding = sum(1 for s in engine.scheduler.running if s.output_token_ids)
+            engine.step()
+            check_invariants(engine)
+            assert decoding < 2 or len(worker.plans[-1].running) == 2, f"k={k}: a decoding sequence got no token"
+        tight, _ = make_engine(num_blocks=4, block_size=4, budget=32, speculate=k)
+        tight.add_request("a", [1, 2, 3], SamplingParams(max_tokens=12, ignore_eos=True))
+        tight.add_request("b", [4, 5, 6], SamplingParams(max_tokens=4, ignore_eos=True))
+        run_to_completion(tight)
+        assert tight.get_stats()["num_preemptions"] == 0, f"k={k}: drafts preempted a sequence"
+
+
+def test_blocks_filled_by_accepted_drafts_are_cached_even_when_the_sequence_stops_there():
+    """A chat's next turn (the prompt, the output and more) finds as many cached tokens after
+    speculative decoding as after plain decoding (found by review: the last blocks were lost)."""
+    hits = []
+    for k in (0, 4):
+        engine, worker = make_engine(num_blocks=64, block_size=4, caching=True, speculate=k)
+        engine.add_request("first", [1, 2, 3, 4, 5], SamplingParams(max_tokens=20, ignore_eos=True))
+        output = run_to_completion(engine)["first"]
+        before = engine.get_stats()["prefix_cache_hits"]
+        engine.add_request("next", [1, 2, 3, 4, 5] + output + [7], SamplingParams(max_tokens=1))
+        run_to_completion(engine)
+        hits.append(engine.get_stats()["prefix_cache_hits"] - before)
+        assert k == 0 or worker.num_accepted > 0
+    assert hits[0] == hits[1] == 24
+
+
 # --- prefix caching ---------------------------------------------------------------------------------
 
 def test_cached_free_blocks_are_evicted_deepest_first_and_revived_by_hits():

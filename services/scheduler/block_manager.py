@@ -77,6 +77,12 @@ class BlockManager:
         """Blocks to add so the sequence has slots for ``num_tokens`` tokens in all."""
         return max(0, self.blocks_for(num_tokens) - len(self._tables.get(seq_id, ())))
 
+    def free_slots_after(self, seq_id: int, num_tokens: int, reserve_blocks: int = 0) -> int:
+        """Slots the sequence could add past its first ``num_tokens`` (which have slots) without taking
+        any other sequence's blocks: the rest of its last block, and the free blocks but ``reserve_blocks``."""
+        in_table = len(self._tables.get(seq_id, ())) * self.block_size - num_tokens
+        return in_table + max(0, self.num_free_blocks - reserve_blocks) * self.block_size
+
     def can_allocate(self, seq_id: int, num_tokens: int, *, keep_watermark: bool = False,
                      hits: list[KVCacheBlock] = (), write_from: int | None = None) -> bool:
         """Room for ``num_tokens`` slots, the first ones in cache hits (a cached-free hit costs a free block),

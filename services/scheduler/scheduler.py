@@ -10,7 +10,7 @@ from services.scheduler.beam_search import BeamStep
 from services.scheduler.block_manager import BlockManager
 from services.scheduler.preemption import choose_preemption
 from services.scheduler.sequence import Sequence, SequenceStatus, SequenceUpdate
-from shared.step_protocol import Fork, NewSequence, RunningSequence, StepPlan, StepResult
+from shared.step_protocol import Fork, NewSequence, RunningSequence, SequenceOutput, StepPlan, StepResult
 
 
 @dataclass(frozen=True)
@@ -83,9 +83,10 @@ class Scheduler:
            victim sits at its head) while the budget, max_num_seqs and free blocks (less a small
            watermark, kept while anything runs) allow; a prompt starts after its cached prefix. With chunked prefill a
            prompt may take part of the budget left; without, it must fit whole.
-        Speculative decoding: a decoding sequence the worker proposed drafts for computes them after
-        its token, within the budget, max_tokens and the context (its blocks grow to hold them). They
-        are granted where its token is, in rule 1, so drafts never displace another sequence's token.
+           Speculative decoding: then a decoding sequence the worker proposed drafts for may compute
+           them after its token, oldest first, within max_tokens, the context, the budget left and the
+           free blocks (less the watermark). Drafts are optional: they never preempt anything and never
+           displace a running sequence's own tokens (they may displace waiting work, as in vLLM).
         4. If nothing at all could be scheduled while sequences wait, the newest beam parked on
            its siblings' candidates is preempted: the blocks of beams that already reported are
            what the waiting siblings need (else beam groups could hold each other's blocks forever).
@@ -108,12 +109,10 @@ class Scheduler:
             if not work:
                 continue  # preempted just now, a beam waiting for its siblings, or its last token is coming
             num_tokens = min(work, budget)
-            drafts = self._drafts_to_verify(seq, num_tokens, budget)
             planned = seq.num_planned_tokens  # preempting others leaves it; preempting this one ends the loop
             allocation = None
             while seq.status is SequenceStatus.RUNNING:
-                allocation = self.blocks.append_slots(seq.seq_id, planned + num_tokens + len(drafts),
-                                                      write_from=planned)
+                allocation = self.blocks.append_slots(seq.seq_id, planned + num_tokens, write_from=planned)
                 if allocation is not None:
                     break
                 self._preempt(self._victim(), plan)
@@ -124,8 +123,8 @@ class Scheduler:
                 plan.copies.append(allocation.copy)
                 seq.table_replaced = True
             scheduled[seq.seq_id] = num_tokens
-            seq.inflight_drafts = drafts
-            budget -= num_tokens + len(drafts)
+            budget -= num_tokens
+        budget = self._grant_drafts(budget, scheduled)
         if not preempted:
             budget = self._swap_in(budget, scheduled, plan)
             if not any(seq.num_uncomputed_tokens for seq in self.swapped):
@@ -136,17 +135,32 @@ class Scheduler:
         self._describe_work(scheduled, plan)
         return plan, scheduled
 
-    def _drafts_to_verify(self, seq: Sequence, num_tokens: int, budget: int) -> list[int]:
-        """The worker's drafts this sequence computes after its token; none unless this step brings it to
-        sampling. A sequence may gain at most max_tokens and the context: each accepted draft is one
-        token, and the step's own sample one more."""
-        drafts = seq.draft_token_ids
-        if not drafts or seq.beam_group is not None or seq.num_placeholders or not seq.known_to_worker \
-                or num_tokens != seq.num_uncomputed_tokens:
-            return []
-        room = min(budget - num_tokens, seq.max_output_tokens - len(seq.output_token_ids) - 1,
-                   self.max_model_len - seq.num_tokens - 1)
-        return drafts[:room] if room > 0 else []
+    def _grant_drafts(self, budget: int, scheduled: dict[int, int]) -> int:
+        """Rule 1's second part: drafts for scheduled sequences from what is left; the budget after them."""
+        blocks = self.blocks
+        for seq in self.running:
+            if budget <= 0:
+                break
+            num_tokens = scheduled.get(seq.seq_id)
+            if num_tokens is None or not self._may_draft(seq, num_tokens):
+                continue
+            through = seq.num_planned_tokens + num_tokens  # its slots reach here already
+            room = min(budget, seq.max_output_tokens - len(seq.output_token_ids) - 1,
+                       self.max_model_len - seq.num_tokens - 1,
+                       blocks.free_slots_after(seq.seq_id, through, reserve_blocks=blocks.watermark_blocks))
+            drafts = seq.draft_token_ids[:max(0, room)]
+            if drafts:
+                blocks.append_slots(seq.seq_id, through + len(drafts))
+                seq.inflight_drafts = drafts
+                budget -= len(drafts)
+        return budget
+
+    @staticmethod
+    def _may_draft(seq: Sequence, num_tokens: int) -> bool:
+        """Whether the worker's drafts may follow this step's tokens: the step brings the sequence to
+        sampling, and nothing else depends on that sample (beam search, siblings to fork from it)."""
+        return bool(seq.draft_token_ids) and seq.beam_group is None and not seq.pending_siblings \
+            and not seq.num_placeholders and seq.known_to_worker and num_tokens == seq.num_uncomputed_tokens
 
     def _work_left(self, seq: Sequence) -> int:
         """Tokens the running sequence could compute in this step; 0 when it has none to schedule."""
@@ -307,9 +321,6 @@ class Scheduler:
                 plan.running.append(RunningSequence(
                     seq.seq_id, seq.token_slice(seq.num_tokens_sent, seq_tokens), added, seq.num_planned_tokens,
                     num_tokens + len(seq.inflight_drafts), table, seq.num_placeholders > 0, seq.inflight_drafts))
-                if seq.inflight_drafts:
-                    self.num_spec_drafts += 1
-                    self.num_spec_draft_tokens += len(seq.inflight_drafts)
             seq.table_replaced = False
             seq.num_tokens_sent = seq_tokens + seq.num_placeholders
             seq.num_blocks_sent = num_blocks
@@ -356,7 +367,7 @@ class Scheduler:
             updates.extend(forked)
         return updates
 
-    def _append_output(self, seq: Sequence, out, update: SequenceUpdate) -> None:
+    def _append_output(self, seq: Sequence, out: SequenceOutput, update: SequenceUpdate) -> None:
         """The accepted drafts (each one a computed token more), then the sampled token; a stop among
         them ends the sequence there. A sequence verifying drafts gives back the blocks of the rejected ones."""
         drafts, seq.inflight_drafts = seq.inflight_drafts, []
@@ -364,16 +375,21 @@ class Scheduler:
         if accepted != drafts[:len(accepted)]:
             raise ValueError(f"the worker accepted tokens {accepted} for sequence {seq.seq_id}, not a prefix of the "
                              f"drafts {drafts} it was sent")
+        if drafts:
+            self.num_spec_drafts += 1
+            self.num_spec_draft_tokens += len(drafts)
+            self.num_spec_accepted_tokens += len(accepted)
         logprobs = out.accepted_logprobs or [None] * len(accepted)
-        self.num_spec_accepted_tokens += len(accepted)
         for token_id, position in zip(accepted, logprobs):
+            self._push_token(seq, token_id, position, update)
             seq.num_computed_tokens += 1  # the draft's KV, written in this step, is the token's
-            if self._append_token(seq, token_id, position, update):
+            # Indexed now: a stop at this token frees the blocks, which the prefix cache keeps if indexed.
+            self.blocks.cache_full_blocks(seq.seq_id, seq.num_computed_tokens, seq.token_slice, seq.cache_extra)
+            if self._stops(seq, token_id, update):
                 return
         if self._append_token(seq, out.token_id, out.logprobs, update):
             return
         if drafts:
-            self.blocks.cache_full_blocks(seq.seq_id, seq.num_computed_tokens, seq.token_slice, seq.cache_extra)
             self._release_rejected_slots(seq)
         # Drafts continue the sequence as the worker knew it; with another step of it in flight they would not.
         seq.draft_token_ids = out.draft_token_ids if not seq.num_placeholders else []
@@ -392,10 +408,18 @@ class Scheduler:
 
     def _append_token(self, seq: Sequence, token_id: int, logprobs, update: SequenceUpdate) -> bool:
         """Append one token; whether it ended the sequence."""
+        self._push_token(seq, token_id, logprobs, update)
+        return self._stops(seq, token_id, update)
+
+    @staticmethod
+    def _push_token(seq: Sequence, token_id: int, logprobs, update: SequenceUpdate) -> None:
         seq.output_token_ids.append(token_id)
         update.new_token_ids.append(token_id)
         if logprobs is not None:
             update.new_logprobs.append(logprobs)
+
+    def _stops(self, seq: Sequence, token_id: int, update: SequenceUpdate) -> bool:
+        """Whether the token just appended ended the sequence (then the update says how)."""
         if self._check_stop(seq, token_id):
             update.finish_reason, update.stop_reason = seq.status.value, seq.stop_reason
             return True

@@ -102,7 +102,7 @@ class Sequence:
         self.known_to_worker = False
         self.table_replaced = False
         self.num_tokens_sent = self.num_blocks_sent = 0
-        self.inflight_drafts = []
+        self.draft_token_ids, self.inflight_drafts = [], []  # proposed for the sequence's state on the worker
 
     def __repr__(self) -> str:
         return (f"Sequence(id={self.seq_id}, req={self.request_id!r}, {self.status.value}, "

@@ -15,6 +15,7 @@ class EngineStats:
         self.scheduler_time_s = 0.0  # planning and applying results: the scheduler's own share of a step
         self.forward_time_s = 0.0
         self.sample_time_s = 0.0
+        self.propose_time_s = 0.0  # speculative decoding's draft proposals
         self.kv_waste_pct_peak = 0.0
         self.kv_blocks_used_peak = 0
 
@@ -25,6 +26,7 @@ class EngineStats:
         self.scheduler_time_s += scheduler_s
         self.forward_time_s += result.forward_time_s
         self.sample_time_s += result.sample_time_s
+        self.propose_time_s += result.propose_time_s
 
     def record_usage(self) -> None:
         """When a step is planned: every allocated slot holds a token or is about to, but each table's tail."""
@@ -65,4 +67,5 @@ class EngineStats:
             "scheduler_time_s": self.scheduler_time_s,
             "forward_time_s": self.forward_time_s,
             "sample_time_s": self.sample_time_s,
+            "propose_time_s": self.propose_time_s,
         }
