@@ -51,7 +51,8 @@ class SamplingState:
         self.stream_index = stream_index
         self.device = torch.device(device)
         self._num_output_tokens = len(output_token_ids)
-        self.output_counts = self._counts_of(output_token_ids) if _uses_penalties(params) else None
+        self._counts = self._counts_of(output_token_ids) if _uses_penalties(params) else None
+        self._drafts_before: list[int] = []  # a verification view: drafts counted on top of _counts
         self.prompt_mask = self._mask_of(prompt_token_ids) if params.repetition_penalty != 1.0 else None
         self.bias_row = self._bias_row_of(params.logit_bias) if params.logit_bias else None
         self.seed_key = _seed_key(params.seed, stream_index) if params.seed is not None else None
@@ -65,8 +66,8 @@ class SamplingState:
         if not 0 <= token_id < self.vocab_size:
             raise ValueError(f"token id {token_id} is outside the vocabulary (size {self.vocab_size})")
         self._num_output_tokens += 1
-        if self.output_counts is not None:
-            self.output_counts[token_id] += 1
+        if self._counts is not None:
+            self._counts[token_id] += 1
 
     def verification_states(self, draft_token_ids: list[int], device: torch.device) -> list["SamplingState"]:
         """The states of the len(drafts) + 1 positions a step verifying these drafts samples: position j
@@ -74,20 +75,31 @@ class SamplingState:
         seeded counter exactly as when those tokens had been sampled one step at a time."""
         if self.device != device:
             self.to(device)  # once, before the views share the dense rows
-        views, counts = [], self.output_counts
+        views = []
         for j in range(len(draft_token_ids) + 1):
             view = copy.copy(self)
             view._num_output_tokens = self._num_output_tokens + j
-            if counts is not None and j:
-                counts = counts.clone()
-                counts[draft_token_ids[j - 1]] += 1
-                view.output_counts = counts
+            view._drafts_before = draft_token_ids[:j]
             views.append(view)
         return views
 
+    @property
+    def penalised(self) -> bool:
+        """Whether the penalties apply (they need the output's token counts)."""
+        return self._counts is not None
+
+    @property
+    def output_counts(self) -> Tensor | None:
+        """[vocab] int32 counts of the output's tokens; a view's made when asked (the sampler asks a
+        chunk of rows at a time), so verifying drafts holds no [drafts, vocab] copies meanwhile."""
+        if self._counts is None or not self._drafts_before:
+            return self._counts
+        drafts = torch.tensor(self._drafts_before, dtype=torch.long, device=self._counts.device)
+        return self._counts.index_add(0, drafts, torch.ones_like(drafts, dtype=self._counts.dtype))
+
     def to(self, device: torch.device) -> None:
         """Move the dense rows to the sampler's device (once, when it first sees this state)."""
-        for name in ("output_counts", "prompt_mask", "bias_row"):
+        for name in ("_counts", "prompt_mask", "bias_row"):
             row = getattr(self, name)
             if row is not None:
                 setattr(self, name, row.to(device))
@@ -177,7 +189,7 @@ class Sampler:
         return params.stop_token_ids + ([] if params.ignore_eos else self.eos_token_ids)
 
     def _apply_penalties(self, scores: Tensor, states: list[SamplingState]) -> Tensor:
-        rows = [i for i, s in enumerate(states) if s.output_counts is not None]
+        rows = [i for i, s in enumerate(states) if s.penalised]
         if not rows:
             return scores
         penalised = [states[i] for i in rows]
