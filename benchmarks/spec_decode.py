@@ -2,12 +2,16 @@
 
     python benchmarks/spec_decode.py [--batches 1,16] [--output-len 96] [--rounds 3] [--k 4]
 
-The random bench model never repeats itself, so n-gram drafts are always rejected on it: the
-"ngram" row is the cost of speculating for nothing. To see the gain at a given acceptance, the
-"reference" rows propose a plain run's own outputs (tests/reference_proposer.py), each draft wrong
-with a chosen probability (and every draft after a wrong one too, as real drafts go). Every mode
-decodes the same greedy requests to the same tokens (checked); modes alternate within each round so
-that a drift of the machine hits all alike, and speed-ups are medians of per-round ratios.
+The target is a 24-layer model of the bench model's width (vocabulary 4096) whose layers after the
+first are damped (their output projections scaled by --damping), and the draft model is its first
+layer: a pair that agrees as a real draft and target do, the draft a small fraction of the target's
+weights (random weights give no natural pair). Random weights never
+repeat themselves, so n-gram drafts are all rejected: the "ngram" row is the cost of speculating for
+nothing. The "reference" rows propose a plain run's own outputs (tests/reference_proposer.py), each
+draft wrong with a chosen probability (and every one after it): the gain at a given acceptance, with
+no draft to run. Every mode decodes the same greedy requests to the same tokens (checked); modes
+alternate within each round so that a drift of the machine hits all alike, and speed-ups are medians
+of per-round ratios.
 
 It also times the n-gram proposer alone: microseconds per sequence and step, by context length.
 """
@@ -15,8 +19,9 @@ It also times the n-gram proposer alone: microseconds per sequence and step, by 
 from __future__ import annotations
 
 import argparse
-import json
+import os
 import statistics
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -26,6 +31,46 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import numpy as np  # noqa: E402
 
 from benchmarks.workload import bench_model_dir, bench_workload, write_report  # noqa: E402
+
+# The target: the bench model's width with a small vocabulary and three times the depth, so that its
+# layers, not the vocabulary head, hold most of its weights, as in real models; the draft: its first layer.
+PAIR_SHAPE: dict = dict(model_type="llama", vocab_size=4096, hidden_size=512, intermediate_size=1408,
+                        num_hidden_layers=24, num_attention_heads=8, num_key_value_heads=4,
+                        max_position_embeddings=4096, dtype="float32")
+DRAFT_LAYERS = 1
+
+
+def draft_pair(damping: float) -> tuple[Path, Path]:
+    """(target, draft), made once (in a child process: loading transformers here slowed the runs) and cached."""
+    root = bench_model_dir().parent / f"spec-pair-{PAIR_SHAPE['num_hidden_layers']}x{DRAFT_LAYERS}-{damping:g}"
+    if not (root / "draft" / "config.json").exists():
+        subprocess.run([sys.executable, __file__, "--make-pair", str(root), "--damping", str(damping)], check=True)
+    return root / "target", root / "draft"
+
+
+def make_pair(root: Path, damping: float) -> None:
+    import shutil
+
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from shared.model_factory import create_model_dir
+
+    tmp = root.parent / f".{root.name}-tmp-{os.getpid()}"
+    target = create_model_dir(tmp / "target", **PAIR_SHAPE)
+    model = AutoModelForCausalLM.from_pretrained(str(target), dtype=torch.float32)
+    with torch.no_grad():  # the layers past the draft's add little to the residual stream
+        for layer in model.model.layers[DRAFT_LAYERS:]:
+            layer.self_attn.o_proj.weight.mul_(damping)
+            layer.mlp.down_proj.weight.mul_(damping)
+    model.save_pretrained(target)
+    model.model.layers = model.model.layers[:DRAFT_LAYERS]
+    model.config.num_hidden_layers = DRAFT_LAYERS
+    model.save_pretrained(tmp / "draft")
+    for file in target.iterdir():
+        if file.name.startswith(("tokenizer", "special_tokens", "generation_config")):
+            shutil.copy(file, tmp / "draft" / file.name)
+    tmp.rename(root)
 
 
 def run(llm, prompts, params, proposer) -> dict:
@@ -38,7 +83,8 @@ def run(llm, prompts, params, proposer) -> dict:
     elapsed = time.perf_counter() - start
     after = llm.stats()
     delta = {k: after[k] - before[k] for k in ("num_steps", "spec_decode_num_drafts", "spec_decode_num_draft_tokens",
-                                               "spec_decode_num_accepted_tokens", "forward_time_s", "sample_time_s")}
+                                               "spec_decode_num_accepted_tokens", "forward_time_s", "sample_time_s",
+                                               "propose_time_s")}
     tokens = sum(len(o.outputs[0].token_ids) for o in outputs)
     return {"elapsed_s": elapsed, "tokens": tokens, "token_ids": [o.outputs[0].token_ids for o in outputs], **delta}
 
@@ -68,21 +114,30 @@ def main() -> None:
     parser.add_argument("--k", type=int, default=4, help="num_speculative_tokens")
     parser.add_argument("--wrong", default="0.0,0.25,0.5", help="reference modes: chance a draft is wrong")
     parser.add_argument("--rounds", type=int, default=3)
-    parser.add_argument("--model", default=None, help="a model directory (default: the bench model)")
+    parser.add_argument("--model", default=None, help="a target model directory, no draft model mode "
+                                                      "(default: the damped bench model and its draft)")
+    parser.add_argument("--damping", type=float, default=0.1, help="scale of the target's extra layers' outputs")
+    parser.add_argument("--make-pair", default=None, help=argparse.SUPPRESS)  # the child draft_pair runs
     parser.add_argument("--proposal-contexts", default="1024,8192,32768", help="contexts the n-gram proposer is timed at")
     parser.add_argument("--out", default="benchmarks/results/spec_decode.json")
     args = parser.parse_args()
+    if args.make_pair:
+        make_pair(Path(args.make_pair), args.damping)
+        return
 
     from pagedserve import LLM, SamplingParams
     from tests.reference_proposer import ReferenceProposer
 
-    model = args.model or str(bench_model_dir())
+    model, draft = (args.model, None) if args.model else map(str, draft_pair(args.damping))
     options = dict(block_size=16, kv_cache_memory_bytes=1 << 30)
     plain_llm = LLM(model, **options)
     spec_llm = LLM(model, speculative_config={"method": "ngram", "num_speculative_tokens": args.k}, **options)
+    draft_llm = LLM(model, speculative_config={"method": "draft_model", "model": draft,
+                                               "num_speculative_tokens": args.k}, **options) if draft else None
     ngram = spec_llm.engine.executor.worker.proposer
     vocab = spec_llm.engine.executor.worker.vocab_size
-    report = {"model": model, "k": args.k, "output_len": args.output_len, "rounds": args.rounds, "batches": []}
+    report = {"model": model, "draft": draft, "damping": args.damping, "k": args.k, "output_len": args.output_len,
+              "rounds": args.rounds, "batches": []}
     for batch in [int(b) for b in args.batches.split(",")]:
         requests = bench_workload(batch, seed=batch, vocab_size=min(vocab, 32000),
                                   prompt_range=(args.prompt_len, args.prompt_len),
@@ -92,6 +147,8 @@ def main() -> None:
         reference = run(plain_llm, prompts, params, None)  # warm-up, and what the drafts propose
         full = [r.prompt_token_ids + ids for r, ids in zip(requests, reference["token_ids"])]
         modes = {"plain": (plain_llm, lambda: None), "ngram": (spec_llm, lambda: ngram)}
+        if draft_llm is not None:
+            modes[f"draft model ({DRAFT_LAYERS} of {PAIR_SHAPE['num_hidden_layers']} layers)"] = (draft_llm, lambda: None)
         for wrong in [float(w) for w in args.wrong.split(",")]:
             modes[f"reference, {wrong:.0%} wrong"] = (
                 spec_llm, lambda wrong=wrong: ReferenceProposer(full, args.k, vocab, wrong, seed=1))
@@ -112,16 +169,17 @@ def main() -> None:
                 "steps": last["num_steps"],
                 "acceptance": last["spec_decode_num_accepted_tokens"] / drafts if drafts else None,
                 "tokens_per_seq_step": last["tokens"] / (last["num_steps"] * batch) if batch == 1 else None,
-                "forward_s": last["forward_time_s"], "sample_s": last["sample_time_s"]})
+                "forward_s": last["forward_time_s"], "sample_s": last["sample_time_s"],
+                "propose_s": last["propose_time_s"]})
         report["batches"].append({"batch": batch, "rows": rows})
         print(f"\nbatch {batch}, {args.prompt_len}-token prompts, {args.output_len} tokens each, k={args.k}")
-        print(f"{'mode':<24}{'tok/s':>9}{'speed-up (range)':>20}{'steps':>7}{'accepted':>10}{'fwd s':>8}"
-              f"{'sample s':>10}")
+        print(f"{'mode':<25}{'tok/s':>8}{'speed-up (range)':>20}{'steps':>7}{'accepted':>10}{'fwd s':>8}"
+              f"{'sample s':>10}{'propose s':>11}")
         for r in rows:
             accepted = "-" if r["acceptance"] is None else f"{r['acceptance']:.0%}"
             low, high = r["speedup_range"]
-            print(f"{r['mode']:<24}{r['tokens_per_s']:>9.1f}{r['speedup_vs_plain']:>8.2f}x ({low:.2f}-{high:.2f})"
-                  f"{r['steps']:>7}{accepted:>10}{r['forward_s']:>8.2f}{r['sample_s']:>10.2f}")
+            print(f"{r['mode']:<25}{r['tokens_per_s']:>8.1f}{r['speedup_vs_plain']:>8.2f}x ({low:.2f}-{high:.2f})"
+                  f"{r['steps']:>7}{accepted:>10}{r['forward_s']:>8.2f}{r['sample_s']:>10.2f}{r['propose_s']:>11.2f}")
     report["ngram_proposal_us"] = proposal_cost_us(args.k, [int(c) for c in args.proposal_contexts.split(",")])
     print("\nn-gram proposal, per sequence and step")
     for r in report["ngram_proposal_us"]:

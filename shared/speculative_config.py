@@ -2,9 +2,10 @@
 
 A worker with these proposes up to ``num_speculative_tokens`` draft tokens per sequence after each
 step; the next step computes them beside the sequence's real next token and keeps the longest
-prefix the model itself would have sampled. Only ``"ngram"`` (prompt lookup: the tokens that
-followed the latest earlier occurrence of the sequence's last n tokens) is built: it needs no second
-model, and the KV cache, block tables and step protocol are the same for any proposer.
+prefix the model itself would have sampled. Two proposers are built: ``"ngram"`` (prompt lookup: the
+tokens that followed the latest earlier occurrence of the sequence's last n tokens; no second model)
+and ``"draft_model"`` (a smaller model with the same vocabulary, ``model``, decoding greedily ahead).
+The block tables and the step protocol are the same for both.
 """
 
 from __future__ import annotations
@@ -12,38 +13,50 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass, fields
 
-METHODS = ("ngram",)
+METHODS = ("ngram", "draft_model")
 DEFAULT_PROMPT_LOOKUP = 5
 # vLLM's other methods, refused with a clear error rather than silently ignored.
-NOT_BUILT = ("draft_model", "eagle", "eagle3", "medusa", "mlp_speculator", "mtp", "suffix")
+NOT_BUILT = ("eagle", "eagle3", "medusa", "mlp_speculator", "mtp", "suffix")
 
 
 @dataclass(frozen=True)
 class SpeculativeConfig:
     num_speculative_tokens: int  # the most draft tokens verified per sequence and step
     method: str = "ngram"
-    # The longest suffix n-gram looked up (tried first), and the shortest tried when longer ones have
-    # no earlier occurrence. As vLLM: 5 and 5 when neither is given, else the one given for both.
+    # ngram: the longest suffix n-gram looked up (tried first), and the shortest tried when longer ones
+    # have no earlier occurrence. As vLLM: 5 and 5 when neither is given, else the one given for both.
     prompt_lookup_max: int | None = None
     prompt_lookup_min: int | None = None
+    model: str | None = None  # draft_model: the draft's Hugging Face directory
 
     def __post_init__(self) -> None:
-        low, high = self.prompt_lookup_min, self.prompt_lookup_max
-        if low is None and high is None:
-            low = high = DEFAULT_PROMPT_LOOKUP
-        object.__setattr__(self, "prompt_lookup_min", high if low is None else low)
-        object.__setattr__(self, "prompt_lookup_max", low if high is None else high)
         if self.method in NOT_BUILT:
             raise ValueError(f"speculative_config method {self.method!r} is not supported here; "
                              f"supported: {', '.join(METHODS)}")
         if self.method not in METHODS:
             raise ValueError(f"speculative_config method must be one of {METHODS}, got {self.method!r}")
         _require_int(self.num_speculative_tokens, "num_speculative_tokens", 1, 64)
+        if self.method == "draft_model":
+            self._check_draft_model()
+            return
+        if self.model is not None:
+            raise ValueError("speculative_config model names a draft model: use it with method 'draft_model'")
+        low, high = self.prompt_lookup_min, self.prompt_lookup_max
+        if low is None and high is None:
+            low = high = DEFAULT_PROMPT_LOOKUP
+        object.__setattr__(self, "prompt_lookup_min", high if low is None else low)
+        object.__setattr__(self, "prompt_lookup_max", low if high is None else high)
         _require_int(self.prompt_lookup_min, "prompt_lookup_min", 1, 64)
         _require_int(self.prompt_lookup_max, "prompt_lookup_max", 1, 64)
         if self.prompt_lookup_min > self.prompt_lookup_max:
             raise ValueError(f"speculative_config prompt_lookup_min ({self.prompt_lookup_min}) must not exceed "
                              f"prompt_lookup_max ({self.prompt_lookup_max})")
+
+    def _check_draft_model(self) -> None:
+        if not isinstance(self.model, str) or not self.model:
+            raise ValueError("speculative_config method 'draft_model' needs model: the draft's model directory")
+        if self.prompt_lookup_min is not None or self.prompt_lookup_max is not None:
+            raise ValueError("speculative_config prompt_lookup_min/max apply to method 'ngram' only")
 
     @classmethod
     def parse(cls, value: "SpeculativeConfig | dict | str | None") -> "SpeculativeConfig | None":
@@ -64,10 +77,13 @@ class SpeculativeConfig:
                              f"{', '.join(sorted(known))}")
         if "num_speculative_tokens" not in value:
             raise ValueError("speculative_config needs num_speculative_tokens")
+        if "model" in value and "method" not in value:  # as vLLM: a draft model without a method is one
+            value = {**value, "method": "draft_model"}
         return cls(**value)
 
     def to_json(self) -> str:
-        return json.dumps({f.name: getattr(self, f.name) for f in fields(self)}, separators=(",", ":"))
+        values = {f.name: getattr(self, f.name) for f in fields(self)}
+        return json.dumps({k: v for k, v in values.items() if v is not None}, separators=(",", ":"))
 
 
 def _require_int(value, name: str, low: int, high: int) -> None:

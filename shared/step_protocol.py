@@ -326,15 +326,17 @@ class StepResult:
     step_id: int  # the plan's
     outputs: list[SequenceOutput] = field(default_factory=list)
     forward_time_s: float = 0.0  # model forward pass, including the KV writes
-    sample_time_s: float = 0.0  # logits processing and sampling
+    sample_time_s: float = 0.0  # logits processing and sampling (and verifying drafts)
+    propose_time_s: float = 0.0  # proposing the next step's drafts (speculative decoding)
 
     def to_proto(self) -> wire.StepResult:
         return wire.StepResult(step_id=self.step_id, outputs=outputs_to_proto(self.outputs),
-                               forward_time_s=self.forward_time_s, sample_time_s=self.sample_time_s)
+                               forward_time_s=self.forward_time_s, sample_time_s=self.sample_time_s,
+                               propose_time_s=self.propose_time_s)
 
     @classmethod
     def from_proto(cls, m: wire.StepResult) -> "StepResult":
-        return cls(m.step_id, outputs_from_proto(m.outputs), m.forward_time_s, m.sample_time_s)
+        return cls(m.step_id, outputs_from_proto(m.outputs), m.forward_time_s, m.sample_time_s, m.propose_time_s)
 
 
 @dataclass(frozen=True, slots=True)

@@ -12,8 +12,12 @@ import random
 
 import numpy as np
 
+from services.worker.ngram_proposer import NgramProposer
 
-class ReferenceProposer:
+
+class ReferenceProposer(NgramProposer):
+    """The n-gram proposer's batch method and token histories, with drafts of its own."""
+
     def __init__(self, references: list[list[int]], num_tokens: int, vocab_size: int, wrong: float = 0.2,
                  seed: int = 0):
         """references: whole sequences (prompt + the continuation to propose); wrong: the chance that a

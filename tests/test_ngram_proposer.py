@@ -81,7 +81,10 @@ def test_token_history_grows_and_pending_tokens_are_not_kept():
     ({"num_speculative_tokens": 0}, r"in \[1, 64\]"),
     ({"num_speculative_tokens": True}, r"in \[1, 64\]"),
     ({"num_speculative_tokens": 2, "prompt_lookup_min": 3, "prompt_lookup_max": 2}, "must not exceed"),
-    ({"num_speculative_tokens": 2, "model": "x"}, "unknown speculative_config key"),
+    ({"num_speculative_tokens": 2, "draft_tensor_parallel_size": 1}, "unknown speculative_config key"),
+    ({"method": "draft_model", "num_speculative_tokens": 2}, "needs model"),
+    ({"method": "ngram", "model": "/m", "num_speculative_tokens": 2}, "use it with method 'draft_model'"),
+    ({"model": "/m", "num_speculative_tokens": 2, "prompt_lookup_max": 3}, "apply to method 'ngram' only"),
     ("{not json", "not valid JSON"),
     ("[1]", "JSON object"),
 ])
@@ -90,6 +93,12 @@ def test_bad_speculative_configs_are_refused(value, match):
         SpeculativeConfig.parse(value)
     with pytest.raises(ValueError, match=match):
         EngineConfig(speculative_config=value)
+
+
+def test_a_model_without_a_method_is_a_draft_model_as_in_vllm():
+    config = SpeculativeConfig.parse({"model": "/draft", "num_speculative_tokens": 3})
+    assert config.method == "draft_model" and config.prompt_lookup_max is None
+    assert SpeculativeConfig.parse(config.to_json()) == config
 
 
 def test_prompt_lookup_sizes_default_as_vllm_s():

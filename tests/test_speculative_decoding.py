@@ -133,8 +133,9 @@ def test_ngram_drafts_through_the_engine_change_no_greedy_output(llama_dir):
 
 
 def test_a_speculating_worker_serves_through_the_services(llama_dir, tmp_path):
-    """Worker, scheduler and gateway as processes: drafts travel in plans and results over gRPC, the
-    scheduler does not plan ahead of them, and the outputs are plain decoding's."""
+    """Worker, scheduler and gateway as processes, the target its own draft model: accepted drafts
+    travel in results over gRPC, several tokens reach the gateway at once, and the outputs, their
+    logprobs and usage are plain decoding's."""
     import json
 
     import openai
@@ -142,21 +143,94 @@ def test_a_speculating_worker_serves_through_the_services(llama_dir, tmp_path):
     from benchmarks.serving import parse_engine_stats
     from tests.services_harness import Stack, http_get
 
-    rng = random.Random(6)
-    loops = [[rng.randrange(1, 500) for _ in range(period)] * (24 // period) for period in (2, 3)]
-    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
-    expected = [o.outputs[0].text for o in generate(LLM(str(llama_dir), block_size=16), loops, params)]
-    ngram = json.dumps({**NGRAM, "prompt_lookup_min": 1})
-    worker_args = ("--block-size", "16", "--num-gpu-blocks-override", "128", "--speculative-config", ngram)
+    token_prompts = prompts(seed=6, lengths=(3, 20))
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logprobs=1)
+    expected = generate(LLM(str(llama_dir), block_size=16), token_prompts, params)
+    worker_args = ("--block-size", "16", "--num-gpu-blocks-override", "128",
+                   "--speculative-config", json.dumps(draft_model(llama_dir)))
     with Stack(llama_dir, tmp_path, worker_args=worker_args) as stack:
         client = openai.OpenAI(base_url=f"{stack.base_url}/v1", api_key="unused", max_retries=0, timeout=30)
-        for prompt, text in zip(loops, expected):
+        for prompt, plain in zip(token_prompts, expected):
             reply = client.completions.create(model=stack.model_name, prompt=prompt, max_tokens=12, temperature=0,
                                               logprobs=1, extra_body={"ignore_eos": True})
-            assert reply.choices[0].text == text and reply.usage.completion_tokens == 12
-            assert len(reply.choices[0].logprobs.tokens) == 12
-            streamed = client.completions.create(model=stack.model_name, prompt=prompt, max_tokens=12, temperature=0,
-                                                 stream=True, extra_body={"ignore_eos": True})
-            assert "".join(chunk.choices[0].text for chunk in streamed) == text
+            choice, want = reply.choices[0], plain.outputs[0]
+            assert choice.text == want.text and reply.usage.completion_tokens == 12
+            assert choice.logprobs.token_logprobs == pytest.approx(
+                [position[token].logprob for position, token in zip(want.logprobs, want.token_ids)], abs=1e-4)
+            streamed = list(client.completions.create(model=stack.model_name, prompt=prompt, max_tokens=12,
+                                                      temperature=0, stream=True, extra_body={"ignore_eos": True}))
+            assert "".join(chunk.choices[0].text for chunk in streamed if chunk.choices) == want.text
+            assert len(streamed) < 12, "accepted drafts come several tokens to a chunk"
         stats = parse_engine_stats(http_get(f"{stack.base_url}/metrics")[1])
-        assert stats["spec_decode_num_draft_tokens"] > 0 and stats["kv_blocks_used"] == 0
+        assert stats["spec_decode_num_accepted_tokens"] > 0 and stats["kv_blocks_used"] == 0
+
+
+# --- a draft model ------------------------------------------------------------------------------------
+
+
+def draft_model(path) -> dict:
+    return {"method": "draft_model", "model": str(path), "num_speculative_tokens": K}
+
+
+PRESSURE = {  # a few blocks more than the longest request, and a small step budget: preemption happens
+    "roomy": {},
+    "swap": dict(num_gpu_blocks_override=30, preemption_mode="swap", max_num_batched_tokens=20),
+    "recompute": dict(num_gpu_blocks_override=30, preemption_mode="recompute", max_num_batched_tokens=20),
+}
+
+
+@pytest.mark.parametrize("pressure", list(PRESSURE))
+def test_a_draft_model_equal_to_the_target_proposes_what_the_target_samples(llama_dir, pressure):
+    """With the target as its own draft, every greedy draft is right, so the rate of acceptance shows
+    whether the draft's cache followed the target's through swaps, recomputes and prefix-cache hits
+    (a draft cache left behind in a swap accepts about a third); and outputs equal transformers'."""
+    rng = random.Random(7)
+    shared = [rng.randrange(1, 500) for _ in range(40)]
+    token_prompts = prompts(seed=7) + [shared + [i] for i in (1, 2, 3)]
+    llm = LLM(str(llama_dir), block_size=4, speculative_config=draft_model(llama_dir), **PRESSURE[pressure])
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    # The last two come once the first's prefix is in the cache: theirs is read from it, both caches.
+    outputs = generate(llm, token_prompts[:-2], params) + generate(llm, token_prompts[-2:], params)
+    stats = llm.stats()
+    assert stats["spec_decode_num_accepted_tokens"] >= 0.95 * stats["spec_decode_num_draft_tokens"] > 0, stats
+    assert stats["prefix_cache_hits"] > 0 and stats["kv_blocks_used"] == 0
+    if pressure != "roomy":
+        assert stats[f"num_preemptions_{pressure}"] > 0, "the KV budget was meant to force preemption"
+    for prompt, out in zip(token_prompts, outputs):
+        ref, ref_logprobs = hf_greedy(llama_dir, prompt, 24)
+        assert_greedy_equal(out.outputs[0].token_ids, ref, ref_logprobs, f"{pressure}, prompt of {len(prompt)}")
+
+
+def test_a_draft_model_that_guesses_wrong_changes_no_output(llama_dir, tiny_model_factory):
+    other = tiny_model_factory("llama", num_hidden_layers=1, seed=3)
+    token_prompts = prompts(seed=8)
+    for params in (SamplingParams(temperature=0, max_tokens=16, ignore_eos=True),
+                   SamplingParams(n=2, temperature=0.8, seed=4, max_tokens=16, logprobs=2, ignore_eos=True)):
+        plain = generate(LLM(str(llama_dir), block_size=4), token_prompts, params)
+        llm = LLM(str(llama_dir), block_size=4, speculative_config=draft_model(other))
+        spec = generate(llm, token_prompts, params)
+        assert [[c.token_ids for c in o.outputs] for o in spec] == [[c.token_ids for c in o.outputs] for o in plain]
+        assert llm.stats()["spec_decode_num_draft_tokens"] > 0 and llm.stats()["kv_blocks_used"] == 0
+
+
+def test_draft_models_that_cannot_serve_the_target_are_refused(llama_dir, tiny_model_factory, tmp_path):
+    with pytest.raises(ValueError, match="vocabulary of"):
+        LLM(str(llama_dir), speculative_config=draft_model(tiny_model_factory("llama", vocab_size=1024)))
+    short = tiny_model_factory("llama", max_position_embeddings=64)
+    with pytest.raises(ValueError, match="fewer than the context length 512"):
+        LLM(str(llama_dir), speculative_config=draft_model(short))
+    LLM(str(llama_dir), max_model_len=64, speculative_config=draft_model(short))  # within its reach
+    with pytest.raises(FileNotFoundError, match="does not exist"):
+        LLM(str(llama_dir), speculative_config=draft_model(tmp_path / "nothing"))
+
+
+def test_the_draft_s_half_of_each_block_comes_out_of_the_kv_budget(llama_dir):
+    from services.worker.kv_cache import bytes_per_block
+
+    budget = 1 << 20
+    alone = LLM(str(llama_dir), block_size=16, kv_cache_memory_bytes=budget).engine.info.num_kv_blocks
+    paired = LLM(str(llama_dir), block_size=16, kv_cache_memory_bytes=budget,
+                 speculative_config=draft_model(llama_dir)).engine.info.num_kv_blocks
+    worker = LLM(str(llama_dir), block_size=16).engine.executor.worker
+    per_block = bytes_per_block(worker.model_config, 16, worker.dtype)
+    assert alone == budget // per_block and paired == budget // (2 * per_block)

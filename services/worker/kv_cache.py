@@ -47,10 +47,12 @@ def kv_budget_bytes(model: ModelConfig, config: EngineConfig, device: torch.devi
 
 
 def num_kv_blocks(model: ModelConfig, config: EngineConfig, device: torch.device, dtype: torch.dtype,
-                  max_tokens: int, max_model_len: int) -> int:
+                  max_tokens: int, max_model_len: int, extra_bytes_per_block: int = 0) -> int:
+    """extra_bytes_per_block: what else every block holds (a draft model's K and V of its tokens)."""
     if config.num_gpu_blocks_override is not None:
         return config.num_gpu_blocks_override
-    blocks = kv_budget_bytes(model, config, device, max_tokens) // bytes_per_block(model, config.block_size, dtype)
+    per_block = bytes_per_block(model, config.block_size, dtype) + extra_bytes_per_block
+    blocks = kv_budget_bytes(model, config, device, max_tokens) // per_block
     if blocks < 1:
         raise ValueError("the KV cache budget is smaller than one block")
     if device.type != "cuda" and config.kv_cache_memory_bytes is None:
@@ -76,10 +78,12 @@ def allocate_kv_pools(model: ModelConfig, num_blocks: int, block_size: int, dtyp
     return [(pools[layer, 0], pools[layer, 1]) for layer in range(model.num_hidden_layers)]
 
 
-def num_host_blocks(model: ModelConfig, config: EngineConfig, dtype: torch.dtype, num_device_blocks: int) -> int:
+def num_host_blocks(model: ModelConfig, config: EngineConfig, dtype: torch.dtype, num_device_blocks: int,
+                    extra_bytes_per_block: int = 0) -> int:
     """Swap space in blocks: swap_space GiB, but no more than four times the device pool (more could
     never be filled: only sequences that were running get swapped out)."""
-    blocks = int(config.swap_space * (1 << 30)) // bytes_per_block(model, config.block_size, dtype)
+    per_block = bytes_per_block(model, config.block_size, dtype) + extra_bytes_per_block
+    blocks = int(config.swap_space * (1 << 30)) // per_block
     return min(blocks, 4 * num_device_blocks)
 
 

@@ -1,4 +1,4 @@
-"""How long a step's forward pass and its sampling took, without a host wait between the two.
+"""How long a step's forward pass, its sampling and its draft proposals took, without host waits between.
 
 Waiting for the GPU after the forward pass, only to read a clock, would keep the host from
 queueing the sampler's launches behind it: they would then start on an idle GPU instead of
@@ -18,8 +18,8 @@ import torch
 class StepTimer:
     def __init__(self, device: torch.device):
         # Reused every step: finish() waits for the last one, so a step never re-records a pending event.
-        self._events = [torch.cuda.Event(enable_timing=True) for _ in range(3)] if device.type == "cuda" else None
-        self._clock = [0.0] * 3
+        self._events = [torch.cuda.Event(enable_timing=True) for _ in range(4)] if device.type == "cuda" else None
+        self._clock = [0.0] * 4
 
     def start(self) -> None:
         self._mark(0)
@@ -27,15 +27,18 @@ class StepTimer:
     def forward_done(self) -> None:
         self._mark(1)
 
-    def finish(self) -> tuple[float, float]:
-        """(forward seconds, sampling seconds), once the step's work has run."""
+    def sampling_done(self) -> None:
         self._mark(2)
+
+    def finish(self) -> tuple[float, float, float]:
+        """(forward, sampling, proposing) seconds, once the step's work has run."""
+        self._mark(3)
         if self._events is None:
-            begin, forward, end = self._clock
+            begin, forward, sampled, end = self._clock
         else:
-            self._events[2].synchronize()
-            begin, forward, end = 0.0, *(self._events[0].elapsed_time(e) / 1000 for e in self._events[1:])
-        return forward - begin, end - forward
+            self._events[3].synchronize()
+            begin, forward, sampled, end = 0.0, *(self._events[0].elapsed_time(e) / 1000 for e in self._events[1:])
+        return forward - begin, sampled - forward, end - sampled
 
     def _mark(self, index: int) -> None:
         if self._events is None:

@@ -13,10 +13,11 @@ from services.worker.attention.cpu_kernels import cpu_kernels_unavailable_reason
 from services.worker.attention.selector import select_attention_backend
 from services.worker.block_moves import copy_blocks_torch, swap_blocks, whole_pool
 from services.worker.cpu_tuning import keep_large_allocations_in_heap
+from services.worker.draft_model_proposer import DraftModel, DraftModelProposer, load_draft_model
 from services.worker.host_block_tables import HostBlockTables
 from services.worker.input_batch import ScheduledSequence, build_model_inputs
-from services.worker.kv_cache import (activation_bytes_estimate, allocate_host_pool, allocate_kv_pools, num_host_blocks,
-                                      num_kv_blocks)
+from services.worker.kv_cache import (activation_bytes_estimate, allocate_host_pool, allocate_kv_pools, bytes_per_block,
+                                      num_host_blocks, num_kv_blocks)
 from services.worker.model_loader import load_eos_token_ids, load_model
 from services.worker.ngram_proposer import NgramProposer
 from services.worker.sampler import Sampler
@@ -67,12 +68,17 @@ class Worker:
         self.model, self.model_config = load_model(self.model_dir, self.dtype, self.device)
         self.max_model_len = self._resolve_max_model_len()
         token_budget = config.token_budget(self.max_model_len)
+        spec = config.speculative_config
+        # A draft model's weights load before the KV budget is measured, and each block holds its K/V too.
+        draft = load_draft_model(spec.model, self.model_config, self.max_model_len, self.dtype, self.device) \
+            if spec is not None and spec.method == "draft_model" else None
+        draft_block_bytes = bytes_per_block(draft.config, config.block_size, self.dtype) if draft else 0
         self.num_blocks = num_kv_blocks(self.model_config, config, self.device, self.dtype, token_budget,
-                                        self.max_model_len)
+                                        self.max_model_len, draft_block_bytes)
         self.kv_pools = allocate_kv_pools(self.model_config, self.num_blocks, config.block_size, self.dtype,
                                           self.device)
         self.kv_pool = whole_pool(self.kv_pools)
-        self.num_host_blocks = num_host_blocks(self.model_config, config, self.dtype, self.num_blocks)
+        self.num_host_blocks = num_host_blocks(self.model_config, config, self.dtype, self.num_blocks, draft_block_bytes)
         self.host_pool = allocate_host_pool(self.model_config, self.num_host_blocks, config.block_size, self.dtype)
         # Swaps with a GPU pass through a reused page-locked buffer; on a CPU both pools are host memory.
         if self.device.type == "cuda":
@@ -85,8 +91,11 @@ class Worker:
         self.eos_token_ids = load_eos_token_ids(self.model_dir)
         self.vocab_size = self.model_config.vocab_size
         self.sampler = Sampler(self.vocab_size, self.eos_token_ids, seed=config.seed, device=self.device)
-        spec = config.speculative_config
-        self.proposer = NgramProposer(spec) if spec is not None else None  # drafts for the next step
+        self.proposer = self._make_proposer(draft, backend)  # drafts for the next step; None: no speculation
+        # (device pool, host pool) pairs that every block move applies to: the target's, and a draft model's.
+        self.pools = [(self.kv_pool, self.host_pool)]
+        if isinstance(self.proposer, DraftModelProposer):
+            self.pools.append((self.proposer.kv_pool, self.proposer.host_pool))
         self.startup_seconds: dict[str, float] = {}  # what a CUDA worker did before serving, and how long it took
         self.startup_memory: dict[str, int] = {}  # the largest step's measured peak beside what was set aside for it
         if self.device.type == "cuda":
@@ -97,12 +106,26 @@ class Worker:
         self.block_tables = HostBlockTables(width=-(-self.max_model_len // config.block_size))
         self.step_timer = StepTimer(self.device)
 
+    def _make_proposer(self, draft: DraftModel | None, attention_backend: type):
+        spec, config = self.config.speculative_config, self.config
+        if spec is None:
+            return None
+        if draft is None:
+            return NgramProposer(spec)
+        return DraftModelProposer(draft, spec.num_speculative_tokens, attention_backend, self.num_blocks,
+                                  self.num_host_blocks, config.block_size, config.max_num_seqs, self.max_model_len,
+                                  self.dtype, self.device)
+
     def _warm_up_kernels(self, token_budget: int) -> None:
         from services.worker.kernel_warmup import warm_up_kernels
 
         started = time.perf_counter()
         passes = warm_up_kernels(self.model, self.attention, self.kv_pool, self.config.block_size, self.max_model_len,
                                  token_budget, self.device)
+        if isinstance(self.proposer, DraftModelProposer):  # the draft's shapes bring variants of their own
+            draft = self.proposer
+            passes += warm_up_kernels(draft.draft.model, draft.attention, draft.kv_pool, self.config.block_size,
+                                      self.max_model_len, token_budget, self.device)
         self.startup_seconds["kernel_warm_up"] = self._synchronize() - started
         log.info("triton_kernels_warmed_up", forward_passes=passes, seconds=round(self.startup_seconds["kernel_warm_up"], 2))
 
@@ -182,38 +205,57 @@ class Worker:
         if not batch:
             return StepResult(step_id=plan.step_id)
         self.step_timer.start()
+        computed_before = [seq.num_computed_tokens for seq, _ in batch]
         with torch.inference_mode():
             hidden = self._forward(batch)
             self.step_timer.forward_done()
             outputs = self._sample(batch, hidden)
-        for seq, num_tokens in batch:
-            seq.finish_verification(num_tokens, self.config.block_size)
-        forward_s, sample_s = self.step_timer.finish()
-        return StepResult(step_id=plan.step_id, outputs=outputs, forward_time_s=forward_s, sample_time_s=sample_s)
+            for seq, num_tokens in batch:
+                seq.finish_verification(num_tokens, self.config.block_size)
+            self.step_timer.sampling_done()
+            if self.proposer is not None:
+                self._propose(batch, computed_before, outputs)
+        forward_s, sample_s, propose_s = self.step_timer.finish()
+        return StepResult(step_id=plan.step_id, outputs=[outputs[i] for i in sorted(outputs)],
+                          forward_time_s=forward_s, sample_time_s=sample_s, propose_time_s=propose_s)
+
+    def _propose(self, batch: list[tuple[WorkerSequence, int]], computed_before: list[int],
+                 outputs: dict[int, SequenceOutput]) -> None:
+        """The next step's drafts of every sequence that sampled, into its output."""
+        new_tokens = []
+        for i in range(len(batch)):
+            out = outputs.get(i)
+            new_tokens.append([*out.accepted_token_ids, out.token_id] if out is not None and out.token_id is not None
+                              else [])
+        drafts = self.proposer.propose_batch([seq for seq, _ in batch], computed_before, new_tokens, self.block_tables)
+        for i, proposed in enumerate(drafts):
+            if proposed:
+                outputs[i].draft_token_ids = proposed
 
     def _move_blocks(self, plan: StepPlan) -> None:
-        """Swap out, swap in, then copy-on-write copies: all before the forward pass."""
-        if plan.swap_out:
-            self._swap_out(self.kv_pool, self.host_pool, plan.swap_out)
-        if plan.swap_in:
-            self._swap_in(self.host_pool, self.kv_pool, plan.swap_in)
-        if plan.copies:
-            self._copy_blocks(plan.copies)
+        """Swap out, swap in, then copy-on-write copies: all before the forward pass, in every pool."""
+        for device_pool, host_pool in self.pools:
+            if plan.swap_out:
+                self._swap_out(device_pool, host_pool, plan.swap_out)
+            if plan.swap_in:
+                self._swap_in(host_pool, device_pool, plan.swap_in)
+            if plan.copies:
+                self._copy_blocks(device_pool, plan.copies)
 
-    def _copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
+    def _copy_blocks(self, pool: torch.Tensor, pairs: list[tuple[int, int]]) -> None:
         overlapping = {src for src, _ in pairs} & {dst for _, dst in pairs}
         if self.device.type == "cuda" and not overlapping:  # the Triton kernel runs pairs in parallel
             from services.worker.attention.triton_cache_ops import copy_blocks
 
-            copy_blocks(self.kv_pool, pairs)
+            copy_blocks(pool, pairs)
         else:
-            copy_blocks_torch(self.kv_pool, pairs)
+            copy_blocks_torch(pool, pairs)
 
     def _apply_plan(self, plan: StepPlan) -> list[tuple[WorkerSequence, int]]:
         batch = []
         for new in plan.new:
             seq = WorkerSequence.from_new(new, self.vocab_size, self.block_tables,
-                                          keep_history=self.proposer is not None)
+                                          keep_history=getattr(self.proposer, "needs_history", False))
             self._keep(seq)  # a sequence preempted by recompute comes back as new
             batch.append((seq, new.num_scheduled_tokens))
         for delta in plan.running:
@@ -249,8 +291,9 @@ class Worker:
         self._query_start = inputs.meta.query_start_loc.tolist()
         return self.model(inputs.input_ids, inputs.positions, self.attention, inputs.meta)
 
-    def _sample(self, batch: list[tuple[WorkerSequence, int]], hidden: torch.Tensor) -> list[SequenceOutput]:
-        """Logits only where needed: each finishing sequence's last token, and prompt rows asked for."""
+    def _sample(self, batch: list[tuple[WorkerSequence, int]], hidden: torch.Tensor) -> dict[int, SequenceOutput]:
+        """Logits only where needed: each finishing sequence's last token(s), and prompt rows asked for.
+        The outputs by batch index."""
         rows: list[int] = []
         sampling: list[tuple[int, WorkerSequence]] = []  # (batch index, seq) that sample a token
         prompt_rows: list[tuple[int, WorkerSequence, int, int]] = []  # (batch index, seq, first row, count)
@@ -269,7 +312,7 @@ class Worker:
             self._prompt_logprobs(hidden, rows, prompt_rows, outputs)
         if sampling:
             self._sample_tokens(hidden, sampling, sample_rows, outputs)
-        return [outputs[i] for i in sorted(outputs)]
+        return outputs
 
     def _sample_tokens(self, hidden, sampling, sample_rows, outputs) -> None:
         """One token per sequence (one per position, for a sequence verifying drafts), plus one per
@@ -305,11 +348,6 @@ class Worker:
             self._accept(seq, positions, outputs[i])
         for i, (token_id, logprobs) in zip(owners, sampled[num_own:]):
             outputs[i].siblings.append(Sample(token_id, logprobs))
-        if self.proposer is not None:
-            for i, seq in sampling:
-                out = outputs[i]
-                out.draft_token_ids = self.proposer.propose(seq.history.with_pending(out.accepted_token_ids
-                                                                                     + [out.token_id]))
 
     @staticmethod
     def _accept(seq: WorkerSequence, positions: list, out: SequenceOutput) -> None:
