@@ -116,7 +116,7 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--model", default=None, help="a target model directory, no draft model mode "
                                                       "(default: the damped bench model and its draft)")
-    parser.add_argument("--damping", type=float, default=0.1, help="scale of the target's extra layers' outputs")
+    parser.add_argument("--damping", type=float, default=0.02, help="scale of the target's extra layers' outputs")
     parser.add_argument("--make-pair", default=None, help=argparse.SUPPRESS)  # the child draft_pair runs
     parser.add_argument("--proposal-contexts", default="1024,8192,32768", help="contexts the n-gram proposer is timed at")
     parser.add_argument("--out", default="benchmarks/results/spec_decode.json")
