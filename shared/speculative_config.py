@@ -28,6 +28,8 @@ class SpeculativeConfig:
     prompt_lookup_max: int | None = None
     prompt_lookup_min: int | None = None
     model: str | None = None  # draft_model: the draft's Hugging Face directory
+    # No drafts for steps of more sequences than this (where verifying costs more than it saves); None: any.
+    disable_by_batch_size: int | None = None
 
     def __post_init__(self) -> None:
         if self.method in NOT_BUILT:
@@ -36,6 +38,8 @@ class SpeculativeConfig:
         if self.method not in METHODS:
             raise ValueError(f"speculative_config method must be one of {METHODS}, got {self.method!r}")
         _require_int(self.num_speculative_tokens, "num_speculative_tokens", 1, 64)
+        if self.disable_by_batch_size is not None:
+            _require_int(self.disable_by_batch_size, "disable_by_batch_size", 1, 1 << 20)
         if self.method == "draft_model":
             self._check_draft_model()
             return

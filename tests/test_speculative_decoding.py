@@ -234,3 +234,28 @@ def test_the_draft_s_half_of_each_block_comes_out_of_the_kv_budget(llama_dir):
     worker = LLM(str(llama_dir), block_size=16).engine.executor.worker
     per_block = bytes_per_block(worker.model_config, 16, worker.dtype)
     assert alone == budget // per_block and paired == budget // (2 * per_block)
+
+
+@pytest.mark.parametrize("method", ["reference", "draft_model"])
+def test_no_drafts_for_steps_of_more_sequences_than_disable_by_batch_size(llama_dir, method):
+    """vLLM's disable_by_batch_size: a step of more sequences proposes nothing (a draft model's cache
+    still follows: drafts proposed once the batch is small again are all right)."""
+    token_prompts = prompts(seed=9, lengths=(3, 4, 5, 6))
+    params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in (4, 6, 8, 30)]
+    plain = LLM(str(llama_dir), block_size=4).generate([{"prompt_token_ids": p} for p in token_prompts], params,
+                                                       use_tqdm=False)
+    config = {**NGRAM, "disable_by_batch_size": 1} if method == "reference" else \
+        {**draft_model(llama_dir), "disable_by_batch_size": 1}
+    llm = LLM(str(llama_dir), block_size=4, speculative_config=config)
+    if method == "reference":
+        with_reference_drafts(llm, [o.prompt_token_ids + o.outputs[0].token_ids for o in plain], wrong=0.0)
+    worker, running = llm.engine.executor.worker, []
+    execute = worker.execute
+    worker.execute = lambda plan: (running.append((len(plan.new) + len(plan.running),
+                                                   any(d.draft_token_ids for d in plan.running))), execute(plan))[1]
+    spec = llm.generate([{"prompt_token_ids": p} for p in token_prompts], params, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in spec] == [o.outputs[0].token_ids for o in plain]
+    # Drafts come only in steps after a step of one sequence (the last one's tail), and are all right.
+    assert all(size == 1 for size, drafted in running if drafted) and any(drafted for _, drafted in running)
+    stats = llm.stats()
+    assert stats["spec_decode_num_accepted_tokens"] == stats["spec_decode_num_draft_tokens"] > 0

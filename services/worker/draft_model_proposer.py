@@ -76,10 +76,10 @@ class DraftModelProposer:
         self.attention = attention_backend(pools, draft.config.head_dim ** -0.5)
 
     def propose_batch(self, seqs: list, computed_before: list[int], new_tokens: list[list[int]],
-                      tables: HostBlockTables) -> list[list[int]]:
-        """Drafts for each sequence that sampled (new_tokens: its accepted drafts, then the sampled token);
-        every sequence's kept tokens go into the draft's cache either way."""
-        proposing = [i for i, new in enumerate(new_tokens) if new and self._room(seqs[i]) > 0]
+                      tables: HostBlockTables, wanted: bool = True) -> list[list[int]]:
+        """Drafts for each sequence that sampled (new_tokens: its accepted drafts, then the sampled token),
+        unless not ``wanted``; every sequence's kept tokens go into the draft's cache either way."""
+        proposing = [i for i, new in enumerate(new_tokens) if wanted and new and self._room(seqs[i]) > 0]
         proposing = proposing[:self.max_proposing]
         block_tables = self._tables_with_scratch(seqs, proposing, tables)
         drafts = self._catch_up(seqs, computed_before, new_tokens, proposing, block_tables)

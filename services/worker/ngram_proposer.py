@@ -57,10 +57,12 @@ class NgramProposer:
         self.min_n = config.prompt_lookup_min
         self.max_n = config.prompt_lookup_max
 
-    def propose_batch(self, seqs: list, computed_before: list[int], new_tokens: list[list[int]],
-                      tables=None) -> list[list[int]]:
-        """Drafts for each sequence that sampled (new_tokens: its accepted drafts, then the sampled token)."""
-        return [self.propose(seq.history.with_pending(new)) if new else [] for seq, new in zip(seqs, new_tokens)]
+    def propose_batch(self, seqs: list, computed_before: list[int], new_tokens: list[list[int]], tables=None,
+                      wanted: bool = True) -> list[list[int]]:
+        """Drafts for each sequence that sampled (new_tokens: its accepted drafts, then the sampled token);
+        none at all unless ``wanted``."""
+        return [self.propose(seq.history.with_pending(new)) if new and wanted else []
+                for seq, new in zip(seqs, new_tokens)]
 
     def propose(self, tokens: np.ndarray) -> list[int]:
         """Up to num_tokens drafts to follow ``tokens`` (the whole sequence); [] when its suffix is new."""

@@ -227,7 +227,10 @@ class Worker:
             out = outputs.get(i)
             new_tokens.append([*out.accepted_token_ids, out.token_id] if out is not None and out.token_id is not None
                               else [])
-        drafts = self.proposer.propose_batch([seq for seq, _ in batch], computed_before, new_tokens, self.block_tables)
+        limit = self.config.speculative_config.disable_by_batch_size
+        wanted = limit is None or len(batch) <= limit  # else no drafts (a draft model still follows what was kept)
+        drafts = self.proposer.propose_batch([seq for seq, _ in batch], computed_before, new_tokens, self.block_tables,
+                                             wanted)
         for i, proposed in enumerate(drafts):
             if proposed:
                 outputs[i].draft_token_ids = proposed
