@@ -38,8 +38,11 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                              '"prompt_lookup_max": 4, "prompt_lookup_min": 2}')
 
 
-def speculative_config_json(raw: str) -> str:
-    """--speculative-config checked when the flags are read (a clear usage error), kept as JSON."""
+def speculative_config_json(raw: str) -> str | None:
+    """--speculative-config checked when the flags are read (a clear usage error), kept as JSON; empty: off
+    (compose passes an unset variable as the empty string)."""
+    if not raw.strip():
+        return None
     try:
         return SpeculativeConfig.parse(raw).to_json()
     except ValueError as exc:
