@@ -22,7 +22,7 @@ NOT_BUILT = ("eagle", "eagle3", "medusa", "mlp_speculator", "mtp", "suffix")
 @dataclass(frozen=True)
 class SpeculativeConfig:
     num_speculative_tokens: int  # the most draft tokens verified per sequence and step
-    method: str = "ngram"
+    method: str | None = None  # None: "draft_model" with a model, else "ngram" (as vLLM)
     # ngram: the longest suffix n-gram looked up (tried first), and the shortest tried when longer ones
     # have no earlier occurrence. As vLLM: 5 and 5 when neither is given, else the one given for both.
     prompt_lookup_max: int | None = None
@@ -32,6 +32,8 @@ class SpeculativeConfig:
     disable_by_batch_size: int | None = None
 
     def __post_init__(self) -> None:
+        if self.method is None:
+            object.__setattr__(self, "method", "draft_model" if self.model is not None else "ngram")
         if self.method in NOT_BUILT:
             raise ValueError(f"speculative_config method {self.method!r} is not supported here; "
                              f"supported: {', '.join(METHODS)}")
@@ -81,8 +83,6 @@ class SpeculativeConfig:
                              f"{', '.join(sorted(known))}")
         if "num_speculative_tokens" not in value:
             raise ValueError("speculative_config needs num_speculative_tokens")
-        if "model" in value and "method" not in value:  # as vLLM: a draft model without a method is one
-            value = {**value, "method": "draft_model"}
         return cls(**value)
 
     def to_json(self) -> str:

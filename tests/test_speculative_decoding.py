@@ -220,20 +220,27 @@ def test_draft_models_that_cannot_serve_the_target_are_refused(llama_dir, tiny_m
     with pytest.raises(ValueError, match="fewer than the context length 512"):
         LLM(str(llama_dir), speculative_config=draft_model(short))
     LLM(str(llama_dir), max_model_len=64, speculative_config=draft_model(short))  # within its reach
+    windowed = tiny_model_factory("mistral", sliding_window=128)  # attention here is full: its window is its reach
+    with pytest.raises(ValueError, match="handles 128 positions"):
+        LLM(str(llama_dir), speculative_config=draft_model(windowed))
     with pytest.raises(FileNotFoundError, match="does not exist"):
         LLM(str(llama_dir), speculative_config=draft_model(tmp_path / "nothing"))
 
 
-def test_the_draft_s_half_of_each_block_comes_out_of_the_kv_budget(llama_dir):
-    from services.worker.kv_cache import bytes_per_block
-
+def test_the_draft_s_cache_comes_out_of_the_kv_budget(llama_dir):
+    """Each block's share includes the draft's K/V, and the draft's scratch blocks are taken from the
+    budget first: both pools together stay within it (found by review: the scratch was not counted)."""
     budget = 1 << 20
-    alone = LLM(str(llama_dir), block_size=16, kv_cache_memory_bytes=budget).engine.info.num_kv_blocks
-    paired = LLM(str(llama_dir), block_size=16, kv_cache_memory_bytes=budget,
-                 speculative_config=draft_model(llama_dir)).engine.info.num_kv_blocks
-    worker = LLM(str(llama_dir), block_size=16).engine.executor.worker
-    per_block = bytes_per_block(worker.model_config, 16, worker.dtype)
-    assert alone == budget // per_block and paired == budget // (2 * per_block)
+    alone = LLM(str(llama_dir), block_size=16, kv_cache_memory_bytes=budget, max_num_seqs=8).engine.executor.worker
+    paired = LLM(str(llama_dir), block_size=16, kv_cache_memory_bytes=budget, max_num_seqs=8,
+                 speculative_config=draft_model(llama_dir)).engine.executor.worker
+    per_block = alone.kv_pool[:, :, 0].numel() * alone.kv_pool.element_size()
+    scratch = 8 * -(-K // 16)  # a run of blocks per proposing sequence
+    assert alone.num_blocks == budget // per_block
+    assert paired.num_blocks == (budget - scratch * per_block) // (2 * per_block)
+    draft_pool = paired.proposer.kv_pool
+    assert draft_pool.shape[2] == paired.num_blocks + scratch
+    assert paired.kv_pool.numel() * 4 + draft_pool.numel() * 4 <= budget
 
 
 @pytest.mark.parametrize("method", ["reference", "draft_model"])

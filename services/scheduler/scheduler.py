@@ -79,15 +79,16 @@ class Scheduler:
         2. Then, only if nobody was preempted this step, swapped sequences come back, oldest
            first, while blocks and budget allow. (So no step both swaps out and swaps in, and
            no block is moved both ways in one step.)
-        3. Then, only without preemption and once nothing is left swapped, waiting sequences in queue order (a recompute
+        3. Then, only without preemption and once nothing is left swapped, speculative decoding's drafts:
+           a sequence scheduled to sample, whose worker proposed drafts, may compute them after its
+           token, oldest first, within max_tokens, the context, the budget left and the free blocks
+           (less the watermark). Drafts are optional: they never preempt anything, and never displace
+           a running or swapped sequence's tokens (they may displace waiting work, as in vLLM).
+        4. Then, under the same conditions, waiting sequences in queue order (a recompute
            victim sits at its head) while the budget, max_num_seqs and free blocks (less a small
            watermark, kept while anything runs) allow; a prompt starts after its cached prefix. With chunked prefill a
            prompt may take part of the budget left; without, it must fit whole.
-           Speculative decoding: then a decoding sequence the worker proposed drafts for may compute
-           them after its token, oldest first, within max_tokens, the context, the budget left and the
-           free blocks (less the watermark). Drafts are optional: they never preempt anything and never
-           displace a running sequence's own tokens (they may displace waiting work, as in vLLM).
-        4. If nothing at all could be scheduled while sequences wait, the newest beam parked on
+        5. If nothing at all could be scheduled while sequences wait, the newest beam parked on
            its siblings' candidates is preempted: the blocks of beams that already reported are
            what the waiting siblings need (else beam groups could hold each other's blocks forever).
         The oldest running sequence is never a victim while another runs, so it always advances:
@@ -124,11 +125,11 @@ class Scheduler:
                 seq.table_replaced = True
             scheduled[seq.seq_id] = num_tokens
             budget -= num_tokens
-        budget = self._grant_drafts(budget, scheduled)
         if not preempted:
             budget = self._swap_in(budget, scheduled, plan)
             if not any(seq.num_uncomputed_tokens for seq in self.swapped):
-                # Swapped sequences come first: new work waits until they are back.
+                # Swapped sequences come first: drafts and new work wait until they are back.
+                budget = self._grant_drafts(budget, scheduled)
                 budget = self._admit_waiting(budget, scheduled)
             if not scheduled and not plan.swap_in and (self.swapped or self.waiting):
                 self._unpark_one(plan)
@@ -136,7 +137,7 @@ class Scheduler:
         return plan, scheduled
 
     def _grant_drafts(self, budget: int, scheduled: dict[int, int]) -> int:
-        """Rule 1's second part: drafts for scheduled sequences from what is left; the budget after them."""
+        """Rule 3: drafts for scheduled sequences from what is left; the budget after them."""
         blocks = self.blocks
         for seq in self.running:
             if budget <= 0:
@@ -150,7 +151,8 @@ class Scheduler:
                        blocks.free_slots_after(seq.seq_id, through, reserve_blocks=blocks.watermark_blocks))
             drafts = seq.draft_token_ids[:max(0, room)]
             if drafts:
-                blocks.append_slots(seq.seq_id, through + len(drafts))
+                allocation = blocks.append_slots(seq.seq_id, through + len(drafts))
+                assert allocation is not None, "free_slots_after promised room for the drafts"
                 seq.inflight_drafts = drafts
                 budget -= len(drafts)
         return budget

@@ -12,10 +12,12 @@ drafts are what exact-match verification accepts most often (a draft is kept whe
 samples it), and they keep seeded outputs reproducible.
 
 The sampled token and the proposals have no blocks yet (the scheduler allocates a sequence's blocks
-for the tokens it schedules): they go to scratch blocks past the end of the draft's pool, a run per
-proposing sequence, and are computed again once the target has scheduled them. A write into the
-free slots of a sequence's last real block is harmless: those slots hold no computed token, and the
-catch-up pass rewrites them before anything reads them as context.
+for the tokens it schedules): they go to scratch blocks past the end of the draft's pool, a run of
+ceil(k / block_size) per proposing sequence for max_num_seqs sequences (their memory comes out of the
+KV budget before it is divided into blocks; in the rare step with more sequences sampling, forked
+siblings, the rest propose nothing), and are computed again once the target has scheduled them. A
+write into the free slots of a sequence's last real block is harmless: those slots hold no computed
+token, and the catch-up pass rewrites them before anything reads them as context.
 """
 
 from __future__ import annotations
@@ -47,9 +49,10 @@ def load_draft_model(path: str, target: ModelConfig, max_model_len: int, dtype: 
     if config.vocab_size != target.vocab_size:
         raise ValueError(f"the draft model at {path} has a vocabulary of {config.vocab_size} tokens, the target "
                          f"{target.vocab_size}: a draft must share the target's tokenizer")
-    if config.max_position_embeddings < max_model_len:
-        raise ValueError(f"the draft model at {path} handles {config.max_position_embeddings} positions, fewer "
-                         f"than the context length {max_model_len}: lower max_model_len")
+    reach = min(config.max_position_embeddings, config.sliding_window or config.max_position_embeddings)
+    if reach < max_model_len:  # attention here is full, not windowed (as for the target)
+        raise ValueError(f"the draft model at {path} handles {reach} positions, fewer than the context length "
+                         f"{max_model_len}: lower max_model_len")
     model, config = load_model(Path(path), dtype, device)
     return DraftModel(model, config)
 
@@ -69,11 +72,15 @@ class DraftModelProposer:
         self.scratch_per_seq = -(-num_tokens // block_size)
         self.max_proposing = max_num_seqs  # a batch holds more only briefly (forked siblings): the rest wait a step
         self.first_scratch = num_blocks
-        pools = allocate_kv_pools(draft.config, num_blocks + self.max_proposing * self.scratch_per_seq, block_size,
-                                  dtype, device)
+        pools = allocate_kv_pools(draft.config, num_blocks + self.num_scratch_blocks(num_tokens, block_size, max_num_seqs),
+                                  block_size, dtype, device)
         self.kv_pool = whole_pool(pools)  # [layers, 2, blocks + scratch, block_size, kv_heads, head_dim]
         self.host_pool = allocate_host_pool(draft.config, num_host_blocks, block_size, dtype)
         self.attention = attention_backend(pools, draft.config.head_dim ** -0.5)
+
+    @staticmethod
+    def num_scratch_blocks(num_tokens: int, block_size: int, max_num_seqs: int) -> int:
+        return max_num_seqs * -(-num_tokens // block_size)
 
     def propose_batch(self, seqs: list, computed_before: list[int], new_tokens: list[list[int]],
                       tables: HostBlockTables, wanted: bool = True) -> list[list[int]]:
@@ -98,8 +105,9 @@ class DraftModelProposer:
         return out
 
     def _room(self, seq) -> int:
-        """Drafts that fit after the token just sampled (at position num_computed_tokens)."""
-        return min(self.num_tokens, self.max_model_len - 1 - seq.num_computed_tokens)
+        """Drafts the scheduler could grant after the token just sampled (at position num_computed_tokens):
+        with them accepted and one more sampled, the sequence stays within the context."""
+        return min(self.num_tokens, self.max_model_len - 2 - seq.num_computed_tokens)
 
     def _catch_up(self, seqs, computed_before, new_tokens, proposing, block_tables) -> list[list[int]]:
         """The tokens each sequence kept this step, and the sampled token of each proposing one; the
@@ -107,11 +115,10 @@ class DraftModelProposer:
         proposes = set(proposing)
         batch = []
         for i, seq in enumerate(seqs):
-            kept = seq.num_computed_tokens - computed_before[i]
-            accepted = new_tokens[i][:-1] if new_tokens[i] else []
+            accepted = new_tokens[i][:-1]  # not yet in the sequence's own tokens (the next plan brings them)
+            own = seq.num_computed_tokens - computed_before[i] - len(accepted)
             tail = new_tokens[i] if i in proposes else accepted  # the sampled token only where it has a slot
-            batch.append(ScheduledSequence(seq.token_ids, [], computed_before[i], kept + len(tail) - len(accepted),
-                                           tail))
+            batch.append(ScheduledSequence(seq.token_ids, [], computed_before[i], own + len(tail), tail))
         return [[token] for token in self._greedy(batch, block_tables, proposing)]
 
     def _greedy(self, batch: list[ScheduledSequence], block_tables: torch.Tensor, rows: list[int] | None) -> list[int]:

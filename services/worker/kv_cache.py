@@ -47,12 +47,13 @@ def kv_budget_bytes(model: ModelConfig, config: EngineConfig, device: torch.devi
 
 
 def num_kv_blocks(model: ModelConfig, config: EngineConfig, device: torch.device, dtype: torch.dtype,
-                  max_tokens: int, max_model_len: int, extra_bytes_per_block: int = 0) -> int:
-    """extra_bytes_per_block: what else every block holds (a draft model's K and V of its tokens)."""
+                  max_tokens: int, max_model_len: int, extra_bytes_per_block: int = 0, fixed_bytes: int = 0) -> int:
+    """extra_bytes_per_block: what else every block holds (a draft model's K and V of its tokens);
+    fixed_bytes: KV memory that is not blocks (a draft model's scratch), taken from the budget first."""
     if config.num_gpu_blocks_override is not None:
         return config.num_gpu_blocks_override
     per_block = bytes_per_block(model, config.block_size, dtype) + extra_bytes_per_block
-    blocks = kv_budget_bytes(model, config, device, max_tokens) // per_block
+    blocks = (kv_budget_bytes(model, config, device, max_tokens) - fixed_bytes) // per_block
     if blocks < 1:
         raise ValueError("the KV cache budget is smaller than one block")
     if device.type != "cuda" and config.kv_cache_memory_bytes is None:

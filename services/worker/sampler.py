@@ -90,8 +90,9 @@ class SamplingState:
 
     @property
     def output_counts(self) -> Tensor | None:
-        """[vocab] int32 counts of the output's tokens; a view's made when asked (the sampler asks a
-        chunk of rows at a time), so verifying drafts holds no [drafts, vocab] copies meanwhile."""
+        """[vocab] int32 counts of the output's tokens; a view's are made when asked (the sampler asks
+        for the rows of one call, which the worker makes at most max_num_seqs), so verifying drafts
+        holds no [drafts, vocab] copies for the whole step."""
         if self._counts is None or not self._drafts_before:
             return self._counts
         drafts = torch.tensor(self._drafts_before, dtype=torch.long, device=self._counts.device)

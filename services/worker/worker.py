@@ -73,8 +73,10 @@ class Worker:
         draft = load_draft_model(spec.model, self.model_config, self.max_model_len, self.dtype, self.device) \
             if spec is not None and spec.method == "draft_model" else None
         draft_block_bytes = bytes_per_block(draft.config, config.block_size, self.dtype) if draft else 0
+        scratch_bytes = draft_block_bytes * DraftModelProposer.num_scratch_blocks(
+            spec.num_speculative_tokens, config.block_size, config.max_num_seqs) if draft else 0
         self.num_blocks = num_kv_blocks(self.model_config, config, self.device, self.dtype, token_budget,
-                                        self.max_model_len, draft_block_bytes)
+                                        self.max_model_len, draft_block_bytes, scratch_bytes)
         self.kv_pools = allocate_kv_pools(self.model_config, self.num_blocks, config.block_size, self.dtype,
                                           self.device)
         self.kv_pool = whole_pool(self.kv_pools)
