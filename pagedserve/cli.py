@@ -33,6 +33,8 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--attention-backend", choices=list(ATTENTION_BACKENDS), default="auto")
     parser.add_argument("--enforce-eager", action=argparse.BooleanOptionalAction, default=False,
                         help="never replay decode steps from CUDA graphs (they are captured at a CUDA worker's start)")
+    parser.add_argument("--tensor-parallel-size", "-tp", type=int, default=1,
+                        help="workers that hold the model between them (its heads and MLP columns split)")
     parser.add_argument("--speculative-config", type=speculative_config_json, default=None,
                         help='speculative decoding, as JSON: {"method": "ngram", "num_speculative_tokens": 4, '
                              '"prompt_lookup_max": 4, "prompt_lookup_min": 2}')
@@ -52,7 +54,7 @@ def speculative_config_json(raw: str) -> str | None:
 ENGINE_KEYS = ("model", "tokenizer", "dtype", "device", "seed", "max_model_len", "block_size", "max_num_seqs",
                "max_num_batched_tokens", "enable_chunked_prefill", "gpu_memory_utilization",
                "kv_cache_memory_bytes", "num_gpu_blocks_override", "enable_prefix_caching", "swap_space",
-               "preemption_mode", "attention_backend", "enforce_eager", "speculative_config")
+               "preemption_mode", "attention_backend", "enforce_eager", "speculative_config", "tensor_parallel_size")
 
 
 def engine_options(args: argparse.Namespace) -> dict:

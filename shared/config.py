@@ -37,6 +37,7 @@ class EngineConfig:
     enforce_eager: bool = False  # True: no CUDA graphs (a CUDA worker with the Triton backend replays decodes from them)
     # Speculative decoding (a dict or its JSON is parsed into a SpeculativeConfig); None: off.
     speculative_config: SpeculativeConfig | None = None
+    tensor_parallel_size: int = 1  # workers holding one model between them (its heads and MLP columns split)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "speculative_config", SpeculativeConfig.parse(self.speculative_config))
@@ -63,6 +64,8 @@ class EngineConfig:
         _require(0 <= self.max_logprobs, "max_logprobs", f"must be >= 0, got {self.max_logprobs}")
         _require(self.attention_backend in ATTENTION_BACKENDS, "attention_backend",
                  f"must be one of {ATTENTION_BACKENDS}, got {self.attention_backend!r}")
+        _require(isinstance(self.tensor_parallel_size, int) and self.tensor_parallel_size >= 1,
+                 "tensor_parallel_size", f"must be an integer >= 1, got {self.tensor_parallel_size!r}")
 
     @classmethod
     def from_kwargs(cls, **kwargs) -> "EngineConfig":

@@ -354,15 +354,20 @@ class WorkerInfo:
     num_cpu_blocks: int = 0  # host swap space, in blocks (0: no swapping)
     protocol_version: int = INTERNAL_PROTOCOL_VERSION  # the wire format the worker's release speaks
     num_speculative_tokens: int = 0  # the most draft tokens it proposes per sequence (0: no speculative decoding)
+    tensor_parallel_rank: int = 0  # its place among the workers that hold the model between them
+    tensor_parallel_size: int = 1  # how many they are
 
     def to_proto(self) -> wire.WorkerInfo:
         return wire.WorkerInfo(model=self.model, num_kv_blocks=self.num_kv_blocks, block_size=self.block_size,
                                max_model_len=self.max_model_len, vocab_size=self.vocab_size,
                                eos_token_ids=self.eos_token_ids, device=self.device, dtype=self.dtype,
                                num_cpu_blocks=self.num_cpu_blocks, protocol_version=self.protocol_version,
-                               num_speculative_tokens=self.num_speculative_tokens)
+                               num_speculative_tokens=self.num_speculative_tokens,
+                               tensor_parallel_rank=self.tensor_parallel_rank,
+                               tensor_parallel_size=self.tensor_parallel_size)
 
     @classmethod
     def from_proto(cls, m: wire.WorkerInfo) -> "WorkerInfo":
         return cls(m.model, m.num_kv_blocks, m.block_size, m.max_model_len, m.vocab_size, tuple(m.eos_token_ids),
-                   m.device, m.dtype, m.num_cpu_blocks, m.protocol_version, m.num_speculative_tokens)
+                   m.device, m.dtype, m.num_cpu_blocks, m.protocol_version, m.num_speculative_tokens,
+                   m.tensor_parallel_rank, m.tensor_parallel_size or 1)

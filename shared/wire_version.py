@@ -12,7 +12,7 @@ from shared.grpc_errors import ServiceUnavailable
 
 # 1: the first format (unversioned: it reads as 0); 2: plans, results and session events as columns;
 # 3: a session may end one sequence of a request by a stop string, and requests carry a cache salt;
-# 4: speculative decoding (draft tokens in plans and results, WorkerInfo's draft count).
+# 4: speculative decoding (draft tokens in plans and results, WorkerInfo's draft count and tensor-parallel rank).
 INTERNAL_PROTOCOL_VERSION = 4
 
 

@@ -17,18 +17,21 @@ from safetensors import safe_open
 
 from services.worker.models.llama import LlamaForCausalLM
 from services.worker.models.packed_linear import can_pack
+from services.worker.tensor_parallel import TensorParallel
 from shared.model_config import ModelConfig
 
 INDEX_FILE = "model.safetensors.index.json"
 
 
-def load_model(model_dir: str | Path, dtype: torch.dtype, device: torch.device, pack: bool = True
-               ) -> tuple[LlamaForCausalLM, ModelConfig]:
-    """The model, ready for inference; ``pack`` re-lays float32 CPU projections for oneDNN (packed_linear)."""
-    config = ModelConfig.from_model_dir(model_dir)
+def load_model(model_dir: str | Path, dtype: torch.dtype, device: torch.device, pack: bool = True,
+               tp: TensorParallel = TensorParallel()) -> tuple[LlamaForCausalLM, ModelConfig]:
+    """The model (this rank's share of it), ready for inference, and the config of that share; ``pack``
+    re-lays float32 CPU projections for oneDNN (packed_linear)."""
+    whole = ModelConfig.from_model_dir(model_dir)
+    config = tp.shard(whole)
     files = safetensors_files(Path(model_dir))
     with torch.device("meta"):
-        model = LlamaForCausalLM(config)
+        model = LlamaForCausalLM(config, tp, tp.kv_replicas(whole))
     model = model.to(dtype).to_empty(device=torch.device(device))
     state = {"file": None, "done": False}
     try:

@@ -167,10 +167,12 @@ class _StepStream:
             self.results.put(exc)
 
 
-def serve(config: EngineConfig, address: str, ready: threading.Event | None = None) -> None:
+def serve(config: EngineConfig, address: str, tensor_parallel_rank: int = 0,
+          distributed_init_method: str | None = None) -> None:
+    from services.worker.tensor_parallel import leave_group
     from services.worker.worker import Worker
 
-    worker = Worker(config)
+    worker = Worker(config, tensor_parallel_rank, distributed_init_method)
     freeze_startup_objects()  # the model's modules and parameters, among others
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=4), options=GRPC_OPTIONS)
     compute = ComputeThread()
@@ -189,6 +191,7 @@ def serve(config: EngineConfig, address: str, ready: threading.Event | None = No
     compute.serve_until(stop)  # this (main) thread runs the steps until a signal
     health_servicer.enter_graceful_shutdown()
     server.stop(grace=5).wait()
+    leave_group(worker.tp)
     unfreeze_startup_objects()
     log.info("worker stopped")
 
@@ -202,6 +205,11 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="pagedserve worker", description="a pagedserve worker (gRPC)")
     add_engine_args(parser)
     parser.add_argument("--listen", default="127.0.0.1:50061", help="address to serve the worker API on")
+    parser.add_argument("--tensor-parallel-rank", type=int, default=0,
+                        help="this worker's rank among the --tensor-parallel-size workers sharing the model")
+    parser.add_argument("--distributed-init-method", default=None,
+                        help="where the tensor-parallel ranks meet, the same for all: tcp://host:port (rank 0 "
+                             "listens there)")
     apply_env_defaults(parser)
     return parser
 
@@ -210,5 +218,5 @@ def main(argv: list[str] | None = None) -> int:
     from pagedserve.cli import engine_options
 
     args = build_parser().parse_args(argv)
-    serve(EngineConfig(**engine_options(args)), args.listen)
+    serve(EngineConfig(**engine_options(args)), args.listen, args.tensor_parallel_rank, args.distributed_init_method)
     return 0

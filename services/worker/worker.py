@@ -23,6 +23,7 @@ from services.worker.ngram_proposer import NgramProposer
 from services.worker.sampler import Sampler
 from services.worker.step_timer import StepTimer
 from services.worker.swap_staging import SwapStaging
+from services.worker.tensor_parallel import TensorParallel, join_group
 from services.worker.worker_sequence import WorkerSequence
 from shared.config import EngineConfig
 from shared.model_config import ModelConfig
@@ -54,7 +55,9 @@ def resolve_device(name: str) -> torch.device:
 
 
 class Worker:
-    def __init__(self, config: EngineConfig):
+    def __init__(self, config: EngineConfig, tensor_parallel_rank: int = 0, distributed_init_method: str | None = None):
+        """With config.tensor_parallel_size > 1, this is one rank of the workers that hold the model
+        between them; they meet at ``distributed_init_method`` (tcp://host:port) before loading."""
         self.config = config
         self.device = resolve_device(config.device)
         if self.device.type == "cuda":
@@ -65,7 +68,11 @@ class Worker:
         self.model_dir = Path(config.model) if config.model else default_model_dir()
         self.model_config = ModelConfig.from_model_dir(self.model_dir)
         self.dtype = DTYPES[self.model_config.dtype if config.dtype == "auto" else config.dtype]
-        self.model, self.model_config = load_model(self.model_dir, self.dtype, self.device)
+        # A model the ranks cannot share is refused before they meet.
+        TensorParallel(tensor_parallel_rank, config.tensor_parallel_size).shard(self.model_config)
+        self.tp: TensorParallel = join_group(tensor_parallel_rank, config.tensor_parallel_size, distributed_init_method, self.device)
+        # From here on, the config of this rank's share: its heads (and KV pools) and MLP columns.
+        self.model, self.model_config = load_model(self.model_dir, self.dtype, self.device, tp=self.tp)
         self.max_model_len = self._resolve_max_model_len()
         token_budget = config.token_budget(self.max_model_len)
         spec = config.speculative_config
@@ -148,7 +155,8 @@ class Worker:
             log.info("largest_step_measured", **fields)
 
     def _wants_cuda_graphs(self) -> bool:
-        return (self.device.type == "cuda" and not self.config.enforce_eager
+        # Not with tensor parallelism yet: the graphs would have to capture the all-reduces too.
+        return (self.device.type == "cuda" and not self.config.enforce_eager and self.tp.size == 1
                 and getattr(self.attention, "supports_cuda_graphs", False))
 
     def _capture_decode_graphs(self) -> DecodeGraphs | None:
@@ -192,7 +200,8 @@ class Worker:
                           max_model_len=self.max_model_len, vocab_size=self.vocab_size,
                           eos_token_ids=tuple(self.eos_token_ids), device=str(self.device),
                           dtype=str(self.dtype).removeprefix("torch."), num_cpu_blocks=self.num_host_blocks,
-                          num_speculative_tokens=self.proposer.num_tokens if self.proposer is not None else 0)
+                          num_speculative_tokens=self.proposer.num_tokens if self.proposer is not None else 0,
+                          tensor_parallel_rank=self.tp.rank, tensor_parallel_size=self.tp.size)
 
     # --- one step ---------------------------------------------------------------------------------
 
