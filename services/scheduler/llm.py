@@ -7,8 +7,10 @@ them for the services.
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import operator
+import weakref
 from collections.abc import Iterable
 from collections.abc import Sequence as SequenceABC
 
@@ -16,10 +18,15 @@ from tqdm import tqdm
 
 from services.scheduler.engine_core import EngineCore
 from services.scheduler.executor import InProcessExecutor
+from services.scheduler.local_workers import LocalWorkerGroup
+from services.scheduler.tensor_parallel_executor import TensorParallelExecutor
+from services.worker.tensor_parallel import TensorParallel
 from services.scheduler.request_tracker import RequestTracker
 from services.scheduler.scheduler import SchedulerLimits
 from services.worker.worker import Worker
 from shared.config import EngineConfig
+from shared.model_config import ModelConfig
+from shared.model_factory import default_model_dir
 from shared.outputs import RequestOutput
 from shared.sampling_params import SamplingParams
 from shared.tokenizer import load_tokenizer, render_chat
@@ -30,15 +37,41 @@ PromptType = str | dict
 class LLM:
     def __init__(self, model: str | None = None, *, tokenizer: str | None = None, **engine_options):
         self.config = EngineConfig.from_kwargs(model=model, tokenizer=tokenizer, **engine_options)
-        worker = Worker(self.config)
-        self.tokenizer = load_tokenizer(self.config.tokenizer or worker.model_dir)
+        executor, self._workers = self._start_workers(self.config)
+        info = executor.worker_info()
+        self.tokenizer = load_tokenizer(self.config.tokenizer or info.model)
         limits = SchedulerLimits(max_num_seqs=self.config.max_num_seqs,
-                                 max_num_batched_tokens=self.config.token_budget(worker.max_model_len),
+                                 max_num_batched_tokens=self.config.token_budget(info.max_model_len),
                                  enable_chunked_prefill=self.config.enable_chunked_prefill,
                                  preemption_mode=self.config.preemption_mode)
-        self.engine = EngineCore(InProcessExecutor(worker), limits, self.config.watermark, self.config.max_logprobs,
+        self.engine = EngineCore(executor, limits, self.config.watermark, self.config.max_logprobs,
                                  self.config.enable_prefix_caching)
         self._request_ids = itertools.count()
+
+    @staticmethod
+    def _start_workers(config: EngineConfig):
+        """(executor, the worker processes to stop at the end or None): a worker in this process, or with
+        tensor parallelism one process per rank, driven over gRPC."""
+        if config.tensor_parallel_size == 1:
+            return InProcessExecutor(Worker(config)), None
+        if config.model is None:
+            config = dataclasses.replace(config, model=str(default_model_dir()))  # made here once, not by each rank
+        # A model the ranks cannot share is refused here, before any process starts.
+        TensorParallel(0, config.tensor_parallel_size).shard(ModelConfig.from_model_dir(config.model))
+        group = LocalWorkerGroup(config)
+        try:
+            executor = TensorParallelExecutor(group.addresses)
+        except BaseException:
+            group.stop()
+            raise
+        weakref.finalize(executor, group.stop)  # also at exit; close() does it at once
+        return executor, group
+
+    def close(self) -> None:
+        """Release the engine (and stop the tensor-parallel worker processes, if any)."""
+        self.engine.shutdown()
+        if self._workers is not None:
+            self._workers.stop()
 
     def get_tokenizer(self):
         return self.tokenizer

@@ -20,6 +20,7 @@ from services.scheduler.engine_loop import EngineLoop
 from services.scheduler.grpc_executor import GRPC_OPTIONS, GrpcExecutor
 from services.scheduler.scheduler import SchedulerLimits
 from services.scheduler.session import Session
+from services.scheduler.tensor_parallel_executor import TensorParallelExecutor
 from shared.config import token_budget
 from shared.gc_heap import freeze_startup_objects, unfreeze_startup_objects
 from shared.grpc_errors import ServiceUnavailable, grpc_errors
@@ -128,9 +129,9 @@ def _read_for_a_moment(request_iterator, seconds: float = 0.2) -> None:
 
 def build_engine(worker_addresses: list[str], limits_from, watermark: float, max_logprobs: int,
                  enable_prefix_caching: bool, connect_timeout_s: float = 60.0) -> EngineCore:
-    if len(worker_addresses) != 1:
-        raise ValueError("one worker per scheduler for now (tensor parallelism comes later)")
-    executor = GrpcExecutor(worker_addresses[0], connect_timeout_s)
+    """Several addresses are the ranks of one tensor-parallel group, in rank order."""
+    executor = GrpcExecutor(worker_addresses[0], connect_timeout_s) if len(worker_addresses) == 1 else \
+        TensorParallelExecutor(worker_addresses, connect_timeout_s)
     limits = limits_from(executor.worker_info().max_model_len)
     return EngineCore(executor, limits, watermark, max_logprobs, enable_prefix_caching)
 
@@ -215,7 +216,8 @@ def main(argv: list[str] | None = None) -> int:
 
     parser = argparse.ArgumentParser(prog="pagedserve scheduler", description="the pagedserve scheduler (gRPC)")
     parser.add_argument("--listen", default="127.0.0.1:50051", help="address to serve the scheduler API on")
-    parser.add_argument("--worker", action="append", default=None, help="worker address (host:port)")
+    parser.add_argument("--worker", action="append", default=None,
+                        help="worker address (host:port); repeated: the ranks of a tensor-parallel group, in order")
     parser.add_argument("--max-num-seqs", type=int, default=256)
     parser.add_argument("--max-num-batched-tokens", type=int, default=None)
     parser.add_argument("--enable-chunked-prefill", action=argparse.BooleanOptionalAction, default=True)
