@@ -1,7 +1,9 @@
 """`pagedserve serve`: gateway, scheduler and one worker on this machine (or, with
---data-parallel-size N, N scheduler + worker pairs behind the gateway), as processes talking gRPC
-over Unix sockets; waits until all are healthy, starts again a child that crashes, and on Ctrl-C
-or SIGTERM drains and stops them in order (gateway, then schedulers, then workers)."""
+--data-parallel-size N, N scheduler + worker pairs behind the gateway; with --tensor-parallel-size M,
+M workers per scheduler, holding the model between them), as processes talking gRPC over Unix
+sockets; waits until all are healthy, starts again a child that crashes (a tensor-parallel group
+all together), and on Ctrl-C or SIGTERM drains and stops them in order (gateway, then schedulers,
+then workers)."""
 
 from __future__ import annotations
 
@@ -16,10 +18,8 @@ import time
 import urllib.request
 from dataclasses import dataclass, field
 
-import grpc
-from grpc_health.v1 import health_pb2, health_pb2_grpc
-
 from pagedserve.cli import ENGINE_KEYS, add_engine_args, apply_env_defaults
+from services.scheduler.local_workers import free_tcp_port, process_environments, wait_grpc_serving
 
 SCHEDULER_FLAGS = ("max_num_seqs", "max_num_batched_tokens", "enable_chunked_prefill", "enable_prefix_caching",
                    "preemption_mode", "async_scheduling")
@@ -88,35 +88,22 @@ MAX_RESTARTS_PER_MINUTE = 3
 @dataclass
 class Child:
     """One process of the stack: what to run again should it crash."""
-    label: str  # "worker", or "worker 1" with several backends
+    label: str  # "worker", or "worker 1" with several backends, "worker 1 rank 0" with tensor parallelism
     command: str  # the pagedserve subcommand
     argv: list[str]
     env: dict[str, str]
     proc: subprocess.Popen | None = None
     crashes: list[float] = field(default_factory=list)  # monotonic times
+    group: str | None = None  # a tensor-parallel group: its ranks stop and start together
 
 
-def backend_envs(args: argparse.Namespace) -> list[dict[str, str]]:
-    """Per worker, what keeps data-parallel workers apart: a GPU each, or a share of the CPU cores."""
-    n = args.data_parallel_size
-    if n < 1:
-        raise ValueError(f"--data-parallel-size must be >= 1, got {n}")
-    if n == 1:
-        return [{}]
-    if args.device not in ("auto", "cpu"):
-        raise ValueError("with --data-parallel-size > 1 leave --device auto (each worker gets a GPU of its own) "
-                         "or cpu")
-    import torch
-
-    gpus = torch.cuda.device_count() if args.device == "auto" else 0
-    if gpus:
-        if gpus < n:
-            raise ValueError(f"--data-parallel-size {n} needs {n} GPUs; this machine shows {gpus}")
-        visible = os.environ.get("CUDA_VISIBLE_DEVICES")
-        ids = [d.strip() for d in visible.split(",")] if visible else [str(i) for i in range(gpus)]
-        return [{"CUDA_VISIBLE_DEVICES": ids[i]} for i in range(n)]
-    threads = max(1, (os.cpu_count() or 1) // n)  # else every worker takes every core
-    return [{"OMP_NUM_THREADS": str(threads)} for _ in range(n)]
+def worker_envs(args: argparse.Namespace) -> list[dict[str, str]]:
+    """Per worker (backend by backend, rank by rank), what keeps them apart: a GPU each, or an equal share
+    of the CPU cores."""
+    for flag in ("data_parallel_size", "tensor_parallel_size"):
+        if getattr(args, flag) < 1:
+            raise ValueError(f"--{flag.replace('_', '-')} must be >= 1, got {getattr(args, flag)}")
+    return process_environments(args.data_parallel_size * args.tensor_parallel_size, args.device)
 
 
 class Stack:
@@ -130,20 +117,56 @@ class Stack:
 
     def start(self) -> None:
         args = self.args
-        envs = backend_envs(args)
+        envs = worker_envs(args)
+        tp = args.tensor_parallel_size
         schedulers = []
-        for i, env in enumerate(envs):
-            suffix = f" {i}" if len(envs) > 1 else ""
-            worker = f"unix:{self.socket_dir}/worker{i}.sock"
+        for i in range(args.data_parallel_size):
+            suffix = f" {i}" if args.data_parallel_size > 1 else ""
+            workers = self._start_workers("worker" + suffix, i, envs[i * tp:(i + 1) * tp])
             scheduler = f"unix:{self.socket_dir}/scheduler{i}.sock"
-            self._spawn(Child("worker" + suffix, "worker", worker_argv(args, worker), env))
-            self._wait_grpc_healthy("worker" + suffix, worker)
+            ranks = [flag for address in workers for flag in ("--worker", address)]
             self._spawn(Child("scheduler" + suffix, "scheduler",
-                              ["--listen", scheduler, "--worker", worker] + flags(args, SCHEDULER_FLAGS), {}))
+                              ["--listen", scheduler, *ranks] + flags(args, SCHEDULER_FLAGS), {}))
             self._wait_grpc_healthy("scheduler" + suffix, scheduler)
             schedulers += ["--scheduler", scheduler]
         self._spawn(Child("gateway", "gateway", schedulers + flags(args, GATEWAY_FLAGS), gateway_secrets(args)))
         self._wait_http_healthy("gateway", f"http://{args.host}:{args.port}/health")
+
+    def _start_workers(self, label: str, backend: int, envs: list[dict[str, str]]) -> list[str]:
+        """A backend's worker, or its tensor-parallel group (meeting at a TCP port of its own); their
+        addresses in rank order, once all serve."""
+        if len(envs) == 1:
+            address = f"unix:{self.socket_dir}/worker{backend}.sock"
+            self._spawn(Child(label, "worker", worker_argv(self.args, address), envs[0]))
+            self._wait_grpc_healthy(label, address)
+            return [address]
+        meeting = f"tcp://127.0.0.1:{free_tcp_port()}"
+        addresses = [f"unix:{self.socket_dir}/worker{backend}-rank{rank}.sock" for rank in range(len(envs))]
+        for rank, (address, env) in enumerate(zip(addresses, envs)):
+            argv = worker_argv(self.args, address) + ["--tensor-parallel-rank", str(rank),
+                                                      "--distributed-init-method", meeting]
+            self._spawn(Child(f"{label} rank {rank}", "worker", argv, env, group=label))
+        for rank, address in enumerate(addresses):  # the ranks meet before any serves
+            self._wait_grpc_healthy(f"{label} rank {rank}", address)
+        return addresses
+
+    def _restart_group(self, group: str) -> None:
+        """A tensor-parallel group's ranks cannot go on without one of them: all start again, meeting
+        at a new port."""
+        members = [c for c in self.children.values() if c.group == group]
+        for child in members:
+            if child.proc.poll() is None:
+                child.proc.terminate()
+        for child in members:
+            try:
+                child.proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                child.proc.kill()
+                child.proc.wait()
+        meeting = f"tcp://127.0.0.1:{free_tcp_port()}"
+        for child in members:
+            child.argv[child.argv.index("--distributed-init-method") + 1] = meeting
+            self._spawn(child)
 
     def _spawn(self, child: Child) -> None:
         cmd = [sys.executable, "-m", "pagedserve", child.command, *child.argv]
@@ -162,19 +185,8 @@ class Stack:
         return time.monotonic() + self.args.startup_timeout
 
     def _wait_grpc_healthy(self, name: str, address: str) -> None:
-        deadline = self._deadline()
-        with grpc.insecure_channel(address) as channel:
-            stub = health_pb2_grpc.HealthStub(channel)
-            while time.monotonic() < deadline:
-                self._check_alive(name)
-                try:
-                    if stub.Check(health_pb2.HealthCheckRequest(), timeout=1).status == \
-                            health_pb2.HealthCheckResponse.SERVING:
-                        return
-                except grpc.RpcError:
-                    pass
-                time.sleep(0.2)
-        raise TimeoutError(f"the {name} was not healthy within {self.args.startup_timeout:.0f} s")
+        if not wait_grpc_serving(address, self._deadline(), lambda: self._check_alive(name)):
+            raise TimeoutError(f"the {name} was not healthy within {self.args.startup_timeout:.0f} s")
 
     def _wait_http_healthy(self, name: str, url: str) -> None:
         deadline = self._deadline()
@@ -201,9 +213,12 @@ class Stack:
                 child.crashes = [t for t in child.crashes if now - t < 60] + [now]
                 if len(child.crashes) > MAX_RESTARTS_PER_MINUTE:
                     return child.label
-                print(f"pagedserve: the {child.label} exited with code {code}; starting it again",
-                      file=sys.stderr, flush=True)
-                self._spawn(child)
+                print(f"pagedserve: the {child.label} exited with code {code}; starting it again"
+                      + (f" with the rest of {child.group}" if child.group else ""), file=sys.stderr, flush=True)
+                if child.group:
+                    self._restart_group(child.group)
+                else:
+                    self._spawn(child)
             time.sleep(0.5)
 
     def stop(self) -> None:

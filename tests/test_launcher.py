@@ -139,11 +139,57 @@ def test_data_parallel_backends_serve_and_a_crashed_worker_is_started_again(llam
                 os.kill(pid, signal.SIGKILL)
 
 
-def test_data_parallel_size_is_checked():
-    from pagedserve.launcher import backend_envs, build_parser
+def test_a_tensor_parallel_group_serves_and_a_crashed_rank_restarts_its_group(llama_dir, tmp_path):
+    """Two ranks hold the model between them: the scheduler drives both, the tokens are the single
+    worker's, and when one rank dies the other cannot go on alone: the launcher starts both again,
+    meeting afresh, and the scheduler serves on them."""
+    from pagedserve import LLM, SamplingParams
 
-    with pytest.raises(ValueError, match=">= 1"):
-        backend_envs(build_parser().parse_args(["--data-parallel-size", "0"]))
-    with pytest.raises(ValueError, match="leave --device auto"):
-        backend_envs(build_parser().parse_args(["--data-parallel-size", "2", "--device", "cuda:1"]))
-    assert backend_envs(build_parser().parse_args([])) == [{}]
+    expected = LLM(str(llama_dir)).generate({"prompt_token_ids": [5, 6, 7]},
+                                            SamplingParams(temperature=0, max_tokens=6), use_tqdm=False)
+    proc, port = start_serve(llama_dir, tmp_path, "--tensor-parallel-size", "2", num_children=4)
+    children = children_of(proc.pid)
+    base = f"http://127.0.0.1:{port}"
+    body = {"prompt": [5, 6, 7], "max_tokens": 6, "temperature": 0}
+    try:
+        import httpx2 as httpx
+
+        def text() -> tuple[int, str | None]:
+            reply = httpx.post(f"{base}/v1/completions", json=body, timeout=60)
+            return reply.status_code, reply.json()["choices"][0]["text"] if reply.status_code == 200 else None
+
+        assert text() == (200, expected[0].outputs[0].text)
+        ranks = sorted((p for p in children if "--tensor-parallel-rank" in command_of(p)), key=command_of)
+        assert len(ranks) == 2
+        os.kill(ranks[1], signal.SIGKILL)
+        deadline = time.monotonic() + 90
+        while any(alive(p) for p in ranks) or len(children_of(proc.pid)) < 4:  # rank 0 is stopped too
+            assert time.monotonic() < deadline and proc.poll() is None, (tmp_path / "serve.log").read_text()[-3000:]
+            time.sleep(0.2)
+        assert "with the rest of worker" in (tmp_path / "serve.log").read_text()
+        while (status := text())[0] != 200:
+            assert time.monotonic() < deadline and status[0] == 503, status
+            time.sleep(0.5)
+        assert status == (200, expected[0].outputs[0].text)
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(60) == 0
+        assert wait_gone(children + children_of(proc.pid), 30) == []
+    finally:
+        for pid in [proc.pid, *children, *children_of(proc.pid)]:
+            if alive(pid):
+                os.kill(pid, signal.SIGKILL)
+
+
+def test_data_and_tensor_parallel_sizes_are_checked():
+    from pagedserve.launcher import build_parser, worker_envs
+
+    with pytest.raises(ValueError, match="data-parallel-size must be >= 1"):
+        worker_envs(build_parser().parse_args(["--data-parallel-size", "0"]))
+    with pytest.raises(ValueError, match="tensor-parallel-size must be >= 1"):
+        worker_envs(build_parser().parse_args(["--tensor-parallel-size", "0"]))
+    with pytest.raises(ValueError, match="leave device 'auto'"):
+        worker_envs(build_parser().parse_args(["--data-parallel-size", "2", "--device", "cuda:1"]))
+    assert worker_envs(build_parser().parse_args([])) == [{}]
+    # Ranks and backends alike get equal shares of the cores.
+    shares = worker_envs(build_parser().parse_args(["-dp", "2", "-tp", "2", "--device", "cpu"]))
+    assert len(shares) == 4 and len({tuple(e.items()) for e in shares}) == 1
