@@ -8,7 +8,6 @@ then workers)."""
 from __future__ import annotations
 
 import argparse
-import ctypes
 import os
 import signal
 import subprocess
@@ -19,7 +18,8 @@ import urllib.request
 from dataclasses import dataclass, field
 
 from pagedserve.cli import ENGINE_KEYS, add_engine_args, apply_env_defaults
-from services.scheduler.local_workers import free_tcp_port, process_environments, wait_grpc_serving
+from services.scheduler.local_workers import (free_tcp_port, process_environments, terminate_with_parent,
+                                              wait_grpc_serving)
 
 SCHEDULER_FLAGS = ("max_num_seqs", "max_num_batched_tokens", "enable_chunked_prefill", "enable_prefix_caching",
                    "preemption_mode", "async_scheduling")
@@ -173,7 +173,7 @@ class Stack:
         # A session of its own: Ctrl-C reaches only the launcher, which stops the children in order.
         # Should the launcher itself die (SIGKILL), the kernel sends the children SIGTERM: no orphans.
         env = {**os.environ, "PYTHONUNBUFFERED": "1", **child.env}
-        child.proc = subprocess.Popen(cmd, env=env, start_new_session=True, preexec_fn=_terminate_with_parent)
+        child.proc = subprocess.Popen(cmd, env=env, start_new_session=True, preexec_fn=terminate_with_parent)
         self.children[child.label] = child
 
     def _check_alive(self, name: str) -> None:
@@ -238,17 +238,6 @@ class Stack:
         for leftover in os.listdir(self.socket_dir):
             os.unlink(os.path.join(self.socket_dir, leftover))
         os.rmdir(self.socket_dir)
-
-
-def _terminate_with_parent() -> None:
-    """In the child, before exec: ask Linux for SIGTERM when the launcher goes away."""
-    try:
-        ctypes.CDLL(None).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
-    except (OSError, AttributeError):  # not Linux: orderly stop() still covers the normal paths
-        pass
-
-
-PR_SET_PDEATHSIG = 1
 
 
 def main(argv: list[str] | None = None) -> int:

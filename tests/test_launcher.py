@@ -163,10 +163,9 @@ def test_a_tensor_parallel_group_serves_and_a_crashed_rank_restarts_its_group(ll
         assert len(ranks) == 2
         os.kill(ranks[1], signal.SIGKILL)
         deadline = time.monotonic() + 90
-        while any(alive(p) for p in ranks) or len(children_of(proc.pid)) < 4:  # rank 0 is stopped too
+        while any(alive(p) for p in ranks) or "with the rest of worker" not in (tmp_path / "serve.log").read_text():
             assert time.monotonic() < deadline and proc.poll() is None, (tmp_path / "serve.log").read_text()[-3000:]
-            time.sleep(0.2)
-        assert "with the rest of worker" in (tmp_path / "serve.log").read_text()
+            time.sleep(0.2)  # rank 0 leaves too (or is stopped): the group starts again as one
         while (status := text())[0] != 200:
             assert time.monotonic() < deadline and status[0] == 503, status
             time.sleep(0.5)

@@ -8,7 +8,7 @@ import random
 import pytest
 
 from pagedserve import LLM, SamplingParams
-from services.scheduler.tensor_parallel_executor import TensorParallelExecutor
+from services.scheduler.tensor_parallel_executor import group_info
 from services.worker.tensor_parallel import TensorParallel
 from shared.model_config import ModelConfig
 from shared.step_protocol import WorkerInfo
@@ -102,11 +102,47 @@ def test_the_scheduler_takes_a_group_s_ranks_in_order_and_sizes_it_by_the_smalle
                           eos_token_ids=(0,), device="cpu", dtype="float32", tensor_parallel_rank=rank,
                           tensor_parallel_size=size)
 
-    group = TensorParallelExecutor._group_info([info(0, blocks=100), info(1, blocks=90)], ["a", "b"])
+    group = group_info([info(0, blocks=100), info(1, blocks=90)], ["a", "b"])
     assert group.num_kv_blocks == 90 and group.tensor_parallel_rank == 0
     with pytest.raises(ValueError, match="given as rank 0"):
-        TensorParallelExecutor._group_info([info(1), info(0)], ["a", "b"])
+        group_info([info(1), info(0)], ["a", "b"])
     with pytest.raises(ValueError, match="rank 0 of 3, but was given as rank 0 of 2"):
-        TensorParallelExecutor._group_info([info(0, 3), info(1, 3)], ["a", "b"])
+        group_info([info(0, 3), info(1, 3)], ["a", "b"])
     with pytest.raises(ValueError, match="disagree on model"):
-        TensorParallelExecutor._group_info([info(0), info(1, model="other")], ["a", "b"])
+        group_info([info(0), info(1, model="other")], ["a", "b"])
+    with pytest.raises(ValueError, match="rank 0 of 2, but was given as rank 0 of 1"):  # rank 0 alone would hang
+        group_info([info(0)], ["a"])
+
+
+def test_ranks_are_the_llm_s_own_and_leave_together(llama_dir, monkeypatch):
+    """The ranks take no PAGEDSERVE_* settings from the environment (the in-process worker does not
+    either), run in a session of their own (a Ctrl-C at the terminal is not theirs), and leave when
+    their scheduler does; close() releases everything even after a rank died (found by review)."""
+    import os
+    import time
+
+    from services.scheduler.local_workers import LocalWorkerGroup
+    from services.scheduler.tensor_parallel_executor import TensorParallelExecutor
+    from shared.config import EngineConfig
+
+    monkeypatch.setenv("PAGEDSERVE_MAX_MODEL_LEN", "20")
+    llm = LLM(str(llama_dir), block_size=4, tensor_parallel_size=2)
+    try:
+        assert llm.engine.info.max_model_len == 512
+        procs, folder = list(llm._workers.procs), llm._workers.folder
+        assert all(os.getsid(p.pid) != os.getsid(0) for p in procs)
+        procs[1].kill()
+        procs[1].wait()
+    finally:
+        llm.close()
+    assert all(p.poll() is not None for p in procs) and not folder.exists()
+
+    group = LocalWorkerGroup(EngineConfig(model=str(llama_dir), block_size=4, tensor_parallel_size=2))
+    try:
+        TensorParallelExecutor(group.addresses).shutdown()  # the scheduler goes away
+        deadline = time.monotonic() + 30
+        while any(p.poll() is None for p in group.procs) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert [p.poll() for p in group.procs] == [75, 75]  # EXIT_GROUP_BROKEN: they meet anew when restarted
+    finally:
+        group.stop()

@@ -213,7 +213,9 @@ class EngineCore:
         return self.stats.as_dict(self.scheduler)
 
     def shutdown(self) -> None:
-        drops = self.scheduler.take_drops()
-        if drops:
-            self.executor.execute(StepPlan(step_id=0, finished_seq_ids=drops))
-        self.executor.shutdown()
+        try:
+            drops = self.scheduler.take_drops()
+            if drops:
+                self.executor.execute(StepPlan(step_id=0, finished_seq_ids=drops))
+        finally:  # a worker that went away must not keep the others from being released
+            self.executor.shutdown()

@@ -19,12 +19,13 @@ from tqdm import tqdm
 from services.scheduler.engine_core import EngineCore
 from services.scheduler.executor import InProcessExecutor
 from services.scheduler.local_workers import LocalWorkerGroup
-from services.scheduler.tensor_parallel_executor import TensorParallelExecutor
-from services.worker.tensor_parallel import TensorParallel
 from services.scheduler.request_tracker import RequestTracker
 from services.scheduler.scheduler import SchedulerLimits
+from services.scheduler.tensor_parallel_executor import TensorParallelExecutor
+from services.worker.tensor_parallel import TensorParallel
 from services.worker.worker import Worker
 from shared.config import EngineConfig
+from shared.grpc_errors import ServiceUnavailable
 from shared.model_config import ModelConfig
 from shared.model_factory import default_model_dir
 from shared.outputs import RequestOutput
@@ -69,9 +70,13 @@ class LLM:
 
     def close(self) -> None:
         """Release the engine (and stop the tensor-parallel worker processes, if any)."""
-        self.engine.shutdown()
-        if self._workers is not None:
-            self._workers.stop()
+        try:
+            self.engine.shutdown()
+        except ServiceUnavailable:  # a worker that went away has nothing left to drop
+            pass
+        finally:
+            if self._workers is not None:
+                self._workers.stop()
 
     def get_tokenizer(self):
         return self.tokenizer

@@ -3,14 +3,18 @@
 Each rank of a tensor-parallel group is a process of its own (each joins torch.distributed), so
 ``LLM(tensor_parallel_size=N)`` starts N ``pagedserve worker`` processes on Unix sockets in a folder
 of its own, drives them over gRPC as the scheduler service does, and stops them when the LLM is
-closed or collected, or when this process exits. Their logs go to files in that folder; a rank
-that fails to start is reported with the end of its log.
+closed or collected, or when this process exits (Linux sends them SIGTERM should it die). They run
+in a session of their own, so a Ctrl-C meant for this process does not stop them, and they take
+their configuration from the command line only (no PAGEDSERVE_* variables). Their logs go to files
+in that folder; a rank that fails to start is reported with the end of its log.
 """
 
 from __future__ import annotations
 
+import ctypes
 import os
 import shutil
+import signal
 import socket
 import subprocess
 import sys
@@ -79,6 +83,17 @@ def wait_grpc_serving(address: str, deadline: float, check_alive: Callable[[], N
     return False
 
 
+def terminate_with_parent() -> None:
+    """In a child, before exec: ask Linux for SIGTERM when the parent goes away (no orphans)."""
+    try:
+        ctypes.CDLL(None).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
+    except (OSError, AttributeError):  # not Linux: the orderly paths still stop the children
+        pass
+
+
+PR_SET_PDEATHSIG = 1
+
+
 def free_tcp_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
@@ -99,9 +114,11 @@ class LocalWorkerGroup:
                 argv = [sys.executable, "-m", "pagedserve", "worker", "--listen", self.addresses[rank],
                         "--tensor-parallel-rank", str(rank), "--distributed-init-method", meeting,
                         *engine_flags(config)]
+                clean = {k: v for k, v in os.environ.items() if not k.startswith("PAGEDSERVE_")}
                 with open(self.folder / f"rank{rank}.log", "wb") as log:
                     self.procs.append(subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT,
-                                                       env={**os.environ, "PYTHONUNBUFFERED": "1", **env}))
+                                                       env={**clean, "PYTHONUNBUFFERED": "1", **env},
+                                                       start_new_session=True, preexec_fn=terminate_with_parent))
             self._wait_until_serving(startup_timeout_s)
         except BaseException:
             self.stop()

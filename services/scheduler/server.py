@@ -20,7 +20,7 @@ from services.scheduler.engine_loop import EngineLoop
 from services.scheduler.grpc_executor import GRPC_OPTIONS, GrpcExecutor
 from services.scheduler.scheduler import SchedulerLimits
 from services.scheduler.session import Session
-from services.scheduler.tensor_parallel_executor import TensorParallelExecutor
+from services.scheduler.tensor_parallel_executor import TensorParallelExecutor, group_info
 from shared.config import token_budget
 from shared.gc_heap import freeze_startup_objects, unfreeze_startup_objects
 from shared.grpc_errors import ServiceUnavailable, grpc_errors
@@ -130,8 +130,15 @@ def _read_for_a_moment(request_iterator, seconds: float = 0.2) -> None:
 def build_engine(worker_addresses: list[str], limits_from, watermark: float, max_logprobs: int,
                  enable_prefix_caching: bool, connect_timeout_s: float = 60.0) -> EngineCore:
     """Several addresses are the ranks of one tensor-parallel group, in rank order."""
-    executor = GrpcExecutor(worker_addresses[0], connect_timeout_s) if len(worker_addresses) == 1 else \
-        TensorParallelExecutor(worker_addresses, connect_timeout_s)
+    if len(worker_addresses) > 1:
+        executor = TensorParallelExecutor(worker_addresses, connect_timeout_s)
+    else:
+        executor = GrpcExecutor(worker_addresses[0], connect_timeout_s)
+        try:  # a rank of a group, alone, would wait in its first step for peers that never come
+            group_info([executor.worker_info()], worker_addresses)
+        except ValueError:
+            executor.shutdown()
+            raise
     limits = limits_from(executor.worker_info().max_model_len)
     return EngineCore(executor, limits, watermark, max_logprobs, enable_prefix_caching)
 

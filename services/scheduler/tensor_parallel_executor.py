@@ -27,25 +27,10 @@ class TensorParallelExecutor:
         try:
             for address in addresses:
                 self.ranks.append(GrpcExecutor(address, connect_timeout_s))
-            self._info = self._group_info([rank.worker_info() for rank in self.ranks], addresses)
+            self._info = group_info([rank.worker_info() for rank in self.ranks], addresses)
         except BaseException:
             self.shutdown()
             raise
-
-    @staticmethod
-    def _group_info(infos: list[WorkerInfo], addresses: list[str]) -> WorkerInfo:
-        """The group's facts, after checking that the workers are its ranks, in order, of one model."""
-        for i, (info, address) in enumerate(zip(infos, addresses)):
-            if (info.tensor_parallel_rank, info.tensor_parallel_size) != (i, len(infos)):
-                raise ValueError(f"the worker at {address} is rank {info.tensor_parallel_rank} of "
-                                 f"{info.tensor_parallel_size}, but was given as rank {i} of {len(infos)}: list "
-                                 "a tensor-parallel group's workers in rank order, all of them")
-            for name in _SAME:
-                if getattr(info, name) != getattr(infos[0], name):
-                    raise ValueError(f"the tensor-parallel ranks disagree on {name}: {getattr(infos[0], name)!r} at "
-                                     f"{addresses[0]}, {getattr(info, name)!r} at {address}")
-        return dataclasses.replace(infos[0], num_kv_blocks=min(i.num_kv_blocks for i in infos),
-                                   num_cpu_blocks=min(i.num_cpu_blocks for i in infos))
 
     def worker_info(self) -> WorkerInfo:
         return self._info
@@ -66,7 +51,14 @@ class TensorParallelExecutor:
             rank.submit(plan)
 
     def wait(self) -> StepResult:
-        results = [rank.wait() for rank in self.ranks]
+        results, failure = [], None
+        for rank in self.ranks:  # every rank's answer is read, so none is left behind the others
+            try:
+                results.append(rank.wait())
+            except Exception as exc:
+                failure = failure or exc
+        if failure is not None:
+            raise failure
         expected = _tokens_of(results[0])
         for i, result in enumerate(results[1:], start=1):
             if _tokens_of(result) != expected:
@@ -81,6 +73,22 @@ class TensorParallelExecutor:
     def shutdown(self) -> None:
         for rank in self.ranks:
             rank.shutdown()
+
+
+def group_info(infos: list[WorkerInfo], addresses: list[str]) -> WorkerInfo:
+    """The facts of the workers at ``addresses`` together, after checking that they are the ranks of
+    one group, in order, all of them, of one model (a single worker: a group of one)."""
+    for i, (info, address) in enumerate(zip(infos, addresses)):
+        if (info.tensor_parallel_rank, info.tensor_parallel_size) != (i, len(infos)):
+            raise ValueError(f"the worker at {address} is rank {info.tensor_parallel_rank} of "
+                             f"{info.tensor_parallel_size}, but was given as rank {i} of {len(infos)}: list a "
+                             "tensor-parallel group's workers in rank order, all of them")
+        for name in _SAME:
+            if getattr(info, name) != getattr(infos[0], name):
+                raise ValueError(f"the tensor-parallel ranks disagree on {name}: {getattr(infos[0], name)!r} at "
+                                 f"{addresses[0]}, {getattr(info, name)!r} at {address}")
+    return dataclasses.replace(infos[0], num_kv_blocks=min(i.num_kv_blocks for i in infos),
+                               num_cpu_blocks=min(i.num_cpu_blocks for i in infos))
 
 
 def _tokens_of(result: StepResult) -> list[tuple]:

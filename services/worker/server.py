@@ -4,8 +4,11 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import logging
+import os
 import queue
 import signal
+import sys
 import threading
 from concurrent import futures
 from concurrent.futures import Future
@@ -114,6 +117,8 @@ class WorkerServicer(wire_grpc.WorkerServicer):
                         raise item
                 yield item
         finally:
+            if self.worker.tp.size > 1:
+                leave_the_group()
             stream.closed.set()  # steps still queued are skipped; then the worker forgets everything
             try:
                 self.compute.call(self._forget_all)
@@ -128,6 +133,19 @@ class WorkerServicer(wire_grpc.WorkerServicer):
 
 
 _END = object()
+# A tensor-parallel rank whose scheduler went away (or whose step failed) exits with this code.
+EXIT_GROUP_BROKEN = 75
+
+
+def leave_the_group() -> None:
+    """A rank cannot tell where its peers are: one may be waiting in a collective for a step this rank
+    will now skip, or may have died. So it exits at once, whatever it is running; its supervisor starts
+    it again (the launcher the whole group, compose each rank), and the ranks meet anew."""
+    log.warning("tensor-parallel rank leaving: its scheduler went away or a step failed; its group must meet anew")
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(EXIT_GROUP_BROKEN)
 
 
 class _StepStream:

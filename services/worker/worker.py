@@ -71,7 +71,8 @@ class Worker:
         # A model the ranks cannot share is refused before they meet.
         TensorParallel(tensor_parallel_rank, config.tensor_parallel_size).shard(self.model_config)
         self.tp: TensorParallel = join_group(tensor_parallel_rank, config.tensor_parallel_size, distributed_init_method, self.device)
-        # From here on, the config of this rank's share: its heads (and KV pools) and MLP columns.
+        # From here on model_config is this rank's share (its heads, KV pools and MLP columns), not the
+        # whole model's; with one rank the two are the same.
         self.model, self.model_config = load_model(self.model_dir, self.dtype, self.device, tp=self.tp)
         self.max_model_len = self._resolve_max_model_len()
         token_budget = config.token_budget(self.max_model_len)
