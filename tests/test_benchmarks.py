@@ -75,3 +75,12 @@ def test_spec_decode_decodes_the_same_tokens_in_every_mode(tmp_path, tiny_model_
     first = report["batches"][0]["rows"]
     assert [r["mode"] for r in first] == ["plain", "ngram", "reference, 0% wrong"]
     assert first[2]["acceptance"] > 0.9 and first[2]["steps"] < first[0]["steps"]
+
+
+def test_tensor_parallel_benchmark_runs_one_worker_against_two_ranks(tmp_path, tiny_model_factory):
+    out = tmp_path / "tp.json"
+    subprocess.run([sys.executable, str(REPO / "benchmarks" / "tensor_parallel.py"), "--model",
+                    str(tiny_model_factory("llama")), "--num-requests", "2", "--output-len", "4", "--prompt-len", "6",
+                    "--rounds", "1", "--out", str(out)], cwd=REPO, check=True, timeout=180, stdout=subprocess.DEVNULL)
+    report = json.loads(out.read_text())
+    assert [r["mode"] for r in report["rows"]] == ["one worker", "2 ranks"] and report["agree"] == 2
