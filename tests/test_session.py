@@ -178,8 +178,9 @@ class ScriptedEngine:
             self.on_step(len(self.steps))
         return self.steps.pop(0)
 
-    def add_request(self, *args, **kwargs) -> None:
+    def add_request(self, request_id, prompt, params, *args, **kwargs) -> int:
         self.admitted = True
+        return params.n
 
     def abort_request(self, request_id: str) -> None:
         pass

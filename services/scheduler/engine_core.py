@@ -18,6 +18,7 @@ from services.scheduler.scheduler import Scheduler, SchedulerLimits
 from services.scheduler.sequence import Sequence, SequenceUpdate
 from services.scheduler.stats import EngineStats
 from shared.grpc_errors import AlreadyExists
+from shared.resumption import Resumption
 from shared.sampling_params import SamplingParams
 from shared.step_protocol import StepPlan, WorkerInfo
 
@@ -52,24 +53,51 @@ class EngineCore:
     # --- admission ----------------------------------------------------------------------------------
 
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-                    cache_salt: str | None = None) -> None:
+                    cache_salt: str | None = None, resumption: Resumption | None = None) -> int:
+        """Admit a request (ValueError if it could never run); returns how many sequences it runs,
+        each of which ends with a finish reason. A resumption runs only the sequences it names, each
+        carrying on after its earlier output (recomputed like a sequence preempted by recompute)."""
         self._validate(request_id, prompt_token_ids, params, cache_salt)
         max_output = self.info.max_model_len - len(prompt_token_ids)
         if params.max_tokens is not None:
             max_output = min(max_output, params.max_tokens)
+        if resumption is not None:
+            self._check_resumption(resumption, prompt_token_ids, params, max_output)
         arrival = next(self._arrivals)
         if params.use_beam_search:
             self._add_beam_request(request_id, prompt_token_ids, params, max_output, arrival, cache_salt)
-            return
+            return params.n
+        indexes = range(params.n) if resumption is None else sorted(resumption.outputs)
         seqs = [Sequence(next(self._seq_ids), request_id, i, list(prompt_token_ids), params, max_output, arrival,
-                         cache_salt) for i in range(params.n)]
+                         cache_salt) for i in indexes]
         for seq in seqs:
             seq.siblings = seqs
             self._seqs[seq.seq_id] = seq
+        self._requests[request_id] = seqs
+        if resumption is not None:  # each has its own tokens: no sibling forks from another
+            for seq in seqs:
+                seq.output_token_ids = list(resumption.outputs[seq.index])
+                self.scheduler.add(seq)
+            return len(seqs)
         # The first sequence computes the prompt; the others fork from it and share its blocks.
         seqs[0].pending_siblings = seqs[1:]
-        self._requests[request_id] = seqs
         self.scheduler.add(seqs[0])
+        return len(seqs)
+
+    def _check_resumption(self, resumption: Resumption, prompt: list[int], params: SamplingParams,
+                          max_output: int) -> None:
+        if params.use_beam_search:
+            raise ValueError("a beam search cannot be resumed (its beams are chosen at its end): submit it again")
+        for index, output in resumption.outputs.items():
+            if index >= params.n:
+                raise ValueError(f"resumed sequence {index} is not one of the request's n={params.n}")
+            bad = next((t for t in output if not 0 <= t < self.info.vocab_size), None)
+            if bad is not None:
+                raise ValueError(f"resumed sequence {index}'s token id {bad} is outside the vocabulary "
+                                 f"[0, {self.info.vocab_size})")
+            if len(output) >= max_output:
+                raise ValueError(f"resumed sequence {index} has {len(output)} output tokens already, as many as "
+                                 f"it may have ({max_output}): it had finished")
 
     def _add_beam_request(self, request_id: str, prompt: list[int], params: SamplingParams, max_output: int,
                           arrival: int, cache_salt: str | None) -> None:

@@ -20,6 +20,7 @@ from services.scheduler.sequence import SequenceUpdate
 from services.scheduler.session import Session, SessionBatch
 from shared.grpc_errors import ServiceUnavailable
 from shared.logging import setup_logging
+from shared.resumption import Resumption
 from shared.sampling_params import SamplingParams
 
 log = setup_logging("scheduler")
@@ -70,12 +71,12 @@ class EngineLoop:
             self._sessions.add(session)
 
     def submit(self, session: Session, key: int, request_id: str, prompt_token_ids: list[int],
-               params: SamplingParams, cache_salt: str | None = None) -> None:
+               params: SamplingParams, cache_salt: str | None = None, resumption: Resumption | None = None) -> None:
         """Queue a request for admission; a refusal arrives on the session as a RequestError."""
         if self.refusing is not None:
             session.refuse(key, ServiceUnavailable(self.refusing))
             return
-        self._post(None, self._add, session, key, request_id, prompt_token_ids, params, cache_salt)
+        self._post(None, self._add, session, key, request_id, prompt_token_ids, params, cache_salt, resumption)
 
     def abort_soon(self, session: Session, key: int) -> None:
         """Abort one of the session's own requests, without waiting (a session's abort message)."""
@@ -148,15 +149,19 @@ class EngineLoop:
     # --- the loop thread ------------------------------------------------------------------------------
 
     def _add(self, session: Session, key: int, request_id: str, prompt_token_ids: list[int],
-             params: SamplingParams, cache_salt: str | None) -> None:
+             params: SamplingParams, cache_salt: str | None, resumption: Resumption | None) -> None:
         try:
-            self.engine.add_request(request_id, prompt_token_ids, params, cache_salt=cache_salt)
+            num_seqs = self.engine.add_request(request_id, prompt_token_ids, params, cache_salt, resumption)
         except Exception as exc:  # refused at admission: tell the gateway, keep serving
             session.refuse(key, exc)
             return
-        self._requests[request_id] = _InFlight(session, key, params.n)
+        self._requests[request_id] = _InFlight(session, key, num_seqs)
         session.requests[key] = request_id
-        log.info("request admitted", request_id=request_id, prompt_tokens=len(prompt_token_ids), n=params.n)
+        if resumption is None:
+            log.info("request admitted", request_id=request_id, prompt_tokens=len(prompt_token_ids), n=params.n)
+        else:
+            log.info("request resumed", request_id=request_id, prompt_tokens=len(prompt_token_ids),
+                     output_tokens={i: len(t) for i, t in resumption.outputs.items()})
 
     def _fail_if_idle(self, reason: str) -> None:
         if not self._requests and not self.engine.num_in_flight:

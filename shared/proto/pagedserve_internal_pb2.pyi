@@ -12,16 +12,26 @@ class Empty(_message.Message):
     def __init__(self) -> None: ...
 
 class EngineRequest(_message.Message):
-    __slots__ = ("request_id", "prompt_token_ids", "params", "cache_salt")
+    __slots__ = ("request_id", "prompt_token_ids", "params", "cache_salt", "resumed")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     PARAMS_FIELD_NUMBER: _ClassVar[int]
     CACHE_SALT_FIELD_NUMBER: _ClassVar[int]
+    RESUMED_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
     params: _pagedserve_api_pb2.SamplingParameters
     cache_salt: str
-    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., params: _Optional[_Union[_pagedserve_api_pb2.SamplingParameters, _Mapping]] = ..., cache_salt: _Optional[str] = ...) -> None: ...
+    resumed: _containers.RepeatedCompositeFieldContainer[ResumedSequence]
+    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., params: _Optional[_Union[_pagedserve_api_pb2.SamplingParameters, _Mapping]] = ..., cache_salt: _Optional[str] = ..., resumed: _Optional[_Iterable[_Union[ResumedSequence, _Mapping]]] = ...) -> None: ...
+
+class ResumedSequence(_message.Message):
+    __slots__ = ("seq_index", "output_token_ids")
+    SEQ_INDEX_FIELD_NUMBER: _ClassVar[int]
+    OUTPUT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    seq_index: int
+    output_token_ids: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, seq_index: _Optional[int] = ..., output_token_ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class PositionLogprobs(_message.Message):
     __slots__ = ("token_id", "logprob", "rank", "top_token_ids", "top_logprobs")
