@@ -23,7 +23,7 @@ from services.scheduler.local_workers import (free_tcp_port, process_environment
 
 SCHEDULER_FLAGS = ("max_num_seqs", "max_num_batched_tokens", "enable_chunked_prefill", "enable_prefix_caching",
                    "preemption_mode", "async_scheduling")
-GATEWAY_FLAGS = ("host", "port", "grpc_port", "served_model_name", "tokenizer")
+GATEWAY_FLAGS = ("host", "port", "grpc_port", "served_model_name", "tokenizer", "max_resumes", "resume_timeout")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -39,6 +39,11 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--api-key-store", default=None, help="Redis URL of the keys made with 'pagedserve api-keys'")
     parser.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=True,
                         help="the scheduler plans each step while the worker computes the one before")
+    parser.add_argument("--max-resumes", type=int, default=None,
+                        help="times the gateway resumes a request whose worker or scheduler crashed (default 3; "
+                             "0: such requests fail with 503)")
+    parser.add_argument("--resume-timeout", type=float, default=None,
+                        help="seconds a resumption waits for the restarted process (default 30)")
     parser.add_argument("--data-parallel-size", "-dp", type=int, default=1,
                         help="schedulers, each with a worker (a GPU of its own, or a share of the CPU cores), "
                              "behind the one gateway")

@@ -97,8 +97,7 @@ class Stack:
         """headers: what a request needs to be served (an API key), for the readiness check."""
         # All three at once: the scheduler waits for its worker, the gateway learns the model lazily.
         self.start_worker()
-        self._spawn("scheduler", "--worker", f"127.0.0.1:{self.worker_port}", "--listen", self.scheduler_address,
-                    *self.scheduler_args)
+        self.start_scheduler()
         self._spawn("gateway", "--port", str(self.http_port), "--grpc-port", str(self.grpc_port),
                     "--scheduler", self.scheduler_address, *self.gateway_args)
         try:
@@ -115,8 +114,7 @@ class Stack:
         from grpc_health.v1 import health_pb2, health_pb2_grpc
 
         self.start_worker()
-        self._spawn("scheduler", "--worker", f"127.0.0.1:{self.worker_port}", "--listen", self.scheduler_address,
-                    *self.scheduler_args)
+        self.start_scheduler()
         deadline = time.monotonic() + timeout_s
         with grpc.insecure_channel(self.scheduler_address) as channel:
             health = health_pb2_grpc.HealthStub(channel)
@@ -139,6 +137,11 @@ class Stack:
         """The worker (again, after kill("worker"): on the same address)."""
         self._spawn("worker", "--model", str(self.model_dir), "--listen", f"127.0.0.1:{self.worker_port}",
                     *self.worker_args)
+
+    def start_scheduler(self) -> None:
+        """The scheduler (again, after kill("scheduler"): on the same address)."""
+        self._spawn("scheduler", "--worker", f"127.0.0.1:{self.worker_port}", "--listen", self.scheduler_address,
+                    *self.scheduler_args)
 
     def _wait_ready(self, timeout_s: float, headers: dict[str, str] | None = None) -> None:
         deadline = time.monotonic() + timeout_s

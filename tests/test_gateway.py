@@ -677,7 +677,9 @@ def test_context_length(client, llama_dir):
 
 
 def test_overload_then_dead_worker_then_dead_scheduler(llama_dir, tmp_path):
-    stack = Stack(llama_dir, tmp_path, worker_args=WORKER_ARGS, gateway_args=("--max-concurrent-requests", "1")).start()
+    # A request the dead worker catches in flight waits for one to take it again (resumption), at most 3 s here.
+    stack = Stack(llama_dir, tmp_path, worker_args=WORKER_ARGS,
+                  gateway_args=("--max-concurrent-requests", "1", "--resume-timeout", "3")).start()
     try:
         url = f"{stack.base_url}/v1/completions"
         assert httpx.post(url, json={"prompt": "Hi", "max_tokens": 2}, timeout=30).status_code == 200
@@ -696,7 +698,8 @@ def test_overload_then_dead_worker_then_dead_scheduler(llama_dir, tmp_path):
         stack.kill("worker")
         started = time.monotonic()
         error = _error(httpx.post(url, json={"prompt": "Hi", "max_tokens": 2}, timeout=30), 503)
-        # The engine failing on the lost worker, or (once the health poll has seen it) the refusal it sets.
+        # The engine failing on the lost worker (then no scheduler taking the request again), or (once
+        # the health poll has seen it) the refusal it sets.
         assert time.monotonic() - started < 10
         assert "unavailable" in error["message"] or "worker" in error["message"], error
         assert error["type"] == "ServiceUnavailableError"
@@ -849,7 +852,9 @@ def _wait_until_answered(url: str, timeout_s: float = 15) -> None:
 
 
 def test_a_hung_scheduler_or_worker_fails_requests_and_serving_resumes(llama_dir, tmp_path):
-    stack = Stack(llama_dir, tmp_path, worker_args=WORKER_ARGS, gateway_args=("--backend-timeout", "2")).start()
+    # Without resumption: abandoned requests would otherwise wait for the hung scheduler to take them again.
+    stack = Stack(llama_dir, tmp_path, worker_args=WORKER_ARGS,
+                  gateway_args=("--backend-timeout", "2", "--max-resumes", "0")).start()
     try:
         url = f"{stack.base_url}/v1/completions"
         assert httpx.post(url, json={"prompt": "Hi", "max_tokens": 2}, timeout=30).status_code == 200

@@ -1,11 +1,14 @@
 """A gateway over several schedulers: the routing rule on stand-in clients, then two real
-schedulers (each with its worker) behind one gateway, one of whose workers dies and comes back."""
+schedulers (each with its worker) behind one gateway, one of whose workers dies and comes back,
+and one of which dies under a stream that goes on at the other."""
 
 from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import json
 import random
+import signal
 import time
 
 import httpx2 as httpx
@@ -13,7 +16,7 @@ import pytest
 
 from benchmarks.serving import parse_engine_stats
 from pagedserve import LLM, SamplingParams
-from services.gateway.scheduler_pool import BALANCE_SLACK, SchedulerPool
+from services.gateway.scheduler_pool import BALANCE_SLACK, SchedulerPool, _affinity_key, _score
 from shared.grpc_errors import ServiceUnavailable
 from shared.proto import pagedserve_internal_pb2 as wire
 from tests.services_harness import Stack, http_get
@@ -26,7 +29,7 @@ class StandIn:
         self.address, self.num_in_flight, self.reachable, self.submitted = address, 0, reachable, []
         self.model, self.health_error = model, None
 
-    async def submit(self, request_id, prompt_token_ids, params, cache_salt=None):
+    async def submit(self, request_id, prompt_token_ids, params, cache_salt=None, resumption=None):
         if not self.reachable:
             raise ServiceUnavailable(f"{self.address} is down")
         self.submitted.append(request_id)
@@ -99,6 +102,12 @@ def test_a_request_goes_to_the_next_scheduler_when_one_cannot_be_reached():
     up.reachable = False
     with pytest.raises(ServiceUnavailable, match="down"):
         asyncio.run(pool.submit("r2", tokens, SamplingParams()))
+    # A resumed request tries the scheduler it was lost at last (it may be hung, unknown to the poll).
+    down.reachable = up.reachable = True
+    pool = polled(down, up)
+    assert asyncio.run(pool.submit("r3", tokens, SamplingParams(), avoid="down:1")) == "up:1"
+    up.reachable = False  # last, not never
+    assert asyncio.run(pool.submit("r4", tokens, SamplingParams(), avoid="down:1")) == "down:1"
     with pytest.raises(ValueError, match="distinct"):
         SchedulerPool([StandIn("a:1"), StandIn("a:1")])
 
@@ -204,3 +213,32 @@ def test_a_dead_worker_s_scheduler_is_routed_around_then_used_again(stacks):
         assert complete(first, " ".join(str(rng.randrange(1000)) for _ in range(8))).status_code == 200
         time.sleep(0.1)
     assert per_scheduler(first, "num_steps").get(second.scheduler_address), "the second scheduler got no request"
+
+
+def test_a_stream_whose_scheduler_dies_goes_on_at_the_other(stacks, llama_dir):
+    first, second = stacks
+    wait_routable(first, {first.scheduler_address, second.scheduler_address})
+    prompt = [random.Random(3).randrange(1, 500) for _ in range(40)]
+    offline = LLM(str(llama_dir)).generate({"prompt_token_ids": prompt}, SamplingParams(
+        max_tokens=300, temperature=0, ignore_eos=True), use_tqdm=False)[0].outputs[0].text
+    # The scheduler the prompt hashes to (nothing else is running: the balance rule does not apply).
+    key = _affinity_key(prompt, None)
+    victim, survivor = sorted(stacks, key=lambda s: _score(s.scheduler_address, key), reverse=True)
+    steps_before = per_scheduler(first, "num_steps")[survivor.scheduler_address]
+    body = {"model": first.model_name, "prompt": prompt, "max_tokens": 300, "temperature": 0, "ignore_eos": True,
+            "stream": True}
+    text, finish = "", None
+    with httpx.stream("POST", f"{first.base_url}/v1/completions", json=body, timeout=60) as reply:
+        for line in reply.iter_lines():
+            if not line.startswith("data: {"):
+                continue
+            choice = json.loads(line[6:])["choices"][0]
+            if not text:
+                victim.procs["scheduler"].send_signal(signal.SIGSTOP)  # no progress from here on
+                victim.kill("scheduler")
+            text += choice["text"]
+            finish = choice["finish_reason"] or finish
+    assert text == offline and finish == "length"
+    assert per_scheduler(first, "num_steps")[survivor.scheduler_address] > steps_before + 250, "it went on elsewhere"
+    victim.start_scheduler()  # back to two, for whatever runs next
+    wait_routable(first, {first.scheduler_address, second.scheduler_address})

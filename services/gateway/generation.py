@@ -16,17 +16,19 @@ import itertools
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from services.gateway.api_keys import ApiKey
 from services.gateway.metrics import GatewayMetrics
 from services.gateway.rate_limits import RateLimiter, Reservation
-from services.gateway.scheduler_client import SubmitStream
+from services.gateway.resumption import Resubmission, ResumePolicy, Resumer
+from services.gateway.scheduler_client import SessionLost, SubmitStream
 from services.gateway.scheduler_pool import SchedulerPool
 from shared.detokenizer import IncrementalDetokenizer
 from shared.grpc_errors import NotFound, ResourceExhausted, ServiceUnavailable
 from shared.logging import setup_logging
+from shared.resumption import Resumption
 from shared.sampling_params import SamplingParams
 from shared.tokenizer import load_tokenizer, render_chat
 from shared.wire_version import check_peer_version
@@ -171,13 +173,20 @@ class Model:
 
 
 class Run:
-    """One prompt's engine request: iterate it for SeqDeltas; leaving early aborts it."""
+    """One prompt's engine request: iterate it for SeqDeltas; leaving early aborts it. With a
+    resumer, a run whose scheduler is lost goes on at another (or the same one, back)."""
 
     def __init__(self, model: Model, stream: SubmitStream, request_id: str, prompt: list[int],
-                 params: SamplingParams, metrics: GatewayMetrics, position: int = 0):
+                 params: SamplingParams, metrics: GatewayMetrics, position: int = 0,
+                 resumer: Resumer | None = None, cache_salt: str | None = None):
         self.model, self.request_id, self.prompt, self.params = model, request_id, prompt, params
         self.position = position  # which of the request's prompts this is
         self._stream, self._metrics = stream, metrics
+        self._resumer, self._cache_salt = resumer, cache_salt
+        self.resumes = 0  # times this run was submitted again after losing its scheduler
+        self._aborted = False  # the client's Abort: a resumption stops
+        self._outputs: list[list[int]] = [[] for _ in range(params.n)]  # each sequence's tokens so far
+        self._skip_prompt_logprobs = 0  # a run started over sends the prompt logprobs already passed on again
         self._first = None
         self._detoks = [IncrementalDetokenizer(model.tokenizer, prompt, stop=params.stop,
                                                skip_special_tokens=params.skip_special_tokens,
@@ -199,12 +208,13 @@ class Run:
 
     def abort(self) -> None:
         """Abort at the scheduler; iterating goes on to the sequences' ends, as "abort" (the Abort RPC)."""
+        self._aborted = True
         self._stream.abort()
 
     async def start(self) -> None:
         """Wait for the first output, so admission errors surface before any response is sent."""
         try:
-            self._first = await anext(self._stream, None)
+            self._first = await self._next()
         except BaseException:
             self.cancel()
             raise
@@ -221,7 +231,7 @@ class Run:
                     yield delta
                 if self.finished:
                     return
-                message = await anext(self._stream, None)
+                message = await self._next()
             # The stream ended with sequences still running: the request was aborted (Abort RPC).
             for index, done in enumerate(self._done):
                 if not done:
@@ -234,16 +244,45 @@ class Run:
             self._metrics.finish(len(self.prompt), self.completion_tokens, time.perf_counter() - self._started,
                                  first, self.params.n)
 
+    async def _next(self):
+        """The request's next output (None once it ended), from the scheduler it runs on now."""
+        try:
+            return await anext(self._stream, None)
+        except SessionLost as exc:
+            if self._resumer is None or not self._resumer.may_resume(exc, self.resumes):
+                raise
+            lost = exc
+        self.resumes += 1
+        self._skip_prompt_logprobs = len(self.prompt_logprobs) - 1 if self.prompt_logprobs else 0
+        return await self._resumer.resubmit(self._resubmission(), lost, self._take_stream, lambda: self._aborted)
+
+    def _take_stream(self, stream: SubmitStream) -> None:
+        self._stream = stream
+
+    def _resubmission(self) -> Resubmission:
+        """Once any token came, the unfinished sequences carry on after theirs (the prompt's logprobs
+        came before them); until then the request starts over."""
+        resumption, params = None, self.params
+        if any(self._outputs):
+            resumption = Resumption({i: list(out) for i, out in enumerate(self._outputs) if not self._done[i]})
+            params = replace(params, prompt_logprobs=None)
+        return Resubmission(self.request_id, self.prompt, params, self._cache_salt, resumption)
+
     def _apply(self, message) -> SeqDelta | None:
         # Every streamed token comes through here: each protobuf field is read once.
         index = message.seq_index
         params = self.params
         if params.prompt_logprobs is not None and message.prompt_logprobs:
-            self.prompt_logprobs = (self.prompt_logprobs or [None]) + [self.model.logprob(p)
-                                                                         for p in message.prompt_logprobs]
+            positions = message.prompt_logprobs
+            if self._skip_prompt_logprobs:
+                skip = min(self._skip_prompt_logprobs, len(positions))
+                self._skip_prompt_logprobs -= skip
+                positions = positions[skip:]
+            self.prompt_logprobs = (self.prompt_logprobs or [None]) + [self.model.logprob(p) for p in positions]
         if self._done[index]:  # stopped by a stop string; the engine may still be running it for a moment
             return None
         ids = list(message.new_token_ids)
+        self._outputs[index] += ids  # all of them: a sequence that keeps fewer has stopped
         detok = self._detoks[index]
         delta = SeqDelta(index, ids, "", position=self.position)
         finish_reason = message.finish_reason
@@ -332,8 +371,10 @@ class Admission:
 class Generator:
     def __init__(self, client: SchedulerPool, metrics: GatewayMetrics, served_model_name: str | None = None,
                  tokenizer: str | None = None, max_concurrent_requests: int | None = None,
-                 limiter: RateLimiter | None = None):
+                 limiter: RateLimiter | None = None, resume_policy: ResumePolicy | None = ResumePolicy()):
         self.client = client
+        # Runs whose scheduler is lost are submitted again (None: they fail with 503).
+        self.resumer = None if resume_policy is None else Resumer(client, resume_policy, metrics)
         self.limiter = limiter  # per-key rate limits (keys from the Redis store); None: none kept
         self.metrics = metrics
         self.served_model_name = served_model_name
@@ -448,7 +489,8 @@ class Generator:
                 engine_id = f"{unique}-{i}" if suffix_ids else unique
                 stream = await self.client.submit(engine_id, prompt, params, cache_salt)
                 try:
-                    runs.append(Run(model, stream, engine_id, prompt, params, self.metrics, position=i))
+                    runs.append(Run(model, stream, engine_id, prompt, params, self.metrics, position=i,
+                                    resumer=self.resumer, cache_salt=cache_salt))
                     if on_submit is not None:
                         on_submit(runs[-1])
                 except BaseException:

@@ -27,6 +27,11 @@ class GatewayMetrics:
                               "first output to last over the tokens after the first, per sequence of an engine "
                               "request (n > 1: their mean length; beam search: not observed)",
                               buckets=TOKEN_BUCKETS, registry=r)
+        self.resumed = Counter("pagedserve_resumed_requests",
+                               "engine requests submitted again, and taken, after their scheduler was lost", registry=r)
+        self.resume_failures = Counter("pagedserve_resume_failures",
+                                       "engine requests whose scheduler was lost and that no scheduler took again "
+                                       "within the resume timeout (503)", registry=r)
         self.rate_limited = Counter("pagedserve_rate_limited_requests",
                                     "requests refused with 429 for an API key's rate limit", ["api_key"], registry=r)
         self.unauthenticated = Counter("pagedserve_unauthenticated_requests",

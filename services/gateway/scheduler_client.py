@@ -25,6 +25,7 @@ from shared.logging import setup_logging
 from shared.proto import pagedserve_api_pb2 as api
 from shared.proto import pagedserve_internal_pb2 as wire
 from shared.proto import pagedserve_internal_pb2_grpc as wire_grpc
+from shared.resumption import Resumption
 from shared.sampling_params import SamplingParams
 
 CHANNEL_OPTIONS = [
@@ -36,6 +37,16 @@ CHANNEL_OPTIONS = [
 ]
 _END = object()  # the request ended: no more outputs
 log = setup_logging("gateway")
+
+
+class SessionLost(ServiceUnavailable):
+    """The Session stream broke, or was abandoned as hung, with the request still running: its
+    scheduler (or that scheduler's engine) may be gone, and the request may be resumed elsewhere.
+    A refusal at admission, or a request this gateway gave up on itself, is not this."""
+
+    def __init__(self, message: str, address: str):
+        super().__init__(message)
+        self.address = address  # the scheduler that was lost
 
 
 class TokenOutput:
@@ -140,6 +151,7 @@ class Session:
         self._loop = asyncio.get_running_loop()
         self._last_heard = self._loop.time()  # the last message, or when requests were first in flight
         self._failure: Exception | None = None  # why the session ended, when this side ended it
+        self._opened = False  # the scheduler took the session (its first message came)
         self._call = stub.Session(self._requests())
         self._reader = self._loop.create_task(self._read())
         self._watchdog = self._loop.create_task(self._watch(idle_timeout_s))
@@ -179,23 +191,31 @@ class Session:
             stop_sequence = wire.SessionStopSequence(key=key, seq_index=seq_index, stop_string=stop)
             self._outgoing.put_nowait(wire.SessionRequest(stop_sequence=stop_sequence))
 
+    def _lost(self, message: str) -> ServiceUnavailable:
+        """Why the requests of a session that ended failed: lost in flight once the scheduler had
+        taken the session, refused before."""
+        return SessionLost(message, self.address) if self._opened else ServiceUnavailable(message)
+
     async def _read(self) -> None:
-        error: Exception = ServiceUnavailable(f"the scheduler at {self.address} closed the session")
+        error: Exception | None = None
         try:
             while (events := await self._call.read()) is not grpc.aio.EOF:
                 self._last_heard = self._loop.time()
+                self._opened = True
                 self._route(events)
+            error = self._lost(f"the scheduler at {self.address} closed the session")
         except grpc.aio.AioRpcError as exc:  # whatever its code, a broken session means the scheduler is not there
-            error = ServiceUnavailable(f"the scheduler at {self.address} is unavailable: {exc.details()}")
+            error = self._lost(f"the scheduler at {self.address} is unavailable: {exc.details()}")
         except Exception as exc:  # a bug here must not leave requests waiting or running unseen
             log.exception("scheduler session reader failed")
-            error = ServiceUnavailable(f"the session with the scheduler at {self.address} failed: {exc}")
+            error = self._lost(f"the session with the scheduler at {self.address} failed: {exc}")
         finally:
             self.closed = True
             self._call.cancel()  # the scheduler aborts whatever this session still has running
             self._watchdog.cancel()
+            failure = self._failure or error or self._lost(f"the session with the scheduler at {self.address} closed")
             for stream in self._streams.values():
-                stream.deliver(self._failure or error)
+                stream.deliver(failure)
             self._streams.clear()
 
     async def _watch(self, idle_timeout_s: float) -> None:
@@ -204,7 +224,7 @@ class Session:
             silent = self._loop.time() - self._last_heard
             if self._streams and silent > idle_timeout_s:
                 log.warning("scheduler session silent: abandoning its requests", requests=len(self._streams))
-                self.abandon(ServiceUnavailable(
+                self.abandon(self._lost(
                     f"the scheduler at {self.address} sent nothing for {silent:.0f} s; its requests were abandoned"))
                 return
 
@@ -276,14 +296,15 @@ class SchedulerClient:
             raise _domain_error(exc, self.address) from None
 
     async def submit(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-                     cache_salt: str | None = None) -> SubmitStream:
+                     cache_salt: str | None = None, resumption: Resumption | None = None) -> SubmitStream:
         if self._refusing is not None:
             raise self._refusing
         await self._connected()
         if self._session is None or self._session.closed:  # first use, or the scheduler restarted
             self._session = Session(self._stub, self.address, self.idle_timeout_s)
         request = wire.EngineRequest(request_id=request_id, prompt_token_ids=prompt_token_ids,
-                                     params=params.to_proto(), cache_salt=cache_salt)
+                                     params=params.to_proto(), cache_salt=cache_salt,
+                                     resumed=resumption.to_proto() if resumption is not None else ())
         return self._session.submit(request)
 
     @property

@@ -11,7 +11,8 @@ Routing rule, per request:
 3. ...unless that scheduler has more than BALANCE_SLACK (or a quarter) more requests in flight
    from this gateway than the least loaded one: then it goes to the least loaded.
 4. A scheduler that cannot be reached when the request is submitted is skipped for the next one;
-   a request that a scheduler has accepted stays there (if it fails, the client gets 503).
+   a request that a scheduler has accepted stays there until that scheduler is lost: then the
+   gateway resumes it (services/gateway/resumption.py), choosing again by these rules.
 A scheduler serving another model (or another context length or vocabulary) than the first one
 the gateway learned is never used, and says so in the log; each is compared when the poll first
 finds it serving, and again whenever it comes back.
@@ -27,6 +28,7 @@ from services.gateway.scheduler_client import SchedulerClient, SubmitStream
 from shared.grpc_errors import ServiceUnavailable
 from shared.logging import setup_logging
 from shared.proto import pagedserve_internal_pb2 as wire
+from shared.resumption import Resumption
 from shared.sampling_params import SamplingParams
 
 log = setup_logging("gateway")
@@ -83,11 +85,15 @@ class SchedulerPool:
         return [preferred, *rest, *resting]
 
     async def submit(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-                     cache_salt: str | None = None) -> SubmitStream:
+                     cache_salt: str | None = None, resumption: Resumption | None = None,
+                     avoid: str | None = None) -> SubmitStream:
+        """avoid: a scheduler to try last (the one a resumed request was just lost at: it may be hung
+        without the health poll knowing yet)."""
         error: Exception | None = None
-        for client in self.candidates(prompt_token_ids, cache_salt):
+        candidates = self.candidates(prompt_token_ids, cache_salt)
+        for client in sorted(candidates, key=lambda c: c.address == avoid):  # (stable: the order stays)
             try:
-                return await client.submit(request_id, prompt_token_ids, params, cache_salt)
+                return await client.submit(request_id, prompt_token_ids, params, cache_salt, resumption)
             except ServiceUnavailable as exc:  # not reachable: nothing was sent, so the next one may take it
                 if len(self.clients) > 1:
                     self._serving[client.address] = False

@@ -20,6 +20,7 @@ from services.gateway.auth import Authenticator
 from services.gateway.generation import Generator
 from services.gateway.grpc_api import HEALTH_SERVICES, NOT_SERVING, SERVING, create_grpc_server
 from services.gateway.metrics import GatewayMetrics
+from services.gateway.resumption import ResumePolicy
 from services.gateway.rate_limits import RateLimiter
 from services.gateway.scheduler_pool import HEALTH_POLL_S, SchedulerPool
 from shared.gc_heap import freeze_startup_objects, unfreeze_startup_objects
@@ -97,7 +98,9 @@ async def serve(args: argparse.Namespace) -> None:
     auth, limiter = build_auth(args)
     if auth.store is not None:
         await _check_store(auth)
-    gen = Generator(client, metrics, args.served_model_name, args.tokenizer, args.max_concurrent_requests, limiter)
+    resume_policy = ResumePolicy(args.max_resumes, args.resume_timeout) if args.max_resumes else None
+    gen = Generator(client, metrics, args.served_model_name, args.tokenizer, args.max_concurrent_requests, limiter,
+                    resume_policy)
     grpc_server, grpc_health = create_grpc_server(gen, f"{args.host}:{args.grpc_port}", auth)
     origins = tuple(o.strip() for o in args.allowed_origins.split(",") if o.strip())
     http = _Uvicorn(uvicorn.Config(create_app(gen, origins, auth), host=args.host, port=args.port, log_config=None,
@@ -129,6 +132,8 @@ async def serve(args: argparse.Namespace) -> None:
     await _drain(gen, args.drain_timeout)
     if gen.in_flight:  # an answer that says so, rather than a connection cut mid-response
         log.warning("drain timeout: failing the requests still in flight", in_flight=gen.in_flight)
+        if gen.resumer is not None:
+            gen.resumer.stopping = True  # they fail for good: not resumed
         client.abandon_requests(ServiceUnavailable("the gateway is shutting down; retry the request"))
     await asyncio.gather(http_task, grpc_stopped, return_exceptions=True)
     await gen.settle_charges()  # the last requests' tokens, before the store closes
@@ -166,6 +171,13 @@ def build_parser() -> argparse.ArgumentParser:
                         help="seconds the scheduler may stay silent while requests are in flight before they "
                              "are abandoned with 503 (while its engine steps it speaks at least once a second, "
                              "so keep this well above 1)")
+    parser.add_argument("--max-resumes", type=int, default=3,
+                        help="times a request whose scheduler is lost (it died, hung or stopped, or its worker "
+                             "died) is submitted again to a scheduler that serves, carrying on after the tokens "
+                             "it had produced; 0: such requests fail with 503")
+    parser.add_argument("--resume-timeout", type=float, default=30.0,
+                        help="seconds one resumption waits for a scheduler to take the request (a restarted "
+                             "one, or another) before the request fails with 503")
     parser.add_argument("--allowed-origins", default="*",
                         help="comma-separated origins browsers may call the HTTP API from (CORS); '' turns CORS off")
     parser.add_argument("--api-key", action="append", default=None,
@@ -190,6 +202,8 @@ def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     apply_env_defaults(parser)
     args = parser.parse_args(argv)
+    if args.max_resumes < 0 or not args.resume_timeout > 0:
+        parser.error("--max-resumes must be 0 or more and --resume-timeout positive")
     args.scheduler = [a.strip() for item in args.scheduler or ["127.0.0.1:50051"] for a in item.split(",") if a.strip()]
     run_event_loop(serve(args))
     return 0

@@ -19,7 +19,7 @@ from services.scheduler.engine_core import EngineCore
 from services.scheduler.engine_loop import EngineLoop
 from services.scheduler.grpc_executor import GRPC_OPTIONS, GrpcExecutor
 from services.scheduler.scheduler import SchedulerLimits
-from services.scheduler.session import Session
+from services.scheduler.session import Session, SessionBatch
 from services.scheduler.tensor_parallel_executor import TensorParallelExecutor, group_info
 from shared.config import token_budget
 from shared.gc_heap import freeze_startup_objects, unfreeze_startup_objects
@@ -28,6 +28,7 @@ from shared.logging import setup_logging
 from shared.proto import pagedserve_api_pb2 as api
 from shared.proto import pagedserve_internal_pb2 as wire
 from shared.proto import pagedserve_internal_pb2_grpc as wire_grpc
+from shared.resumption import Resumption
 from shared.sampling_params import SamplingParams
 from shared.wire_version import INTERNAL_PROTOCOL_VERSION
 
@@ -53,6 +54,7 @@ class SchedulerServicer(wire_grpc.SchedulerServicer):
             context.set_details(str(exc))
             return
         context.add_callback(lambda: loop.close_session(session))  # however the stream ends
+        session.put(SessionBatch())  # the first message, empty: the session is taken (SessionEvents)
         reader = threading.Thread(target=self._read_requests, args=(request_iterator, session, loop),
                                   name="session-reader", daemon=True)
         reader.start()
@@ -89,11 +91,12 @@ class SchedulerServicer(wire_grpc.SchedulerServicer):
         request = submit.request
         try:
             params = SamplingParams.from_proto(request.params)
+            resumption = Resumption.from_proto(request.resumed)
         except (ValueError, TypeError) as exc:
             session.refuse(submit.key, exc)
             return
         salt = request.cache_salt if request.HasField("cache_salt") else None
-        loop.submit(session, submit.key, request.request_id, list(request.prompt_token_ids), params, salt)
+        loop.submit(session, submit.key, request.request_id, list(request.prompt_token_ids), params, salt, resumption)
 
     def Abort(self, request, context):
         with grpc_errors(context):
