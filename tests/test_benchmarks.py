@@ -7,7 +7,7 @@ import json
 import subprocess
 import sys
 
-from tests.services_harness import REPO
+from tests.services_harness import REPO, free_port
 
 
 def test_gateway_overhead_streams_through_the_real_gateway(tmp_path):
@@ -84,3 +84,14 @@ def test_tensor_parallel_benchmark_runs_one_worker_against_two_ranks(tmp_path, t
                     "--rounds", "1", "--out", str(out)], cwd=REPO, check=True, timeout=180, stdout=subprocess.DEVNULL)
     report = json.loads(out.read_text())
     assert [r["mode"] for r in report["rows"]] == ["one worker", "2 ranks"] and report["agree"] == 2
+
+
+def test_resumption_benchmark_kills_a_worker_under_streams_that_all_go_on(tmp_path, llama_dir):
+    out = tmp_path / "resumption.json"
+    subprocess.run([sys.executable, str(REPO / "benchmarks" / "resumption.py"), "--model", str(llama_dir),
+                    "--concurrency", "3", "--prompt-len", "16", "--max-tokens", "300", "--kill-after", "10",
+                    "--modes", "resume", "--port", str(free_port()), "--out", str(out)],
+                   cwd=REPO, check=True, timeout=240, stdout=subprocess.DEVNULL)
+    (mode,) = json.loads(out.read_text())["modes"]
+    assert mode["requests"] == mode["completed"] == mode["completed_with_uninterrupted_text"] == 3
+    assert mode["resumed_requests"] == 3 and mode["kill_to_first_token_after_s"] > 0
