@@ -8,9 +8,13 @@ import json
 import signal
 import time
 
+import grpc
 import httpx2 as httpx
+import pytest
 
 from benchmarks.serving import parse_engine_stats
+from shared.proto import pagedserve_api_pb2 as api
+from shared.proto import pagedserve_api_pb2_grpc as api_grpc
 from tests.services_harness import Stack, http_get
 
 WORKER_ARGS = ("--block-size", "16", "--num-gpu-blocks-override", "512")
@@ -47,6 +51,23 @@ def stream_completion(stack: Stack, body: dict, interrupt=None) -> dict:
     return {"texts": texts, "finish": finish, "usage": usage}
 
 
+def grpc_generate(stack: Stack, request_id: str, params, interrupt=None) -> list:
+    with grpc.insecure_channel(f"127.0.0.1:{stack.grpc_port}") as channel:
+        replies = []
+        for reply in api_grpc.GenerationStub(channel).Generate(
+                api.GenerateRequest(request_id=request_id, text="A long way", params=params), timeout=120):
+            replies.append(reply)
+            if interrupt is not None and reply.token_ids:
+                interrupt()
+                interrupt = None
+    return replies
+
+
+def joined(replies, field: str):
+    parts = [getattr(r, field) for r in replies]
+    return "".join(parts) if field == "text" else [t for part in parts for t in part]
+
+
 def resumed_count(stack: Stack) -> float:
     text = http_get(f"{stack.base_url}/metrics")[1]
     return next(float(line.split()[1]) for line in text.splitlines()
@@ -70,6 +91,18 @@ def test_streams_go_on_through_a_killed_worker_and_a_killed_scheduler(llama_dir,
             got = stream_completion(stack, body, interrupt=lambda: (crash(stack, victim), restart()))
             assert got == reference, f"after a killed {victim}"
             assert resumed_count(stack) == resumed_before + 1, f"the request did not cross the killed {victim}"
+        # The public gRPC API, whose request id is the engine's: the same id goes on at the new engine.
+        params = api.SamplingParameters(temperature=0, max_tokens=300, ignore_eos=True, logprobs=1)
+        reference = grpc_generate(stack, "grpc-through-a-crash", params)
+        resumed_before = resumed_count(stack)
+        got = grpc_generate(stack, "grpc-through-a-crash", params,
+                            interrupt=lambda: (crash(stack, "worker"), stack.start_worker()))
+        for field in ("token_ids", "text"):
+            assert joined(got, field) == joined(reference, field)
+        assert [p.logprob for r in got for p in r.logprobs] == pytest.approx(
+            [p.logprob for r in reference for p in r.logprobs], abs=1e-4)
+        assert got[-1].usage.completion_tokens == 300 and got[-1].finish_reason == "length"
+        assert resumed_count(stack) == resumed_before + 1
         assert "request resumed" in (tmp_path / "scheduler.log").read_text()
         deadline = time.monotonic() + 5
         while parse_engine_stats(http_get(f"{stack.base_url}/metrics")[1])["kv_blocks_used"] != 0:
