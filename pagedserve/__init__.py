@@ -2,8 +2,9 @@
 
 from shared.outputs import CompletionOutput, Logprob, RequestOutput
 from shared.sampling_params import SamplingParams
+from shared.structured_outputs import StructuredOutputs
 
-__all__ = ["LLM", "SamplingParams", "RequestOutput", "CompletionOutput", "Logprob"]
+__all__ = ["LLM", "SamplingParams", "StructuredOutputs", "RequestOutput", "CompletionOutput", "Logprob"]
 __version__ = "0.1.0"
 
 

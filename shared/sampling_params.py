@@ -10,6 +10,8 @@ from __future__ import annotations
 import numbers
 from dataclasses import dataclass, field
 
+from shared.structured_outputs import StructuredOutputs
+
 # OpenAI caps top logprobs at 20; so do we (per position, sampled token excluded).
 MAX_LOGPROBS = 20
 # The wire's float fields are float32: smaller magnitudes would arrive as 0, larger as infinity.
@@ -43,6 +45,8 @@ class SamplingParams:
     beam_width: int | None = None  # beams kept per step (default: n)
     length_penalty: float = 1.0  # beam score = sum of logprobs / generated_length ** length_penalty
     early_stopping: bool | str = False  # True, False or "never", as in transformers
+    # The output held to a JSON schema, a regex, a choice or a grammar (a dict of the same fields works too).
+    structured_outputs: StructuredOutputs | None = None
 
     def __post_init__(self) -> None:
         for name in self._INTS + self._FLOATS:  # numpy and torch scalars as Python numbers (the wire wants them)
@@ -57,6 +61,14 @@ class SamplingParams:
         object.__setattr__(self, "stop_token_ids", [_plain_number(t, int) for t in ids])
         if self.top_k in (0, -1):
             object.__setattr__(self, "top_k", None)
+        if isinstance(self.structured_outputs, dict):
+            try:
+                object.__setattr__(self, "structured_outputs", StructuredOutputs(**self.structured_outputs))
+            except TypeError as exc:
+                raise ValueError(f"SamplingParams.structured_outputs has an unknown field: {exc}") from None
+        _check(self.structured_outputs is None or isinstance(self.structured_outputs, StructuredOutputs),
+               "structured_outputs", f"must be a StructuredOutputs (or a dict of its fields), "
+                                     f"got {type(self.structured_outputs).__name__}")
         if self.logit_bias is not None:
             try:
                 bias = {int(k): float(v) for k, v in dict(self.logit_bias).items()}
@@ -106,6 +118,8 @@ class SamplingParams:
             # prompt logprobs, which a beam request does not return).
             reshaped = [name for name, default in self._NOT_FOR_BEAMS if getattr(self, name) != default]
             _check(not reshaped, "use_beam_search", f"cannot be combined with {', '.join(reshaped)}")
+        if self.structured_outputs is not None:  # a grammar may allow only EOS while min_tokens bans it
+            _check(self.min_tokens == 0, "structured_outputs", "cannot be combined with min_tokens")
         for name in self._FLOATS:  # what the float32 wire field would turn into 0 or infinity
             value = getattr(self, name)
             _check(value == 0 or FLOAT32_TINY <= abs(value) <= FLOAT32_MAX, name,
@@ -140,7 +154,7 @@ class SamplingParams:
                "length_penalty")
     _NOT_FOR_BEAMS = (("seed", None), ("min_tokens", 0), ("logit_bias", None), ("top_p", 1.0), ("top_k", None),
                       ("min_p", 0.0), ("presence_penalty", 0.0), ("frequency_penalty", 0.0),
-                      ("repetition_penalty", 1.0), ("prompt_logprobs", None))
+                      ("repetition_penalty", 1.0), ("prompt_logprobs", None), ("structured_outputs", None))
 
     # --- wire form (pagedserve.api.v1.SamplingParameters) ---------------------------------------
 
@@ -160,6 +174,8 @@ class SamplingParams:
                 setattr(message, name, value)
         if self.use_beam_search:
             message.early_stopping = str(self.early_stopping).lower()
+        if self.structured_outputs is not None:
+            message.structured_outputs.CopyFrom(self.structured_outputs.to_proto())
         return message
 
     @classmethod
@@ -173,6 +189,8 @@ class SamplingParams:
         for name in cls._FLOATS:
             if name in kwargs:  # float32 on the wire: 0.1 must come back as 0.1
                 kwargs[name] = float(f"{kwargs[name]:.7g}")
+        if message.HasField("structured_outputs"):
+            kwargs["structured_outputs"] = StructuredOutputs.from_proto(message.structured_outputs)
         return cls(**kwargs, stop=list(message.stop), stop_token_ids=list(message.stop_token_ids),
                    logit_bias={int(k): float(f"{v:.7g}") for k, v in message.logit_bias.items()} or None)
 

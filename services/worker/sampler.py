@@ -6,7 +6,7 @@ that no row of the batch needs is skipped entirely, so the common batch (all gre
 temperature sampling) costs one argmax, or one softmax and one exponential race.
 
 Order of processing, as in vLLM: logit_bias, the min_tokens mask, repetition / frequency /
-presence penalties; then greedy rows take the argmax and the other rows are divided by their
+presence penalties, the structured-output grammar's mask; then greedy rows take the argmax and the other rows are divided by their
 temperature, cut by top_k, top_p and min_p, and sampled. Logprobs reported to the client come
 from the raw model distribution, never from the processed one.
 
@@ -24,6 +24,7 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor
 
+from services.worker.grammar import SequenceGrammar, mask_to_grammars
 from shared.sampling_params import SamplingParams
 from shared.step_protocol import PositionLogprobs
 
@@ -44,8 +45,13 @@ class SamplingState:
     """
 
     def __init__(self, params: SamplingParams, prompt_token_ids: list[int], output_token_ids: list[int],
-                 vocab_size: int, stream_index: int = 0, device: str | torch.device = "cpu"):
+                 vocab_size: int, stream_index: int = 0, device: str | torch.device = "cpu",
+                 grammar: SequenceGrammar | None = None):
+        """grammar: structured outputs, a matcher that has accepted output_token_ids already."""
         _check_token_ids_fit(params, vocab_size)
+        if (grammar is None) != (params.structured_outputs is None):
+            raise ValueError("a sequence with structured outputs needs its grammar, and only it has one")
+        self.grammar = grammar
         self.params = params
         self.vocab_size = vocab_size
         self.stream_index = stream_index
@@ -68,11 +74,15 @@ class SamplingState:
         self._num_output_tokens += 1
         if self._counts is not None:
             self._counts[token_id] += 1
+        if self.grammar is not None:
+            self.grammar.accept(token_id)
 
     def verification_states(self, draft_token_ids: list[int], device: torch.device) -> list["SamplingState"]:
         """The states of the len(drafts) + 1 positions a step verifying these drafts samples: position j
         as if drafts 0..j-1 had been accepted, so their counts feed the penalties, min_tokens and the
         seeded counter exactly as when those tokens had been sampled one step at a time."""
+        if self.grammar is not None:  # a view would share one matcher: constrained sequences get no drafts
+            raise ValueError("drafts cannot be verified for a sequence with structured outputs")
         if self.device != device:
             self.to(device)  # once, before the views share the dense rows
         views = []
@@ -164,7 +174,10 @@ class Sampler:
         # Each stage is out of place, so the raw logits stay intact for the logprobs.
         scores = self._add_logit_bias(raw, states)
         scores = self._mask_stops_before_min_tokens(scores, states)
-        return self._apply_penalties(scores, states)
+        scores = self._apply_penalties(scores, states)
+        if any(s.grammar is not None for s in states):
+            scores = mask_to_grammars(scores, [s.grammar for s in states])
+        return scores
 
     def _add_logit_bias(self, scores: Tensor, states: list[SamplingState]) -> Tensor:
         rows = [i for i, s in enumerate(states) if s.bias_row is not None]

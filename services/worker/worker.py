@@ -14,6 +14,7 @@ from services.worker.attention.selector import select_attention_backend
 from services.worker.block_moves import copy_blocks_torch, swap_blocks, whole_pool
 from services.worker.cpu_tuning import keep_large_allocations_in_heap
 from services.worker.draft_model_proposer import DraftModel, DraftModelProposer, load_draft_model
+from services.worker.grammar import Grammars
 from services.worker.host_block_tables import HostBlockTables
 from services.worker.input_batch import ScheduledSequence, build_model_inputs
 from services.worker.kv_cache import (activation_bytes_estimate, allocate_host_pool, allocate_kv_pools, bytes_per_block,
@@ -101,6 +102,8 @@ class Worker:
         self.eos_token_ids = load_eos_token_ids(self.model_dir)
         self.vocab_size = self.model_config.vocab_size
         self.sampler = Sampler(self.vocab_size, self.eos_token_ids, seed=config.seed, device=self.device)
+        # Structured outputs: built on first use (the tokenizer, and xgrammar's compiler over it).
+        self.grammars = Grammars(config.tokenizer or self.model_dir, self.vocab_size, self.eos_token_ids)
         self.proposer = self._make_proposer(draft, backend)  # drafts for the next step; None: no speculation
         # (device pool, host pool) pairs that every block move applies to: the target's, and a draft model's.
         self.pools = [(self.kv_pool, self.host_pool)]
@@ -244,7 +247,7 @@ class Worker:
         drafts = self.proposer.propose_batch([seq for seq, _ in batch], computed_before, new_tokens, self.block_tables,
                                              wanted)
         for i, proposed in enumerate(drafts):
-            if proposed:
+            if proposed and not batch[i][0].constrained:  # a grammar's matcher verifies no drafts
                 outputs[i].draft_token_ids = proposed
 
     def _move_blocks(self, plan: StepPlan) -> None:
@@ -270,7 +273,8 @@ class Worker:
         batch = []
         for new in plan.new:
             seq = WorkerSequence.from_new(new, self.vocab_size, self.block_tables,
-                                          keep_history=getattr(self.proposer, "needs_history", False))
+                                          keep_history=getattr(self.proposer, "needs_history", False),
+                                          grammars=self.grammars)
             self._keep(seq)  # a sequence preempted by recompute comes back as new
             batch.append((seq, new.num_scheduled_tokens))
         for delta in plan.running:

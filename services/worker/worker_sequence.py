@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from services.worker.grammar import Grammars
 from services.worker.host_block_tables import HostBlockTables
 from services.worker.ngram_proposer import TokenHistory
 from services.worker.sampler import SamplingState
@@ -12,7 +13,7 @@ class WorkerSequence:
     def __init__(self, seq_id: int, index: int, prompt_token_ids: list[int], output_token_ids: list[int],
                  block_table: list[int], num_computed_tokens: int, params, vocab_size: int,
                  block_tables: HostBlockTables, num_siblings: int = 0, table_row: int | None = None,
-                 keep_history: bool = False):
+                 keep_history: bool = False, grammars: Grammars | None = None):
         self.seq_id = seq_id
         self.index = index
         self.prompt_len = len(prompt_token_ids)
@@ -24,9 +25,12 @@ class WorkerSequence:
         self.num_computed_tokens = num_computed_tokens
         self.params = params
         self.vocab_size = vocab_size
-        self.sampling = SamplingState(params, prompt_token_ids, output_token_ids, vocab_size, stream_index=index)
+        self.grammars = grammars
+        self.sampling = SamplingState(params, prompt_token_ids, output_token_ids, vocab_size, stream_index=index,
+                                      grammar=self._grammar(output_token_ids))
         # n > 1: the siblings' first tokens come from this sequence's last prompt logits.
-        self.sibling_sampling = [SamplingState(params, prompt_token_ids, [], vocab_size, stream_index=index + i)
+        self.sibling_sampling = [SamplingState(params, prompt_token_ids, [], vocab_size, stream_index=index + i,
+                                               grammar=self._grammar([]))
                                  for i in range(1, num_siblings + 1)]
         # The token sampled in this sequence's latest step, until the next plan either appends it
         # (append_last_sample: that plan was made before the scheduler saw it) or sends it.
@@ -39,19 +43,32 @@ class WorkerSequence:
         self.history = TokenHistory(self.token_ids) if keep_history else None
         self.table_row = block_tables.add(self.block_table) if table_row is None else table_row
 
+    def _grammar(self, output_token_ids: list[int]):
+        """Structured outputs: the sequence's grammar after these tokens (None without)."""
+        constraint = self.params.structured_outputs
+        if constraint is None:
+            return None
+        if self.grammars is None:
+            raise ValueError(f"sequence {self.seq_id} asks for structured outputs, which this worker cannot give")
+        return self.grammars.for_sequence(constraint, output_token_ids)
+
+    @property
+    def constrained(self) -> bool:
+        return self.sampling.grammar is not None
+
     @classmethod
     def from_new(cls, new: NewSequence, vocab_size: int, block_tables: HostBlockTables,
-                 keep_history: bool = False) -> "WorkerSequence":
+                 keep_history: bool = False, grammars: Grammars | None = None) -> "WorkerSequence":
         return cls(new.seq_id, new.index, new.prompt_token_ids, new.output_token_ids, new.block_table,
                    new.num_computed_tokens, new.sampling_params, vocab_size, block_tables, new.num_siblings,
-                   keep_history=keep_history)
+                   keep_history=keep_history, grammars=grammars)
 
     def fork(self, child_seq_id: int, child_index: int) -> "WorkerSequence":
         """A child sharing everything so far; its own random stream from now on."""
         child = WorkerSequence(child_seq_id, child_index, self.token_ids[:self.prompt_len],
                                self.token_ids[self.prompt_len:], self.block_table, self.num_computed_tokens,
                                self.params, self.vocab_size, self.block_tables,
-                               table_row=self.block_tables.copy(self.table_row))
+                               table_row=self.block_tables.copy(self.table_row), grammars=self.grammars)
         child.history = self.history.copy() if self.history is not None else None
         return child
 

@@ -1,0 +1,133 @@
+"""Structured outputs: a request's output held to a JSON schema, to any JSON object, to a regular
+expression, to one of several strings, or to an EBNF grammar.
+
+The fields are vLLM's StructuredOutputsParams (OpenAI's `response_format` maps onto them). The
+grammar engine is xgrammar, as vLLM's default: here a request's constraint is described and
+checked (a bad schema or pattern is a ValueError that names the field); the worker compiles it
+against its tokenizer and masks every step's logits to the tokens the grammar allows
+(services/worker/grammar.py).
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import re
+from dataclasses import dataclass
+from typing import Any
+
+KINDS = ("json", "regex", "choice", "grammar", "json_object")
+ANY_OBJECT = '{"type": "object"}'  # json_object: OpenAI's JSON mode means an object, not any JSON value
+
+
+@dataclass(frozen=True)
+class StructuredOutputs:
+    json: str | dict | None = None  # a JSON schema: an object, or its text
+    regex: str | None = None  # the whole output matches it
+    choice: list[str] | None = None  # the output is one of these strings
+    grammar: str | None = None  # an EBNF grammar (xgrammar's dialect; its start rule is `root`)
+    json_object: bool = False  # any JSON object
+    disable_any_whitespace: bool = False  # JSON without whitespace beyond single separators
+
+    def __post_init__(self) -> None:
+        given = [kind for kind in KINDS if getattr(self, kind) not in (None, False)]
+        _check(len(given) == 1, "structured_outputs",
+               f"must give exactly one of {', '.join(KINDS)}, got {', '.join(given) or 'none'}")
+        if self.json is not None:
+            object.__setattr__(self, "json", _schema_text(self.json))
+        if self.regex is not None:
+            _check(isinstance(self.regex, str) and self.regex, "regex", "must be a non-empty string")
+        if self.grammar is not None:
+            _check(isinstance(self.grammar, str) and self.grammar.strip(), "grammar", "must be a non-empty string")
+        if self.choice is not None:
+            _check(not isinstance(self.choice, (str, bytes, dict)) and hasattr(self.choice, "__iter__"), "choice",
+                   f"must be a list of strings, got {self.choice!r}")
+            object.__setattr__(self, "choice", list(self.choice))
+            _check(self.choice and all(isinstance(c, str) and c for c in self.choice), "choice",
+                   "must be a non-empty list of non-empty strings")
+        _check(isinstance(self.disable_any_whitespace, bool), "disable_any_whitespace", "must be true or false")
+        _check_grammar(self.kind, self.spec, not self.disable_any_whitespace)
+
+    @property
+    def kind(self) -> str:
+        return next(kind for kind in KINDS if getattr(self, kind) not in (None, False))
+
+    @property
+    def spec(self) -> str:
+        """The constraint as text (a choice as the EBNF grammar it becomes): with kind, the key its
+        compiled grammar is cached under."""
+        if self.kind == "choice":
+            return choice_grammar(self.choice)
+        return ANY_OBJECT if self.kind == "json_object" else getattr(self, self.kind)
+
+    @property
+    def any_whitespace(self) -> bool:
+        return not self.disable_any_whitespace
+
+    # --- wire form (pagedserve.api.v1.StructuredOutputs) -------------------------------------------
+
+    def to_proto(self):
+        from shared.proto import pagedserve_api_pb2 as api
+
+        message = api.StructuredOutputs(disable_any_whitespace=self.disable_any_whitespace)
+        if self.kind == "choice":
+            message.choice.values.extend(self.choice)
+        elif self.kind == "json_object":
+            message.json_object = True
+        else:
+            setattr(message, self.kind, getattr(self, self.kind))
+        return message
+
+    @classmethod
+    def from_proto(cls, message) -> StructuredOutputs:
+        kind = message.WhichOneof("kind")
+        if kind is None:
+            raise ValueError("SamplingParams.structured_outputs must give exactly one of " + ", ".join(KINDS))
+        value = list(message.choice.values) if kind == "choice" else getattr(message, kind)
+        return cls(**{kind: value}, disable_any_whitespace=message.disable_any_whitespace)
+
+
+def choice_grammar(choices: list[str]) -> str:
+    """root ::= "a" | "b" | ... with each string a literal."""
+    return "root ::= " + " | ".join(json.dumps(c, ensure_ascii=False) for c in choices)
+
+
+def _schema_text(schema: Any) -> str:
+    if isinstance(schema, str):
+        try:
+            schema = json.loads(schema)
+        except json.JSONDecodeError as exc:
+            raise ValueError(f"SamplingParams.json is not valid JSON: {exc}") from None
+    _check(isinstance(schema, dict), "json", f"must be a JSON schema (an object), got {type(schema).__name__}")
+    try:
+        return json.dumps(schema, sort_keys=True, ensure_ascii=False)
+    except (TypeError, ValueError) as exc:
+        raise ValueError(f"SamplingParams.json cannot be written as JSON: {exc}") from None
+
+
+@functools.lru_cache(maxsize=1024)
+def _check_grammar(kind: str, spec: str, any_whitespace: bool) -> None:
+    """Build the grammar once (no tokenizer needed): what xgrammar refuses is a bad request."""
+    import xgrammar as xgr
+
+    try:
+        if kind in ("json", "json_object"):
+            xgr.Grammar.from_json_schema(spec, any_whitespace=any_whitespace)
+        elif kind == "regex":
+            xgr.Grammar.from_regex(spec)
+        elif kind in ("grammar", "choice"):
+            xgr.Grammar.from_ebnf(spec)
+    except RuntimeError as exc:
+        raise ValueError(f"SamplingParams.{kind} is not usable: {engine_message(exc)}") from None
+
+
+def engine_message(exc: BaseException) -> str:
+    """xgrammar's message without its timestamp, source file and internal check."""
+    text = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+    text = re.sub(r"^\[[\d:]+\]\s+\S+:\d+:\s*", "", text)
+    return re.sub(r"^Check failed: \(.*?\) is false:\s*", "", text)
+
+
+def _check(ok: bool, name: str, why: str) -> None:
+    if not ok:
+        raise ValueError(f"SamplingParams.{name} {why}")
