@@ -563,6 +563,46 @@ def _error(reply: httpx.Response, status: int) -> dict:
     return error
 
 
+def test_structured_outputs_over_both_apis(stack, client, offline, llama_dir):
+    """OpenAI's response_format, vLLM's structured_outputs and guided_*, and the gRPC field: the
+    offline API's constrained tokens, over the wire."""
+    schema = {"type": "object", "properties": {"ok": {"type": "boolean"}, "n": {"enum": [1, 2, 3]}},
+              "required": ["ok", "n"], "additionalProperties": False}
+    prompt = "Answer in JSON:"
+
+    def offline_text(**constraint) -> str:
+        params = SamplingParams(temperature=0, max_tokens=30, structured_outputs=constraint)
+        return offline.generate(prompt, params, use_tqdm=False)[0].outputs[0].text
+
+    # (A random model may emit whitespace until max_tokens where any is allowed: vLLM's switch turns it off.)
+    chat_prompt = [{"role": "user", "content": prompt}]
+    reply = client.chat.completions.create(model=llama_dir.name, messages=chat_prompt, max_tokens=30, temperature=0,
+                                           extra_body={"structured_outputs": {"json": schema,
+                                                                              "disable_any_whitespace": True}})
+    value = json.loads(reply.choices[0].message.content)
+    assert set(value) == {"ok", "n"} and value["n"] in (1, 2, 3) and reply.choices[0].finish_reason == "stop"
+    expected = offline_text(json=schema)
+    completion = client.completions.create(model=llama_dir.name, prompt=prompt, max_tokens=30, temperature=0,
+                                           extra_body={"response_format": {"type": "json_schema",
+                                                                           "json_schema": {"schema": schema}}})
+    assert completion.choices[0].text == expected
+    for extra, constraint in [({"guided_choice": ["red", "green"]}, {"choice": ["red", "green"]}),
+                              ({"structured_outputs": {"regex": "[a-c]{2}[0-9]"}}, {"regex": "[a-c]{2}[0-9]"}),
+                              ({"response_format": {"type": "json_object"}}, {"json_object": True})]:
+        streamed = client.completions.create(model=llama_dir.name, prompt=prompt, max_tokens=30, temperature=0,
+                                             stream=True, extra_body=extra)
+        assert "".join(chunk.choices[0].text for chunk in streamed) == offline_text(**constraint), extra
+    with grpc.insecure_channel(f"127.0.0.1:{stack.grpc_port}") as channel:
+        params = api.SamplingParameters(temperature=0, max_tokens=30,
+                                        structured_outputs=api.StructuredOutputs(json=json.dumps(schema)))
+        replies = list(api_grpc.GenerationStub(channel).Generate(api.GenerateRequest(text=prompt, params=params)))
+        assert "".join(r.text for r in replies) == expected
+        bad = api.SamplingParameters(structured_outputs=api.StructuredOutputs(regex="a(b"))
+        with pytest.raises(grpc.RpcError) as refused:
+            list(api_grpc.GenerationStub(channel).Generate(api.GenerateRequest(text=prompt, params=bad)))
+        assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "regex" in refused.value.details()
+
+
 def test_bad_requests_get_openai_errors(stack, client, llama_dir):
     url = f"{stack.base_url}/v1/completions"
     ok = {"model": llama_dir.name, "prompt": "Hello", "max_tokens": 3}
@@ -615,9 +655,16 @@ def test_bad_requests_get_openai_errors(stack, client, llama_dir):
     tools = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]
     assert _error(httpx.post(chat, json={**hi, "tools": tools}), 400)["param"] == "tools"
     assert httpx.post(chat, json={**hi, "tools": tools, "tool_choice": "none"}).status_code == 200
-    json_mode = {"type": "json_object"}
-    assert _error(httpx.post(chat, json={**hi, "response_format": json_mode}), 400)["param"] == "response_format"
     assert httpx.post(chat, json={**hi, "response_format": {"type": "text"}}).status_code == 200
+    # Structured outputs: a bad constraint, or two of them, is a 400 naming the field it came in.
+    for name, value in [("response_format", {"type": "json_schema", "json_schema": {"name": "x"}}),
+                        ("response_format", {"type": "yaml"}),
+                        ("response_format", {"type": "json_schema", "json_schema": {"schema": {"type": "nope"}}}),
+                        ("guided_regex", "a(b"), ("guided_grammar", "root ::= missing"), ("guided_choice", []),
+                        ("structured_outputs", {"json": {}, "regex": "a"}), ("structured_outputs", {"xml": "a"})]:
+        assert _error(httpx.post(chat, json={**hi, name: value}), 400)["param"] == name, (name, value)
+    both = _error(httpx.post(url, json={**ok, "guided_regex": "a", "response_format": {"type": "json_object"}}), 400)
+    assert both["param"] in ("guided_regex", "response_format") and "one of" in both["message"]
     _error(httpx.get(f"{stack.base_url}/v1/no-such-endpoint"), 404)
     with pytest.raises(openai.BadRequestError):
         client.completions.create(model=llama_dir.name, prompt="Hi", max_tokens=3, temperature=-1)
@@ -629,11 +676,10 @@ def test_bad_requests_get_openai_errors(stack, client, llama_dir):
               "logit_bias": {"7": 1.5}, "best_of": 1, "user": "someone"}
     assert httpx.post(url, json={**ok, **extras}).status_code == 200
     # What would change the kind of answer, and this engine does not do, is refused by name.
-    for name, value in [("guided_json", {"type": "object"}), ("guided_choice", ["a", "b"]),
-                        ("allowed_token_ids", [1, 2]), ("response_format", json_mode), ("prompt_logprobs", 1),
+    for name, value in [("allowed_token_ids", [1, 2]), ("prompt_logprobs", 1),
                         ("stream_options", {"include_usage": True})]:
         assert _error(httpx.post(url, json={**ok, name: value}), 400)["param"] == name, name
-    assert httpx.post(url, json={**ok, "guided_json": None}).status_code == 200  # null is not asking
+    assert httpx.post(url, json={**ok, "allowed_token_ids": None}).status_code == 200  # null is not asking
     functions = [{"name": "f", "parameters": {"type": "object"}}]
     assert _error(httpx.post(chat, json={**hi, "functions": functions}), 400)["param"] == "functions"
     assert _error(httpx.post(chat, json={**hi, "echo": True}), 400)["param"] == "echo"

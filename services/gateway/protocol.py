@@ -1,8 +1,8 @@
 """OpenAI request bodies (plus the vLLM extension fields), and their SamplingParams.
 
 Fields OpenAI defines but the engine cannot honour either have a clear 400
-(best_of other than n, suffix, non-text content, tools or functions the model may call, a
-structured response_format, vLLM's guided decoding) or are accepted and ignored (user,
+(best_of other than n, suffix, non-text content, tools or functions the model may call) or are
+accepted and ignored (user,
 metadata, ...: extra="allow"), but never where ignoring them would hand back an answer of
 another kind than the one asked for. An explicit null means the field's default, as the
 openai client sends null for a None argument.
@@ -17,6 +17,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from services.gateway.generation import InvalidParameter
 from shared.sampling_params import SamplingParams
+from shared.structured_outputs import StructuredOutputs
 from shared.tokenizer import message_text
 
 
@@ -35,8 +36,6 @@ class StreamOptions(BaseModel):
 # vLLM's and OpenAI's fields that change what comes back, which this engine does not do: refused
 # when given (not null), rather than answered with plain text.
 UNSUPPORTED = {
-    "guided_json": "guided decoding", "guided_regex": "guided decoding", "guided_choice": "guided decoding",
-    "guided_grammar": "guided decoding", "structured_outputs": "guided decoding",
     "allowed_token_ids": "restricting the vocabulary", "bad_words": "banning words",
     "prompt_logprobs": "prompt logprobs over this API (use echo with logprobs)",
     "truncate_prompt_tokens": "prompt truncation", "return_tokens_as_token_ids": "token ids as tokens",
@@ -78,6 +77,13 @@ class _Sampling(BaseModel):
     spaces_between_special_tokens: bool | None = None
     cache_salt: str | None = Field(None, min_length=1, description="only requests with the same salt share "
                                                                     "prefix-cache blocks")
+    # Structured outputs: OpenAI's response_format, vLLM's structured_outputs, or vLLM's older guided_* fields.
+    response_format: dict | None = None
+    structured_outputs: dict | None = None
+    guided_json: dict | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
 
     _PASSED = ("n", "temperature", "top_p", "presence_penalty", "frequency_penalty", "seed", "top_k", "min_p",
                "repetition_penalty", "min_tokens", "ignore_eos", "stop_token_ids", "skip_special_tokens",
@@ -107,12 +113,38 @@ class _Sampling(BaseModel):
             bias = {int(k): v for k, v in self.logit_bias.items()} if self.logit_bias else None
         except ValueError:
             raise InvalidParameter("logit_bias keys must be token ids", "logit_bias") from None
+        structured = self.structured_outputs_asked()
         try:
             return SamplingParams(**kwargs, max_tokens=max_tokens, logprobs=logprobs, prompt_logprobs=prompt_logprobs,
                                   stop=[self.stop] if isinstance(self.stop, str) else list(self.stop or []),
-                                  logit_bias=bias)
+                                  logit_bias=bias, structured_outputs=structured)
         except ValueError as exc:
             raise InvalidParameter.from_sampling_error(exc) from None
+
+    def structured_outputs_asked(self) -> StructuredOutputs | None:
+        """The output's constraint, from whichever of the fields that ask for one was given (one at most)."""
+        asked = {name: getattr(self, name) for name in _STRUCTURED_FIELDS if getattr(self, name) is not None}
+        if (asked.get("response_format") or {}).get("type", "text") == "text":
+            asked.pop("response_format", None)
+        if len(asked) > 1:
+            raise InvalidParameter(f"give one of {', '.join(asked)}: each asks for a structured output",
+                                   next(iter(asked)))
+        if not asked:
+            return None
+        (name, value), = asked.items()
+        try:
+            if name == "response_format":
+                return _from_response_format(value)
+            if name == "structured_outputs":
+                if not isinstance(value, dict):
+                    raise ValueError("structured_outputs must be an object")
+                known = {k: v for k, v in value.items() if v is not None}
+                return StructuredOutputs(**known)
+            return StructuredOutputs(**{name.removeprefix("guided_"): value})
+        except TypeError as exc:  # an unknown field of structured_outputs
+            raise InvalidParameter(f"structured_outputs has an unknown field ({exc})", name) from None
+        except ValueError as exc:
+            raise InvalidParameter(str(exc).removeprefix("SamplingParams."), name) from None
 
     @property
     def include_usage(self) -> bool:
@@ -131,10 +163,8 @@ class CompletionRequest(_Sampling):
     suffix: str | None = None
     # OpenAI's and vLLM's default for completions; an explicit null runs up to the context length.
     max_tokens: int | None = Field(16, description="null: up to the context length")
-    response_format: dict | None = None
 
     def checked_params(self) -> SamplingParams:
-        _check_text_format(self.response_format)
         if self.best_of is not None and self.best_of < self.n:
             raise InvalidParameter(f"best_of must be >= n, got best_of={self.best_of} and n={self.n}", "best_of")
         if self.best_of is not None and self.best_of > self.n:
@@ -190,11 +220,10 @@ class ChatCompletionRequest(_Sampling):
     max_completion_tokens: int | None = None
     logprobs: bool = False
     top_logprobs: int | None = None
-    # Declared to be refused: there is no tool-call parser and no constrained decoding, so the
-    # client would get plain text where it waits for tool_calls or JSON.
+    # Declared to be refused: there is no tool-call parser, so the client would get plain text
+    # where it waits for tool_calls.
     tools: list[dict] | None = None
     tool_choice: str | dict | None = None
-    response_format: dict | None = None
     # vLLM's chat template extensions
     add_generation_prompt: bool = True
     continue_final_message: bool = False
@@ -205,7 +234,6 @@ class ChatCompletionRequest(_Sampling):
             raise InvalidParameter("top_logprobs needs logprobs=true", "top_logprobs")
         if self.tools and self.tool_choice != "none":
             raise InvalidParameter("tool calling is not supported: send no tools, or tool_choice='none'", "tools")
-        _check_text_format(self.response_format)
         if (self.model_extra or {}).get("echo"):
             raise InvalidParameter("echo is not supported for chat completions", "echo")
         if self.continue_final_message and self.add_generation_prompt:
@@ -228,8 +256,19 @@ class ChatCompletionRequest(_Sampling):
         return InvalidParameter(re.sub(rf"\b{exc.param}\b", name, str(exc)), name)
 
 
-def _check_text_format(response_format: dict | None) -> None:
-    kind = (response_format or {}).get("type", "text")
-    if kind != "text":
-        raise InvalidParameter(f"response_format type {kind!r} is not supported (no structured output); "
-                               "use 'text'", "response_format")
+_STRUCTURED_FIELDS = ("response_format", "structured_outputs", "guided_json", "guided_regex", "guided_choice",
+                      "guided_grammar")
+
+
+def _from_response_format(response_format: dict) -> StructuredOutputs:
+    """OpenAI's JSON mode ({"type": "json_object"}) or structured outputs ({"type": "json_schema",
+    "json_schema": {"name": ..., "schema": {...}}})."""
+    kind = response_format.get("type")
+    if kind == "json_object":
+        return StructuredOutputs(json_object=True)
+    if kind == "json_schema":
+        spec = response_format.get("json_schema")
+        if not isinstance(spec, dict) or spec.get("schema") is None:
+            raise ValueError("response_format json_schema needs json_schema.schema, the JSON schema to follow")
+        return StructuredOutputs(json=spec["schema"])
+    raise ValueError(f"response_format type {kind!r} is not supported; use 'text', 'json_object' or 'json_schema'")
