@@ -95,9 +95,10 @@ class Grammars:
         return compiler.compile_grammar(constraint.spec)  # an EBNF grammar, or a choice written as one
 
 
-def mask_to_grammars(scores: torch.Tensor, grammars: list[SequenceGrammar | None]) -> torch.Tensor:
-    """scores [B, V] with the tokens each row's grammar does not allow next at -inf (a new tensor
-    where any row is constrained: the raw logits stay intact for the logprobs)."""
+def mask_to_grammars(scores: torch.Tensor, grammars: list[SequenceGrammar | None], in_place: bool) -> torch.Tensor:
+    """scores [B, V] with the tokens each row's grammar does not allow next at -inf. Written into
+    scores itself only where in_place (they are the sampler's own copy, not the raw logits the
+    logprobs come from)."""
     import xgrammar as xgr
 
     rows = [i for i, g in enumerate(grammars) if g is not None and g.active]
@@ -106,7 +107,13 @@ def mask_to_grammars(scores: torch.Tensor, grammars: list[SequenceGrammar | None
     bitmask = xgr.allocate_token_bitmask(len(rows), scores.shape[-1])
     for j, i in enumerate(rows):
         grammars[i].fill(bitmask, j)
+    bitmask = bitmask.to(scores.device)
+    vocab = scores.shape[-1]
+    if len(rows) == len(grammars):  # every row: no gather and scatter
+        masked = scores if in_place else scores.clone()
+        xgr.apply_token_bitmask_inplace(masked, bitmask, vocab_size=vocab)
+        return masked
     index = torch.tensor(rows, dtype=torch.long, device=scores.device)
     constrained = scores.index_select(0, index)
-    xgr.apply_token_bitmask_inplace(constrained, bitmask.to(scores.device), vocab_size=scores.shape[-1])
-    return scores.index_copy(0, index, constrained)
+    xgr.apply_token_bitmask_inplace(constrained, bitmask, vocab_size=vocab)
+    return scores.index_copy_(0, index, constrained) if in_place else scores.index_copy(0, index, constrained)
