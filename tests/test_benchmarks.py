@@ -95,3 +95,13 @@ def test_resumption_benchmark_kills_a_worker_under_streams_that_all_go_on(tmp_pa
     (mode,) = json.loads(out.read_text())["modes"]
     assert mode["requests"] == mode["completed"] == mode["completed_with_uninterrupted_text"] == 3
     assert mode["resumed_requests"] == 3 and mode["kill_to_first_token_after_s"] > 0
+
+
+def test_structured_outputs_benchmark_times_every_mode(tmp_path, llama_dir):
+    out = tmp_path / "structured_outputs.json"
+    subprocess.run([sys.executable, str(REPO / "benchmarks" / "structured_outputs.py"), "--model", str(llama_dir),
+                    "--batch", "4", "--prompt-len", "8", "--max-tokens", "8", "--rounds", "1", "--out", str(out)],
+                   cwd=REPO, check=True, timeout=120, stdout=subprocess.DEVNULL)
+    report = json.loads(out.read_text())
+    assert set(report["modes"]) == {"free", "regex", "json"}
+    assert report["modes"]["regex"]["tokens"] == 4 * 8 and report["modes"]["json"]["throughput_vs_free"] > 0
