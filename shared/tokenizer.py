@@ -20,11 +20,12 @@ def load_tokenizer(path: str | Path):
 
 def render_chat(tokenizer, messages: list[dict], add_generation_prompt: bool = True,
                 chat_template: str | None = None, continue_final_message: bool = False,
-                template_kwargs: dict | None = None) -> str:
+                template_kwargs: dict | None = None, tools: list[dict] | None = None) -> str:
     """The conversation as prompt text, through the tokenizer's chat template.
 
     continue_final_message leaves the last message open, for the model to go on with it;
-    template_kwargs are extra variables for the template (e.g. enable_thinking)."""
+    template_kwargs are extra variables for the template (e.g. enable_thinking); tools are the
+    functions the model may call (OpenAI's shape), for templates that show them."""
     from jinja2 import TemplateError
 
     if chat_template is None and not getattr(tokenizer, "chat_template", None):
@@ -41,7 +42,8 @@ def render_chat(tokenizer, messages: list[dict], add_generation_prompt: bool = T
     try:
         return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt,
                                              chat_template=chat_template,
-                                             continue_final_message=continue_final_message, **template_kwargs)
+                                             continue_final_message=continue_final_message, tools=tools,
+                                             **template_kwargs)
     except (TemplateError, TypeError) as exc:  # a bad template, one that refuses these messages, or their shape
         raise ValueError(f"the chat template cannot render these messages: {exc}") from exc
 

@@ -603,6 +603,56 @@ def test_structured_outputs_over_both_apis(stack, client, offline, llama_dir):
         assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "regex" in refused.value.details()
 
 
+def test_forced_tool_calls(stack, client, llama_dir):
+    """tool_choice naming a function, or "required": OpenAI's tool_calls, whole and streamed."""
+    # Bounded arguments: a random model's integer or string could run past max_tokens.
+    weather = {"type": "object", "properties": {"city": {"enum": ["Paris", "Oslo"]}, "days": {"enum": [1, 2, 3]},
+                                                "rain": {"type": "boolean"}},
+               "required": ["city", "days", "rain"], "additionalProperties": False}
+    tools = [{"type": "function", "function": {"name": "get_weather", "description": "weather", "parameters": weather}},
+             {"type": "function", "function": {"name": "get_time", "parameters": {
+                 "type": "object", "properties": {"zone": {"enum": ["UTC", "CET"]}}, "required": ["zone"],
+                 "additionalProperties": False}}}]
+    messages = [{"role": "user", "content": "Weather in Paris?"}]
+    named = {"type": "function", "function": {"name": "get_weather"}}
+    whole = client.chat.completions.create(model=llama_dir.name, messages=messages, tools=tools, tool_choice=named,
+                                           max_tokens=40, temperature=0)
+    choice = whole.choices[0]
+    (call,) = choice.message.tool_calls
+    arguments = json.loads(call.function.arguments)
+    assert call.function.name == "get_weather" and call.type == "function" and call.id.startswith("chatcmpl-tool-")
+    assert arguments["city"] in ("Paris", "Oslo") and arguments["days"] in (1, 2, 3) and arguments["rain"] in (True, False)
+    assert choice.finish_reason == "tool_calls" and choice.message.content is None
+    streamed = client.chat.completions.create(model=llama_dir.name, messages=messages, tools=tools, tool_choice=named,
+                                              max_tokens=40, temperature=0, stream=True)
+    deltas = [c.choices[0] for c in streamed if c.choices]
+    calls = [d.delta.tool_calls[0] for d in deltas if d.delta.tool_calls]
+    assert calls[0].id and calls[0].function.name == "get_weather" and all(c.id is None for c in calls[1:])
+    assert "".join(c.function.arguments for c in calls) == call.function.arguments
+    assert deltas[-1].finish_reason == "tool_calls"
+    # (A prompt whose greedy array ends within max_tokens: a random model may go on adding calls.)
+    short = [{"role": "user", "content": "Tell me"}]
+    required = client.chat.completions.create(model=llama_dir.name, messages=short, tools=tools,
+                                              tool_choice="required", max_tokens=60, temperature=0, n=2)
+    for choice in required.choices:
+        assert choice.finish_reason == "tool_calls" and choice.message.tool_calls
+        assert {c.function.name for c in choice.message.tool_calls} <= {"get_weather", "get_time"}
+        assert all(isinstance(json.loads(c.function.arguments), dict) for c in choice.message.tool_calls)
+    stream_required = client.chat.completions.create(model=llama_dir.name, messages=short, tools=tools,
+                                                     tool_choice="required", max_tokens=60, temperature=0, stream=True)
+    last = [c.choices[0] for c in stream_required if c.choices][-1]
+    assert last.finish_reason == "tool_calls"
+    assert [(c.function.name, c.function.arguments) for c in last.delta.tool_calls] == \
+        [(c.function.name, c.function.arguments) for c in required.choices[0].message.tool_calls]
+    cut = client.chat.completions.create(model=llama_dir.name, messages=short, tools=tools, tool_choice="required",
+                                         max_tokens=5, temperature=0)
+    assert cut.choices[0].finish_reason == "length" and cut.choices[0].message.content.startswith("[")
+    # The next turn: the call and its result go back to the chat template.
+    follow_up = messages + [{"role": "assistant", "content": None, "tool_calls": [call.model_dump()]},
+                            {"role": "tool", "tool_call_id": call.id, "content": "sunny"}]
+    assert client.chat.completions.create(model=llama_dir.name, messages=follow_up, max_tokens=3).choices
+
+
 def test_bad_requests_get_openai_errors(stack, client, llama_dir):
     url = f"{stack.base_url}/v1/completions"
     ok = {"model": llama_dir.name, "prompt": "Hello", "max_tokens": 3}
@@ -653,8 +703,16 @@ def test_bad_requests_get_openai_errors(stack, client, llama_dir):
         "messages"
     hi = {"model": llama_dir.name, "messages": [{"role": "user", "content": "x"}], "max_tokens": 2}
     tools = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]
-    assert _error(httpx.post(chat, json={**hi, "tools": tools}), 400)["param"] == "tools"
     assert httpx.post(chat, json={**hi, "tools": tools, "tool_choice": "none"}).status_code == 200
+    for tool_choice, why in [(None, "auto"), ("auto", "auto"), ({"type": "function", "function": {"name": "g"}}, "g"),
+                             ("sometimes", "tool_choice must be")]:
+        refused = _error(httpx.post(chat, json={**hi, "tools": tools, "tool_choice": tool_choice}), 400)
+        assert refused["param"] == "tool_choice" and why in refused["message"], refused
+    assert _error(httpx.post(chat, json={**hi, "tool_choice": "required"}), 400)["param"] == "tool_choice"
+    assert _error(httpx.post(chat, json={**hi, "tools": [{"type": "function", "function": {}}],
+                                         "tool_choice": "required"}), 400)["param"] == "tools"
+    assert _error(httpx.post(chat, json={**hi, "tools": tools, "tool_choice": "required",
+                                         "response_format": {"type": "json_object"}}), 400)["param"] == "tool_choice"
     assert httpx.post(chat, json={**hi, "response_format": {"type": "text"}}).status_code == 200
     # Structured outputs: a bad constraint, or two of them, is a 400 naming the field it came in.
     for name, value in [("response_format", {"type": "json_schema", "json_schema": {"name": "x"}}),

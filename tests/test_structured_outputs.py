@@ -173,3 +173,4 @@ def test_bad_constraints_are_refused_with_the_field_named():
     for constraint in [*CONSTRAINTS.values(), StructuredOutputs(json_object=True)]:
         params = SamplingParams(structured_outputs=constraint)
         assert SamplingParams.from_proto(params.to_proto()) == params
+

@@ -16,6 +16,7 @@ from contextlib import AsyncExitStack
 from services.gateway.api_keys import ApiKey
 from services.gateway.generation import Generator, InvalidParameter, Model, Run, SeqDelta, TokenLogprob, merge
 from services.gateway.protocol import ChatCompletionRequest, CompletionRequest
+from services.gateway.tool_calls import tool_call
 from shared.detokenizer import IncrementalDetokenizer
 
 
@@ -252,8 +253,15 @@ class _Chat(_Reply):
         text, ids = model.encode_chat([m.as_dict() for m in body.messages],
                                       add_generation_prompt=body.add_generation_prompt,
                                       continue_final_message=body.continue_final_message,
-                                      template_kwargs=body.chat_template_kwargs)
+                                      template_kwargs=body.chat_template_kwargs,
+                                      tools=body.tools if body.forced_tool_call is not None else None)
         return [ids], [text]
+
+    def __init__(self, *args):
+        super().__init__(*args)
+        self.forced = self.body.forced_tool_call
+        self._call_ids: dict[int, str] = {}  # a named call's id, per choice, from its first delta on
+        self._held: dict[int, str] = defaultdict(str)  # "required": each choice's text, until it ends
 
     def opening_choices(self) -> list[list[dict]]:
         # OpenAI's first delta of each choice carries the role.
@@ -271,14 +279,44 @@ class _Chat(_Reply):
     def chunk_choice(self, k: int, position: int, delta: SeqDelta) -> dict | None:
         if not (delta.text or delta.token_ids or delta.finish_reason):
             return None
-        return {"index": k, "delta": {"content": delta.text} if delta.text else {},
-                "logprobs": self._logprobs(delta.logprobs or []), "finish_reason": delta.finish_reason,
-                "stop_reason": delta.stop_reason}
+        message, finish = {"content": delta.text} if delta.text else {}, delta.finish_reason
+        if self.forced is not None:
+            message, finish = self._tool_call_delta(k, delta)
+        return {"index": k, "delta": message, "logprobs": self._logprobs(delta.logprobs or []),
+                "finish_reason": finish, "stop_reason": delta.stop_reason}
+
+    def _tool_call_delta(self, k: int, delta: SeqDelta) -> tuple[dict, str | None]:
+        """A named call streams its arguments as they come; "required" calls come whole at the end
+        (which of them a partial array holds is not known before)."""
+        if self.forced.named is not None:
+            call = {"index": 0, "function": {"arguments": delta.text}}
+            if k not in self._call_ids:
+                first = tool_call(self.forced.named, delta.text)
+                self._call_ids[k] = first["id"]
+                call = {"index": 0, **first}
+            message = {"tool_calls": [call]} if delta.text or len(call) > 2 else {}
+            return message, _finish_reason(delta.finish_reason, True)
+        self._held[k] += delta.text
+        if delta.finish_reason is None:
+            return {}, None
+        calls = self.forced.calls(self._held[k])
+        if calls is None:  # cut off (max_tokens): what came, as text
+            return {"content": self._held[k]}, delta.finish_reason
+        return {"tool_calls": [{"index": i, **c} for i, c in enumerate(calls)]}, _finish_reason(delta.finish_reason,
+                                                                                                  True)
 
     def whole_choice(self, k, position, text, logprobs, end) -> dict:
-        return {"index": k, "message": {"role": "assistant", "content": text},
-                "logprobs": self._logprobs(logprobs), "finish_reason": end and end.finish_reason,
+        message, finish = {"role": "assistant", "content": text}, end and end.finish_reason
+        calls = self.forced.calls(text) if self.forced is not None else None
+        if calls is not None:
+            message, finish = {"role": "assistant", "content": None, "tool_calls": calls}, _finish_reason(finish, True)
+        return {"index": k, "message": message, "logprobs": self._logprobs(logprobs), "finish_reason": finish,
                 "stop_reason": end and end.stop_reason}
+
+
+def _finish_reason(finish_reason: str | None, called: bool) -> str | None:
+    """A forced call that the grammar completed (then EOS) ended as OpenAI says: "tool_calls"."""
+    return "tool_calls" if called and finish_reason == "stop" else finish_reason
 
 
 def _chat_token(token: str, logprob: float) -> dict:

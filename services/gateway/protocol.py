@@ -10,6 +10,8 @@ openai client sends null for a None argument.
 
 from __future__ import annotations
 
+import functools
+import json
 import re
 from typing import Any, Literal
 
@@ -17,6 +19,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from services.gateway.generation import InvalidParameter
 from shared.sampling_params import SamplingParams
+from services.gateway.tool_calls import ForcedToolCall
 from shared.structured_outputs import StructuredOutputs
 from shared.tokenizer import message_text
 
@@ -105,15 +108,16 @@ class _Sampling(BaseModel):
         """An error about an engine parameter, under the name this request's client gave the field."""
         return exc
 
-    def sampling_params(self, max_tokens: int | None, logprobs: int | None,
-                        prompt_logprobs: int | None = None) -> SamplingParams:
+    def sampling_params(self, max_tokens: int | None, logprobs: int | None, prompt_logprobs: int | None = None,
+                        structured: StructuredOutputs | None = None) -> SamplingParams:
+        """structured: a constraint of the request's own making (a forced tool call), else what it asked for."""
         self.check_supported()
         kwargs = {name: getattr(self, name) for name in self._PASSED if getattr(self, name) is not None}
         try:
             bias = {int(k): v for k, v in self.logit_bias.items()} if self.logit_bias else None
         except ValueError:
             raise InvalidParameter("logit_bias keys must be token ids", "logit_bias") from None
-        structured = self.structured_outputs_asked()
+        structured = structured or self.structured_outputs_asked()
         try:
             return SamplingParams(**kwargs, max_tokens=max_tokens, logprobs=logprobs, prompt_logprobs=prompt_logprobs,
                                   stop=[self.stop] if isinstance(self.stop, str) else list(self.stop or []),
@@ -210,9 +214,27 @@ class ChatMessage(BaseModel):
         if isinstance(content, list):
             content = [part.model_dump() if isinstance(part, TextPart) else part for part in content]
         try:
-            return {"role": self.role, "content": message_text(content)}
+            message = {"role": self.role, "content": message_text(content)}
         except ValueError as exc:
             raise InvalidParameter(str(exc), "messages") from None
+        extra = self.model_extra or {}
+        for key in ("name", "tool_call_id"):  # a tool's answer, as templates read it
+            if extra.get(key) is not None:
+                message[key] = extra[key]
+        if extra.get("tool_calls"):  # an earlier turn's calls: templates want the arguments as objects
+            message["tool_calls"] = [_template_tool_call(call) for call in extra["tool_calls"]]
+        return message
+
+
+def _template_tool_call(call: Any) -> Any:
+    function = call.get("function") if isinstance(call, dict) else None
+    if not isinstance(function, dict) or not isinstance(function.get("arguments"), str):
+        return call
+    try:
+        arguments = json.loads(function["arguments"])
+    except json.JSONDecodeError:
+        return call
+    return {**call, "function": {**function, "arguments": arguments}}
 
 
 class ChatCompletionRequest(_Sampling):
@@ -220,8 +242,8 @@ class ChatCompletionRequest(_Sampling):
     max_completion_tokens: int | None = None
     logprobs: bool = False
     top_logprobs: int | None = None
-    # Declared to be refused: there is no tool-call parser, so the client would get plain text
-    # where it waits for tool_calls.
+    # Forced tool calls (tool_choice "required" or a named function) are made with structured outputs;
+    # "auto" is refused: there is no parser to tell a model's tool calls from its text (tool_calls.py).
     tools: list[dict] | None = None
     tool_choice: str | dict | None = None
     # vLLM's chat template extensions
@@ -232,8 +254,10 @@ class ChatCompletionRequest(_Sampling):
     def checked_params(self) -> SamplingParams:
         if self.top_logprobs is not None and not self.logprobs:
             raise InvalidParameter("top_logprobs needs logprobs=true", "top_logprobs")
-        if self.tools and self.tool_choice != "none":
-            raise InvalidParameter("tool calling is not supported: send no tools, or tool_choice='none'", "tools")
+        forced = self.forced_tool_call
+        if forced is not None and self.structured_outputs_asked() is not None:
+            raise InvalidParameter("tool_choice forces a tool call, whose output format is given: send no "
+                                   "response_format or structured_outputs with it", "tool_choice")
         if (self.model_extra or {}).get("echo"):
             raise InvalidParameter("echo is not supported for chat completions", "echo")
         if self.continue_final_message and self.add_generation_prompt:
@@ -242,7 +266,12 @@ class ChatCompletionRequest(_Sampling):
         if not self.messages:
             raise InvalidParameter("messages must not be empty", "messages")
         max_tokens = self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
-        return self.sampling_params(max_tokens, (self.top_logprobs or 0) if self.logprobs else None)
+        return self.sampling_params(max_tokens, (self.top_logprobs or 0) if self.logprobs else None,
+                                    structured=forced.constraint() if forced is not None else None)
+
+    @functools.cached_property
+    def forced_tool_call(self) -> ForcedToolCall | None:
+        return ForcedToolCall.from_request(self.tools, self.tool_choice)
 
     def public_error(self, exc: InvalidParameter) -> InvalidParameter:
         if exc.param == "prompt":  # the rendered messages (the message still says "prompt": it is one)

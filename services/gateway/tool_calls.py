@@ -1,0 +1,108 @@
+"""Tool calls the request forces: `tool_choice` naming a function, or "required".
+
+Without a parser for each model family's own tool-call format, a call the model *may* make
+("auto") cannot be told from text, so that is refused. A call the request forces needs none: the
+output is held (structured outputs) to what the call must look like, as vLLM does. For a named
+function it is that function's arguments, a JSON object following its `parameters` schema; for
+"required", a JSON array of one or more {"name": ..., "parameters": {...}} objects, each naming one
+of the tools. The text that comes out is then turned into OpenAI's `tool_calls`.
+"""
+
+from __future__ import annotations
+
+import json
+import uuid
+from dataclasses import dataclass
+from typing import Any
+
+from services.gateway.generation import InvalidParameter
+from shared.structured_outputs import StructuredOutputs
+
+EMPTY_PARAMETERS = {"type": "object", "properties": {}}
+
+
+@dataclass(frozen=True)
+class Tool:
+    name: str
+    parameters: dict
+
+    @classmethod
+    def parse(cls, tool: Any) -> Tool:
+        if not isinstance(tool, dict) or tool.get("type", "function") != "function" \
+                or not isinstance(tool.get("function"), dict):
+            raise InvalidParameter("each tool must be {'type': 'function', 'function': {'name': ..., 'parameters': ...}}",
+                           "tools")
+        function = tool["function"]
+        name, parameters = function.get("name"), function.get("parameters") or EMPTY_PARAMETERS
+        if not isinstance(name, str) or not name:
+            raise InvalidParameter("each tool's function needs a name", "tools")
+        if not isinstance(parameters, dict):
+            raise InvalidParameter(f"the parameters of tool {name!r} must be a JSON schema object", "tools")
+        return cls(name, parameters)
+
+
+@dataclass(frozen=True)
+class ForcedToolCall:
+    """What the request's tool_choice forces: one named function, or at least one of the tools."""
+    tools: tuple[Tool, ...]
+    named: str | None  # the function tool_choice names; None: "required"
+
+    @classmethod
+    def from_request(cls, tools: list | None, tool_choice: Any) -> ForcedToolCall | None:
+        """None where nothing is forced (no tools, or tool_choice "none")."""
+        if tool_choice is None:
+            tool_choice = "auto" if tools else "none"
+        if tool_choice == "none":
+            return None
+        if not tools:
+            raise InvalidParameter("tool_choice needs tools", "tool_choice")
+        parsed = tuple(Tool.parse(t) for t in tools)
+        if tool_choice == "auto":
+            raise InvalidParameter("tool_choice 'auto' is not supported (no tool-call parser: the model's calls "
+                           "cannot be told from text); use 'required', a named function, or 'none'", "tool_choice")
+        if tool_choice == "required":
+            return cls(parsed, None)
+        function = tool_choice.get("function") if isinstance(tool_choice, dict) else None
+        name = function.get("name") if isinstance(function, dict) else None
+        if not isinstance(name, str):
+            raise InvalidParameter("tool_choice must be 'none', 'auto', 'required' or {'type': 'function', 'function': "
+                           "{'name': ...}}", "tool_choice")
+        if name not in {t.name for t in parsed}:
+            raise InvalidParameter(f"tool_choice names {name!r}, which is not one of the tools", "tool_choice")
+        return cls(parsed, name)
+
+    def constraint(self) -> StructuredOutputs:
+        """Compact JSON (arguments are data for a program; free whitespace only risks a model that
+        never stops writing it)."""
+        if self.named is not None:
+            schema = next(t.parameters for t in self.tools if t.name == self.named)
+        else:
+            calls = [{"type": "object", "properties": {"name": {"type": "string", "enum": [t.name]},
+                                                       "parameters": t.parameters},
+                      "required": ["name", "parameters"]} for t in self.tools]
+            schema = {"type": "array", "minItems": 1, "items": {"anyOf": calls}}
+        try:
+            return StructuredOutputs(json=schema, disable_any_whitespace=True)
+        except ValueError as exc:
+            raise InvalidParameter(f"a tool's parameters are not a usable JSON schema: "
+                                   f"{str(exc).removeprefix('SamplingParams.')}", "tools") from None
+
+    def calls(self, text: str) -> list[dict] | None:
+        """OpenAI's tool_calls for the text generated; None when it is not (yet) one, as when
+        max_tokens cut it off."""
+        if self.named is not None:
+            try:
+                json.loads(text)
+            except json.JSONDecodeError:
+                return None
+            return [tool_call(self.named, text)]
+        try:
+            calls = json.loads(text)
+        except json.JSONDecodeError:
+            return None
+        return [tool_call(c["name"], json.dumps(c["parameters"], ensure_ascii=False)) for c in calls]
+
+
+def tool_call(name: str, arguments: str) -> dict:
+    return {"id": f"chatcmpl-tool-{uuid.uuid4().hex}", "type": "function",
+            "function": {"name": name, "arguments": arguments}}

@@ -1,0 +1,37 @@
+"""Forced tool calls: tool_choice into a JSON schema, and the text generated under it into calls
+(test_gateway.py drives them through the real gateway)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from services.gateway.generation import InvalidParameter
+from services.gateway.tool_calls import ForcedToolCall
+
+
+def test_forced_tool_calls_become_schemas_and_their_text_becomes_calls():
+    tools = [{"type": "function", "function": {"name": "add", "parameters": {
+        "type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}}},
+             {"type": "function", "function": {"name": "ping"}}]  # no parameters: an empty object
+    named = ForcedToolCall.from_request(tools, {"type": "function", "function": {"name": "add"}})
+    assert json.loads(named.constraint().json)["properties"] == {"a": {"type": "integer"}}
+    assert named.constraint().disable_any_whitespace
+    (call,) = named.calls('{"a": 2}')
+    assert call["function"] == {"name": "add", "arguments": '{"a": 2}'} and call["type"] == "function"
+    assert named.calls('{"a": ') is None  # cut off
+    required = ForcedToolCall.from_request(tools, "required")
+    schema = json.loads(required.constraint().json)
+    assert schema["minItems"] == 1 and len(schema["items"]["anyOf"]) == 2
+    calls = required.calls('[{"name": "ping", "parameters": {}}, {"name": "add", "parameters": {"a": 1}}]')
+    assert [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in calls] == \
+        [("ping", {}), ("add", {"a": 1})]
+    assert len({c["id"] for c in calls}) == 2
+    assert ForcedToolCall.from_request(tools, "none") is None and ForcedToolCall.from_request(None, None) is None
+    for tools_, choice in [(tools, "auto"), (tools, None), (None, "required"), ([{"type": "function"}], "required"),
+                           (tools, {"type": "function", "function": {"name": "nope"}}),
+                           ([{"type": "function", "function": {"name": "x", "parameters": {"type": "nope"}}}],
+                            "required")]:
+        with pytest.raises(InvalidParameter):
+            ForcedToolCall.from_request(tools_, choice).constraint()
