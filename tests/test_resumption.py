@@ -86,3 +86,17 @@ def test_what_cannot_be_resumed_is_refused(engine):
     assert Resumption.from_proto([]) is None
     entries = Resumption({1: [7, 8], 0: []}).to_proto()
     assert Resumption.from_proto(entries) == Resumption({0: [], 1: [7, 8]})
+
+
+def test_a_stop_string_ends_the_resumed_sequence_it_names(engine):
+    """Sequence 0 had ended: 1 and 2 are resumed, and the stop string seen in 1 ends 1 (not the
+    second sequence the request holds)."""
+    prompt = [random.Random(3).randrange(1, 500) for _ in range(11)]
+    params = SamplingParams(n=3, temperature=0.9, seed=7, max_tokens=12, ignore_eos=True)
+    engine.add_request("stopped", prompt, params, resumption=Resumption({1: [11, 12], 2: [13, 14]}))
+    engine.step()
+    assert engine.finish_by_stop_string("stopped", 1, "xyz") and not engine.finish_by_stop_string("stopped", 0, "x")
+    after = []
+    while engine.has_unfinished():
+        after += [(u.seq_index, u.finish_reason) for u in engine.step()]
+    assert {i for i, _ in after} == {2} and after[-1] == (2, "length")

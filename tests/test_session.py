@@ -361,3 +361,40 @@ def test_a_session_broken_with_any_status_fails_its_requests_as_unavailable():
         await session.close()
 
     asyncio.run(main())
+
+
+def test_a_submission_queued_when_the_engine_fails_is_lost_with_its_session_not_refused():
+    """Submitted while the step in which the worker dies runs: the scheduler was serving, so the
+    gateway must see the session fail (and resume it), not an admission refusal (a 503)."""
+    import threading
+
+    engine, _ = make_engine(num_blocks=64, max_model_len=256)
+    executor = engine.executor
+    in_step, die, armed = threading.Event(), threading.Event(), threading.Event()
+    real_wait = executor.wait
+
+    def wait():
+        if armed.is_set():
+            in_step.set()
+            die.wait(5)
+            raise ConnectionError("the worker died")
+        return real_wait()
+
+    executor.wait = wait
+    loop = EngineLoop(engine)
+    session = Session()
+    loop.open_session(session)
+    params = SamplingParams(temperature=0, max_tokens=200, ignore_eos=True)
+    loop.submit(session, 1, "running", [1, 2, 3], params)
+    batches = iter(session)
+    next(batches)  # it runs
+    armed.set()
+    assert in_step.wait(5)
+    loop.submit(session, 2, "arrived-during-the-step", [4, 5, 6], params)
+    die.set()
+    seen: list = []
+    with pytest.raises(ServiceUnavailable, match="the worker died"):
+        for batch in batches:
+            seen.append(batch)
+    assert not [e for batch in seen for e in batch.errors]
+    loop.stop()

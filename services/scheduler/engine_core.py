@@ -161,10 +161,10 @@ class EngineCore:
     def finish_by_stop_string(self, request_id: str, seq_index: int, stop: str) -> bool:
         """End one sequence of a request (its text hit a stop string); False if it had ended already
         (or the request is gone). Its siblings run on."""
-        seqs = self._requests.get(request_id)
-        if not seqs or not 0 <= seq_index < len(seqs):
+        seq = next((s for s in self._requests.get(request_id, ()) if s.index == seq_index), None)
+        if seq is None:  # (by its index: a resumed request holds only the sequences it resumed)
             return False
-        ended = self.scheduler.finish_by_stop_string(seqs[seq_index], stop)
+        ended = self.scheduler.finish_by_stop_string(seq, stop)
         self._forget_if_done(request_id)
         return ended
 

@@ -308,9 +308,11 @@ class EngineLoop:
             future, fn, args = item
             if future is not None:
                 future.set_exception(error)
-            elif fn == self._add:  # a submission that never got in: refuse it on its session
+            elif fn == self._add and self._failed is None:  # stopping: refuse it on its session
                 session, key = args[0], args[1]
                 session.refuse(key, error)
+            # (A submission the failed engine never took is lost with its session, which fails: the
+            # gateway then resumes it like the requests the engine held, rather than refusing it.)
 
     def _route(self, updates: list[SequenceUpdate]) -> None:
         """This step's outputs, and the requests that ended, into each session's outgoing batch."""
