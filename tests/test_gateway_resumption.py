@@ -155,7 +155,16 @@ def test_a_resumption_tries_again_until_a_scheduler_takes_it(model):
     assert tokens(deltas[0]) == [40, 41] and len(pool.submissions) == 6
     assert all(r == Resumption({0: [40]}) for _, r, _ in pool.submissions[1:])
     assert pool.avoided == [None, "sched-a", None, None, None, None]  # the lost one goes last, first time only
-    assert run.resumes == 1 and count(metrics, "resumed_requests") == 1
+    # The one taken and lost again counts: the request was resumed twice (a third loss would be too many).
+    assert run.resumes == 2 and count(metrics, "resumed_requests") == 1
+
+
+def test_a_request_lost_again_and_again_before_its_first_output_is_bounded_by_max_resumes(model):
+    """Its prefill may be what brings the worker down: every taken-and-lost submission counts."""
+    pool = ScriptedPool(*[[lost(f"the worker died, time {i}")] for i in range(10)], [out(0, [40], finish="length")])
+    with pytest.raises(SessionLost, match="time 2"):
+        generate(model, pool, SamplingParams(max_tokens=1), ResumePolicy(max_resumes=2, timeout_s=30))
+    assert len(pool.submissions) == 3  # the first, and two resumes
 
 
 def test_a_resumption_no_scheduler_takes_in_time_fails_with_503(model):

@@ -398,3 +398,59 @@ def test_a_submission_queued_when_the_engine_fails_is_lost_with_its_session_not_
             seen.append(batch)
     assert not [e for batch in seen for e in batch.errors]
     loop.stop()
+
+
+
+def test_a_hung_scheduler_s_session_fails_its_requests_and_resumes_only_those_it_had_seen():
+    """A session the scheduler never takes fails its requests at the open timeout (not resumable:
+    nothing had them); one that goes silent after taking them is lost for the requests sent before
+    its last word, and only refuses those sent after it."""
+    import asyncio
+
+    from services.gateway.scheduler_client import Session as GatewaySession
+    from services.gateway.scheduler_client import SessionLost
+    from shared.proto import pagedserve_internal_pb2 as wire
+
+    class SilentCall:
+        def __init__(self, opens: bool):
+            self.opens, self.cancelled = opens, asyncio.Event()
+
+        async def read(self):
+            if self.opens:
+                self.opens = False
+                await asyncio.sleep(0.05)
+                return wire.SessionEvents()  # the first message: the session is taken
+            await self.cancelled.wait()
+            raise grpc.aio.AioRpcError(grpc.StatusCode.CANCELLED, grpc.aio.Metadata(), grpc.aio.Metadata())
+
+        def cancel(self):
+            self.cancelled.set()
+
+    class Stub:
+        def __init__(self, opens: bool):
+            self.opens = opens
+
+        def Session(self, requests):
+            return SilentCall(self.opens)
+
+    async def failure(stream) -> BaseException:
+        with pytest.raises(ServiceUnavailable) as failed:
+            await anext(stream)
+        return failed.value
+
+    async def main():
+        never = GatewaySession(Stub(opens=False), "unix:/hung", idle_timeout_s=0.4)
+        started = asyncio.get_running_loop().time()
+        error = await failure(never.submit(wire.EngineRequest(request_id="a", prompt_token_ids=[1])))
+        assert type(error) is ServiceUnavailable and "did not take the session within 0.4 s" in str(error)
+        assert asyncio.get_running_loop().time() - started < 2
+        quiet = GatewaySession(Stub(opens=True), "unix:/hung", idle_timeout_s=0.4)
+        seen = quiet.submit(wire.EngineRequest(request_id="seen", prompt_token_ids=[1]))
+        await asyncio.sleep(0.2)  # the scheduler has spoken since "seen" was sent, and not since "unseen"
+        unseen = quiet.submit(wire.EngineRequest(request_id="unseen", prompt_token_ids=[1]))
+        assert isinstance(await failure(seen), SessionLost)
+        assert type(await failure(unseen)) is ServiceUnavailable
+        for session in (never, quiet):
+            await session.close()
+
+    asyncio.run(main())

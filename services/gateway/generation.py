@@ -252,9 +252,16 @@ class Run:
             if self._resumer is None or not self._resumer.may_resume(exc, self.resumes):
                 raise
             lost = exc
-        self.resumes += 1
         self._skip_prompt_logprobs = len(self.prompt_logprobs) - 1 if self.prompt_logprobs else 0
-        return await self._resumer.resubmit(self._resubmission(), lost, self._take_stream, lambda: self._aborted)
+        resumes_left = self._resumer.policy.max_resumes - self.resumes
+        try:
+            first, used = await self._resumer.resubmit(self._resubmission(), lost, resumes_left, self._take_stream,
+                                                       lambda: self._aborted)
+        except SessionLost:
+            self.resumes = self._resumer.policy.max_resumes
+            raise
+        self.resumes += used
+        return first
 
     def _take_stream(self, stream: SubmitStream) -> None:
         self._stream = stream

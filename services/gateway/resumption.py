@@ -9,9 +9,10 @@ it is simply submitted again. The client's stream pauses, then goes on: no token
 goes missing, and greedy or seeded sampling continues as it would have without the failure.
 
 A resumption waits up to `timeout_s` for a scheduler that takes the request, retrying a scheduler
-that is unreachable, refuses it for now (its worker is down, or it still holds the old request's
-id) or is lost again before the request's first output; each request is resumed at most
-`max_resumes` times (a request that itself brings its worker down must not do so forever). What
+that is unreachable or refuses it for now (its worker is down, it still holds the old request's
+id, or it did not take the session: hung); each request is resumed at most `max_resumes` times,
+counting every submission a scheduler took and lost again, with or without output (a request
+that itself brings its worker down must not do so forever). What
 the gateway holds for this, it holds anyway while the client is connected: the prompt, the
 parameters and the tokens it passed on.
 """
@@ -67,14 +68,16 @@ class Resumer:
     def may_resume(self, error: BaseException, resumes_so_far: int) -> bool:
         return isinstance(error, SessionLost) and not self.stopping and resumes_so_far < self.policy.max_resumes
 
-    async def resubmit(self, request: Resubmission, lost: SessionLost,
+    async def resubmit(self, request: Resubmission, lost: SessionLost, resumes_left: int,
                        on_stream: Callable[[SubmitStream], None], aborted: Callable[[], bool]):
-        """Submit the request again until a scheduler answers it; returns its first output (None if
-        it ended at once, or was aborted meanwhile). on_stream gets each new stream as soon as it is
+        """Submit the request again until a scheduler answers it: (its first output, or None if it
+        ended at once or was aborted meanwhile; the resumes this took). Each submission a scheduler
+        took and then lost again counts as one more (at most resumes_left in all); one that was not
+        reachable or refused is only tried again. on_stream gets each new stream as soon as it is
         submitted (the run aborts or cancels that one from then on)."""
         loop = asyncio.get_running_loop()
         deadline = loop.time() + self.policy.timeout_s
-        delay, attempts = FIRST_RETRY_S, 0
+        delay, attempts, used = FIRST_RETRY_S, 0, 1
         log.warning("resuming a request whose scheduler was lost", request_id=request.request_id, cause=str(lost),
                     output_tokens={i: len(t) for i, t in request.resumption.outputs.items()}
                     if request.resumption else {})
@@ -89,15 +92,20 @@ class Resumer:
                 if aborted():
                     stream.abort()  # the client's Abort came while this was being submitted
                 first = await anext(stream, None)
+            except SessionLost as again:  # taken, then lost before any output: it may be what kills them
+                if used >= resumes_left:
+                    self.metrics.resume_failures.inc()
+                    raise
+                used, lost = used + 1, again
             except (ServiceUnavailable, AlreadyExists) as exc:  # not taken (yet): try again, within the time
                 if self.stopping or loop.time() + delay > deadline:
                     self.metrics.resume_failures.inc()
                     raise ServiceUnavailable(f"{lost}; no scheduler took the request again within "
                                              f"{self.policy.timeout_s:g} s ({exc})") from exc
-                await asyncio.sleep(delay)
-                delay = min(2 * delay, MAX_RETRY_S)
-                continue
-            self.metrics.resumed.inc()
-            log.info("request resumed", request_id=request.request_id, attempts=attempts)
-            return first
-        return None
+            else:
+                self.metrics.resumed.inc()
+                log.info("request resumed", request_id=request.request_id, attempts=attempts, resumes=used)
+                return first, used
+            await asyncio.sleep(delay)
+            delay = min(2 * delay, MAX_RETRY_S)
+        return None, used

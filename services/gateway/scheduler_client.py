@@ -36,6 +36,9 @@ CHANNEL_OPTIONS = [
     ("grpc.max_reconnect_backoff_ms", 2000),
 ]
 _END = object()  # the request ended: no more outputs
+# A scheduler takes a session at once (its first message); one that has not within this long (or
+# the backend timeout, if shorter) is taken for hung, and the session's requests fail.
+SESSION_OPEN_TIMEOUT_S = 10.0
 log = setup_logging("gateway")
 
 
@@ -82,9 +85,10 @@ class SubmitStream:
     Its own small queue (a deque and at most one waiting future) rather than an asyncio.Queue:
     every streamed token passes through here, and the reader is the only producer."""
 
-    def __init__(self, session: Session, key: int):
+    def __init__(self, session: Session, key: int, submitted_at: float = 0.0):
         self._session = session
         self._key = key
+        self.submitted_at = submitted_at  # (the event loop's clock)
         self._items: deque = deque()
         self._waiter: asyncio.Future | None = None
         self._ended = False
@@ -152,6 +156,8 @@ class Session:
         self._last_heard = self._loop.time()  # the last message, or when requests were first in flight
         self._failure: Exception | None = None  # why the session ended, when this side ended it
         self._opened = False  # the scheduler took the session (its first message came)
+        self._last_message_at = float("-inf")  # when the scheduler last sent anything
+        self._silenced = False  # abandoned by the watchdog: the scheduler went silent
         self._call = stub.Session(self._requests())
         self._reader = self._loop.create_task(self._read())
         self._watchdog = self._loop.create_task(self._watch(idle_timeout_s))
@@ -169,7 +175,7 @@ class Session:
 
     def submit(self, request: wire.EngineRequest) -> SubmitStream:
         key = next(self._keys)
-        stream = SubmitStream(self, key)
+        stream = SubmitStream(self, key, self._loop.time())
         if not self._streams:
             self._last_heard = self._loop.time()  # silence while nothing was asked for does not count
         self._streams[key] = stream
@@ -200,7 +206,7 @@ class Session:
         error: Exception | None = None
         try:
             while (events := await self._call.read()) is not grpc.aio.EOF:
-                self._last_heard = self._loop.time()
+                self._last_heard = self._last_message_at = self._loop.time()
                 self._opened = True
                 self._route(events)
             error = self._lost(f"the scheduler at {self.address} closed the session")
@@ -215,15 +221,24 @@ class Session:
             self._watchdog.cancel()
             failure = self._failure or error or self._lost(f"the session with the scheduler at {self.address} closed")
             for stream in self._streams.values():
-                stream.deliver(failure)
+                # Gone silent: a request sent since it last spoke was never seen taken (not resumed).
+                unseen = self._silenced and stream.submitted_at > self._last_message_at
+                stream.deliver(ServiceUnavailable(str(failure)) if unseen else failure)
             self._streams.clear()
 
     async def _watch(self, idle_timeout_s: float) -> None:
+        open_timeout_s = min(idle_timeout_s, SESSION_OPEN_TIMEOUT_S)
         while not self.closed:
-            await asyncio.sleep(max(0.05, min(1.0, idle_timeout_s / 4)))
+            await asyncio.sleep(max(0.05, min(1.0, open_timeout_s / 4)))
             silent = self._loop.time() - self._last_heard
+            if self._streams and not self._opened and silent > open_timeout_s:
+                log.warning("scheduler did not take the session: failing its requests", requests=len(self._streams))
+                self.abandon(ServiceUnavailable(f"the scheduler at {self.address} did not take the session within "
+                                                f"{open_timeout_s:g} s"))
+                return
             if self._streams and silent > idle_timeout_s:
                 log.warning("scheduler session silent: abandoning its requests", requests=len(self._streams))
+                self._silenced = True
                 self.abandon(self._lost(
                     f"the scheduler at {self.address} sent nothing for {silent:.0f} s; its requests were abandoned"))
                 return
