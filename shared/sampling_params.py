@@ -179,8 +179,10 @@ class SamplingParams:
         return message
 
     @classmethod
-    def from_proto(cls, message) -> "SamplingParams":
-        """Unset fields take the defaults (max_tokens: up to the context); values are validated as on construction."""
+    def from_proto(cls, message, grammar_checked: bool = False) -> "SamplingParams":
+        """Unset fields take the defaults (max_tokens: up to the context); values are validated as on
+        construction (a structured output's grammar, unless the sender checked it: gateway -> scheduler
+        -> worker)."""
         kwargs = {name: getattr(message, name) for name in cls._SCALARS if message.HasField(name)}
         kwargs.setdefault("max_tokens", None)  # unset on the wire: up to the context length
         if message.HasField("early_stopping"):
@@ -190,7 +192,8 @@ class SamplingParams:
             if name in kwargs:  # float32 on the wire: 0.1 must come back as 0.1
                 kwargs[name] = float(f"{kwargs[name]:.7g}")
         if message.HasField("structured_outputs"):
-            kwargs["structured_outputs"] = StructuredOutputs.from_proto(message.structured_outputs)
+            kwargs["structured_outputs"] = StructuredOutputs.from_proto(message.structured_outputs,
+                                                                        check_grammar=not grammar_checked)
         return cls(**kwargs, stop=list(message.stop), stop_token_ids=list(message.stop_token_ids),
                    logit_bias={int(k): float(f"{v:.7g}") for k, v in message.logit_bias.items()} or None)
 

@@ -62,7 +62,7 @@ class NewSequence:
     @classmethod
     def from_proto(cls, m: wire.NewSequence) -> "NewSequence":
         return cls(m.request_id, m.seq_id, m.index, list(m.prompt_token_ids), list(m.output_token_ids),
-                   SamplingParams.from_proto(m.sampling_params), list(m.block_table), m.num_computed_tokens,
+                   SamplingParams.from_proto(m.sampling_params, grammar_checked=True), list(m.block_table), m.num_computed_tokens,
                    m.num_scheduled_tokens, m.num_siblings)
 
 
@@ -247,19 +247,23 @@ class SequenceOutput:
     accepted_token_ids: list[int] = field(default_factory=list)
     accepted_logprobs: list[PositionLogprobs] = field(default_factory=list)
     draft_token_ids: list[int] = field(default_factory=list)  # proposed for the sequence's next step
+    # Set when this sequence cannot go on (its structured output grammar failed): the scheduler ends
+    # its request with this error, and only it (token_id is then not to be kept).
+    error: str = ""
 
     @property
     def is_plain(self) -> bool:
         """Sampled tokens (and drafts) without logprobs: the common output, sent as column entries."""
         return (self.token_id is not None and self.logprobs is None and self.prompt_logprobs is None
-                and not self.siblings and self.prompt_logprobs_start == 0 and not self.accepted_logprobs)
+                and not self.siblings and self.prompt_logprobs_start == 0 and not self.accepted_logprobs
+                and not self.error)
 
     def to_proto(self) -> wire.SequenceOutput:
         m = wire.SequenceOutput(seq_id=self.seq_id, prompt_logprobs_start=self.prompt_logprobs_start,
                                 siblings=[s.to_proto() for s in self.siblings],
                                 accepted_token_ids=self.accepted_token_ids,
                                 accepted_logprobs=[p.to_proto() for p in self.accepted_logprobs],
-                                draft_token_ids=self.draft_token_ids)
+                                draft_token_ids=self.draft_token_ids, error=self.error)
         if self.token_id is not None:
             m.token_id = self.token_id
         if self.logprobs is not None:
@@ -274,7 +278,7 @@ class SequenceOutput:
                    PositionLogprobs.from_proto(m.logprobs) if m.HasField("logprobs") else None,
                    [PositionLogprobs.from_proto(p) for p in m.prompt_logprobs] or None, m.prompt_logprobs_start,
                    [Sample.from_proto(s) for s in m.siblings], list(m.accepted_token_ids),
-                   [PositionLogprobs.from_proto(p) for p in m.accepted_logprobs], list(m.draft_token_ids))
+                   [PositionLogprobs.from_proto(p) for p in m.accepted_logprobs], list(m.draft_token_ids), m.error)
 
 
 def outputs_to_proto(outputs: list[SequenceOutput]) -> wire.StepOutputs:

@@ -13,7 +13,7 @@ from __future__ import annotations
 import functools
 import json
 import re
-from dataclasses import dataclass
+from dataclasses import InitVar, dataclass
 from typing import Any
 
 KINDS = ("json", "regex", "choice", "grammar", "json_object")
@@ -28,8 +28,10 @@ class StructuredOutputs:
     grammar: str | None = None  # an EBNF grammar (xgrammar's dialect; its start rule is `root`)
     json_object: bool = False  # any JSON object
     disable_any_whitespace: bool = False  # JSON without whitespace beyond single separators
+    # False where the grammar was checked before (one hop back): building it again can take long.
+    check_grammar: InitVar[bool] = True
 
-    def __post_init__(self) -> None:
+    def __post_init__(self, check_grammar: bool) -> None:
         given = [kind for kind in KINDS if getattr(self, kind) not in (None, False)]
         _check(len(given) == 1, "structured_outputs",
                f"must give exactly one of {', '.join(KINDS)}, got {', '.join(given) or 'none'}")
@@ -46,7 +48,8 @@ class StructuredOutputs:
             _check(self.choice and all(isinstance(c, str) and c for c in self.choice), "choice",
                    "must be a non-empty list of non-empty strings")
         _check(isinstance(self.disable_any_whitespace, bool), "disable_any_whitespace", "must be true or false")
-        _check_grammar(self.kind, self.spec, not self.disable_any_whitespace)
+        if check_grammar:
+            _check_grammar(self.kind, self.spec, not self.disable_any_whitespace)
 
     @property
     def kind(self) -> str:
@@ -79,12 +82,12 @@ class StructuredOutputs:
         return message
 
     @classmethod
-    def from_proto(cls, message) -> StructuredOutputs:
+    def from_proto(cls, message, check_grammar: bool = True) -> StructuredOutputs:
         kind = message.WhichOneof("kind")
         if kind is None:
             raise ValueError("SamplingParams.structured_outputs must give exactly one of " + ", ".join(KINDS))
         value = list(message.choice.values) if kind == "choice" else getattr(message, kind)
-        return cls(**{kind: value}, disable_any_whitespace=message.disable_any_whitespace)
+        return cls(**{kind: value}, disable_any_whitespace=message.disable_any_whitespace, check_grammar=check_grammar)
 
 
 def choice_grammar(choices: list[str]) -> str:
@@ -93,14 +96,19 @@ def choice_grammar(choices: list[str]) -> str:
 
 
 def _schema_text(schema: Any) -> str:
-    if isinstance(schema, str):
+    """The schema as text, its properties in the order given: the output follows that order (a
+    model asked for its reasoning before its answer must write them so)."""
+    text = schema if isinstance(schema, str) else None
+    if text is not None:
         try:
-            schema = json.loads(schema)
+            schema = json.loads(text)
         except json.JSONDecodeError as exc:
             raise ValueError(f"SamplingParams.json is not valid JSON: {exc}") from None
     _check(isinstance(schema, dict), "json", f"must be a JSON schema (an object), got {type(schema).__name__}")
+    if text is not None:
+        return text
     try:
-        return json.dumps(schema, sort_keys=True, ensure_ascii=False)
+        return json.dumps(schema, ensure_ascii=False)
     except (TypeError, ValueError) as exc:
         raise ValueError(f"SamplingParams.json cannot be written as JSON: {exc}") from None
 

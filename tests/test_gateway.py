@@ -622,14 +622,14 @@ def test_forced_tool_calls(stack, client, llama_dir):
     arguments = json.loads(call.function.arguments)
     assert call.function.name == "get_weather" and call.type == "function" and call.id.startswith("chatcmpl-tool-")
     assert arguments["city"] in ("Paris", "Oslo") and arguments["days"] in (1, 2, 3) and arguments["rain"] in (True, False)
-    assert choice.finish_reason == "tool_calls" and choice.message.content is None
+    assert choice.finish_reason == "stop" and choice.message.content is None  # OpenAI's, for a named function
     streamed = client.chat.completions.create(model=llama_dir.name, messages=messages, tools=tools, tool_choice=named,
                                               max_tokens=40, temperature=0, stream=True)
     deltas = [c.choices[0] for c in streamed if c.choices]
     calls = [d.delta.tool_calls[0] for d in deltas if d.delta.tool_calls]
     assert calls[0].id and calls[0].function.name == "get_weather" and all(c.id is None for c in calls[1:])
     assert "".join(c.function.arguments for c in calls) == call.function.arguments
-    assert deltas[-1].finish_reason == "tool_calls"
+    assert deltas[-1].finish_reason == "stop"
     # (A prompt whose greedy array ends within max_tokens: a random model may go on adding calls.)
     short = [{"role": "user", "content": "Tell me"}]
     required = client.chat.completions.create(model=llama_dir.name, messages=short, tools=tools,
@@ -647,6 +647,13 @@ def test_forced_tool_calls(stack, client, llama_dir):
     cut = client.chat.completions.create(model=llama_dir.name, messages=short, tools=tools, tool_choice="required",
                                          max_tokens=5, temperature=0)
     assert cut.choices[0].finish_reason == "length" and cut.choices[0].message.content.startswith("[")
+    # A named call cut off: its arguments as far as they came, whole as streamed.
+    cut = client.chat.completions.create(model=llama_dir.name, messages=messages, tools=tools, tool_choice=named,
+                                         max_tokens=5, temperature=0)
+    assert cut.choices[0].finish_reason == "length" and cut.choices[0].message.tool_calls[0].function.arguments
+    single = client.chat.completions.create(model=llama_dir.name, messages=short, tools=tools, tool_choice="required",
+                                            max_tokens=60, temperature=0, parallel_tool_calls=False)
+    assert len(single.choices[0].message.tool_calls) == 1
     # The next turn: the call and its result go back to the chat template.
     follow_up = messages + [{"role": "assistant", "content": None, "tool_calls": [call.model_dump()]},
                             {"role": "tool", "tool_call_id": call.id, "content": "sunny"}]

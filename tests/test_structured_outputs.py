@@ -174,3 +174,46 @@ def test_bad_constraints_are_refused_with_the_field_named():
         params = SamplingParams(structured_outputs=constraint)
         assert SamplingParams.from_proto(params.to_proto()) == params
 
+
+
+def test_a_grammar_that_cannot_go_on_fails_its_request_and_no_other(llama_dir):
+    """A regex no string satisfies (a dead end after its first token), a schema that passes the check
+    but does not compile on the worker: each request fails with its error, while the requests
+    beside it, constrained or not, get what they get alone (the step never fails)."""
+    llm = LLM(str(llama_dir), block_size=8)
+    engine = llm.engine
+    good = {"free": SamplingParams(temperature=0, max_tokens=12, ignore_eos=True),
+            "choice": SamplingParams(temperature=0, max_tokens=12, structured_outputs=CONSTRAINTS["choice"])}
+    bad = {"dead-end": SamplingParams(temperature=0, max_tokens=12, structured_outputs={"regex": r"a[^\s\S]"}),
+           "no-compile": SamplingParams(temperature=0, max_tokens=12,
+                                        structured_outputs={"json": {"type": "string", "minLength": -1}})}
+    prompt = prompts(seed=5, count=1)[0]
+    alone = {name: llm.generate({"prompt_token_ids": prompt}, params, use_tqdm=False)[0].outputs[0].token_ids
+             for name, params in good.items()}
+    for name, params in {**good, **bad}.items():
+        engine.add_request(name, prompt, params)
+    tokens, errors = {}, {}
+    while engine.has_unfinished():
+        for update in engine.step():
+            tokens.setdefault(update.request_id, []).extend(update.new_token_ids)
+            if update.error is not None:
+                errors[update.request_id] = update.error
+    assert set(errors) == set(bad)
+    assert "allows no next token" in errors["dead-end"] and "cannot be used" in errors["no-compile"]
+    assert {name: tokens[name] for name in good} == alone
+    assert engine.get_stats()["kv_blocks_used"] == 0
+    with pytest.raises(ValueError, match="failed: the structured output grammar allows no next token"):
+        llm.generate({"prompt_token_ids": prompt}, bad["dead-end"], use_tqdm=False)
+
+
+
+def test_a_schema_s_properties_come_in_the_order_it_gives(llama_dir):
+    """A model asked for its reasoning before its answer must write them in that order."""
+    schema = {"type": "object", "properties": {"zeta": {"enum": ["z"]}, "alpha": {"enum": ["a"]}},
+              "required": ["zeta", "alpha"], "additionalProperties": False}
+    llm = LLM(str(llama_dir), block_size=8)
+    for given in (schema, json.dumps(schema)):
+        params = SamplingParams(temperature=0, max_tokens=30,
+                                structured_outputs={"json": given, "disable_any_whitespace": True})
+        text = llm.generate({"prompt_token_ids": [5, 6, 7]}, params, use_tqdm=False)[0].outputs[0].text
+        assert text == '{"zeta": "z", "alpha": "a"}', text

@@ -70,8 +70,8 @@ class GenerationServicer(api_grpc.GenerationServicer):
             async with self.call_ids.claim(engine_id) as call, self.gen.admitted(api_key) as admission:
                 model = await self.gen.model()
                 model.check_name(request.model)
-                try:
-                    params = SamplingParams.from_proto(request.params)
+                try:  # off the event loop: checking a structured output's grammar can take long
+                    params = await asyncio.to_thread(SamplingParams.from_proto, request.params)
                 except ValueError as exc:  # its messages name the field, as over HTTP
                     raise InvalidParameter.from_sampling_error(exc) from None
                 # Off the event loop, as over HTTP: a huge prompt must not stall the other streams.

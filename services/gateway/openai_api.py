@@ -36,7 +36,8 @@ async def _answer(gen: Generator, body, request_id: str, api_key: ApiKey | None,
         model = await gen.model()
         model.check_name(body.model)
         try:
-            params = body.checked_params()
+            # (Off the event loop too: checking a structured output's grammar can take long.)
+            params = await asyncio.to_thread(body.checked_params)
             # Off the event loop: a megabyte prompt takes seconds to tokenize (or render and tokenize),
             # and every other stream would wait that long (the tokenizer lets go of the GIL).
             prompts, texts = await asyncio.to_thread(reply_class.prompts, model, body)
@@ -254,7 +255,7 @@ class _Chat(_Reply):
                                       add_generation_prompt=body.add_generation_prompt,
                                       continue_final_message=body.continue_final_message,
                                       template_kwargs=body.chat_template_kwargs,
-                                      tools=body.tools if body.forced_tool_call is not None else None)
+                                      tools=body.tools or None)
         return [ids], [text]
 
     def __init__(self, *args):
@@ -295,28 +296,25 @@ class _Chat(_Reply):
                 self._call_ids[k] = first["id"]
                 call = {"index": 0, **first}
             message = {"tool_calls": [call]} if delta.text or len(call) > 2 else {}
-            return message, _finish_reason(delta.finish_reason, True)
+            return message, self.forced.finish_reason(delta.finish_reason)
         self._held[k] += delta.text
         if delta.finish_reason is None:
             return {}, None
         calls = self.forced.calls(self._held[k])
         if calls is None:  # cut off (max_tokens): what came, as text
             return {"content": self._held[k]}, delta.finish_reason
-        return {"tool_calls": [{"index": i, **c} for i, c in enumerate(calls)]}, _finish_reason(delta.finish_reason,
-                                                                                                  True)
+        return {"tool_calls": [{"index": i, **c} for i, c in enumerate(calls)]}, \
+            self.forced.finish_reason(delta.finish_reason)
 
     def whole_choice(self, k, position, text, logprobs, end) -> dict:
         message, finish = {"role": "assistant", "content": text}, end and end.finish_reason
         calls = self.forced.calls(text) if self.forced is not None else None
         if calls is not None:
-            message, finish = {"role": "assistant", "content": None, "tool_calls": calls}, _finish_reason(finish, True)
+            message, finish = {"role": "assistant", "content": None, "tool_calls": calls}, \
+                self.forced.finish_reason(finish)
         return {"index": k, "message": message, "logprobs": self._logprobs(logprobs), "finish_reason": finish,
                 "stop_reason": end and end.stop_reason}
 
-
-def _finish_reason(finish_reason: str | None, called: bool) -> str | None:
-    """A forced call that the grammar completed (then EOS) ended as OpenAI says: "tool_calls"."""
-    return "tool_calls" if called and finish_reason == "stop" else finish_reason
 
 
 def _chat_token(token: str, logprob: float) -> dict:

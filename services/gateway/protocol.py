@@ -246,6 +246,7 @@ class ChatCompletionRequest(_Sampling):
     # "auto" is refused: there is no parser to tell a model's tool calls from its text (tool_calls.py).
     tools: list[dict] | None = None
     tool_choice: str | dict | None = None
+    parallel_tool_calls: bool | None = None  # false: "required" makes exactly one call
     # vLLM's chat template extensions
     add_generation_prompt: bool = True
     continue_final_message: bool = False
@@ -271,7 +272,7 @@ class ChatCompletionRequest(_Sampling):
 
     @functools.cached_property
     def forced_tool_call(self) -> ForcedToolCall | None:
-        return ForcedToolCall.from_request(self.tools, self.tool_choice)
+        return ForcedToolCall.from_request(self.tools, self.tool_choice, self.parallel_tool_calls)
 
     def public_error(self, exc: InvalidParameter) -> InvalidParameter:
         if exc.param == "prompt":  # the rendered messages (the message still says "prompt": it is one)

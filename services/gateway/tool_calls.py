@@ -43,12 +43,14 @@ class Tool:
 
 @dataclass(frozen=True)
 class ForcedToolCall:
-    """What the request's tool_choice forces: one named function, or at least one of the tools."""
+    """What the request's tool_choice forces: one named function, or at least one of the tools (just
+    one, with parallel_tool_calls false)."""
     tools: tuple[Tool, ...]
     named: str | None  # the function tool_choice names; None: "required"
+    parallel: bool = True
 
     @classmethod
-    def from_request(cls, tools: list | None, tool_choice: Any) -> ForcedToolCall | None:
+    def from_request(cls, tools: list | None, tool_choice: Any, parallel: bool | None = None) -> ForcedToolCall | None:
         """None where nothing is forced (no tools, or tool_choice "none")."""
         if tool_choice is None:
             tool_choice = "auto" if tools else "none"
@@ -59,48 +61,81 @@ class ForcedToolCall:
         parsed = tuple(Tool.parse(t) for t in tools)
         if tool_choice == "auto":
             raise InvalidParameter("tool_choice 'auto' is not supported (no tool-call parser: the model's calls "
-                           "cannot be told from text); use 'required', a named function, or 'none'", "tool_choice")
+                                   "cannot be told from text); use 'required', a named function, or 'none'",
+                                   "tool_choice")
         if tool_choice == "required":
-            return cls(parsed, None)
+            return cls(parsed, None, parallel is not False)
         function = tool_choice.get("function") if isinstance(tool_choice, dict) else None
         name = function.get("name") if isinstance(function, dict) else None
         if not isinstance(name, str):
-            raise InvalidParameter("tool_choice must be 'none', 'auto', 'required' or {'type': 'function', 'function': "
-                           "{'name': ...}}", "tool_choice")
+            raise InvalidParameter("tool_choice must be 'none', 'auto', 'required' or {'type': 'function', "
+                                   "'function': {'name': ...}}", "tool_choice")
         if name not in {t.name for t in parsed}:
             raise InvalidParameter(f"tool_choice names {name!r}, which is not one of the tools", "tool_choice")
         return cls(parsed, name)
 
     def constraint(self) -> StructuredOutputs:
-        """Compact JSON (arguments are data for a program; free whitespace only risks a model that
-        never stops writing it)."""
+        """JSON without free whitespace (arguments are data for a program; free whitespace only risks
+        a model that never stops writing it)."""
         if self.named is not None:
             schema = next(t.parameters for t in self.tools if t.name == self.named)
         else:
-            calls = [{"type": "object", "properties": {"name": {"type": "string", "enum": [t.name]},
-                                                       "parameters": t.parameters},
-                      "required": ["name", "parameters"]} for t in self.tools]
-            schema = {"type": "array", "minItems": 1, "items": {"anyOf": calls}}
+            schema = self._calls_schema()
         try:
             return StructuredOutputs(json=schema, disable_any_whitespace=True)
         except ValueError as exc:
             raise InvalidParameter(f"a tool's parameters are not a usable JSON schema: "
                                    f"{str(exc).removeprefix('SamplingParams.')}", "tools") from None
 
+    def _calls_schema(self) -> dict:
+        """An array of {"name", "parameters"} objects. Each tool's definitions ($defs, definitions)
+        move to the array's root, where their references (#/$defs/...) point once nested."""
+        hoisted: dict[str, dict] = {}
+        calls = []
+        for tool in self.tools:
+            parameters = dict(tool.parameters)
+            for key in ("$defs", "definitions"):
+                for name, definition in (parameters.pop(key, None) or {}).items():
+                    known = hoisted.setdefault(key, {})
+                    if known.get(name, definition) != definition:
+                        raise InvalidParameter(f"tools define {key} {name!r} differently; give each its own name",
+                                               "tools")
+                    known[name] = definition
+            calls.append({"type": "object", "properties": {"name": {"type": "string", "enum": [tool.name]},
+                                                           "parameters": parameters},
+                          "required": ["name", "parameters"]})
+        return {"type": "array", "minItems": 1, **({"maxItems": 1} if not self.parallel else {}),
+                "items": {"anyOf": calls}, **hoisted}
+
+    def finish_reason(self, reason: str | None) -> str | None:
+        """As OpenAI's: a completed call for a named function ends as "stop", "required" calls as "tool_calls"."""
+        return "tool_calls" if self.named is None and reason == "stop" else reason
+
     def calls(self, text: str) -> list[dict] | None:
-        """OpenAI's tool_calls for the text generated; None when it is not (yet) one, as when
-        max_tokens cut it off."""
+        """OpenAI's tool_calls for the text generated (each call's arguments as generated). A named
+        call's arguments as far as they came; "required" calls only once whole (None before: which
+        calls a partial array holds is not known)."""
         if self.named is not None:
-            try:
-                json.loads(text)
-            except json.JSONDecodeError:
-                return None
             return [tool_call(self.named, text)]
         try:
-            calls = json.loads(text)
+            value = json.loads(text)
         except json.JSONDecodeError:
             return None
-        return [tool_call(c["name"], json.dumps(c["parameters"], ensure_ascii=False)) for c in calls]
+        return [tool_call(call["name"], arguments) for call, arguments in zip(value, _parameters_texts(text))]
+
+
+def _parameters_texts(text: str) -> list[str]:
+    """Each call's "parameters" value as it stands in the text of a calls array (the schema puts
+    "name" before "parameters"; re-encoding it could change its numbers)."""
+    decoder, texts, position = json.JSONDecoder(), [], 0
+    while (key := text.find('"parameters":', position)) != -1:
+        start = key + len('"parameters":')
+        while text[start] in " \t\n\r":
+            start += 1
+        _, end = decoder.raw_decode(text, start)
+        texts.append(text[start:end])
+        position = end
+    return texts
 
 
 def tool_call(name: str, arguments: str) -> dict:

@@ -15,9 +15,11 @@ import time
 from concurrent.futures import Future
 from dataclasses import dataclass
 
+import grpc
+
 from services.scheduler.engine_core import EngineCore
 from services.scheduler.sequence import SequenceUpdate
-from services.scheduler.session import Session, SessionBatch
+from services.scheduler.session import RequestError, Session, SessionBatch
 from shared.grpc_errors import ServiceUnavailable
 from shared.logging import setup_logging
 from shared.resumption import Resumption
@@ -196,6 +198,13 @@ class EngineLoop:
         entry.session.requests.pop(entry.key, None)
         self._batch_for(entry.session).finished.append(entry.key)
 
+    def _fail(self, request_id: str, entry: _InFlight, error: str) -> None:
+        self.engine.abort_request(request_id)
+        del self._requests[request_id]
+        entry.session.requests.pop(entry.key, None)
+        self._batch_for(entry.session).errors.append(RequestError(entry.key, grpc.StatusCode.INVALID_ARGUMENT, error))
+        log.warning("request failed", request_id=request_id, error=error)
+
     def _batch_for(self, session: Session) -> SessionBatch:
         batch = self._outgoing.get(session)
         if batch is None:
@@ -319,6 +328,9 @@ class EngineLoop:
         for update in updates:
             entry = self._requests.get(update.request_id)
             if entry is None:  # not in flight any more (the engine drops aborted sequences' outputs; a guard)
+                continue
+            if update.error is not None:  # the worker could not go on with it: it fails, the others run on
+                self._fail(update.request_id, entry, update.error)
                 continue
             self._batch_for(entry.session).outputs.append((entry.key, update))
             if update.finish_reason is not None:

@@ -176,6 +176,8 @@ class LLM:
                     tracker = by_id.get(update.request_id)
                     if tracker is None:
                         continue
+                    if update.error is not None:  # (generate aborts the others)
+                        raise ValueError(f"request {tracker.request_id} failed: {update.error}")
                     stop = tracker.apply(update)
                     if stop is not None:
                         self.engine.finish_by_stop_string(update.request_id, update.seq_index, stop)

@@ -354,6 +354,9 @@ class Scheduler:
                 continue  # finished or aborted while the step ran
             if out.token_id is not None:
                 self._resolve_placeholder(seq)
+            if out.error:
+                updates.append(self._fail_request(seq, out.error))
+                continue
             if seq.beam_group is not None:
                 updates.extend(self._beam_report(seq, out))
                 continue
@@ -368,6 +371,15 @@ class Scheduler:
             updates.append(update)
             updates.extend(forked)
         return updates
+
+    def _fail_request(self, seq: Sequence, error: str) -> SequenceUpdate:
+        """The worker cannot go on with this sequence: its request ends, every sequence of it."""
+        for sibling in [*seq.siblings, *seq.pending_siblings]:
+            if not sibling.status.is_finished:
+                self._finish(sibling, SequenceStatus.FINISHED_ABORTED)
+        update = SequenceUpdate(seq)
+        update.finish_reason, update.error = "abort", error
+        return update
 
     def _append_output(self, seq: Sequence, out: SequenceOutput, update: SequenceUpdate) -> None:
         """The accepted drafts (each one a computed token more), then the sampled token; a stop among

@@ -113,7 +113,7 @@ class SequenceUpdate:
     """What the front end learns about one sequence after a step."""
 
     __slots__ = ("request_id", "seq_index", "new_token_ids", "new_logprobs", "prompt_logprobs",
-                 "finish_reason", "stop_reason")
+                 "finish_reason", "stop_reason", "error")
 
     def __init__(self, seq: Sequence, index: int | None = None):
         self.request_id = seq.request_id
@@ -123,8 +123,10 @@ class SequenceUpdate:
         self.prompt_logprobs: list[PositionLogprobs] = []  # newly available, in prompt order from index 1
         self.finish_reason: str | None = None  # "stop", "length" or "abort" once finished
         self.stop_reason: int | str | None = None
+        self.error: str | None = None  # why the request failed (it ended: "abort", every sequence)
 
     @property
     def is_plain(self) -> bool:
         """New tokens and nothing else (the common update; it travels as column entries)."""
-        return not (self.new_logprobs or self.prompt_logprobs or self.finish_reason or self.stop_reason is not None)
+        return not (self.new_logprobs or self.prompt_logprobs or self.finish_reason or self.stop_reason is not None
+                    or self.error)

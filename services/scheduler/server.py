@@ -90,7 +90,7 @@ class SchedulerServicer(wire_grpc.SchedulerServicer):
     def _submit(session: Session, submit: wire.SessionSubmit, loop: EngineLoop) -> None:
         request = submit.request
         try:
-            params = SamplingParams.from_proto(request.params)
+            params = SamplingParams.from_proto(request.params, grammar_checked=True)  # by the gateway
             resumption = Resumption.from_proto(request.resumed)
         except (ValueError, TypeError) as exc:
             session.refuse(submit.key, exc)

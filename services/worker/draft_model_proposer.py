@@ -86,7 +86,8 @@ class DraftModelProposer:
                       tables: HostBlockTables, wanted: bool = True) -> list[list[int]]:
         """Drafts for each sequence that sampled (new_tokens: its accepted drafts, then the sampled token),
         unless not ``wanted``; every sequence's kept tokens go into the draft's cache either way."""
-        proposing = [i for i, new in enumerate(new_tokens) if wanted and new and self._room(seqs[i]) > 0]
+        proposing = [i for i, new in enumerate(new_tokens)  # (a grammar's matcher verifies no drafts)
+                     if wanted and new and self._room(seqs[i]) > 0 and not seqs[i].constrained]
         proposing = proposing[:self.max_proposing]
         block_tables = self._tables_with_scratch(seqs, proposing, tables)
         drafts = self._catch_up(seqs, computed_before, new_tokens, proposing, block_tables)

@@ -2,20 +2,27 @@
 that keeps a step's sampling to the tokens the grammar allows next.
 
 xgrammar does the work (vLLM's default backend): its compiler turns a request's constraint
-(shared/structured_outputs.py) into a grammar over this model's tokenizer, caching what it
-compiled, and a matcher per sequence follows the tokens the sequence takes. The compiler needs
-the tokenizer, which a worker otherwise never loads: it is built when the first constrained
-sequence comes.
+(shared/structured_outputs.py) into a grammar over this model's tokenizer, and a matcher per
+sequence follows the tokens the sequence takes. The compiler needs the tokenizer, which a worker
+otherwise never loads: it is built when the first constrained sequence comes. Compiling happens on
+a thread of its own (xgrammar lets go of the GIL), beside the steps that compute the sequence's
+prompt; the sequence waits for its grammar only when it first samples. Compiled grammars are
+cached (within GRAMMAR_CACHE_BYTES).
 
 A sequence's matcher is rebuilt from its tokens whenever its sampling state is (a recompute
 preemption, a fork), so it always agrees with the tokens the worker holds. Once the grammar is
-complete only EOS is allowed; after it (ignore_eos, or a step planned ahead of the EOS being
-seen) the sequence is free again.
+complete only EOS is allowed; after it (ignore_eos, or a step planned ahead of the EOS being seen)
+the sequence is free again. A grammar that cannot go on (it does not compile, allows no next token,
+or is handed a token it does not allow) never fails the step, which would fail every request: from
+then on only EOS is allowed, and the step's output for the sequence carries the error, which ends
+its request (and only it).
 """
 
 from __future__ import annotations
 
 import time
+from collections.abc import Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
 import torch
@@ -25,33 +32,88 @@ from shared.structured_outputs import StructuredOutputs, engine_message
 
 log = setup_logging("worker")
 
+GRAMMAR_CACHE_BYTES = 512 << 20  # compiled grammars kept for reuse (as vLLM's default cache)
+
 
 class SequenceGrammar:
-    """One sequence's matcher: what it has accepted, and what it allows next."""
+    """One sequence's matcher (made once its grammar is compiled): what it has accepted, and what it
+    allows next; or, once it cannot go on, why."""
 
-    def __init__(self, matcher):
-        self._matcher = matcher
+    def __init__(self, compiled: Future, output_token_ids: list[int]):
+        self._compiled = compiled
+        self._replay = list(output_token_ids)  # accepted as soon as the matcher exists
+        self._matcher = None
+        self.error: str | None = None
+
+    def _ready(self):
+        """The matcher, once (None when the grammar failed)."""
+        if self._matcher is None and self.error is None:
+            import xgrammar as xgr
+
+            try:
+                self._matcher = xgr.GrammarMatcher(self._compiled.result())
+            except Exception as exc:  # does not compile, or no tokenizer here
+                self.error = f"the structured output constraint cannot be used: {engine_message(exc)}"
+                return None
+            replay, self._replay = self._replay, []
+            for token_id in replay:
+                self.accept(token_id)
+        return self._matcher
 
     @property
     def active(self) -> bool:
-        """Whether it constrains the next token (not once it has accepted EOS)."""
-        return not self._matcher.is_terminated()
+        """Whether it constrains the next token: not once it has accepted EOS (a failed one does,
+        to EOS alone)."""
+        matcher = self._ready()
+        return matcher is None or not matcher.is_terminated()
 
     def accept(self, token_id: int) -> None:
-        if self.active and not self._matcher.accept_token(token_id):
-            raise ValueError(f"token {token_id} is not allowed by the sequence's structured output grammar")
+        if self._matcher is None and self.error is None:
+            self._replay.append(token_id)  # not compiled yet
+            return
+        if self.error is None and not self._matcher.is_terminated() and not self._matcher.accept_token(token_id):
+            self.error = f"token {token_id} is not allowed by the structured output grammar"
 
-    def fill(self, bitmask: torch.Tensor, row: int) -> None:
-        self._matcher.fill_next_token_bitmask(bitmask, row)
+    def fill(self, bitmask: torch.Tensor, row: int, eos_token_ids: Sequence[int]) -> None:
+        """Row ``row`` of the bitmask: the tokens allowed next (only EOS, once the grammar failed)."""
+        matcher = self._ready()
+        if matcher is not None:
+            matcher.fill_next_token_bitmask(bitmask, row)
+            if bool(bitmask[row].any()):
+                return
+            self.error = "the structured output grammar allows no next token"
+        _allow_only(bitmask, row, eos_token_ids)
+
+
+def _allow_only(bitmask: torch.Tensor, row: int, token_ids: Sequence[int]) -> None:
+    bitmask[row] = 0
+    for token_id in token_ids:
+        word = int(bitmask[row, token_id // 32]) | (1 << (token_id % 32))
+        bitmask[row, token_id // 32] = word - (1 << 32) if word >= 1 << 31 else word  # as int32
 
 
 class Grammars:
-    """The worker's grammar compiler, built from its tokenizer when the first constrained sequence
-    comes (a worker that serves none never loads the tokenizer or xgrammar)."""
+    """The worker's grammar compiler, built from its tokenizer on a thread of its own when the first
+    constrained sequence comes (a worker that serves none never loads the tokenizer or xgrammar)."""
 
     def __init__(self, tokenizer_path: str | Path, vocab_size: int, eos_token_ids: tuple[int, ...]):
         self.tokenizer_path, self.vocab_size, self.eos_token_ids = tokenizer_path, vocab_size, eos_token_ids
         self._compiler = None
+        self._thread: ThreadPoolExecutor | None = None
+
+    def for_sequence(self, constraint: StructuredOutputs, output_token_ids: list[int]) -> SequenceGrammar:
+        """A grammar that will have accepted the sequence's output so far."""
+        if self._thread is None:
+            self._thread = ThreadPoolExecutor(1, thread_name_prefix="grammar-compiler")
+        return SequenceGrammar(self._thread.submit(self._compile, constraint), output_token_ids)
+
+    def _compile(self, constraint: StructuredOutputs):
+        compiler, kind = self._compiler_built(), constraint.kind
+        if kind in ("json", "json_object"):
+            return compiler.compile_json_schema(constraint.spec, any_whitespace=constraint.any_whitespace)
+        if kind == "regex":
+            return compiler.compile_regex(constraint.regex)
+        return compiler.compile_grammar(constraint.spec)  # an EBNF grammar, or a choice written as one
 
     def _compiler_built(self):
         if self._compiler is None:
@@ -67,35 +129,14 @@ class Grammars:
             started = time.perf_counter()
             info = xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=self.vocab_size,
                                                       stop_token_ids=list(self.eos_token_ids))
-            self._compiler = xgr.GrammarCompiler(info)
+            self._compiler = xgr.GrammarCompiler(info, cache_limit_bytes=GRAMMAR_CACHE_BYTES)
             log.info("grammar compiler ready", tokenizer=str(self.tokenizer_path),
                      seconds=round(time.perf_counter() - started, 3))
         return self._compiler
 
-    def for_sequence(self, constraint: StructuredOutputs, output_token_ids: list[int]) -> SequenceGrammar:
-        """A matcher that has accepted the sequence's output so far."""
-        import xgrammar as xgr
 
-        try:
-            compiled = self._compile(self._compiler_built(), constraint)
-        except RuntimeError as exc:  # checked at admission with the same library: not expected
-            raise ValueError(f"the {constraint.kind} constraint does not compile: {engine_message(exc)}") from None
-        grammar = SequenceGrammar(xgr.GrammarMatcher(compiled))
-        for token_id in output_token_ids:
-            grammar.accept(token_id)
-        return grammar
-
-    @staticmethod
-    def _compile(compiler, constraint: StructuredOutputs):
-        kind = constraint.kind
-        if kind in ("json", "json_object"):
-            return compiler.compile_json_schema(constraint.spec, any_whitespace=constraint.any_whitespace)
-        if kind == "regex":
-            return compiler.compile_regex(constraint.regex)
-        return compiler.compile_grammar(constraint.spec)  # an EBNF grammar, or a choice written as one
-
-
-def mask_to_grammars(scores: torch.Tensor, grammars: list[SequenceGrammar | None], in_place: bool) -> torch.Tensor:
+def mask_to_grammars(scores: torch.Tensor, grammars: list[SequenceGrammar | None], eos_token_ids: Sequence[int],
+                     in_place: bool) -> torch.Tensor:
     """scores [B, V] with the tokens each row's grammar does not allow next at -inf. Written into
     scores itself only where in_place (they are the sampler's own copy, not the raw logits the
     logprobs come from)."""
@@ -106,7 +147,7 @@ def mask_to_grammars(scores: torch.Tensor, grammars: list[SequenceGrammar | None
         return scores
     bitmask = xgr.allocate_token_bitmask(len(rows), scores.shape[-1])
     for j, i in enumerate(rows):
-        grammars[i].fill(bitmask, j)
+        grammars[i].fill(bitmask, j, eos_token_ids)
     bitmask = bitmask.to(scores.device)
     vocab = scores.shape[-1]
     if len(rows) == len(grammars):  # every row: no gather and scatter

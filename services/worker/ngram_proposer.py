@@ -61,7 +61,7 @@ class NgramProposer:
                       wanted: bool = True) -> list[list[int]]:
         """Drafts for each sequence that sampled (new_tokens: its accepted drafts, then the sampled token);
         none at all unless ``wanted``."""
-        return [self.propose(seq.history.with_pending(new)) if new and wanted else []
+        return [self.propose(seq.history.with_pending(new)) if new and wanted and not seq.constrained else []
                 for seq, new in zip(seqs, new_tokens)]
 
     def propose(self, tokens: np.ndarray) -> list[int]:

@@ -176,7 +176,8 @@ class Sampler:
         scores = self._mask_stops_before_min_tokens(scores, states)
         scores = self._apply_penalties(scores, states)
         if any(s.grammar is not None for s in states):
-            scores = mask_to_grammars(scores, [s.grammar for s in states], in_place=scores is not raw)
+            scores = mask_to_grammars(scores, [s.grammar for s in states], self.eos_token_ids,
+                                      in_place=scores is not raw)
         return scores
 
     def _add_logit_bias(self, scores: Tensor, states: list[SamplingState]) -> Tensor:

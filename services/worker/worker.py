@@ -365,6 +365,8 @@ class Worker:
             positions = sampled[taken:taken + len(seq.draft_token_ids) + 1]
             taken += len(positions)
             self._accept(seq, positions, outputs[i])
+            if seq.constrained and seq.sampling.grammar.error is not None:  # its request ends, the step goes on
+                outputs[i].error = seq.sampling.grammar.error
         for i, (token_id, logprobs) in zip(owners, sampled[num_own:]):
             outputs[i].siblings.append(Sample(token_id, logprobs))
 

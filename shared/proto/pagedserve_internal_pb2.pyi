@@ -306,7 +306,7 @@ class Sample(_message.Message):
     def __init__(self, token_id: _Optional[int] = ..., logprobs: _Optional[_Union[PositionLogprobs, _Mapping]] = ...) -> None: ...
 
 class SequenceOutput(_message.Message):
-    __slots__ = ("seq_id", "token_id", "logprobs", "prompt_logprobs", "prompt_logprobs_start", "siblings", "accepted_token_ids", "accepted_logprobs", "draft_token_ids")
+    __slots__ = ("seq_id", "token_id", "logprobs", "prompt_logprobs", "prompt_logprobs_start", "siblings", "accepted_token_ids", "accepted_logprobs", "draft_token_ids", "error")
     SEQ_ID_FIELD_NUMBER: _ClassVar[int]
     TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
     LOGPROBS_FIELD_NUMBER: _ClassVar[int]
@@ -316,6 +316,7 @@ class SequenceOutput(_message.Message):
     ACCEPTED_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     ACCEPTED_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     DRAFT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    ERROR_FIELD_NUMBER: _ClassVar[int]
     seq_id: int
     token_id: int
     logprobs: PositionLogprobs
@@ -325,7 +326,8 @@ class SequenceOutput(_message.Message):
     accepted_token_ids: _containers.RepeatedScalarFieldContainer[int]
     accepted_logprobs: _containers.RepeatedCompositeFieldContainer[PositionLogprobs]
     draft_token_ids: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, seq_id: _Optional[int] = ..., token_id: _Optional[int] = ..., logprobs: _Optional[_Union[PositionLogprobs, _Mapping]] = ..., prompt_logprobs: _Optional[_Iterable[_Union[PositionLogprobs, _Mapping]]] = ..., prompt_logprobs_start: _Optional[int] = ..., siblings: _Optional[_Iterable[_Union[Sample, _Mapping]]] = ..., accepted_token_ids: _Optional[_Iterable[int]] = ..., accepted_logprobs: _Optional[_Iterable[_Union[PositionLogprobs, _Mapping]]] = ..., draft_token_ids: _Optional[_Iterable[int]] = ...) -> None: ...
+    error: str
+    def __init__(self, seq_id: _Optional[int] = ..., token_id: _Optional[int] = ..., logprobs: _Optional[_Union[PositionLogprobs, _Mapping]] = ..., prompt_logprobs: _Optional[_Iterable[_Union[PositionLogprobs, _Mapping]]] = ..., prompt_logprobs_start: _Optional[int] = ..., siblings: _Optional[_Iterable[_Union[Sample, _Mapping]]] = ..., accepted_token_ids: _Optional[_Iterable[int]] = ..., accepted_logprobs: _Optional[_Iterable[_Union[PositionLogprobs, _Mapping]]] = ..., draft_token_ids: _Optional[_Iterable[int]] = ..., error: _Optional[str] = ...) -> None: ...
 
 class StepOutputs(_message.Message):
     __slots__ = ("seq_ids", "token_ids", "detailed", "detailed_positions", "num_accepted", "accepted_token_ids", "num_drafts", "draft_token_ids")
