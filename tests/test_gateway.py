@@ -592,6 +592,10 @@ def test_structured_outputs_over_both_apis(stack, client, offline, llama_dir):
         streamed = client.completions.create(model=llama_dir.name, prompt=prompt, max_tokens=30, temperature=0,
                                              stream=True, extra_body=extra)
         assert "".join(chunk.choices[0].text for chunk in streamed) == offline_text(**constraint), extra
+    # A constraint the check lets through but no output can follow fails its own request, with a 400.
+    dead_end = httpx.post(f"{stack.base_url}/v1/completions", timeout=30, json={
+        "model": llama_dir.name, "prompt": prompt, "max_tokens": 30, "guided_regex": "a[^\\s\\S]"})
+    assert "allows no next token" in _error(dead_end, 400)["message"]
     with grpc.insecure_channel(f"127.0.0.1:{stack.grpc_port}") as channel:
         params = api.SamplingParameters(temperature=0, max_tokens=30,
                                         structured_outputs=api.StructuredOutputs(json=json.dumps(schema)))
