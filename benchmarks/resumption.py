@@ -29,26 +29,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import httpx2 as httpx  # noqa: E402
 
-from benchmarks.serving import process_names  # noqa: E402
+from benchmarks.serving import process_names, start_stack  # noqa: E402
 from benchmarks.workload import bench_model_dir, bench_workload, write_report  # noqa: E402
-
-
-def start_serve(model_dir: Path, port: int, extra: list[str]) -> subprocess.Popen:
-    proc = subprocess.Popen([sys.executable, "-m", "pagedserve", "serve", "--model", str(model_dir),
-                             "--port", str(port), "--grpc-port", str(port + 1), *extra],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
-    deadline = time.monotonic() + 300
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError("pagedserve serve exited while starting")
-        try:
-            with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=1) as reply:
-                if reply.status == 200:
-                    return proc
-        except OSError:
-            time.sleep(0.5)
-    os.killpg(proc.pid, signal.SIGKILL)
-    raise TimeoutError("the stack did not become healthy")
 
 
 class Stream(threading.Thread):
@@ -117,7 +99,7 @@ def resumed_requests(port: int) -> float:
 
 def one_mode(model_dir: Path, port: int, prompts, args, resume: bool) -> dict:
     extra = [] if resume else ["--max-resumes", "0"]
-    serve = start_serve(model_dir, port, extra + list(args.serve_arg))
+    serve = start_stack(model_dir, port, *extra, *args.serve_arg)
     try:
         with urllib.request.urlopen(f"http://127.0.0.1:{port}/v1/models", timeout=5) as reply:
             model = json.loads(reply.read())["data"][0]["id"]

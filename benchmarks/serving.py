@@ -196,9 +196,10 @@ def run_serving(base_url: str, model: str, requests: list[BenchRequest], args, p
     return report
 
 
-def start_stack(model_dir: Path, port: int) -> subprocess.Popen:
+def start_stack(model_dir: Path, port: int, *extra: str) -> subprocess.Popen:
+    """`pagedserve serve` (with extra arguments), once healthy; in a process group of its own."""
     proc = subprocess.Popen([sys.executable, "-m", "pagedserve", "serve", "--model", str(model_dir),
-                             "--port", str(port), "--grpc-port", str(port + 1)],
+                             "--port", str(port), "--grpc-port", str(port + 1), *extra],
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
     deadline = time.monotonic() + 300
     while time.monotonic() < deadline:
