@@ -18,12 +18,14 @@ import urllib.request
 from dataclasses import dataclass, field
 
 from pagedserve.cli import ENGINE_KEYS, add_engine_args, apply_env_defaults
+from services.gateway.tool_parsers import TOOL_CALL_PARSERS
 from services.scheduler.local_workers import (free_tcp_port, process_environments, terminate_with_parent,
                                               wait_grpc_serving)
 
 SCHEDULER_FLAGS = ("max_num_seqs", "max_num_batched_tokens", "enable_chunked_prefill", "enable_prefix_caching",
                    "preemption_mode", "async_scheduling")
-GATEWAY_FLAGS = ("host", "port", "grpc_port", "served_model_name", "tokenizer", "max_resumes", "resume_timeout")
+GATEWAY_FLAGS = ("host", "port", "grpc_port", "served_model_name", "tokenizer", "max_resumes", "resume_timeout",
+                 "enable_auto_tool_choice", "tool_call_parser")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -44,6 +46,10 @@ def build_parser() -> argparse.ArgumentParser:
                              "0: such requests fail with 503)")
     parser.add_argument("--resume-timeout", type=float, default=None,
                         help="seconds a resumption waits for the restarted process (default 30)")
+    parser.add_argument("--enable-auto-tool-choice", action=argparse.BooleanOptionalAction, default=None,
+                        help="answer tool_choice 'auto': the model's calls are read with --tool-call-parser")
+    parser.add_argument("--tool-call-parser", choices=sorted(TOOL_CALL_PARSERS), default=None,
+                        help="the model's tool-call format (see pagedserve gateway --help)")
     parser.add_argument("--data-parallel-size", "-dp", type=int, default=1,
                         help="schedulers, each with a worker (a GPU of its own, or a share of the CPU cores), "
                              "behind the one gateway")
@@ -246,7 +252,10 @@ class Stack:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.enable_auto_tool_choice and not args.tool_call_parser:  # before any child starts
+        parser.error("--enable-auto-tool-choice needs --tool-call-parser (the model's tool-call format)")
     stack = Stack(args)
 
     def on_signal(signum, frame):

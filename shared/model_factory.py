@@ -22,11 +22,31 @@ import torch
 
 SPECIAL_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
 EOS_TOKEN, PAD_TOKEN = "<|im_end|>", "<|endoftext|>"
+# ChatML. With tools, a system turn lists them (their function objects as JSON, one per line) and
+# says how to call one: Hermes' format, which `--tool-call-parser hermes` reads. An assistant turn's
+# earlier calls are written back in the same format.
 CHAT_TEMPLATE = (
-    "{% for message in messages %}"
-    "{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n' }}"
-    "{% endfor %}"
-    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
+    "{%- if tools %}"
+    "{{- '<|im_start|>system\n' }}"
+    "{%- if messages and messages[0]['role'] == 'system' %}{{- messages[0]['content'] + '\n\n' }}{%- endif %}"
+    "{{- 'Functions you may call, one JSON signature per line:\n<tools>\n' }}"
+    "{%- for tool in tools %}{{- (tool['function'] if tool['function'] is defined else tool) | tojson }}"
+    "{{- '\n' }}{%- endfor %}"
+    "{{- '</tools>\nTo call one, write <tool_call>{\"name\": <its name>, \"arguments\": "
+    "<a JSON object of its arguments>}</tool_call>.<|im_end|>\n' }}"
+    "{%- endif %}"
+    "{%- for message in messages %}"
+    "{%- if not (tools and loop.first and message['role'] == 'system') %}"
+    "{{- '<|im_start|>' + message['role'] + '\n' + (message['content'] or '') }}"
+    "{%- for call in message['tool_calls'] or [] %}"
+    "{{- '\n' if message['content'] or not loop.first else '' }}{{- '<tool_call>\n' }}"
+    "{{- {'name': call['function']['name'], 'arguments': call['function']['arguments']} | tojson }}"
+    "{{- '\n</tool_call>' }}"
+    "{%- endfor %}"
+    "{{- '<|im_end|>\n' }}"
+    "{%- endif %}"
+    "{%- endfor %}"
+    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\n' }}{%- endif %}"
 )
 # 0.2: the default model's greedy top-1 probability is typically ~0.2 with clear top-2 gaps,
 # while attention scores stay soft enough not to collapse to one-hot.
@@ -47,7 +67,7 @@ DEFAULT_MODEL: dict[str, Any] = dict(
 BENCH_MODEL: dict[str, Any] = dict(
     model_type="llama", vocab_size=32000, hidden_size=512, intermediate_size=1408, num_hidden_layers=8,
     num_attention_heads=8, num_key_value_heads=4, max_position_embeddings=4096, dtype="float32")
-DEFAULT_MODEL_NAME = "default-model-v1"
+DEFAULT_MODEL_NAME = "default-model-v2"  # v2: a chat template that shows tools
 
 
 @functools.lru_cache(maxsize=None)

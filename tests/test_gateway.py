@@ -31,7 +31,8 @@ WORKER_ARGS = ("--block-size", "16", "--num-gpu-blocks-override", "512")
 
 @pytest.fixture(scope="module")
 def stack(llama_dir, tmp_path_factory):
-    stack = Stack(llama_dir, tmp_path_factory.mktemp("gateway-logs"), worker_args=WORKER_ARGS).start()
+    stack = Stack(llama_dir, tmp_path_factory.mktemp("gateway-logs"), worker_args=WORKER_ARGS,
+                  gateway_args=("--enable-auto-tool-choice", "--tool-call-parser", "hermes")).start()
     try:
         yield stack
     finally:
@@ -635,7 +636,7 @@ def test_forced_tool_calls(stack, client, llama_dir):
     assert "".join(c.function.arguments for c in calls) == call.function.arguments
     assert deltas[-1].finish_reason == "stop"
     # (A prompt whose greedy array ends within max_tokens: a random model may go on adding calls.)
-    short = [{"role": "user", "content": "Tell me"}]
+    short = [{"role": "user", "content": "x"}]
     required = client.chat.completions.create(model=llama_dir.name, messages=short, tools=tools,
                                               tool_choice="required", max_tokens=60, temperature=0, n=2)
     for choice in required.choices:
@@ -662,6 +663,42 @@ def test_forced_tool_calls(stack, client, llama_dir):
     follow_up = messages + [{"role": "assistant", "content": None, "tool_calls": [call.model_dump()]},
                             {"role": "tool", "tool_call_id": call.id, "content": "sunny"}]
     assert client.chat.completions.create(model=llama_dir.name, messages=follow_up, max_tokens=3).choices
+
+
+def test_auto_tool_calls(stack, client, llama_dir):
+    """tool_choice "auto": the model's own calls (Hermes' format, read by --tool-call-parser hermes)
+    come back as tool_calls, whole and streamed; an answer without calls is text, as with "none"."""
+    tools = [{"type": "function", "function": {"name": "get_weather", "parameters": {
+        "type": "object", "properties": {"city": {"type": "string"}}}}}]
+    messages = [{"role": "user", "content": "Weather in Paris?"}]
+    ask = dict(model=llama_dir.name, messages=messages, tools=tools, max_tokens=12, temperature=0)
+    text = client.chat.completions.create(**ask, tool_choice="none").choices[0]
+    for choice in (None, "auto"):  # the same prompt (the template shows the tools either way): the same text
+        plain = client.chat.completions.create(**ask, **({"tool_choice": choice} if choice else {})).choices[0]
+        assert plain.message.content == text.message.content and plain.message.tool_calls is None
+        assert plain.finish_reason == text.finish_reason
+    streamed = client.chat.completions.create(**ask, stream=True)
+    assert "".join(c.choices[0].delta.content or "" for c in streamed if c.choices) == text.message.content
+    # A model that calls: its output held (structured outputs) to text with two calls in it (144 tokens).
+    said = ('Let me look.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>\n'
+            '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Oslo"}}\n</tool_call>')
+    calling = dict(ask, max_tokens=160, extra_body={"structured_outputs": {"choice": [said]}})
+    whole = client.chat.completions.create(**calling, n=2).choices
+    for choice in whole:
+        assert choice.message.content == "Let me look." and choice.finish_reason == "tool_calls"
+        assert [(c.function.name, json.loads(c.function.arguments)) for c in choice.message.tool_calls] == \
+            [("get_weather", {"city": "Paris"}), ("get_weather", {"city": "Oslo"})]
+        assert all(c.id.startswith("chatcmpl-tool-") and c.type == "function" for c in choice.message.tool_calls)
+    chunks = [c.choices[0] for c in client.chat.completions.create(**calling, stream=True) if c.choices]
+    assert "".join(c.delta.content or "" for c in chunks) == "Let me look."
+    calls = [call for c in chunks for call in c.delta.tool_calls or []]
+    assert [(c.index, c.function.name, c.function.arguments) for c in calls] == \
+        [(i, c.function.name, c.function.arguments) for i, c in enumerate(whole[0].message.tool_calls)]
+    assert all(c.id for c in calls) and chunks[-1].finish_reason == "tool_calls"
+    # Cut off inside a call: what came is text.
+    cut = client.chat.completions.create(**dict(calling, max_tokens=40)).choices[0]
+    assert cut.finish_reason == "length" and cut.message.tool_calls is None
+    assert said.startswith(cut.message.content) and "<tool_call>" in cut.message.content
 
 
 def test_bad_requests_get_openai_errors(stack, client, llama_dir):
@@ -715,7 +752,7 @@ def test_bad_requests_get_openai_errors(stack, client, llama_dir):
     hi = {"model": llama_dir.name, "messages": [{"role": "user", "content": "x"}], "max_tokens": 2}
     tools = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]
     assert httpx.post(chat, json={**hi, "tools": tools, "tool_choice": "none"}).status_code == 200
-    for tool_choice, why in [(None, "auto"), ("auto", "auto"), ({"type": "function", "function": {"name": "g"}}, "g"),
+    for tool_choice, why in [({"type": "function", "function": {"name": "g"}}, "g"),
                              ("sometimes", "tool_choice must be")]:
         refused = _error(httpx.post(chat, json={**hi, "tools": tools, "tool_choice": tool_choice}), 400)
         assert refused["param"] == "tool_choice" and why in refused["message"], refused

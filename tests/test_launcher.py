@@ -95,6 +95,18 @@ def test_the_worker_gets_every_engine_option():
     assert (worker_args.max_num_seqs, worker_args.enforce_eager, worker_args.enable_chunked_prefill) == (7, True, False)
 
 
+def test_the_gateway_gets_its_options():
+    from pagedserve.launcher import GATEWAY_FLAGS, build_parser, flags
+    from services.gateway import server as gateway_server
+
+    args = build_parser().parse_args(["--enable-auto-tool-choice", "--tool-call-parser", "hermes", "--max-resumes", "1"])
+    gateway_args = gateway_server.build_parser().parse_args(flags(args, GATEWAY_FLAGS))
+    assert (gateway_args.enable_auto_tool_choice, gateway_args.tool_call_parser, gateway_args.max_resumes) == \
+        (True, "hermes", 1)
+    assert not gateway_server.build_parser().parse_args(flags(build_parser().parse_args([]), GATEWAY_FLAGS)) \
+        .enable_auto_tool_choice
+
+
 def command_of(pid: int) -> str:
     return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()
 

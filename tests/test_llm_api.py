@@ -127,6 +127,15 @@ def test_chat_uses_the_template(llm):
     assert "<|im_start|>user" in out[0].prompt and out[0].prompt.rstrip().endswith("assistant")
 
 
+def test_chat_shows_tools_to_the_template(llm):
+    tools = [{"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}}]
+    out = llm.chat([{"role": "user", "content": "Hi!"}], SamplingParams(temperature=0, max_tokens=3), use_tqdm=False,
+                   tools=tools)[0]
+    assert '"name": "get_weather"' in out.prompt and "<tool_call>" in out.prompt
+    with pytest.raises(ValueError, match="tools must be a list"):
+        llm.chat([{"role": "user", "content": "Hi!"}], use_tqdm=False, tools={"name": "get_weather"})
+
+
 def test_chat_takes_openai_message_shapes_and_refuses_bad_ones_clearly(llm):
     params = SamplingParams(temperature=0, max_tokens=3)
     plain = llm.chat([{"role": "user", "content": "Hi\nthere"}], params, use_tqdm=False)[0]

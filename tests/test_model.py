@@ -262,8 +262,8 @@ def test_default_model_dir(tmp_path, monkeypatch):
 
     monkeypatch.setenv("PAGEDSERVE_CACHE", str(tmp_path))
     path = default_model_dir()
-    assert path == tmp_path / "default-model-v1" and default_model_dir() == path
-    assert [p.name for p in tmp_path.iterdir()] == ["default-model-v1"]  # no temp dir left behind
+    assert path == tmp_path / "default-model-v2" and default_model_dir() == path
+    assert [p.name for p in tmp_path.iterdir()] == ["default-model-v2"]  # no temp dir left behind
     model, config = load_model(path, torch.float32, CPU)
     assert config.hidden_size == 256 and config.num_hidden_layers == 4
     tokenizer = AutoTokenizer.from_pretrained(path)

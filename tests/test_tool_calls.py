@@ -31,7 +31,9 @@ def test_forced_tool_calls_become_schemas_and_their_text_becomes_calls():
     assert required.calls('[{"name": "ping", "para') is None and required.finish_reason("stop") == "tool_calls"
     assert len({c["id"] for c in calls}) == 2
     assert ForcedToolCall.from_request(tools, "none") is None and ForcedToolCall.from_request(None, None) is None
-    for tools_, choice in [(tools, "auto"), (tools, None), (None, "required"), ([{"type": "function"}], "required"),
+    # "auto" (the default with tools) forces nothing: the model decides (tool_parsers.py reads its calls).
+    assert ForcedToolCall.from_request(tools, "auto") is None and ForcedToolCall.from_request(tools, None) is None
+    for tools_, choice in [(None, "required"), ([{"type": "function"}], "required"),
                            (tools, {"type": "function", "function": {"name": "nope"}}),
                            ([{"type": "function", "function": {"name": "x", "parameters": {"type": "nope"}}}],
                             "required")]:

@@ -25,6 +25,7 @@ from services.gateway.rate_limits import RateLimiter, Reservation
 from services.gateway.resumption import Resubmission, ResumePolicy, Resumer
 from services.gateway.scheduler_client import SessionLost, SubmitStream
 from services.gateway.scheduler_pool import SchedulerPool
+from services.gateway.tool_parsers import ToolCallParser
 from shared.detokenizer import IncrementalDetokenizer
 from shared.grpc_errors import NotFound, ResourceExhausted, ServiceUnavailable
 from shared.logging import setup_logging
@@ -102,6 +103,7 @@ class Model:
     max_logprobs: int
     tokenizer: object
     max_num_seqs: int = 0  # per request (n, beams); 0: the scheduler did not say
+    tool_parser: ToolCallParser | None = None  # how its tool calls are told from text (--tool-call-parser)
     _token_strings: dict[int, str] = field(default_factory=dict)
 
     def check_name(self, requested: str | None) -> None:
@@ -378,7 +380,8 @@ class Admission:
 class Generator:
     def __init__(self, client: SchedulerPool, metrics: GatewayMetrics, served_model_name: str | None = None,
                  tokenizer: str | None = None, max_concurrent_requests: int | None = None,
-                 limiter: RateLimiter | None = None, resume_policy: ResumePolicy | None = ResumePolicy()):
+                 limiter: RateLimiter | None = None, resume_policy: ResumePolicy | None = ResumePolicy(),
+                 tool_parser: ToolCallParser | None = None):
         self.client = client
         # Runs whose scheduler is lost are submitted again (None: they fail with 503).
         self.resumer = None if resume_policy is None else Resumer(client, resume_policy, metrics)
@@ -387,6 +390,7 @@ class Generator:
         self.served_model_name = served_model_name
         self.tokenizer_path = tokenizer
         self.max_concurrent_requests = max_concurrent_requests
+        self.tool_parser = tool_parser  # None: tool_choice "auto" is refused
         self.in_flight = 0
         self._model: Model | None = None
         self._lock = asyncio.Lock()
@@ -410,7 +414,8 @@ class Generator:
             raise ServiceUnavailable(f"cannot load the tokenizer ({exc}); pass --tokenizer") from exc
         name = self.served_model_name or Path(info.model).name or info.model
         log.info("model ready", model=name, path=info.model, max_model_len=info.max_model_len)
-        return Model(name, info.max_model_len, info.vocab_size, info.max_logprobs, tokenizer, info.max_num_seqs)
+        return Model(name, info.max_model_len, info.vocab_size, info.max_logprobs, tokenizer, info.max_num_seqs,
+                     self.tool_parser)
 
     @contextlib.asynccontextmanager
     async def admitted(self, api_key: ApiKey | None = None):

@@ -17,6 +17,8 @@ from services.gateway.api_keys import ApiKey
 from services.gateway.generation import Generator, InvalidParameter, Model, Run, SeqDelta, TokenLogprob, merge
 from services.gateway.protocol import ChatCompletionRequest, CompletionRequest
 from services.gateway.tool_calls import tool_call
+from services.gateway.tool_parsers import ToolCallStream
+from shared.sampling_params import SamplingParams
 from shared.detokenizer import IncrementalDetokenizer
 
 
@@ -37,7 +39,7 @@ async def _answer(gen: Generator, body, request_id: str, api_key: ApiKey | None,
         model.check_name(body.model)
         try:
             # (Off the event loop too: checking a structured output's grammar can take long.)
-            params = await asyncio.to_thread(body.checked_params)
+            params = await asyncio.to_thread(reply_class.checked_params, model, body)
             # Off the event loop: a megabyte prompt takes seconds to tokenize (or render and tokenize),
             # and every other stream would wait that long (the tokenizer lets go of the GIL).
             prompts, texts = await asyncio.to_thread(reply_class.prompts, model, body)
@@ -144,6 +146,10 @@ class _Reply:
 
     def opening_choices(self) -> list[list[dict]]:
         return []
+
+    @staticmethod
+    def checked_params(model: Model, body) -> SamplingParams:
+        return body.checked_params()
 
 
 def _echoed_text(model: Model, token_ids: list[int]) -> str:
@@ -258,11 +264,21 @@ class _Chat(_Reply):
                                       tools=body.tools or None)
         return [ids], [text]
 
+    @staticmethod
+    def checked_params(model: Model, body: ChatCompletionRequest) -> SamplingParams:
+        params = body.checked_params()
+        body.check_tool_parser(model.tool_parser)
+        return params
+
     def __init__(self, *args):
         super().__init__(*args)
         self.forced = self.body.forced_tool_call
         self._call_ids: dict[int, str] = {}  # a named call's id, per choice, from its first delta on
         self._held: dict[int, str] = defaultdict(str)  # "required": each choice's text, until it ends
+        # tool_choice "auto": each choice's text through the model's tool-call parser, and its calls so far
+        self._auto = self.model.tool_parser if self.body.auto_tool_choice else None
+        self._streams: dict[int, ToolCallStream] = {}
+        self._calls_made: dict[int, int] = defaultdict(int)
 
     def opening_choices(self) -> list[list[dict]]:
         # OpenAI's first delta of each choice carries the role.
@@ -283,6 +299,10 @@ class _Chat(_Reply):
         message, finish = {"content": delta.text} if delta.text else {}, delta.finish_reason
         if self.forced is not None:
             message, finish = self._tool_call_delta(k, delta)
+        elif self._auto is not None:
+            message, finish = self._auto_delta(k, delta)
+            if not (message or finish or delta.logprobs):
+                return None
         return {"index": k, "delta": message, "logprobs": self._logprobs(delta.logprobs or []),
                 "finish_reason": finish, "stop_reason": delta.stop_reason}
 
@@ -306,15 +326,41 @@ class _Chat(_Reply):
         return {"tool_calls": [{"index": i, **c} for i, c in enumerate(calls)]}, \
             self.forced.finish_reason(delta.finish_reason)
 
+    def _auto_delta(self, k: int, delta: SeqDelta) -> tuple[dict, str | None]:
+        """The content the parser is sure of and each call it completes, whole (with its id and name)."""
+        stream = self._streams.get(k)
+        if stream is None:
+            stream = self._streams[k] = self._auto.stream()
+        piece = stream.feed(delta.text)
+        if delta.finish_reason is not None:
+            piece.extend(stream.finish())
+        message = {"content": piece.content} if piece.content else {}
+        if piece.calls:
+            first = self._calls_made[k]
+            self._calls_made[k] += len(piece.calls)
+            message["tool_calls"] = [{"index": first + i, **tool_call(c.name, c.arguments)}
+                                     for i, c in enumerate(piece.calls)]
+        return message, _auto_finish(delta.finish_reason, self._calls_made[k] > 0)
+
     def whole_choice(self, k, position, text, logprobs, end) -> dict:
         message, finish = {"role": "assistant", "content": text}, end and end.finish_reason
         calls = self.forced.calls(text) if self.forced is not None else None
         if calls is not None:
             message, finish = {"role": "assistant", "content": None, "tool_calls": calls}, \
                 self.forced.finish_reason(finish)
+        elif self._auto is not None:
+            parsed = self._auto.stream().parse(text)
+            if parsed.calls:
+                message = {"role": "assistant", "content": parsed.content or None,
+                           "tool_calls": [tool_call(c.name, c.arguments) for c in parsed.calls]}
+                finish = _auto_finish(finish, True)
         return {"index": k, "message": message, "logprobs": self._logprobs(logprobs), "finish_reason": finish,
                 "stop_reason": end and end.stop_reason}
 
+
+def _auto_finish(reason: str | None, called: bool) -> str | None:
+    """As OpenAI's: an answer that ends in calls ends as "tool_calls"."""
+    return "tool_calls" if called and reason == "stop" else reason
 
 
 def _chat_token(token: str, logprob: float) -> dict:

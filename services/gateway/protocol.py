@@ -1,7 +1,7 @@
 """OpenAI request bodies (plus the vLLM extension fields), and their SamplingParams.
 
 Fields OpenAI defines but the engine cannot honour either have a clear 400
-(best_of other than n, suffix, non-text content, tools or functions the model may call) or are
+(best_of other than n, suffix, non-text content, functions) or are
 accepted and ignored (user,
 metadata, ...: extra="allow"), but never where ignoring them would hand back an answer of
 another kind than the one asked for. An explicit null means the field's default, as the
@@ -19,7 +19,8 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from services.gateway.generation import InvalidParameter
 from shared.sampling_params import SamplingParams
-from services.gateway.tool_calls import ForcedToolCall
+from services.gateway.tool_calls import ForcedToolCall, chosen
+from services.gateway.tool_parsers import ToolCallParser
 from shared.structured_outputs import StructuredOutputs
 from shared.tokenizer import message_text
 
@@ -242,8 +243,8 @@ class ChatCompletionRequest(_Sampling):
     max_completion_tokens: int | None = None
     logprobs: bool = False
     top_logprobs: int | None = None
-    # Forced tool calls (tool_choice "required" or a named function) are made with structured outputs;
-    # "auto" is refused: there is no parser to tell a model's tool calls from its text (tool_calls.py).
+    # Forced tool calls (tool_choice "required" or a named function) are made with structured outputs
+    # (tool_calls.py); "auto" calls are read from the text with the gateway's parser (tool_parsers.py).
     tools: list[dict] | None = None
     tool_choice: str | dict | None = None
     parallel_tool_calls: bool | None = None  # false: "required" makes exactly one call
@@ -273,6 +274,17 @@ class ChatCompletionRequest(_Sampling):
     @functools.cached_property
     def forced_tool_call(self) -> ForcedToolCall | None:
         return ForcedToolCall.from_request(self.tools, self.tool_choice, self.parallel_tool_calls)
+
+    @property
+    def auto_tool_choice(self) -> bool:
+        """The model may call one of the tools, or answer in text (OpenAI's default with tools)."""
+        return bool(self.tools) and chosen(self.tools, self.tool_choice) == "auto"
+
+    def check_tool_parser(self, parser: ToolCallParser | None) -> None:
+        if self.auto_tool_choice and parser is None:
+            raise InvalidParameter("tool_choice 'auto' (the default with tools) needs the gateway started with "
+                                   "--enable-auto-tool-choice and --tool-call-parser (the model's own tool-call "
+                                   "format); or use 'required', a named function, or 'none'", "tool_choice")
 
     def public_error(self, exc: InvalidParameter) -> InvalidParameter:
         if exc.param == "prompt":  # the rendered messages (the message still says "prompt": it is one)

@@ -23,6 +23,7 @@ from services.gateway.metrics import GatewayMetrics
 from services.gateway.resumption import ResumePolicy
 from services.gateway.rate_limits import RateLimiter
 from services.gateway.scheduler_pool import HEALTH_POLL_S, SchedulerPool
+from services.gateway.tool_parsers import TOOL_CALL_PARSERS, ToolCallParser
 from shared.gc_heap import freeze_startup_objects, unfreeze_startup_objects
 from shared.grpc_errors import ServiceUnavailable
 from shared.logging import setup_logging
@@ -99,8 +100,9 @@ async def serve(args: argparse.Namespace) -> None:
     if auth.store is not None:
         await _check_store(auth)
     resume_policy = ResumePolicy(args.max_resumes, args.resume_timeout) if args.max_resumes else None
+    tool_parser = ToolCallParser(args.tool_call_parser) if args.enable_auto_tool_choice else None
     gen = Generator(client, metrics, args.served_model_name, args.tokenizer, args.max_concurrent_requests, limiter,
-                    resume_policy)
+                    resume_policy, tool_parser)
     grpc_server, grpc_health = create_grpc_server(gen, f"{args.host}:{args.grpc_port}", auth)
     origins = tuple(o.strip() for o in args.allowed_origins.split(",") if o.strip())
     http = _Uvicorn(uvicorn.Config(create_app(gen, origins, auth), host=args.host, port=args.port, log_config=None,
@@ -178,6 +180,12 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--resume-timeout", type=float, default=30.0,
                         help="seconds one resumption waits for a scheduler to take the request (a restarted "
                              "one, or another) before the request fails with 503")
+    parser.add_argument("--enable-auto-tool-choice", action=argparse.BooleanOptionalAction, default=False,
+                        help="answer tool_choice 'auto' (the default with tools): the model's own tool calls are "
+                             "read from its text with --tool-call-parser and returned as tool_calls")
+    parser.add_argument("--tool-call-parser", choices=sorted(TOOL_CALL_PARSERS), default=None,
+                        help="the model's tool-call format: hermes (Hermes, Qwen 2.5/3, the built-in model), "
+                             "llama3_json (Llama 3.1-3.3)")
     parser.add_argument("--allowed-origins", default="*",
                         help="comma-separated origins browsers may call the HTTP API from (CORS); '' turns CORS off")
     parser.add_argument("--api-key", action="append", default=None,
@@ -202,6 +210,10 @@ def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     apply_env_defaults(parser)
     args = parser.parse_args(argv)
+    if args.enable_auto_tool_choice and not args.tool_call_parser:
+        parser.error("--enable-auto-tool-choice needs --tool-call-parser (the model's tool-call format)")
+    if args.tool_call_parser and args.tool_call_parser not in TOOL_CALL_PARSERS:  # (from the environment)
+        parser.error(f"--tool-call-parser {args.tool_call_parser!r} is not one of {', '.join(TOOL_CALL_PARSERS)}")
     if args.max_resumes < 0 or not args.resume_timeout > 0:
         parser.error("--max-resumes must be 0 or more and --resume-timeout positive")
     args.scheduler = [a.strip() for item in args.scheduler or ["127.0.0.1:50051"] for a in item.split(",") if a.strip()]

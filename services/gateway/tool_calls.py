@@ -1,9 +1,8 @@
 """Tool calls the request forces: `tool_choice` naming a function, or "required".
 
-Without a parser for each model family's own tool-call format, a call the model *may* make
-("auto") cannot be told from text, so that is refused. A call the request forces needs none: the
-output is held (structured outputs) to what the call must look like, as vLLM does. For a named
-function it is that function's arguments, a JSON object following its `parameters` schema; for
+A call the model *may* make ("auto") is told from its text by the model family's own parser
+(tool_parsers.py). A call the request forces needs none: the output is held (structured outputs)
+to what the call must look like, as vLLM does. For a named function it is that function's arguments, a JSON object following its `parameters` schema; for
 "required", a JSON array of one or more {"name": ..., "parameters": {...}} objects, each naming one
 of the tools. The text that comes out is then turned into OpenAI's `tool_calls`.
 """
@@ -51,18 +50,15 @@ class ForcedToolCall:
 
     @classmethod
     def from_request(cls, tools: list | None, tool_choice: Any, parallel: bool | None = None) -> ForcedToolCall | None:
-        """None where nothing is forced (no tools, or tool_choice "none")."""
-        if tool_choice is None:
-            tool_choice = "auto" if tools else "none"
+        """None where nothing is forced (no tools, tool_choice "none", or "auto": the model decides)."""
+        tool_choice = chosen(tools, tool_choice)
         if tool_choice == "none":
             return None
         if not tools:
             raise InvalidParameter("tool_choice needs tools", "tool_choice")
         parsed = tuple(Tool.parse(t) for t in tools)
         if tool_choice == "auto":
-            raise InvalidParameter("tool_choice 'auto' is not supported (no tool-call parser: the model's calls "
-                                   "cannot be told from text); use 'required', a named function, or 'none'",
-                                   "tool_choice")
+            return None
         if tool_choice == "required":
             return cls(parsed, None, parallel is not False)
         function = tool_choice.get("function") if isinstance(tool_choice, dict) else None
@@ -122,6 +118,13 @@ class ForcedToolCall:
         except json.JSONDecodeError:
             return None
         return [tool_call(call["name"], arguments) for call, arguments in zip(value, _parameters_texts(text))]
+
+
+def chosen(tools: list | None, tool_choice: Any) -> Any:
+    """tool_choice, its default (OpenAI's) made explicit: "auto" with tools, else "none"."""
+    if tool_choice is None:
+        return "auto" if tools else "none"
+    return tool_choice
 
 
 def _parameters_texts(text: str) -> list[str]:

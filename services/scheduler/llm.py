@@ -110,11 +110,15 @@ class LLM:
     def chat(self, messages: list[dict] | list[list[dict]],
              sampling_params: SamplingParams | SequenceABC[SamplingParams] | None = None, use_tqdm: bool = True,
              add_generation_prompt: bool = True, chat_template: str | None = None,
-             continue_final_message: bool = False, chat_template_kwargs: dict | None = None) -> list[RequestOutput]:
-        """One conversation (a list of messages) or several; each through the chat template."""
+             continue_final_message: bool = False, chat_template_kwargs: dict | None = None,
+             tools: list[dict] | None = None) -> list[RequestOutput]:
+        """One conversation (a list of messages) or several; each through the chat template (which
+        shows the tools, OpenAI's function definitions, where it knows how)."""
         conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
+        if tools is not None and not (isinstance(tools, list) and all(isinstance(t, dict) for t in tools)):
+            raise ValueError("tools must be a list of dicts (OpenAI's {'type': 'function', 'function': {...}})")
         prompts = [render_chat(self.tokenizer, conv, add_generation_prompt, chat_template, continue_final_message,
-                               chat_template_kwargs) for conv in conversations]
+                               chat_template_kwargs, tools or None) for conv in conversations]
         token_ids = [self.tokenizer(p, add_special_tokens=False).input_ids for p in prompts]
         return self.generate([{"prompt": p, "prompt_token_ids": ids} for p, ids in zip(prompts, token_ids)],
                              sampling_params, use_tqdm)
