@@ -30,6 +30,7 @@ class SamplingParams:
     frequency_penalty: float = 0.0  # subtracted per occurrence in the generated tokens
     repetition_penalty: float = 1.0  # CTRL-style, over prompt and generated tokens
     logit_bias: dict[int, float] | None = None  # token id -> added to its logit
+    allowed_token_ids: list[int] | None = None  # only these may be sampled (None: any)
     seed: int | None = None  # same seed, same output, whatever shares the batch
     max_tokens: int | None = 16  # None: up to the context length
     min_tokens: int = 0  # EOS and stop_token_ids are masked until this many
@@ -69,6 +70,12 @@ class SamplingParams:
         _check(self.structured_outputs is None or isinstance(self.structured_outputs, StructuredOutputs),
                "structured_outputs", f"must be a StructuredOutputs (or a dict of its fields), "
                                      f"got {type(self.structured_outputs).__name__}")
+        if self.allowed_token_ids is not None:
+            allowed = self.allowed_token_ids
+            _check(not isinstance(allowed, (str, bytes, dict)) and getattr(allowed, "ndim", 1) == 1
+                   and hasattr(allowed, "__iter__"), "allowed_token_ids",
+                   f"must be a list of token ids, got {allowed!r}")
+            object.__setattr__(self, "allowed_token_ids", [_plain_number(t, int) for t in allowed])
         if self.logit_bias is not None:
             try:
                 bias = {int(k): float(v) for k, v in dict(self.logit_bias).items()}
@@ -127,6 +134,11 @@ class SamplingParams:
         _check(all(isinstance(s, str) and s for s in self.stop), "stop", "must be non-empty strings")
         _check(all(_is_int(t) and t >= 0 for t in self.stop_token_ids), "stop_token_ids",
                "must be non-negative integers")
+        if self.allowed_token_ids is not None:
+            _check(len(self.allowed_token_ids) > 0 and all(_is_int(t) and t >= 0 for t in self.allowed_token_ids),
+                   "allowed_token_ids", "must be a non-empty list of non-negative token ids")
+            _check(self.structured_outputs is None, "allowed_token_ids",
+                   "cannot be combined with structured_outputs (together they may allow no token at all)")
         if self.logit_bias is not None:
             for token, bias in self.logit_bias.items():
                 _check(token >= 0, "logit_bias", f"token id {token} is negative")
@@ -140,6 +152,13 @@ class SamplingParams:
     def num_beams(self) -> int:
         return (self.beam_width or self.n) if self.use_beam_search else 0
 
+    def only_stops_allowed(self, eos_token_ids: list[int]) -> bool:
+        """Whether allowed_token_ids leaves nothing but tokens that min_tokens bans: no token at all."""
+        if self.allowed_token_ids is None or self.min_tokens == 0:
+            return False
+        stops = set(self.stop_token_ids) | (set() if self.ignore_eos else set(eos_token_ids))
+        return set(self.allowed_token_ids) <= stops
+
     def check_sequences_fit(self, max_num_seqs: int) -> None:
         """A request's sequences (n samples, or its beams) decode side by side: more than an engine's
         max_num_seqs never could, and building that many would only take its memory."""
@@ -152,7 +171,8 @@ class SamplingParams:
     _INTS = ("n", "top_k", "seed", "max_tokens", "min_tokens", "logprobs", "prompt_logprobs", "beam_width")
     _FLOATS = ("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty",
                "length_penalty")
-    _NOT_FOR_BEAMS = (("seed", None), ("min_tokens", 0), ("logit_bias", None), ("top_p", 1.0), ("top_k", None),
+    _NOT_FOR_BEAMS = (("seed", None), ("min_tokens", 0), ("logit_bias", None), ("allowed_token_ids", None),
+                      ("top_p", 1.0), ("top_k", None),
                       ("min_p", 0.0), ("presence_penalty", 0.0), ("frequency_penalty", 0.0),
                       ("repetition_penalty", 1.0), ("prompt_logprobs", None), ("structured_outputs", None))
 
@@ -167,7 +187,8 @@ class SamplingParams:
         from shared.proto import pagedserve_api_pb2 as api
 
         message = api.SamplingParameters(stop=self.stop, stop_token_ids=self.stop_token_ids,
-                                         logit_bias=self.logit_bias or {})
+                                         logit_bias=self.logit_bias or {},
+                                         allowed_token_ids=self.allowed_token_ids or [])
         for name in self._SCALARS:
             value = getattr(self, name)
             if value is not None:
@@ -195,11 +216,13 @@ class SamplingParams:
             kwargs["structured_outputs"] = StructuredOutputs.from_proto(message.structured_outputs,
                                                                         check_grammar=not grammar_checked)
         return cls(**kwargs, stop=list(message.stop), stop_token_ids=list(message.stop_token_ids),
-                   logit_bias={int(k): float(f"{v:.7g}") for k, v in message.logit_bias.items()} or None)
+                   logit_bias={int(k): float(f"{v:.7g}") for k, v in message.logit_bias.items()} or None,
+                   allowed_token_ids=list(message.allowed_token_ids) or None)
 
     def token_id_outside(self, vocab_size: int) -> tuple[str, int] | None:
         """The first token id this request names beyond the vocabulary, with the field naming it."""
-        for name, token_ids in (("stop_token_ids", self.stop_token_ids), ("logit_bias", self.logit_bias or ())):
+        for name, token_ids in (("stop_token_ids", self.stop_token_ids), ("logit_bias", self.logit_bias or ()),
+                                ("allowed_token_ids", self.allowed_token_ids or ())):
             bad = next((t for t in token_ids if t >= vocab_size), None)
             if bad is not None:
                 return name, bad

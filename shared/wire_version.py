@@ -13,8 +13,9 @@ from shared.grpc_errors import ServiceUnavailable
 # 1: the first format (unversioned: it reads as 0); 2: plans, results and session events as columns;
 # 3: a session may end one sequence of a request by a stop string, and requests carry a cache salt;
 # 4: speculative decoding (draft tokens in plans and results, WorkerInfo's draft count and tensor-parallel rank);
-# 5: a request may be submitted again with its sequences' outputs so far (resumed after a lost scheduler).
-INTERNAL_PROTOCOL_VERSION = 5
+# 5: a request may be submitted again with its sequences' outputs so far (resumed after a lost scheduler);
+# 6: sampling parameters carry allowed_token_ids.
+INTERNAL_PROTOCOL_VERSION = 6
 
 
 class IncompatiblePeer(ServiceUnavailable):

@@ -713,8 +713,8 @@ def test_bad_requests_get_openai_errors(stack, client, llama_dir):
                              headers={"content-type": "application/x-www-form-urlencoded"}), 400)["message"]
     assert "Content-Type: application/json" in form and "x-www-form-urlencoded" in form
     assert "JSON object" in _error(httpx.post(url, json=[1, 2]), 400)["message"]
-    for field in ("stop_token_ids", "logit_bias"):
-        value = [10**6] if field == "stop_token_ids" else {str(10**6): 1}
+    for field in ("stop_token_ids", "logit_bias", "allowed_token_ids"):
+        value = {str(10**6): 1} if field == "logit_bias" else [10**6]
         vocab = _error(httpx.post(url, json={**ok, field: value}), 400)
         assert vocab["param"] == field and "vocabulary" in vocab["message"], vocab
     assert _error(httpx.post(url, json={**ok, "temperature": -0.5}), 400)["param"] == "temperature"
@@ -782,10 +782,16 @@ def test_bad_requests_get_openai_errors(stack, client, llama_dir):
               "logit_bias": {"7": 1.5}, "best_of": 1, "user": "someone"}
     assert httpx.post(url, json={**ok, **extras}).status_code == 200
     # What would change the kind of answer, and this engine does not do, is refused by name.
-    for name, value in [("allowed_token_ids", [1, 2]), ("prompt_logprobs", 1),
+    for name, value in [("bad_words", ["x"]), ("prompt_logprobs", 1),
                         ("stream_options", {"include_usage": True})]:
         assert _error(httpx.post(url, json={**ok, name: value}), 400)["param"] == name, name
-    assert httpx.post(url, json={**ok, "allowed_token_ids": None}).status_code == 200  # null is not asking
+    assert httpx.post(url, json={**ok, "bad_words": None}).status_code == 200  # null is not asking
+    # allowed_token_ids (vLLM's): only those are sampled.
+    allowed = httpx.post(url, json={**ok, "max_tokens": 8, "allowed_token_ids": [40, 41, 42], "ignore_eos": True,
+                                    "logprobs": 0}).json()["choices"][0]
+    names = {httpx.post(f"{stack.base_url}/detokenize", json={"tokens": [t]}).json()["prompt"] for t in (40, 41, 42)}
+    assert len(allowed["logprobs"]["tokens"]) == 8 and set(allowed["logprobs"]["tokens"]) <= names
+    assert _error(httpx.post(url, json={**ok, "allowed_token_ids": []}), 400)["param"] == "allowed_token_ids"
     functions = [{"name": "f", "parameters": {"type": "object"}}]
     assert _error(httpx.post(chat, json={**hi, "functions": functions}), 400)["param"] == "functions"
     assert _error(httpx.post(chat, json={**hi, "echo": True}), 400)["param"] == "echo"

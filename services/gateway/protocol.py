@@ -40,7 +40,7 @@ class StreamOptions(BaseModel):
 # vLLM's and OpenAI's fields that change what comes back, which this engine does not do: refused
 # when given (not null), rather than answered with plain text.
 UNSUPPORTED = {
-    "allowed_token_ids": "restricting the vocabulary", "bad_words": "banning words",
+    "bad_words": "banning words",
     "prompt_logprobs": "prompt logprobs over this API (use echo with logprobs)",
     "truncate_prompt_tokens": "prompt truncation", "return_tokens_as_token_ids": "token ids as tokens",
     "logits_processors": "logits processors", "chat_template": "a chat template per request",
@@ -71,6 +71,7 @@ class _Sampling(BaseModel):
     min_tokens: int | None = None
     ignore_eos: bool | None = None
     stop_token_ids: list[int] | None = None
+    allowed_token_ids: list[int] | None = None
     skip_special_tokens: bool | None = None
     include_stop_str_in_output: bool | None = None
     # Beam search in the engine (an extension): the n best of beam_width beams, best first.
@@ -90,7 +91,7 @@ class _Sampling(BaseModel):
     guided_grammar: str | None = None
 
     _PASSED = ("n", "temperature", "top_p", "presence_penalty", "frequency_penalty", "seed", "top_k", "min_p",
-               "repetition_penalty", "min_tokens", "ignore_eos", "stop_token_ids", "skip_special_tokens",
+               "repetition_penalty", "min_tokens", "ignore_eos", "stop_token_ids", "allowed_token_ids", "skip_special_tokens",
                "include_stop_str_in_output", "use_beam_search", "beam_width", "length_penalty", "early_stopping",
                "spaces_between_special_tokens")
 

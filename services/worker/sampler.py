@@ -5,7 +5,7 @@ Everything is vectorised over the batch. Per step, Python only walks the list of
 that no row of the batch needs is skipped entirely, so the common batch (all greedy, or plain
 temperature sampling) costs one argmax, or one softmax and one exponential race.
 
-Order of processing, as in vLLM: logit_bias, the min_tokens mask, repetition / frequency /
+Order of processing, as in vLLM: allowed_token_ids and logit_bias (one row added), the min_tokens mask, repetition / frequency /
 presence penalties, the structured-output grammar's mask; then greedy rows take the argmax and the other rows are divided by their
 temperature, cut by top_k, top_p and min_p, and sampled. Logprobs reported to the client come
 from the raw model distribution, never from the processed one.
@@ -60,7 +60,8 @@ class SamplingState:
         self._counts = self._counts_of(output_token_ids) if _uses_penalties(params) else None
         self._drafts_before: list[int] = []  # a verification view: drafts counted on top of _counts
         self.prompt_mask = self._mask_of(prompt_token_ids) if params.repetition_penalty != 1.0 else None
-        self.bias_row = self._bias_row_of(params.logit_bias) if params.logit_bias else None
+        self.bias_row = self._bias_row_of(params.logit_bias or {}, params.allowed_token_ids) \
+            if params.logit_bias or params.allowed_token_ids else None
         self.seed_key = _seed_key(params.seed, stream_index) if params.seed is not None else None
 
     @property
@@ -125,10 +126,15 @@ class SamplingState:
         mask[torch.tensor(token_ids, dtype=torch.long, device=self.device)] = True
         return mask
 
-    def _bias_row_of(self, logit_bias: dict[int, float]) -> Tensor:
+    def _bias_row_of(self, logit_bias: dict[int, float], allowed_token_ids: list[int] | None) -> Tensor:
+        """What is added to the logits: the bias, and -inf for every token outside allowed_token_ids."""
         row = torch.zeros(self.vocab_size, dtype=torch.float32, device=self.device)
-        ids = torch.tensor(list(logit_bias.keys()), dtype=torch.long, device=self.device)
-        row[ids] = torch.tensor(list(logit_bias.values()), dtype=torch.float32, device=self.device)
+        if allowed_token_ids:
+            row.fill_(float("-inf"))
+            row[torch.tensor(allowed_token_ids, dtype=torch.long, device=self.device)] = 0.0
+        if logit_bias:
+            ids = torch.tensor(list(logit_bias.keys()), dtype=torch.long, device=self.device)
+            row[ids] += torch.tensor(list(logit_bias.values()), dtype=torch.float32, device=self.device)
         return row
 
 
@@ -349,7 +355,8 @@ def _uses_penalties(params: SamplingParams) -> bool:
 
 
 def _check_token_ids_fit(params: SamplingParams, vocab_size: int) -> None:
-    for name, ids in (("stop_token_ids", params.stop_token_ids), ("logit_bias", (params.logit_bias or {}).keys())):
+    for name, ids in (("stop_token_ids", params.stop_token_ids), ("logit_bias", (params.logit_bias or {}).keys()),
+                      ("allowed_token_ids", params.allowed_token_ids or ())):
         bad = [t for t in ids if not 0 <= t < vocab_size]
         if bad:
             raise ValueError(f"{name} names token ids {bad} outside the vocabulary (size {vocab_size})")
