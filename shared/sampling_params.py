@@ -40,6 +40,7 @@ class SamplingParams:
     ignore_eos: bool = False
     logprobs: int | None = None  # top logprobs per generated token (0: the sampled one only)
     prompt_logprobs: int | None = None  # the same for every prompt token
+    truncate_prompt_tokens: int | None = None  # keep only the prompt's last k tokens (-1: the context length)
     skip_special_tokens: bool = True
     spaces_between_special_tokens: bool = True
     use_beam_search: bool = False  # beam search in the engine; returns the n best beams, best first
@@ -108,6 +109,11 @@ class SamplingParams:
         if self.max_tokens is not None:
             _check(self.min_tokens <= self.max_tokens, "min_tokens",
                    f"({self.min_tokens}) must not exceed max_tokens ({self.max_tokens})")
+        _check(self.truncate_prompt_tokens is None or (_is_int(self.truncate_prompt_tokens) and
+                                                        (self.truncate_prompt_tokens >= 1 or
+                                                         self.truncate_prompt_tokens == -1)),
+               "truncate_prompt_tokens", f"must be an integer >= 1, or -1 (the context length), "
+                                         f"got {self.truncate_prompt_tokens!r}")
         for name in ("logprobs", "prompt_logprobs"):  # the engine caps them (max_logprobs, 20 by default)
             value = getattr(self, name)
             _check(value is None or (_is_int(value) and value >= 0), name,
@@ -152,6 +158,14 @@ class SamplingParams:
     def num_beams(self) -> int:
         return (self.beam_width or self.n) if self.use_beam_search else 0
 
+    def truncated(self, prompt_token_ids: list[int], max_model_len: int) -> list[int]:
+        """The prompt as the engine takes it: its last truncate_prompt_tokens tokens (applied where
+        prompts are tokenized, so that usage and echo count the tokens the model sees)."""
+        keep = max_model_len if self.truncate_prompt_tokens == -1 else self.truncate_prompt_tokens
+        if keep is None or len(prompt_token_ids) <= keep:
+            return prompt_token_ids
+        return prompt_token_ids[len(prompt_token_ids) - keep:]
+
     def only_stops_allowed(self, eos_token_ids: list[int]) -> bool:
         """Whether allowed_token_ids leaves nothing but tokens that min_tokens bans: no token at all."""
         if self.allowed_token_ids is None or self.min_tokens == 0:
@@ -168,7 +182,8 @@ class SamplingParams:
                                             "request's sequences must be able to run together")
 
     # The numeric fields (the floats are float32 on the wire).
-    _INTS = ("n", "top_k", "seed", "max_tokens", "min_tokens", "logprobs", "prompt_logprobs", "beam_width")
+    _INTS = ("n", "top_k", "seed", "max_tokens", "min_tokens", "logprobs", "prompt_logprobs", "beam_width",
+             "truncate_prompt_tokens")
     _FLOATS = ("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty",
                "length_penalty")
     _NOT_FOR_BEAMS = (("seed", None), ("min_tokens", 0), ("logit_bias", None), ("allowed_token_ids", None),
@@ -181,7 +196,7 @@ class SamplingParams:
     _SCALARS = ("n", "temperature", "top_p", "top_k", "min_p", "presence_penalty", "frequency_penalty",
                 "repetition_penalty", "seed", "max_tokens", "min_tokens", "include_stop_str_in_output",
                 "ignore_eos", "logprobs", "prompt_logprobs", "skip_special_tokens", "use_beam_search", "beam_width",
-                "length_penalty")
+                "length_penalty", "truncate_prompt_tokens")
 
     def to_proto(self):
         from shared.proto import pagedserve_api_pb2 as api

@@ -792,6 +792,16 @@ def test_bad_requests_get_openai_errors(stack, client, llama_dir):
     names = {httpx.post(f"{stack.base_url}/detokenize", json={"tokens": [t]}).json()["prompt"] for t in (40, 41, 42)}
     assert len(allowed["logprobs"]["tokens"]) == 8 and set(allowed["logprobs"]["tokens"]) <= names
     assert _error(httpx.post(url, json={**ok, "allowed_token_ids": []}), 400)["param"] == "allowed_token_ids"
+    # truncate_prompt_tokens (vLLM's): the prompt's last k tokens, as usage and echo count them.
+    ids = httpx.post(f"{stack.base_url}/tokenize", json={"prompt": "The quick brown fox jumps over the lazy dog"}) \
+        .json()["tokens"]
+    cut = httpx.post(url, json={**ok, "prompt": "The quick brown fox jumps over the lazy dog", "temperature": 0,
+                                "truncate_prompt_tokens": 4, "echo": True}).json()
+    tail = httpx.post(url, json={**ok, "prompt": ids[-4:], "temperature": 0, "echo": True}).json()
+    assert cut["usage"]["prompt_tokens"] == 4 and cut["choices"][0]["text"] == tail["choices"][0]["text"]
+    cut_chat = httpx.post(chat, json={**hi, "truncate_prompt_tokens": 3}).json()
+    assert cut_chat["usage"]["prompt_tokens"] == 3
+    assert _error(httpx.post(url, json={**ok, "truncate_prompt_tokens": 0}), 400)["param"] == "truncate_prompt_tokens"
     functions = [{"name": "f", "parameters": {"type": "object"}}]
     assert _error(httpx.post(chat, json={**hi, "functions": functions}), 400)["param"] == "functions"
     assert _error(httpx.post(chat, json={**hi, "echo": True}), 400)["param"] == "echo"

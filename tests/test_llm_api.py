@@ -259,3 +259,24 @@ def test_missing_model_and_unsupported_architecture(tmp_path):
 def test_unknown_engine_option():
     with pytest.raises(TypeError, match="unknown engine option"):
         LLM(block_sise=8)
+
+
+def test_truncate_prompt_tokens_keeps_the_prompt_s_last_tokens(llm):
+    prompt = list(range(5, 45))
+    params = dict(temperature=0, max_tokens=5)
+    whole_tail = llm.generate([{"prompt_token_ids": prompt[-12:]}], SamplingParams(**params), use_tqdm=False)[0]
+    cut = llm.generate([{"prompt_token_ids": prompt}], SamplingParams(**params, truncate_prompt_tokens=12),
+                       use_tqdm=False)[0]
+    assert cut.prompt_token_ids == prompt[-12:] and cut.outputs[0].token_ids == whole_tail.outputs[0].token_ids
+    short = llm.generate([{"prompt_token_ids": prompt[:3]}], SamplingParams(**params, truncate_prompt_tokens=12),
+                         use_tqdm=False)[0]
+    assert short.prompt_token_ids == prompt[:3]  # shorter prompts stay whole
+    limit = llm.engine.info.max_model_len
+    long = [7] * (limit + 50)
+    assert SamplingParams(truncate_prompt_tokens=-1).truncated(long, limit) == [7] * limit
+    with pytest.raises(ValueError, match="context length"):  # -1 leaves no room to generate: refused, clearly
+        llm.generate([{"prompt_token_ids": long}], SamplingParams(truncate_prompt_tokens=-1), use_tqdm=False)
+    for bad in (0, -2, 1.5):
+        with pytest.raises(ValueError, match="truncate_prompt_tokens"):
+            SamplingParams(truncate_prompt_tokens=bad)
+    assert SamplingParams.from_proto(SamplingParams(truncate_prompt_tokens=-1).to_proto()).truncate_prompt_tokens == -1

@@ -488,6 +488,7 @@ class Generator:
         request_id itself when suffix_ids is false, as the gRPC API needs to abort by the client's id).
         on_submit gets each run as soon as it is submitted, before its first output.
         """
+        prompts = [params.truncated(prompt, model.max_model_len) for prompt in prompts]
         for prompt in prompts:
             model.check_prompt(prompt, params)
         if admission is not None and admission.api_key is not None:

@@ -166,6 +166,8 @@ class _Completion(_Reply):
     def __init__(self, *args):
         super().__init__(*args)
         self.echoed: set[int] = set()
+        if self.body.echo and self.body.truncate_prompt_tokens is not None:  # echo what the model saw
+            self.prompt_texts = [self.model.decode(run.prompt) for run in self.runs]
 
     @staticmethod
     def prompts(model: Model, body: CompletionRequest) -> tuple[list[list[int]], list[str]]:

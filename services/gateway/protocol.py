@@ -42,7 +42,7 @@ class StreamOptions(BaseModel):
 UNSUPPORTED = {
     "bad_words": "banning words",
     "prompt_logprobs": "prompt logprobs over this API (use echo with logprobs)",
-    "truncate_prompt_tokens": "prompt truncation", "return_tokens_as_token_ids": "token ids as tokens",
+    "return_tokens_as_token_ids": "token ids as tokens",
     "logits_processors": "logits processors", "chat_template": "a chat template per request",
     "functions": "function calling", "function_call": "function calling",
 }
@@ -72,6 +72,7 @@ class _Sampling(BaseModel):
     ignore_eos: bool | None = None
     stop_token_ids: list[int] | None = None
     allowed_token_ids: list[int] | None = None
+    truncate_prompt_tokens: int | None = None  # keep the prompt's last k tokens (-1: the context length)
     skip_special_tokens: bool | None = None
     include_stop_str_in_output: bool | None = None
     # Beam search in the engine (an extension): the n best of beam_width beams, best first.
@@ -92,7 +93,7 @@ class _Sampling(BaseModel):
 
     _PASSED = ("n", "temperature", "top_p", "presence_penalty", "frequency_penalty", "seed", "top_k", "min_p",
                "repetition_penalty", "min_tokens", "ignore_eos", "stop_token_ids", "allowed_token_ids", "skip_special_tokens",
-               "include_stop_str_in_output", "use_beam_search", "beam_width", "length_penalty", "early_stopping",
+               "include_stop_str_in_output", "truncate_prompt_tokens", "use_beam_search", "beam_width", "length_penalty", "early_stopping",
                "spaces_between_special_tokens")
 
     # Completions' echo and chat's logprobs and template flags too (check_fields: declared below).

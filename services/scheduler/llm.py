@@ -157,6 +157,7 @@ class LLM:
         if not isinstance(params, SamplingParams):
             raise ValueError(f"sampling_params must be SamplingParams, got {type(params).__name__}")
         params.check_sequences_fit(self.engine.scheduler.limits.max_num_seqs)  # before a detokenizer per sequence
+        token_ids = params.truncated(token_ids, self.engine.info.max_model_len)
         return RequestTracker(str(next(self._request_ids)), text, token_ids, params, self.tokenizer)
 
     def _add_all(self, trackers: list[RequestTracker]) -> None:
