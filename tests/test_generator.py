@@ -39,6 +39,7 @@ class RecordingClient:
 
 class AnyPrompt:
     tokenizer = None
+    max_model_len = 512
 
     def check_prompt(self, prompt, params) -> None:
         pass
