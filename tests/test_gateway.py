@@ -111,6 +111,43 @@ def test_greedy_matches_the_offline_api(client, offline, llama_dir):
     assert again.choices[0].message.content == chat_expected
 
 
+def test_prompt_logprobs_as_vllm_returns_them(stack, offline, llama_dir):
+    """Per prompt token (null first) its logprob and the top k, keyed by token id; per choice in
+    completions, at the top in chat; equal to the offline API's."""
+    ids = [5, 6, 7, 8, 200, 31]
+    expected = offline.generate([{"prompt_token_ids": ids}], SamplingParams(max_tokens=1, prompt_logprobs=2),
+                                use_tqdm=False)[0].prompt_logprobs
+
+    def as_offline(got):
+        return [None if p is None else {int(t): (round(v["logprob"], 4), v["rank"]) for t, v in p.items()} for p in got]
+
+    want = [None if p is None else {t: (round(v.logprob, 4), v.rank) for t, v in p.items()} for p in expected]
+    url = f"{stack.base_url}/v1/completions"
+    reply = httpx.post(url, json={"prompt": ids, "max_tokens": 2, "prompt_logprobs": 2, "n": 2}).json()
+    for choice in reply["choices"]:
+        assert as_offline(choice["prompt_logprobs"]) == want
+        assert all(p is None or len(p) in (2, 3) for p in choice["prompt_logprobs"])
+        assert choice["prompt_logprobs"][1]["6"]["decoded_token"]  # the prompt's own token, first
+        assert list(choice["prompt_logprobs"][1])[0] == "6"
+    # With echo's logprobs (their own count) too.
+    both = httpx.post(url, json={"prompt": ids, "max_tokens": 1, "prompt_logprobs": 2, "echo": True,
+                                 "logprobs": 1}).json()["choices"][0]
+    assert as_offline(both["prompt_logprobs"]) == want
+    assert all(len(top) <= 2 for top in both["logprobs"]["top_logprobs"][1:])
+    messages = [{"role": "user", "content": "Hi"}]
+    chat = httpx.post(f"{stack.base_url}/v1/chat/completions",
+                      json={"messages": messages, "max_tokens": 2, "prompt_logprobs": 0}).json()
+    rendered = offline.chat(messages, SamplingParams(max_tokens=1, prompt_logprobs=0), use_tqdm=False)[0]
+    assert chat["usage"]["prompt_tokens"] == len(rendered.prompt_token_ids)
+    assert [None if p is None else list(p) for p in chat["prompt_logprobs"]] == \
+        [None] + [[str(t)] for t in rendered.prompt_token_ids[1:]]
+    assert "prompt_logprobs" not in httpx.post(url, json={"prompt": ids, "max_tokens": 1}).json()["choices"][0]
+    for bad in ({"prompt_logprobs": 1, "stream": True}, {"prompt_logprobs": 21}, {"prompt_logprobs": -1},
+                {"prompt_logprobs": 1, "use_beam_search": True, "n": 2, "temperature": 0}):
+        assert _error(httpx.post(url, json={"prompt": ids, "max_tokens": 2, **bad}), 400)["param"] in \
+            ("prompt_logprobs", "use_beam_search"), bad
+
+
 def test_token_id_prompts_and_echo(client, offline, llama_dir):
     ids = [[5, 6, 7, 8], [9, 10]]
     expected = offline.generate([{"prompt_token_ids": p} for p in ids], SamplingParams(temperature=0, max_tokens=4),
@@ -782,8 +819,7 @@ def test_bad_requests_get_openai_errors(stack, client, llama_dir):
               "logit_bias": {"7": 1.5}, "best_of": 1, "user": "someone"}
     assert httpx.post(url, json={**ok, **extras}).status_code == 200
     # What would change the kind of answer, and this engine does not do, is refused by name.
-    for name, value in [("bad_words", ["x"]), ("prompt_logprobs", 1),
-                        ("stream_options", {"include_usage": True})]:
+    for name, value in [("bad_words", ["x"]), ("stream_options", {"include_usage": True})]:
         assert _error(httpx.post(url, json={**ok, name: value}), 400)["param"] == name, name
     assert httpx.post(url, json={**ok, "bad_words": None}).status_code == 200  # null is not asking
     # allowed_token_ids (vLLM's): only those are sampled.

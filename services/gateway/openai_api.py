@@ -200,8 +200,8 @@ class _Completion(_Reply):
         for i, token_id in enumerate(run.prompt):
             entry = got[i] if i < len(got) and got[i] is not None else \
                 TokenLogprob(token_id, self.model.token_string(token_id), None, 0, [])
-            entries.append(TokenLogprob(entry.token_id, entry.token, entry.logprob, entry.rank, entry.top,
-                                        len(text.text)))
+            entries.append(TokenLogprob(entry.token_id, entry.token, entry.logprob, entry.rank,
+                                        entry.top[:self.body.logprobs or 0], len(text.text)))
             text.append([token_id])
         return entries
 
@@ -233,8 +233,12 @@ class _Completion(_Reply):
 
     def whole_choice(self, k, position, text, logprobs, end) -> dict:
         prefix, prompt_entries = self._prefix(k, position)
-        return {"index": k, "text": prefix + text, "finish_reason": end and end.finish_reason,
-                "stop_reason": end and end.stop_reason, "logprobs": self._logprobs(position, prompt_entries, logprobs)}
+        choice = {"index": k, "text": prefix + text, "finish_reason": end and end.finish_reason,
+                  "stop_reason": end and end.stop_reason,
+                  "logprobs": self._logprobs(position, prompt_entries, logprobs)}
+        if self.body.prompt_logprobs is not None:
+            choice["prompt_logprobs"] = vllm_prompt_logprobs(self.runs[position], self.body.prompt_logprobs)
+        return choice
 
 
 async def _nothing_generated(deltas: AsyncIterator[SeqDelta]) -> AsyncIterator[SeqDelta]:
@@ -242,6 +246,23 @@ async def _nothing_generated(deltas: AsyncIterator[SeqDelta]) -> AsyncIterator[S
     async for delta in deltas:
         if delta.finish_reason is not None:
             yield SeqDelta(delta.index, [], "", [], "length", None, delta.position)
+
+
+def vllm_prompt_logprobs(run: Run, num_top: int) -> list[dict | None]:
+    """vLLM's prompt_logprobs: per prompt token (null for the first, which nothing comes before) a
+    map from token id to {logprob, rank, decoded_token}, the prompt's own token first, then the top ones."""
+    entries = run.prompt_logprobs or []
+    out: list[dict | None] = []
+    for i in range(len(run.prompt)):
+        entry = entries[i] if i < len(entries) else None
+        if entry is None:
+            out.append(None)
+            continue
+        position = {str(entry.token_id): {"logprob": entry.logprob, "rank": entry.rank, "decoded_token": entry.token}}
+        for rank, top in enumerate(entry.top[:num_top], 1):
+            position.setdefault(str(top.token_id), {"logprob": top.logprob, "rank": rank, "decoded_token": top.token})
+        out.append(position)
+    return out
 
 
 def completion_logprobs(entries: list[TokenLogprob], base_offset: int) -> dict:
@@ -343,6 +364,12 @@ class _Chat(_Reply):
             message["tool_calls"] = [{"index": first + i, **tool_call(c.name, c.arguments)}
                                      for i, c in enumerate(piece.calls)]
         return message, _auto_finish(delta.finish_reason, self._calls_made[k] > 0)
+
+    async def whole(self) -> dict:
+        answer = await super().whole()
+        if self.body.prompt_logprobs is not None:  # vLLM's place for them in a chat answer
+            answer["prompt_logprobs"] = vllm_prompt_logprobs(self.runs[0], self.body.prompt_logprobs)
+        return answer
 
     def whole_choice(self, k, position, text, logprobs, end) -> dict:
         message, finish = {"role": "assistant", "content": text}, end and end.finish_reason

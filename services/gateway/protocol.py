@@ -41,7 +41,6 @@ class StreamOptions(BaseModel):
 # when given (not null), rather than answered with plain text.
 UNSUPPORTED = {
     "bad_words": "banning words",
-    "prompt_logprobs": "prompt logprobs over this API (use echo with logprobs)",
     "return_tokens_as_token_ids": "token ids as tokens",
     "logits_processors": "logits processors", "chat_template": "a chat template per request",
     "functions": "function calling", "function_call": "function calling",
@@ -73,6 +72,7 @@ class _Sampling(BaseModel):
     stop_token_ids: list[int] | None = None
     allowed_token_ids: list[int] | None = None
     truncate_prompt_tokens: int | None = None  # keep the prompt's last k tokens (-1: the context length)
+    prompt_logprobs: int | None = None  # each prompt token's logprob and the top k (whole responses only)
     skip_special_tokens: bool | None = None
     include_stop_str_in_output: bool | None = None
     # Beam search in the engine (an extension): the n best of beam_width beams, best first.
@@ -106,6 +106,8 @@ class _Sampling(BaseModel):
                 raise InvalidParameter(f"{name} is not supported: this server does no {unsupported[name]}", name)
         if self.stream_options is not None and not self.stream:
             raise InvalidParameter("stream_options is only allowed with stream=true", "stream_options")
+        if self.prompt_logprobs is not None and self.stream:
+            raise InvalidParameter("prompt_logprobs come only in a whole response (stream=false)", "prompt_logprobs")
 
     def public_error(self, exc: InvalidParameter) -> InvalidParameter:
         """An error about an engine parameter, under the name this request's client gave the field."""
@@ -183,8 +185,9 @@ class CompletionRequest(_Sampling):
         # samples one token, which is not shown.
         max_tokens = 1 if self.echo_only else self.max_tokens
         # (Beam search returns no prompt logprobs: the echoed prompt's come back as null.)
-        prompt_logprobs = self.logprobs if self.echo and not self.use_beam_search else None
-        return self.sampling_params(max_tokens, self.logprobs, prompt_logprobs)
+        echoed = self.logprobs if self.echo and not self.use_beam_search else None
+        asked = [k for k in (echoed, self.prompt_logprobs) if k is not None]
+        return self.sampling_params(max_tokens, self.logprobs, max(asked) if asked else None)
 
     @property
     def echo_only(self) -> bool:
@@ -271,7 +274,7 @@ class ChatCompletionRequest(_Sampling):
             raise InvalidParameter("messages must not be empty", "messages")
         max_tokens = self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
         return self.sampling_params(max_tokens, (self.top_logprobs or 0) if self.logprobs else None,
-                                    structured=forced.constraint() if forced is not None else None)
+                                    self.prompt_logprobs, structured=forced.constraint() if forced is not None else None)
 
     @functools.cached_property
     def forced_tool_call(self) -> ForcedToolCall | None:
