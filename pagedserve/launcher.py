@@ -256,6 +256,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.enable_auto_tool_choice and not args.tool_call_parser:  # before any child starts
         parser.error("--enable-auto-tool-choice needs --tool-call-parser (the model's tool-call format)")
+    if args.tool_call_parser and args.tool_call_parser not in TOOL_CALL_PARSERS:  # (from the environment)
+        parser.error(f"--tool-call-parser {args.tool_call_parser!r} is not one of {', '.join(TOOL_CALL_PARSERS)}")
     stack = Stack(args)
 
     def on_signal(signum, frame):

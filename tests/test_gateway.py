@@ -732,6 +732,13 @@ def test_auto_tool_calls(stack, client, llama_dir):
     assert [(c.index, c.function.name, c.function.arguments) for c in calls] == \
         [(i, c.function.name, c.function.arguments) for i, c in enumerate(whole[0].message.tool_calls)]
     assert all(c.id for c in calls) and chunks[-1].finish_reason == "tool_calls"
+    # parallel_tool_calls false: the first call only (as OpenAI's).
+    single = client.chat.completions.create(**calling, parallel_tool_calls=False).choices[0]
+    assert [json.loads(c.function.arguments) for c in single.message.tool_calls] == [{"city": "Paris"}]
+    chunks = [c.choices[0] for c in client.chat.completions.create(**calling, parallel_tool_calls=False, stream=True)
+              if c.choices]
+    assert [call.function.arguments for c in chunks for call in c.delta.tool_calls or []] == \
+        [single.message.tool_calls[0].function.arguments]
     # Cut off inside a call: what came is text.
     cut = client.chat.completions.create(**dict(calling, max_tokens=40)).choices[0]
     assert cut.finish_reason == "length" and cut.message.tool_calls is None

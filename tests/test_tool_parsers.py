@@ -23,7 +23,8 @@ HERMES_TEXTS = [
     '<tool_call>{"name": "broken", "arguments": {</tool_call> then text',
     '<tool_call>\n{"name": "get_weather", "parameters": {"city": "Paris"}}\n',  # ended before its end marker
     '<tool_call>{"name": "get_weather", "argu',  # cut off
-    'x <tool_call>{"name": "a", "arguments": {}}</tool_call> between <tool_call>{"name": "b"}</tool_call> after  ',
+    'x <tool_call>{"name": "a", "arguments": {}}</tool_call> between '
+    '<tool_call>{"name": "b", "arguments": {}}</tool_call> after  ',
 ]
 LLAMA_TEXTS = [
     "  Plain text {not json} kept exactly ",
@@ -32,6 +33,7 @@ LLAMA_TEXTS = [
     ' \n{"name": "get_weather", "parameters": {"city": ',  # cut off: content
     '{"name": "get_weather", "parameters": {}} and then prose',  # not calls only: content
     "<|pyth",
+    '{"name": "Alice", "age": 30}',  # an answer in JSON: no arguments, so not a call
 ]
 
 
@@ -49,6 +51,13 @@ def test_hermes_calls_and_content():
     assert parse('<tool_call>{"name": "x", "arguments": [1]}</tool_call>').calls == []  # arguments must be an object
     assert parse('<tool_call>{"name": "café", "arguments": {"q": "naïve"}}</tool_call>').calls == \
         [ParsedCall("café", '{"q": "naïve"}')]
+    # Arguments as written (decoded and encoded again, 1.50 would be 1.5 and 1e999 Infinity, not JSON).
+    assert parse('<tool_call>{ "name":"f" , "arguments" :{"x": 1.50, "y": 1e999} }</tool_call>').calls == \
+        [ParsedCall("f", '{"x": 1.50, "y": 1e999}')]
+    for not_json in ('{"x": NaN}', '{"x": -Infinity}'):
+        text = '<tool_call>{"name": "f", "arguments": ' + not_json + '}</tool_call>'
+        assert parse(text) == Parsed(text)
+    assert parse('<tool_call>{"name": "f"}</tool_call>').calls == []  # no arguments: not a call
 
 
 def test_llama3_json_calls_and_content():
@@ -116,10 +125,12 @@ def test_the_built_in_template_shows_tools_and_writes_calls_as_hermes_reads_them
     from shared.model_factory import train_tokenizer
 
     tokenizer = train_tokenizer(512)
+    city = {"type": "object", "properties": {"city": {"type": "string"}}}
     tool = {"type": "function", "function": {"name": "get_weather", "description": "the weather now",
-                                             "parameters": {"type": "object", "properties": {"city": {"type": "string"}}}}}
-    calls = [{"id": "1", "type": "function", "function": {"name": "get_weather", "arguments": {"city": city}}}
-             for city in ("Paris", "Oslo")]
+                                             "parameters": city}}
+    # Arguments as OpenAI sends them back (JSON text), or as an object.
+    calls = [{"id": "1", "type": "function", "function": {"name": "get_weather", "arguments": arguments}}
+             for arguments in ({"city": "Paris"}, '{"city": "Oslo"}')]
     messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Weather?"},
                 {"role": "assistant", "content": "", "tool_calls": calls}, {"role": "tool", "content": "18 C"}]
     text = tokenizer.apply_chat_template(messages, tools=[tool], tokenize=False, add_generation_prompt=True)

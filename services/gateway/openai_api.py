@@ -302,6 +302,7 @@ class _Chat(_Reply):
         self._auto = self.model.tool_parser if self.body.auto_tool_choice else None
         self._streams: dict[int, ToolCallStream] = {}
         self._calls_made: dict[int, int] = defaultdict(int)
+        self._max_calls = 1 if self.body.parallel_tool_calls is False else None  # as OpenAI's: the first call only
 
     def opening_choices(self) -> list[list[dict]]:
         # OpenAI's first delta of each choice carries the role.
@@ -358,11 +359,12 @@ class _Chat(_Reply):
         if delta.finish_reason is not None:
             piece.extend(stream.finish())
         message = {"content": piece.content} if piece.content else {}
-        if piece.calls:
+        calls = piece.calls if self._max_calls is None else piece.calls[:max(0, self._max_calls - self._calls_made[k])]
+        if calls:
             first = self._calls_made[k]
-            self._calls_made[k] += len(piece.calls)
+            self._calls_made[k] += len(calls)
             message["tool_calls"] = [{"index": first + i, **tool_call(c.name, c.arguments)}
-                                     for i, c in enumerate(piece.calls)]
+                                     for i, c in enumerate(calls)]
         return message, _auto_finish(delta.finish_reason, self._calls_made[k] > 0)
 
     async def whole(self) -> dict:
@@ -381,7 +383,7 @@ class _Chat(_Reply):
             parsed = self._auto.stream().parse(text)
             if parsed.calls:
                 message = {"role": "assistant", "content": parsed.content or None,
-                           "tool_calls": [tool_call(c.name, c.arguments) for c in parsed.calls]}
+                           "tool_calls": [tool_call(c.name, c.arguments) for c in parsed.calls[:self._max_calls]]}
                 finish = _auto_finish(finish, True)
         return {"index": k, "message": message, "logprobs": self._logprobs(logprobs), "finish_reason": finish,
                 "stop_reason": end and end.stop_reason}

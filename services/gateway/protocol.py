@@ -92,9 +92,9 @@ class _Sampling(BaseModel):
     guided_grammar: str | None = None
 
     _PASSED = ("n", "temperature", "top_p", "presence_penalty", "frequency_penalty", "seed", "top_k", "min_p",
-               "repetition_penalty", "min_tokens", "ignore_eos", "stop_token_ids", "allowed_token_ids", "skip_special_tokens",
-               "include_stop_str_in_output", "truncate_prompt_tokens", "use_beam_search", "beam_width", "length_penalty", "early_stopping",
-               "spaces_between_special_tokens")
+               "repetition_penalty", "min_tokens", "ignore_eos", "stop_token_ids", "allowed_token_ids",
+               "skip_special_tokens", "include_stop_str_in_output", "truncate_prompt_tokens", "use_beam_search",
+               "beam_width", "length_penalty", "early_stopping", "spaces_between_special_tokens")
 
     # Completions' echo and chat's logprobs and template flags too (check_fields: declared below).
     _nulls = field_validator("n", "stream", "echo", "logprobs", "add_generation_prompt", "continue_final_message",
@@ -274,7 +274,8 @@ class ChatCompletionRequest(_Sampling):
             raise InvalidParameter("messages must not be empty", "messages")
         max_tokens = self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
         return self.sampling_params(max_tokens, (self.top_logprobs or 0) if self.logprobs else None,
-                                    self.prompt_logprobs, structured=forced.constraint() if forced is not None else None)
+                                    self.prompt_logprobs,
+                                    structured=forced.constraint() if forced is not None else None)
 
     @functools.cached_property
     def forced_tool_call(self) -> ForcedToolCall | None:

@@ -56,22 +56,58 @@ class ToolCallStream(ABC):
 
 
 def read_call(text: str) -> ParsedCall | None:
-    """{"name": ..., "arguments": {...}} (or "parameters", as Llama writes it); None if it is not one."""
-    try:
-        value = json.loads(text)
-    except json.JSONDecodeError:
+    """{"name": ..., "arguments": {...}} (or "parameters", as Llama writes it); None if it is not one
+    (an object without either key is an answer in JSON, not a call). The arguments are kept as
+    written: decoding and encoding them again could change their numbers."""
+    fields = _object_fields(text.strip())
+    if fields is None or not isinstance(fields.get("name", (None,))[0], str):
         return None
-    if not isinstance(value, dict) or not isinstance(value.get("name"), str):
+    key = "arguments" if "arguments" in fields else "parameters" if "parameters" in fields else None
+    if key is None:
         return None
-    arguments = value.get("arguments", value.get("parameters", {}))
+    arguments, written = fields[key]
     if isinstance(arguments, str):  # some models write the arguments as a JSON string
+        written = arguments
         try:
-            arguments = json.loads(arguments)
-        except json.JSONDecodeError:
+            arguments = _DECODER.decode(arguments)
+        except ValueError:
             return None
     if not isinstance(arguments, dict):
         return None
-    return ParsedCall(value["name"], json.dumps(arguments, ensure_ascii=False))
+    return ParsedCall(fields["name"][0], written.strip())
+
+
+def _no_constants(name: str):
+    raise ValueError(f"{name} is not JSON")  # Python's json reads NaN and Infinity; a client's parser may not
+
+
+_DECODER = json.JSONDecoder(parse_constant=_no_constants)
+
+
+def _object_fields(text: str) -> dict[str, tuple[object, str]] | None:
+    """A JSON object's fields, each as (value, its text); None unless the text is one object."""
+    try:
+        if not isinstance(_DECODER.decode(text), dict):
+            return None
+    except ValueError:
+        return None
+    fields, position = {}, text.index("{") + 1
+    while True:  # the text is a valid object: only its layout is walked here
+        position = _skip_space(text, position)
+        if text[position] == "}":
+            return fields
+        key, position = _DECODER.raw_decode(text, position)
+        position = _skip_space(text, _skip_space(text, position) + 1)  # past the colon
+        value, end = _DECODER.raw_decode(text, position)
+        fields[key] = (value, text[position:end])
+        position = _skip_space(text, end)
+        position += text[position] == ","
+
+
+def _skip_space(text: str, position: int) -> int:
+    while text[position] in " \t\r\n":
+        position += 1
+    return position
 
 
 def _partial_suffix(text: str, marker: str) -> int:
@@ -181,15 +217,15 @@ class Llama3JsonStream(ToolCallStream):
     @staticmethod
     def _read_calls(text: str) -> list[ParsedCall] | None:
         """Objects separated by ';' (and whitespace); None unless every one is a call."""
-        decoder, calls, position = json.JSONDecoder(), [], 0
+        calls, position = [], 0
         while True:
             while position < len(text) and text[position] in " \t\r\n;":
                 position += 1
             if position == len(text):
                 return calls or None
             try:
-                _, end = decoder.raw_decode(text, position)
-            except json.JSONDecodeError:
+                _, end = _DECODER.raw_decode(text, position)
+            except ValueError:
                 return None
             call = read_call(text[position:end])
             if call is None:
