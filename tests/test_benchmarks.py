@@ -105,3 +105,13 @@ def test_structured_outputs_benchmark_times_every_mode(tmp_path, llama_dir):
     report = json.loads(out.read_text())
     assert set(report["modes"]) == {"free", "regex", "json"}
     assert report["modes"]["regex"]["tokens"] == 4 * 8 and report["modes"]["json"]["throughput_vs_free"] > 0
+
+
+def test_tool_parsing_times_each_parser_over_each_output(tmp_path):
+    out = tmp_path / "tool_parsing.json"
+    subprocess.run([sys.executable, str(REPO / "benchmarks" / "tool_parsing.py"), "--size", "3", "--repeats", "1",
+                    "--out", str(out)], cwd=REPO, check=True, timeout=120, stdout=subprocess.DEVNULL)
+    rows = json.loads(out.read_text())["rows"]
+    assert {(r["parser"], r["output"]) for r in rows} == \
+        {(p, o) for p in ("hermes", "llama3_json") for o in ("plain text", "one long call", "calls in text")}
+    assert all(r["cpu_us_per_delta"] > 0 and r["chars"] > 0 for r in rows)
