@@ -26,11 +26,11 @@ def outputs(parser: str, size: int) -> dict[str, str]:
     arguments = json.dumps({"query": "x" * (40 * size), "limit": 10})
     if parser == "hermes":
         call = f'<tool_call>\n{{"name": "search", "arguments": {arguments}}}\n</tool_call>'
-        mixed = f"{plain[:len(plain) // 2]}\n{call}\n{call}"
+        mixed = f"{plain[:len(plain) // 2]}\n{call}\n{call}"  # after text
     else:
         call = f'{{"name": "search", "parameters": {arguments}}}'
         mixed = f"{call}; {call}"  # llama3_json: an output is calls or text, not both
-    return {"plain text": plain, "one long call": call, "calls in text": mixed}
+    return {"plain text": plain, "one long call": call, "two calls": mixed}
 
 
 def cpu_us_per_delta(parser: ToolCallParser, text: str, delta_chars: int, repeats: int) -> float:
@@ -61,7 +61,7 @@ def main() -> None:
                 raise SystemExit(f"{name} found {found} calls in the {kind} output, not {calls}")
             us = cpu_us_per_delta(ToolCallParser(name), text, args.delta_chars, args.repeats)
             rows.append({"parser": name, "output": kind, "chars": len(text), "cpu_us_per_delta": us})
-            print(f"{name:12} {kind:14} {len(text):7} chars  {us:6.2f} CPU µs per delta", file=sys.stderr)
+            print(f"{name:12} {kind:13} {len(text):7} chars  {us:6.2f} CPU µs per delta", file=sys.stderr)
     report = {"delta_chars": args.delta_chars, "repeats": args.repeats, "rows": rows}
     print(json.dumps(report, indent=2))
     write_report(args.out, report)

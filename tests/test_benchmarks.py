@@ -113,5 +113,5 @@ def test_tool_parsing_times_each_parser_over_each_output(tmp_path):
                     "--out", str(out)], cwd=REPO, check=True, timeout=120, stdout=subprocess.DEVNULL)
     rows = json.loads(out.read_text())["rows"]
     assert {(r["parser"], r["output"]) for r in rows} == \
-        {(p, o) for p in ("hermes", "llama3_json") for o in ("plain text", "one long call", "calls in text")}
+        {(p, o) for p in ("hermes", "llama3_json") for o in ("plain text", "one long call", "two calls")}
     assert all(r["cpu_us_per_delta"] > 0 and r["chars"] > 0 for r in rows)
