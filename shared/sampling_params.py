@@ -133,6 +133,10 @@ class SamplingParams:
             _check(not reshaped, "use_beam_search", f"cannot be combined with {', '.join(reshaped)}")
         if self.structured_outputs is not None:  # a grammar may allow only EOS while min_tokens bans it
             _check(self.min_tokens == 0, "structured_outputs", "cannot be combined with min_tokens")
+        for name, (low, high) in self._WIRE_RANGES.items():  # beyond them, the wire could not carry the value
+            value = getattr(self, name)
+            _check(value is None or not _is_int(value) or low <= value <= high, name,
+                   f"must be in [{low}, {high}], got {value!r}")
         for name in self._FLOATS:  # what the float32 wire field would turn into 0 or infinity
             value = getattr(self, name)
             _check(value == 0 or FLOAT32_TINY <= abs(value) <= FLOAT32_MAX, name,
@@ -161,10 +165,12 @@ class SamplingParams:
     def truncated(self, prompt_token_ids: list[int], max_model_len: int) -> list[int]:
         """The prompt as the engine takes it: its last truncate_prompt_tokens tokens (applied where
         prompts are tokenized, so that usage and echo count the tokens the model sees)."""
-        keep = max_model_len if self.truncate_prompt_tokens == -1 else self.truncate_prompt_tokens
-        if keep is None or len(prompt_token_ids) <= keep:
-            return prompt_token_ids
-        return prompt_token_ids[len(prompt_token_ids) - keep:]
+        return keep_last_tokens(prompt_token_ids, self.truncate_prompt_tokens, max_model_len)
+
+    def check_truncation_fits(self, max_model_len: int) -> None:
+        _check(self.truncate_prompt_tokens is None or self.truncate_prompt_tokens <= max_model_len,
+               "truncate_prompt_tokens", f"({self.truncate_prompt_tokens}) exceeds the context length "
+                                         f"({max_model_len}); use -1 for as many tokens as the context holds")
 
     def only_stops_allowed(self, eos_token_ids: list[int]) -> bool:
         """Whether allowed_token_ids leaves nothing but tokens that min_tokens bans: no token at all."""
@@ -184,6 +190,10 @@ class SamplingParams:
     # The numeric fields (the floats are float32 on the wire).
     _INTS = ("n", "top_k", "seed", "max_tokens", "min_tokens", "logprobs", "prompt_logprobs", "beam_width",
              "truncate_prompt_tokens")
+    _WIRE_RANGES = {name: (-(1 << 31), (1 << 31) - 1) for name in ("top_k", "truncate_prompt_tokens")} | \
+        {"seed": (-(1 << 63), (1 << 63) - 1)} | \
+        {name: (0, (1 << 32) - 1) for name in ("n", "max_tokens", "min_tokens", "logprobs", "prompt_logprobs",
+                                               "beam_width")}
     _FLOATS = ("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty",
                "length_penalty")
     _NOT_FOR_BEAMS = (("seed", None), ("min_tokens", 0), ("logit_bias", None), ("allowed_token_ids", None),
@@ -242,6 +252,14 @@ class SamplingParams:
             if bad is not None:
                 return name, bad
         return None
+
+
+def keep_last_tokens(token_ids: list[int], truncate_prompt_tokens: int | None, max_model_len: int) -> list[int]:
+    """The last truncate_prompt_tokens of the ids (-1: max_model_len of them; None: all)."""
+    keep = max_model_len if truncate_prompt_tokens == -1 else truncate_prompt_tokens
+    if keep is None or len(token_ids) <= keep:
+        return token_ids
+    return token_ids[len(token_ids) - keep:]
 
 
 def _plain_number(value: object, kind: type) -> object:

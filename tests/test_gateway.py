@@ -842,9 +842,19 @@ def test_bad_requests_get_openai_errors(stack, client, llama_dir):
                                 "truncate_prompt_tokens": 4, "echo": True}).json()
     tail = httpx.post(url, json={**ok, "prompt": ids[-4:], "temperature": 0, "echo": True}).json()
     assert cut["usage"]["prompt_tokens"] == 4 and cut["choices"][0]["text"] == tail["choices"][0]["text"]
+    whole = httpx.post(url, json={**ok, "prompt": "The quick brown fox", "echo": True}).json()["choices"][0]["text"]
+    uncut = httpx.post(url, json={**ok, "prompt": "The quick brown fox", "echo": True,
+                                  "truncate_prompt_tokens": 100}).json()["choices"][0]["text"]
+    assert uncut.startswith("The quick brown fox") and uncut[:19] == whole[:19]  # nothing cut: echoed as given
     cut_chat = httpx.post(chat, json={**hi, "truncate_prompt_tokens": 3}).json()
     assert cut_chat["usage"]["prompt_tokens"] == 3
-    assert _error(httpx.post(url, json={**ok, "truncate_prompt_tokens": 0}), 400)["param"] == "truncate_prompt_tokens"
+    for value in (0, 600, 1 << 31):  # 600: beyond the context (use -1); 2**31: beyond the wire's int32
+        assert _error(httpx.post(url, json={**ok, "truncate_prompt_tokens": value}), 400)["param"] == \
+            "truncate_prompt_tokens", value
+    assert _error(httpx.post(url, json={**ok, "top_k": 1 << 31}), 400)["param"] == "top_k"
+    only_stops = _error(httpx.post(url, json={**ok, "allowed_token_ids": [7], "stop_token_ids": [7],
+                                              "min_tokens": 1}), 400)
+    assert only_stops["param"] == "allowed_token_ids" and "min_tokens" in only_stops["message"]
     functions = [{"name": "f", "parameters": {"type": "object"}}]
     assert _error(httpx.post(chat, json={**hi, "functions": functions}), 400)["param"] == "functions"
     assert _error(httpx.post(chat, json={**hi, "echo": True}), 400)["param"] == "echo"

@@ -276,7 +276,12 @@ def test_truncate_prompt_tokens_keeps_the_prompt_s_last_tokens(llm):
     assert SamplingParams(truncate_prompt_tokens=-1).truncated(long, limit) == [7] * limit
     with pytest.raises(ValueError, match="context length"):  # -1 leaves no room to generate: refused, clearly
         llm.generate([{"prompt_token_ids": long}], SamplingParams(truncate_prompt_tokens=-1), use_tqdm=False)
-    for bad in (0, -2, 1.5):
+    for bad in (0, -2, 1.5, 1 << 31):
         with pytest.raises(ValueError, match="truncate_prompt_tokens"):
             SamplingParams(truncate_prompt_tokens=bad)
+    with pytest.raises(ValueError, match="exceeds the context length"):
+        llm.generate([{"prompt_token_ids": prompt}], SamplingParams(truncate_prompt_tokens=limit + 1), use_tqdm=False)
+    for name, value in (("seed", 1 << 63), ("top_k", 1 << 31), ("max_tokens", 1 << 32)):  # what the wire cannot carry
+        with pytest.raises(ValueError, match=name):
+            SamplingParams(**{name: value})
     assert SamplingParams.from_proto(SamplingParams(truncate_prompt_tokens=-1).to_proto()).truncate_prompt_tokens == -1

@@ -41,3 +41,27 @@ def test_nothing_to_say_is_no_chunk_and_logprobs_take_the_general_path():
     chunk = json.loads(with_logprobs.chunk_event(0, 0, SeqDelta(0, [5], "x", [], None, None, 0)))
     assert chunk["choices"][0]["logprobs"] == {"tokens": [], "token_logprobs": [], "top_logprobs": [],
                                                "text_offset": []}
+
+
+class _BosTokenizer:
+    """Words as ids, with a BOS id in front, as many tokenizers encode."""
+    words = ["<s>", "The", "quick", "brown", "fox"]
+
+    def __call__(self, text, add_special_tokens=True):
+        class Encoded:
+            input_ids = [0] * add_special_tokens + [self.words.index(w) for w in text.split()]
+        return Encoded()
+
+    def decode(self, ids):
+        return " ".join(self.words[i] for i in ids)
+
+
+def test_echo_shows_the_prompt_as_given_unless_truncation_cut_it():
+    model = Model("m", 4096, 5, 20, tokenizer=_BosTokenizer())
+    given = "The quick brown fox"
+    for keep, ids, text in [(None, [0, 1, 2, 3, 4], given), (100, [0, 1, 2, 3, 4], given),
+                            (-1, [0, 1, 2, 3, 4], given), (2, [3, 4], "brown fox")]:
+        body = CompletionRequest(prompt=given, echo=True, truncate_prompt_tokens=keep)
+        assert _Completion.prompts(model, body) == ([ids], [text]), keep
+    tokens = CompletionRequest(prompt=[1, 2, 3], echo=True, truncate_prompt_tokens=2)
+    assert _Completion.prompts(model, tokens) == ([[2, 3]], ["quick brown"])

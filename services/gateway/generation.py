@@ -104,6 +104,7 @@ class Model:
     tokenizer: object
     max_num_seqs: int = 0  # per request (n, beams); 0: the scheduler did not say
     tool_parser: ToolCallParser | None = None  # how its tool calls are told from text (--tool-call-parser)
+    eos_token_ids: tuple[int, ...] = ()
     _token_strings: dict[int, str] = field(default_factory=dict)
 
     def check_name(self, requested: str | None) -> None:
@@ -136,11 +137,12 @@ class Model:
     def check_prompt(self, prompt: list[int], params: SamplingParams) -> None:
         """What the scheduler would refuse, checked here so a multi-prompt request is all or nothing
         (and before a run builds a detokenizer per sequence)."""
-        if self.max_num_seqs:
-            try:
+        try:
+            if self.max_num_seqs:
                 params.check_sequences_fit(self.max_num_seqs)
-            except ValueError as exc:
-                raise InvalidParameter.from_sampling_error(exc) from None
+            params.check_truncation_fits(self.max_model_len)
+        except ValueError as exc:
+            raise InvalidParameter.from_sampling_error(exc) from None
         if not prompt:
             raise InvalidParameter("the prompt is empty: give at least one token", "prompt")
         self.check_token_ids(prompt)
@@ -164,11 +166,20 @@ class Model:
         if (outside := params.token_id_outside(self.vocab_size)) is not None:
             name, bad = outside
             raise InvalidParameter(f"token id {bad} in {name} is outside the vocabulary [0, {self.vocab_size})", name)
+        if params.only_stops_allowed(self.eos_token_ids):
+            raise InvalidParameter("allowed_token_ids allows only stop tokens (EOS or stop_token_ids), which "
+                                   "min_tokens bans: no token could be sampled", "allowed_token_ids")
 
     def logprob(self, position, text_offset: int = 0) -> TokenLogprob:
-        top = [TopToken(t, self.token_string(t), lp) for t, lp in zip(position.top_token_ids, position.top_logprobs)]
-        return TokenLogprob(position.token_id, self.token_string(position.token_id), position.logprob,
+        top = [TopToken(t, self.token_string(t), _finite(lp))
+               for t, lp in zip(position.top_token_ids, position.top_logprobs)]
+        return TokenLogprob(position.token_id, self.token_string(position.token_id), _finite(position.logprob),
                             position.rank, top, text_offset)
+
+
+def _finite(logprob: float) -> float:
+    """As vLLM's: -inf (a token the model rules out) as -9999, which JSON can carry."""
+    return max(logprob, -9999.0)
 
 
 # --- one engine request ---------------------------------------------------------------------------
@@ -415,7 +426,7 @@ class Generator:
         name = self.served_model_name or Path(info.model).name or info.model
         log.info("model ready", model=name, path=info.model, max_model_len=info.max_model_len)
         return Model(name, info.max_model_len, info.vocab_size, info.max_logprobs, tokenizer, info.max_num_seqs,
-                     self.tool_parser)
+                     self.tool_parser, tuple(info.eos_token_ids))
 
     @contextlib.asynccontextmanager
     async def admitted(self, api_key: ApiKey | None = None):

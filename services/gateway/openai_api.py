@@ -18,7 +18,7 @@ from services.gateway.generation import Generator, InvalidParameter, Model, Run,
 from services.gateway.protocol import ChatCompletionRequest, CompletionRequest
 from services.gateway.tool_calls import tool_call
 from services.gateway.tool_parsers import ToolCallStream
-from shared.sampling_params import SamplingParams
+from shared.sampling_params import SamplingParams, keep_last_tokens
 from shared.detokenizer import IncrementalDetokenizer
 
 
@@ -166,14 +166,21 @@ class _Completion(_Reply):
     def __init__(self, *args):
         super().__init__(*args)
         self.echoed: set[int] = set()
-        if self.body.echo and self.body.truncate_prompt_tokens is not None:  # echo what the model saw
-            self.prompt_texts = [self.model.decode(run.prompt) for run in self.runs]
 
     @staticmethod
     def prompts(model: Model, body: CompletionRequest) -> tuple[list[list[int]], list[str]]:
-        prompts = body.prompts()
-        return ([model.encode(p) if isinstance(p, str) else list(p) for p in prompts],
-                [p if isinstance(p, str) else _echoed_text(model, p) if body.echo else "" for p in prompts])
+        """The prompts' token ids (truncate_prompt_tokens applied) and the texts an echo shows: as given,
+        unless truncation cut them (then the tokens kept, decoded)."""
+        ids, texts = [], []
+        for prompt in body.prompts():
+            given = model.encode(prompt) if isinstance(prompt, str) else list(prompt)
+            kept = keep_last_tokens(given, body.truncate_prompt_tokens, model.max_model_len)
+            ids.append(kept)
+            if not body.echo:
+                texts.append(prompt if isinstance(prompt, str) else "")
+            else:
+                texts.append(prompt if isinstance(prompt, str) and kept is given else _echoed_text(model, kept))
+        return ids, texts
 
     def deltas(self) -> AsyncIterator[SeqDelta]:
         return _nothing_generated(merge(self.runs)) if self.body.echo_only else merge(self.runs)

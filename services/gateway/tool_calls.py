@@ -4,7 +4,8 @@ A call the model *may* make ("auto") is told from its text by the model family's
 (tool_parsers.py). A call the request forces needs none: the output is held (structured outputs)
 to what the call must look like, as vLLM does. For a named function it is that function's
 arguments, a JSON object following its `parameters` schema; for "required", a JSON array of one or
-more {"name": ..., "parameters": {...}} objects, each naming one of the tools. The text that comes out is then turned into OpenAI's `tool_calls`.
+more {"name": ..., "parameters": {...}} objects, each naming one of the tools. The text that comes
+out is then turned into OpenAI's `tool_calls`.
 """
 
 from __future__ import annotations

@@ -130,6 +130,7 @@ class EngineCore:
         if (outside := params.token_id_outside(info.vocab_size)) is not None:
             name, bad = outside
             raise ValueError(f"token id {bad} in {name} is outside the vocabulary [0, {info.vocab_size})")
+        params.check_truncation_fits(info.max_model_len)
         if params.only_stops_allowed(info.eos_token_ids):
             raise ValueError("SamplingParams.allowed_token_ids allows only stop tokens (EOS or stop_token_ids), "
                              "which min_tokens bans: no token could be sampled")
