@@ -65,3 +65,13 @@ def test_echo_shows_the_prompt_as_given_unless_truncation_cut_it():
         assert _Completion.prompts(model, body) == ([ids], [text]), keep
     tokens = CompletionRequest(prompt=[1, 2, 3], echo=True, truncate_prompt_tokens=2)
     assert _Completion.prompts(model, tokens) == ([[2, 3]], ["quick brown"])
+
+
+def test_a_logprob_of_minus_infinity_is_minus_9999_as_vllm_s():
+    class Position:
+        token_id, logprob, rank, top_token_ids, top_logprobs = 1, float("-inf"), 5, [2], [float("-inf")]
+
+    model = Model("m", 4096, 5, 20, tokenizer=_BosTokenizer())
+    entry = model.logprob(Position())
+    assert entry.logprob == -9999.0 and entry.top[0].logprob == -9999.0
+    assert json.loads(json.dumps(entry.logprob)) == -9999.0
