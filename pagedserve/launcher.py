@@ -18,7 +18,7 @@ import urllib.request
 from dataclasses import dataclass, field
 
 from pagedserve.cli import ENGINE_KEYS, add_engine_args, apply_env_defaults
-from services.gateway.tool_parsers import TOOL_CALL_PARSERS
+from services.gateway.tool_parsers import TOOL_CALL_PARSERS, flag_error
 from services.scheduler.local_workers import (free_tcp_port, process_environments, terminate_with_parent,
                                               wait_grpc_serving)
 
@@ -254,10 +254,8 @@ class Stack:
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
-    if args.enable_auto_tool_choice and not args.tool_call_parser:  # before any child starts
-        parser.error("--enable-auto-tool-choice needs --tool-call-parser (the model's tool-call format)")
-    if args.tool_call_parser and args.tool_call_parser not in TOOL_CALL_PARSERS:  # (from the environment)
-        parser.error(f"--tool-call-parser {args.tool_call_parser!r} is not one of {', '.join(TOOL_CALL_PARSERS)}")
+    if (error := flag_error(args.enable_auto_tool_choice, args.tool_call_parser)) is not None:  # before any child
+        parser.error(error)
     stack = Stack(args)
 
     def on_signal(signum, frame):

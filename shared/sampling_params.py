@@ -172,12 +172,13 @@ class SamplingParams:
                "truncate_prompt_tokens", f"({self.truncate_prompt_tokens}) exceeds the context length "
                                          f"({max_model_len}); use -1 for as many tokens as the context holds")
 
-    def only_stops_allowed(self, eos_token_ids: list[int]) -> bool:
-        """Whether allowed_token_ids leaves nothing but tokens that min_tokens bans: no token at all."""
+    def check_a_token_allowed(self, eos_token_ids) -> None:
+        """allowed_token_ids must leave a token that min_tokens does not ban (the EOS ids are the model's)."""
         if self.allowed_token_ids is None or self.min_tokens == 0:
-            return False
+            return
         stops = set(self.stop_token_ids) | (set() if self.ignore_eos else set(eos_token_ids))
-        return set(self.allowed_token_ids) <= stops
+        _check(not set(self.allowed_token_ids) <= stops, "allowed_token_ids",
+               "allows only stop tokens (EOS or stop_token_ids), which min_tokens bans: no token could be sampled")
 
     def check_sequences_fit(self, max_num_seqs: int) -> None:
         """A request's sequences (n samples, or its beams) decode side by side: more than an engine's

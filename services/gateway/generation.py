@@ -141,6 +141,7 @@ class Model:
             if self.max_num_seqs:
                 params.check_sequences_fit(self.max_num_seqs)
             params.check_truncation_fits(self.max_model_len)
+            params.check_a_token_allowed(self.eos_token_ids)
         except ValueError as exc:
             raise InvalidParameter.from_sampling_error(exc) from None
         if not prompt:
@@ -166,9 +167,6 @@ class Model:
         if (outside := params.token_id_outside(self.vocab_size)) is not None:
             name, bad = outside
             raise InvalidParameter(f"token id {bad} in {name} is outside the vocabulary [0, {self.vocab_size})", name)
-        if params.only_stops_allowed(self.eos_token_ids):
-            raise InvalidParameter("allowed_token_ids allows only stop tokens (EOS or stop_token_ids), which "
-                                   "min_tokens bans: no token could be sampled", "allowed_token_ids")
 
     def logprob(self, position, text_offset: int = 0) -> TokenLogprob:
         top = [TopToken(t, self.token_string(t), _finite(lp))

@@ -307,7 +307,7 @@ class _Chat(_Reply):
         self._held: dict[int, str] = defaultdict(str)  # "required": each choice's text, until it ends
         # tool_choice "auto": each choice's text through the model's tool-call parser, and its calls so far
         self._auto = self.model.tool_parser if self.body.auto_tool_choice else None
-        self._streams: dict[int, ToolCallStream] = {}
+        self._streams: dict[int, ToolCallStream] = defaultdict(self._auto.stream) if self._auto else {}
         self._calls_made: dict[int, int] = defaultdict(int)
         self._max_calls = 1 if self.body.parallel_tool_calls is False else None  # as OpenAI's: the first call only
 
@@ -359,9 +359,7 @@ class _Chat(_Reply):
 
     def _auto_delta(self, k: int, delta: SeqDelta) -> tuple[dict, str | None]:
         """The content the parser is sure of and each call it completes, whole (with its id and name)."""
-        stream = self._streams.get(k)
-        if stream is None:
-            stream = self._streams[k] = self._auto.stream()
+        stream = self._streams[k]
         piece = stream.feed(delta.text)
         if delta.finish_reason is not None:
             piece.extend(stream.finish())

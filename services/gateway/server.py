@@ -23,7 +23,7 @@ from services.gateway.metrics import GatewayMetrics
 from services.gateway.resumption import ResumePolicy
 from services.gateway.rate_limits import RateLimiter
 from services.gateway.scheduler_pool import HEALTH_POLL_S, SchedulerPool
-from services.gateway.tool_parsers import TOOL_CALL_PARSERS, ToolCallParser
+from services.gateway.tool_parsers import TOOL_CALL_PARSERS, ToolCallParser, flag_error
 from shared.gc_heap import freeze_startup_objects, unfreeze_startup_objects
 from shared.grpc_errors import ServiceUnavailable
 from shared.logging import setup_logging
@@ -210,10 +210,8 @@ def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     apply_env_defaults(parser)
     args = parser.parse_args(argv)
-    if args.enable_auto_tool_choice and not args.tool_call_parser:
-        parser.error("--enable-auto-tool-choice needs --tool-call-parser (the model's tool-call format)")
-    if args.tool_call_parser and args.tool_call_parser not in TOOL_CALL_PARSERS:  # (from the environment)
-        parser.error(f"--tool-call-parser {args.tool_call_parser!r} is not one of {', '.join(TOOL_CALL_PARSERS)}")
+    if (error := flag_error(args.enable_auto_tool_choice, args.tool_call_parser)) is not None:
+        parser.error(error)
     if args.max_resumes < 0 or not args.resume_timeout > 0:
         parser.error("--max-resumes must be 0 or more and --resume-timeout positive")
     args.scheduler = [a.strip() for item in args.scheduler or ["127.0.0.1:50051"] for a in item.split(",") if a.strip()]

@@ -237,6 +237,16 @@ class Llama3JsonStream(ToolCallStream):
 TOOL_CALL_PARSERS: dict[str, type[ToolCallStream]] = {"hermes": HermesStream, "llama3_json": Llama3JsonStream}
 
 
+def flag_error(enable_auto_tool_choice: bool | None, tool_call_parser: str | None) -> str | None:
+    """What is wrong with a command line's --enable-auto-tool-choice and --tool-call-parser, if anything
+    (a name from the environment skips argparse's choices)."""
+    if enable_auto_tool_choice and not tool_call_parser:
+        return "--enable-auto-tool-choice needs --tool-call-parser (the model's tool-call format)"
+    if tool_call_parser and tool_call_parser not in TOOL_CALL_PARSERS:
+        return f"--tool-call-parser {tool_call_parser!r} is not one of {', '.join(TOOL_CALL_PARSERS)}"
+    return None
+
+
 @dataclass(frozen=True)
 class ToolCallParser:
     """The served model's call format."""

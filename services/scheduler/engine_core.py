@@ -131,9 +131,7 @@ class EngineCore:
             name, bad = outside
             raise ValueError(f"token id {bad} in {name} is outside the vocabulary [0, {info.vocab_size})")
         params.check_truncation_fits(info.max_model_len)
-        if params.only_stops_allowed(info.eos_token_ids):
-            raise ValueError("SamplingParams.allowed_token_ids allows only stop tokens (EOS or stop_token_ids), "
-                             "which min_tokens bans: no token could be sampled")
+        params.check_a_token_allowed(info.eos_token_ids)
         if len(prompt) >= info.max_model_len:
             raise ValueError(f"the prompt has {len(prompt)} tokens, but the context length is "
                              f"{info.max_model_len}: it must be shorter to leave room for one output token")

@@ -5,9 +5,10 @@ Everything is vectorised over the batch. Per step, Python only walks the list of
 that no row of the batch needs is skipped entirely, so the common batch (all greedy, or plain
 temperature sampling) costs one argmax, or one softmax and one exponential race.
 
-Order of processing, as in vLLM: allowed_token_ids and logit_bias (one row added), the min_tokens mask, repetition / frequency /
-presence penalties, the structured-output grammar's mask; then greedy rows take the argmax and the other rows are divided by their
-temperature, cut by top_k, top_p and min_p, and sampled. Logprobs reported to the client come
+Order of processing, as in vLLM: allowed_token_ids and logit_bias (one row added), the min_tokens
+mask, repetition / frequency / presence penalties, the structured-output grammar's mask; then
+greedy rows take the argmax and the other rows are divided by their temperature, cut by top_k,
+top_p and min_p, and sampled. Logprobs reported to the client come
 from the raw model distribution, never from the processed one.
 
 Randomness uses the exponential race: argmax(p / E) with E ~ Exp(1) draws from p. Rows without
@@ -355,11 +356,9 @@ def _uses_penalties(params: SamplingParams) -> bool:
 
 
 def _check_token_ids_fit(params: SamplingParams, vocab_size: int) -> None:
-    for name, ids in (("stop_token_ids", params.stop_token_ids), ("logit_bias", (params.logit_bias or {}).keys()),
-                      ("allowed_token_ids", params.allowed_token_ids or ())):
-        bad = [t for t in ids if not 0 <= t < vocab_size]
-        if bad:
-            raise ValueError(f"{name} names token ids {bad} outside the vocabulary (size {vocab_size})")
+    if (outside := params.token_id_outside(vocab_size)) is not None:  # (SamplingParams refuses negative ids)
+        name, bad = outside
+        raise ValueError(f"{name} names token id {bad}, outside the vocabulary (size {vocab_size})")
 
 
 def _or(row: Tensor | None, default: Tensor) -> Tensor:
