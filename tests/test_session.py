@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import time
 import types
 
@@ -370,11 +371,15 @@ def test_a_submission_queued_when_the_engine_fails_is_lost_with_its_session_not_
 
     engine, _ = make_engine(num_blocks=64, max_model_len=256)
     executor = engine.executor
-    in_step, die, armed = threading.Event(), threading.Event(), threading.Event()
+    in_step, die = threading.Event(), threading.Event()
     real_wait = executor.wait
+    steps = itertools.count()
 
+    # The first step's result comes back; the second step is the one the worker dies in. (Dying
+    # only once the test had seen a batch raced the loop: the fake worker can finish all 200
+    # tokens before the test thread runs again.)
     def wait():
-        if armed.is_set():
+        if next(steps) >= 1:
             in_step.set()
             die.wait(5)
             raise ConnectionError("the worker died")
@@ -388,7 +393,6 @@ def test_a_submission_queued_when_the_engine_fails_is_lost_with_its_session_not_
     loop.submit(session, 1, "running", [1, 2, 3], params)
     batches = iter(session)
     next(batches)  # it runs
-    armed.set()
     assert in_step.wait(5)
     loop.submit(session, 2, "arrived-during-the-step", [4, 5, 6], params)
     die.set()
