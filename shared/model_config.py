@@ -1,6 +1,7 @@
 """The model architecture, read from a Hugging Face model directory's ``config.json``.
 
-Only what the worker needs to build a Llama-family model is kept, already
+Only what the worker needs to build a Llama-family model (dense, or with mixture-of-experts layers:
+moe_config.py) is kept, already
 normalised: both the transformers v4 rope format (``rope_theta`` +
 ``rope_scaling``) and the v5 one (``rope_parameters``) become ``rope_theta`` and
 ``rope_scaling`` (``None`` for plain RoPE). Anything we cannot run faithfully is
@@ -15,7 +16,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
+from shared.moe_config import MOE_MODEL_TYPES, MoEConfig, parse_moe
+
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", *MOE_MODEL_TYPES)
+# The dense family each MoE one shares its attention with.
+_ATTENTION_FAMILY = {"mixtral": "mistral", "qwen2_moe": "qwen2", "qwen3_moe": "qwen3"}
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
 # Keys each rope type needs besides rope_theta; checked up front so a bad config fails at load.
 _ROPE_KEYS = {"default": (), "linear": ("factor",),
@@ -46,6 +51,7 @@ class ModelConfig:
     dtype: str = "float32"
     o_bias: bool = False  # o_proj carries a bias (Llama/Qwen3 attention_bias)
     mlp_bias: bool = False  # gate/up/down carry biases (Llama mlp_bias)
+    moe: MoEConfig | None = None  # None: every layer has a dense MLP
 
     def __post_init__(self) -> None:
         for name in ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
@@ -97,6 +103,10 @@ class ModelConfig:
         head_dim = raw.get("head_dim") or (128 if model_type == "qwen3" else raw["hidden_size"] // heads)
         rope_theta, rope_scaling = _parse_rope(raw)
         attention_bias = bool(raw.get("attention_bias", False))
+        family = _ATTENTION_FAMILY.get(model_type, model_type)
+        # Qwen2-MoE's config has a qkv_bias switch (on unless turned off); Qwen2's biases are always there.
+        qkv_bias = (bool(raw.get("qkv_bias", True)) if model_type == "qwen2_moe"
+                    else family == "qwen2" or (family in ("llama", "qwen3") and attention_bias))
         return cls(
             model_type=model_type,
             hidden_size=raw["hidden_size"],
@@ -111,13 +121,18 @@ class ModelConfig:
             rope_scaling=rope_scaling,
             max_position_embeddings=raw.get("max_position_embeddings", 2048),
             tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
-            qkv_bias=model_type == "qwen2" or (model_type in ("llama", "qwen3") and attention_bias),
-            qk_norm=model_type == "qwen3",
-            sliding_window=_parse_sliding_window(raw, model_type),
+            qkv_bias=qkv_bias,
+            qk_norm=family == "qwen3",
+            sliding_window=_parse_sliding_window(raw, family),
             dtype=str(raw.get("dtype") or raw.get("torch_dtype") or "float32"),
-            o_bias=model_type in ("llama", "qwen3") and attention_bias,
+            o_bias=family in ("llama", "qwen3") and attention_bias,
             mlp_bias=model_type == "llama" and bool(raw.get("mlp_bias", False)),
+            moe=parse_moe(raw, model_type),
         )
+
+    def mlp_width(self, layer: int) -> int:
+        """The intermediate size of a layer's dense MLP, or of each expert in a sparse one."""
+        return self.moe.intermediate_size if self.moe is not None and self.moe.is_sparse(layer) else self.intermediate_size
 
 
 def _parse_rope(raw: dict[str, Any]) -> tuple[float, dict[str, Any] | None]:

@@ -66,3 +66,23 @@ def qwen3_dir(tiny_model_factory):
 def tied_dir(tiny_model_factory):
     return tiny_model_factory("llama", tie_word_embeddings=True, rope_scaling={"rope_type": "linear",
                                                                                 "factor": 2.0})
+
+
+@pytest.fixture(scope="session")
+def mixtral_dir(tiny_model_factory):
+    # Every layer sparse: 4 experts, 2 per token, their weights renormalised and kept in float32.
+    return tiny_model_factory("mixtral", num_local_experts=4, num_experts_per_tok=2, sliding_window=None)
+
+
+@pytest.fixture(scope="session")
+def qwen2_moe_dir(tiny_model_factory):
+    # A shared expert beside the routed ones; the top-k weights are not renormalised.
+    return tiny_model_factory("qwen2_moe", num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
+                              shared_expert_intermediate_size=48)
+
+
+@pytest.fixture(scope="session")
+def qwen3_moe_dir(tiny_model_factory):
+    # 8 experts of 32 columns, 2 per token, renormalised; layer 1 dense (mlp_only_layers); q/k norms.
+    return tiny_model_factory("qwen3_moe", num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32,
+                              norm_topk_prob=True, mlp_only_layers=[1], head_dim=32)

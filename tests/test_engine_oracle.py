@@ -26,7 +26,8 @@ def blocks_to_force_preemption(block_size: int) -> int:
     return max(max(need), sum(need) // 2)
 
 
-@pytest.mark.parametrize("model_fixture", ["llama_dir", "mistral_dir", "qwen2_dir", "qwen3_dir", "tied_dir"])
+@pytest.mark.parametrize("model_fixture", ["llama_dir", "mistral_dir", "qwen2_dir", "qwen3_dir", "tied_dir",
+                                           "mixtral_dir", "qwen2_moe_dir", "qwen3_moe_dir"])
 @pytest.mark.parametrize("block_size", [8, 16])
 def test_greedy_equals_transformers(model_fixture, block_size, request):
     model_dir = request.getfixturevalue(model_fixture)

@@ -12,9 +12,11 @@ from services.worker.attention.torch_ref import TorchAttentionBackend, paged_att
 from services.worker.model_loader import load_eos_token_ids, load_model
 from shared.model_config import ModelConfig
 from tests.attention_inputs import build_metadata
+from tests.checkpoint_edits import rewrite_weights
 
 CPU = torch.device("cpu")
-ARCH_FIXTURES = ["llama_dir", "mistral_dir", "qwen2_dir", "qwen3_dir", "tied_dir"]
+ARCH_FIXTURES = ["llama_dir", "mistral_dir", "qwen2_dir", "qwen3_dir", "tied_dir", "mixtral_dir", "qwen2_moe_dir",
+                 "qwen3_moe_dir"]
 
 
 class PagedRunner:
@@ -198,25 +200,16 @@ def test_corrupt_safetensors(llama_copy):
         load_model(llama_copy, torch.float32, CPU)
 
 
-def _rewrite_weights(model_dir, edit):
-    from safetensors.torch import load_file, save_file
-
-    file = model_dir / "model.safetensors"
-    tensors = load_file(file)
-    edit(tensors)
-    save_file(tensors, file, metadata={"format": "pt"})
-
-
 def test_wrong_shape_weight(llama_copy):
     name = "model.layers.1.self_attn.k_proj.weight"
-    _rewrite_weights(llama_copy, lambda t: t.__setitem__(name, t[name][:-1].clone()))
+    rewrite_weights(llama_copy, lambda t: t.__setitem__(name, t[name][:-1].clone()))
     with pytest.raises(ValueError, match=rf"model.safetensors.*{name}.*\(31, 64\).*expected \(32, 64\)"):
         load_model(llama_copy, torch.float32, CPU)
 
 
 def test_missing_weight(llama_copy):
     name = "model.layers.0.mlp.up_proj.weight"
-    _rewrite_weights(llama_copy, lambda t: t.pop(name))
+    rewrite_weights(llama_copy, lambda t: t.pop(name))
     with pytest.raises(ValueError, match=rf"missing weights.*{name}"):
         load_model(llama_copy, torch.float32, CPU)
 

@@ -26,10 +26,20 @@ SAMPLER_BYTES_PER_LOGIT = 64
 def activation_bytes_estimate(model: ModelConfig, config: EngineConfig, max_tokens: int) -> int:
     """A generous bound on one step's transient memory: the forward pass's hidden states, MLP and
     attention (twice over), and the sampler over max_num_seqs rows (the most one call takes)."""
-    per_token = 4 * (4 * model.hidden_size + 3 * model.intermediate_size
+    per_token = 4 * (4 * model.hidden_size + 3 * _mlp_width_per_token(model)
                      + 2 * (model.num_attention_heads + 2 * model.num_key_value_heads) * model.head_dim)
     sampling = SAMPLER_BYTES_PER_LOGIT * config.max_num_seqs * model.vocab_size
     return 2 * max_tokens * per_token + sampling
+
+
+def _mlp_width_per_token(model: ModelConfig) -> int:
+    """A token's widest MLP activations: a dense layer's, or its chosen experts' together (each also holds a
+    copy of the token's input) plus the shared expert and the router's scores."""
+    moe = model.moe
+    if moe is None:
+        return model.intermediate_size
+    routed = moe.top_k * (moe.intermediate_size + model.hidden_size) + moe.shared_expert_intermediate_size
+    return max(model.intermediate_size, routed + moe.num_experts)
 
 
 def kv_budget_bytes(model: ModelConfig, config: EngineConfig, device: torch.device, max_tokens: int) -> int:

@@ -2,7 +2,7 @@
 
 Megatron's split, as vLLM does it: each rank holds 1/size of the attention heads (query and KV) and
 of the MLP's intermediate columns (with fewer KV heads than ranks, each KV head is held by the ranks
-whose query heads use it), so q/k/v and gate/up are split by their outputs and need no
+whose query heads use it; in a mixture-of-experts layer, every expert with 1/size of its columns), so q/k/v and gate/up are split by their outputs and need no
 communication, while o_proj and down_proj are split by their inputs and their partial sums are
 added across ranks (one all-reduce each, per layer). Norms, the embedding and the logits head are
 whole on every rank, so every rank ends a step with the same hidden states and samples the same
@@ -19,6 +19,7 @@ from dataclasses import dataclass
 import torch
 
 from shared.model_config import ModelConfig
+from shared.moe_config import MoEConfig
 
 # How long a rank waits in a collective for the others: longer than any step, shorter than forever
 # (a rank that died leaves the others waiting here; then they fail, and the group is restarted).
@@ -54,7 +55,17 @@ class TensorParallel:
                              "divide the other")
         return dataclasses.replace(config, num_attention_heads=config.num_attention_heads // self.size,
                                    num_key_value_heads=max(1, kv_heads // self.size),
-                                   intermediate_size=config.intermediate_size // self.size)
+                                   intermediate_size=config.intermediate_size // self.size,
+                                   moe=config.moe and self._shard_experts(config.moe))
+
+    def _shard_experts(self, moe: MoEConfig) -> MoEConfig:
+        """Every expert on every rank, each with its share of the expert's intermediate columns."""
+        for name in ("intermediate_size", "shared_expert_intermediate_size"):
+            if getattr(moe, name) % self.size:
+                raise ValueError(f"tensor_parallel_size {self.size} does not divide the experts' {name} "
+                                 f"({getattr(moe, name)})")
+        return dataclasses.replace(moe, intermediate_size=moe.intermediate_size // self.size,
+                                   shared_expert_intermediate_size=moe.shared_expert_intermediate_size // self.size)
 
     def kv_replicas(self, config: ModelConfig) -> int:
         """How many ranks hold each KV head of the (whole) model: 1 unless it has fewer than the ranks."""

@@ -1,10 +1,11 @@
-"""The Llama family (Llama, Mistral, Qwen2, Qwen3) over a paged KV cache.
+"""The Llama family (Llama, Mistral, Qwen2, Qwen3, and their mixture-of-experts kin Mixtral, Qwen2-MoE
+and Qwen3-MoE, whose sparse layers are moe.py's) over a paged KV cache.
 
 Inputs are flattened: the scheduled tokens of every sequence in the batch, one
 after another, with their positions; attention (and the KV cache) is the
 backend's job, so this module is only the dense math. q/k/v and gate/up are
 fused into one matmul each; ``load_weights`` takes Hugging Face names and
-writes each checkpoint tensor into its slice of the fused weight.
+writes each checkpoint tensor into its slice of the fused weight (weight_targets.py).
 
 With tensor parallelism the model is built from this rank's share of the config
 (its heads and intermediate columns, see tensor_parallel.py): ``load_weights``
@@ -22,7 +23,9 @@ from torch import nn
 
 from services.worker.attention.metadata import AttentionMetadata
 from services.worker.models.layers import RMSNorm, RotaryEmbedding, silu_and_mul
+from services.worker.models.moe import SparseMoeBlock
 from services.worker.models.packed_linear import PackedLinear, pack_linear_layers
+from services.worker.models.weight_targets import HF_MLP_NAMES, MIXTRAL_EXPERT_NAMES, WeightTargets
 from services.worker.tensor_parallel import TensorParallel
 from shared.model_config import ModelConfig
 
@@ -58,14 +61,26 @@ class Attention(nn.Module):
 
 
 class MLP(nn.Module):
-    def __init__(self, config: ModelConfig, tp: TensorParallel):
+    def __init__(self, hidden_size: int, intermediate_size: int, bias: bool, tp: TensorParallel, reduce: bool = True):
+        """``reduce``: sum the output over the ranks (False: the caller adds this rank's part to its own first)."""
         super().__init__()
-        self.tp = tp
-        self.gate_up_proj = nn.Linear(config.hidden_size, 2 * config.intermediate_size, bias=config.mlp_bias)
-        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=config.mlp_bias and tp.rank == 0)
+        self.tp, self.reduce = tp, reduce
+        self.gate_up_proj = nn.Linear(hidden_size, 2 * intermediate_size, bias=bias)
+        self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=bias and tp.rank == 0)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.tp.all_reduce(self.down_proj(silu_and_mul(self.gate_up_proj(x))))
+        out = self.down_proj(silu_and_mul(self.gate_up_proj(x)))
+        return self.tp.all_reduce(out) if self.reduce else out
+
+
+def build_mlp(config: ModelConfig, layer: int, tp: TensorParallel) -> nn.Module:
+    """The layer's dense MLP, or its experts where the model has them there."""
+    moe = config.moe
+    if moe is None or not moe.is_sparse(layer):
+        return MLP(config.hidden_size, config.intermediate_size, config.mlp_bias, tp)
+    shared = moe.shared_expert_intermediate_size
+    shared_expert = MLP(config.hidden_size, shared, False, tp, reduce=False) if shared else None
+    return SparseMoeBlock(config.hidden_size, moe, tp, shared_expert)
 
 
 class DecoderLayer(nn.Module):
@@ -74,7 +89,7 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.self_attn = Attention(config, layer, rotary, tp)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.mlp = MLP(config, tp)
+        self.mlp = build_mlp(config, layer, tp)
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None, positions: torch.Tensor, attention,
                 meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
@@ -121,6 +136,9 @@ class LlamaForCausalLM(nn.Module):
         The tied head packs a copy and leaves the embedding as it is (lookups still need it).
         """
         pack_linear_layers(self)
+        for module in self.modules():
+            if isinstance(module, SparseMoeBlock):
+                module.pack_experts()
         tied = self.config.tie_word_embeddings
         self.packed_logits = PackedLinear(self.embed_tokens.weight, None) if tied else self.lm_head
 
@@ -142,54 +160,41 @@ class LlamaForCausalLM(nn.Module):
 
     # ---- loading -----------------------------------------------------------------------------
 
-    def _weight_targets(self) -> dict[str, _Target]:
+    def _weight_targets(self) -> WeightTargets:
         """HF parameter name -> where this rank's part of it goes."""
-        targets: dict[str, _Target] = {}
-        tp = self.tp
-
-        def whole(name: str, tensor: torch.Tensor) -> None:
-            targets[name] = _Target(tensor, 0, tensor.shape[0])
-
-        def parts(prefix: str, suffix: str, fused: torch.Tensor, names: list[str], sizes: list[int],
-                  replicas: list[int]) -> None:
-            start = 0
-            for name, size, shared in zip(names, sizes, replicas):  # this rank's rows of each (its heads, columns)
-                whole_rows = size * tp.size // shared
-                targets[f"{prefix}.{name}.{suffix}"] = _Target(fused, start, size, 0, tp.rows(whole_rows, shared),
-                                                               whole_rows)
-                start += size
-
-        def columns(name: str, tensor: torch.Tensor) -> None:  # this rank's inputs of a row-parallel layer
-            whole_columns = tensor.shape[1] * tp.size
-            targets[name] = _Target(tensor, 0, tensor.shape[0], 1, tp.rows(whole_columns), whole_columns)
-
-        whole("model.embed_tokens.weight", self.embed_tokens.weight)
-        whole("model.norm.weight", self.norm.weight)
+        targets = WeightTargets(self.tp)
+        targets.whole("model.embed_tokens.weight", self.embed_tokens.weight)
+        targets.whole("model.norm.weight", self.norm.weight)
         if not self.config.tie_word_embeddings:
-            whole("lm_head.weight", self.lm_head.weight)
+            targets.whole("lm_head.weight", self.lm_head.weight)
         for i, layer in enumerate(self.layers):
-            p, attn, mlp = f"model.layers.{i}", layer.self_attn, layer.mlp
-            whole(f"{p}.input_layernorm.weight", layer.input_layernorm.weight)
-            whole(f"{p}.post_attention_layernorm.weight", layer.post_attention_layernorm.weight)
+            p, attn = f"model.layers.{i}", layer.self_attn
+            targets.whole(f"{p}.input_layernorm.weight", layer.input_layernorm.weight)
+            targets.whole(f"{p}.post_attention_layernorm.weight", layer.post_attention_layernorm.weight)
             qkv_sizes = [attn.q_size, attn.kv_size, attn.kv_size]
             for suffix, fused in (("weight", attn.qkv_proj.weight), ("bias", attn.qkv_proj.bias)):
                 if fused is not None:
-                    parts(f"{p}.self_attn", suffix, fused, ["q_proj", "k_proj", "v_proj"], qkv_sizes,
-                          [1, self.kv_replicas, self.kv_replicas])
-            inter = self.config.intermediate_size
-            for suffix, fused in (("weight", mlp.gate_up_proj.weight), ("bias", mlp.gate_up_proj.bias)):
-                if fused is not None:
-                    parts(f"{p}.mlp", suffix, fused, ["gate_proj", "up_proj"], [inter, inter], [1, 1])
-            for name, module in ((f"{p}.self_attn.o_proj", attn.o_proj), (f"{p}.mlp.down_proj", mlp.down_proj)):
-                columns(f"{name}.weight", module.weight)
-                if module.bias is not None:
-                    whole(f"{name}.bias", module.bias)
-                elif self.config.o_bias if name.endswith("o_proj") else self.config.mlp_bias:
-                    targets[f"{name}.bias"] = None  # added once, by rank 0
+                    targets.parts(f"{p}.self_attn", suffix, fused, ["q_proj", "k_proj", "v_proj"], qkv_sizes,
+                                  [1, self.kv_replicas, self.kv_replicas])
+            targets.row_parallel(f"{p}.self_attn.o_proj", attn.o_proj, self.config.o_bias)
             if attn.qk_norm:
-                whole(f"{p}.self_attn.q_norm.weight", attn.q_norm.weight)
-                whole(f"{p}.self_attn.k_norm.weight", attn.k_norm.weight)
+                targets.whole(f"{p}.self_attn.q_norm.weight", attn.q_norm.weight)
+                targets.whole(f"{p}.self_attn.k_norm.weight", attn.k_norm.weight)
+            if isinstance(layer.mlp, SparseMoeBlock):
+                self._expert_targets(targets, p, layer.mlp)
+            else:
+                targets.mlp(f"{p}.mlp", layer.mlp.gate_up_proj, layer.mlp.down_proj, self.config.mlp_bias)
         return targets
+
+    def _expert_targets(self, targets: WeightTargets, layer_prefix: str, block: SparseMoeBlock) -> None:
+        mixtral = self.config.model_type == "mixtral"
+        prefix = f"{layer_prefix}.block_sparse_moe" if mixtral else f"{layer_prefix}.mlp"
+        targets.whole(f"{prefix}.gate.weight", block.gate.weight)
+        targets.experts(f"{prefix}.experts", block.w13, block.w2, MIXTRAL_EXPERT_NAMES if mixtral else HF_MLP_NAMES)
+        if block.shared_expert is not None:
+            targets.whole(f"{prefix}.shared_expert_gate.weight", block.shared_expert_gate.weight)
+            shared = block.shared_expert
+            targets.mlp(f"{prefix}.shared_expert", shared.gate_up_proj, shared.down_proj, False)
 
     @torch.no_grad()
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
@@ -210,27 +215,7 @@ class LlamaForCausalLM(nn.Module):
             expected = target.source_shape()
             if tuple(tensor.shape) != expected:
                 raise ValueError(f"weight {name!r} has shape {tuple(tensor.shape)}, expected {expected}")
-            if target.part is not None:
-                tensor = tensor[target.part] if target.dim == 0 else tensor[:, target.part]
-            target.param[target.start:target.start + target.rows].copy_(tensor)
+            target.copy_from(tensor)
         missing = sorted(set(targets) - loaded)
         if missing:
             raise ValueError(f"missing weights ({len(missing)}): {', '.join(missing)}")
-
-
-class _Target:
-    """Where a checkpoint tensor goes: rows [start, start + rows) of ``param``, from the checkpoint's
-    slice ``part`` along ``dim`` (this rank's share, of the checkpoint's ``whole`` along it; None: all)."""
-
-    __slots__ = ("param", "start", "rows", "dim", "part", "whole")
-
-    def __init__(self, param: torch.Tensor, start: int, rows: int, dim: int = 0, part: slice | None = None,
-                 whole: int = 0):
-        self.param, self.start, self.rows, self.dim, self.part, self.whole = param, start, rows, dim, part, whole
-
-    def source_shape(self) -> tuple[int, ...]:
-        """The checkpoint tensor's shape."""
-        shape = [self.rows, *self.param.shape[1:]]
-        if self.part is not None:
-            shape[self.dim] = self.whole
-        return tuple(shape)
