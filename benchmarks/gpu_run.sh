@@ -8,8 +8,9 @@
 # then one call of the device tool:
 #     run(command="bash benchmarks/gpu_run.sh", carry=[".whl"], timeout_s=590)
 # It leaves gpu.txt, scheduler_overhead.{log,json}, gpu_kernels.log and gpu_kernels.json under $OUT: the issue's five sections, then the
-# decode tuning sweep, all within 545 s of this script's start (the call's limit is 590 s; the script's
-# own imports and its report take the rest). The JSON is rewritten after every section.
+# decode tuning sweep, all within 515 s of this script's start; then moe_layer.{log,json} (the fused
+# experts kernel against transformers' loop, about 20 s) by 545 s (the call's limit is 590 s; the
+# script's own imports and its report take the rest). The JSON is rewritten after every section.
 set -euo pipefail
 START=$(date +%s)
 cd "$(dirname "$0")/.."
@@ -33,5 +34,9 @@ export PYTHONPATH="/tmp/site:$PWD" PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TRANSFORM
 python3 benchmarks/scheduler_overhead.py --batch 32 256 --steps 100 --out "$OUT/scheduler_overhead.json" \
     > "$OUT/scheduler_overhead.log" 2>&1 || true
 python3 benchmarks/gpu_kernels.py --sections check,decode,prefill,cache,engine,tune \
-    --deadline $((START + 545 - $(date +%s))) \
+    --deadline $((START + 515 - $(date +%s))) \
     --out "$OUT/gpu_kernels.json" 2>&1 | tee "$OUT/gpu_kernels.log"
+# One Qwen3-30B-A3B expert layer (128 experts, 8 per token) in bfloat16: fused kernel, grouped loop, transformers.
+timeout $((START + 545 - $(date +%s))) python3 benchmarks/moe_layer.py --device cuda --dtype bfloat16 \
+    --hidden 2048 --inter 768 --tokens 1 32 256 2048 --repeats 20 --out "$OUT/moe_layer.json" \
+    > "$OUT/moe_layer.log" 2>&1 || true

@@ -7,7 +7,7 @@ but never lowers them. A kernel can pass every interpreted test and still fail t
 (layouts, dot shapes, shared memory), or compile into one that spills registers or whose K/V loads
 are not pipelined; either would sink the decode targets of benchmarks/gpu_kernels.py.
 
-How: the real wrappers (paged_attention, write_kv, copy_blocks) are called with CPU tensors while a
+How: the real wrappers (paged_attention, write_kv, copy_blocks, fused_experts) are called with CPU tensors while a
 compile-only driver stands in for CUDA. Every launch is compiled for ``--arch`` with the specialisation
 a GPU launch of the same arguments gets (dtypes, 16-byte divisibility, constexprs) and is not run.
 The arguments cover a fixed set of shapes (gpu_kernels.py's, the project's models', small test
@@ -256,6 +256,29 @@ def compile_cache_ops(recorder: Recorder, shape: Shape, dtype_name: str) -> None
             recorder.failed(name, e)
 
 
+# (hidden, expert intermediate, experts): Qwen3-30B-A3B's layer, and widths no tile divides (masks, and no
+# 16-byte divisibility for the compiler to assume).
+EXPERT_SHAPES = ((2048, 768, 128), (48, 40, 6))
+
+
+def compile_experts(recorder: Recorder, quick: bool) -> None:
+    """The fused experts' grouped matmul: both projections, at every tile height the worker launches."""
+    from services.worker.models.fused_moe import fused_experts
+
+    dtypes = ("bfloat16", "float32") if quick else ("bfloat16", "float16", "float32")
+    shapes = EXPERT_SHAPES[:1] if quick else EXPERT_SHAPES
+    for (hidden, inter, experts), dtype_name in ((shape, d) for shape in shapes for d in dtypes):
+        dtype = getattr(torch, dtype_name)
+        w13, w2 = torch.empty(experts, 2 * inter, hidden, dtype=dtype), torch.empty(experts, hidden, inter, dtype=dtype)
+        x, ids = torch.zeros(3, hidden, dtype=dtype), torch.arange(6).view(3, 2) % experts
+        for block_m in (16, 32, 64):
+            recorder.case = f"experts h{hidden} i{inter} e{experts} {dtype_name} rows={block_m}"
+            try:
+                fused_experts(x, w13, w2, torch.full((3, 2), 0.5), ids, block_m)
+            except Exception as e:
+                recorder.failed("fused_experts", e)
+
+
 def serving_batches(rng: random.Random, block_size: int, max_model_len: int, budget: int, count: int):
     """Steps as a scheduler makes them: the extremes (one decode at the full context, one prefill of the
     whole budget), then random ones: decodes at any context, prefill chunks after cached blocks, a third
@@ -369,11 +392,13 @@ def main() -> int:
     triton.knobs.compilation.always_compile = True  # a binary from Triton's disk cache comes without that log
     driver.set_active(CompileOnlyDriver(args.arch))
     from services.worker.attention import triton_attention, triton_cache_ops
+    from services.worker.models import fused_moe
 
     recorder = Recorder(args.arch)
     real_sm_count = triton_attention._sm_count
     for kernel in (triton_attention._paged_attention_kernel, triton_attention._reduce_splits_kernel,
-                   triton_cache_ops._write_kv_kernel, triton_cache_ops._copy_blocks_kernel):
+                   triton_cache_ops._write_kv_kernel, triton_cache_ops._copy_blocks_kernel,
+                   fused_moe._grouped_matmul_kernel):
         recorder.instrument(kernel)
     started = time.perf_counter()
     # First, while no kernel is compiled yet: a binary the matrix below made would hide a warm-up gap.
@@ -383,6 +408,7 @@ def main() -> int:
         compile_attention(recorder, shape, dtype_name)
         compile_cache_ops(recorder, shape, dtype_name)
     compile_tuning_variants(recorder)
+    compile_experts(recorder, args.quick)
     elapsed = time.perf_counter() - started
     print_table(recorder.variants)
     bad = [v for v in recorder.variants if v.problems]

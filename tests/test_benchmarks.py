@@ -115,3 +115,15 @@ def test_tool_parsing_times_each_parser_over_each_output(tmp_path):
     assert {(r["parser"], r["output"]) for r in rows} == \
         {(p, o) for p in ("hermes", "llama3_json") for o in ("plain text", "one long call", "two calls")}
     assert all(r["cpu_us_per_delta"] > 0 and r["chars"] > 0 for r in rows)
+
+
+def test_moe_layer_benchmark_checks_each_variant_against_transformers(tmp_path):
+    out = tmp_path / "moe_layer.json"
+    subprocess.run([sys.executable, str(REPO / "benchmarks" / "moe_layer.py"), "--hidden", "32", "--inter", "16",
+                    "--experts", "6", "--top-k", "2", "--tokens", "1", "9", "--repeats", "1", "--out", str(out)],
+                   cwd=REPO, check=True, timeout=120, stdout=subprocess.DEVNULL)
+    rows = json.loads(out.read_text())["rows"]
+    assert [r["tokens"] for r in rows] == [1, 9]
+    for row in rows:
+        for name in ("transformers", "grouped", "grouped+packed"):
+            assert row[f"{name}_ms"] > 0 and row[f"{name}_error"] < 1e-4

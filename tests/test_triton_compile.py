@@ -15,7 +15,8 @@ import pytest
 
 from tests.services_harness import REPO
 
-KERNELS = {"_paged_attention_kernel", "_reduce_splits_kernel", "_write_kv_kernel", "_copy_blocks_kernel"}
+KERNELS = {"_paged_attention_kernel", "_reduce_splits_kernel", "_write_kv_kernel", "_copy_blocks_kernel",
+           "_grouped_matmul_kernel"}
 ARCHS = (80, 90)
 
 
@@ -92,3 +93,17 @@ def test_five_stages_give_decode_two_kv_buffers(reports, arch):
     (deep,) = attention(reports[arch], "stages=5")
     default = attention(reports[arch], "H32/KV8/D128/B16 bfloat16 decode split=False")
     assert deep["tile_buffers"] == 2 and all(v["tile_buffers"] == 1 for v in default)
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_fused_experts_compile_at_every_tile_height_without_spills(reports, arch):
+    report = reports[arch]
+    experts = [v for v in report["variants"] if v["kernel"] == "_grouped_matmul_kernel"]
+    # Both projections (gate/up from the tokens' rows, down scaled by the routing weights), 16/32/64 rows.
+    assert {(v["case"].split()[-2], v["case"].split()[-1], "ROWS_ARE_TOKENS=True" in v["constexprs"])
+            for v in experts} == {(d, f"rows={m}", t) for d in ("bfloat16", "float32") for m in (16, 32, 64)
+                                  for t in (True, False)}
+    assert all(v["spill_bytes"] <= report["spill_tolerance"] for v in experts)
+    assert {v["dot"] for v in experts if "float32" in v["case"]} == {"fma"}  # IEEE, not TF32
+    if arch == 90:
+        assert all(v["dot"] == "wgmma" for v in experts if "bfloat16 rows=64" in v["case"])

@@ -6,7 +6,8 @@ up to a prefill tile) and split-K on or off; the reduce kernel's with the split 
 a power of two. Serving would meet them one at a time, each a stall of about a second in some
 request's step. So a CUDA worker runs the model once over dummy batches that bring every one of
 them, within its context length and token budget, while the pool is still empty: what they write
-lands in blocks no sequence owns, and every later read is of slots a sequence wrote first.
+lands in blocks no sequence owns, and every later read is of slots a sequence wrote first. A model
+with fused experts also launches each of their tile heights once (one layer's weights serve for all).
 """
 
 from __future__ import annotations
@@ -48,13 +49,23 @@ def dummy_sequence(cached: int, new: int, block_size: int, num_blocks: int) -> S
 
 def warm_up_kernels(model, attention, kv_pool: torch.Tensor, block_size: int, max_model_len: int,
                     token_budget: int, device: torch.device) -> int:
-    """The block copy, and with the Triton backend ``model`` over the warm-up batches; returns the passes."""
+    """The block copy, and with the Triton backend ``model`` over the warm-up batches and its fused experts'
+    tile heights; returns the forward passes plus the expert launches."""
     num_blocks = kv_pool.shape[2]
     batches = warm_up_batches(block_size, num_blocks, max_model_len, token_budget) if attention.name == "triton" else []
     with torch.inference_mode():
         for batch in batches:
             inputs = build_model_inputs(batch, block_size, device)
             model(inputs.input_ids, inputs.positions, attention, inputs.meta)
+        launches = _warm_up_experts(model)
         if num_blocks >= 2:  # the worker copies with Triton on CUDA whatever its attention backend
             copy_blocks(kv_pool, [(0, 1)])
-    return len(batches)
+    return len(batches) + launches
+
+
+def _warm_up_experts(model) -> int:
+    from services.worker.models.fused_moe import compile_variants
+    from services.worker.models.moe import SparseMoeBlock
+
+    fused = [m for m in model.modules() if isinstance(m, SparseMoeBlock) and m.fused]
+    return compile_variants(fused[0].w13, fused[0].w2, fused[0].moe.top_k) if fused else 0

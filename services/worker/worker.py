@@ -99,6 +99,8 @@ class Worker:
             self._swap_out = self._swap_in = swap_blocks
         backend = select_attention_backend(config.attention_backend, self.device)
         self.attention = backend(self.kv_pools, self.model_config.head_dim ** -0.5)
+        if backend.name == "triton":
+            self.model.use_fused_experts()
         self.eos_token_ids = load_eos_token_ids(self.model_dir)
         self.vocab_size = self.model_config.vocab_size
         self.sampler = Sampler(self.vocab_size, self.eos_token_ids, seed=config.seed, device=self.device)

@@ -152,6 +152,13 @@ class LlamaForCausalLM(nn.Module):
             return self.norm(x)
         return self.norm.forward_with_residual(x, residual)[0]
 
+    def use_fused_experts(self) -> None:
+        """Run the mixture-of-experts layers through the Triton kernel (with the Triton attention); not those
+        whose experts were packed for oneDNN (float32 on a CPU, under the interpreter)."""
+        for module in self.modules():
+            if isinstance(module, SparseMoeBlock):
+                module.fused = module.packed is None
+
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Float32 logits ``[N, vocab]`` for the rows of ``hidden`` that need sampling."""
         if self.packed_logits is not None:

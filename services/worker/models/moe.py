@@ -4,7 +4,8 @@ The experts' weights are stacked, ``w13 [E, 2I, H]`` (each expert's gate and up 
 and ``w2 [E, H, I]``, the layout fused-MoE kernels take. The tokens are grouped by expert with one
 sort, so each expert runs one matmul pair over all of its tokens, and the host learns the group
 sizes in a single sync (transformers asks once per expert). The outputs are summed in expert order,
-in the activations' dtype, as transformers does, so float32 outputs agree to rounding.
+in the activations' dtype, as transformers does, so float32 outputs agree to rounding. With the Triton
+kernels (on GPUs) fused_moe.py runs all experts in one launch per projection, with no sync at all.
 
 With tensor parallelism every rank holds every expert, and its share of each one's intermediate
 columns (like the dense MLP); the partial sums are added across ranks once, after the shared expert's.
@@ -47,10 +48,12 @@ class SparseMoeBlock(nn.Module):
         if shared_expert is not None:
             self.shared_expert_gate = nn.Linear(hidden_size, 1, bias=False)
         self.packed: list[tuple[PackedLinear, PackedLinear]] | None = None  # set by pack_experts
+        self.fused = False  # the Triton kernel (fused_moe.py) instead of one matmul pair per expert
 
     def pack_experts(self) -> None:
         """On the CPU in float32: each expert's two projections in oneDNN's layout (see packed_linear)."""
-        self.packed = [(PackedLinear(self.w13[e], None), PackedLinear(self.w2[e], None))
+        # A copy each: oneDNN reorders a view of the stacked weight on every call instead of once.
+        self.packed = [(PackedLinear(self.w13[e].clone(), None), PackedLinear(self.w2[e].clone(), None))
                        for e in range(self.moe.num_experts)]
         # The packed copies replace the stacked weights (an empty tensor keeps the parameter's dtype).
         self.w13 = nn.Parameter(self.w13.new_empty(0), requires_grad=False)
@@ -59,7 +62,12 @@ class SparseMoeBlock(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """``x [T, hidden]`` -> the layer's output ``[T, hidden]``, summed over the ranks."""
         weights, ids = select_experts(self.gate(x), self.moe, x.dtype)
-        out = self.run_experts(x, weights, ids)
+        if self.fused:
+            from services.worker.models.fused_moe import fused_experts
+
+            out = fused_experts(x, self.w13, self.w2, weights, ids)
+        else:
+            out = self.run_experts(x, weights, ids)
         if self.shared_expert is not None:
             out = out + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
         return self.tp.all_reduce(out)
