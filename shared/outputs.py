@@ -38,3 +38,4 @@ class RequestOutput:
     prompt_logprobs: list[PositionLogprobDict | None] | None
     outputs: list[CompletionOutput] = field(default_factory=list)
     finished: bool = False
+    num_cached_tokens: int = 0  # prompt tokens found in the prefix cache (their prefill skipped)

@@ -14,8 +14,9 @@ from shared.grpc_errors import ServiceUnavailable
 # 3: a session may end one sequence of a request by a stop string, and requests carry a cache salt;
 # 4: speculative decoding (draft tokens in plans and results, WorkerInfo's draft count and tensor-parallel rank);
 # 5: a request may be submitted again with its sequences' outputs so far (resumed after a lost scheduler);
-# 6: sampling parameters carry allowed_token_ids.
-INTERNAL_PROTOCOL_VERSION = 6
+# 6: sampling parameters carry allowed_token_ids;
+# 7: a sequence's last output says how many of its tokens the prefix cache held.
+INTERNAL_PROTOCOL_VERSION = 7
 
 
 class IncompatiblePeer(ServiceUnavailable):

@@ -30,9 +30,11 @@ def test_extension_of_a_cached_prompt_computes_only_the_new_part(llama_dir):
     expected = cold.generate({"prompt_token_ids": extended}, params, use_tqdm=False)[0].outputs[0].token_ids
 
     warm = LLM(str(llama_dir), block_size=8)
-    warm.generate({"prompt_token_ids": base}, params, use_tqdm=False)
+    assert warm.generate({"prompt_token_ids": base}, params, use_tqdm=False)[0].num_cached_tokens == 0
     plans = recording(warm)
-    got = warm.generate({"prompt_token_ids": extended}, params, use_tqdm=False)[0].outputs[0].token_ids
+    output = warm.generate({"prompt_token_ids": extended}, params, use_tqdm=False)[0]
+    got = output.outputs[0].token_ids
+    assert output.num_cached_tokens == 64  # what the request reports (vLLM's RequestOutput field)
     (first,) = plans[0].new
     assert first.num_computed_tokens == 64  # 8 full blocks of the 70-token prompt were cached
     assert first.num_scheduled_tokens == len(extended) - 64

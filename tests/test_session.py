@@ -199,7 +199,7 @@ class ScriptedEngine:
 
 
 def update(index: int, tokens: list[int], finish_reason: str | None = None) -> SequenceUpdate:
-    out = SequenceUpdate(types.SimpleNamespace(request_id="x", index=index))
+    out = SequenceUpdate(types.SimpleNamespace(request_id="x", index=index, output_token_ids=[], num_cached_tokens=None))
     out.new_token_ids, out.finish_reason = tokens, finish_reason
     return out
 
@@ -300,7 +300,7 @@ def test_session_events_keep_every_output_in_order_through_the_wire():
     from shared.step_protocol import PositionLogprobs
 
     class Seq:
-        request_id, index = "r", 0
+        request_id, index, output_token_ids, num_cached_tokens = "r", 0, (), None
 
     rng = random.Random()
     for _ in range(50):
@@ -313,11 +313,14 @@ def test_session_events_keep_every_output_in_order_through_the_wire():
                 update.finish_reason, update.stop_reason = "stop", rng.choice([2, "END"])
             elif kind < 0.3:
                 update.new_logprobs = [PositionLogprobs(t, -0.5, 1, [t], [-0.5]) for t in update.new_token_ids]
+            elif kind < 0.4:  # a first output, after prefix-cache hits
+                update.num_cached_tokens = rng.choice([16, 48])
             outputs.append((key, update))
         message = wire.SessionEvents.FromString(SessionBatch(outputs=outputs).to_proto().SerializeToString())
-        got = [(key, out.seq_index, list(out.new_token_ids), out.finish_reason or None, len(out.new_logprobs))
-               for key, out in step_outputs(message)]
-        assert got == [(key, u.seq_index, u.new_token_ids, u.finish_reason, len(u.new_logprobs)) for key, u in outputs]
+        got = [(key, out.seq_index, list(out.new_token_ids), out.finish_reason or None, len(out.new_logprobs),
+                out.num_cached_tokens) for key, out in step_outputs(message)]
+        assert got == [(key, u.seq_index, u.new_token_ids, u.finish_reason, len(u.new_logprobs), u.num_cached_tokens)
+                       for key, u in outputs]
 
 
 def test_malformed_session_events_are_refused():

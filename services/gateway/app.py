@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import json
 import time
 import uuid
 
@@ -20,6 +19,8 @@ from services.gateway.generation import Generator, InvalidParameter
 from services.gateway.openai_api import create_chat_completion, create_completion
 from services.gateway.protocol import ChatCompletionRequest, CompletionRequest
 from services.gateway.rate_limits import RateLimited
+from services.gateway.responses_api import create_response
+from services.gateway.responses_protocol import ResponsesRequest
 from services.gateway.tokenizer_api import DetokenizeRequest, TokenizeRequest, detokenize, tokenize
 from shared.grpc_errors import NotFound, ResourceExhausted, ServiceUnavailable, Unauthenticated
 from shared.logging import bind_request_id, clear_request_id, setup_logging
@@ -27,7 +28,7 @@ from shared.logging import bind_request_id, clear_request_id, setup_logging
 log = setup_logging("gateway")
 
 REQUEST_ID = "pagedserve.request_id"  # where the middleware leaves the request id in the ASGI scope
-ENDPOINTS = {"/v1/completions", "/v1/chat/completions", "/v1/models", "/tokenize", "/detokenize", "/version", "/health",
+ENDPOINTS = {"/v1/completions", "/v1/chat/completions", "/v1/responses", "/v1/models", "/tokenize", "/detokenize", "/version", "/health",
              "/metrics"}
 API_KEY = "pagedserve.api_key"  # where the auth middleware leaves the caller's ApiKey in the ASGI scope
 
@@ -171,7 +172,7 @@ async def _unless_disconnected(request: Request, work, poll_s: float = 0.25):
 
 
 class EventStream(StreamingResponse):
-    """A streamed reply as server-sent events, closed by `data: [DONE]`; an error after the headers
+    """A streamed reply as server-sent events, closed by `data: [DONE]` (chat, completions); an error after the headers
     went out becomes an error event. However the response ends (done, failed, client gone, or never
     started), the reply's engine requests are cancelled and its concurrency slot is freed.
 
@@ -195,11 +196,11 @@ class EventStream(StreamingResponse):
                     break
                 except Exception as exc:  # the generation failed (a failed send is not: it propagates)
                     log.warning("stream failed", error=str(exc))
-                    event, failed = json.dumps(error_body(exc)[1], ensure_ascii=False), True
-                await send({"type": "http.response.body", "body": f"data: {event}\n\n".encode(), "more_body": True})
+                    event, failed = self.reply.error_event(error_body(exc)[1]), True
+                await send({"type": "http.response.body", "body": self.reply.frame(event), "more_body": True})
         finally:
             await events.aclose()  # a disconnect lands here too: the runs abort their requests at the scheduler
-        await send({"type": "http.response.body", "body": b"data: [DONE]\n\n", "more_body": False})
+        await send({"type": "http.response.body", "body": self.reply.done_frame or b"", "more_body": False})
 
     async def __call__(self, scope, receive, send) -> None:
         try:
@@ -247,6 +248,10 @@ def create_app(gen: Generator, allowed_origins: tuple[str, ...] = ("*",), auth: 
     def model_card(model) -> dict:
         return {"id": model.name, "object": "model", "created": int(time.time()), "owned_by": "pagedserve",
                 "max_model_len": model.max_model_len}
+
+    @app.post("/v1/responses")
+    async def responses(body: ResponsesRequest, request: Request):
+        return await respond(request, create_response, body)
 
     @app.get("/v1/models")
     async def models():

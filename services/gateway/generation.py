@@ -206,6 +206,7 @@ class Run:
                         for _ in range(params.n)]
         self._done = [False] * params.n
         self.completion_tokens = 0
+        self.cached_tokens = 0  # prompt tokens the prefix cache held (known from the first output on)
         self.prompt_logprobs: list[TokenLogprob | None] | None = None
         self._started = time.perf_counter()
         self._first_output_s: float | None = None  # submit to first output (start())
@@ -297,6 +298,8 @@ class Run:
                 self._skip_prompt_logprobs -= skip
                 positions = positions[skip:]
             self.prompt_logprobs = (self.prompt_logprobs or [None]) + [self.model.logprob(p) for p in positions]
+        if message.num_cached_tokens:  # (a resumed request's count covers its earlier outputs too)
+            self.cached_tokens = max(self.cached_tokens, min(message.num_cached_tokens, len(self.prompt)))
         if self._done[index]:  # stopped by a stop string; the engine may still be running it for a moment
             return None
         ids = list(message.new_token_ids)
@@ -328,6 +331,7 @@ class Run:
         elif finish_reason:
             delta.text += detok.flush().text
             delta.finish_reason = finish_reason
+
             which = message.WhichOneof("stop_reason")
             delta.stop_reason = getattr(message, which) if which else None
         self._done[index] = delta.finish_reason is not None

@@ -115,6 +115,7 @@ class GenerationServicer(api_grpc.GenerationServicer):
         if delta.finish_reason:
             out.usage.prompt_tokens = len(run.prompt)
             out.usage.completion_tokens = run.completion_tokens
+            out.usage.cached_prompt_tokens = run.cached_tokens
         return out
 
     async def Abort(self, request, context):

@@ -46,7 +46,7 @@ async def _answer(gen: Generator, body, request_id: str, api_key: ApiKey | None,
             runs = await gen.start(model, request_id, prompts, params, cache_salt=body.cache_salt, admission=admission)
         except InvalidParameter as exc:
             raise body.public_error(exc) from None
-        reply = reply_class(model, body, f"{reply_class.id_prefix}-{request_id}", runs, texts)
+        reply = reply_class(model, body, reply_class.response_id(request_id), runs, texts)
         if not body.stream:
             return await reply.whole()
         reply.slot = stack.pop_all()  # the stream holds the request's slot until reply.aclose()
@@ -67,12 +67,26 @@ def _json_scalar(value: str | int | None) -> str:
 def usage(runs: list[Run]) -> dict:
     prompt = sum(len(run.prompt) for run in runs)
     completion = sum(run.completion_tokens for run in runs)
-    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
+            "prompt_tokens_details": {"cached_tokens": sum(run.cached_tokens for run in runs)}}
 
 
 class _Reply:
     """A request's answer: whole(), or events() for streaming followed by aclose()."""
-    object_whole = object_chunk = ""
+    object_whole = object_chunk = id_prefix = ""
+    done_frame: bytes | None = b"data: [DONE]\n\n"  # what ends the event stream (OpenAI's chat and completions)
+
+    @classmethod
+    def response_id(cls, request_id: str) -> str:
+        return f"{cls.id_prefix}-{request_id}"
+
+    def frame(self, event: str) -> bytes:
+        """One of events() as a server-sent event."""
+        return f"data: {event}\n\n".encode()
+
+    def error_event(self, error: dict) -> str:
+        """The event that ends a stream whose generation failed, from the error's OpenAI object."""
+        return _JSON.encode(error)
 
     def __init__(self, model: Model, body, response_id: str, runs: list[Run], prompt_texts: list[str]):
         self.model, self.body, self.id, self.runs, self.prompt_texts = model, body, response_id, runs, prompt_texts

@@ -58,6 +58,7 @@ class TokenOutput:
     __slots__ = ("seq_index", "new_token_ids")
     new_logprobs = prompt_logprobs = ()
     finish_reason = ""
+    num_cached_tokens = 0
 
     def __init__(self, seq_index: int, new_token_ids: list[int]):
         self.seq_index, self.new_token_ids = seq_index, new_token_ids

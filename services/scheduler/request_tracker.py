@@ -19,6 +19,7 @@ class RequestTracker:
         self.tokenizer = tokenizer
         self.prompt_logprobs: list[PositionLogprobDict | None] | None = \
             [None] if params.prompt_logprobs is not None else None
+        self.num_cached_tokens = 0
         self.completions = [CompletionOutput(i, "", [], 0.0 if params.logprobs is not None else None,
                                              [] if params.logprobs is not None else None) for i in range(params.n)]
         self.detokenizers = [IncrementalDetokenizer(tokenizer, prompt_token_ids,
@@ -34,6 +35,7 @@ class RequestTracker:
     def apply(self, update: SequenceUpdate) -> str | None:
         """Take one update; returns a stop string if the new text hit one (the engine must stop the sequence)."""
         completion = self.completions[update.seq_index]
+        self.num_cached_tokens = max(self.num_cached_tokens, min(update.num_cached_tokens, len(self.prompt_token_ids)))
         if completion.finish_reason is not None:
             return None
         if update.prompt_logprobs and self.prompt_logprobs is not None:
@@ -63,4 +65,5 @@ class RequestTracker:
 
     def output(self) -> RequestOutput:
         return RequestOutput(request_id=self.request_id, prompt=self.prompt, prompt_token_ids=self.prompt_token_ids,
-                             prompt_logprobs=self.prompt_logprobs, outputs=self.completions, finished=self.finished)
+                             prompt_logprobs=self.prompt_logprobs, outputs=self.completions, finished=self.finished,
+                             num_cached_tokens=self.num_cached_tokens)

@@ -245,6 +245,8 @@ class Scheduler:
             self.blocks.allocate_with_hits(seq.seq_id, hits, total)
             self._count_cache_lookup(seq, num_cached)
             seq.num_computed_tokens = num_cached
+            if seq.num_cached_tokens is None:  # a recomputed sequence's own earlier blocks are no cache hit
+                seq.num_cached_tokens = num_cached
             self.waiting.remove(seq)
             seq.status = SequenceStatus.RUNNING
             bisect.insort(self.running, seq, key=_by_arrival)

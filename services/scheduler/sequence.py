@@ -45,6 +45,7 @@ class Sequence:
         self.num_tokens_sent = 0
         self.num_blocks_sent = 0
         self.num_prompt_logprobs = 0  # prompt positions whose logprobs were passed on (recompute repeats them)
+        self.num_cached_tokens: int | None = None  # tokens found in the prefix cache at its first admission
         # Extra key of the prefix-cache hash: requests with different salts never share blocks.
         self.cache_extra = cache_salt.encode() if cache_salt else b""
         self.table_replaced = False  # copy-on-write or swap-in changed the table: send it whole
@@ -113,7 +114,7 @@ class SequenceUpdate:
     """What the front end learns about one sequence after a step."""
 
     __slots__ = ("request_id", "seq_index", "new_token_ids", "new_logprobs", "prompt_logprobs",
-                 "finish_reason", "stop_reason", "error")
+                 "finish_reason", "stop_reason", "error", "num_cached_tokens")
 
     def __init__(self, seq: Sequence, index: int | None = None):
         self.request_id = seq.request_id
@@ -124,9 +125,11 @@ class SequenceUpdate:
         self.finish_reason: str | None = None  # "stop", "length" or "abort" once finished
         self.stop_reason: int | str | None = None
         self.error: str | None = None  # why the request failed (it ended: "abort", every sequence)
+        # Until the sequence's first output token: the tokens its admission found in the prefix cache (usage).
+        self.num_cached_tokens = 0 if seq.output_token_ids else seq.num_cached_tokens or 0
 
     @property
     def is_plain(self) -> bool:
         """New tokens and nothing else (the common update; it travels as column entries)."""
         return not (self.new_logprobs or self.prompt_logprobs or self.finish_reason or self.stop_reason is not None
-                    or self.error)
+                    or self.error or self.num_cached_tokens)

@@ -71,7 +71,8 @@ def update_to_proto(key: int, update: SequenceUpdate) -> wire.EngineOutput:
                             new_token_ids=update.new_token_ids,
                             new_logprobs=[p.to_proto() for p in update.new_logprobs],
                             prompt_logprobs=[p.to_proto() for p in update.prompt_logprobs],
-                            finish_reason=update.finish_reason or "")
+                            finish_reason=update.finish_reason or "",
+                            num_cached_tokens=update.num_cached_tokens)
     if isinstance(update.stop_reason, int):
         out.stop_token_id = update.stop_reason
     elif isinstance(update.stop_reason, str):

@@ -112,7 +112,7 @@ class TokenOutputs(_message.Message):
     def __init__(self, keys: _Optional[_Iterable[int]] = ..., seq_indexes: _Optional[_Iterable[int]] = ..., num_tokens: _Optional[_Iterable[int]] = ..., token_ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class EngineOutput(_message.Message):
-    __slots__ = ("key", "seq_index", "new_token_ids", "new_logprobs", "prompt_logprobs", "finish_reason", "stop_token_id", "stop_string")
+    __slots__ = ("key", "seq_index", "new_token_ids", "new_logprobs", "prompt_logprobs", "finish_reason", "stop_token_id", "stop_string", "num_cached_tokens")
     KEY_FIELD_NUMBER: _ClassVar[int]
     SEQ_INDEX_FIELD_NUMBER: _ClassVar[int]
     NEW_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
@@ -121,6 +121,7 @@ class EngineOutput(_message.Message):
     FINISH_REASON_FIELD_NUMBER: _ClassVar[int]
     STOP_TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
     STOP_STRING_FIELD_NUMBER: _ClassVar[int]
+    NUM_CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     key: int
     seq_index: int
     new_token_ids: _containers.RepeatedScalarFieldContainer[int]
@@ -129,7 +130,8 @@ class EngineOutput(_message.Message):
     finish_reason: str
     stop_token_id: int
     stop_string: str
-    def __init__(self, key: _Optional[int] = ..., seq_index: _Optional[int] = ..., new_token_ids: _Optional[_Iterable[int]] = ..., new_logprobs: _Optional[_Iterable[_Union[PositionLogprobs, _Mapping]]] = ..., prompt_logprobs: _Optional[_Iterable[_Union[PositionLogprobs, _Mapping]]] = ..., finish_reason: _Optional[str] = ..., stop_token_id: _Optional[int] = ..., stop_string: _Optional[str] = ...) -> None: ...
+    num_cached_tokens: int
+    def __init__(self, key: _Optional[int] = ..., seq_index: _Optional[int] = ..., new_token_ids: _Optional[_Iterable[int]] = ..., new_logprobs: _Optional[_Iterable[_Union[PositionLogprobs, _Mapping]]] = ..., prompt_logprobs: _Optional[_Iterable[_Union[PositionLogprobs, _Mapping]]] = ..., finish_reason: _Optional[str] = ..., stop_token_id: _Optional[int] = ..., stop_string: _Optional[str] = ..., num_cached_tokens: _Optional[int] = ...) -> None: ...
 
 class EngineInfo(_message.Message):
     __slots__ = ("model", "max_model_len", "vocab_size", "eos_token_ids", "num_kv_blocks", "block_size", "max_logprobs", "protocol_version", "max_num_seqs")
