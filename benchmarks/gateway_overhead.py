@@ -9,6 +9,7 @@ on a shared machine, and on a small one every CPU-second the front end spends is
 the worker).
 
     python benchmarks/gateway_overhead.py --num-requests 100 --rounds 3
+    python benchmarks/gateway_overhead.py --endpoints completions chat/completions responses  # the APIs side by side
 """
 
 from __future__ import annotations
@@ -118,12 +119,13 @@ def wait_healthy(url: str, procs: list[subprocess.Popen], timeout_s: float = 60.
     raise TimeoutError("the gateway did not become ready")
 
 
-def one_round(base_url: str, model: str, requests, pids: dict[str, int], concurrency: int) -> dict:
+def one_round(base_url: str, model: str, requests, pids: dict[str, int], concurrency: int,
+              endpoint: str = "completions") -> dict:
     before = {name: cpu_seconds(pid) for name, pid in pids.items()}
-    results, elapsed = run_event_loop(run_load(f"{base_url}/v1", model, requests, None, concurrency, 0))
+    results, elapsed = run_event_loop(run_load(f"{base_url}/v1", model, requests, None, concurrency, 0, endpoint))
     tokens = sum(r["output_len"] for r in results)
     cpu = {name: cpu_seconds(pid) - before[name] for name, pid in pids.items()}
-    return {"elapsed_s": elapsed, "tokens": tokens, "chunks_with_text": sum(len(r["arrivals"]) for r in results),
+    return {"endpoint": endpoint, "elapsed_s": elapsed, "tokens": tokens, "chunks_with_text": sum(len(r["arrivals"]) for r in results),
             "cpu_us_per_token": {name: 1e6 * seconds / tokens for name, seconds in cpu.items()}}
 
 
@@ -133,6 +135,9 @@ def main() -> None:
     parser.add_argument("--concurrency", type=int, default=100)
     parser.add_argument("--step-ms", type=float, default=20.0, help="the stand-in's time between steps")
     parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--endpoints", nargs="+", default=["completions"],
+                        choices=["completions", "chat/completions", "responses"],
+                        help="APIs to stream through, alternating within each round")
     parser.add_argument("--stand-in-port", type=int, default=None, help=argparse.SUPPRESS)  # the child's role
     parser.add_argument("--out", default=str(Path(__file__).with_name("results") / "gateway_overhead.json"))
     args = parser.parse_args()
@@ -155,18 +160,24 @@ def main() -> None:
     try:
         wait_healthy(base_url, [stand_in, gateway])
         model = Path(model_dir).name
-        one_round(base_url, model, requests, pids, args.concurrency)  # warm-up
-        rounds = [one_round(base_url, model, requests, pids, args.concurrency) for _ in range(args.rounds)]
+        for endpoint in args.endpoints:  # warm-up
+            one_round(base_url, model, requests, pids, args.concurrency, endpoint)
+        rounds = [one_round(base_url, model, requests, pids, args.concurrency, endpoint)
+                  for _ in range(args.rounds) for endpoint in args.endpoints]
     finally:
         for proc in (gateway, stand_in):
             os.killpg(proc.pid, signal.SIGTERM)
         for proc in (gateway, stand_in):
             proc.wait(timeout=30)
-    median = {name: statistics.median(r["cpu_us_per_token"][name] for r in rounds) for name in pids}
+    medians = {endpoint: {name: statistics.median(r["cpu_us_per_token"][name] for r in rounds if r["endpoint"] == endpoint)
+                          for name in pids} for endpoint in args.endpoints}
     report = {"num_requests": args.num_requests, "concurrency": args.concurrency, "step_ms": args.step_ms,
-              "rounds": rounds, "median_cpu_us_per_token": median}
-    for name, us in median.items():
-        print(f"{name}: {us:.1f} CPU µs per streamed token (median of {len(rounds)} rounds)", file=sys.stderr)
+              "rounds": rounds, "median_cpu_us_per_token": medians[args.endpoints[0]],
+              "median_cpu_us_per_token_by_endpoint": medians}
+    for endpoint, median in medians.items():
+        for name, us in median.items():
+            print(f"/v1/{endpoint}: {name}: {us:.1f} CPU µs per streamed token (median of {args.rounds} rounds)",
+                  file=sys.stderr)
     print(json.dumps(report, indent=2))
     write_report(args.out, report)
 

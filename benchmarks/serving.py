@@ -38,8 +38,9 @@ class _StreamReader(asyncio.Protocol):
     callbacks: no stream reader, no task per chunk. Each server-sent event ends in a blank line; the
     arrival time of every event that carries text is kept (events that land in one read share it)."""
 
-    def __init__(self, request: bytes, done: asyncio.Future):
+    def __init__(self, request: bytes, done: asyncio.Future, marker: bytes = b'"text": "'):
         self.request, self.done = request, done
+        self.marker, self._empty = marker, marker + b'"'  # what begins an event's new text; an empty one
         self.arrivals: list[float] = []
         self.status: bytes | None = None
         self._pending = b""  # bytes not yet part of a whole event (or, before the body, the headers)
@@ -59,7 +60,7 @@ class _StreamReader(asyncio.Protocol):
             return  # the error body is read whole when the server closes
         *events, self._pending = self._pending.split(b"\n\n")
         for event in events:
-            if b'"text": "' in event and b'"text": ""' not in event:
+            if self.marker in event and self._empty not in event:
                 self.arrivals.append(now)
 
     def connection_lost(self, exc) -> None:
@@ -73,21 +74,38 @@ class _StreamReader(asyncio.Protocol):
             self.done.set_result(None)
 
 
-async def one_request(url: str, model: str, request: BenchRequest) -> dict:
-    """One streamed completion; the arrival time of every chunk that carries text.
+def stream_request(endpoint: str, model: str, request: BenchRequest) -> tuple[dict, bytes]:
+    """A streamed request's body for one of the APIs, and the bytes that begin an event's new text there.
+
+    Chat and Responses take text: a word per prompt token (about as many tokens)."""
+    common = {"model": model, "temperature": 0, "stream": True, "ignore_eos": True}
+    words = " ".join(["word"] * len(request.prompt_token_ids))
+    if endpoint == "completions":
+        return {**common, "prompt": request.prompt_token_ids, "max_tokens": request.output_len}, b'"text": "'
+    if endpoint == "chat/completions":
+        return ({**common, "messages": [{"role": "user", "content": words}], "max_tokens": request.output_len},
+                b'"content": "')
+    if endpoint == "responses":
+        return {**common, "input": words, "max_output_tokens": request.output_len}, b'"delta": "'
+    raise ValueError(f"unknown endpoint {endpoint!r}")
+
+
+async def one_request(url: str, model: str, request: BenchRequest, endpoint: str = "completions") -> dict:
+    """One streamed request; the arrival time of every chunk that carries text.
 
     The load generator shares the CPU with the server, so it must cost as little as possible: a
     bare HTTP/1.1 client as an asyncio protocol, one connection per request.
     """
-    body = json.dumps({"model": model, "prompt": request.prompt_token_ids, "max_tokens": request.output_len,
-                       "temperature": 0, "stream": True, "ignore_eos": True}).encode()
+    fields, marker = stream_request(endpoint, model, request)
+    body = json.dumps(fields).encode()
     parts = urllib.parse.urlsplit(url)
     message = (f"POST {parts.path} HTTP/1.1\r\nHost: {parts.netloc}\r\nContent-Type: application/json\r\n"
                f"Content-Length: {len(body)}\r\nConnection: close\r\n\r\n").encode() + body
     loop = asyncio.get_running_loop()
     start = time.perf_counter()
     done = loop.create_future()
-    transport, reader = await loop.create_connection(lambda: _StreamReader(message, done), parts.hostname, parts.port)
+    transport, reader = await loop.create_connection(lambda: _StreamReader(message, done, marker), parts.hostname,
+                                                     parts.port)
     try:
         await done
     finally:
@@ -96,14 +114,14 @@ async def one_request(url: str, model: str, request: BenchRequest) -> dict:
 
 
 async def run_load(base_url: str, model: str, requests: list[BenchRequest], rate: float | None,
-                   concurrency: int | None, seed: int) -> tuple[list[dict], float]:
+                   concurrency: int | None, seed: int, endpoint: str = "completions") -> tuple[list[dict], float]:
     limit = asyncio.Semaphore(concurrency or len(requests))
     rng = random.Random(seed)
-    url = f"{base_url}/completions"
+    url = f"{base_url}/{endpoint}"
 
     async def limited(request):
         async with limit:
-            return await one_request(url, model, request)
+            return await one_request(url, model, request, endpoint)
 
     started = time.perf_counter()
     tasks = []

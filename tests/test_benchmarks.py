@@ -13,12 +13,15 @@ from tests.services_harness import REPO, free_port
 def test_gateway_overhead_streams_through_the_real_gateway(tmp_path):
     out = tmp_path / "overhead.json"
     subprocess.run([sys.executable, str(REPO / "benchmarks" / "gateway_overhead.py"), "--num-requests", "6",
-                    "--concurrency", "6", "--step-ms", "1", "--rounds", "1", "--out", str(out)],
+                    "--concurrency", "6", "--step-ms", "1", "--rounds", "1", "--out", str(out),
+                    "--endpoints", "completions", "chat/completions", "responses"],
                    cwd=REPO, check=True, timeout=240, stdout=subprocess.DEVNULL)
     report = json.loads(out.read_text())
-    (round_,) = report["rounds"]
-    assert round_["tokens"] > 0 and 0.5 * round_["tokens"] < round_["chunks_with_text"] <= round_["tokens"]
+    assert [r["endpoint"] for r in report["rounds"]] == ["completions", "chat/completions", "responses"]
+    for round_ in report["rounds"]:  # every API's stream carries (nearly) a text event per token
+        assert round_["tokens"] > 0 and 0.5 * round_["tokens"] < round_["chunks_with_text"] <= round_["tokens"]
     assert set(report["median_cpu_us_per_token"]) == {"gateway", "stand-in scheduler", "load generator"}
+    assert set(report["median_cpu_us_per_token_by_endpoint"]) == {"completions", "chat/completions", "responses"}
 
 
 def test_step_inputs_times_every_case(tmp_path):

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import random
+import types
 
 import pytest
 
@@ -75,3 +76,20 @@ def test_a_logprob_of_minus_infinity_is_minus_9999_as_vllm_s():
     entry = model.logprob(Position())
     assert entry.logprob == -9999.0 and entry.top[0].logprob == -9999.0
     assert json.loads(json.dumps(entry.logprob)) == -9999.0
+
+
+def test_the_direct_responses_text_delta_is_the_encoders_event():
+    from services.gateway.responses_api import _EventWriter
+
+    rng = random.Random()
+    writer = _EventWriter(types.SimpleNamespace(body=types.SimpleNamespace(logprobs=False)))
+    writer.text("")  # opens the message item
+    for _ in range(500):
+        text = "".join(rng.choices(ALPHABET, k=rng.randrange(1, 12)))
+        writer.items = [None] * rng.randrange(3)  # output_index follows the finished items
+        number = rng.randrange(10_000)
+        writer.numbers = iter([number])
+        direct = writer.plain_delta(text)
+        writer.numbers = iter([number])
+        assert direct == writer.part_event("response.output_text.delta", delta=text, logprobs=[])
+        assert json.loads(direct.split("data: ", 1)[1])["delta"] == text
