@@ -46,21 +46,34 @@ def events_of(client, llama_dir, **kwargs) -> list:
 
 def check_event_order(events: list) -> None:
     """Numbered from 0 without gaps; created, in_progress, then items each opened before their deltas and
-    closed after them; the last event the response's end."""
+    closed after them, at output indices 0, 1, ..., a message's text part added and done inside it; the last
+    event the response's end, whose items are the ones closed (only the last incomplete, if it is)."""
     assert [e.sequence_number for e in events] == list(range(len(events)))
     assert tuple(e.type for e in events[:3]) == EVENT_ORDER
-    assert events[-1].type in ("response.completed", "response.incomplete")
+    final = events[-1]
+    assert final.type in ("response.completed", "response.incomplete")
     open_items: list[str] = []
+    closed, part_open = [], False
     for event in events[2:-1]:
         if event.type == "response.output_item.added":
-            assert not open_items
+            assert not open_items and event.output_index == len(closed)
             open_items.append(event.item.id)
         elif event.type == "response.output_item.done":
-            assert open_items == [event.item.id] and event.item.status == "completed"
+            assert open_items == [event.item.id] and not part_open and event.output_index == len(closed)
             open_items.clear()
+            closed.append(event.item)
         else:
-            assert open_items == [event.item_id], event.type
+            assert open_items == [event.item_id] and event.output_index == len(closed), event.type
+            if event.type.startswith("response.content_part."):
+                assert part_open == event.type.endswith(".done")
+                part_open = not part_open
+            elif event.type.startswith("response.output_text."):
+                assert part_open
     assert not open_items
+    assert [i.id for i in final.response.output] == [i.id for i in closed]
+    statuses = [i.status for i in closed]
+    assert statuses[:-1] == ["completed"] * (len(closed) - 1)
+    assert statuses[-1] == ("incomplete" if final.type == "response.incomplete" else "completed")
 
 
 def test_a_response_is_its_chat_completion_s_one_choice(client, llama_dir):
@@ -143,6 +156,13 @@ def test_a_named_function_is_called_and_its_output_read_back(client, llama_dir):
     assert deltas == done.arguments == call.arguments
     with client.responses.stream(**ask) as stream:
         assert stream.get_final_response().output[0].arguments == call.arguments
+    # Cut inside its arguments: the call item is incomplete too, whole and streamed.
+    cut = client.responses.create(**dict(ask, max_output_tokens=3))
+    assert cut.status == "incomplete" and [i.status for i in cut.output] == ["incomplete"]
+    assert call.arguments.startswith(cut.output[0].arguments) and cut.output[0].arguments != call.arguments
+    events = events_of(client, llama_dir, **{k: v for k, v in dict(ask, max_output_tokens=3).items()
+                                             if k not in ("model", "temperature")})
+    assert [e.item.status for e in events if e.type == "response.output_item.done"] == ["incomplete"]
     # The call and its output go back as input: the same prompt as chat's tool turn.
     follow_up = [{"role": "user", "content": "Weather in Paris?"},
                  {"type": "function_call", "call_id": call.call_id, "name": call.name, "arguments": call.arguments},
@@ -225,10 +245,42 @@ def test_a_repeated_prompt_reports_its_cached_tokens(client, llama_dir):
     ({"reasoning": {"effort": "high"}}, "reasoning"),
     ({"text": {"format": {"type": "json_schema", "name": "x"}}}, "text.format"),
     ({"tool_choice": "auto", "tools": TOOLS[:0] + [{"type": "function"}]}, "tools"),
+    ({"tool_choice": {"type": "function"}, "tools": TOOLS}, "tool_choice"),
+    ({"tool_choice": "sometimes", "tools": TOOLS}, "tool_choice"),
+    ({"extra_body": {"seed": "abc"}}, "seed"),  # an extension field, of the wrong type
+    ({"input": [{"role": "user", "content": [{"type": "input_text"}]}]}, "input"),
 ])
 def test_what_cannot_be_done_is_a_400_naming_the_field(client, llama_dir, fields, param):
     ask = {"model": llama_dir.name, "input": "Hi", "max_output_tokens": 4, **fields}
     with pytest.raises(openai.BadRequestError) as error:
         client.responses.create(**ask)
     assert error.value.body["param"] == param, error.value.body
-    assert client.responses.create(model=llama_dir.name, input="Hi", max_output_tokens=2).output_text is not None
+    assert client.responses.create(model=llama_dir.name, input="Hi", max_output_tokens=2).usage.output_tokens == 2
+
+
+def test_a_stream_that_fails_ends_with_an_error_event_and_response_failed():
+    from openai.types.responses import ResponseErrorEvent, ResponseFailedEvent
+
+    from services.gateway.generation import Model
+    from services.gateway.responses_api import _Response
+    from services.gateway.responses_protocol import ResponsesRequest
+
+    model = Model("m", 4096, 32000, 20, tokenizer=None)
+    reply = _Response(model, ResponsesRequest(input="hi", stream=True), "resp_1", [], ["hi"])
+    events = reply.events()
+
+    async def two_events():
+        return [await events.__anext__(), await events.__anext__()]
+
+    import asyncio
+
+    assert [json.loads(e.split("data: ", 1)[1])["type"] for e in asyncio.run(two_events())] == \
+        ["response.created", "response.in_progress"]
+    failure = {"error": {"message": "the scheduler went away", "type": "ServiceUnavailableError", "param": None,
+                         "code": "service_unavailable"}}
+    error, failed = (json.loads(frame.split("data: ", 1)[1]) for frame in reply.error_event(failure).split("\n\n"))
+    error, failed = ResponseErrorEvent.model_validate(error), ResponseFailedEvent.model_validate(failed)
+    assert (error.type, error.sequence_number, error.code, error.message) == \
+        ("error", 2, "service_unavailable", "the scheduler went away")
+    assert failed.sequence_number == 3 and failed.response.status == "failed"
+    assert failed.response.error.message == "the scheduler went away"

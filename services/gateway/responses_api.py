@@ -59,12 +59,12 @@ class _Response(_Chat):
 
     # --- the Response object ----------------------------------------------------------------------
 
-    def response(self, output: list[dict], status: str, finish: str | None = None) -> dict:
+    def response(self, output: list[dict], status: str, error: dict | None = None) -> dict:
         request = self.request
         done = status != "in_progress"
         return {
             "id": self.id, "object": "response", "created_at": self.created, "status": status,
-            "completed_at": int(time.time()) if done else None, "error": None,
+            "completed_at": int(time.time()) if status in ("completed", "incomplete") else None, "error": error,
             "incomplete_details": {"reason": "max_output_tokens"} if status == "incomplete" else None,
             "instructions": request.instructions, "max_output_tokens": request.max_output_tokens,
             "model": self.model.name, "output": output, "parallel_tool_calls": request.parallel_tool_calls is not False,
@@ -72,7 +72,7 @@ class _Response(_Chat):
             "top_p": request.top_p, "text": {"format": (request.text or {}).get("format") or {"type": "text"}},
             "tool_choice": request.tool_choice or "auto", "tools": request.tools or [], "truncation": "disabled",
             "top_logprobs": request.top_logprobs, "metadata": request.metadata or {}, "user": request.user,
-            "usage": self.response_usage() if done else None,
+            "usage": self.response_usage() if done and error is None else None,
         }
 
     def response_usage(self) -> dict:
@@ -93,7 +93,9 @@ class _Response(_Chat):
         output = [] if calls and not message["content"] else [
             _message_item(_item_id("msg"), message["content"] or "", logprobs, "completed")]
         output += [_call_item(_item_id("fc"), call, "completed") for call in calls]
-        return self.response(output, self.status(choice["finish_reason"]))
+        status = self.status(choice["finish_reason"])
+        output[-1]["status"] = status  # the item the cut came in (if it was cut), as OpenAI marks it
+        return self.response(output, status)
 
     # --- the stream ---------------------------------------------------------------------------------
 
@@ -101,10 +103,14 @@ class _Response(_Chat):
         return f"{event}\n\n".encode()
 
     def error_event(self, error: dict) -> str:
-        return _sse("error", {"type": "error", "sequence_number": -1, **error["error"]})
+        """An error event, numbered after the events sent, then response.failed with the items so far."""
+        stream, body = self._stream, error["error"]
+        failed = self.response(stream.items, "failed", {"code": "server_error", "message": body["message"]})
+        return (f'{stream.event("error", code=body["code"], message=body["message"], param=body["param"])}\n\n'
+                f'{stream.event("response.failed", response=failed)}')
 
     async def events(self) -> AsyncIterator[str]:
-        stream = _EventWriter(self)
+        stream = self._stream = _EventWriter(self)
         yield stream.event("response.created", response=self.response([], "in_progress"))
         yield stream.event("response.in_progress", response=self.response([], "in_progress"))
         finish = None
@@ -124,9 +130,9 @@ class _Response(_Chat):
         if not stream.items and stream.open is None:  # nothing came: an empty message, as whole() has
             for event in stream.text(""):
                 yield event
-        for event in stream.close():
-            yield event
         status = self.status(finish)
+        for event in stream.close(status):
+            yield event
         yield stream.event(f"response.{status}", response=self.response(stream.items, status))
 
 
@@ -189,8 +195,9 @@ class _EventWriter:
             fields["part"] = part
         return self.event(kind, item_id=self.open["id"], output_index=len(self.items), content_index=0, **fields)
 
-    def close(self) -> list[str]:
-        """The open item's closing events; it joins the finished ones."""
+    def close(self, status: str = "completed") -> list[str]:
+        """The open item's closing events (``status``: "incomplete" for the one a cut ends); it joins the
+        finished ones."""
         item, events = self.open, []
         if item is None:
             return events
@@ -203,7 +210,7 @@ class _EventWriter:
         else:
             events.append(self.event("response.function_call_arguments.done", item_id=item["id"],
                                      output_index=len(self.items), name=item["name"], arguments=item["arguments"]))
-        item["status"] = "completed"
+        item["status"] = status
         events.append(self.event("response.output_item.done", output_index=len(self.items), item=item))
         self.items.append(item)
         self.open = None

@@ -18,7 +18,7 @@ import functools
 import re
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict
+from pydantic import BaseModel, ConfigDict, ValidationError
 
 from services.gateway.generation import InvalidParameter
 from services.gateway.protocol import ChatCompletionRequest
@@ -75,7 +75,12 @@ class ResponsesRequest(BaseModel):
                       response_format=_response_format(self.text))
         if self.top_logprobs is not None and not logprobs:
             raise InvalidParameter(f"top_logprobs needs include=[{LOGPROBS_INCLUDE!r}]", "top_logprobs")
-        return ChatCompletionRequest(**fields)
+        try:
+            return ChatCompletionRequest(**fields)
+        except ValidationError as exc:  # an extension field of the wrong type (the others were checked above)
+            first = exc.errors()[0]
+            name = str(first["loc"][0]) if first["loc"] else None
+            raise InvalidParameter(f"{name}: {first['msg']}", name) from None
 
     # What _answer reads off a request besides its chat form.
     @property
@@ -156,9 +161,11 @@ def _text(content: Any) -> str:
     texts = []
     for part in content:
         kind = part.get("type") if isinstance(part, dict) else None
-        if kind not in ("input_text", "output_text", "text") or not isinstance(part.get("text"), str):
+        if kind not in ("input_text", "output_text", "text"):
             raise InvalidParameter(f"content parts of type {kind!r} are not supported: this model reads text "
                                    "(input_text, output_text)", "input")
+        if not isinstance(part.get("text"), str):
+            raise InvalidParameter(f"an {kind} part needs text (a string)", "input")
         texts.append(part["text"])
     return "".join(texts)
 
@@ -181,10 +188,12 @@ def _chat_tool(tool: Any) -> dict:
 
 
 def _chat_tool_choice(choice: Any) -> Any:
-    if choice is None or isinstance(choice, str):
+    if choice is None:
         return choice
-    if isinstance(choice, dict) and choice.get("type") == "function":
-        return {"type": "function", "function": {"name": choice.get("name")}}
+    if isinstance(choice, dict) and choice.get("type") == "function" and isinstance(choice.get("name"), str):
+        return {"type": "function", "function": {"name": choice["name"]}}
+    if choice in ("none", "auto", "required"):
+        return choice
     raise InvalidParameter("tool_choice must be 'none', 'auto', 'required' or {'type': 'function', 'name': ...}",
                            "tool_choice")
 
