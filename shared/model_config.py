@@ -27,7 +27,8 @@ _ROPE_KEYS = {"default": (), "linear": ("factor",),
               "llama3": ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")}
 _REQUIRED_KEYS = ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads", "vocab_size")
 # Defaults transformers uses when config.json omits a key (save_pretrained always writes them).
-_DEFAULT_ROPE_THETA = 10000.0
+_DEFAULT_ROPE_THETA = {"mixtral": 1e6}  # else 10000.0
+_DEFAULT_RMS_NORM_EPS = {"mixtral": 1e-5}  # else 1e-6
 
 
 @dataclass(frozen=True)
@@ -101,7 +102,7 @@ class ModelConfig:
         heads = raw["num_attention_heads"]
         # Qwen3's config class defaults head_dim to 128 rather than deriving it; mirror transformers.
         head_dim = raw.get("head_dim") or (128 if model_type == "qwen3" else raw["hidden_size"] // heads)
-        rope_theta, rope_scaling = _parse_rope(raw)
+        rope_theta, rope_scaling = _parse_rope(raw, _DEFAULT_ROPE_THETA.get(model_type, 10000.0))
         attention_bias = bool(raw.get("attention_bias", False))
         family = _ATTENTION_FAMILY.get(model_type, model_type)
         # Qwen2-MoE's config has a qkv_bias switch (on unless turned off); Qwen2's biases are always there.
@@ -116,7 +117,7 @@ class ModelConfig:
             num_key_value_heads=raw.get("num_key_value_heads") or heads,
             head_dim=head_dim,
             vocab_size=raw["vocab_size"],
-            rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
+            rms_norm_eps=float(raw.get("rms_norm_eps", _DEFAULT_RMS_NORM_EPS.get(model_type, 1e-6))),
             rope_theta=rope_theta,
             rope_scaling=rope_scaling,
             max_position_embeddings=raw.get("max_position_embeddings", 2048),
@@ -135,12 +136,12 @@ class ModelConfig:
         return self.moe.intermediate_size if self.moe is not None and self.moe.is_sparse(layer) else self.intermediate_size
 
 
-def _parse_rope(raw: dict[str, Any]) -> tuple[float, dict[str, Any] | None]:
+def _parse_rope(raw: dict[str, Any], default_theta: float) -> tuple[float, dict[str, Any] | None]:
     """(rope_theta, scaling) from either the v5 ``rope_parameters`` or the v4 ``rope_scaling``."""
     params = dict(raw.get("rope_parameters") or raw.get("rope_scaling") or {})
     if "rope_parameters" in params:  # some v5 configs nest per-attention-type parameters; not ours
         raise ValueError("per-layer-type rope_parameters are not supported")
-    theta = float(params.pop("rope_theta", raw.get("rope_theta", _DEFAULT_ROPE_THETA)))
+    theta = float(params.pop("rope_theta", raw.get("rope_theta", default_theta)))
     # v4 spelled the kind "type"; v5 "rope_type".
     rope_type = params.pop("rope_type", None) or params.pop("type", None) or "default"
     params.pop("type", None)

@@ -59,7 +59,8 @@ def parse_moe(raw: dict[str, Any], model_type: str) -> MoEConfig | None:
     dense, step = set(raw.get("mlp_only_layers") or ()), raw.get("decoder_sparse_step", 1)
     if not isinstance(step, int) or step <= 0:
         raise ValueError(f"decoder_sparse_step must be a positive integer, got {step!r}")
-    shared = raw.get("shared_expert_intermediate_size", 0) if model_type == "qwen2_moe" else 0
+    # (transformers' Qwen2-MoE default, which Hub configs always override)
+    shared = raw.get("shared_expert_intermediate_size", 5632) if model_type == "qwen2_moe" else 0
     return MoEConfig(num_experts=num_experts, top_k=raw["num_experts_per_tok"],
                      intermediate_size=raw["moe_intermediate_size"],
                      renormalize=bool(raw.get("norm_topk_prob", False)), float32_weights=False,

@@ -91,8 +91,11 @@ def _block(num_experts: int, top_k: int, hidden: int, inter: int, renormalize: b
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
-@pytest.mark.parametrize("tokens, top_k, num_experts", [(1, 2, 4), (9, 3, 6), (33, 2, 5)])
-def test_fused_experts_equal_the_grouped_loop(tokens, top_k, num_experts, dtype):
+@pytest.mark.parametrize("tokens, top_k, num_experts", [(1, 2, 4), (9, 3, 6), (33, 2, 5), (70, 2, 4), (130, 2, 4)])
+def test_fused_experts_equal_the_grouped_loop(tokens, top_k, num_experts, dtype, monkeypatch):
+    # (70 and 130 tokens: tiles of 64 and 32 rows; 130 groups by sorting instead of the one-hot count.)
+    if tokens == 130:
+        monkeypatch.setattr(fused_moe, "ONE_HOT_LIMIT", 0)
     block = _block(num_experts, top_k, hidden=48, inter=40, renormalize=tokens % 2 == 1,
                    float32_weights=dtype == torch.float32, seed=tokens).to(dtype)
     x = torch.randn(tokens, 48, generator=torch.Generator().manual_seed(tokens + 1)).to(dtype)
@@ -118,16 +121,17 @@ def test_bad_inputs_are_refused():
         fused_experts(x, block.w13, block.w2, weights[:, :1], ids)
 
 
-def test_a_model_with_fused_experts_matches_transformers(mixtral_dir, qwen2_moe_dir):
+def test_a_model_with_fused_experts_matches_transformers(mixtral_dir, qwen2_moe_dir, qwen3_moe_dir):
     from transformers import AutoModelForCausalLM
 
     from services.worker.model_loader import load_model
     from tests.test_model import PagedRunner, hf_logits, random_prompts
 
-    for model_dir in (mixtral_dir, qwen2_moe_dir):
+    for model_dir in (mixtral_dir, qwen2_moe_dir, qwen3_moe_dir):
         model, config = load_model(model_dir, torch.float32, torch.device("cpu"), pack=False)
         model.use_fused_experts()
-        assert all(layer.mlp.fused for layer in model.layers)
+        blocks = [layer.mlp for layer in model.layers if isinstance(layer.mlp, SparseMoeBlock)]
+        assert blocks and all(block.fused for block in blocks)
         hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
         long, short = random_prompts(config.vocab_size, [11, 1])
         out = PagedRunner(model, config).step({0: long, 1: short})
@@ -152,12 +156,22 @@ def test_the_engine_runs_experts_in_triton_with_the_triton_backend(mixtral_dir):
     assert results["triton"] == results["torch"]
 
 
-def test_warm_up_launches_every_tile_height_of_a_fused_model(qwen3_moe_dir):
+def test_warm_up_launches_every_tile_height_of_a_fused_model(qwen3_moe_dir, monkeypatch):
     from services.worker.kernel_warmup import _warm_up_experts
     from services.worker.model_loader import load_model
 
     model, _ = load_model(qwen3_moe_dir, torch.bfloat16, torch.device("cpu"))
     assert _warm_up_experts(model) == 0  # the grouped loop: nothing to compile
     model.use_fused_experts()
+    launched = []
+    real = fused_moe.fused_experts
+
+    def recording(x, w13, w2, weights, ids, block_m=None):
+        launched.append(block_m)
+        return real(x, w13, w2, weights, ids, block_m)
+
+    monkeypatch.setattr(fused_moe, "fused_experts", recording)
     with torch.no_grad():
-        assert _warm_up_experts(model) == len({fused_moe.block_m_for(p, 8) for p in range(1, 4096)}) == 3
+        assert _warm_up_experts(model) == len(launched)
+    # Every tile height a batch of any size can bring (the kernel does not specialize on the pair count).
+    assert sorted(launched) == sorted({fused_moe.block_m_for(p, e) for p in range(1, 1 << 16) for e in (2, 8, 128)})

@@ -48,6 +48,21 @@ def test_qwen_sparse_layers_follow_the_step_and_the_dense_list():
     assert [config.mlp_width(i) for i in range(6)] == [128, 32, 128, 128, 128, 32]
 
 
+def test_mixtral_s_defaults_are_transformers_where_the_config_leaves_them_out():
+    config = ModelConfig.from_dict({**BASE, "model_type": "mixtral", "num_local_experts": 4, "num_experts_per_tok": 2})
+    assert (config.rms_norm_eps, config.rope_theta) == (1e-5, 1e6)
+    assert ModelConfig.from_dict({**BASE, "model_type": "mistral"}).rms_norm_eps == 1e-6
+
+
+def test_ranks_need_not_divide_a_dense_size_no_layer_uses():
+    raw = {**BASE, "model_type": "qwen3_moe", "num_experts": 4, "num_experts_per_tok": 2,
+           "moe_intermediate_size": 32, "intermediate_size": 30}
+    share = TensorParallel(0, 4).shard(ModelConfig.from_dict(raw))  # every layer sparse: 30 is never used
+    assert share.moe.intermediate_size == 8
+    with pytest.raises(ValueError, match=r"does not divide the model's intermediate_size \(30\)"):
+        TensorParallel(0, 4).shard(ModelConfig.from_dict({**raw, "mlp_only_layers": [2]}))
+
+
 def test_qwen2_moe_has_a_shared_expert_and_qkv_biases():
     raw = {**BASE, "model_type": "qwen2_moe", "num_experts": 4, "num_experts_per_tok": 2,
            "moe_intermediate_size": 32, "shared_expert_intermediate_size": 48}
@@ -86,7 +101,7 @@ def test_select_experts_takes_the_most_probable():
                 expected = expected / expected.sum(-1, keepdim=True)
             assert weights.dtype == (torch.float32 if float32_weights else dtype)
             torch.testing.assert_close(weights.float(), expected.to(weights.dtype).float())
-            assert set(ids[0].tolist()) == set(probs[0].topk(2).indices.tolist())
+            assert [set(row) for row in ids.tolist()] == [set(row) for row in probs.topk(2).indices.tolist()]
 
 
 def _block(moe: MoEConfig, hidden: int = 16, shared: int = 0, seed: int = 0) -> SparseMoeBlock:

@@ -45,7 +45,8 @@ class TensorParallel:
         """This rank's share of the model: its heads and intermediate columns."""
         if self.size == 1:
             return config
-        for name in ("num_attention_heads", "intermediate_size"):
+        dense_mlps = config.moe is None or len(config.moe.sparse_layers) < config.num_hidden_layers
+        for name in ("num_attention_heads", "intermediate_size") if dense_mlps else ("num_attention_heads",):
             if getattr(config, name) % self.size:
                 raise ValueError(f"tensor_parallel_size {self.size} does not divide the model's {name} "
                                  f"({getattr(config, name)})")
@@ -55,7 +56,8 @@ class TensorParallel:
                              "divide the other")
         return dataclasses.replace(config, num_attention_heads=config.num_attention_heads // self.size,
                                    num_key_value_heads=max(1, kv_heads // self.size),
-                                   intermediate_size=config.intermediate_size // self.size,
+                                   intermediate_size=config.intermediate_size // self.size if dense_mlps else
+                                   config.intermediate_size,
                                    moe=config.moe and self._shard_experts(config.moe))
 
     def _shard_experts(self, moe: MoEConfig) -> MoEConfig:

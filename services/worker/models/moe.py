@@ -4,8 +4,9 @@ The experts' weights are stacked, ``w13 [E, 2I, H]`` (each expert's gate and up 
 and ``w2 [E, H, I]``, the layout fused-MoE kernels take. The tokens are grouped by expert with one
 sort, so each expert runs one matmul pair over all of its tokens, and the host learns the group
 sizes in a single sync (transformers asks once per expert). The outputs are summed in expert order,
-in the activations' dtype, as transformers does, so float32 outputs agree to rounding. With the Triton
-kernels (on GPUs) fused_moe.py runs all experts in one launch per projection, with no sync at all.
+in the activations' dtype, as transformers does (bfloat16 outputs equal its to the bit on a CPU). With
+the Triton kernels (on GPUs) fused_moe.py runs all experts in one launch per projection, with no sync
+at all, and sums in float32 (equal to rounding).
 
 With tensor parallelism every rank holds every expert, and its share of each one's intermediate
 columns (like the dense MLP); the partial sums are added across ranks once, after the shared expert's.
