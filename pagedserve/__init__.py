@@ -1,10 +1,11 @@
 """pagedserve: LLM serving with PagedAttention. The public front; the code lives in services/ and shared/."""
 
+from shared.lora import LoRARequest
 from shared.outputs import CompletionOutput, Logprob, RequestOutput
 from shared.sampling_params import SamplingParams
 from shared.structured_outputs import StructuredOutputs
 
-__all__ = ["LLM", "SamplingParams", "StructuredOutputs", "RequestOutput", "CompletionOutput", "Logprob"]
+__all__ = ["LLM", "LoRARequest", "SamplingParams", "StructuredOutputs", "RequestOutput", "CompletionOutput", "Logprob"]
 __version__ = "0.1.0"
 
 

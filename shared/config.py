@@ -38,6 +38,11 @@ class EngineConfig:
     # Speculative decoding (a dict or its JSON is parsed into a SpeculativeConfig); None: off.
     speculative_config: SpeculativeConfig | None = None
     tensor_parallel_size: int = 1  # workers holding one model between them (its heads and MLP columns split)
+    # LoRA adapters (shared/lora.py): requests may name one; each step runs at most max_loras distinct ones,
+    # each of rank at most max_lora_rank (the worker sets aside that much room for them).
+    enable_lora: bool = False
+    max_loras: int = 1
+    max_lora_rank: int = 16
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "speculative_config", SpeculativeConfig.parse(self.speculative_config))
@@ -66,6 +71,10 @@ class EngineConfig:
                  f"must be one of {ATTENTION_BACKENDS}, got {self.attention_backend!r}")
         _require(isinstance(self.tensor_parallel_size, int) and self.tensor_parallel_size >= 1,
                  "tensor_parallel_size", f"must be an integer >= 1, got {self.tensor_parallel_size!r}")
+        _require(isinstance(self.max_loras, int) and 1 <= self.max_loras <= 64, "max_loras",
+                 f"must be an integer in [1, 64], got {self.max_loras!r}")
+        _require(isinstance(self.max_lora_rank, int) and 1 <= self.max_lora_rank <= 512, "max_lora_rank",
+                 f"must be an integer in [1, 512], got {self.max_lora_rank!r}")
 
     @classmethod
     def from_kwargs(cls, **kwargs) -> "EngineConfig":

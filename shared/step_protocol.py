@@ -29,6 +29,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from shared.columns import merge_by_position
+from shared.lora import LoRARequest
 from shared.proto import pagedserve_internal_pb2 as wire
 from shared.sampling_params import SamplingParams
 from shared.wire_version import INTERNAL_PROTOCOL_VERSION
@@ -50,6 +51,7 @@ class NewSequence:
     # n > 1: when the prompt completes, also sample one token for each of this many siblings
     # (indexes 1..num_siblings), from the same logits; the siblings are then forked from this sequence.
     num_siblings: int = 0
+    lora: LoRARequest | None = None  # the adapter its tokens run through (forks inherit it); None: the base model
 
     def to_proto(self) -> wire.NewSequence:
         return wire.NewSequence(
@@ -57,13 +59,14 @@ class NewSequence:
             prompt_token_ids=self.prompt_token_ids, output_token_ids=self.output_token_ids,
             sampling_params=self.sampling_params.to_proto(), block_table=self.block_table,
             num_computed_tokens=self.num_computed_tokens, num_scheduled_tokens=self.num_scheduled_tokens,
-            num_siblings=self.num_siblings)
+            num_siblings=self.num_siblings, lora=self.lora.to_proto() if self.lora is not None else None)
 
     @classmethod
     def from_proto(cls, m: wire.NewSequence) -> "NewSequence":
         return cls(m.request_id, m.seq_id, m.index, list(m.prompt_token_ids), list(m.output_token_ids),
                    SamplingParams.from_proto(m.sampling_params, grammar_checked=True), list(m.block_table), m.num_computed_tokens,
-                   m.num_scheduled_tokens, m.num_siblings)
+                   m.num_scheduled_tokens, m.num_siblings,
+                   LoRARequest.from_proto(m.lora) if m.HasField("lora") else None)
 
 
 @dataclass(slots=True)
@@ -360,6 +363,8 @@ class WorkerInfo:
     num_speculative_tokens: int = 0  # the most draft tokens it proposes per sequence (0: no speculative decoding)
     tensor_parallel_rank: int = 0  # its place among the workers that hold the model between them
     tensor_parallel_size: int = 1  # how many they are
+    max_loras: int = 0  # distinct LoRA adapters one step may run (0: adapters are not enabled)
+    max_lora_rank: int = 0  # the largest adapter rank it takes
 
     def to_proto(self) -> wire.WorkerInfo:
         return wire.WorkerInfo(model=self.model, num_kv_blocks=self.num_kv_blocks, block_size=self.block_size,
@@ -368,10 +373,11 @@ class WorkerInfo:
                                num_cpu_blocks=self.num_cpu_blocks, protocol_version=self.protocol_version,
                                num_speculative_tokens=self.num_speculative_tokens,
                                tensor_parallel_rank=self.tensor_parallel_rank,
-                               tensor_parallel_size=self.tensor_parallel_size)
+                               tensor_parallel_size=self.tensor_parallel_size, max_loras=self.max_loras,
+                               max_lora_rank=self.max_lora_rank)
 
     @classmethod
     def from_proto(cls, m: wire.WorkerInfo) -> "WorkerInfo":
         return cls(m.model, m.num_kv_blocks, m.block_size, m.max_model_len, m.vocab_size, tuple(m.eos_token_ids),
                    m.device, m.dtype, m.num_cpu_blocks, m.protocol_version, m.num_speculative_tokens,
-                   m.tensor_parallel_rank, m.tensor_parallel_size or 1)
+                   m.tensor_parallel_rank, m.tensor_parallel_size or 1, m.max_loras, m.max_lora_rank)

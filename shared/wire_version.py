@@ -15,8 +15,9 @@ from shared.grpc_errors import ServiceUnavailable
 # 4: speculative decoding (draft tokens in plans and results, WorkerInfo's draft count and tensor-parallel rank);
 # 5: a request may be submitted again with its sequences' outputs so far (resumed after a lost scheduler);
 # 6: sampling parameters carry allowed_token_ids;
-# 7: a sequence's last output says how many of its tokens the prefix cache held.
-INTERNAL_PROTOCOL_VERSION = 7
+# 7: a sequence's last output says how many of its tokens the prefix cache held;
+# 8: requests and new sequences may name a LoRA adapter, and WorkerInfo says how many adapters a step runs.
+INTERNAL_PROTOCOL_VERSION = 8
 
 
 class IncompatiblePeer(ServiceUnavailable):

@@ -18,6 +18,7 @@ from services.scheduler.scheduler import Scheduler, SchedulerLimits
 from services.scheduler.sequence import Sequence, SequenceUpdate
 from services.scheduler.stats import EngineStats
 from shared.grpc_errors import AlreadyExists
+from shared.lora import LoRARequest
 from shared.resumption import Resumption
 from shared.sampling_params import SamplingParams
 from shared.step_protocol import StepPlan, WorkerInfo
@@ -41,7 +42,7 @@ class EngineCore:
         blocks = BlockManager(self.info.num_kv_blocks, self.info.block_size, watermark, enable_prefix_caching,
                               num_host_blocks=self.info.num_cpu_blocks)
         self.scheduler = Scheduler(limits, blocks, self.info.eos_token_ids, self.info.max_model_len,
-                                   new_seq_id=lambda: next(self._seq_ids))
+                                   new_seq_id=lambda: next(self._seq_ids), max_loras=self.info.max_loras)
         self.stats = EngineStats(blocks)
         self._seqs: dict[int, Sequence] = {}
         self._requests: dict[str, list[Sequence]] = {}
@@ -53,11 +54,16 @@ class EngineCore:
     # --- admission ----------------------------------------------------------------------------------
 
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-                    cache_salt: str | None = None, resumption: Resumption | None = None) -> int:
+                    cache_salt: str | None = None, resumption: Resumption | None = None,
+                    lora: LoRARequest | None = None) -> int:
         """Admit a request (ValueError if it could never run); returns how many sequences it runs,
         each of which ends with a finish reason. A resumption runs only the sequences it names, each
-        carrying on after its earlier output (recomputed like a sequence preempted by recompute)."""
+        carrying on after its earlier output (recomputed like a sequence preempted by recompute).
+        ``lora``: the adapter it runs with (its request fails if the worker cannot load it)."""
         self._validate(request_id, prompt_token_ids, params, cache_salt)
+        if lora is not None and not self.info.max_loras:
+            raise ValueError(f"LoRA adapter {lora.name!r} was asked for, but LoRA is not enabled: start the "
+                             "worker with --enable-lora (LLM(enable_lora=True))")
         max_output = self.info.max_model_len - len(prompt_token_ids)
         if params.max_tokens is not None:
             max_output = min(max_output, params.max_tokens)
@@ -65,11 +71,11 @@ class EngineCore:
             self._check_resumption(resumption, prompt_token_ids, params, max_output)
         arrival = next(self._arrivals)
         if params.use_beam_search:
-            self._add_beam_request(request_id, prompt_token_ids, params, max_output, arrival, cache_salt)
+            self._add_beam_request(request_id, prompt_token_ids, params, max_output, arrival, cache_salt, lora)
             return params.n
         indexes = range(params.n) if resumption is None else sorted(resumption.outputs)
         seqs = [Sequence(next(self._seq_ids), request_id, i, list(prompt_token_ids), params, max_output, arrival,
-                         cache_salt) for i in indexes]
+                         cache_salt, lora) for i in indexes]
         for seq in seqs:
             seq.siblings = seqs
             self._seqs[seq.seq_id] = seq
@@ -100,12 +106,13 @@ class EngineCore:
                                  f"it may have ({max_output}): it had finished")
 
     def _add_beam_request(self, request_id: str, prompt: list[int], params: SamplingParams, max_output: int,
-                          arrival: int, cache_salt: str | None) -> None:
+                          arrival: int, cache_salt: str | None, lora: LoRARequest | None) -> None:
         """One sequence to start with; the beams fork from it as the search goes."""
         stops = set(params.stop_token_ids) | (set() if params.ignore_eos else set(self.info.eos_token_ids))
         group = BeamGroup(params.num_beams, stops, max_output, params.length_penalty, params.early_stopping,
                           params.logprobs)
-        seq = Sequence(next(self._seq_ids), request_id, 0, list(prompt), params, max_output, arrival, cache_salt)
+        seq = Sequence(next(self._seq_ids), request_id, 0, list(prompt), params, max_output, arrival, cache_salt,
+                       lora)
         # The worker returns the top candidates of the raw distribution; the group chooses.
         seq.worker_params = SamplingParams(temperature=0, logprobs=max(group.num_candidates, params.logprobs or 0),
                                            max_tokens=None, ignore_eos=True)

@@ -22,6 +22,7 @@ from services.scheduler.sequence import SequenceUpdate
 from services.scheduler.session import RequestError, Session, SessionBatch
 from shared.grpc_errors import ServiceUnavailable
 from shared.logging import setup_logging
+from shared.lora import LoRARequest
 from shared.resumption import Resumption
 from shared.sampling_params import SamplingParams
 
@@ -73,12 +74,13 @@ class EngineLoop:
             self._sessions.add(session)
 
     def submit(self, session: Session, key: int, request_id: str, prompt_token_ids: list[int],
-               params: SamplingParams, cache_salt: str | None = None, resumption: Resumption | None = None) -> None:
+               params: SamplingParams, cache_salt: str | None = None, resumption: Resumption | None = None,
+               lora: LoRARequest | None = None) -> None:
         """Queue a request for admission; a refusal arrives on the session as a RequestError."""
         if self.refusing is not None:
             session.refuse(key, ServiceUnavailable(self.refusing))
             return
-        self._post(None, self._add, session, key, request_id, prompt_token_ids, params, cache_salt, resumption)
+        self._post(None, self._add, session, key, request_id, prompt_token_ids, params, cache_salt, resumption, lora)
 
     def abort_soon(self, session: Session, key: int) -> None:
         """Abort one of the session's own requests, without waiting (a session's abort message)."""
@@ -151,9 +153,10 @@ class EngineLoop:
     # --- the loop thread ------------------------------------------------------------------------------
 
     def _add(self, session: Session, key: int, request_id: str, prompt_token_ids: list[int],
-             params: SamplingParams, cache_salt: str | None, resumption: Resumption | None) -> None:
+             params: SamplingParams, cache_salt: str | None, resumption: Resumption | None,
+             lora: LoRARequest | None) -> None:
         try:
-            num_seqs = self.engine.add_request(request_id, prompt_token_ids, params, cache_salt, resumption)
+            num_seqs = self.engine.add_request(request_id, prompt_token_ids, params, cache_salt, resumption, lora)
         except Exception as exc:  # refused at admission: tell the gateway, keep serving
             session.refuse(key, exc)
             return

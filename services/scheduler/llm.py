@@ -27,6 +27,7 @@ from services.worker.worker import Worker
 from shared.config import EngineConfig
 from shared.grpc_errors import ServiceUnavailable
 from shared.model_config import ModelConfig
+from shared.lora import LoRARequest
 from shared.model_factory import default_model_dir
 from shared.outputs import RequestOutput
 from shared.sampling_params import SamplingParams
@@ -88,8 +89,10 @@ class LLM:
 
     def generate(self, prompts: PromptType | SequenceABC[PromptType],
                  sampling_params: SamplingParams | SequenceABC[SamplingParams] | None = None,
-                 use_tqdm: bool = True) -> list[RequestOutput]:
-        """Generate for every prompt; outputs come back in input order."""
+                 use_tqdm: bool = True,
+                 lora_request: LoRARequest | SequenceABC[LoRARequest | None] | None = None) -> list[RequestOutput]:
+        """Generate for every prompt; outputs come back in input order. ``lora_request``: the adapter every
+        prompt runs with, or one (or None) per prompt; the engine needs ``enable_lora=True``."""
         if isinstance(prompts, (str, dict)):
             prompts = [prompts]
         elif isinstance(prompts, Iterable):  # a list, a tuple, a generator
@@ -97,8 +100,9 @@ class LLM:
         else:
             raise ValueError(f"prompts must be a string, a prompt dict or a list of them, got {type(prompts).__name__}")
         params = self._params_per_prompt(sampling_params, len(prompts))
+        loras = self._loras_per_prompt(lora_request, len(prompts))
         trackers = [self._tracker(prompt, p) for prompt, p in zip(prompts, params)]
-        self._add_all(trackers)
+        self._add_all(trackers, loras)
         try:
             self._run(trackers, use_tqdm)
         except BaseException:
@@ -111,7 +115,8 @@ class LLM:
              sampling_params: SamplingParams | SequenceABC[SamplingParams] | None = None, use_tqdm: bool = True,
              add_generation_prompt: bool = True, chat_template: str | None = None,
              continue_final_message: bool = False, chat_template_kwargs: dict | None = None,
-             tools: list[dict] | None = None) -> list[RequestOutput]:
+             tools: list[dict] | None = None,
+             lora_request: LoRARequest | SequenceABC[LoRARequest | None] | None = None) -> list[RequestOutput]:
         """One conversation (a list of messages) or several; each through the chat template (which
         shows the tools, OpenAI's function definitions, where it knows how)."""
         conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
@@ -121,7 +126,7 @@ class LLM:
                                chat_template_kwargs, tools or None) for conv in conversations]
         token_ids = [self.tokenizer(p, add_special_tokens=False).input_ids for p in prompts]
         return self.generate([{"prompt": p, "prompt_token_ids": ids} for p, ids in zip(prompts, token_ids)],
-                             sampling_params, use_tqdm)
+                             sampling_params, use_tqdm, lora_request)
 
     # --- internals ----------------------------------------------------------------------------------
 
@@ -138,6 +143,18 @@ class LLM:
         if len(params) != count:
             raise ValueError(f"got {len(params)} sampling params for {count} prompts; give one, or one per prompt")
         return params
+
+    @staticmethod
+    def _loras_per_prompt(lora_request, count: int) -> list[LoRARequest | None]:
+        if lora_request is None or isinstance(lora_request, LoRARequest):
+            return [lora_request] * count
+        if isinstance(lora_request, (str, dict)) or not isinstance(lora_request, Iterable):
+            raise ValueError(f"lora_request must be a LoRARequest or a list of them, got {type(lora_request).__name__}")
+        loras = list(lora_request)
+        if len(loras) != count or not all(lora is None or isinstance(lora, LoRARequest) for lora in loras):
+            raise ValueError(f"lora_request must be one LoRARequest, or one LoRARequest or None per prompt "
+                             f"({count}), got {loras!r:.200}")
+        return loras
 
     def _tracker(self, prompt: PromptType, params: SamplingParams) -> RequestTracker:
         if isinstance(prompt, dict):
@@ -160,12 +177,12 @@ class LLM:
         token_ids = params.truncated(token_ids, self.engine.info.max_model_len)
         return RequestTracker(str(next(self._request_ids)), text, token_ids, params, self.tokenizer)
 
-    def _add_all(self, trackers: list[RequestTracker]) -> None:
+    def _add_all(self, trackers: list[RequestTracker], loras: list[LoRARequest | None]) -> None:
         """All or nothing: one bad prompt leaves none of the others in the engine."""
         added = []
         try:
-            for tracker in trackers:
-                self.engine.add_request(tracker.request_id, tracker.prompt_token_ids, tracker.params)
+            for tracker, lora in zip(trackers, loras):
+                self.engine.add_request(tracker.request_id, tracker.prompt_token_ids, tracker.params, lora=lora)
                 added.append(tracker)
         except Exception:
             for tracker in added:

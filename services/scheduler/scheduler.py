@@ -27,8 +27,10 @@ def _by_arrival(seq: Sequence) -> tuple[int, int]:
 
 class Scheduler:
     def __init__(self, limits: SchedulerLimits, block_manager: BlockManager, eos_token_ids: tuple[int, ...],
-                 max_model_len: int, new_seq_id=None):
+                 max_model_len: int, new_seq_id=None, max_loras: int = 0):
+        """``max_loras``: the distinct LoRA adapters the worker runs in one step (0: none)."""
         self.limits = limits
+        self.max_loras = max_loras
         self.new_seq_id = new_seq_id  # allocates ids for beams that fork
         self.spawned: list[Sequence] = []  # sequences created here (beam forks); the engine registers them
         self.blocks = block_manager
@@ -78,7 +80,8 @@ class Scheduler:
            parked on their siblings' candidates go first: they only hold blocks.)
         2. Then, only if nobody was preempted this step, swapped sequences come back, oldest
            first, while blocks and budget allow. (So no step both swaps out and swaps in, and
-           no block is moved both ways in one step.)
+           no block is moved both ways in one step.) A sequence whose LoRA adapter would make the
+           running sequences' distinct adapters more than max_loras is passed over, here and in 4.
         3. Then, only without preemption and once nothing is left swapped, speculative decoding's drafts:
            a sequence scheduled to sample, whose worker proposed drafts, may compute them after its
            token, oldest first, within max_tokens, the context, the budget left and the free blocks
@@ -220,17 +223,22 @@ class Scheduler:
             self.swapped.remove(seq)
             seq.status, seq.table_replaced = SequenceStatus.RUNNING, True
             bisect.insort(self.running, seq, key=_by_arrival)
+            if seq.lora is not None:
+                adapters.add(seq.lora)
             self.num_swaps_in += 1
             scheduled[seq.seq_id] = num_tokens
             budget -= num_tokens
         return budget
 
     def _admit_waiting(self, budget: int, scheduled: dict[int, int]) -> int:
+        adapters = self._running_adapters()
         for seq in list(self.waiting):
             if budget <= 0 or len(self.running) >= self.limits.max_num_seqs:
                 break
             if seq.beam_group is not None and seq.beam_group.has_reported(seq.seq_id):
                 continue  # a recomputed beam that already reported: nothing to do until its group decides
+            if not self._adapter_fits(seq, adapters):
+                continue  # waits for a running adapter to finish; others behind it may go
             hits = self._cache_hits(seq)
             num_cached = len(hits) * self.blocks.block_size
             num_tokens = seq.num_tokens - num_cached
@@ -250,9 +258,19 @@ class Scheduler:
             self.waiting.remove(seq)
             seq.status = SequenceStatus.RUNNING
             bisect.insort(self.running, seq, key=_by_arrival)
+            if seq.lora is not None:
+                adapters.add(seq.lora)
             scheduled[seq.seq_id] = num_tokens
             budget -= num_tokens
         return budget
+
+    def _running_adapters(self) -> set:
+        """The LoRA adapters of the running sequences (empty without LoRA: nothing to count)."""
+        return {seq.lora for seq in self.running if seq.lora is not None} if self.max_loras else set()
+
+    def _adapter_fits(self, seq: Sequence, adapters: set) -> bool:
+        """Rule 2 and 4's adapter limit: a step runs at most max_loras distinct adapters."""
+        return seq.lora is None or seq.lora in adapters or len(adapters) < self.max_loras
 
     def _victim(self) -> Sequence:
         """The newest parked beam (it has reported; only its blocks are at stake), else the newest
@@ -313,7 +331,7 @@ class Scheduler:
                     prompt_token_ids=seq.prompt_token_ids, output_token_ids=list(seq.output_token_ids),
                     sampling_params=seq.worker_params, block_table=blocks.block_table(seq.seq_id),
                     num_computed_tokens=seq.num_planned_tokens, num_scheduled_tokens=num_tokens,
-                    num_siblings=len(seq.pending_siblings)))
+                    num_siblings=len(seq.pending_siblings), lora=seq.lora))
                 seq.known_to_worker = True
             else:
                 # Only the blocks added since the last plan (the whole table only when it was
@@ -342,13 +360,16 @@ class Scheduler:
     def update(self, scheduled: dict[int, int], result: StepResult, seqs: dict[int, Sequence]) -> list[SequenceUpdate]:
         """Advance the scheduled sequences by the step's result; the updates for the front end."""
         cache_full_blocks = self.blocks.cache_full_blocks
+        # A sequence the worker failed (its adapter would not load) computed nothing: cache none of its blocks.
+        failed = {out.seq_id for out in result.outputs if out.error}
         for seq_id, num_tokens in scheduled.items():
             seq = seqs.get(seq_id)
             if seq is not None and seq.status is SequenceStatus.RUNNING:
                 seq.num_inflight_tokens -= num_tokens
                 seq.num_computed_tokens += num_tokens
                 # Every computed token is known: the placeholders of earlier steps are resolved.
-                cache_full_blocks(seq_id, seq.num_computed_tokens, seq.token_slice, seq.cache_extra)
+                if seq_id not in failed:
+                    cache_full_blocks(seq_id, seq.num_computed_tokens, seq.token_slice, seq.cache_extra)
         updates = []
         for out in result.outputs:
             seq = seqs.get(out.seq_id)
@@ -503,7 +524,7 @@ class Scheduler:
         child.output_token_ids = list(parent.output_token_ids)
         child.worker_params, child.beam_group, child.siblings = parent.worker_params, parent.beam_group, parent.siblings
         parent.siblings.append(child)
-        child.cache_extra = parent.cache_extra
+        child.cache_extra, child.lora = parent.cache_extra, parent.lora
         self.spawned.append(child)
         if parent.status is SequenceStatus.RUNNING and parent.known_to_worker:
             self._fork(parent, child)

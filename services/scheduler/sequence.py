@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import enum
 
+from shared.lora import LoRARequest
 from shared.sampling_params import SamplingParams
 from shared.step_protocol import PositionLogprobs
 
@@ -24,7 +25,8 @@ class SequenceStatus(enum.Enum):
 
 class Sequence:
     def __init__(self, seq_id: int, request_id: str, index: int, prompt_token_ids: list[int],
-                 params: SamplingParams, max_output_tokens: int, arrival: int, cache_salt: str | None = None):
+                 params: SamplingParams, max_output_tokens: int, arrival: int, cache_salt: str | None = None,
+                 lora: LoRARequest | None = None):
         self.seq_id = seq_id
         self.request_id = request_id
         self.index = index  # position among the request's n sequences
@@ -46,8 +48,9 @@ class Sequence:
         self.num_blocks_sent = 0
         self.num_prompt_logprobs = 0  # prompt positions whose logprobs were passed on (recompute repeats them)
         self.num_cached_tokens: int | None = None  # tokens found in the prefix cache at its first admission
-        # Extra key of the prefix-cache hash: requests with different salts never share blocks.
-        self.cache_extra = cache_salt.encode() if cache_salt else b""
+        self.lora = lora  # the LoRA adapter its tokens run through; None: the base model
+        # Extra key of the prefix-cache hash: requests with different salts, or adapters, never share blocks.
+        self.cache_extra = (cache_salt.encode() if cache_salt else b"") + (lora.cache_key if lora else b"")
         self.table_replaced = False  # copy-on-write or swap-in changed the table: send it whole
         self.siblings: list[Sequence] = [self]  # every sequence of the request, this one included
         # n > 1, on the first sequence: siblings that start by forking from it once its prompt is done.

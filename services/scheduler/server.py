@@ -28,6 +28,7 @@ from shared.logging import setup_logging
 from shared.proto import pagedserve_api_pb2 as api
 from shared.proto import pagedserve_internal_pb2 as wire
 from shared.proto import pagedserve_internal_pb2_grpc as wire_grpc
+from shared.lora import LoRARequest
 from shared.resumption import Resumption
 from shared.sampling_params import SamplingParams
 from shared.wire_version import INTERNAL_PROTOCOL_VERSION
@@ -92,11 +93,13 @@ class SchedulerServicer(wire_grpc.SchedulerServicer):
         try:
             params = SamplingParams.from_proto(request.params, grammar_checked=True)  # by the gateway
             resumption = Resumption.from_proto(request.resumed)
+            lora = LoRARequest.from_proto(request.lora) if request.HasField("lora") else None
         except (ValueError, TypeError) as exc:
             session.refuse(submit.key, exc)
             return
         salt = request.cache_salt if request.HasField("cache_salt") else None
-        loop.submit(session, submit.key, request.request_id, list(request.prompt_token_ids), params, salt, resumption)
+        loop.submit(session, submit.key, request.request_id, list(request.prompt_token_ids), params, salt, resumption,
+                    lora)
 
     def Abort(self, request, context):
         with grpc_errors(context):

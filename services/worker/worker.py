@@ -17,6 +17,7 @@ from services.worker.draft_model_proposer import DraftModel, DraftModelProposer,
 from services.worker.grammar import Grammars
 from services.worker.host_block_tables import HostBlockTables
 from services.worker.input_batch import ScheduledSequence, build_model_inputs
+from services.worker.lora_adapters import AdapterSlots
 from services.worker.kv_cache import (activation_bytes_estimate, allocate_host_pool, allocate_kv_pools, bytes_per_block,
                                       num_host_blocks, num_kv_blocks)
 from services.worker.model_loader import load_eos_token_ids, load_model
@@ -75,6 +76,9 @@ class Worker:
         # From here on model_config is this rank's share (its heads, KV pools and MLP columns), not the
         # whole model's; with one rank the two are the same.
         self.model, self.model_config = load_model(self.model_dir, self.dtype, self.device, tp=self.tp)
+        # Room for the adapters is taken before the KV budget is measured.
+        self.adapters = AdapterSlots(self.model, config.max_loras, config.max_lora_rank, self.tp) \
+            if config.enable_lora else None
         self.max_model_len = self._resolve_max_model_len()
         token_budget = config.token_budget(self.max_model_len)
         spec = config.speculative_config
@@ -207,7 +211,9 @@ class Worker:
                           eos_token_ids=tuple(self.eos_token_ids), device=str(self.device),
                           dtype=str(self.dtype).removeprefix("torch."), num_cpu_blocks=self.num_host_blocks,
                           num_speculative_tokens=self.proposer.num_tokens if self.proposer is not None else 0,
-                          tensor_parallel_rank=self.tp.rank, tensor_parallel_size=self.tp.size)
+                          tensor_parallel_rank=self.tp.rank, tensor_parallel_size=self.tp.size,
+                          max_loras=self.config.max_loras if self.adapters is not None else 0,
+                          max_lora_rank=self.config.max_lora_rank if self.adapters is not None else 0)
 
     # --- one step ---------------------------------------------------------------------------------
 
@@ -219,8 +225,11 @@ class Worker:
             self._drop(seq_id)
         self._move_blocks(plan)
         batch = self._apply_plan(plan)
+        failed = self._load_adapters(batch) if self.adapters is not None else []
+        if failed:
+            batch = [(seq, n) for seq, n in batch if not seq.failed]
         if not batch:
-            return StepResult(step_id=plan.step_id)
+            return StepResult(step_id=plan.step_id, outputs=failed)
         self.step_timer.start()
         computed_before = [seq.num_computed_tokens for seq, _ in batch]
         with torch.inference_mode():
@@ -233,8 +242,23 @@ class Worker:
             if self.proposer is not None:
                 self._propose(batch, computed_before, outputs)
         forward_s, sample_s, propose_s = self.step_timer.finish()
-        return StepResult(step_id=plan.step_id, outputs=[outputs[i] for i in sorted(outputs)],
+        return StepResult(step_id=plan.step_id, outputs=[outputs[i] for i in sorted(outputs)] + failed,
                           forward_time_s=forward_s, sample_time_s=sample_s, propose_time_s=propose_s)
+
+    def _load_adapters(self, batch: list[tuple[WorkerSequence, int]]) -> list[SequenceOutput]:
+        """Puts the step's adapters in slots and tells the model which tokens use which. A sequence whose
+        adapter cannot be loaded fails (an error output; its request ends) and leaves the batch."""
+        slots, errors = self.adapters.slots_for([seq.lora for seq, _ in batch])
+        failed = []
+        for seq, _ in batch:
+            if seq.lora in errors:
+                seq.failed = True
+                failed.append(SequenceOutput(seq_id=seq.seq_id, token_id=None, error=errors[seq.lora]))
+                log.warning("lora_adapter_not_loaded", adapter=seq.lora.name, path=seq.lora.path,
+                            reason=errors[seq.lora])
+        kept = [(slot, n) for slot, (seq, n) in zip(slots, batch) if not seq.failed]
+        self.adapters.batch.set_token_slots([slot for slot, _ in kept], [n for _, n in kept])
+        return failed
 
     def _propose(self, batch: list[tuple[WorkerSequence, int]], computed_before: list[int],
                  outputs: dict[int, SequenceOutput]) -> None:
@@ -274,6 +298,9 @@ class Worker:
     def _apply_plan(self, plan: StepPlan) -> list[tuple[WorkerSequence, int]]:
         batch = []
         for new in plan.new:
+            if new.lora is not None and self.adapters is None:
+                raise ValueError(f"step {plan.step_id}: sequence {new.seq_id} asks for LoRA adapter "
+                                 f"{new.lora.name!r}, but this worker was started without LoRA")
             seq = WorkerSequence.from_new(new, self.vocab_size, self.block_tables,
                                           keep_history=getattr(self.proposer, "needs_history", False),
                                           grammars=self.grammars)
@@ -283,6 +310,8 @@ class Worker:
             seq = self.seqs.get(delta.seq_id)
             if seq is None:
                 raise ValueError(f"step {plan.step_id}: sequence {delta.seq_id} is unknown to this worker")
+            if seq.failed:
+                continue  # planned before the scheduler heard that its request failed
             seq.apply(delta, plan.step_id)
             batch.append((seq, delta.num_scheduled_tokens))
         return batch
@@ -305,7 +334,9 @@ class Worker:
         scheduled = [ScheduledSequence(seq.token_ids, seq.block_table, seq.num_computed_tokens, n, seq.draft_token_ids)
                      for seq, n in batch]
         tables = self.block_tables.gather([seq.table_row for seq, _ in batch])
-        if self.decode_graphs is not None and self.decode_graphs.can_replay(scheduled):
+        # The graphs were captured without adapters: a step that runs one goes eagerly.
+        uses_adapters = self.adapters is not None and self.adapters.batch.mask is not None
+        if self.decode_graphs is not None and not uses_adapters and self.decode_graphs.can_replay(scheduled):
             self._query_start = list(range(len(batch) + 1))
             return self.decode_graphs.forward(scheduled, tables)
         inputs = build_model_inputs(scheduled, self.config.block_size, self.device, tables)

@@ -6,6 +6,7 @@ from services.worker.grammar import Grammars
 from services.worker.host_block_tables import HostBlockTables
 from services.worker.ngram_proposer import TokenHistory
 from services.worker.sampler import SamplingState
+from shared.lora import LoRARequest
 from shared.step_protocol import NewSequence, RunningSequence
 
 
@@ -13,7 +14,7 @@ class WorkerSequence:
     def __init__(self, seq_id: int, index: int, prompt_token_ids: list[int], output_token_ids: list[int],
                  block_table: list[int], num_computed_tokens: int, params, vocab_size: int,
                  block_tables: HostBlockTables, num_siblings: int = 0, table_row: int | None = None,
-                 keep_history: bool = False, grammars: Grammars | None = None):
+                 keep_history: bool = False, grammars: Grammars | None = None, lora: LoRARequest | None = None):
         self.seq_id = seq_id
         self.index = index
         self.prompt_len = len(prompt_token_ids)
@@ -26,6 +27,10 @@ class WorkerSequence:
         self.params = params
         self.vocab_size = vocab_size
         self.grammars = grammars
+        self.lora = lora  # the adapter its tokens run through; None: the base model
+        # Its adapter could not be loaded: its request has failed; later deltas (plans made before the
+        # scheduler heard) are ignored until it is dropped.
+        self.failed = False
         self.sampling = SamplingState(params, prompt_token_ids, output_token_ids, vocab_size, stream_index=index,
                                       grammar=self._grammar(output_token_ids))
         # n > 1: the siblings' first tokens come from this sequence's last prompt logits.
@@ -61,14 +66,15 @@ class WorkerSequence:
                  keep_history: bool = False, grammars: Grammars | None = None) -> "WorkerSequence":
         return cls(new.seq_id, new.index, new.prompt_token_ids, new.output_token_ids, new.block_table,
                    new.num_computed_tokens, new.sampling_params, vocab_size, block_tables, new.num_siblings,
-                   keep_history=keep_history, grammars=grammars)
+                   keep_history=keep_history, grammars=grammars, lora=new.lora)
 
     def fork(self, child_seq_id: int, child_index: int) -> "WorkerSequence":
         """A child sharing everything so far; its own random stream from now on."""
         child = WorkerSequence(child_seq_id, child_index, self.token_ids[:self.prompt_len],
                                self.token_ids[self.prompt_len:], self.block_table, self.num_computed_tokens,
                                self.params, self.vocab_size, self.block_tables,
-                               table_row=self.block_tables.copy(self.table_row), grammars=self.grammars)
+                               table_row=self.block_tables.copy(self.table_row), grammars=self.grammars,
+                               lora=self.lora)
         child.history = self.history.copy() if self.history is not None else None
         return child
 

@@ -12,18 +12,28 @@ class Empty(_message.Message):
     def __init__(self) -> None: ...
 
 class EngineRequest(_message.Message):
-    __slots__ = ("request_id", "prompt_token_ids", "params", "cache_salt", "resumed")
+    __slots__ = ("request_id", "prompt_token_ids", "params", "cache_salt", "resumed", "lora")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     PARAMS_FIELD_NUMBER: _ClassVar[int]
     CACHE_SALT_FIELD_NUMBER: _ClassVar[int]
     RESUMED_FIELD_NUMBER: _ClassVar[int]
+    LORA_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
     params: _pagedserve_api_pb2.SamplingParameters
     cache_salt: str
     resumed: _containers.RepeatedCompositeFieldContainer[ResumedSequence]
-    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., params: _Optional[_Union[_pagedserve_api_pb2.SamplingParameters, _Mapping]] = ..., cache_salt: _Optional[str] = ..., resumed: _Optional[_Iterable[_Union[ResumedSequence, _Mapping]]] = ...) -> None: ...
+    lora: LoRAAdapter
+    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., params: _Optional[_Union[_pagedserve_api_pb2.SamplingParameters, _Mapping]] = ..., cache_salt: _Optional[str] = ..., resumed: _Optional[_Iterable[_Union[ResumedSequence, _Mapping]]] = ..., lora: _Optional[_Union[LoRAAdapter, _Mapping]] = ...) -> None: ...
+
+class LoRAAdapter(_message.Message):
+    __slots__ = ("name", "path")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    PATH_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    path: str
+    def __init__(self, name: _Optional[str] = ..., path: _Optional[str] = ...) -> None: ...
 
 class ResumedSequence(_message.Message):
     __slots__ = ("seq_index", "output_token_ids")
@@ -169,7 +179,7 @@ class EngineStats(_message.Message):
     def __init__(self, values: _Optional[_Mapping[str, float]] = ...) -> None: ...
 
 class WorkerInfo(_message.Message):
-    __slots__ = ("model", "num_kv_blocks", "block_size", "max_model_len", "vocab_size", "eos_token_ids", "device", "dtype", "num_cpu_blocks", "protocol_version", "num_speculative_tokens", "tensor_parallel_rank", "tensor_parallel_size")
+    __slots__ = ("model", "num_kv_blocks", "block_size", "max_model_len", "vocab_size", "eos_token_ids", "device", "dtype", "num_cpu_blocks", "protocol_version", "num_speculative_tokens", "tensor_parallel_rank", "tensor_parallel_size", "max_loras", "max_lora_rank")
     MODEL_FIELD_NUMBER: _ClassVar[int]
     NUM_KV_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
@@ -183,6 +193,8 @@ class WorkerInfo(_message.Message):
     NUM_SPECULATIVE_TOKENS_FIELD_NUMBER: _ClassVar[int]
     TENSOR_PARALLEL_RANK_FIELD_NUMBER: _ClassVar[int]
     TENSOR_PARALLEL_SIZE_FIELD_NUMBER: _ClassVar[int]
+    MAX_LORAS_FIELD_NUMBER: _ClassVar[int]
+    MAX_LORA_RANK_FIELD_NUMBER: _ClassVar[int]
     model: str
     num_kv_blocks: int
     block_size: int
@@ -196,10 +208,12 @@ class WorkerInfo(_message.Message):
     num_speculative_tokens: int
     tensor_parallel_rank: int
     tensor_parallel_size: int
-    def __init__(self, model: _Optional[str] = ..., num_kv_blocks: _Optional[int] = ..., block_size: _Optional[int] = ..., max_model_len: _Optional[int] = ..., vocab_size: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., device: _Optional[str] = ..., dtype: _Optional[str] = ..., num_cpu_blocks: _Optional[int] = ..., protocol_version: _Optional[int] = ..., num_speculative_tokens: _Optional[int] = ..., tensor_parallel_rank: _Optional[int] = ..., tensor_parallel_size: _Optional[int] = ...) -> None: ...
+    max_loras: int
+    max_lora_rank: int
+    def __init__(self, model: _Optional[str] = ..., num_kv_blocks: _Optional[int] = ..., block_size: _Optional[int] = ..., max_model_len: _Optional[int] = ..., vocab_size: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., device: _Optional[str] = ..., dtype: _Optional[str] = ..., num_cpu_blocks: _Optional[int] = ..., protocol_version: _Optional[int] = ..., num_speculative_tokens: _Optional[int] = ..., tensor_parallel_rank: _Optional[int] = ..., tensor_parallel_size: _Optional[int] = ..., max_loras: _Optional[int] = ..., max_lora_rank: _Optional[int] = ...) -> None: ...
 
 class NewSequence(_message.Message):
-    __slots__ = ("request_id", "seq_id", "index", "prompt_token_ids", "output_token_ids", "sampling_params", "block_table", "num_computed_tokens", "num_scheduled_tokens", "num_siblings")
+    __slots__ = ("request_id", "seq_id", "index", "prompt_token_ids", "output_token_ids", "sampling_params", "block_table", "num_computed_tokens", "num_scheduled_tokens", "num_siblings", "lora")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     SEQ_ID_FIELD_NUMBER: _ClassVar[int]
     INDEX_FIELD_NUMBER: _ClassVar[int]
@@ -210,6 +224,7 @@ class NewSequence(_message.Message):
     NUM_COMPUTED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     NUM_SCHEDULED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     NUM_SIBLINGS_FIELD_NUMBER: _ClassVar[int]
+    LORA_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     seq_id: int
     index: int
@@ -220,7 +235,8 @@ class NewSequence(_message.Message):
     num_computed_tokens: int
     num_scheduled_tokens: int
     num_siblings: int
-    def __init__(self, request_id: _Optional[str] = ..., seq_id: _Optional[int] = ..., index: _Optional[int] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., output_token_ids: _Optional[_Iterable[int]] = ..., sampling_params: _Optional[_Union[_pagedserve_api_pb2.SamplingParameters, _Mapping]] = ..., block_table: _Optional[_Iterable[int]] = ..., num_computed_tokens: _Optional[int] = ..., num_scheduled_tokens: _Optional[int] = ..., num_siblings: _Optional[int] = ...) -> None: ...
+    lora: LoRAAdapter
+    def __init__(self, request_id: _Optional[str] = ..., seq_id: _Optional[int] = ..., index: _Optional[int] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., output_token_ids: _Optional[_Iterable[int]] = ..., sampling_params: _Optional[_Union[_pagedserve_api_pb2.SamplingParameters, _Mapping]] = ..., block_table: _Optional[_Iterable[int]] = ..., num_computed_tokens: _Optional[int] = ..., num_scheduled_tokens: _Optional[int] = ..., num_siblings: _Optional[int] = ..., lora: _Optional[_Union[LoRAAdapter, _Mapping]] = ...) -> None: ...
 
 class BlockIds(_message.Message):
     __slots__ = ("ids",)

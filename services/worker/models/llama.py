@@ -23,6 +23,7 @@ from torch import nn
 
 from services.worker.attention.metadata import AttentionMetadata
 from services.worker.models.layers import RMSNorm, RotaryEmbedding, silu_and_mul
+from services.worker.models.lora_linear import LoRABatch, LoRALinear, LoRATarget
 from services.worker.models.moe import SparseMoeBlock
 from services.worker.models.packed_linear import PackedLinear, pack_linear_layers
 from services.worker.models.weight_targets import HF_MLP_NAMES, MIXTRAL_EXPERT_NAMES, WeightTargets
@@ -158,6 +159,38 @@ class LlamaForCausalLM(nn.Module):
         for module in self.modules():
             if isinstance(module, SparseMoeBlock):
                 module.fused = module.packed is None
+
+    def add_lora(self, num_slots: int, max_rank: int) -> tuple[LoRABatch, dict[str, LoRATarget]]:
+        """Room for ``num_slots`` adapters beside every attention and dense MLP projection (after loading
+        and packing); the batch object that says which tokens use which, and where each PEFT module goes."""
+        dtype, device = self.embed_tokens.weight.dtype, self.embed_tokens.weight.device
+        batch, targets, tp = LoRABatch(num_slots, dtype, device), {}, self.tp
+        hidden = self.config.hidden_size
+
+        def wrap(owner: nn.Module, name: str, in_features: int, parts: dict[str, tuple[int, int, int]],
+                 row_parallel: bool, prefix: str) -> None:
+            # parts: PEFT module -> (this rank's rows, the whole model's rows or columns, replicas)
+            layer = LoRALinear(getattr(owner, name), in_features, [rows for rows, _, _ in parts.values()], batch,
+                               max_rank)
+            setattr(owner, name, layer)
+            for part, (module, (_, whole, replicas)) in enumerate(parts.items()):
+                targets[f"{prefix}.{module}"] = LoRATarget(layer, part, row_parallel, whole, replicas)
+
+        for i, decoder in enumerate(self.layers):
+            attn, p = decoder.self_attn, f"model.layers.{i}"
+            q_whole, kv_whole = attn.q_size * tp.size, attn.kv_size * tp.size // self.kv_replicas
+            wrap(attn, "qkv_proj", hidden, {"q_proj": (attn.q_size, q_whole, 1),
+                                            "k_proj": (attn.kv_size, kv_whole, self.kv_replicas),
+                                            "v_proj": (attn.kv_size, kv_whole, self.kv_replicas)},
+                 False, f"{p}.self_attn")
+            wrap(attn, "o_proj", attn.q_size, {"o_proj": (hidden, q_whole, 1)}, True, f"{p}.self_attn")
+            mlp = decoder.mlp
+            if isinstance(mlp, MLP):
+                inter = mlp.gate_up_proj.out_features // 2  # nn.Linear and PackedLinear both say
+                wrap(mlp, "gate_up_proj", hidden, {"gate_proj": (inter, inter * tp.size, 1),
+                                                   "up_proj": (inter, inter * tp.size, 1)}, False, f"{p}.mlp")
+                wrap(mlp, "down_proj", inter, {"down_proj": (hidden, inter * tp.size, 1)}, True, f"{p}.mlp")
+        return batch, targets
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Float32 logits ``[N, vocab]`` for the rows of ``hidden`` that need sampling."""

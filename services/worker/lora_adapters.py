@@ -1,0 +1,125 @@
+"""The worker's LoRA adapters: ``max_loras`` slots on the device, each holding one adapter in every
+wrapped projection of the model (models/lora_linear.py).
+
+A step's adapters take slots before its forward pass; one loaded for an earlier step keeps its slot
+until a step needs the room, and then the least recently used adapter that this step does not use
+gives way (the scheduler runs at most ``max_loras`` distinct adapters per step, so one always can).
+An evicted adapter is read from its directory again when it is next needed.
+
+An adapter that cannot be loaded (missing, malformed, of a rank above ``max_lora_rank``, or made
+for another model) fails the sequences that asked for it, with the reason; the step goes on.
+"""
+
+from __future__ import annotations
+
+import re
+from collections import OrderedDict
+from pathlib import Path
+
+import torch
+from safetensors import SafetensorError
+from safetensors.torch import load_file
+
+from services.worker.models.lora_linear import LoRALinear, LoRATarget
+from services.worker.tensor_parallel import TensorParallel
+from shared.lora import ADAPTER_WEIGHTS, LoRARequest, read_adapter_config
+
+# PEFT's saved names: base_model.model.<module>.lora_A.weight (an adapter name may sit before .weight).
+_WEIGHT_NAME = re.compile(r"(?:base_model\.model\.)?(?P<module>.+)\.lora_(?P<kind>[AB])(?:\.[\w-]+)?\.weight")
+
+
+class AdapterSlots:
+    def __init__(self, model, num_slots: int, max_rank: int, tp: TensorParallel):
+        self.batch, self.targets = model.add_lora(num_slots, max_rank)
+        self.layers: list[LoRALinear] = list({id(t.layer): t.layer for t in self.targets.values()}.values())
+        self.num_slots, self.max_rank, self.tp = num_slots, max_rank, tp
+        self._loaded: OrderedDict[LoRARequest, int] = OrderedDict()  # adapter -> slot, least recently used first
+        self._free = list(range(num_slots))
+
+    @property
+    def loaded(self) -> list[LoRARequest]:
+        return list(self._loaded)
+
+    def slots_for(self, adapters: list[LoRARequest | None]) -> tuple[list[int | None], dict[LoRARequest, str]]:
+        """The slot of each entry's adapter (None: none, or it failed), loading the ones not on the device;
+        and the adapters that failed to load, with why."""
+        # In the batch's order, not a set's: every tensor-parallel rank then fills the same slots.
+        wanted = list(dict.fromkeys(lora for lora in adapters if lora is not None))
+        if len(wanted) > self.num_slots:
+            raise ValueError(f"a step runs {len(wanted)} distinct LoRA adapters, more than max_loras={self.num_slots}")
+        failed: dict[LoRARequest, str] = {}
+        for lora in wanted:
+            if lora in self._loaded:
+                self._loaded.move_to_end(lora)
+        for lora in wanted:
+            if lora in self._loaded:
+                continue
+            slot = self._take_slot(wanted)
+            try:
+                self._load(lora, slot)
+            except ValueError as exc:
+                failed[lora] = f"LoRA adapter {lora.name!r} cannot be loaded: {exc}"
+                self._free.append(slot)
+                continue
+            self._loaded[lora] = slot
+        return [self._loaded.get(lora) if lora is not None else None for lora in adapters], failed
+
+    def _take_slot(self, keep: list[LoRARequest]) -> int:
+        if self._free:
+            return self._free.pop()
+        victim = next(lora for lora in self._loaded if lora not in keep)  # exists: len(keep) <= num_slots
+        return self._loaded.pop(victim)
+
+    def _load(self, lora: LoRARequest, slot: int) -> None:
+        """Reads and checks the whole adapter, then writes it into the slot (emptied first)."""
+        config = read_adapter_config(lora.path)
+        if config.rank > self.max_rank:
+            raise ValueError(f"its rank {config.rank} exceeds max_lora_rank={self.max_rank}")
+        try:
+            weights = load_file(str(Path(lora.path) / ADAPTER_WEIGHTS))
+        except (OSError, SafetensorError) as exc:
+            raise ValueError(f"{ADAPTER_WEIGHTS}: {exc}") from None
+        pairs = self._pairs(weights, config.rank)
+        for layer in self.layers:
+            layer.clear_slot(slot)
+        for module, (a, b) in pairs.items():
+            target = self.targets[module]
+            a, b = self._this_ranks_share(target, a, b)
+            dtype = target.layer.lora_a.dtype
+            target.layer.set_part(slot, target.part, a.to(dtype), (b.float() * config.scaling).to(dtype))
+
+    def _pairs(self, weights: dict[str, torch.Tensor], rank: int) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+        """Module -> (A [r, in], B [out, r]) of the whole model, every name and shape checked."""
+        found: dict[str, dict[str, torch.Tensor]] = {}
+        for name, tensor in weights.items():
+            match = _WEIGHT_NAME.fullmatch(name)
+            module = match["module"] if match else None
+            if module not in self.targets:
+                raise ValueError(f"weight {name!r} is not an adapter of an attention or dense MLP projection of "
+                                 f"this model (adapters on embeddings, the output head or experts are not supported)")
+            found.setdefault(module, {})[match["kind"]] = tensor
+        pairs = {}
+        for module, kinds in found.items():
+            if set(kinds) != {"A", "B"}:
+                raise ValueError(f"{module} has lora_{''.join(kinds)} without its other half")
+            a, b = kinds["A"], kinds["B"]
+            expected_a, expected_b = self._whole_shapes(self.targets[module], rank)
+            if tuple(a.shape) != expected_a or tuple(b.shape) != expected_b:
+                raise ValueError(f"{module} has lora_A {tuple(a.shape)} and lora_B {tuple(b.shape)}; this model "
+                                 f"needs {expected_a} and {expected_b} (an adapter for another model?)")
+            pairs[module] = (a, b)
+        return pairs
+
+    def _whole_shapes(self, target: LoRATarget, rank: int) -> tuple[tuple[int, int], tuple[int, int]]:
+        layer = target.layer
+        if target.row_parallel:
+            return (rank, target.whole), (layer.part_sizes[target.part], rank)
+        return (rank, layer.lora_a.shape[1]), (target.whole, rank)
+
+    def _this_ranks_share(self, target: LoRATarget, a: torch.Tensor, b: torch.Tensor
+                          ) -> tuple[torch.Tensor, torch.Tensor]:
+        if self.tp.size == 1:
+            return a, b
+        if target.row_parallel:
+            return a[:, self.tp.rows(target.whole)], b
+        return a, b[self.tp.rows(target.whole, target.replicas)]

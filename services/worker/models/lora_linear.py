@@ -1,0 +1,103 @@
+"""Projections with LoRA adapters beside them: ``y = W x + sum over parts of B_p (A_p x)``, per token's adapter.
+
+Every wrapped projection holds room for ``num_slots`` adapters of rank up to ``max_rank``, one per
+fused part (q, k and v of qkv_proj; gate and up of gate_up_proj; one part for o_proj and down_proj):
+
+- ``lora_a [S * P * R, in]``: slot s, part p's A in rows ``(s * P + p) * R`` onwards (unused rows zero);
+- ``lora_b [out, S * P * R]``: part p's output rows take only the columns of its own A (block diagonal),
+  its scaling (alpha / r) folded in.
+
+A step's tokens run through their own slot's adapter, or none: the shrink ``x @ A^T`` covers every slot,
+a ``[T, S]`` mask keeps each token's own, and the expand is one matmul. That costs the other slots' rows
+(small: S * P * R beside the layer's thousands of columns), needs no sort and no host sync, and a step
+in which no token has an adapter skips both matmuls. The mask lives in one ``LoRABatch`` that every
+wrapped layer of the model reads, set by the worker before each forward pass.
+
+With tensor parallelism a column-parallel projection (q/k/v, gate/up) takes this rank's rows of B and
+all of A; a row-parallel one (o_proj, down_proj) its columns of A and all of B: its partial products are
+summed by the all-reduce that sums the layer's own (B (A_1 x_1 + A_2 x_2) = B A_1 x_1 + B A_2 x_2).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+class LoRABatch:
+    """Which adapter slot each token of the current step runs through; one per model."""
+
+    def __init__(self, num_slots: int, dtype: torch.dtype, device: torch.device):
+        self.num_slots, self.dtype, self.device = num_slots, dtype, device
+        self.mask: torch.Tensor | None = None  # [T, S]: 1 where token t uses slot s; None: no token uses any
+
+    def set_token_slots(self, slots: list[int | None], counts: list[int]) -> None:
+        """Sequence i's ``counts[i]`` consecutive tokens use slot ``slots[i]`` (None: the base model alone)."""
+        if all(slot is None for slot in slots):
+            self.mask = None
+            return
+        per_token = torch.repeat_interleave(
+            torch.tensor([self.num_slots if slot is None else slot for slot in slots]), torch.tensor(counts))
+        # One column more for "no adapter", then dropped: those rows are all zero.
+        mask = F.one_hot(per_token, self.num_slots + 1)[:, :self.num_slots]
+        self.mask = mask.to(self.dtype).to(self.device)
+
+    def clear(self) -> None:
+        self.mask = None
+
+
+class LoRALinear(nn.Module):
+    """``base`` (an nn.Linear or a packed one) plus the adapters of the step's tokens."""
+
+    def __init__(self, base: nn.Module, in_features: int, part_sizes: list[int], batch: LoRABatch, max_rank: int):
+        super().__init__()
+        self.base = base
+        self.part_sizes = list(part_sizes)
+        self.part_starts = [sum(part_sizes[:p]) for p in range(len(part_sizes))]
+        self.max_rank = max_rank
+        self.batch = [batch]  # in a list: the shared object is not a submodule
+        slots, parts = batch.num_slots, len(part_sizes)
+        width = slots * parts * max_rank
+        self.register_buffer("lora_a", torch.zeros(width, in_features, dtype=batch.dtype, device=batch.device))
+        self.register_buffer("lora_b", torch.zeros(sum(part_sizes), width, dtype=batch.dtype, device=batch.device))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = self.base(x)
+        mask = self.batch[0].mask
+        if mask is None:
+            return out
+        shrunk = F.linear(x, self.lora_a)
+        shrunk = (shrunk.view(x.shape[0], mask.shape[1], -1) * mask[:, :, None]).view(x.shape[0], -1)
+        return out.addmm_(shrunk, self.lora_b.t())
+
+    def _columns(self, slot: int, part: int) -> slice:
+        start = (slot * len(self.part_sizes) + part) * self.max_rank
+        return slice(start, start + self.max_rank)
+
+    def clear_slot(self, slot: int) -> None:
+        for part in range(len(self.part_sizes)):
+            columns = self._columns(slot, part)
+            self.lora_a[columns] = 0
+            self.lora_b[:, columns] = 0
+
+    def set_part(self, slot: int, part: int, a: torch.Tensor, b: torch.Tensor) -> None:
+        """This rank's ``a [r, in]`` and ``b [part rows, r]`` (already scaled) into the slot's part."""
+        rank = a.shape[0]
+        columns = self._columns(slot, part)
+        rows = slice(self.part_starts[part], self.part_starts[part] + self.part_sizes[part])
+        self.lora_a[columns.start:columns.start + rank] = a
+        self.lora_b[rows, columns.start:columns.start + rank] = b
+
+
+@dataclass(frozen=True)
+class LoRATarget:
+    """Where the adapter of one checkpoint module goes: a part of a wrapped projection, and this rank's share."""
+
+    layer: LoRALinear
+    part: int
+    row_parallel: bool  # o_proj, down_proj: A's columns are split over the ranks; else B's rows are
+    whole: int  # B's rows (column-parallel) or A's columns (row-parallel) in the whole model
+    replicas: int = 1  # ranks holding the same rows (KV heads shared by ranks)
