@@ -93,9 +93,9 @@ def test_prefix_cache_blocks_are_shared_only_under_the_same_adapter(llama_dir, a
 def test_bad_adapters_fail_their_request_and_the_engine_serves_on(llama_dir, adapters, tmp_path):
     llm = LLM(str(llama_dir), enable_lora=True, max_lora_rank=4)
     prompt = {"prompt_token_ids": prompts(seed=8, lengths=(12,))[0]}
-    wide = make_adapter(llama_dir, tmp_path / "wide", rank=8)
+    make_adapter(llama_dir, tmp_path / "wide", rank=8)
     # A pattern in the config: only the weights' names show the output head.
-    head = make_adapter(llama_dir, tmp_path / "head", rank=4, modules=("lm_head",), config_extra={"target_modules": "lm_head"})
+    make_adapter(llama_dir, tmp_path / "head", rank=4, modules=("lm_head",), config_extra={"target_modules": "lm_head"})
     other = make_adapter(llama_dir, tmp_path / "other", rank=4, modules=ATTENTION)
     tensors = load_file(other / "adapter_model.safetensors")
     name = next(n for n in tensors if n.endswith("q_proj.lora_B.weight"))
@@ -179,3 +179,38 @@ def test_lora_layers_equal_the_merged_matmul_in_bfloat16_to_rounding(llama_dir, 
     torch.testing.assert_close(ours[2:4], base[2:4])  # no adapter: the base layer's own output
     slots.batch.clear()
     torch.testing.assert_close(qkv(x), qkv.base(x))
+
+
+@pytest.mark.parametrize("host_blocks", [0, 64])  # preempted by recompute, or swapped out and back
+def test_no_step_runs_more_adapters_than_max_loras_and_every_request_ends(host_blocks):
+    import dataclasses
+
+    from services.scheduler.engine_core import EngineCore
+    from services.scheduler.executor import InProcessExecutor
+    from services.scheduler.scheduler import SchedulerLimits
+    from tests.fake_worker import FakeWorker
+    from tests.pipeline import Pipeline
+
+    worker = FakeWorker(num_blocks=24, block_size=4, num_cpu_blocks=host_blocks)
+    worker.info = dataclasses.replace(worker.info, max_loras=2, max_lora_rank=8)
+    limits = SchedulerLimits(max_num_seqs=8, max_num_batched_tokens=32, enable_chunked_prefill=True)
+    engine = EngineCore(InProcessExecutor(worker), limits, watermark=0.0, enable_prefix_caching=True)
+    loras = [None] + [LoRARequest(f"a{i}", f"/adapters/{i}") for i in range(4)]
+    rng = random.Random(9)
+    for i in range(40):
+        engine.add_request(f"r{i}", [rng.randrange(1, 50) for _ in range(rng.randrange(1, 20))],
+                           SamplingParams(max_tokens=rng.randrange(1, 12), n=rng.choice([1, 1, 2])),
+                           lora=rng.choice(loras))
+    pipeline, finished = Pipeline(engine), set()
+    while pipeline.has_unfinished():
+        finished |= {u.request_id for u in pipeline.step() if u.finish_reason}
+    adapter_of = {}
+    for plan in worker.plans:
+        adapter_of.update({fork.child_seq_id: adapter_of[fork.parent_seq_id] for fork in plan.forks})
+        adapter_of.update({new.seq_id: new.lora for new in plan.new})
+        in_step = {adapter_of[s] for s in [*(n.seq_id for n in plan.new), *(r.seq_id for r in plan.running)]}
+        assert len(in_step - {None}) <= 2, f"step {plan.step_id} ran adapters {in_step}"
+    assert finished == {f"r{i}" for i in range(40)}
+    assert engine.scheduler.num_preemptions > 0, "meant to preempt"
+    assert (engine.scheduler.num_swaps_in > 0) == bool(host_blocks)
+    assert engine.scheduler.blocks.num_used_blocks == 0

@@ -210,11 +210,14 @@ class Scheduler:
         self._plan.step_id, self._step_id = plan.step_id, self._step_id - 1
 
     def _swap_in(self, budget: int, scheduled: dict[int, int], plan: StepPlan) -> int:
+        adapters = self._running_adapters()
         for seq in list(self.swapped):
             if budget <= 0:
                 break
             if seq.num_uncomputed_tokens == 0:
                 continue  # a parked beam: nothing to compute until its group decides
+            if not self._adapter_fits(seq, adapters):
+                continue
             num_tokens = min(seq.num_uncomputed_tokens, budget)
             if not self.blocks.can_swap_in(seq.seq_id, seq.num_planned_tokens + num_tokens):
                 break
