@@ -35,6 +35,10 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                         help="never replay decode steps from CUDA graphs (they are captured at a CUDA worker's start)")
     parser.add_argument("--tensor-parallel-size", "-tp", type=int, default=1,
                         help="workers that hold the model between them (its heads and MLP columns split)")
+    parser.add_argument("--enable-lora", action=argparse.BooleanOptionalAction, default=False,
+                        help="serve LoRA adapters: requests may name one (the gateway's --lora-modules)")
+    parser.add_argument("--max-loras", type=int, default=1, help="distinct LoRA adapters one step may run")
+    parser.add_argument("--max-lora-rank", type=int, default=16, help="the largest LoRA rank taken")
     parser.add_argument("--speculative-config", type=speculative_config_json, default=None,
                         help='speculative decoding, as JSON: {"method": "ngram", "num_speculative_tokens": 4, '
                              '"prompt_lookup_max": 4, "prompt_lookup_min": 2}')
@@ -54,7 +58,8 @@ def speculative_config_json(raw: str) -> str | None:
 ENGINE_KEYS = ("model", "tokenizer", "dtype", "device", "seed", "max_model_len", "block_size", "max_num_seqs",
                "max_num_batched_tokens", "enable_chunked_prefill", "gpu_memory_utilization",
                "kv_cache_memory_bytes", "num_gpu_blocks_override", "enable_prefix_caching", "swap_space",
-               "preemption_mode", "attention_backend", "enforce_eager", "speculative_config", "tensor_parallel_size")
+               "preemption_mode", "attention_backend", "enforce_eager", "speculative_config", "tensor_parallel_size",
+               "enable_lora", "max_loras", "max_lora_rank")
 
 
 def engine_options(args: argparse.Namespace) -> dict:

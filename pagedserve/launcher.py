@@ -18,14 +18,16 @@ import urllib.request
 from dataclasses import dataclass, field
 
 from pagedserve.cli import ENGINE_KEYS, add_engine_args, apply_env_defaults
+from services.gateway.lora_modules import parse_lora_modules
 from services.gateway.tool_parsers import TOOL_CALL_PARSERS, flag_error
 from services.scheduler.local_workers import (free_tcp_port, process_environments, terminate_with_parent,
                                               wait_grpc_serving)
+from shared.lora import read_adapter_config
 
 SCHEDULER_FLAGS = ("max_num_seqs", "max_num_batched_tokens", "enable_chunked_prefill", "enable_prefix_caching",
                    "preemption_mode", "async_scheduling")
 GATEWAY_FLAGS = ("host", "port", "grpc_port", "served_model_name", "tokenizer", "max_resumes", "resume_timeout",
-                 "enable_auto_tool_choice", "tool_call_parser")
+                 "enable_auto_tool_choice", "tool_call_parser", "lora_modules")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -50,6 +52,9 @@ def build_parser() -> argparse.ArgumentParser:
                         help="answer tool_choice 'auto': the model's calls are read with --tool-call-parser")
     parser.add_argument("--tool-call-parser", choices=sorted(TOOL_CALL_PARSERS), default=None,
                         help="the model's tool-call format (see pagedserve gateway --help)")
+    parser.add_argument("--lora-modules", action="append", default=None,
+                        help="a LoRA adapter served beside the model, as name=path (repeatable); turns on "
+                             "--enable-lora")
     parser.add_argument("--data-parallel-size", "-dp", type=int, default=1,
                         help="schedulers, each with a worker (a GPU of its own, or a share of the CPU cores), "
                              "behind the one gateway")
@@ -67,6 +72,9 @@ def flags(args: argparse.Namespace, names) -> list[str]:
             continue
         if isinstance(value, bool):  # every boolean flag here is a --x / --no-x pair
             out.append(flag if value else "--no-" + flag[2:])
+            continue
+        if isinstance(value, list):  # a repeatable flag
+            out += [part for item in value for part in (flag, item)]
             continue
         out += [flag, str(value)]
     return out
@@ -251,11 +259,27 @@ class Stack:
         os.rmdir(self.socket_dir)
 
 
+def lora_modules_error(entries: list[str], max_lora_rank: int) -> str | None:
+    """What is wrong with the adapters (every process here sees their directories: read them now)."""
+    try:
+        for lora, _ in parse_lora_modules(entries):
+            rank = read_adapter_config(lora.path).rank
+            if rank > max_lora_rank:
+                return f"LoRA adapter {lora.name!r} has rank {rank}, above --max-lora-rank {max_lora_rank}"
+    except ValueError as exc:
+        return str(exc)
+    return None
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     if (error := flag_error(args.enable_auto_tool_choice, args.tool_call_parser)) is not None:  # before any child
         parser.error(error)
+    if args.lora_modules:
+        args.enable_lora = True
+        if (error := lora_modules_error(args.lora_modules, args.max_lora_rank)) is not None:
+            parser.error(error)
     stack = Stack(args)
 
     def on_signal(signum, frame):

@@ -130,3 +130,14 @@ def test_moe_layer_benchmark_checks_each_variant_against_transformers(tmp_path):
     for row in rows:
         for name in ("transformers", "grouped", "grouped+packed"):
             assert row[f"{name}_ms"] > 0 and row[f"{name}_error"] < 1e-4
+
+
+def test_lora_benchmark_times_every_mode(tmp_path, llama_dir):
+    out = tmp_path / "lora.json"
+    subprocess.run([sys.executable, str(REPO / "benchmarks" / "lora.py"), "--model", str(llama_dir), "--requests", "3",
+                    "--max-tokens", "4", "--rank", "4", "--max-loras", "2", "--rounds", "1", "--out", str(out)],
+                   cwd=REPO, check=True, timeout=300, stdout=subprocess.DEVNULL)
+    report = json.loads(out.read_text())
+    assert set(report["rows"]) == {"base", "enabled_unused", "one_adapter", "mixed", "merged"}
+    assert all(row["tokens_per_s"] > 0 for row in report["rows"].values())
+    assert 0 <= report["one_adapter_equals_merged"] <= 1

@@ -23,6 +23,7 @@ from benchmarks.serving import parse_engine_stats
 from pagedserve import LLM, SamplingParams
 from shared.proto import pagedserve_api_pb2 as api
 from shared.proto import pagedserve_api_pb2_grpc as api_grpc
+from tests.lora_adapters import make_adapter
 from tests.services_harness import Stack, free_port, http_get
 
 PROMPTS = ["Hello there", "The quick brown fox", "Once upon a time"]
@@ -30,9 +31,18 @@ WORKER_ARGS = ("--block-size", "16", "--num-gpu-blocks-override", "512")
 
 
 @pytest.fixture(scope="module")
-def stack(llama_dir, tmp_path_factory):
-    stack = Stack(llama_dir, tmp_path_factory.mktemp("gateway-logs"), worker_args=WORKER_ARGS,
-                  gateway_args=("--enable-auto-tool-choice", "--tool-call-parser", "hermes")).start()
+def sql_adapter(llama_dir, tmp_path_factory):
+    return make_adapter(llama_dir, tmp_path_factory.mktemp("adapters") / "sql", rank=8, seed=4)
+
+
+@pytest.fixture(scope="module")
+def stack(llama_dir, sql_adapter, tmp_path_factory):
+    # LoRA on: requests without an adapter run as before (the adapters' matmuls are skipped).
+    stack = Stack(llama_dir, tmp_path_factory.mktemp("gateway-logs"),
+                  worker_args=WORKER_ARGS + ("--enable-lora", "--max-loras", "2", "--max-lora-rank", "8"),
+                  gateway_args=("--enable-auto-tool-choice", "--tool-call-parser", "hermes",
+                                "--lora-modules", f"sql={sql_adapter}",
+                                "--lora-modules", json.dumps({"name": "broken", "path": "/nowhere"}))).start()
     try:
         yield stack
     finally:
@@ -73,7 +83,7 @@ def wait_blocks_free(stack, timeout_s: float = 5.0) -> dict[str, float]:
 
 
 def test_models_health_openapi_and_request_id(stack, client, llama_dir):
-    assert [m.id for m in client.models.list().data] == [llama_dir.name]
+    assert [m.id for m in client.models.list().data] == [llama_dir.name, "sql", "broken"]
     assert http_get(f"{stack.base_url}/health")[0] == 200
     status, spec = http_get(f"{stack.base_url}/openapi.json")
     assert status == 200 and "/v1/chat/completions" in spec["paths"]
@@ -93,6 +103,39 @@ def test_models_health_openapi_and_request_id(stack, client, llama_dir):
     cross = httpx.post(f"{stack.base_url}/v1/completions", headers={"Origin": "https://app.example"},
                        json={"prompt": "Hi", "max_tokens": 2})
     assert cross.status_code == 200 and cross.headers["access-control-allow-origin"] == "*"
+
+
+def test_a_lora_adapter_is_a_model_of_its_own(stack, client, llama_dir, sql_adapter):
+    from pagedserve import LoRARequest
+
+    cards = {m["id"]: m for m in http_get(f"{stack.base_url}/v1/models")[1]["data"]}
+    assert cards["sql"]["parent"] == llama_dir.name and cards["sql"]["root"] == str(sql_adapter)
+    assert client.models.retrieve("sql").id == "sql"
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    offline = LLM(str(llama_dir), enable_lora=True, max_lora_rank=8)
+    lora = LoRARequest("sql", str(sql_adapter))
+    expected = [out.outputs[0].text for out in offline.generate(PROMPTS, params, use_tqdm=False, lora_request=lora)]
+    base = [out.outputs[0].text for out in offline.generate(PROMPTS, params, use_tqdm=False)]
+    assert expected != base
+    reply = client.completions.create(model="sql", prompt=PROMPTS, max_tokens=12, temperature=0,
+                                      extra_body={"ignore_eos": True})
+    assert reply.model == "sql" and [c.text for c in sorted(reply.choices, key=lambda c: c.index)] == expected
+    plain = client.completions.create(model=llama_dir.name, prompt=PROMPTS, max_tokens=12, temperature=0,
+                                      extra_body={"ignore_eos": True})
+    assert [c.text for c in sorted(plain.choices, key=lambda c: c.index)] == base
+    messages = [{"role": "user", "content": "Tell me a story"}]
+    chat_expected = offline.chat(messages, params, use_tqdm=False, lora_request=lora)[0].outputs[0].text
+    chunks = list(client.chat.completions.create(model="sql", messages=messages, max_tokens=12, temperature=0,
+                                                 stream=True, extra_body={"ignore_eos": True}))
+    assert {c.model for c in chunks} == {"sql"}
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == chat_expected
+    # An adapter the worker cannot read fails its own request, and only it.
+    with pytest.raises(openai.BadRequestError, match="LoRA adapter 'broken' cannot be loaded"):
+        client.completions.create(model="broken", prompt="Hi", max_tokens=2)
+    with pytest.raises(openai.NotFoundError, match="serves .*`sql`"):
+        client.completions.create(model="no-such-adapter", prompt="Hi", max_tokens=2)
+    assert client.completions.create(model="sql", prompt="Hi", max_tokens=2).choices[0].text is not None
+    wait_blocks_free(stack)
 
 
 def test_greedy_matches_the_offline_api(client, offline, llama_dir):
@@ -495,8 +538,15 @@ def test_grpc_generate(stack, offline, llama_dir):
         assert replies[-1].usage.completion_tokens == len(expected.token_ids)
         by_ids = list(stub.Generate(api.GenerateRequest(token_ids=api.TokenIds(ids=[5, 6, 7]), params=params)))
         assert by_ids[-1].finish_reason
-        (card,) = stub.ListModels(api.ListModelsRequest()).models
+        card, *adapters = stub.ListModels(api.ListModelsRequest()).models
         assert card.id == llama_dir.name and card.max_model_len == 512 and card.vocab_size == 512
+        assert [a.id for a in adapters] == ["sql", "broken"]
+        # An adapter by its model name, as over HTTP; a broken one fails with INVALID_ARGUMENT.
+        tuned = list(stub.Generate(api.GenerateRequest(model="sql", text=PROMPTS[2], params=params)))
+        assert [t for r in tuned for t in r.token_ids] != expected.token_ids
+        with pytest.raises(grpc.RpcError) as broken:
+            list(stub.Generate(api.GenerateRequest(model="broken", text="x")))
+        assert broken.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "cannot be loaded" in broken.value.details()
         with pytest.raises(grpc.RpcError) as bad:
             list(stub.Generate(api.GenerateRequest(text="x", params=api.SamplingParameters(temperature=-1))))
         assert bad.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "temperature" in bad.value.details()

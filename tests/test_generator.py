@@ -32,7 +32,7 @@ class RecordingClient:
         self.submitted: list[str] = []
         self.cancelled: list[str] = []
 
-    async def submit(self, request_id, prompt, params, cache_salt=None):
+    async def submit(self, request_id, prompt, params, cache_salt=None, lora=None):
         self.submitted.append(request_id)
         return RecordingStream(request_id, self.cancelled)
 

@@ -214,3 +214,27 @@ def test_no_step_runs_more_adapters_than_max_loras_and_every_request_ends(host_b
     assert engine.scheduler.num_preemptions > 0, "meant to preempt"
     assert (engine.scheduler.num_swaps_in > 0) == bool(host_blocks)
     assert engine.scheduler.blocks.num_used_blocks == 0
+
+
+def test_lora_modules_flag_entries_and_their_errors(tmp_path):
+    from pagedserve.launcher import flags, lora_modules_error
+    from services.gateway.lora_modules import adapters_for, parse_lora_modules
+
+    parsed = parse_lora_modules(["sql=/a/sql", ' {"name": "chat", "path": "/a/chat", "base_model_name": "base"} '])
+    assert parsed == [(LoRARequest("sql", "/a/sql"), None), (LoRARequest("chat", "/a/chat"), "base")]
+    assert adapters_for("base", parsed) == {"sql": LoRARequest("sql", "/a/sql"), "chat": LoRARequest("chat", "/a/chat")}
+    for entries, reason in [(["sql"], "name=path or a JSON"), (["=/a"], "name=path"), (["{nope"], "not valid JSON"),
+                            (['{"name": "x"}'], "takes name, path"), (['{"name": "x", "path": "/p", "r": 1}'],
+                                                                     "takes name, path"),
+                            (["a=/1", "a=/2"], "names a more than once")]:
+        with pytest.raises(ValueError, match=reason):
+            parse_lora_modules(entries)
+    with pytest.raises(ValueError, match="the served model's own name"):
+        adapters_for("sql", parsed)
+    with pytest.raises(ValueError, match="is for base model 'base'"):
+        adapters_for("other", parsed)
+    import argparse
+    args = argparse.Namespace(lora_modules=["a=/1", "b=/2"], enable_lora=True)
+    assert flags(args, ["lora_modules", "enable_lora"]) == ["--lora-modules", "a=/1", "--lora-modules", "b=/2",
+                                                            "--enable-lora"]
+    assert "has no adapter_config.json" in lora_modules_error([f"a={tmp_path}"], 16)

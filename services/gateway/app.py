@@ -245,9 +245,13 @@ def create_app(gen: Generator, allowed_origins: tuple[str, ...] = ("*",), auth: 
     async def chat_completions(body: ChatCompletionRequest, request: Request):
         return await respond(request, create_chat_completion, body)
 
-    def model_card(model) -> dict:
-        return {"id": model.name, "object": "model", "created": int(time.time()), "owned_by": "pagedserve",
-                "max_model_len": model.max_model_len}
+    def model_card(model, lora=None) -> dict:
+        """The model's card, or an adapter's (vLLM's fields: its directory as root, the model as parent)."""
+        card = {"id": model.name, "object": "model", "created": int(time.time()), "owned_by": "pagedserve",
+                "max_model_len": model.max_model_len, "parent": None}
+        if lora is not None:
+            card.update(id=lora.name, root=lora.path, parent=model.name)
+        return card
 
     @app.post("/v1/responses")
     async def responses(body: ResponsesRequest, request: Request):
@@ -255,16 +259,18 @@ def create_app(gen: Generator, allowed_origins: tuple[str, ...] = ("*",), auth: 
 
     @app.get("/v1/models")
     async def models():
-        return {"object": "list", "data": [model_card(await gen.model())]}
+        served = await gen.model()
+        return {"object": "list", "data": [model_card(served)] + [model_card(served, lora)
+                                                                   for lora in served.adapters.values()]}
 
     @app.get("/v1/models/{model_id:path}")
     async def model(model_id: str):
         served = await gen.model()
         try:
-            served.check_name(model_id)
+            lora = served.resolve(model_id)
         except NotFound as exc:
             return error_response(exc)
-        return model_card(served)
+        return model_card(served, lora)
 
     @app.post("/tokenize")
     async def tokenize_prompt(body: TokenizeRequest):

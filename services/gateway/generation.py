@@ -20,6 +20,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from services.gateway.api_keys import ApiKey
+from services.gateway.lora_modules import adapters_for
 from services.gateway.metrics import GatewayMetrics
 from services.gateway.rate_limits import RateLimiter, Reservation
 from services.gateway.resumption import Resubmission, ResumePolicy, Resumer
@@ -29,6 +30,7 @@ from services.gateway.tool_parsers import ToolCallParser
 from shared.detokenizer import IncrementalDetokenizer
 from shared.grpc_errors import NotFound, ResourceExhausted, ServiceUnavailable
 from shared.logging import setup_logging
+from shared.lora import LoRARequest
 from shared.resumption import Resumption
 from shared.sampling_params import SamplingParams
 from shared.tokenizer import load_tokenizer, render_chat
@@ -105,11 +107,21 @@ class Model:
     max_num_seqs: int = 0  # per request (n, beams); 0: the scheduler did not say
     tool_parser: ToolCallParser | None = None  # how its tool calls are told from text (--tool-call-parser)
     eos_token_ids: tuple[int, ...] = ()
+    adapters: dict[str, LoRARequest] = field(default_factory=dict)  # --lora-modules, by the name clients use
     _token_strings: dict[int, str] = field(default_factory=dict)
 
+    def resolve(self, requested: str | None) -> LoRARequest | None:
+        """The adapter a request's ``model`` names (None: the model itself, also when it names none)."""
+        if not requested or requested == self.name:
+            return None
+        lora = self.adapters.get(requested)
+        if lora is None:
+            served = ", ".join(f"`{name}`" for name in [self.name, *self.adapters])
+            raise NotFound(f"The model `{requested}` does not exist; this server serves {served}.")
+        return lora
+
     def check_name(self, requested: str | None) -> None:
-        if requested and requested != self.name:
-            raise NotFound(f"The model `{requested}` does not exist; this server serves `{self.name}`.")
+        self.resolve(requested)
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         return list(self.tokenizer(text, add_special_tokens=add_special_tokens).input_ids)
@@ -189,8 +201,9 @@ class Run:
 
     def __init__(self, model: Model, stream: SubmitStream, request_id: str, prompt: list[int],
                  params: SamplingParams, metrics: GatewayMetrics, position: int = 0,
-                 resumer: Resumer | None = None, cache_salt: str | None = None):
+                 resumer: Resumer | None = None, cache_salt: str | None = None, lora: LoRARequest | None = None):
         self.model, self.request_id, self.prompt, self.params = model, request_id, prompt, params
+        self.lora = lora  # the adapter it runs with; None: the model itself
         self.position = position  # which of the request's prompts this is
         self._stream, self._metrics = stream, metrics
         self._resumer, self._cache_salt = resumer, cache_salt
@@ -285,7 +298,7 @@ class Run:
         if any(self._outputs):
             resumption = Resumption({i: list(out) for i, out in enumerate(self._outputs) if not self._done[i]})
             params = replace(params, prompt_logprobs=None)
-        return Resubmission(self.request_id, self.prompt, params, self._cache_salt, resumption)
+        return Resubmission(self.request_id, self.prompt, params, self._cache_salt, resumption, self.lora)
 
     def _apply(self, message) -> SeqDelta | None:
         # Every streamed token comes through here: each protobuf field is read once.
@@ -394,8 +407,11 @@ class Generator:
     def __init__(self, client: SchedulerPool, metrics: GatewayMetrics, served_model_name: str | None = None,
                  tokenizer: str | None = None, max_concurrent_requests: int | None = None,
                  limiter: RateLimiter | None = None, resume_policy: ResumePolicy | None = ResumePolicy(),
-                 tool_parser: ToolCallParser | None = None):
+                 tool_parser: ToolCallParser | None = None,
+                 lora_modules: list[tuple[LoRARequest, str | None]] | None = None):
+        """``lora_modules``: parse_lora_modules' adapters (--lora-modules)."""
         self.client = client
+        self.lora_modules = lora_modules or []
         # Runs whose scheduler is lost are submitted again (None: they fail with 503).
         self.resumer = None if resume_policy is None else Resumer(client, resume_policy, metrics)
         self.limiter = limiter  # per-key rate limits (keys from the Redis store); None: none kept
@@ -426,9 +442,14 @@ class Generator:
         except (FileNotFoundError, ValueError) as exc:  # a deployment error, not the client's
             raise ServiceUnavailable(f"cannot load the tokenizer ({exc}); pass --tokenizer") from exc
         name = self.served_model_name or Path(info.model).name or info.model
-        log.info("model ready", model=name, path=info.model, max_model_len=info.max_model_len)
+        try:
+            adapters = adapters_for(name, self.lora_modules)
+        except ValueError as exc:  # a deployment error too
+            raise ServiceUnavailable(f"{exc}; fix --lora-modules") from exc
+        log.info("model ready", model=name, path=info.model, max_model_len=info.max_model_len,
+                 lora_adapters=sorted(adapters))
         return Model(name, info.max_model_len, info.vocab_size, info.max_logprobs, tokenizer, info.max_num_seqs,
-                     self.tool_parser, tuple(info.eos_token_ids))
+                     self.tool_parser, tuple(info.eos_token_ids), adapters)
 
     @contextlib.asynccontextmanager
     async def admitted(self, api_key: ApiKey | None = None):
@@ -494,7 +515,8 @@ class Generator:
 
     async def start(self, model: Model, request_id: str, prompts: list[list[int]], params: SamplingParams,
                     suffix_ids: bool = True, cache_salt: str | None = None,
-                    on_submit: Callable[[Run], None] | None = None, admission: Admission | None = None) -> list[Run]:
+                    on_submit: Callable[[Run], None] | None = None, admission: Admission | None = None,
+                    lora: LoRARequest | None = None) -> list[Run]:
         """Validate every prompt, then submit them all and wait for each one's first output.
 
         One engine request per prompt; their ids are request_id-<8 random hex digits>-<i> (or
@@ -513,10 +535,10 @@ class Generator:
         try:
             for i, prompt in enumerate(prompts):
                 engine_id = f"{unique}-{i}" if suffix_ids else unique
-                stream = await self.client.submit(engine_id, prompt, params, cache_salt)
+                stream = await self.client.submit(engine_id, prompt, params, cache_salt, lora=lora)
                 try:
                     runs.append(Run(model, stream, engine_id, prompt, params, self.metrics, position=i,
-                                    resumer=self.resumer, cache_salt=cache_salt))
+                                    resumer=self.resumer, cache_salt=cache_salt, lora=lora))
                     if on_submit is not None:
                         on_submit(runs[-1])
                 except BaseException:
@@ -531,6 +553,7 @@ class Generator:
                     started.cancel()
             raise
         log.info("request started", prompts=len(prompts), n=params.n, max_tokens=params.max_tokens,
+                 lora=lora.name if lora is not None else None,
                  prompt_tokens=sum(map(len, prompts)))
         if admission is not None:
             admission.runs = runs

@@ -69,7 +69,7 @@ class GenerationServicer(api_grpc.GenerationServicer):
             engine_id = _engine_id(api_key, request_id)
             async with self.call_ids.claim(engine_id) as call, self.gen.admitted(api_key) as admission:
                 model = await self.gen.model()
-                model.check_name(request.model)
+                lora = model.resolve(request.model)
                 try:  # off the event loop: checking a structured output's grammar can take long
                     params = await asyncio.to_thread(SamplingParams.from_proto, request.params)
                 except ValueError as exc:  # its messages name the field, as over HTTP
@@ -80,7 +80,7 @@ class GenerationServicer(api_grpc.GenerationServicer):
                 # The engine request keeps the client's id, so Abort(request_id) reaches it.
                 salt = request.cache_salt if request.HasField("cache_salt") else None
                 (run,) = await self.gen.start(model, engine_id, [prompt], params, suffix_ids=False, cache_salt=salt,
-                                              on_submit=call.attach, admission=admission)
+                                              on_submit=call.attach, admission=admission, lora=lora)
                 try:
                     await self._stream(context, request_id, run)
                 finally:
@@ -139,8 +139,9 @@ class GenerationServicer(api_grpc.GenerationServicer):
             model = await self.gen.model()
         except Exception as exc:
             await _abort_with(context, exc)
-        return api.ListModelsResponse(models=[api.ModelCard(id=model.name, max_model_len=model.max_model_len,
-                                                            vocab_size=model.vocab_size)])
+        return api.ListModelsResponse(models=[api.ModelCard(id=name, max_model_len=model.max_model_len,
+                                                            vocab_size=model.vocab_size)
+                                              for name in [model.name, *model.adapters]])
 
 
 def create_grpc_server(gen: Generator, address: str, auth: Authenticator | None = None

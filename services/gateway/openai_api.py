@@ -36,14 +36,15 @@ async def _answer(gen: Generator, body, request_id: str, api_key: ApiKey | None,
     async with AsyncExitStack() as stack:
         admission = await stack.enter_async_context(gen.admitted(api_key))
         model = await gen.model()
-        model.check_name(body.model)
+        lora = model.resolve(body.model)
         try:
             # (Off the event loop too: checking a structured output's grammar can take long.)
             params = await asyncio.to_thread(reply_class.checked_params, model, body)
             # Off the event loop: a megabyte prompt takes seconds to tokenize (or render and tokenize),
             # and every other stream would wait that long (the tokenizer lets go of the GIL).
             prompts, texts = await asyncio.to_thread(reply_class.prompts, model, body)
-            runs = await gen.start(model, request_id, prompts, params, cache_salt=body.cache_salt, admission=admission)
+            runs = await gen.start(model, request_id, prompts, params, cache_salt=body.cache_salt, admission=admission,
+                                   lora=lora)
         except InvalidParameter as exc:
             raise body.public_error(exc) from None
         reply = reply_class(model, body, reply_class.response_id(request_id), runs, texts)
@@ -90,6 +91,8 @@ class _Reply:
 
     def __init__(self, model: Model, body, response_id: str, runs: list[Run], prompt_texts: list[str]):
         self.model, self.body, self.id, self.runs, self.prompt_texts = model, body, response_id, runs, prompt_texts
+        # The name the client asked for: the model's, or the adapter's it runs with.
+        self.model_name = runs[0].lora.name if runs and runs[0].lora is not None else model.name
         self.n = body.n
         self.created = int(time.time())
         self.slot = AsyncExitStack()
@@ -103,7 +106,7 @@ class _Reply:
         self.continuous_usage = body.continuous_usage
 
     def envelope(self, kind: str, choices: list[dict], **extra) -> dict:
-        return {"id": self.id, "object": kind, "created": self.created, "model": self.model.name,
+        return {"id": self.id, "object": kind, "created": self.created, "model": self.model_name,
                 "choices": choices, **extra}
 
     def chunk_json(self, choices: list[dict], usage: dict | None = None) -> str:

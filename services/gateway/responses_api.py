@@ -67,7 +67,7 @@ class _Response(_Chat):
             "completed_at": int(time.time()) if status in ("completed", "incomplete") else None, "error": error,
             "incomplete_details": {"reason": "max_output_tokens"} if status == "incomplete" else None,
             "instructions": request.instructions, "max_output_tokens": request.max_output_tokens,
-            "model": self.model.name, "output": output, "parallel_tool_calls": request.parallel_tool_calls is not False,
+            "model": self.model_name, "output": output, "parallel_tool_calls": request.parallel_tool_calls is not False,
             "previous_response_id": None, "reasoning": None, "store": False, "temperature": request.temperature,
             "top_p": request.top_p, "text": {"format": (request.text or {}).get("format") or {"type": "text"}},
             "tool_choice": request.tool_choice or "auto", "tools": request.tools or [], "truncation": "disabled",

@@ -21,6 +21,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from shared.columns import merge_by_position
 from shared.grpc_errors import ServiceUnavailable, error_for_code, error_from_status, status_from_int
+from shared.lora import LoRARequest
 from shared.logging import setup_logging
 from shared.proto import pagedserve_api_pb2 as api
 from shared.proto import pagedserve_internal_pb2 as wire
@@ -312,7 +313,8 @@ class SchedulerClient:
             raise _domain_error(exc, self.address) from None
 
     async def submit(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-                     cache_salt: str | None = None, resumption: Resumption | None = None) -> SubmitStream:
+                     cache_salt: str | None = None, resumption: Resumption | None = None,
+                     lora: LoRARequest | None = None) -> SubmitStream:
         if self._refusing is not None:
             raise self._refusing
         await self._connected()
@@ -320,7 +322,8 @@ class SchedulerClient:
             self._session = Session(self._stub, self.address, self.idle_timeout_s)
         request = wire.EngineRequest(request_id=request_id, prompt_token_ids=prompt_token_ids,
                                      params=params.to_proto(), cache_salt=cache_salt,
-                                     resumed=resumption.to_proto() if resumption is not None else ())
+                                     resumed=resumption.to_proto() if resumption is not None else (),
+                                     lora=lora.to_proto() if lora is not None else None)
         return self._session.submit(request)
 
     @property

@@ -19,6 +19,7 @@ from services.gateway.app import create_app
 from services.gateway.auth import Authenticator
 from services.gateway.generation import Generator
 from services.gateway.grpc_api import HEALTH_SERVICES, NOT_SERVING, SERVING, create_grpc_server
+from services.gateway.lora_modules import parse_lora_modules
 from services.gateway.metrics import GatewayMetrics
 from services.gateway.resumption import ResumePolicy
 from services.gateway.rate_limits import RateLimiter
@@ -102,7 +103,7 @@ async def serve(args: argparse.Namespace) -> None:
     resume_policy = ResumePolicy(args.max_resumes, args.resume_timeout) if args.max_resumes else None
     tool_parser = ToolCallParser(args.tool_call_parser) if args.enable_auto_tool_choice else None
     gen = Generator(client, metrics, args.served_model_name, args.tokenizer, args.max_concurrent_requests, limiter,
-                    resume_policy, tool_parser)
+                    resume_policy, tool_parser, args.lora_modules)
     grpc_server, grpc_health = create_grpc_server(gen, f"{args.host}:{args.grpc_port}", auth)
     origins = tuple(o.strip() for o in args.allowed_origins.split(",") if o.strip())
     http = _Uvicorn(uvicorn.Config(create_app(gen, origins, auth), host=args.host, port=args.port, log_config=None,
@@ -201,6 +202,10 @@ def build_parser() -> argparse.ArgumentParser:
                              "Redis keep apart with their own)")
     parser.add_argument("--drain-timeout", type=float, default=10.0,
                         help="seconds in-flight requests get to finish on shutdown")
+    parser.add_argument("--lora-modules", action="append", default=None,
+                        help="a LoRA adapter served beside the model, as name=path (or JSON with name and path): "
+                             "requests whose model is the name run with it; repeatable (comma-separated in "
+                             "PAGEDSERVE_LORA_MODULES); the workers need --enable-lora")
     return parser
 
 
@@ -214,6 +219,10 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(error)
     if args.max_resumes < 0 or not args.resume_timeout > 0:
         parser.error("--max-resumes must be 0 or more and --resume-timeout positive")
+    try:
+        args.lora_modules = parse_lora_modules(args.lora_modules)
+    except ValueError as exc:
+        parser.error(str(exc))
     args.scheduler = [a.strip() for item in args.scheduler or ["127.0.0.1:50051"] for a in item.split(",") if a.strip()]
     run_event_loop(serve(args))
     return 0
