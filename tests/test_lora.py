@@ -177,6 +177,12 @@ def test_lora_layers_equal_the_merged_matmul_in_bfloat16_to_rounding(llama_dir, 
     expected = base[4:, k] + 2.0 * (x[4:].float() @ a.T) @ b.T
     torch.testing.assert_close(ours[4:, k], expected, atol=0.05, rtol=0.02)
     torch.testing.assert_close(ours[2:4], base[2:4])  # no adapter: the base layer's own output
+    # One adapter alone (slot 1: the step's matmuls cover only it): its tokens as when both ran.
+    assert assigned[0] == 1
+    slots.batch.set_token_slots([assigned[0], None], [2, 4])
+    alone = qkv(x).float()
+    torch.testing.assert_close(alone[:2], ours[:2])
+    torch.testing.assert_close(alone[2:], base[2:])
     slots.batch.clear()
     torch.testing.assert_close(qkv(x), qkv.base(x))
 

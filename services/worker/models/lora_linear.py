@@ -4,14 +4,15 @@ Every wrapped projection holds room for ``num_slots`` adapters of rank up to ``m
 fused part (q, k and v of qkv_proj; gate and up of gate_up_proj; one part for o_proj and down_proj):
 
 - ``lora_a [S * P * R, in]``: slot s, part p's A in rows ``(s * P + p) * R`` onwards (unused rows zero);
-- ``lora_b [out, S * P * R]``: part p's output rows take only the columns of its own A (block diagonal),
-  its scaling (alpha / r) folded in.
+- ``lora_b [S * P * R, out]``: B transposed, in the same rows; part p's rows reach only its own output
+  columns (block diagonal), its scaling (alpha / r) folded in.
 
-A step's tokens run through their own slot's adapter, or none: the shrink ``x @ A^T`` covers every slot,
-a ``[T, S]`` mask keeps each token's own, and the expand is one matmul. That costs the other slots' rows
-(small: S * P * R beside the layer's thousands of columns), needs no sort and no host sync, and a step
-in which no token has an adapter skips both matmuls. The mask lives in one ``LoRABatch`` that every
-wrapped layer of the model reads, set by the worker before each forward pass.
+A step's tokens run through their own slot's adapter, or none: the shrink ``x @ A^T`` covers the slots
+the step uses (the span from the lowest to the highest: a slice, contiguous in both matrices), a
+``[T, slots]`` mask keeps each token's own, and the expand is one matmul. That costs the other slots'
+rows in the span (small: S * P * R beside the layer's thousands of columns), needs no sort and no host
+sync, and a step in which no token has an adapter skips both matmuls. The mask lives in one
+``LoRABatch`` that every wrapped layer of the model reads, set by the worker before each forward pass.
 
 With tensor parallelism a column-parallel projection (q/k/v, gate/up) takes this rank's rows of B and
 all of A; a row-parallel one (o_proj, down_proj) its columns of A and all of B: its partial products are
@@ -32,21 +33,26 @@ class LoRABatch:
 
     def __init__(self, num_slots: int, dtype: torch.dtype, device: torch.device):
         self.num_slots, self.dtype, self.device = num_slots, dtype, device
-        self.mask: torch.Tensor | None = None  # [T, S]: 1 where token t uses slot s; None: no token uses any
+        # [T, hi - lo]: 1 where token t uses slot lo + j; None: no token uses any.
+        self.mask: torch.Tensor | None = None
+        self.lo, self.hi = 0, 0  # the slots the step uses lie in [lo, hi)
 
     def set_token_slots(self, slots: list[int | None], counts: list[int]) -> None:
         """Sequence i's ``counts[i]`` consecutive tokens use slot ``slots[i]`` (None: the base model alone)."""
-        if all(slot is None for slot in slots):
-            self.mask = None
+        used = [slot for slot in slots if slot is not None]
+        if not used:
+            self.clear()
             return
+        self.lo, self.hi = min(used), max(used) + 1
+        width = self.hi - self.lo
         per_token = torch.repeat_interleave(
-            torch.tensor([self.num_slots if slot is None else slot for slot in slots]), torch.tensor(counts))
+            torch.tensor([width if slot is None else slot - self.lo for slot in slots]), torch.tensor(counts))
         # One column more for "no adapter", then dropped: those rows are all zero.
-        mask = F.one_hot(per_token, self.num_slots + 1)[:, :self.num_slots]
+        mask = F.one_hot(per_token, width + 1)[:, :width]
         self.mask = mask.to(self.dtype).to(self.device)
 
     def clear(self) -> None:
-        self.mask = None
+        self.mask, self.lo, self.hi = None, 0, 0
 
 
 class LoRALinear(nn.Module):
@@ -62,34 +68,36 @@ class LoRALinear(nn.Module):
         slots, parts = batch.num_slots, len(part_sizes)
         width = slots * parts * max_rank
         self.register_buffer("lora_a", torch.zeros(width, in_features, dtype=batch.dtype, device=batch.device))
-        self.register_buffer("lora_b", torch.zeros(sum(part_sizes), width, dtype=batch.dtype, device=batch.device))
+        self.register_buffer("lora_b", torch.zeros(width, sum(part_sizes), dtype=batch.dtype, device=batch.device))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         out = self.base(x)
-        mask = self.batch[0].mask
-        if mask is None:
+        batch = self.batch[0]
+        if batch.mask is None:
             return out
-        shrunk = F.linear(x, self.lora_a)
-        shrunk = (shrunk.view(x.shape[0], mask.shape[1], -1) * mask[:, :, None]).view(x.shape[0], -1)
-        return out.addmm_(shrunk, self.lora_b.t())
+        per_slot = len(self.part_sizes) * self.max_rank
+        rows = slice(batch.lo * per_slot, batch.hi * per_slot)
+        shrunk = F.linear(x, self.lora_a[rows])
+        shrunk = (shrunk.view(x.shape[0], batch.hi - batch.lo, per_slot) * batch.mask[:, :, None]).view(x.shape[0], -1)
+        return out.addmm_(shrunk, self.lora_b[rows])
 
-    def _columns(self, slot: int, part: int) -> slice:
+    def _rows(self, slot: int, part: int, rank: int | None = None) -> slice:
+        """The rows of both matrices that hold the slot's part (its first ``rank`` of them)."""
         start = (slot * len(self.part_sizes) + part) * self.max_rank
-        return slice(start, start + self.max_rank)
+        return slice(start, start + (self.max_rank if rank is None else rank))
 
     def clear_slot(self, slot: int) -> None:
         for part in range(len(self.part_sizes)):
-            columns = self._columns(slot, part)
-            self.lora_a[columns] = 0
-            self.lora_b[:, columns] = 0
+            rows = self._rows(slot, part)
+            self.lora_a[rows] = 0
+            self.lora_b[rows] = 0
 
     def set_part(self, slot: int, part: int, a: torch.Tensor, b: torch.Tensor) -> None:
-        """This rank's ``a [r, in]`` and ``b [part rows, r]`` (already scaled) into the slot's part."""
-        rank = a.shape[0]
-        columns = self._columns(slot, part)
-        rows = slice(self.part_starts[part], self.part_starts[part] + self.part_sizes[part])
-        self.lora_a[columns.start:columns.start + rank] = a
-        self.lora_b[rows, columns.start:columns.start + rank] = b
+        """This rank's ``a [r, in]`` and ``b [part's outputs, r]`` (already scaled) into the slot's part."""
+        rows = self._rows(slot, part, a.shape[0])
+        outputs = slice(self.part_starts[part], self.part_starts[part] + self.part_sizes[part])
+        self.lora_a[rows] = a
+        self.lora_b[rows, outputs] = b.t()
 
 
 @dataclass(frozen=True)
