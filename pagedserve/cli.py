@@ -154,11 +154,24 @@ def apply_env_defaults(parser: argparse.ArgumentParser, prefix: str = "PAGEDSERV
         if isinstance(action, (argparse._StoreTrueAction, argparse._StoreFalseAction, argparse.BooleanOptionalAction)):
             # The variable names the destination, so its truth is the value (ENABLE_CHUNKED_PREFILL=false).
             value = raw.strip().lower() in ("1", "true", "yes", "on")
+        elif isinstance(action, argparse._AppendAction) and raw.strip().startswith("["):
+            value = _json_list(raw, prefix + action.dest.upper())  # entries that may hold commas (JSON ones)
         elif isinstance(action, argparse._AppendAction):
             value = [item.strip() for item in raw.split(",") if item.strip()]
         else:
             value = action.type(raw) if action.type else raw
         parser.set_defaults(**{action.dest: value})
+
+
+def _json_list(raw: str, variable: str) -> list[str]:
+    """A list flag's value from a JSON list: strings as they are, objects as their JSON."""
+    try:
+        items = json.loads(raw)
+    except json.JSONDecodeError as exc:
+        raise SystemExit(f"{variable} is not a valid JSON list: {exc}") from None
+    if not isinstance(items, list):
+        raise SystemExit(f"{variable} must be a JSON list")
+    return [item if isinstance(item, str) else json.dumps(item) for item in items]
 
 
 SERVICES = {

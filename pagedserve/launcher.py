@@ -52,9 +52,9 @@ def build_parser() -> argparse.ArgumentParser:
                         help="answer tool_choice 'auto': the model's calls are read with --tool-call-parser")
     parser.add_argument("--tool-call-parser", choices=sorted(TOOL_CALL_PARSERS), default=None,
                         help="the model's tool-call format (see pagedserve gateway --help)")
-    parser.add_argument("--lora-modules", action="append", default=None,
-                        help="a LoRA adapter served beside the model, as name=path (repeatable); turns on "
-                             "--enable-lora")
+    parser.add_argument("--lora-modules", nargs="+", action="extend", default=None,
+                        help="LoRA adapters served beside the model, each as name=path (see pagedserve gateway "
+                             "--help); turns on --enable-lora")
     parser.add_argument("--data-parallel-size", "-dp", type=int, default=1,
                         help="schedulers, each with a worker (a GPU of its own, or a share of the CPU cores), "
                              "behind the one gateway")
@@ -262,7 +262,8 @@ class Stack:
 def lora_modules_error(entries: list[str], max_lora_rank: int) -> str | None:
     """What is wrong with the adapters (every process here sees their directories: read them now)."""
     try:
-        for lora, _ in parse_lora_modules(entries):
+        for module in parse_lora_modules(entries):
+            lora = module.lora
             rank = read_adapter_config(lora.path).rank
             if rank > max_lora_rank:
                 return f"LoRA adapter {lora.name!r} has rank {rank}, above --max-lora-rank {max_lora_rank}"

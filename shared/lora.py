@@ -13,7 +13,7 @@ attention and MLP projections (embeddings, the output head, experts).
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from shared.proto import pagedserve_internal_pb2 as wire
@@ -24,14 +24,36 @@ ADAPTER_CONFIG = "adapter_config.json"
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(frozen=True, slots=True, init=False)
 class LoRARequest:
-    """The adapter a request runs with."""
+    """The adapter a request runs with: ``LoRARequest(name, path)``, or vLLM's ``LoRARequest(lora_name,
+    lora_int_id, lora_path)`` (its id is kept, but the name and path are the identity)."""
 
     name: str  # how clients call it (the ``model`` of an OpenAI request)
     path: str  # its PEFT directory, as the worker sees it
+    int_id: int | None = field(default=None, compare=False)  # vLLM's lora_int_id, when given
 
-    def __post_init__(self) -> None:
+    def __init__(self, name: str | None = None, *args, path: str | None = None, lora_name: str | None = None,
+                 lora_int_id: int | None = None, lora_path: str | None = None):
+        rest = list(args)
+        if rest and isinstance(rest[0], int) and not isinstance(rest[0], bool):
+            lora_int_id = rest.pop(0)
+        if rest:
+            path = rest.pop(0)
+        if rest:
+            raise TypeError(f"LoRARequest takes (name, path) or (lora_name, lora_int_id, lora_path), got "
+                            f"{len(args) + 1} positional arguments")
+        object.__setattr__(self, "name", name if name is not None else lora_name)
+        object.__setattr__(self, "path", path if path is not None else lora_path)
+        object.__setattr__(self, "int_id", lora_int_id)
+        self._check()
+
+    # vLLM's names
+    lora_name = property(lambda self: self.name)
+    lora_path = property(lambda self: self.path)
+    lora_int_id = property(lambda self: self.int_id)
+
+    def _check(self) -> None:
         if not isinstance(self.name, str) or not self.name:
             raise ValueError(f"a LoRA adapter needs a name, got {self.name!r}")
         if not isinstance(self.path, str) or not self.path:
@@ -40,7 +62,7 @@ class LoRARequest:
     @property
     def cache_key(self) -> bytes:
         """Part of the prefix-cache hash: KV computed with one adapter is another adapter's garbage."""
-        return b"lora\0" + self.name.encode() + b"\0" + self.path.encode()
+        return b"lora" + length_prefixed(self.name) + length_prefixed(self.path)
 
     def to_proto(self) -> wire.LoRAAdapter:
         return wire.LoRAAdapter(name=self.name, path=self.path)
@@ -48,6 +70,12 @@ class LoRARequest:
     @classmethod
     def from_proto(cls, m: wire.LoRAAdapter) -> "LoRARequest":
         return cls(m.name, m.path)
+
+
+def length_prefixed(text: str) -> bytes:
+    """``text`` as bytes after their count: keys joined from such parts cannot run into one another."""
+    data = text.encode()
+    return len(data).to_bytes(4, "little") + data
 
 
 @dataclass(frozen=True, slots=True)
@@ -97,6 +125,7 @@ def _refuse_unsupported(raw: dict, config_file: Path) -> None:
         "rank_pattern": "per-module ranks (rank_pattern) are not supported",
         "alpha_pattern": "per-module alphas (alpha_pattern) are not supported",
         "fan_in_fan_out": "fan_in_fan_out (transposed, Conv1D-style weights) is not supported",
+        "lora_bias": "trained LoRA biases (lora_bias) are not supported",
     }
     for key, why in refused.items():
         if raw.get(key):

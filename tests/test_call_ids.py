@@ -97,8 +97,8 @@ class Gen:
     def __init__(self):
         self.log: list[str] = []
 
-    def check_name(self, name: str) -> None:
-        pass
+    def resolve(self, name: str) -> None:
+        return None  # the model itself: no adapter
 
     def encode(self, text: str) -> list[int]:
         return [1]
@@ -110,7 +110,7 @@ class Gen:
         return contextlib.nullcontext(Admission())  # async-capable
 
     async def start(self, model, request_id, prompts, params, suffix_ids, cache_salt=None, on_submit=None,
-                    admission=None):
+                    admission=None, lora=None):
         self.log.append(f"submit {request_id}")
         stream = Stream(request_id, self.log)
         if on_submit is not None:

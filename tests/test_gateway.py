@@ -41,8 +41,9 @@ def stack(llama_dir, sql_adapter, tmp_path_factory):
     stack = Stack(llama_dir, tmp_path_factory.mktemp("gateway-logs"),
                   worker_args=WORKER_ARGS + ("--enable-lora", "--max-loras", "2", "--max-lora-rank", "8"),
                   gateway_args=("--enable-auto-tool-choice", "--tool-call-parser", "hermes",
-                                "--lora-modules", f"sql={sql_adapter}",
-                                "--lora-modules", json.dumps({"name": "broken", "path": "/nowhere"}))).start()
+                                "--lora-modules", f"sql={sql_adapter}",  # several after one flag, as vLLM's
+                                json.dumps({"name": "broken", "path": "/nowhere", "base_model_name": "hub/llama"}))
+                  ).start()
     try:
         yield stack
     finally:
@@ -110,6 +111,7 @@ def test_a_lora_adapter_is_a_model_of_its_own(stack, client, llama_dir, sql_adap
 
     cards = {m["id"]: m for m in http_get(f"{stack.base_url}/v1/models")[1]["data"]}
     assert cards["sql"]["parent"] == llama_dir.name and cards["sql"]["root"] == str(sql_adapter)
+    assert cards["broken"]["parent"] == "hub/llama" and cards[llama_dir.name]["parent"] is None
     assert client.models.retrieve("sql").id == "sql"
     params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
     offline = LLM(str(llama_dir), enable_lora=True, max_lora_rank=8)

@@ -104,7 +104,11 @@ def test_bad_adapters_fail_their_request_and_the_engine_serves_on(llama_dir, ada
     half = make_adapter(llama_dir, tmp_path / "half", rank=4, modules=("v_proj",))
     save_file({n: t for n, t in load_file(half / "adapter_model.safetensors").items() if "lora_A" in n},
               half / "adapter_model.safetensors")
-    cases = {"wide": "exceeds max_lora_rank=4", "head": "not an adapter of an attention or dense MLP",
+    poisoned = make_adapter(llama_dir, tmp_path / "poisoned", rank=4, modules=("o_proj",))
+    tensors = load_file(poisoned / "adapter_model.safetensors")
+    next(iter(tensors.values()))[0, 0] = float("nan")
+    save_file(tensors, poisoned / "adapter_model.safetensors")
+    cases = {"wide": "exceeds max_lora_rank=4", "poisoned": "not all finite", "head": "not an adapter of an attention or dense MLP",
              "other": "an adapter for another model", "half": "without its other half",
              "missing": "has no adapter_config.json"}
     for adapter, reason in cases.items():
@@ -152,6 +156,14 @@ def test_adapter_config_defaults_and_engine_limits(llama_dir, tmp_path):
         EngineConfig(max_lora_rank=1024)
     with pytest.raises(ValueError, match="needs a name"):
         LoRARequest("", str(adapter))
+    # vLLM's form: (lora_name, lora_int_id, lora_path); the id is not the identity.
+    vllm_style = LoRARequest("a", 7, str(adapter))
+    assert vllm_style == LoRARequest("a", str(adapter)) == LoRARequest(lora_name="a", lora_path=str(adapter))
+    assert (vllm_style.lora_name, vllm_style.lora_int_id, vllm_style.lora_path) == ("a", 7, str(adapter))
+    # Keys cannot run into one another: a salt that spells an adapter's key is another key.
+    from services.scheduler.sequence import Sequence
+    salted = Sequence(0, "r", 0, [1], GREEDY, 4, 0, cache_salt=LoRARequest("a", "/p").cache_key.decode())
+    assert salted.cache_extra != Sequence(0, "r", 0, [1], GREEDY, 4, 0, lora=LoRARequest("a", "/p")).cache_extra
 
 
 def test_lora_layers_equal_the_merged_matmul_in_bfloat16_to_rounding(llama_dir, adapters):
@@ -183,6 +195,11 @@ def test_lora_layers_equal_the_merged_matmul_in_bfloat16_to_rounding(llama_dir, 
     alone = qkv(x).float()
     torch.testing.assert_close(alone[:2], ours[:2])
     torch.testing.assert_close(alone[2:], base[2:])
+    # Another slot's product overflowing (inf) reaches no other token: selected, not multiplied by 0.
+    qkv.lora_a[qkv._rows(assigned[2], 0)] = float("inf")
+    slots.batch.set_token_slots([assigned[0], None, assigned[2]], [2, 2, 2])
+    spoiled = qkv(x).float()
+    torch.testing.assert_close(spoiled[:4], ours[:4])
     slots.batch.clear()
     torch.testing.assert_close(qkv(x), qkv.base(x))
 
@@ -222,25 +239,31 @@ def test_no_step_runs_more_adapters_than_max_loras_and_every_request_ends(host_b
     assert engine.scheduler.blocks.num_used_blocks == 0
 
 
-def test_lora_modules_flag_entries_and_their_errors(tmp_path):
+def test_lora_modules_flag_entries_and_their_errors(tmp_path, monkeypatch):
     from pagedserve.launcher import flags, lora_modules_error
-    from services.gateway.lora_modules import adapters_for, parse_lora_modules
+    from services.gateway.lora_modules import LoRAModule, adapters_for, parse_lora_modules
 
-    parsed = parse_lora_modules(["sql=/a/sql", ' {"name": "chat", "path": "/a/chat", "base_model_name": "base"} '])
-    assert parsed == [(LoRARequest("sql", "/a/sql"), None), (LoRARequest("chat", "/a/chat"), "base")]
-    assert adapters_for("base", parsed) == {"sql": LoRARequest("sql", "/a/sql"), "chat": LoRARequest("chat", "/a/chat")}
+    parsed = parse_lora_modules(["sql=/a/sql", ' {"name": "chat", "path": "/a/chat", "base_model_name": "hub/base"} '])
+    assert parsed == [LoRAModule(LoRARequest("sql", "/a/sql")), LoRAModule(LoRARequest("chat", "/a/chat"), "hub/base")]
+    assert adapters_for("base", parsed, max_loras=1) == {"sql": parsed[0], "chat": parsed[1]}
     for entries, reason in [(["sql"], "name=path or a JSON"), (["=/a"], "name=path"), (["{nope"], "not valid JSON"),
                             (['{"name": "x"}'], "takes name, path"), (['{"name": "x", "path": "/p", "r": 1}'],
                                                                      "takes name, path"),
                             (["a=/1", "a=/2"], "names a more than once")]:
         with pytest.raises(ValueError, match=reason):
             parse_lora_modules(entries)
-    with pytest.raises(ValueError, match="the served model's own name"):
-        adapters_for("sql", parsed)
-    with pytest.raises(ValueError, match="is for base model 'base'"):
-        adapters_for("other", parsed)
+    assert adapters_for("sql", parsed, max_loras=1) == {"chat": parsed[1]}  # unreachable: left out, logged
     import argparse
     args = argparse.Namespace(lora_modules=["a=/1", "b=/2"], enable_lora=True)
     assert flags(args, ["lora_modules", "enable_lora"]) == ["--lora-modules", "a=/1", "--lora-modules", "b=/2",
                                                             "--enable-lora"]
     assert "has no adapter_config.json" in lora_modules_error([f"a={tmp_path}"], 16)
+    # From the environment: comma-separated, or a JSON list (whose entries may hold commas).
+    from services.gateway.server import build_parser
+    from pagedserve.cli import apply_env_defaults
+    for raw, expected in [("a=/1, b=/2", ["a=/1", "b=/2"]),
+                          ('["a=/1,x", {"name": "b", "path": "/2"}]', ["a=/1,x", '{"name": "b", "path": "/2"}'])]:
+        parser = build_parser()
+        monkeypatch.setenv("PAGEDSERVE_LORA_MODULES", raw)
+        apply_env_defaults(parser)
+        assert parser.parse_args([]).lora_modules == expected

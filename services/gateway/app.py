@@ -245,12 +245,12 @@ def create_app(gen: Generator, allowed_origins: tuple[str, ...] = ("*",), auth: 
     async def chat_completions(body: ChatCompletionRequest, request: Request):
         return await respond(request, create_chat_completion, body)
 
-    def model_card(model, lora=None) -> dict:
-        """The model's card, or an adapter's (vLLM's fields: its directory as root, the model as parent)."""
+    def model_card(model, adapter=None) -> dict:
+        """The model's card, or an adapter's (vLLM's fields: its directory as root, its base model as parent)."""
         card = {"id": model.name, "object": "model", "created": int(time.time()), "owned_by": "pagedserve",
                 "max_model_len": model.max_model_len, "parent": None}
-        if lora is not None:
-            card.update(id=lora.name, root=lora.path, parent=model.name)
+        if adapter is not None:
+            card.update(id=adapter.lora.name, root=adapter.lora.path, parent=adapter.base_model_name or model.name)
         return card
 
     @app.post("/v1/responses")
@@ -260,8 +260,8 @@ def create_app(gen: Generator, allowed_origins: tuple[str, ...] = ("*",), auth: 
     @app.get("/v1/models")
     async def models():
         served = await gen.model()
-        return {"object": "list", "data": [model_card(served)] + [model_card(served, lora)
-                                                                   for lora in served.adapters.values()]}
+        return {"object": "list", "data": [model_card(served)] + [model_card(served, adapter)
+                                                                   for adapter in served.adapters.values()]}
 
     @app.get("/v1/models/{model_id:path}")
     async def model(model_id: str):
@@ -270,7 +270,7 @@ def create_app(gen: Generator, allowed_origins: tuple[str, ...] = ("*",), auth: 
             lora = served.resolve(model_id)
         except NotFound as exc:
             return error_response(exc)
-        return model_card(served, lora)
+        return model_card(served, served.adapters[lora.name] if lora is not None else None)
 
     @app.post("/tokenize")
     async def tokenize_prompt(body: TokenizeRequest):

@@ -20,7 +20,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from services.gateway.api_keys import ApiKey
-from services.gateway.lora_modules import adapters_for
+from services.gateway.lora_modules import LoRAModule, adapters_for
 from services.gateway.metrics import GatewayMetrics
 from services.gateway.rate_limits import RateLimiter, Reservation
 from services.gateway.resumption import Resubmission, ResumePolicy, Resumer
@@ -107,18 +107,18 @@ class Model:
     max_num_seqs: int = 0  # per request (n, beams); 0: the scheduler did not say
     tool_parser: ToolCallParser | None = None  # how its tool calls are told from text (--tool-call-parser)
     eos_token_ids: tuple[int, ...] = ()
-    adapters: dict[str, LoRARequest] = field(default_factory=dict)  # --lora-modules, by the name clients use
+    adapters: dict[str, LoRAModule] = field(default_factory=dict)  # --lora-modules, by the name clients use
     _token_strings: dict[int, str] = field(default_factory=dict)
 
     def resolve(self, requested: str | None) -> LoRARequest | None:
         """The adapter a request's ``model`` names (None: the model itself, also when it names none)."""
         if not requested or requested == self.name:
             return None
-        lora = self.adapters.get(requested)
-        if lora is None:
+        module = self.adapters.get(requested)
+        if module is None:
             served = ", ".join(f"`{name}`" for name in [self.name, *self.adapters])
             raise NotFound(f"The model `{requested}` does not exist; this server serves {served}.")
-        return lora
+        return module.lora
 
     def check_name(self, requested: str | None) -> None:
         self.resolve(requested)
@@ -408,7 +408,7 @@ class Generator:
                  tokenizer: str | None = None, max_concurrent_requests: int | None = None,
                  limiter: RateLimiter | None = None, resume_policy: ResumePolicy | None = ResumePolicy(),
                  tool_parser: ToolCallParser | None = None,
-                 lora_modules: list[tuple[LoRARequest, str | None]] | None = None):
+                 lora_modules: list[LoRAModule] | None = None):
         """``lora_modules``: parse_lora_modules' adapters (--lora-modules)."""
         self.client = client
         self.lora_modules = lora_modules or []
@@ -442,10 +442,7 @@ class Generator:
         except (FileNotFoundError, ValueError) as exc:  # a deployment error, not the client's
             raise ServiceUnavailable(f"cannot load the tokenizer ({exc}); pass --tokenizer") from exc
         name = self.served_model_name or Path(info.model).name or info.model
-        try:
-            adapters = adapters_for(name, self.lora_modules)
-        except ValueError as exc:  # a deployment error too
-            raise ServiceUnavailable(f"{exc}; fix --lora-modules") from exc
+        adapters = adapters_for(name, self.lora_modules, info.max_loras)
         log.info("model ready", model=name, path=info.model, max_model_len=info.max_model_len,
                  lora_adapters=sorted(adapters))
         return Model(name, info.max_model_len, info.vocab_size, info.max_logprobs, tokenizer, info.max_num_seqs,

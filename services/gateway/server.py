@@ -202,10 +202,11 @@ def build_parser() -> argparse.ArgumentParser:
                              "Redis keep apart with their own)")
     parser.add_argument("--drain-timeout", type=float, default=10.0,
                         help="seconds in-flight requests get to finish on shutdown")
-    parser.add_argument("--lora-modules", action="append", default=None,
-                        help="a LoRA adapter served beside the model, as name=path (or JSON with name and path): "
-                             "requests whose model is the name run with it; repeatable (comma-separated in "
-                             "PAGEDSERVE_LORA_MODULES); the workers need --enable-lora")
+    parser.add_argument("--lora-modules", nargs="+", action="extend", default=None,
+                        help="LoRA adapters served beside the model, each as name=path (or JSON with name, path and "
+                             "base_model_name): requests whose model is the name run with it; several, or the flag "
+                             "repeated (PAGEDSERVE_LORA_MODULES: comma-separated, or a JSON list); the workers need "
+                             "--enable-lora")
     return parser
 
 

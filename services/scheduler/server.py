@@ -111,7 +111,8 @@ class SchedulerServicer(wire_grpc.SchedulerServicer):
                                eos_token_ids=info.eos_token_ids, num_kv_blocks=info.num_kv_blocks,
                                block_size=info.block_size, max_logprobs=self.max_logprobs,
                                protocol_version=INTERNAL_PROTOCOL_VERSION,
-                               max_num_seqs=self.loop.engine.scheduler.limits.max_num_seqs)
+                               max_num_seqs=self.loop.engine.scheduler.limits.max_num_seqs,
+                               max_loras=info.max_loras)
 
     def GetStats(self, request, context):
         with grpc_errors(context):

@@ -62,7 +62,18 @@ class AdapterSlots:
                 self._free.append(slot)
                 continue
             self._loaded[lora] = slot
+        if self.tp.size > 1 and wanted:
+            self._agree_on_failures(wanted, failed)
         return [self._loaded.get(lora) if lora is not None else None for lora in adapters], failed
+
+    def _agree_on_failures(self, wanted: list[LoRARequest], failed: dict[LoRARequest, str]) -> None:
+        """Every rank fails the same adapters (one whose files only some ranks could read, say): ranks that ran
+        different batches would meet in their all-reduces with different shapes. Each step with adapters."""
+        flags = torch.tensor([float(lora in failed) for lora in wanted], device=self.batch.device)
+        self.tp.all_reduce(flags)
+        for lora, flag in zip(wanted, flags.tolist()):
+            if flag and lora not in failed:
+                failed[lora] = f"LoRA adapter {lora.name!r} cannot be loaded on another tensor-parallel rank"
 
     def _take_slot(self, keep: list[LoRARequest]) -> int:
         if self._free:
@@ -107,6 +118,8 @@ class AdapterSlots:
             if tuple(a.shape) != expected_a or tuple(b.shape) != expected_b:
                 raise ValueError(f"{module} has lora_A {tuple(a.shape)} and lora_B {tuple(b.shape)}; this model "
                                  f"needs {expected_a} and {expected_b} (an adapter for another model?)")
+            if not (a.float().isfinite().all() and b.float().isfinite().all()):
+                raise ValueError(f"{module}'s weights are not all finite")
             pairs[module] = (a, b)
         return pairs
 

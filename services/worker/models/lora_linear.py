@@ -33,7 +33,7 @@ class LoRABatch:
 
     def __init__(self, num_slots: int, dtype: torch.dtype, device: torch.device):
         self.num_slots, self.dtype, self.device = num_slots, dtype, device
-        # [T, hi - lo]: 1 where token t uses slot lo + j; None: no token uses any.
+        # [T, hi - lo] bool: token t uses slot lo + j; None: no token uses any.
         self.mask: torch.Tensor | None = None
         self.lo, self.hi = 0, 0  # the slots the step uses lie in [lo, hi)
 
@@ -49,7 +49,7 @@ class LoRABatch:
             torch.tensor([width if slot is None else slot - self.lo for slot in slots]), torch.tensor(counts))
         # One column more for "no adapter", then dropped: those rows are all zero.
         mask = F.one_hot(per_token, width + 1)[:, :width]
-        self.mask = mask.to(self.dtype).to(self.device)
+        self.mask = mask.bool().to(self.device)
 
     def clear(self) -> None:
         self.mask, self.lo, self.hi = None, 0, 0
@@ -78,7 +78,9 @@ class LoRALinear(nn.Module):
         per_slot = len(self.part_sizes) * self.max_rank
         rows = slice(batch.lo * per_slot, batch.hi * per_slot)
         shrunk = F.linear(x, self.lora_a[rows])
-        shrunk = (shrunk.view(x.shape[0], batch.hi - batch.lo, per_slot) * batch.mask[:, :, None]).view(x.shape[0], -1)
+        # Selected, not multiplied by 0/1: an inf in another slot's product (float16 overflow) times 0 is NaN.
+        shrunk = torch.where(batch.mask[:, :, None], shrunk.view(x.shape[0], batch.hi - batch.lo, per_slot), 0)
+        shrunk = shrunk.view(x.shape[0], -1)
         return out.addmm_(shrunk, self.lora_b[rows])
 
     def _rows(self, slot: int, part: int, rank: int | None = None) -> slice:
