@@ -158,11 +158,16 @@ def test_bfloat16_experts_stay_close_to_float32():
     block = _block(moe_config())
     x = torch.randn(24, 16)
     with torch.no_grad():
-        expected = block(x)
+        expected, experts32 = block(x), select_experts(block.gate(x), block.moe, torch.float32)[1]
         block.to(torch.bfloat16)
-        out = block(x.to(torch.bfloat16))
+        low = x.to(torch.bfloat16)
+        out, experts16 = block(low), select_experts(block.gate(low), block.moe, torch.bfloat16)[1]
     assert out.dtype == torch.bfloat16
-    assert (out.float() - expected).norm() / expected.norm() < 0.05  # experts may flip on near-ties
+    # A token whose router is near a tie may go to other experts in bfloat16: compare the others, row by row.
+    same = (experts32.sort(-1).values == experts16.sort(-1).values).all(-1)
+    assert same.sum() >= len(x) - 3, f"{len(x) - int(same.sum())} of {len(x)} tokens changed experts"
+    errors = (out.float() - expected)[same].norm(dim=-1) / expected[same].norm(dim=-1)
+    assert errors.max() < 0.05, errors
 
 
 # ---- loading and the tensor-parallel split ---------------------------------------------------------
