@@ -27,7 +27,7 @@ from shared.lora import read_adapter_config
 SCHEDULER_FLAGS = ("max_num_seqs", "max_num_batched_tokens", "enable_chunked_prefill", "enable_prefix_caching",
                    "preemption_mode", "async_scheduling")
 GATEWAY_FLAGS = ("host", "port", "grpc_port", "served_model_name", "tokenizer", "max_resumes", "resume_timeout",
-                 "enable_auto_tool_choice", "tool_call_parser", "lora_modules")
+                 "enable_auto_tool_choice", "tool_call_parser", "lora_modules", "allow_runtime_lora_updating")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -55,6 +55,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--lora-modules", nargs="+", action="extend", default=None,
                         help="LoRA adapters served beside the model, each as name=path (see pagedserve gateway "
                              "--help); turns on --enable-lora")
+    parser.add_argument("--allow-runtime-lora-updating", action=argparse.BooleanOptionalAction, default=None,
+                        help="adapters loaded and unloaded while serving (vLLM's /v1/load_lora_adapter); turns on "
+                             "--enable-lora")
     parser.add_argument("--data-parallel-size", "-dp", type=int, default=1,
                         help="schedulers, each with a worker (a GPU of its own, or a share of the CPU cores), "
                              "behind the one gateway")
@@ -277,8 +280,9 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if (error := flag_error(args.enable_auto_tool_choice, args.tool_call_parser)) is not None:  # before any child
         parser.error(error)
-    if args.lora_modules:
+    if args.lora_modules or args.allow_runtime_lora_updating:
         args.enable_lora = True
+    if args.lora_modules:
         if (error := lora_modules_error(args.lora_modules, args.max_lora_rank)) is not None:
             parser.error(error)
     stack = Stack(args)

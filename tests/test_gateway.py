@@ -41,6 +41,7 @@ def stack(llama_dir, sql_adapter, tmp_path_factory):
     stack = Stack(llama_dir, tmp_path_factory.mktemp("gateway-logs"),
                   worker_args=WORKER_ARGS + ("--enable-lora", "--max-loras", "2", "--max-lora-rank", "8"),
                   gateway_args=("--enable-auto-tool-choice", "--tool-call-parser", "hermes",
+                                "--allow-runtime-lora-updating",
                                 "--lora-modules", f"sql={sql_adapter}",  # several after one flag, as vLLM's
                                 json.dumps({"name": "broken", "path": "/nowhere", "base_model_name": "hub/llama"}))
                   ).start()
@@ -138,6 +139,27 @@ def test_a_lora_adapter_is_a_model_of_its_own(stack, client, llama_dir, sql_adap
         client.completions.create(model="no-such-adapter", prompt="Hi", max_tokens=2)
     assert client.completions.create(model="sql", prompt="Hi", max_tokens=2).choices[0].text is not None
     wait_blocks_free(stack)
+
+
+def test_adapters_load_and_unload_while_serving(stack, client, llama_dir, sql_adapter):
+    load, unload = f"{stack.base_url}/v1/load_lora_adapter", f"{stack.base_url}/v1/unload_lora_adapter"
+    reply = httpx.post(load, json={"lora_name": "live", "lora_path": str(sql_adapter)})
+    assert reply.status_code == 200 and reply.text == "Success: LoRA adapter 'live' added successfully."
+    assert "live" in [m.id for m in client.models.list().data]
+    live = client.completions.create(model="live", prompt="Hi", max_tokens=6, temperature=0)
+    sql = client.completions.create(model="sql", prompt="Hi", max_tokens=6, temperature=0)
+    assert live.model == "live" and live.choices[0].text == sql.choices[0].text  # the same directory
+    assert _error(httpx.post(load, json={"lora_name": "live", "lora_path": str(sql_adapter)}), 400)["message"] \
+        == "The lora adapter 'live' has already been loaded."
+    assert "has no adapter_config.json" in _error(httpx.post(load, json={"lora_name": "x", "lora_path": "/none"}),
+                                                  400)["message"]
+    assert _error(httpx.post(load, json={"lora_name": "x"}), 400)["param"] == "lora_path"
+    assert httpx.post(unload, json={"lora_name": "live"}).status_code == 200
+    assert "live" not in [m.id for m in client.models.list().data]
+    with pytest.raises(openai.NotFoundError):
+        client.completions.create(model="live", prompt="Hi", max_tokens=2)
+    assert _error(httpx.post(unload, json={"lora_name": "live"}), 404)["message"] == \
+        "The lora adapter 'live' cannot be found."
 
 
 def test_greedy_matches_the_offline_api(client, offline, llama_dir):

@@ -9,13 +9,15 @@ import uuid
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.middleware.cors import CORSMiddleware
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException
 
 from pagedserve import __version__
 from services.gateway.auth import OPEN_PATHS, Authenticator
 from services.gateway.generation import Generator, InvalidParameter
+from services.gateway.lora_api import (LoadLoRAAdapterRequest, UnloadLoRAAdapterRequest, load_lora_adapter,
+                                       unload_lora_adapter)
 from services.gateway.openai_api import create_chat_completion, create_completion
 from services.gateway.protocol import ChatCompletionRequest, CompletionRequest
 from services.gateway.rate_limits import RateLimited
@@ -209,9 +211,11 @@ class EventStream(StreamingResponse):
             await self.reply.aclose()
 
 
-def create_app(gen: Generator, allowed_origins: tuple[str, ...] = ("*",), auth: Authenticator | None = None) -> FastAPI:
+def create_app(gen: Generator, allowed_origins: tuple[str, ...] = ("*",), auth: Authenticator | None = None,
+               runtime_lora_updating: bool = False) -> FastAPI:
     """allowed_origins: the browser origins CORS lets call the API (as vLLM: any, by default; none: no CORS).
-    auth: the API keys a request must carry (None or none configured: the gateway is open)."""
+    auth: the API keys a request must carry (None or none configured: the gateway is open);
+    runtime_lora_updating: serve vLLM's load/unload LoRA adapter endpoints (lora_api.py)."""
     app = FastAPI(title="pagedserve gateway", description="OpenAI-compatible API of pagedserve")
     if auth is not None and auth.enabled:  # inside CORS, so that a 401 carries CORS headers too
         app.add_middleware(ApiKeyAuth, auth=auth, metrics=gen.metrics)
@@ -271,6 +275,22 @@ def create_app(gen: Generator, allowed_origins: tuple[str, ...] = ("*",), auth: 
         except NotFound as exc:
             return error_response(exc)
         return model_card(served, served.adapters[lora.name] if lora is not None else None)
+
+    async def plain_text(action, body):
+        """vLLM's LoRA endpoints answer success as plain text, errors as OpenAI error objects."""
+        try:
+            return PlainTextResponse(await action(gen, body))
+        except (ValueError, NotFound, ServiceUnavailable) as exc:
+            return error_response(exc)
+
+    if runtime_lora_updating:
+        @app.post("/v1/load_lora_adapter")
+        async def load_adapter(body: LoadLoRAAdapterRequest):
+            return await plain_text(load_lora_adapter, body)
+
+        @app.post("/v1/unload_lora_adapter")
+        async def unload_adapter(body: UnloadLoRAAdapterRequest):
+            return await plain_text(unload_lora_adapter, body)
 
     @app.post("/tokenize")
     async def tokenize_prompt(body: TokenizeRequest):

@@ -106,7 +106,7 @@ async def serve(args: argparse.Namespace) -> None:
                     resume_policy, tool_parser, args.lora_modules)
     grpc_server, grpc_health = create_grpc_server(gen, f"{args.host}:{args.grpc_port}", auth)
     origins = tuple(o.strip() for o in args.allowed_origins.split(",") if o.strip())
-    http = _Uvicorn(uvicorn.Config(create_app(gen, origins, auth), host=args.host, port=args.port, log_config=None,
+    http = _Uvicorn(uvicorn.Config(create_app(gen, origins, auth, args.allow_runtime_lora_updating), host=args.host, port=args.port, log_config=None,
                                    log_level="warning", access_log=False, lifespan="off",
                                    timeout_graceful_shutdown=args.drain_timeout + FAREWELL_S))
     stop = asyncio.Event()
@@ -207,6 +207,10 @@ def build_parser() -> argparse.ArgumentParser:
                              "base_model_name): requests whose model is the name run with it; several, or the flag "
                              "repeated (PAGEDSERVE_LORA_MODULES: comma-separated, or a JSON list); the workers need "
                              "--enable-lora")
+    parser.add_argument("--allow-runtime-lora-updating", action=argparse.BooleanOptionalAction, default=False,
+                        help="serve POST /v1/load_lora_adapter and /v1/unload_lora_adapter (vLLM's "
+                             "VLLM_ALLOW_RUNTIME_LORA_UPDATING): adapters added and removed while serving, at this "
+                             "gateway")
     return parser
 
 
