@@ -27,7 +27,8 @@ from shared.lora import read_adapter_config
 SCHEDULER_FLAGS = ("max_num_seqs", "max_num_batched_tokens", "enable_chunked_prefill", "enable_prefix_caching",
                    "preemption_mode", "async_scheduling")
 GATEWAY_FLAGS = ("host", "port", "grpc_port", "served_model_name", "tokenizer", "max_resumes", "resume_timeout",
-                 "enable_auto_tool_choice", "tool_call_parser", "lora_modules", "allow_runtime_lora_updating")
+                 "enable_auto_tool_choice", "tool_call_parser", "lora_modules", "allow_runtime_lora_updating",
+                 "trust_request_chat_template")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -55,6 +56,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--lora-modules", nargs="+", action="extend", default=None,
                         help="LoRA adapters served beside the model, each as name=path (see pagedserve gateway "
                              "--help); turns on --enable-lora")
+    parser.add_argument("--trust-request-chat-template", action=argparse.BooleanOptionalAction, default=None,
+                        help="a chat request may bring its own chat_template (see pagedserve gateway --help)")
     parser.add_argument("--allow-runtime-lora-updating", action=argparse.BooleanOptionalAction, default=None,
                         help="adapters loaded and unloaded while serving (vLLM's /v1/load_lora_adapter); turns on "
                              "--enable-lora")

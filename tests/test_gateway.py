@@ -41,7 +41,7 @@ def stack(llama_dir, sql_adapter, tmp_path_factory):
     stack = Stack(llama_dir, tmp_path_factory.mktemp("gateway-logs"),
                   worker_args=WORKER_ARGS + ("--enable-lora", "--max-loras", "2", "--max-lora-rank", "8"),
                   gateway_args=("--enable-auto-tool-choice", "--tool-call-parser", "hermes",
-                                "--allow-runtime-lora-updating",
+                                "--allow-runtime-lora-updating", "--trust-request-chat-template",
                                 "--lora-modules", f"sql={sql_adapter}",  # several after one flag, as vLLM's
                                 json.dumps({"name": "broken", "path": "/nowhere", "base_model_name": "hub/llama"}))
                   ).start()
@@ -289,6 +289,19 @@ def test_chat_template_options(client, offline, llama_dir):
             "chat_template_kwargs"), **offline_options)[0]
         assert reply.usage.prompt_tokens == len(expected.prompt_token_ids), options
         assert reply.choices[0].message.content == expected.outputs[0].text, options
+    # A template of the request's own (the gateway trusts them here), in the chat and in /tokenize.
+    template = "{% for m in messages %}[{{ m.role }}] {{ m.content }}\n{% endfor %}[assistant] "
+    own = offline.chat(messages, greedy, use_tqdm=False, chat_template=template)[0]
+    reply = client.chat.completions.create(model=llama_dir.name, messages=messages, temperature=0, max_tokens=5,
+                                           extra_body={"chat_template": template})
+    assert reply.usage.prompt_tokens == len(own.prompt_token_ids) and own.prompt.startswith("[user] Hi")
+    assert reply.choices[0].message.content == own.outputs[0].text
+    base_url = str(client.base_url).removesuffix("/v1/")
+    tokens = httpx.post(f"{base_url}/tokenize", json={"messages": messages, "chat_template": template}).json()
+    assert tokens["tokens"] == own.prompt_token_ids
+    with pytest.raises(openai.BadRequestError, match="chat template cannot render"):
+        client.chat.completions.create(model=llama_dir.name, messages=messages, max_tokens=2,
+                                       extra_body={"chat_template": "{% for %}"})
     plain = offline.chat(messages, greedy, use_tqdm=False)[0]
     continued = offline.chat(messages, greedy, use_tqdm=False, add_generation_prompt=False,
                              continue_final_message=True)[0]

@@ -93,3 +93,12 @@ def test_the_direct_responses_text_delta_is_the_encoders_event():
         writer.numbers = iter([number])
         assert direct == writer.part_event("response.output_text.delta", delta=text, logprobs=[])
         assert json.loads(direct.split("data: ", 1)[1])["delta"] == text
+
+
+def test_a_request_s_own_chat_template_needs_the_gateway_s_trust():
+    from services.gateway.generation import InvalidParameter
+
+    model = Model("m", 4096, 5, 20, tokenizer=_BosTokenizer())
+    with pytest.raises(InvalidParameter, match="--trust-request-chat-template") as refused:
+        model.encode_chat([{"role": "user", "content": "hi"}], chat_template="{{ messages }}")
+    assert refused.value.param == "chat_template"

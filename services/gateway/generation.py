@@ -108,6 +108,7 @@ class Model:
     tool_parser: ToolCallParser | None = None  # how its tool calls are told from text (--tool-call-parser)
     eos_token_ids: tuple[int, ...] = ()
     adapters: dict[str, LoRAModule] = field(default_factory=dict)  # --lora-modules, by the name clients use
+    trust_request_chat_template: bool = False  # a request may bring its own chat template
     _token_strings: dict[int, str] = field(default_factory=dict)
 
     def resolve(self, requested: str | None) -> LoRARequest | None:
@@ -126,9 +127,14 @@ class Model:
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         return list(self.tokenizer(text, add_special_tokens=add_special_tokens).input_ids)
 
-    def encode_chat(self, messages: list[dict], **template_options) -> tuple[str, list[int]]:
+    def encode_chat(self, messages: list[dict], chat_template: str | None = None,
+                    **template_options) -> tuple[str, list[int]]:
+        if chat_template is not None and not self.trust_request_chat_template:
+            # As vLLM's: a template is code the gateway runs (sandboxed Jinja), so the operator opts in.
+            raise InvalidParameter("a chat_template per request is refused unless the gateway runs with "
+                                   "--trust-request-chat-template", "chat_template")
         # As the offline LLM.chat does: the template already holds any special tokens.
-        text = render_chat(self.tokenizer, messages, **template_options)
+        text = render_chat(self.tokenizer, messages, chat_template=chat_template, **template_options)
         return text, self.encode(text, add_special_tokens=False)
 
     def decode(self, token_ids: list[int]) -> str:
@@ -408,9 +414,10 @@ class Generator:
                  tokenizer: str | None = None, max_concurrent_requests: int | None = None,
                  limiter: RateLimiter | None = None, resume_policy: ResumePolicy | None = ResumePolicy(),
                  tool_parser: ToolCallParser | None = None,
-                 lora_modules: list[LoRAModule] | None = None):
+                 lora_modules: list[LoRAModule] | None = None, trust_request_chat_template: bool = False):
         """``lora_modules``: parse_lora_modules' adapters (--lora-modules)."""
         self.client = client
+        self.trust_request_chat_template = trust_request_chat_template
         self.lora_modules = lora_modules or []
         # Runs whose scheduler is lost are submitted again (None: they fail with 503).
         self.resumer = None if resume_policy is None else Resumer(client, resume_policy, metrics)
@@ -446,7 +453,7 @@ class Generator:
         log.info("model ready", model=name, path=info.model, max_model_len=info.max_model_len,
                  lora_adapters=sorted(adapters))
         return Model(name, info.max_model_len, info.vocab_size, info.max_logprobs, tokenizer, info.max_num_seqs,
-                     self.tool_parser, tuple(info.eos_token_ids), adapters)
+                     self.tool_parser, tuple(info.eos_token_ids), adapters, self.trust_request_chat_template)
 
     @contextlib.asynccontextmanager
     async def admitted(self, api_key: ApiKey | None = None):

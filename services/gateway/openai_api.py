@@ -308,7 +308,7 @@ class _Chat(_Reply):
                                       add_generation_prompt=body.add_generation_prompt,
                                       continue_final_message=body.continue_final_message,
                                       template_kwargs=body.chat_template_kwargs,
-                                      tools=body.tools or None)
+                                      tools=body.tools or None, chat_template=body.chat_template)
         return [ids], [text]
 
     @staticmethod

@@ -42,7 +42,7 @@ class StreamOptions(BaseModel):
 UNSUPPORTED = {
     "bad_words": "banning words",
     "return_tokens_as_token_ids": "token ids as tokens",
-    "logits_processors": "logits processors", "chat_template": "a chat template per request",
+    "logits_processors": "logits processors", "chat_template": "chat template for a completion (a chat's only)",
     "functions": "function calling", "function_call": "function calling",
 }
 
@@ -257,6 +257,7 @@ class ChatCompletionRequest(_Sampling):
     add_generation_prompt: bool = True
     continue_final_message: bool = False
     chat_template_kwargs: dict[str, Any] | None = None
+    chat_template: str | None = None  # a Jinja template for this request (--trust-request-chat-template)
 
     def checked_params(self) -> SamplingParams:
         if self.top_logprobs is not None and not self.logprobs:

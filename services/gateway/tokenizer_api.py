@@ -22,6 +22,7 @@ class TokenizeRequest(BaseModel):
     add_generation_prompt: bool = True
     continue_final_message: bool = False
     chat_template_kwargs: dict | None = None
+    chat_template: str | None = None  # as a chat completion's (--trust-request-chat-template)
     return_token_strs: bool = False
 
 
@@ -42,7 +43,7 @@ def _tokenize(model: Model, body: TokenizeRequest) -> list[int]:
     text, tokens = model.encode_chat([m.as_dict() for m in body.messages],
                                      add_generation_prompt=body.add_generation_prompt,
                                      continue_final_message=body.continue_final_message,
-                                     template_kwargs=body.chat_template_kwargs)
+                                     template_kwargs=body.chat_template_kwargs, chat_template=body.chat_template)
     return model.encode(text) if body.add_special_tokens else tokens
 
 
