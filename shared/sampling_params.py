@@ -7,6 +7,7 @@ admission, in the engine; everything checkable alone is checked here.
 
 from __future__ import annotations
 
+import dataclasses
 import numbers
 from dataclasses import dataclass, field
 
@@ -31,6 +32,8 @@ class SamplingParams:
     repetition_penalty: float = 1.0  # CTRL-style, over prompt and generated tokens
     logit_bias: dict[int, float] | None = None  # token id -> added to its logit
     allowed_token_ids: list[int] | None = None  # only these may be sampled (None: any)
+    bad_words: list[str] | None = None  # vLLM's: words never generated (see with_bad_words_tokenized)
+    bad_words_token_ids: list[list[int]] | None = None  # their token sequences: set by the front end
     seed: int | None = None  # same seed, same output, whatever shares the batch
     max_tokens: int | None = 16  # None: up to the context length
     min_tokens: int = 0  # EOS and stop_token_ids are masked until this many
@@ -149,10 +152,39 @@ class SamplingParams:
                    "allowed_token_ids", "must be a non-empty list of non-negative token ids")
             _check(self.structured_outputs is None, "allowed_token_ids",
                    "cannot be combined with structured_outputs (together they may allow no token at all)")
+        self._check_bad_words()
         if self.logit_bias is not None:
             for token, bias in self.logit_bias.items():
                 _check(token >= 0, "logit_bias", f"token id {token} is negative")
                 _check(-100 <= bias <= 100, "logit_bias", f"bias {bias} for token {token} is outside [-100, 100]")
+
+    def _check_bad_words(self) -> None:
+        if self.bad_words is not None:
+            _check(isinstance(self.bad_words, (list, tuple)) and all(isinstance(w, str) and w.strip()
+                                                                     for w in self.bad_words),
+                   "bad_words", "must be a list of non-blank strings")
+            object.__setattr__(self, "bad_words", list(self.bad_words) or None)
+        if self.bad_words_token_ids is not None:
+            ids = self.bad_words_token_ids
+            _check(isinstance(ids, (list, tuple)) and all(isinstance(w, (list, tuple)) and w and all(
+                _is_int(t) and t >= 0 for t in w) for w in ids), "bad_words_token_ids",
+                "must be a list of non-empty lists of token ids")
+            object.__setattr__(self, "bad_words_token_ids", [list(w) for w in ids] or None)
+
+    def with_bad_words_tokenized(self, encode) -> "SamplingParams":
+        """These params with bad_words as token sequences (``encode``: text -> ids, no special tokens), as
+        vLLM makes them: each word as it reads at the text's start, and with a space before it, where that
+        is another token sequence of the same length (the word inside the text)."""
+        if not self.bad_words or self.bad_words_token_ids is not None:
+            return self
+        sequences: list[list[int]] = []
+        for word in self.bad_words:
+            alone = list(encode(word.lstrip()))
+            spaced = list(encode(" " + word.lstrip()))
+            sequences.append(alone)
+            if spaced and spaced[0] != alone[0] and len(spaced) == len(alone):
+                sequences.append(spaced)
+        return dataclasses.replace(self, bad_words_token_ids=sequences)
 
     @property
     def greedy(self) -> bool:
@@ -198,6 +230,7 @@ class SamplingParams:
     _FLOATS = ("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty",
                "length_penalty")
     _NOT_FOR_BEAMS = (("seed", None), ("min_tokens", 0), ("logit_bias", None), ("allowed_token_ids", None),
+                      ("bad_words", None),
                       ("top_p", 1.0), ("top_k", None),
                       ("min_p", 0.0), ("presence_penalty", 0.0), ("frequency_penalty", 0.0),
                       ("repetition_penalty", 1.0), ("prompt_logprobs", None), ("structured_outputs", None))
@@ -214,7 +247,9 @@ class SamplingParams:
 
         message = api.SamplingParameters(stop=self.stop, stop_token_ids=self.stop_token_ids,
                                          logit_bias=self.logit_bias or {},
-                                         allowed_token_ids=self.allowed_token_ids or [])
+                                         allowed_token_ids=self.allowed_token_ids or [],
+                                         bad_words=self.bad_words or [],
+                                         bad_words_token_ids=[api.TokenIds(ids=w) for w in self.bad_words_token_ids or []])
         for name in self._SCALARS:
             value = getattr(self, name)
             if value is not None:
@@ -243,12 +278,15 @@ class SamplingParams:
                                                                         check_grammar=not grammar_checked)
         return cls(**kwargs, stop=list(message.stop), stop_token_ids=list(message.stop_token_ids),
                    logit_bias={int(k): float(f"{v:.7g}") for k, v in message.logit_bias.items()} or None,
-                   allowed_token_ids=list(message.allowed_token_ids) or None)
+                   allowed_token_ids=list(message.allowed_token_ids) or None,
+                   bad_words=list(message.bad_words) or None,
+                   bad_words_token_ids=[list(w.ids) for w in message.bad_words_token_ids] or None)
 
     def token_id_outside(self, vocab_size: int) -> tuple[str, int] | None:
         """The first token id this request names beyond the vocabulary, with the field naming it."""
         for name, token_ids in (("stop_token_ids", self.stop_token_ids), ("logit_bias", self.logit_bias or ()),
-                                ("allowed_token_ids", self.allowed_token_ids or ())):
+                                ("allowed_token_ids", self.allowed_token_ids or ()),
+                                ("bad_words", [t for w in self.bad_words_token_ids or () for t in w])):
             bad = next((t for t in token_ids if t >= vocab_size), None)
             if bad is not None:
                 return name, bad

@@ -528,6 +528,7 @@ class Generator:
         on_submit gets each run as soon as it is submitted, before its first output.
         """
         prompts = [params.truncated(prompt, model.max_model_len) for prompt in prompts]
+        params = params.with_bad_words_tokenized(lambda word: model.encode(word, add_special_tokens=False))
         for prompt in prompts:
             model.check_prompt(prompt, params)
         if admission is not None and admission.api_key is not None:

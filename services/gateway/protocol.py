@@ -40,7 +40,6 @@ class StreamOptions(BaseModel):
 # vLLM's and OpenAI's fields that change what comes back, which this engine does not do: refused
 # when given (not null), rather than answered with plain text.
 UNSUPPORTED = {
-    "bad_words": "banning words",
     "return_tokens_as_token_ids": "token ids as tokens",
     "logits_processors": "logits processors", "chat_template": "chat template for a completion (a chat's only)",
     "functions": "function calling", "function_call": "function calling",
@@ -71,6 +70,7 @@ class _Sampling(BaseModel):
     ignore_eos: bool | None = None
     stop_token_ids: list[int] | None = None
     allowed_token_ids: list[int] | None = None
+    bad_words: list[str] | None = None  # words never generated (tokenized when the request starts)
     truncate_prompt_tokens: int | None = None  # keep the prompt's last k tokens (-1: the context length)
     prompt_logprobs: int | None = None  # each prompt token's logprob and the top k (whole responses only)
     skip_special_tokens: bool | None = None
@@ -92,7 +92,7 @@ class _Sampling(BaseModel):
     guided_grammar: str | None = None
 
     _PASSED = ("n", "temperature", "top_p", "presence_penalty", "frequency_penalty", "seed", "top_k", "min_p",
-               "repetition_penalty", "min_tokens", "ignore_eos", "stop_token_ids", "allowed_token_ids",
+               "repetition_penalty", "min_tokens", "ignore_eos", "stop_token_ids", "allowed_token_ids", "bad_words",
                "skip_special_tokens", "include_stop_str_in_output", "truncate_prompt_tokens", "use_beam_search",
                "beam_width", "length_penalty", "early_stopping", "spaces_between_special_tokens")
 

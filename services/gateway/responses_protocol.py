@@ -25,7 +25,7 @@ from services.gateway.protocol import ChatCompletionRequest
 
 # The engine's sampling fields (vLLM's extensions) a Responses request may carry, passed as they are.
 _PASSED = ("seed", "top_k", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty", "stop",
-           "ignore_eos", "min_tokens", "stop_token_ids", "allowed_token_ids", "logit_bias", "skip_special_tokens",
+           "ignore_eos", "min_tokens", "stop_token_ids", "allowed_token_ids", "bad_words", "logit_bias", "skip_special_tokens",
            "include_stop_str_in_output", "structured_outputs", "cache_salt", "chat_template_kwargs",
            "truncate_prompt_tokens")
 _STATEFUL = {"previous_response_id": "continuing a stored response (send the whole conversation as input)",

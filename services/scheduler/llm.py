@@ -175,6 +175,7 @@ class LLM:
             raise ValueError(f"sampling_params must be SamplingParams, got {type(params).__name__}")
         params.check_sequences_fit(self.engine.scheduler.limits.max_num_seqs)  # before a detokenizer per sequence
         token_ids = params.truncated(token_ids, self.engine.info.max_model_len)
+        params = params.with_bad_words_tokenized(lambda word: self.tokenizer(word, add_special_tokens=False).input_ids)
         return RequestTracker(str(next(self._request_ids)), text, token_ids, params, self.tokenizer)
 
     def _add_all(self, trackers: list[RequestTracker], loras: list[LoRARequest | None]) -> None:

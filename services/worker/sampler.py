@@ -5,7 +5,7 @@ Everything is vectorised over the batch. Per step, Python only walks the list of
 that no row of the batch needs is skipped entirely, so the common batch (all greedy, or plain
 temperature sampling) costs one argmax, or one softmax and one exponential race.
 
-Order of processing, as in vLLM: allowed_token_ids and logit_bias (one row added), the min_tokens
+Order of processing, as in vLLM: allowed_token_ids and logit_bias (one row added), bad_words, the min_tokens
 mask, repetition / frequency / presence penalties, the structured-output grammar's mask; then
 greedy rows take the argmax and the other rows are divided by their temperature, cut by top_k,
 top_p and min_p, and sampled. Logprobs reported to the client come
@@ -20,6 +20,7 @@ samples the same tokens whatever shares its batch and after a recompute preempti
 from __future__ import annotations
 
 import copy
+from collections import deque
 from collections.abc import Sequence
 
 import torch
@@ -64,6 +65,14 @@ class SamplingState:
         self.bias_row = self._bias_row_of(params.logit_bias or {}, params.allowed_token_ids) \
             if params.logit_bias or params.allowed_token_ids else None
         self.seed_key = _seed_key(params.seed, stream_index) if params.seed is not None else None
+        # bad_words: their token sequences, and the last output tokens a sequence's prefix is matched against.
+        self.bad_words = params.bad_words_token_ids
+        if params.bad_words and self.bad_words is None:
+            raise ValueError("bad_words reach the worker as token ids (bad_words_token_ids): the front end "
+                             "tokenizes them")
+        longest = max((len(w) for w in self.bad_words or ()), default=1) - 1
+        self._recent = deque(output_token_ids[len(output_token_ids) - longest:] if longest else (),
+                             maxlen=longest) if self.bad_words else None
 
     @property
     def num_output_tokens(self) -> int:
@@ -74,6 +83,8 @@ class SamplingState:
         if not 0 <= token_id < self.vocab_size:
             raise ValueError(f"token id {token_id} is outside the vocabulary (size {self.vocab_size})")
         self._num_output_tokens += 1
+        if self._recent is not None:
+            self._recent.append(token_id)
         if self._counts is not None:
             self._counts[token_id] += 1
         if self.grammar is not None:
@@ -83,8 +94,8 @@ class SamplingState:
         """The states of the len(drafts) + 1 positions a step verifying these drafts samples: position j
         as if drafts 0..j-1 had been accepted, so their counts feed the penalties, min_tokens and the
         seeded counter exactly as when those tokens had been sampled one step at a time."""
-        if self.grammar is not None:  # a view would share one matcher: constrained sequences get no drafts
-            raise ValueError("drafts cannot be verified for a sequence with structured outputs")
+        if self.grammar is not None or self.bad_words:  # a view would share one history: such sequences get no drafts
+            raise ValueError("drafts cannot be verified for a sequence with structured outputs or bad_words")
         if self.device != device:
             self.to(device)  # once, before the views share the dense rows
         views = []
@@ -94,6 +105,11 @@ class SamplingState:
             view._drafts_before = draft_token_ids[:j]
             views.append(view)
         return views
+
+    def banned_token_ids(self) -> list[int]:
+        """bad_words: the last token of every sequence whose other tokens the output ends with now."""
+        recent = list(self._recent)
+        return [w[-1] for w in self.bad_words if len(w) == 1 or recent[len(recent) - len(w) + 1:] == w[:-1]]
 
     @property
     def penalised(self) -> bool:
@@ -180,6 +196,7 @@ class Sampler:
     def _processed_scores(self, raw: Tensor, states: list[SamplingState]) -> Tensor:
         # Each stage is out of place, so the raw logits stay intact for the logprobs.
         scores = self._add_logit_bias(raw, states)
+        scores = self._ban_bad_words(scores, states)
         scores = self._mask_stops_before_min_tokens(scores, states)
         scores = self._apply_penalties(scores, states)
         if any(s.grammar is not None for s in states):
@@ -193,6 +210,19 @@ class Sampler:
             return scores
         biases = torch.stack([states[i].bias_row for i in rows])
         return scores.index_add(0, self._tensor(rows), biases)
+
+    def _ban_bad_words(self, scores: Tensor, states: list[SamplingState]) -> Tensor:
+        rows: list[int] = []
+        tokens: list[int] = []
+        for i, state in enumerate(states):
+            if state.bad_words:
+                banned = state.banned_token_ids()
+                rows += [i] * len(banned)
+                tokens += banned
+        if not tokens:
+            return scores
+        return scores.index_put((self._tensor(rows), self._tensor(tokens)), torch.tensor(float("-inf"),
+                                                                                           device=scores.device))
 
     def _mask_stops_before_min_tokens(self, scores: Tensor, states: list[SamplingState]) -> Tensor:
         rows: list[int] = []

@@ -273,7 +273,8 @@ class Worker:
         drafts = self.proposer.propose_batch([seq for seq, _ in batch], computed_before, new_tokens, self.block_tables,
                                              wanted)
         for i, proposed in enumerate(drafts):
-            if proposed and not batch[i][0].constrained:  # a grammar's matcher verifies no drafts
+            seq = batch[i][0]
+            if proposed and not seq.constrained and not seq.sampling.bad_words:  # their states verify no drafts
                 outputs[i].draft_token_ids = proposed
 
     def _move_blocks(self, plan: StepPlan) -> None:

@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x14pagedserve_api.proto\x12\x11pagedserve.api.v1\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\x05\"\xb5\t\n\x12SamplingParameters\x12\x0e\n\x01n\x18\x01 \x01(\rH\x00\x88\x01\x01\x12\x18\n\x0btemperature\x18\x02 \x01(\x02H\x01\x88\x01\x01\x12\x12\n\x05top_p\x18\x03 \x01(\x02H\x02\x88\x01\x01\x12\x12\n\x05top_k\x18\x04 \x01(\x05H\x03\x88\x01\x01\x12\x12\n\x05min_p\x18\x05 \x01(\x02H\x04\x88\x01\x01\x12\x1d\n\x10presence_penalty\x18\x06 \x01(\x02H\x05\x88\x01\x01\x12\x1e\n\x11\x66requency_penalty\x18\x07 \x01(\x02H\x06\x88\x01\x01\x12\x1f\n\x12repetition_penalty\x18\x08 \x01(\x02H\x07\x88\x01\x01\x12H\n\nlogit_bias\x18\t \x03(\x0b\x32\x34.pagedserve.api.v1.SamplingParameters.LogitBiasEntry\x12\x11\n\x04seed\x18\n \x01(\x03H\x08\x88\x01\x01\x12\x17\n\nmax_tokens\x18\x0b \x01(\rH\t\x88\x01\x01\x12\x17\n\nmin_tokens\x18\x0c \x01(\rH\n\x88\x01\x01\x12\x0c\n\x04stop\x18\r \x03(\t\x12\x16\n\x0estop_token_ids\x18\x0e \x03(\x05\x12\'\n\x1ainclude_stop_str_in_output\x18\x0f \x01(\x08H\x0b\x88\x01\x01\x12\x17\n\nignore_eos\x18\x10 \x01(\x08H\x0c\x88\x01\x01\x12\x15\n\x08logprobs\x18\x11 \x01(\rH\r\x88\x01\x01\x12\x1c\n\x0fprompt_logprobs\x18\x12 \x01(\rH\x0e\x88\x01\x01\x12 \n\x13skip_special_tokens\x18\x13 \x01(\x08H\x0f\x88\x01\x01\x12\x1c\n\x0fuse_beam_search\x18\x14 \x01(\x08H\x10\x88\x01\x01\x12\x17\n\nbeam_width\x18\x15 \x01(\rH\x11\x88\x01\x01\x12\x1b\n\x0elength_penalty\x18\x16 \x01(\x02H\x12\x88\x01\x01\x12\x1b\n\x0e\x65\x61rly_stopping\x18\x17 \x01(\tH\x13\x88\x01\x01\x12@\n\x12structured_outputs\x18\x18 \x01(\x0b\x32$.pagedserve.api.v1.StructuredOutputs\x12\x19\n\x11\x61llowed_token_ids\x18\x19 \x03(\x05\x12#\n\x16truncate_prompt_tokens\x18\x1a \x01(\x05H\x14\x88\x01\x01\x1a\x30\n\x0eLogitBiasEntry\x12\x0b\n\x03key\x18\x01 \x01(\x05\x12\r\n\x05value\x18\x02 \x01(\x02:\x02\x38\x01\x42\x04\n\x02_nB\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x08\n\x06_top_kB\x08\n\x06_min_pB\x13\n\x11_presence_penaltyB\x14\n\x12_frequency_penaltyB\x15\n\x13_repetition_penaltyB\x07\n\x05_seedB\r\n\x0b_max_tokensB\r\n\x0b_min_tokensB\x1d\n\x1b_include_stop_str_in_outputB\r\n\x0b_ignore_eosB\x0b\n\t_logprobsB\x12\n\x10_prompt_logprobsB\x16\n\x14_skip_special_tokensB\x12\n\x10_use_beam_searchB\r\n\x0b_beam_widthB\x11\n\x0f_length_penaltyB\x11\n\x0f_early_stoppingB\x19\n\x17_truncate_prompt_tokens\"\xb7\x01\n\x11StructuredOutputs\x12\x0e\n\x04json\x18\x01 \x01(\tH\x00\x12\x0f\n\x05regex\x18\x02 \x01(\tH\x00\x12/\n\x06\x63hoice\x18\x03 \x01(\x0b\x32\x1d.pagedserve.api.v1.ChoiceListH\x00\x12\x11\n\x07grammar\x18\x04 \x01(\tH\x00\x12\x15\n\x0bjson_object\x18\x05 \x01(\x08H\x00\x12\x1e\n\x16\x64isable_any_whitespace\x18\x06 \x01(\x08\x42\x06\n\x04kind\"\x1c\n\nChoiceList\x12\x0e\n\x06values\x18\x01 \x03(\t\"\xdf\x01\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\r\n\x05model\x18\x02 \x01(\t\x12\x0e\n\x04text\x18\x03 \x01(\tH\x00\x12\x30\n\ttoken_ids\x18\x04 \x01(\x0b\x32\x1b.pagedserve.api.v1.TokenIdsH\x00\x12\x35\n\x06params\x18\x05 \x01(\x0b\x32%.pagedserve.api.v1.SamplingParameters\x12\x17\n\ncache_salt\x18\x06 \x01(\tH\x01\x88\x01\x01\x42\x08\n\x06promptB\r\n\x0b_cache_salt\">\n\nTopLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\x05\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\x12\r\n\x05token\x18\x03 \x01(\t\"z\n\x0cTokenLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\x05\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\x12\x0c\n\x04rank\x18\x03 \x01(\r\x12\r\n\x05token\x18\x04 \x01(\t\x12*\n\x03top\x18\x05 \x03(\x0b\x32\x1d.pagedserve.api.v1.TopLogprob\"W\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\r\x12\x1c\n\x14\x63\x61\x63hed_prompt_tokens\x18\x03 \x01(\r\"\xc2\x02\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\r\n\x05index\x18\x02 \x01(\r\x12\x11\n\ttoken_ids\x18\x03 \x03(\x05\x12\x0c\n\x04text\x18\x04 \x01(\t\x12\x31\n\x08logprobs\x18\x05 \x03(\x0b\x32\x1f.pagedserve.api.v1.TokenLogprob\x12\x15\n\rfinish_reason\x18\x06 \x01(\t\x12\x17\n\rstop_token_id\x18\x07 \x01(\x05H\x00\x12\x15\n\x0bstop_string\x18\x08 \x01(\tH\x00\x12\'\n\x05usage\x18\t \x01(\x0b\x32\x18.pagedserve.api.v1.Usage\x12\x38\n\x0fprompt_logprobs\x18\n \x03(\x0b\x32\x1f.pagedserve.api.v1.TokenLogprobB\r\n\x0bstop_reason\"\"\n\x0c\x41\x62ortRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\"\x1e\n\rAbortResponse\x12\r\n\x05\x66ound\x18\x01 \x01(\x08\"\x13\n\x11ListModelsRequest\"B\n\tModelCard\x12\n\n\x02id\x18\x01 \x01(\t\x12\x15\n\rmax_model_len\x18\x02 \x01(\r\x12\x12\n\nvocab_size\x18\x03 \x01(\r\"B\n\x12ListModelsResponse\x12,\n\x06models\x18\x01 \x03(\x0b\x32\x1c.pagedserve.api.v1.ModelCard2\x8a\x02\n\nGeneration\x12U\n\x08Generate\x12\".pagedserve.api.v1.GenerateRequest\x1a#.pagedserve.api.v1.GenerateResponse0\x01\x12J\n\x05\x41\x62ort\x12\x1f.pagedserve.api.v1.AbortRequest\x1a .pagedserve.api.v1.AbortResponse\x12Y\n\nListModels\x12$.pagedserve.api.v1.ListModelsRequest\x1a%.pagedserve.api.v1.ListModelsResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x14pagedserve_api.proto\x12\x11pagedserve.api.v1\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\x05\"\x82\n\n\x12SamplingParameters\x12\x0e\n\x01n\x18\x01 \x01(\rH\x00\x88\x01\x01\x12\x18\n\x0btemperature\x18\x02 \x01(\x02H\x01\x88\x01\x01\x12\x12\n\x05top_p\x18\x03 \x01(\x02H\x02\x88\x01\x01\x12\x12\n\x05top_k\x18\x04 \x01(\x05H\x03\x88\x01\x01\x12\x12\n\x05min_p\x18\x05 \x01(\x02H\x04\x88\x01\x01\x12\x1d\n\x10presence_penalty\x18\x06 \x01(\x02H\x05\x88\x01\x01\x12\x1e\n\x11\x66requency_penalty\x18\x07 \x01(\x02H\x06\x88\x01\x01\x12\x1f\n\x12repetition_penalty\x18\x08 \x01(\x02H\x07\x88\x01\x01\x12H\n\nlogit_bias\x18\t \x03(\x0b\x32\x34.pagedserve.api.v1.SamplingParameters.LogitBiasEntry\x12\x11\n\x04seed\x18\n \x01(\x03H\x08\x88\x01\x01\x12\x17\n\nmax_tokens\x18\x0b \x01(\rH\t\x88\x01\x01\x12\x17\n\nmin_tokens\x18\x0c \x01(\rH\n\x88\x01\x01\x12\x0c\n\x04stop\x18\r \x03(\t\x12\x16\n\x0estop_token_ids\x18\x0e \x03(\x05\x12\'\n\x1ainclude_stop_str_in_output\x18\x0f \x01(\x08H\x0b\x88\x01\x01\x12\x17\n\nignore_eos\x18\x10 \x01(\x08H\x0c\x88\x01\x01\x12\x15\n\x08logprobs\x18\x11 \x01(\rH\r\x88\x01\x01\x12\x1c\n\x0fprompt_logprobs\x18\x12 \x01(\rH\x0e\x88\x01\x01\x12 \n\x13skip_special_tokens\x18\x13 \x01(\x08H\x0f\x88\x01\x01\x12\x1c\n\x0fuse_beam_search\x18\x14 \x01(\x08H\x10\x88\x01\x01\x12\x17\n\nbeam_width\x18\x15 \x01(\rH\x11\x88\x01\x01\x12\x1b\n\x0elength_penalty\x18\x16 \x01(\x02H\x12\x88\x01\x01\x12\x1b\n\x0e\x65\x61rly_stopping\x18\x17 \x01(\tH\x13\x88\x01\x01\x12@\n\x12structured_outputs\x18\x18 \x01(\x0b\x32$.pagedserve.api.v1.StructuredOutputs\x12\x19\n\x11\x61llowed_token_ids\x18\x19 \x03(\x05\x12#\n\x16truncate_prompt_tokens\x18\x1a \x01(\x05H\x14\x88\x01\x01\x12\x11\n\tbad_words\x18\x1b \x03(\t\x12\x38\n\x13\x62\x61\x64_words_token_ids\x18\x1c \x03(\x0b\x32\x1b.pagedserve.api.v1.TokenIds\x1a\x30\n\x0eLogitBiasEntry\x12\x0b\n\x03key\x18\x01 \x01(\x05\x12\r\n\x05value\x18\x02 \x01(\x02:\x02\x38\x01\x42\x04\n\x02_nB\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x08\n\x06_top_kB\x08\n\x06_min_pB\x13\n\x11_presence_penaltyB\x14\n\x12_frequency_penaltyB\x15\n\x13_repetition_penaltyB\x07\n\x05_seedB\r\n\x0b_max_tokensB\r\n\x0b_min_tokensB\x1d\n\x1b_include_stop_str_in_outputB\r\n\x0b_ignore_eosB\x0b\n\t_logprobsB\x12\n\x10_prompt_logprobsB\x16\n\x14_skip_special_tokensB\x12\n\x10_use_beam_searchB\r\n\x0b_beam_widthB\x11\n\x0f_length_penaltyB\x11\n\x0f_early_stoppingB\x19\n\x17_truncate_prompt_tokens\"\xb7\x01\n\x11StructuredOutputs\x12\x0e\n\x04json\x18\x01 \x01(\tH\x00\x12\x0f\n\x05regex\x18\x02 \x01(\tH\x00\x12/\n\x06\x63hoice\x18\x03 \x01(\x0b\x32\x1d.pagedserve.api.v1.ChoiceListH\x00\x12\x11\n\x07grammar\x18\x04 \x01(\tH\x00\x12\x15\n\x0bjson_object\x18\x05 \x01(\x08H\x00\x12\x1e\n\x16\x64isable_any_whitespace\x18\x06 \x01(\x08\x42\x06\n\x04kind\"\x1c\n\nChoiceList\x12\x0e\n\x06values\x18\x01 \x03(\t\"\xdf\x01\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\r\n\x05model\x18\x02 \x01(\t\x12\x0e\n\x04text\x18\x03 \x01(\tH\x00\x12\x30\n\ttoken_ids\x18\x04 \x01(\x0b\x32\x1b.pagedserve.api.v1.TokenIdsH\x00\x12\x35\n\x06params\x18\x05 \x01(\x0b\x32%.pagedserve.api.v1.SamplingParameters\x12\x17\n\ncache_salt\x18\x06 \x01(\tH\x01\x88\x01\x01\x42\x08\n\x06promptB\r\n\x0b_cache_salt\">\n\nTopLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\x05\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\x12\r\n\x05token\x18\x03 \x01(\t\"z\n\x0cTokenLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\x05\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\x12\x0c\n\x04rank\x18\x03 \x01(\r\x12\r\n\x05token\x18\x04 \x01(\t\x12*\n\x03top\x18\x05 \x03(\x0b\x32\x1d.pagedserve.api.v1.TopLogprob\"W\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\r\x12\x1c\n\x14\x63\x61\x63hed_prompt_tokens\x18\x03 \x01(\r\"\xc2\x02\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\r\n\x05index\x18\x02 \x01(\r\x12\x11\n\ttoken_ids\x18\x03 \x03(\x05\x12\x0c\n\x04text\x18\x04 \x01(\t\x12\x31\n\x08logprobs\x18\x05 \x03(\x0b\x32\x1f.pagedserve.api.v1.TokenLogprob\x12\x15\n\rfinish_reason\x18\x06 \x01(\t\x12\x17\n\rstop_token_id\x18\x07 \x01(\x05H\x00\x12\x15\n\x0bstop_string\x18\x08 \x01(\tH\x00\x12\'\n\x05usage\x18\t \x01(\x0b\x32\x18.pagedserve.api.v1.Usage\x12\x38\n\x0fprompt_logprobs\x18\n \x03(\x0b\x32\x1f.pagedserve.api.v1.TokenLogprobB\r\n\x0bstop_reason\"\"\n\x0c\x41\x62ortRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\"\x1e\n\rAbortResponse\x12\r\n\x05\x66ound\x18\x01 \x01(\x08\"\x13\n\x11ListModelsRequest\"B\n\tModelCard\x12\n\n\x02id\x18\x01 \x01(\t\x12\x15\n\rmax_model_len\x18\x02 \x01(\r\x12\x12\n\nvocab_size\x18\x03 \x01(\r\"B\n\x12ListModelsResponse\x12,\n\x06models\x18\x01 \x03(\x0b\x32\x1c.pagedserve.api.v1.ModelCard2\x8a\x02\n\nGeneration\x12U\n\x08Generate\x12\".pagedserve.api.v1.GenerateRequest\x1a#.pagedserve.api.v1.GenerateResponse0\x01\x12J\n\x05\x41\x62ort\x12\x1f.pagedserve.api.v1.AbortRequest\x1a .pagedserve.api.v1.AbortResponse\x12Y\n\nListModels\x12$.pagedserve.api.v1.ListModelsRequest\x1a%.pagedserve.api.v1.ListModelsResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -36,33 +36,33 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_TOKENIDS']._serialized_start=43
   _globals['_TOKENIDS']._serialized_end=66
   _globals['_SAMPLINGPARAMETERS']._serialized_start=69
-  _globals['_SAMPLINGPARAMETERS']._serialized_end=1274
-  _globals['_SAMPLINGPARAMETERS_LOGITBIASENTRY']._serialized_start=866
-  _globals['_SAMPLINGPARAMETERS_LOGITBIASENTRY']._serialized_end=914
-  _globals['_STRUCTUREDOUTPUTS']._serialized_start=1277
-  _globals['_STRUCTUREDOUTPUTS']._serialized_end=1460
-  _globals['_CHOICELIST']._serialized_start=1462
-  _globals['_CHOICELIST']._serialized_end=1490
-  _globals['_GENERATEREQUEST']._serialized_start=1493
-  _globals['_GENERATEREQUEST']._serialized_end=1716
-  _globals['_TOPLOGPROB']._serialized_start=1718
-  _globals['_TOPLOGPROB']._serialized_end=1780
-  _globals['_TOKENLOGPROB']._serialized_start=1782
-  _globals['_TOKENLOGPROB']._serialized_end=1904
-  _globals['_USAGE']._serialized_start=1906
-  _globals['_USAGE']._serialized_end=1993
-  _globals['_GENERATERESPONSE']._serialized_start=1996
-  _globals['_GENERATERESPONSE']._serialized_end=2318
-  _globals['_ABORTREQUEST']._serialized_start=2320
-  _globals['_ABORTREQUEST']._serialized_end=2354
-  _globals['_ABORTRESPONSE']._serialized_start=2356
-  _globals['_ABORTRESPONSE']._serialized_end=2386
-  _globals['_LISTMODELSREQUEST']._serialized_start=2388
-  _globals['_LISTMODELSREQUEST']._serialized_end=2407
-  _globals['_MODELCARD']._serialized_start=2409
-  _globals['_MODELCARD']._serialized_end=2475
-  _globals['_LISTMODELSRESPONSE']._serialized_start=2477
-  _globals['_LISTMODELSRESPONSE']._serialized_end=2543
-  _globals['_GENERATION']._serialized_start=2546
-  _globals['_GENERATION']._serialized_end=2812
+  _globals['_SAMPLINGPARAMETERS']._serialized_end=1351
+  _globals['_SAMPLINGPARAMETERS_LOGITBIASENTRY']._serialized_start=943
+  _globals['_SAMPLINGPARAMETERS_LOGITBIASENTRY']._serialized_end=991
+  _globals['_STRUCTUREDOUTPUTS']._serialized_start=1354
+  _globals['_STRUCTUREDOUTPUTS']._serialized_end=1537
+  _globals['_CHOICELIST']._serialized_start=1539
+  _globals['_CHOICELIST']._serialized_end=1567
+  _globals['_GENERATEREQUEST']._serialized_start=1570
+  _globals['_GENERATEREQUEST']._serialized_end=1793
+  _globals['_TOPLOGPROB']._serialized_start=1795
+  _globals['_TOPLOGPROB']._serialized_end=1857
+  _globals['_TOKENLOGPROB']._serialized_start=1859
+  _globals['_TOKENLOGPROB']._serialized_end=1981
+  _globals['_USAGE']._serialized_start=1983
+  _globals['_USAGE']._serialized_end=2070
+  _globals['_GENERATERESPONSE']._serialized_start=2073
+  _globals['_GENERATERESPONSE']._serialized_end=2395
+  _globals['_ABORTREQUEST']._serialized_start=2397
+  _globals['_ABORTREQUEST']._serialized_end=2431
+  _globals['_ABORTRESPONSE']._serialized_start=2433
+  _globals['_ABORTRESPONSE']._serialized_end=2463
+  _globals['_LISTMODELSREQUEST']._serialized_start=2465
+  _globals['_LISTMODELSREQUEST']._serialized_end=2484
+  _globals['_MODELCARD']._serialized_start=2486
+  _globals['_MODELCARD']._serialized_end=2552
+  _globals['_LISTMODELSRESPONSE']._serialized_start=2554
+  _globals['_LISTMODELSRESPONSE']._serialized_end=2620
+  _globals['_GENERATION']._serialized_start=2623
+  _globals['_GENERATION']._serialized_end=2889
 # @@protoc_insertion_point(module_scope)
