@@ -14,7 +14,7 @@ class BosModel:
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         return ([1] if add_special_tokens else []) + [ord(c) for c in text]
 
-    def encode_chat(self, messages, add_generation_prompt, continue_final_message, template_kwargs):
+    def encode_chat(self, messages, add_generation_prompt, continue_final_message, template_kwargs, chat_template=None):
         text = "\x01" + "".join(m["content"] for m in messages) + ("A:" if add_generation_prompt else "")
         return text, self.encode(text, add_special_tokens=False)
 
