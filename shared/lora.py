@@ -78,6 +78,12 @@ def length_prefixed(text: str) -> bytes:
     return len(data).to_bytes(4, "little") + data
 
 
+def prefix_cache_extra(cache_salt: str | None, lora: LoRARequest | None) -> bytes:
+    """The extra key of a request's prefix-cache hashes (empty for neither): requests with different salts,
+    or adapters, never share blocks; each part tagged and length-prefixed, so no salt spells an adapter."""
+    return (b"salt" + length_prefixed(cache_salt) if cache_salt else b"") + (lora.cache_key if lora else b"")
+
+
 @dataclass(frozen=True, slots=True)
 class AdapterConfig:
     """What ``adapter_config.json`` says, once checked."""

@@ -26,7 +26,7 @@ import hashlib
 
 from services.gateway.scheduler_client import SchedulerClient, SubmitStream
 from shared.grpc_errors import ServiceUnavailable
-from shared.lora import LoRARequest, length_prefixed
+from shared.lora import LoRARequest, prefix_cache_extra
 from shared.logging import setup_logging
 from shared.proto import pagedserve_internal_pb2 as wire
 from shared.resumption import Resumption
@@ -197,8 +197,7 @@ class SchedulerPool:
 def _affinity_key(prompt_token_ids: list[int], cache_salt: str | None, lora: LoRARequest | None = None) -> bytes:
     """What the scheduler's prefix cache keys blocks by: requests that could share blocks go to one scheduler."""
     head = array.array("q", prompt_token_ids[:AFFINITY_TOKENS]).tobytes()
-    return head + (b"salt" + length_prefixed(cache_salt) if cache_salt else b"") + \
-        (lora.cache_key if lora is not None else b"")
+    return head + prefix_cache_extra(cache_salt, lora)
 
 
 def _score(address: str, key: bytes) -> bytes:

@@ -364,7 +364,7 @@ class Scheduler:
         """Advance the scheduled sequences by the step's result; the updates for the front end."""
         cache_full_blocks = self.blocks.cache_full_blocks
         # A sequence the worker failed (its adapter would not load) computed nothing: cache none of its blocks.
-        failed = {out.seq_id for out in result.outputs if out.error}
+        failed = {out.seq_id for out in result.outputs if out.error} if self.max_loras else ()
         for seq_id, num_tokens in scheduled.items():
             seq = seqs.get(seq_id)
             if seq is not None and seq.status is SequenceStatus.RUNNING:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import enum
 
-from shared.lora import LoRARequest, length_prefixed
+from shared.lora import LoRARequest, prefix_cache_extra
 from shared.sampling_params import SamplingParams
 from shared.step_protocol import PositionLogprobs
 
@@ -49,9 +49,7 @@ class Sequence:
         self.num_prompt_logprobs = 0  # prompt positions whose logprobs were passed on (recompute repeats them)
         self.num_cached_tokens: int | None = None  # tokens found in the prefix cache at its first admission
         self.lora = lora  # the LoRA adapter its tokens run through; None: the base model
-        # Extra key of the prefix-cache hash: requests with different salts, or adapters, never share blocks.
-        self.cache_extra = (b"salt" + length_prefixed(cache_salt) if cache_salt else b"") + \
-            (lora.cache_key if lora else b"")
+        self.cache_extra = prefix_cache_extra(cache_salt, lora)  # what its prefix-cache hashes cover besides tokens
         self.table_replaced = False  # copy-on-write or swap-in changed the table: send it whole
         self.siblings: list[Sequence] = [self]  # every sequence of the request, this one included
         # n > 1, on the first sequence: siblings that start by forking from it once its prompt is done.

@@ -36,10 +36,6 @@ class AdapterSlots:
         self._loaded: OrderedDict[LoRARequest, int] = OrderedDict()  # adapter -> slot, least recently used first
         self._free = list(range(num_slots))
 
-    @property
-    def loaded(self) -> list[LoRARequest]:
-        return list(self._loaded)
-
     def slots_for(self, adapters: list[LoRARequest | None]) -> tuple[list[int | None], dict[LoRARequest, str]]:
         """The slot of each entry's adapter (None: none, or it failed), loading the ones not on the device;
         and the adapters that failed to load, with why."""
@@ -51,10 +47,8 @@ class AdapterSlots:
         for lora in wanted:
             if lora in self._loaded:
                 self._loaded.move_to_end(lora)
-        for lora in wanted:
-            if lora in self._loaded:
                 continue
-            slot = self._take_slot(wanted)
+            slot = self._take_slot(wanted)  # never one of this step's
             try:
                 self._load(lora, slot)
             except ValueError as exc:

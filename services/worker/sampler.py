@@ -212,28 +212,18 @@ class Sampler:
         return scores.index_add(0, self._tensor(rows), biases)
 
     def _ban_bad_words(self, scores: Tensor, states: list[SamplingState]) -> Tensor:
-        rows: list[int] = []
-        tokens: list[int] = []
-        for i, state in enumerate(states):
-            if state.bad_words:
-                banned = state.banned_token_ids()
-                rows += [i] * len(banned)
-                tokens += banned
-        if not tokens:
-            return scores
-        return scores.index_put((self._tensor(rows), self._tensor(tokens)), torch.tensor(float("-inf"),
-                                                                                           device=scores.device))
+        return self._ban(scores, [(i, s.banned_token_ids()) for i, s in enumerate(states) if s.bad_words])
 
     def _mask_stops_before_min_tokens(self, scores: Tensor, states: list[SamplingState]) -> Tensor:
-        rows: list[int] = []
-        tokens: list[int] = []
-        for i, state in enumerate(states):
-            if state.num_output_tokens < state.params.min_tokens:
-                banned = self._stop_ids_of(state.params)
-                rows += [i] * len(banned)
-                tokens += banned
-        if not tokens:
+        return self._ban(scores, [(i, self._stop_ids_of(s.params)) for i, s in enumerate(states)
+                                  if s.num_output_tokens < s.params.min_tokens])
+
+    def _ban(self, scores: Tensor, banned: list[tuple[int, list[int]]]) -> Tensor:
+        """``scores`` with -inf at each (row, its tokens) pair; the same tensor when there are none."""
+        rows = [row for row, tokens in banned for _ in tokens]
+        if not rows:
             return scores
+        tokens = [token for _, row_tokens in banned for token in row_tokens]
         minus_inf = torch.tensor(float("-inf"), device=scores.device)
         return scores.index_put((self._tensor(rows), self._tensor(tokens)), minus_inf)
 
