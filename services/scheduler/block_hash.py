@@ -1,7 +1,7 @@
 """Chained hashes of full blocks: the key of the prefix cache.
 
 A block's hash covers its parent block's hash, its own token ids and extra keys
-(a cache salt today; a LoRA or multimodal key later), so equal hashes mean equal
+(a cache salt and a LoRA adapter today, shared/lora.prefix_cache_extra; a multimodal key later), so equal hashes mean equal
 prefixes, not just equal blocks. BLAKE2b makes a collision (which would hand one
 request another's KV) practically impossible, unlike Python's 64-bit hash().
 """
