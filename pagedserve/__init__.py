@@ -1,11 +1,13 @@
 """pagedserve: LLM serving with PagedAttention. The public front; the code lives in services/ and shared/."""
 
 from shared.lora import LoRARequest
-from shared.outputs import CompletionOutput, Logprob, RequestOutput
+from shared.outputs import CompletionOutput, EmbeddingOutput, EmbeddingRequestOutput, Logprob, RequestOutput
+from shared.pooling import PoolingParams
 from shared.sampling_params import SamplingParams
 from shared.structured_outputs import StructuredOutputs
 
-__all__ = ["LLM", "LoRARequest", "SamplingParams", "StructuredOutputs", "RequestOutput", "CompletionOutput", "Logprob"]
+__all__ = ["LLM", "LoRARequest", "SamplingParams", "StructuredOutputs", "RequestOutput", "CompletionOutput", "Logprob",
+           "PoolingParams", "EmbeddingRequestOutput", "EmbeddingOutput"]
 __version__ = "0.1.0"
 
 

@@ -8,6 +8,7 @@ import os
 import sys
 
 from shared.config import ATTENTION_BACKENDS
+from shared.pooling import RUNNERS
 from shared.speculative_config import SpeculativeConfig
 
 
@@ -16,6 +17,9 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", default=None, help="Hugging Face model directory (default: the built-in model)")
     parser.add_argument("--tokenizer", default=None)
     parser.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
+    parser.add_argument("--runner", default="auto", choices=list(RUNNERS),
+                        help="generate tokens, or pool prompts into embeddings (/v1/embeddings); auto: pooling for "
+                             "a sentence-transformers directory or a bare *Model architecture")
     parser.add_argument("--device", default="auto")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--max-model-len", type=int, default=None)
@@ -55,7 +59,7 @@ def speculative_config_json(raw: str) -> str | None:
         raise argparse.ArgumentTypeError(str(exc)) from None
 
 
-ENGINE_KEYS = ("model", "tokenizer", "dtype", "device", "seed", "max_model_len", "block_size", "max_num_seqs",
+ENGINE_KEYS = ("model", "tokenizer", "runner", "dtype", "device", "seed", "max_model_len", "block_size", "max_num_seqs",
                "max_num_batched_tokens", "enable_chunked_prefill", "gpu_memory_utilization",
                "kv_cache_memory_bytes", "num_gpu_blocks_override", "enable_prefix_caching", "swap_space",
                "preemption_mode", "attention_backend", "enforce_eager", "speculative_config", "tensor_parallel_size",

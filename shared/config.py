@@ -6,6 +6,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass, fields
 
+from shared.pooling import RUNNERS
 from shared.speculative_config import SpeculativeConfig
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
@@ -17,6 +18,7 @@ DEVICE_PATTERN = re.compile(r"auto|cpu|cuda(:\d+)?")
 class EngineConfig:
     model: str | None = None  # a Hugging Face model directory; None: the built-in default model
     tokenizer: str | None = None  # defaults to the model directory
+    runner: str = "auto"  # "generate" tokens, or "pooling": embeddings; "auto": as the directory looks (shared/pooling.py)
     dtype: str = "auto"  # "auto" takes the checkpoint's dtype
     seed: int = 0  # for requests without a seed of their own
     device: str = "auto"  # "auto": CUDA when available, else CPU
@@ -46,6 +48,7 @@ class EngineConfig:
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "speculative_config", SpeculativeConfig.parse(self.speculative_config))
+        _require(self.runner in RUNNERS, "runner", f"must be one of {RUNNERS}, got {self.runner!r}")
         _require(self.dtype in DTYPES, "dtype", f"must be one of {DTYPES}, got {self.dtype!r}")
         _require(DEVICE_PATTERN.fullmatch(self.device) is not None, "device",
                  f"must be 'auto', 'cpu', 'cuda' or 'cuda:N', got {self.device!r}")

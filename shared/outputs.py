@@ -39,3 +39,24 @@ class RequestOutput:
     outputs: list[CompletionOutput] = field(default_factory=list)
     finished: bool = False
     num_cached_tokens: int = 0  # prompt tokens found in the prefix cache (their prefill skipped)
+
+
+@dataclass
+class EmbeddingOutput:
+    embedding: list[float]  # pooled, cut to the request's dimensions, normalized unless it said otherwise
+
+    @property
+    def hidden_size(self) -> int:
+        return len(self.embedding)
+
+
+@dataclass
+class EmbeddingRequestOutput:
+    """One prompt's embedding, shaped like vLLM's."""
+
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    outputs: EmbeddingOutput
+    finished: bool = True
+    num_cached_tokens: int = 0  # prompt tokens found in the prefix cache (their prefill skipped)

@@ -18,6 +18,9 @@ disagrees with, and returns them (``accepted_token_ids``) before the token it sa
 such a step both sides cut the sequence's block table to the blocks its computed tokens fill
 (ceil(computed / block_size)): the blocks that held only rejected drafts go back to the pool.
 
+A pooling engine's sequences (``pooling`` set: embedding requests) sample nothing: the step that computes
+the rest of a prompt returns the prompt's embedding instead of a token, and the sequence is done.
+
 A plan may be made while the step before it still runs (the scheduler plans ahead):
 a sequence sampling in that step then gets ``append_last_sample`` instead of the
 token, which the worker has and the scheduler does not know yet. Plans are executed
@@ -30,6 +33,7 @@ from dataclasses import dataclass, field
 
 from shared.columns import merge_by_position
 from shared.lora import LoRARequest
+from shared.pooling import PoolerConfig, PoolingParams
 from shared.proto import pagedserve_internal_pb2 as wire
 from shared.sampling_params import SamplingParams
 from shared.wire_version import INTERNAL_PROTOCOL_VERSION
@@ -52,6 +56,8 @@ class NewSequence:
     # (indexes 1..num_siblings), from the same logits; the siblings are then forked from this sequence.
     num_siblings: int = 0
     lora: LoRARequest | None = None  # the adapter its tokens run through (forks inherit it); None: the base model
+    # An embedding request's: once its prompt is computed the worker pools its states (and samples nothing).
+    pooling: PoolingParams | None = None
 
     def to_proto(self) -> wire.NewSequence:
         return wire.NewSequence(
@@ -59,14 +65,16 @@ class NewSequence:
             prompt_token_ids=self.prompt_token_ids, output_token_ids=self.output_token_ids,
             sampling_params=self.sampling_params.to_proto(), block_table=self.block_table,
             num_computed_tokens=self.num_computed_tokens, num_scheduled_tokens=self.num_scheduled_tokens,
-            num_siblings=self.num_siblings, lora=self.lora.to_proto() if self.lora is not None else None)
+            num_siblings=self.num_siblings, lora=self.lora.to_proto() if self.lora is not None else None,
+            pooling=self.pooling.to_proto() if self.pooling is not None else None)
 
     @classmethod
     def from_proto(cls, m: wire.NewSequence) -> "NewSequence":
         return cls(m.request_id, m.seq_id, m.index, list(m.prompt_token_ids), list(m.output_token_ids),
                    SamplingParams.from_proto(m.sampling_params, grammar_checked=True), list(m.block_table), m.num_computed_tokens,
                    m.num_scheduled_tokens, m.num_siblings,
-                   LoRARequest.from_proto(m.lora) if m.HasField("lora") else None)
+                   LoRARequest.from_proto(m.lora) if m.HasField("lora") else None,
+                   PoolingParams.from_proto(m.pooling) if m.HasField("pooling") else None)
 
 
 @dataclass(slots=True)
@@ -253,20 +261,23 @@ class SequenceOutput:
     # Set when this sequence cannot go on (its structured output grammar failed): the scheduler ends
     # its request with this error, and only it (token_id is then not to be kept).
     error: str = ""
+    # A pooling sequence's embedding, in the step that computed the rest of its prompt (token_id is None).
+    embedding: list[float] | None = None
 
     @property
     def is_plain(self) -> bool:
         """Sampled tokens (and drafts) without logprobs: the common output, sent as column entries."""
         return (self.token_id is not None and self.logprobs is None and self.prompt_logprobs is None
                 and not self.siblings and self.prompt_logprobs_start == 0 and not self.accepted_logprobs
-                and not self.error)
+                and not self.error and self.embedding is None)
 
     def to_proto(self) -> wire.SequenceOutput:
         m = wire.SequenceOutput(seq_id=self.seq_id, prompt_logprobs_start=self.prompt_logprobs_start,
                                 siblings=[s.to_proto() for s in self.siblings],
                                 accepted_token_ids=self.accepted_token_ids,
                                 accepted_logprobs=[p.to_proto() for p in self.accepted_logprobs],
-                                draft_token_ids=self.draft_token_ids, error=self.error)
+                                draft_token_ids=self.draft_token_ids, error=self.error,
+                                embedding=self.embedding)
         if self.token_id is not None:
             m.token_id = self.token_id
         if self.logprobs is not None:
@@ -281,7 +292,8 @@ class SequenceOutput:
                    PositionLogprobs.from_proto(m.logprobs) if m.HasField("logprobs") else None,
                    [PositionLogprobs.from_proto(p) for p in m.prompt_logprobs] or None, m.prompt_logprobs_start,
                    [Sample.from_proto(s) for s in m.siblings], list(m.accepted_token_ids),
-                   [PositionLogprobs.from_proto(p) for p in m.accepted_logprobs], list(m.draft_token_ids), m.error)
+                   [PositionLogprobs.from_proto(p) for p in m.accepted_logprobs], list(m.draft_token_ids), m.error,
+                   list(m.embedding) if m.embedding else None)
 
 
 def outputs_to_proto(outputs: list[SequenceOutput]) -> wire.StepOutputs:
@@ -365,6 +377,7 @@ class WorkerInfo:
     tensor_parallel_size: int = 1  # how many they are
     max_loras: int = 0  # distinct LoRA adapters one step may run (0: adapters are not enabled)
     max_lora_rank: int = 0  # the largest adapter rank it takes
+    pooler: PoolerConfig | None = None  # set: it runs a pooling model (embeddings only); None: it generates
 
     def to_proto(self) -> wire.WorkerInfo:
         return wire.WorkerInfo(model=self.model, num_kv_blocks=self.num_kv_blocks, block_size=self.block_size,
@@ -374,10 +387,12 @@ class WorkerInfo:
                                num_speculative_tokens=self.num_speculative_tokens,
                                tensor_parallel_rank=self.tensor_parallel_rank,
                                tensor_parallel_size=self.tensor_parallel_size, max_loras=self.max_loras,
-                               max_lora_rank=self.max_lora_rank)
+                               max_lora_rank=self.max_lora_rank,
+                               pooler=self.pooler.to_proto() if self.pooler is not None else None)
 
     @classmethod
     def from_proto(cls, m: wire.WorkerInfo) -> "WorkerInfo":
         return cls(m.model, m.num_kv_blocks, m.block_size, m.max_model_len, m.vocab_size, tuple(m.eos_token_ids),
                    m.device, m.dtype, m.num_cpu_blocks, m.protocol_version, m.num_speculative_tokens,
-                   m.tensor_parallel_rank, m.tensor_parallel_size or 1, m.max_loras, m.max_lora_rank)
+                   m.tensor_parallel_rank, m.tensor_parallel_size or 1, m.max_loras, m.max_lora_rank,
+                   PoolerConfig.from_proto(m.pooler) if m.HasField("pooler") else None)

@@ -16,8 +16,9 @@ from shared.grpc_errors import ServiceUnavailable
 # 5: a request may be submitted again with its sequences' outputs so far (resumed after a lost scheduler);
 # 6: sampling parameters carry allowed_token_ids;
 # 7: a sequence's last output says how many of its tokens the prefix cache held;
-# 8: requests and new sequences may name a LoRA adapter, and WorkerInfo says how many adapters a step runs.
-INTERNAL_PROTOCOL_VERSION = 8
+# 8: requests and new sequences may name a LoRA adapter, and WorkerInfo says how many adapters a step runs;
+# 9: embedding requests (pooling parameters in, an embedding out) and the pooler in WorkerInfo and EngineInfo.
+INTERNAL_PROTOCOL_VERSION = 9
 
 
 class IncompatiblePeer(ServiceUnavailable):

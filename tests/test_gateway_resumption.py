@@ -66,7 +66,7 @@ class ScriptedPool:
         self.submissions: list[tuple[SamplingParams, Resumption | None, str | None]] = []
         self.avoided: list[str | None] = []
 
-    async def submit(self, request_id, prompt, params, cache_salt=None, resumption=None, avoid=None, lora=None):
+    async def submit(self, request_id, prompt, params, cache_salt=None, resumption=None, avoid=None, lora=None, pooling=None):
         assert prompt == PROMPT
         self.submissions.append((params, resumption, cache_salt))
         self.avoided.append(avoid)

@@ -32,7 +32,7 @@ class RecordingClient:
         self.submitted: list[str] = []
         self.cancelled: list[str] = []
 
-    async def submit(self, request_id, prompt, params, cache_salt=None, lora=None):
+    async def submit(self, request_id, prompt, params, cache_salt=None, lora=None, pooling=None):
         self.submitted.append(request_id)
         return RecordingStream(request_id, self.cancelled)
 
@@ -42,6 +42,9 @@ class AnyPrompt:
     max_model_len = 512
 
     def check_prompt(self, prompt, params) -> None:
+        pass
+
+    def check_runner(self, pooling) -> None:
         pass
 
 

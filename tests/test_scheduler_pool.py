@@ -29,7 +29,7 @@ class StandIn:
         self.address, self.num_in_flight, self.reachable, self.submitted = address, 0, reachable, []
         self.model, self.health_error = model, None
 
-    async def submit(self, request_id, prompt_token_ids, params, cache_salt=None, resumption=None, lora=None):
+    async def submit(self, request_id, prompt_token_ids, params, cache_salt=None, resumption=None, lora=None, pooling=None):
         if not self.reachable:
             raise ServiceUnavailable(f"{self.address} is down")
         self.submitted.append(request_id)

@@ -15,6 +15,7 @@ from starlette.exceptions import HTTPException
 
 from pagedserve import __version__
 from services.gateway.auth import OPEN_PATHS, Authenticator
+from services.gateway.embeddings_api import EmbeddingRequest, create_embeddings
 from services.gateway.generation import Generator, InvalidParameter
 from services.gateway.lora_api import (LoadLoRAAdapterRequest, UnloadLoRAAdapterRequest, load_lora_adapter,
                                        unload_lora_adapter)
@@ -256,6 +257,10 @@ def create_app(gen: Generator, allowed_origins: tuple[str, ...] = ("*",), auth: 
         if adapter is not None:
             card.update(id=adapter.lora.name, root=adapter.lora.path, parent=adapter.base_model_name or model.name)
         return card
+
+    @app.post("/v1/embeddings")
+    async def embeddings(body: EmbeddingRequest, request: Request):
+        return await respond(request, create_embeddings, body)
 
     @app.post("/v1/responses")
     async def responses(body: ResponsesRequest, request: Request):

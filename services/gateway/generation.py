@@ -31,6 +31,7 @@ from shared.detokenizer import IncrementalDetokenizer
 from shared.grpc_errors import NotFound, ResourceExhausted, ServiceUnavailable
 from shared.logging import setup_logging
 from shared.lora import LoRARequest
+from shared.pooling import PoolerConfig, PoolingParams
 from shared.resumption import Resumption
 from shared.sampling_params import SamplingParams
 from shared.tokenizer import load_tokenizer, render_chat
@@ -109,6 +110,7 @@ class Model:
     eos_token_ids: tuple[int, ...] = ()
     adapters: dict[str, LoRAModule] = field(default_factory=dict)  # --lora-modules, by the name clients use
     trust_request_chat_template: bool = False  # a request may bring its own chat template
+    pooler: PoolerConfig | None = None  # set: the engine runs a pooling model (embeddings, no generation)
     _token_strings: dict[int, str] = field(default_factory=dict)
 
     def resolve(self, requested: str | None) -> LoRARequest | None:
@@ -186,6 +188,30 @@ class Model:
             name, bad = outside
             raise InvalidParameter(f"token id {bad} in {name} is outside the vocabulary [0, {self.vocab_size})", name)
 
+    def check_runner(self, pooling: PoolingParams | None) -> None:
+        """Embeddings only from a pooling model, generation only from the others; ``dimensions`` as it allows."""
+        if pooling is None and self.pooler is not None:
+            raise InvalidParameter(f"The model `{self.name}` is an embedding (pooling) model: it serves "
+                                   "/v1/embeddings only, not generation.", "model")
+        if pooling is not None and self.pooler is None:
+            raise InvalidParameter(f"The model `{self.name}` generates text and serves no embeddings: run its worker "
+                                   "with --runner pooling for an embedding model.", "model")
+        if pooling is not None:
+            try:
+                pooling.check_fits(self.pooler)
+            except ValueError as exc:
+                raise InvalidParameter(str(exc).removeprefix("PoolingParams."), "dimensions") from None
+
+    def check_embedding_prompt(self, prompt: list[int]) -> None:
+        """What the scheduler would refuse of an embedding input (it needs no room for output tokens)."""
+        if not prompt:
+            raise InvalidParameter("an input is empty: give at least one token", "input")
+        self.check_token_ids(prompt)
+        if len(prompt) > self.max_model_len:
+            raise InvalidParameter(f"This model's maximum context length is {self.max_model_len} tokens, but an "
+                                   f"input has {len(prompt)} tokens; shorten it, or set truncate_prompt_tokens.",
+                                   "input")
+
     def logprob(self, position, text_offset: int = 0) -> TokenLogprob:
         top = [TopToken(t, self.token_string(t), _finite(lp))
                for t, lp in zip(position.top_token_ids, position.top_logprobs)]
@@ -207,9 +233,13 @@ class Run:
 
     def __init__(self, model: Model, stream: SubmitStream, request_id: str, prompt: list[int],
                  params: SamplingParams, metrics: GatewayMetrics, position: int = 0,
-                 resumer: Resumer | None = None, cache_salt: str | None = None, lora: LoRARequest | None = None):
+                 resumer: Resumer | None = None, cache_salt: str | None = None, lora: LoRARequest | None = None,
+                 pooling: PoolingParams | None = None):
         self.model, self.request_id, self.prompt, self.params = model, request_id, prompt, params
         self.lora = lora  # the adapter it runs with; None: the model itself
+        # An embedding request's: its one output (start() waits for it) carries the embedding.
+        self.pooling = pooling
+        self.embedding: list[float] | None = None
         self.position = position  # which of the request's prompts this is
         self._stream, self._metrics = stream, metrics
         self._resumer, self._cache_salt = resumer, cache_salt
@@ -251,6 +281,21 @@ class Run:
             raise
         self._first_output_s = time.perf_counter() - self._started
         self._metrics.ttft.observe(self._first_output_s)
+        if self.pooling is not None:
+            await self._take_embedding(self._first)
+
+    async def _take_embedding(self, message) -> None:
+        """An embedding request is done with its first output."""
+        self._done = [True]
+        self._metrics.finish(len(self.prompt), 0, time.perf_counter() - self._started, self._first_output_s, 1)
+        if message is not None and message.num_cached_tokens:
+            self.cached_tokens = min(message.num_cached_tokens, len(self.prompt))
+        if message is None or not message.embedding:  # aborted at the scheduler (it is stopping)
+            raise ServiceUnavailable(f"embedding request {self.request_id} ended without its embedding")
+        self.embedding = list(message.embedding)
+        # Its end came in the same session message: take it, so the stream ends without an abort.
+        if await anext(self._stream, None) is not None:
+            raise RuntimeError(f"embedding request {self.request_id} had an output after its embedding")
 
     async def __aiter__(self) -> AsyncIterator[SeqDelta]:
         try:
@@ -304,7 +349,7 @@ class Run:
         if any(self._outputs):
             resumption = Resumption({i: list(out) for i, out in enumerate(self._outputs) if not self._done[i]})
             params = replace(params, prompt_logprobs=None)
-        return Resubmission(self.request_id, self.prompt, params, self._cache_salt, resumption, self.lora)
+        return Resubmission(self.request_id, self.prompt, params, self._cache_salt, resumption, self.lora, self.pooling)
 
     def _apply(self, message) -> SeqDelta | None:
         # Every streamed token comes through here: each protobuf field is read once.
@@ -453,7 +498,8 @@ class Generator:
         log.info("model ready", model=name, path=info.model, max_model_len=info.max_model_len,
                  lora_adapters=sorted(adapters))
         return Model(name, info.max_model_len, info.vocab_size, info.max_logprobs, tokenizer, info.max_num_seqs,
-                     self.tool_parser, tuple(info.eos_token_ids), adapters, self.trust_request_chat_template)
+                     self.tool_parser, tuple(info.eos_token_ids), adapters, self.trust_request_chat_template,
+                     PoolerConfig.from_proto(info.pooler) if info.HasField("pooler") else None)
 
     @contextlib.asynccontextmanager
     async def admitted(self, api_key: ApiKey | None = None):
@@ -491,10 +537,13 @@ class Generator:
             raise ServiceUnavailable("the rate limit store is unreachable; retry later") from exc
 
     async def _reserve(self, admission: Admission, model: Model, prompts: list[list[int]],
-                       params: SamplingParams) -> None:
-        """The most the runs can use, against the key's tokens per minute (before they are submitted)."""
-        most = sum(len(p) + params.n * (model.max_model_len - len(p) if params.max_tokens is None
-                                        else params.max_tokens) for p in prompts)
+                       params: SamplingParams | None) -> None:
+        """The most the runs can use, against the key's tokens per minute (before they are submitted);
+        ``params`` None: embeddings, which use their prompts only."""
+        most = sum(map(len, prompts))
+        if params is not None:
+            most += sum(params.n * (model.max_model_len - len(p) if params.max_tokens is None else params.max_tokens)
+                        for p in prompts)
         admission.reservation = await self._within_limits(
             self.limiter.reserve_tokens(admission.api_key, most), admission.api_key)
 
@@ -520,19 +569,26 @@ class Generator:
     async def start(self, model: Model, request_id: str, prompts: list[list[int]], params: SamplingParams,
                     suffix_ids: bool = True, cache_salt: str | None = None,
                     on_submit: Callable[[Run], None] | None = None, admission: Admission | None = None,
-                    lora: LoRARequest | None = None) -> list[Run]:
+                    lora: LoRARequest | None = None, pooling: PoolingParams | None = None) -> list[Run]:
         """Validate every prompt, then submit them all and wait for each one's first output.
 
         One engine request per prompt; their ids are request_id-<8 random hex digits>-<i> (or
         request_id itself when suffix_ids is false, as the gRPC API needs to abort by the client's id).
         on_submit gets each run as soon as it is submitted, before its first output.
+        ``pooling``: embedding requests (``params`` unused); each run's embedding is there when this returns.
         """
-        prompts = [params.truncated(prompt, model.max_model_len) for prompt in prompts]
-        params = params.with_bad_words_tokenized(lambda word: model.encode(word, add_special_tokens=False))
-        for prompt in prompts:
-            model.check_prompt(prompt, params)
+        model.check_runner(pooling)
+        if pooling is None:
+            prompts = [params.truncated(prompt, model.max_model_len) for prompt in prompts]
+            params = params.with_bad_words_tokenized(lambda word: model.encode(word, add_special_tokens=False))
+            for prompt in prompts:
+                model.check_prompt(prompt, params)
+        else:
+            prompts = [pooling.truncated(prompt, model.max_model_len) for prompt in prompts]
+            for prompt in prompts:
+                model.check_embedding_prompt(prompt)
         if admission is not None and admission.api_key is not None:
-            await self._reserve(admission, model, prompts, params)
+            await self._reserve(admission, model, prompts, params if pooling is None else None)
         runs: list[Run] = []
         starts: list[asyncio.Future] = []
         # A client's X-Request-Id may repeat (a tracing header); engine ids must not.
@@ -540,10 +596,10 @@ class Generator:
         try:
             for i, prompt in enumerate(prompts):
                 engine_id = f"{unique}-{i}" if suffix_ids else unique
-                stream = await self.client.submit(engine_id, prompt, params, cache_salt, lora=lora)
+                stream = await self.client.submit(engine_id, prompt, params, cache_salt, lora=lora, pooling=pooling)
                 try:
                     runs.append(Run(model, stream, engine_id, prompt, params, self.metrics, position=i,
-                                    resumer=self.resumer, cache_salt=cache_salt, lora=lora))
+                                    resumer=self.resumer, cache_salt=cache_salt, lora=lora, pooling=pooling))
                     if on_submit is not None:
                         on_submit(runs[-1])
                 except BaseException:
@@ -557,9 +613,12 @@ class Generator:
                 if started is not None:
                     started.cancel()
             raise
-        log.info("request started", prompts=len(prompts), n=params.n, max_tokens=params.max_tokens,
-                 lora=lora.name if lora is not None else None,
-                 prompt_tokens=sum(map(len, prompts)))
+        if pooling is not None:
+            log.info("embeddings done", inputs=len(prompts), lora=lora.name if lora is not None else None,
+                     prompt_tokens=sum(map(len, prompts)))
+        else:
+            log.info("request started", prompts=len(prompts), n=params.n, max_tokens=params.max_tokens,
+                     lora=lora.name if lora is not None else None, prompt_tokens=sum(map(len, prompts)))
         if admission is not None:
             admission.runs = runs
         return runs

@@ -4,6 +4,7 @@ with grpc.health.v1 and server reflection."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
@@ -17,6 +18,7 @@ from shared.grpc_errors import ResourceExhausted, Unauthenticated, status_for
 from shared.logging import bind_request_id, clear_request_id, setup_logging
 from shared.proto import pagedserve_api_pb2 as api
 from shared.proto import pagedserve_api_pb2_grpc as api_grpc
+from shared.pooling import PoolingParams
 from shared.sampling_params import SamplingParams
 
 log = setup_logging("gateway")
@@ -133,6 +135,33 @@ class GenerationServicer(api_grpc.GenerationServicer):
         except Exception as exc:
             await _abort_with(context, exc)
 
+    async def Embed(self, request, context):
+        """Every input's embedding (a pooling engine); cancelling the call aborts them."""
+        request_id = request.request_id or new_request_id("embd")
+        bind_request_id(request_id)
+        try:
+            api_key = await self._caller(context)
+            async with self.gen.admitted(api_key) as admission:
+                model = await self.gen.model()
+                lora = model.resolve(request.model)
+                pooling = _pooling_params(request)
+                prompts = await asyncio.to_thread(_embed_inputs, model, request)
+                runs = await self.gen.start(model, _engine_id(api_key, request_id), prompts, SamplingParams(),
+                                            cache_salt=request.cache_salt if request.HasField("cache_salt") else None,
+                                            admission=admission, lora=lora, pooling=pooling)
+            prompt_tokens = sum(len(run.prompt) for run in runs)
+            return api.EmbedResponse(
+                request_id=request_id, model=lora.name if lora is not None else model.name,
+                embeddings=[api.Embedding(index=run.position, values=run.embedding, prompt_tokens=len(run.prompt))
+                            for run in runs],
+                usage=api.Usage(prompt_tokens=prompt_tokens, cached_prompt_tokens=sum(r.cached_tokens for r in runs)))
+        except grpc.aio.AbortError:
+            raise
+        except Exception as exc:
+            await _abort_with(context, exc)
+        finally:
+            clear_request_id()
+
     async def ListModels(self, request, context):
         try:
             await self._caller(context)
@@ -142,6 +171,27 @@ class GenerationServicer(api_grpc.GenerationServicer):
         return api.ListModelsResponse(models=[api.ModelCard(id=name, max_model_len=model.max_model_len,
                                                             vocab_size=model.vocab_size)
                                               for name in [model.name, *model.adapters]])
+
+
+def _pooling_params(request: api.EmbedRequest) -> PoolingParams:
+    truncate = request.truncate_prompt_tokens if request.HasField("truncate_prompt_tokens") else None
+    try:
+        return dataclasses.replace(PoolingParams.from_proto(request.params), truncate_prompt_tokens=truncate)
+    except ValueError as exc:
+        message = str(exc).removeprefix("PoolingParams.")
+        raise InvalidParameter(message, message.split(" ", 1)[0]) from None
+
+
+def _embed_inputs(model, request: api.EmbedRequest) -> list[list[int]]:
+    if not request.inputs:
+        raise InvalidParameter("inputs is empty: give at least one text or token ids", "inputs")
+    prompts = []
+    for item in request.inputs:
+        if item.WhichOneof("input") == "text":
+            prompts.append(model.encode(item.text))
+        else:
+            prompts.append(list(item.token_ids.ids))
+    return prompts
 
 
 def create_grpc_server(gen: Generator, address: str, auth: Authenticator | None = None

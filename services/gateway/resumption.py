@@ -28,6 +28,7 @@ from services.gateway.scheduler_client import SessionLost, SubmitStream
 from services.gateway.scheduler_pool import SchedulerPool
 from shared.grpc_errors import AlreadyExists, ServiceUnavailable
 from shared.lora import LoRARequest
+from shared.pooling import PoolingParams
 from shared.logging import setup_logging
 from shared.resumption import Resumption
 from shared.sampling_params import SamplingParams
@@ -60,6 +61,7 @@ class Resubmission:
     cache_salt: str | None
     resumption: Resumption | None  # None: nothing was generated yet, the request starts over
     lora: LoRARequest | None = None  # the adapter it runs with
+    pooling: PoolingParams | None = None  # an embedding request's (it always starts over: it has one output)
 
 
 class Resumer:
@@ -89,7 +91,8 @@ class Resumer:
                 # First elsewhere, if there is an elsewhere; then wherever the pool's health poll says.
                 stream = await self.pool.submit(request.request_id, request.prompt, request.params,
                                                 request.cache_salt, request.resumption,
-                                                avoid=lost.address if attempts == 1 else None, lora=request.lora)
+                                                avoid=lost.address if attempts == 1 else None, lora=request.lora,
+                                                pooling=request.pooling)
                 on_stream(stream)
                 if aborted():
                     stream.abort()  # the client's Abort came while this was being submitted

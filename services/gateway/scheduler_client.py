@@ -22,6 +22,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from shared.columns import merge_by_position
 from shared.grpc_errors import ServiceUnavailable, error_for_code, error_from_status, status_from_int
 from shared.lora import LoRARequest
+from shared.pooling import PoolingParams
 from shared.logging import setup_logging
 from shared.proto import pagedserve_api_pb2 as api
 from shared.proto import pagedserve_internal_pb2 as wire
@@ -314,7 +315,8 @@ class SchedulerClient:
 
     async def submit(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                      cache_salt: str | None = None, resumption: Resumption | None = None,
-                     lora: LoRARequest | None = None) -> SubmitStream:
+                     lora: LoRARequest | None = None, pooling: PoolingParams | None = None) -> SubmitStream:
+        """``pooling``: an embedding request (its one output carries the embedding)."""
         if self._refusing is not None:
             raise self._refusing
         await self._connected()
@@ -323,7 +325,8 @@ class SchedulerClient:
         request = wire.EngineRequest(request_id=request_id, prompt_token_ids=prompt_token_ids,
                                      params=params.to_proto(), cache_salt=cache_salt,
                                      resumed=resumption.to_proto() if resumption is not None else (),
-                                     lora=lora.to_proto() if lora is not None else None)
+                                     lora=lora.to_proto() if lora is not None else None,
+                                     pooling=pooling.to_proto() if pooling is not None else None)
         return self._session.submit(request)
 
     @property

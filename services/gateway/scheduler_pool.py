@@ -27,6 +27,7 @@ import hashlib
 from services.gateway.scheduler_client import SchedulerClient, SubmitStream
 from shared.grpc_errors import ServiceUnavailable
 from shared.lora import LoRARequest, prefix_cache_extra
+from shared.pooling import PoolingParams
 from shared.logging import setup_logging
 from shared.proto import pagedserve_internal_pb2 as wire
 from shared.resumption import Resumption
@@ -88,14 +89,16 @@ class SchedulerPool:
 
     async def submit(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                      cache_salt: str | None = None, resumption: Resumption | None = None,
-                     avoid: str | None = None, lora: LoRARequest | None = None) -> SubmitStream:
+                     avoid: str | None = None, lora: LoRARequest | None = None,
+                     pooling: PoolingParams | None = None) -> SubmitStream:
         """avoid: a scheduler to try last (the one a resumed request was just lost at: it may be hung
         without the health poll knowing yet)."""
         error: Exception | None = None
         candidates = self.candidates(prompt_token_ids, cache_salt, lora)
         for client in sorted(candidates, key=lambda c: c.address == avoid):  # (stable: the order stays)
             try:
-                return await client.submit(request_id, prompt_token_ids, params, cache_salt, resumption, lora)
+                return await client.submit(request_id, prompt_token_ids, params, cache_salt, resumption, lora=lora,
+                                           pooling=pooling)
             except ServiceUnavailable as exc:  # not reachable: nothing was sent, so the next one may take it
                 if len(self.clients) > 1:
                     self._serving[client.address] = False

@@ -19,9 +19,14 @@ from services.scheduler.sequence import Sequence, SequenceUpdate
 from services.scheduler.stats import EngineStats
 from shared.grpc_errors import AlreadyExists
 from shared.lora import LoRARequest
+from shared.pooling import PoolingParams
 from shared.resumption import Resumption
 from shared.sampling_params import SamplingParams
 from shared.step_protocol import StepPlan, WorkerInfo
+
+
+# What an embedding request's sequence carries as sampling parameters: nothing is sampled for it.
+_POOLING_PARAMS = SamplingParams(temperature=0.0, max_tokens=1)
 
 
 @dataclass
@@ -55,15 +60,20 @@ class EngineCore:
 
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                     cache_salt: str | None = None, resumption: Resumption | None = None,
-                    lora: LoRARequest | None = None) -> int:
+                    lora: LoRARequest | None = None, pooling: PoolingParams | None = None) -> int:
         """Admit a request (ValueError if it could never run); returns how many sequences it runs,
         each of which ends with a finish reason. A resumption runs only the sequences it names, each
         carrying on after its earlier output (recomputed like a sequence preempted by recompute).
-        ``lora``: the adapter it runs with (its request fails if the worker cannot load it)."""
-        self._validate(request_id, prompt_token_ids, params, cache_salt)
+        ``lora``: the adapter it runs with (its request fails if the worker cannot load it).
+        ``pooling``: an embedding request (a pooling engine's only kind): ``params`` are not used, and its
+        one sequence ends with an update that carries the embedding."""
         if lora is not None and not self.info.max_loras:
             raise ValueError(f"LoRA adapter {lora.name!r} was asked for, but LoRA is not enabled: start the "
                              "worker with --enable-lora (LLM(enable_lora=True))")
+        if pooling is not None or self.info.pooler is not None:
+            self._add_pooling_request(request_id, prompt_token_ids, pooling, cache_salt, lora)
+            return 1
+        self._validate(request_id, prompt_token_ids, params, cache_salt)
         max_output = self.info.max_model_len - len(prompt_token_ids)
         if params.max_tokens is not None:
             max_output = min(max_output, params.max_tokens)
@@ -122,18 +132,50 @@ class EngineCore:
         self._seqs[seq.seq_id] = seq
         self.scheduler.add(seq)
 
-    def _validate(self, request_id: str, prompt: list[int], params: SamplingParams, cache_salt: str | None) -> None:
-        info = self.info
+    def _add_pooling_request(self, request_id: str, prompt: list[int], pooling: PoolingParams | None,
+                             cache_salt: str | None, lora: LoRARequest | None) -> None:
+        """One sequence that computes its prompt and ends with its embedding (no output token: the prompt
+        may fill the whole context)."""
+        pooler = self.info.pooler
+        if pooler is None:
+            raise ValueError("this model generates text and serves no embeddings: start its worker with "
+                             "--runner pooling (LLM(runner='pooling')) for an embedding model")
+        if pooling is None:
+            raise ValueError("this model is a pooling model (runner 'pooling'): it serves embeddings only "
+                             "(/v1/embeddings, LLM.embed), not generation")
+        self._check_request(request_id, prompt, cache_salt)
+        pooling.check_fits(pooler)
+        if len(prompt) > self.info.max_model_len:
+            raise ValueError(f"the prompt has {len(prompt)} tokens, but the context length is "
+                             f"{self.info.max_model_len}")
+        needed = self.scheduler.blocks.blocks_for(len(prompt))
+        if needed > self.info.num_kv_blocks:
+            raise ValueError(f"the prompt needs {needed} KV blocks, but the cache has only {self.info.num_kv_blocks}: "
+                             "it could never run")
+        # One output, the embedding: max_output_tokens 1 makes the step that ends the prompt its last.
+        seq = Sequence(next(self._seq_ids), request_id, 0, list(prompt), _POOLING_PARAMS, 1, next(self._arrivals),
+                       cache_salt, lora, pooling, whole_prompt=pooler.needs_every_token)
+        self._requests[request_id] = seq.siblings
+        self._seqs[seq.seq_id] = seq
+        self.scheduler.add(seq)
+
+    def _check_request(self, request_id: str, prompt: list[int], cache_salt: str | None) -> None:
+        """What every request must be: a new id, a salt that is not empty, a prompt of in-vocabulary ids."""
         if request_id in self._requests:
             raise AlreadyExists(f"request id {request_id!r} is already in use")
-        params.check_sequences_fit(self.scheduler.limits.max_num_seqs)
         if not prompt:
             raise ValueError("the prompt is empty: give at least one token")
         if cache_salt is not None and not cache_salt:
             raise ValueError("cache_salt must not be empty: leave it out for no salt")
-        bad = [t for t in prompt if not isinstance(t, int) or not 0 <= t < info.vocab_size]
+        vocab_size = self.info.vocab_size
+        bad = [t for t in prompt if not isinstance(t, int) or not 0 <= t < vocab_size]
         if bad:
-            raise ValueError(f"prompt token id {bad[0]!r} is outside the vocabulary [0, {info.vocab_size})")
+            raise ValueError(f"prompt token id {bad[0]!r} is outside the vocabulary [0, {vocab_size})")
+
+    def _validate(self, request_id: str, prompt: list[int], params: SamplingParams, cache_salt: str | None) -> None:
+        info = self.info
+        params.check_sequences_fit(self.scheduler.limits.max_num_seqs)
+        self._check_request(request_id, prompt, cache_salt)
         if (outside := params.token_id_outside(info.vocab_size)) is not None:
             name, bad = outside
             raise ValueError(f"token id {bad} in {name} is outside the vocabulary [0, {info.vocab_size})")

@@ -23,6 +23,7 @@ from services.scheduler.session import RequestError, Session, SessionBatch
 from shared.grpc_errors import ServiceUnavailable
 from shared.logging import setup_logging
 from shared.lora import LoRARequest
+from shared.pooling import PoolingParams
 from shared.resumption import Resumption
 from shared.sampling_params import SamplingParams
 
@@ -75,12 +76,13 @@ class EngineLoop:
 
     def submit(self, session: Session, key: int, request_id: str, prompt_token_ids: list[int],
                params: SamplingParams, cache_salt: str | None = None, resumption: Resumption | None = None,
-               lora: LoRARequest | None = None) -> None:
+               lora: LoRARequest | None = None, pooling: PoolingParams | None = None) -> None:
         """Queue a request for admission; a refusal arrives on the session as a RequestError."""
         if self.refusing is not None:
             session.refuse(key, ServiceUnavailable(self.refusing))
             return
-        self._post(None, self._add, session, key, request_id, prompt_token_ids, params, cache_salt, resumption, lora)
+        self._post(None, self._add, session, key, request_id, prompt_token_ids, params, cache_salt, resumption, lora,
+                   pooling)
 
     def abort_soon(self, session: Session, key: int) -> None:
         """Abort one of the session's own requests, without waiting (a session's abort message)."""
@@ -154,15 +156,18 @@ class EngineLoop:
 
     def _add(self, session: Session, key: int, request_id: str, prompt_token_ids: list[int],
              params: SamplingParams, cache_salt: str | None, resumption: Resumption | None,
-             lora: LoRARequest | None) -> None:
+             lora: LoRARequest | None, pooling: PoolingParams | None) -> None:
         try:
-            num_seqs = self.engine.add_request(request_id, prompt_token_ids, params, cache_salt, resumption, lora)
+            num_seqs = self.engine.add_request(request_id, prompt_token_ids, params, cache_salt, resumption, lora,
+                                               pooling)
         except Exception as exc:  # refused at admission: tell the gateway, keep serving
             session.refuse(key, exc)
             return
         self._requests[request_id] = _InFlight(session, key, num_seqs)
         session.requests[key] = request_id
-        if resumption is None:
+        if pooling is not None:
+            log.info("embedding request admitted", request_id=request_id, prompt_tokens=len(prompt_token_ids))
+        elif resumption is None:
             log.info("request admitted", request_id=request_id, prompt_tokens=len(prompt_token_ids), n=params.n)
         else:
             log.info("request resumed", request_id=request_id, prompt_tokens=len(prompt_token_ids),

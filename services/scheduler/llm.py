@@ -29,7 +29,8 @@ from shared.grpc_errors import ServiceUnavailable
 from shared.model_config import ModelConfig
 from shared.lora import LoRARequest
 from shared.model_factory import default_model_dir
-from shared.outputs import RequestOutput
+from shared.outputs import EmbeddingOutput, EmbeddingRequestOutput, RequestOutput
+from shared.pooling import PoolingParams
 from shared.sampling_params import SamplingParams
 from shared.tokenizer import load_tokenizer, render_chat
 
@@ -93,12 +94,7 @@ class LLM:
                  lora_request: LoRARequest | SequenceABC[LoRARequest | None] | None = None) -> list[RequestOutput]:
         """Generate for every prompt; outputs come back in input order. ``lora_request``: the adapter every
         prompt runs with, or one (or None) per prompt; the engine needs ``enable_lora=True``."""
-        if isinstance(prompts, (str, dict)):
-            prompts = [prompts]
-        elif isinstance(prompts, Iterable):  # a list, a tuple, a generator
-            prompts = list(prompts)
-        else:
-            raise ValueError(f"prompts must be a string, a prompt dict or a list of them, got {type(prompts).__name__}")
+        prompts = self._prompt_list(prompts)
         params = self._params_per_prompt(sampling_params, len(prompts))
         loras = self._loras_per_prompt(lora_request, len(prompts))
         trackers = [self._tracker(prompt, p) for prompt, p in zip(prompts, params)]
@@ -128,7 +124,69 @@ class LLM:
         return self.generate([{"prompt": p, "prompt_token_ids": ids} for p, ids in zip(prompts, token_ids)],
                              sampling_params, use_tqdm, lora_request)
 
+    # --- embeddings ---------------------------------------------------------------------------------
+
+    def embed(self, prompts: PromptType | SequenceABC[PromptType], pooling_params: PoolingParams | None = None,
+              use_tqdm: bool = True, lora_request: LoRARequest | SequenceABC[LoRARequest | None] | None = None,
+              truncate_prompt_tokens: int | None = None) -> list[EmbeddingRequestOutput]:
+        """One embedding per prompt, in input order (a pooling model: ``LLM(runner="pooling")``, or "auto" for a
+        sentence-transformers directory). ``truncate_prompt_tokens`` is vLLM's keyword for the PoolingParams field."""
+        prompts = self._prompt_list(prompts)
+        params = pooling_params if pooling_params is not None else PoolingParams()
+        if not isinstance(params, PoolingParams):
+            raise ValueError(f"pooling_params must be PoolingParams, got {type(params).__name__}")
+        if truncate_prompt_tokens is not None:
+            params = dataclasses.replace(params, truncate_prompt_tokens=truncate_prompt_tokens)
+        loras = self._loras_per_prompt(lora_request, len(prompts))
+        requests = []
+        for prompt in prompts:
+            text, token_ids = self._tokenize(prompt)
+            requests.append((str(next(self._request_ids)), text,
+                             params.truncated(token_ids, self.engine.info.max_model_len)))
+        added = []
+        try:
+            for (request_id, _, token_ids), lora in zip(requests, loras):
+                self.engine.add_request(request_id, token_ids, SamplingParams(), lora=lora, pooling=params)
+                added.append(request_id)
+            embeddings = self._run_embeddings({request_id for request_id, *_ in requests}, use_tqdm)
+        except BaseException:
+            for request_id in added:
+                self.engine.abort_request(request_id)
+            raise
+        return [EmbeddingRequestOutput(request_id, text, token_ids, EmbeddingOutput(embeddings[request_id][0]),
+                                       num_cached_tokens=embeddings[request_id][1])
+                for request_id, text, token_ids in requests]
+
+    def _run_embeddings(self, request_ids: set[str], use_tqdm: bool) -> dict[str, tuple[list[float], int]]:
+        """Steps until every request has its embedding: (embedding, cached prompt tokens) by request id."""
+        done: dict[str, tuple[list[float], int]] = {}
+        progress = tqdm(total=len(request_ids), desc="Embedding", disable=not use_tqdm, dynamic_ncols=True)
+        try:
+            while self.engine.has_unfinished():
+                for update in self.engine.step():
+                    if update.request_id not in request_ids:
+                        continue
+                    if update.error is not None:
+                        raise ValueError(f"request {update.request_id} failed: {update.error}")
+                    if update.embedding is not None:
+                        done[update.request_id] = (update.embedding, update.num_cached_tokens)
+                        progress.update(1)
+        finally:
+            progress.close()
+        missing = request_ids - set(done)
+        if missing:  # an engine that stops with requests unanswered is a bug, not an empty answer
+            raise RuntimeError(f"the engine finished without embeddings for requests {sorted(missing)}")
+        return done
+
     # --- internals ----------------------------------------------------------------------------------
+
+    @staticmethod
+    def _prompt_list(prompts) -> list[PromptType]:
+        if isinstance(prompts, (str, dict)):
+            return [prompts]
+        if isinstance(prompts, Iterable):  # a list, a tuple, a generator
+            return list(prompts)
+        raise ValueError(f"prompts must be a string, a prompt dict or a list of them, got {type(prompts).__name__}")
 
     @staticmethod
     def _params_per_prompt(sampling_params, count: int) -> list[SamplingParams]:
@@ -157,6 +215,16 @@ class LLM:
         return loras
 
     def _tracker(self, prompt: PromptType, params: SamplingParams) -> RequestTracker:
+        text, token_ids = self._tokenize(prompt)
+        if not isinstance(params, SamplingParams):
+            raise ValueError(f"sampling_params must be SamplingParams, got {type(params).__name__}")
+        params.check_sequences_fit(self.engine.scheduler.limits.max_num_seqs)  # before a detokenizer per sequence
+        token_ids = params.truncated(token_ids, self.engine.info.max_model_len)
+        params = params.with_bad_words_tokenized(lambda word: self.tokenizer(word, add_special_tokens=False).input_ids)
+        return RequestTracker(str(next(self._request_ids)), text, token_ids, params, self.tokenizer)
+
+    def _tokenize(self, prompt: PromptType) -> tuple[str | None, list[int]]:
+        """(its text, its token ids) of a prompt: a string, or a dict with 'prompt' and/or 'prompt_token_ids'."""
         if isinstance(prompt, dict):
             unknown = set(prompt) - {"prompt", "prompt_token_ids"}
             if unknown:
@@ -171,12 +239,7 @@ class LLM:
             text, token_ids = prompt["prompt"], self.tokenizer(prompt["prompt"]).input_ids
         else:
             raise ValueError(f"a prompt must be a string or a dict with 'prompt' or 'prompt_token_ids', got {prompt!r}")
-        if not isinstance(params, SamplingParams):
-            raise ValueError(f"sampling_params must be SamplingParams, got {type(params).__name__}")
-        params.check_sequences_fit(self.engine.scheduler.limits.max_num_seqs)  # before a detokenizer per sequence
-        token_ids = params.truncated(token_ids, self.engine.info.max_model_len)
-        params = params.with_bad_words_tokenized(lambda word: self.tokenizer(word, add_special_tokens=False).input_ids)
-        return RequestTracker(str(next(self._request_ids)), text, token_ids, params, self.tokenizer)
+        return text, token_ids
 
     def _add_all(self, trackers: list[RequestTracker], loras: list[LoRARequest | None]) -> None:
         """All or nothing: one bad prompt leaves none of the others in the engine."""

@@ -289,13 +289,13 @@ class Scheduler:
             self._preempt(parked[-1], plan)
 
     def _cache_hits(self, seq: Sequence) -> list:
-        # Prompt logprobs need every prompt position computed: such requests skip the lookup.
-        if not self.blocks.enable_caching or seq.params.prompt_logprobs is not None:
+        # Prompt logprobs (and mean or cls pooling) need every prompt position computed: such requests skip the lookup.
+        if not self.blocks.enable_caching or seq.whole_prompt:
             return []
         return self.blocks.cached_prefix(seq.token_slice(0, seq.num_tokens), seq.cache_extra)
 
     def _count_cache_lookup(self, seq: Sequence, num_cached: int) -> None:
-        if self.blocks.enable_caching and seq.params.prompt_logprobs is None:
+        if self.blocks.enable_caching and not seq.whole_prompt:
             self.prefix_cache_queries += seq.num_tokens
             self.prefix_cache_hits += num_cached
 
@@ -334,7 +334,7 @@ class Scheduler:
                     prompt_token_ids=seq.prompt_token_ids, output_token_ids=list(seq.output_token_ids),
                     sampling_params=seq.worker_params, block_table=blocks.block_table(seq.seq_id),
                     num_computed_tokens=seq.num_planned_tokens, num_scheduled_tokens=num_tokens,
-                    num_siblings=len(seq.pending_siblings), lora=seq.lora))
+                    num_siblings=len(seq.pending_siblings), lora=seq.lora, pooling=seq.pooling))
                 seq.known_to_worker = True
             else:
                 # Only the blocks added since the last plan (the whole table only when it was
@@ -378,6 +378,9 @@ class Scheduler:
             seq = seqs.get(out.seq_id)
             if seq is None or seq.status is not SequenceStatus.RUNNING:
                 continue  # finished or aborted while the step ran
+            if out.embedding is not None:
+                updates.append(self._finish_pooling(seq, out.embedding))
+                continue
             if out.token_id is not None:
                 self._resolve_placeholder(seq)
             if out.error:
@@ -397,6 +400,16 @@ class Scheduler:
             updates.append(update)
             updates.extend(forked)
         return updates
+
+    def _finish_pooling(self, seq: Sequence, embedding: list[float]) -> SequenceUpdate:
+        """An embedding request's one output: its prompt is computed, and it is done."""
+        if seq.pooling is None:
+            raise ValueError(f"the worker sent an embedding for sequence {seq.seq_id}, which is no embedding request")
+        self._resolve_placeholder(seq)
+        self._finish(seq, SequenceStatus.FINISHED_STOPPED)
+        update = SequenceUpdate(seq)
+        update.embedding, update.finish_reason = embedding, "stop"
+        return update
 
     def _fail_request(self, seq: Sequence, error: str) -> SequenceUpdate:
         """The worker cannot go on with this sequence: its request ends, every sequence of it."""

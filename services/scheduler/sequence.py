@@ -5,6 +5,7 @@ from __future__ import annotations
 import enum
 
 from shared.lora import LoRARequest, prefix_cache_extra
+from shared.pooling import PoolingParams
 from shared.sampling_params import SamplingParams
 from shared.step_protocol import PositionLogprobs
 
@@ -26,7 +27,8 @@ class SequenceStatus(enum.Enum):
 class Sequence:
     def __init__(self, seq_id: int, request_id: str, index: int, prompt_token_ids: list[int],
                  params: SamplingParams, max_output_tokens: int, arrival: int, cache_salt: str | None = None,
-                 lora: LoRARequest | None = None):
+                 lora: LoRARequest | None = None, pooling: PoolingParams | None = None,
+                 whole_prompt: bool = False):
         self.seq_id = seq_id
         self.request_id = request_id
         self.index = index  # position among the request's n sequences
@@ -49,6 +51,10 @@ class Sequence:
         self.num_prompt_logprobs = 0  # prompt positions whose logprobs were passed on (recompute repeats them)
         self.num_cached_tokens: int | None = None  # tokens found in the prefix cache at its first admission
         self.lora = lora  # the LoRA adapter its tokens run through; None: the base model
+        # An embedding request's (a pooling engine): its one output is its prompt's embedding, not tokens.
+        self.pooling = pooling
+        # Every prompt position must be computed (prompt logprobs, mean or cls pooling): no prefix-cache hit.
+        self.whole_prompt = whole_prompt or params.prompt_logprobs is not None
         self.cache_extra = prefix_cache_extra(cache_salt, lora)  # what its prefix-cache hashes cover besides tokens
         self.table_replaced = False  # copy-on-write or swap-in changed the table: send it whole
         self.siblings: list[Sequence] = [self]  # every sequence of the request, this one included
@@ -116,7 +122,7 @@ class SequenceUpdate:
     """What the front end learns about one sequence after a step."""
 
     __slots__ = ("request_id", "seq_index", "new_token_ids", "new_logprobs", "prompt_logprobs",
-                 "finish_reason", "stop_reason", "error", "num_cached_tokens")
+                 "finish_reason", "stop_reason", "error", "num_cached_tokens", "embedding")
 
     def __init__(self, seq: Sequence, index: int | None = None):
         self.request_id = seq.request_id
@@ -129,9 +135,10 @@ class SequenceUpdate:
         self.error: str | None = None  # why the request failed (it ended: "abort", every sequence)
         # Until the sequence's first output token: the tokens its admission found in the prefix cache (usage).
         self.num_cached_tokens = 0 if seq.output_token_ids else seq.num_cached_tokens or 0
+        self.embedding: list[float] | None = None  # an embedding request's result (its update that finishes it)
 
     @property
     def is_plain(self) -> bool:
         """New tokens and nothing else (the common update; it travels as column entries)."""
         return not (self.new_logprobs or self.prompt_logprobs or self.finish_reason or self.stop_reason is not None
-                    or self.error or self.num_cached_tokens)
+                    or self.error or self.num_cached_tokens or self.embedding is not None)

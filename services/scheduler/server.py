@@ -29,6 +29,7 @@ from shared.proto import pagedserve_api_pb2 as api
 from shared.proto import pagedserve_internal_pb2 as wire
 from shared.proto import pagedserve_internal_pb2_grpc as wire_grpc
 from shared.lora import LoRARequest
+from shared.pooling import PoolingParams
 from shared.resumption import Resumption
 from shared.sampling_params import SamplingParams
 from shared.wire_version import INTERNAL_PROTOCOL_VERSION
@@ -94,12 +95,13 @@ class SchedulerServicer(wire_grpc.SchedulerServicer):
             params = SamplingParams.from_proto(request.params, grammar_checked=True)  # by the gateway
             resumption = Resumption.from_proto(request.resumed)
             lora = LoRARequest.from_proto(request.lora) if request.HasField("lora") else None
+            pooling = PoolingParams.from_proto(request.pooling) if request.HasField("pooling") else None
         except (ValueError, TypeError) as exc:
             session.refuse(submit.key, exc)
             return
         salt = request.cache_salt if request.HasField("cache_salt") else None
         loop.submit(session, submit.key, request.request_id, list(request.prompt_token_ids), params, salt, resumption,
-                    lora)
+                    lora, pooling)
 
     def Abort(self, request, context):
         with grpc_errors(context):
@@ -112,7 +114,8 @@ class SchedulerServicer(wire_grpc.SchedulerServicer):
                                block_size=info.block_size, max_logprobs=self.max_logprobs,
                                protocol_version=INTERNAL_PROTOCOL_VERSION,
                                max_num_seqs=self.loop.engine.scheduler.limits.max_num_seqs,
-                               max_loras=info.max_loras)
+                               max_loras=info.max_loras,
+                               pooler=info.pooler.to_proto() if info.pooler is not None else None)
 
     def GetStats(self, request, context):
         with grpc_errors(context):

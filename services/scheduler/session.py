@@ -72,7 +72,7 @@ def update_to_proto(key: int, update: SequenceUpdate) -> wire.EngineOutput:
                             new_logprobs=[p.to_proto() for p in update.new_logprobs],
                             prompt_logprobs=[p.to_proto() for p in update.prompt_logprobs],
                             finish_reason=update.finish_reason or "",
-                            num_cached_tokens=update.num_cached_tokens)
+                            num_cached_tokens=update.num_cached_tokens, embedding=update.embedding)
     if isinstance(update.stop_reason, int):
         out.stop_token_id = update.stop_reason
     elif isinstance(update.stop_reason, str):

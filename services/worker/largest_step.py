@@ -39,9 +39,10 @@ def costliest_sampling(vocab_size: int, max_logprobs: int, device: torch.device)
     return SamplingState(params, [0], [], vocab_size, device=device)
 
 
-def run_largest_step(model, attention, sampler: Sampler, *, block_size: int, num_blocks: int, max_model_len: int,
+def run_largest_step(model, attention, sampler: Sampler | None, *, block_size: int, num_blocks: int, max_model_len: int,
                      token_budget: int, max_num_seqs: int, max_logprobs: int, device: torch.device) -> int | None:
-    """Runs the step; on CUDA returns its peak allocation above what was allocated before it."""
+    """Runs the step; on CUDA returns its peak allocation above what was allocated before it. Without a
+    sampler (a pooling model) the forward pass alone."""
     cuda = device.type == "cuda"
     if cuda:
         torch.cuda.synchronize(device)
@@ -51,10 +52,14 @@ def run_largest_step(model, attention, sampler: Sampler, *, block_size: int, num
     with torch.inference_mode():
         inputs = build_model_inputs(batch, block_size, device)
         hidden = model(inputs.input_ids, inputs.positions, attention, inputs.meta)
+        if sampler is None:
+            return _peak(device, before) if cuda else None
         rows = [i % hidden.shape[0] for i in range(max_num_seqs)]
         states = [costliest_sampling(sampler.vocab_size, max_logprobs, device) for _ in rows]
         sampler.sample(model.compute_logits(hidden[rows]), states)
-    if not cuda:
-        return None
+    return _peak(device, before) if cuda else None
+
+
+def _peak(device: torch.device, before: int) -> int:
     torch.cuda.synchronize(device)
     return torch.cuda.max_memory_allocated(device) - before

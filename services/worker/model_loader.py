@@ -24,14 +24,14 @@ INDEX_FILE = "model.safetensors.index.json"
 
 
 def load_model(model_dir: str | Path, dtype: torch.dtype, device: torch.device, pack: bool = True,
-               tp: TensorParallel = TensorParallel()) -> tuple[LlamaForCausalLM, ModelConfig]:
+               tp: TensorParallel = TensorParallel(), with_head: bool = True) -> tuple[LlamaForCausalLM, ModelConfig]:
     """The model (this rank's share of it), ready for inference, and the config of that share; ``pack``
-    re-lays float32 CPU projections for oneDNN (packed_linear)."""
+    re-lays float32 CPU projections for oneDNN (packed_linear); ``with_head``: False for a pooling model."""
     whole = ModelConfig.from_model_dir(model_dir)
     config = tp.shard(whole)
     files = safetensors_files(Path(model_dir))
     with torch.device("meta"):
-        model = LlamaForCausalLM(config, tp, tp.kv_replicas(whole))
+        model = LlamaForCausalLM(config, tp, tp.kv_replicas(whole), with_head)
     model = model.to(dtype).to_empty(device=torch.device(device))
     state = {"file": None, "done": False}
     try:

@@ -22,6 +22,7 @@ from services.worker.kv_cache import (activation_bytes_estimate, allocate_host_p
                                       num_host_blocks, num_kv_blocks)
 from services.worker.model_loader import load_eos_token_ids, load_model
 from services.worker.ngram_proposer import NgramProposer
+from services.worker.pooler import Pooler
 from services.worker.sampler import Sampler
 from services.worker.step_timer import StepTimer
 from services.worker.swap_staging import SwapStaging
@@ -30,6 +31,7 @@ from services.worker.worker_sequence import WorkerSequence
 from shared.config import EngineConfig
 from shared.model_config import ModelConfig
 from shared.model_factory import default_model_dir
+from shared.pooling import read_pooler_config, resolve_runner
 from shared.step_protocol import Sample, SequenceOutput, StepPlan, StepResult, WorkerInfo
 
 if TYPE_CHECKING:
@@ -69,13 +71,20 @@ class Worker:
             cpu_kernels_unavailable_reason()  # build (or load) the C++ kernels now, not inside the first step
         self.model_dir = Path(config.model) if config.model else default_model_dir()
         self.model_config = ModelConfig.from_model_dir(self.model_dir)
+        # A pooling model returns embeddings instead of tokens (shared/pooling.py): no logits head, no sampling.
+        pooling = resolve_runner(config.runner, self.model_dir) == "pooling"
+        self.pooler = Pooler(read_pooler_config(self.model_dir, self.model_config.hidden_size)) if pooling else None
+        if pooling and config.speculative_config is not None:
+            raise ValueError("speculative decoding is for generation: a pooling model (runner 'pooling') samples "
+                             "no tokens to draft")
         self.dtype = DTYPES[self.model_config.dtype if config.dtype == "auto" else config.dtype]
         # A model the ranks cannot share is refused before they meet.
         TensorParallel(tensor_parallel_rank, config.tensor_parallel_size).shard(self.model_config)
         self.tp: TensorParallel = join_group(tensor_parallel_rank, config.tensor_parallel_size, distributed_init_method, self.device)
         # From here on model_config is this rank's share (its heads, KV pools and MLP columns), not the
         # whole model's; with one rank the two are the same.
-        self.model, self.model_config = load_model(self.model_dir, self.dtype, self.device, tp=self.tp)
+        self.model, self.model_config = load_model(self.model_dir, self.dtype, self.device, tp=self.tp,
+                                                   with_head=not pooling)
         # Room for the adapters is taken before the KV budget is measured.
         self.adapters = AdapterSlots(self.model, config.max_loras, config.max_lora_rank, self.tp) \
             if config.enable_lora else None
@@ -152,8 +161,9 @@ class Worker:
         from services.worker.largest_step import run_largest_step
 
         config = self.config
-        peak = run_largest_step(self.model, self.attention, self.sampler, block_size=config.block_size,
-                                num_blocks=self.num_blocks, max_model_len=self.max_model_len, token_budget=token_budget,
+        peak = run_largest_step(self.model, self.attention, self.sampler if self.pooler is None else None,
+                                block_size=config.block_size, num_blocks=self.num_blocks,
+                                max_model_len=self.max_model_len, token_budget=token_budget,
                                 max_num_seqs=config.max_num_seqs, max_logprobs=config.max_logprobs, device=self.device)
         set_aside = activation_bytes_estimate(self.model_config, config, token_budget)
         self.startup_memory = {"largest_step_peak_bytes": peak, "set_aside_bytes": set_aside}
@@ -166,8 +176,9 @@ class Worker:
 
     def _wants_cuda_graphs(self) -> bool:
         # Not with tensor parallelism yet: the graphs would have to capture the all-reduces too.
+        # A pooling model never decodes: nothing to replay.
         return (self.device.type == "cuda" and not self.config.enforce_eager and self.tp.size == 1
-                and getattr(self.attention, "supports_cuda_graphs", False))
+                and self.pooler is None and getattr(self.attention, "supports_cuda_graphs", False))
 
     def _capture_decode_graphs(self) -> DecodeGraphs | None:
         """Decode graphs, checked against the eager pass; None (serve eagerly) when either fails."""
@@ -199,6 +210,8 @@ class Worker:
         if model.sliding_window is not None:
             # Attention here is full, not windowed: serve only lengths where the two agree.
             limit = min(limit, model.sliding_window)
+        if self.pooler is not None and self.pooler.config.max_seq_length is not None:
+            limit = min(limit, self.pooler.config.max_seq_length)  # what sentence-transformers would truncate to
         wanted = self.config.max_model_len
         if wanted is not None and wanted > limit:
             raise ValueError(f"max_model_len={wanted} exceeds what the model at {self.model_dir} supports ({limit})")
@@ -213,7 +226,8 @@ class Worker:
                           num_speculative_tokens=self.proposer.num_tokens if self.proposer is not None else 0,
                           tensor_parallel_rank=self.tp.rank, tensor_parallel_size=self.tp.size,
                           max_loras=self.config.max_loras if self.adapters is not None else 0,
-                          max_lora_rank=self.config.max_lora_rank if self.adapters is not None else 0)
+                          max_lora_rank=self.config.max_lora_rank if self.adapters is not None else 0,
+                          pooler=self.pooler.config if self.pooler is not None else None)
 
     # --- one step ---------------------------------------------------------------------------------
 
@@ -299,6 +313,10 @@ class Worker:
     def _apply_plan(self, plan: StepPlan) -> list[tuple[WorkerSequence, int]]:
         batch = []
         for new in plan.new:
+            if (new.pooling is not None) != (self.pooler is not None):
+                raise ValueError(f"step {plan.step_id}: sequence {new.seq_id} is "
+                                 f"{'an embedding' if new.pooling is not None else 'a generation'} request, but this "
+                                 f"worker runs a {'pooling' if self.pooler is not None else 'generative'} model")
             if new.lora is not None and self.adapters is None:
                 raise ValueError(f"step {plan.step_id}: sequence {new.seq_id} asks for LoRA adapter "
                                  f"{new.lora.name!r}, but this worker was started without LoRA")
@@ -350,6 +368,8 @@ class Worker:
         rows: list[int] = []
         sampling: list[tuple[int, WorkerSequence]] = []  # (batch index, seq) that sample a token
         prompt_rows: list[tuple[int, WorkerSequence, int, int]] = []  # (batch index, seq, first row, count)
+        if self.pooler is not None:
+            return self._pool(batch, hidden)
         for i, (seq, num_tokens) in enumerate(batch):
             start, end = seq.num_computed_tokens, seq.num_computed_tokens + num_tokens
             if seq.params.prompt_logprobs is not None and start < seq.prompt_len - 1:
@@ -365,6 +385,17 @@ class Worker:
             self._prompt_logprobs(hidden, rows, prompt_rows, outputs)
         if sampling:
             self._sample_tokens(hidden, sampling, sample_rows, outputs)
+        return outputs
+
+    def _pool(self, batch: list[tuple[WorkerSequence, int]], hidden: torch.Tensor) -> dict[int, SequenceOutput]:
+        """Each sequence's states into its pooling; the embeddings of those whose prompt this step completes."""
+        outputs = {}
+        for i, (seq, num_tokens) in enumerate(batch):
+            rows = hidden[self._query_start[i]:self._query_start[i + 1]]
+            self.pooler.add_chunk(seq.pool_state, rows, seq.num_computed_tokens)
+            if seq.num_computed_tokens + num_tokens == len(seq.token_ids):
+                vector = self.pooler.embedding(seq.pool_state, rows[-1], seq.pooling)
+                outputs[i] = SequenceOutput(seq_id=seq.seq_id, token_id=None, embedding=vector.tolist())
         return outputs
 
     def _sample_tokens(self, hidden, sampling, sample_rows, outputs) -> None:

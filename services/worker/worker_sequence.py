@@ -6,7 +6,9 @@ from services.worker.grammar import Grammars
 from services.worker.host_block_tables import HostBlockTables
 from services.worker.ngram_proposer import TokenHistory
 from services.worker.sampler import SamplingState
+from services.worker.pooler import PoolingState
 from shared.lora import LoRARequest
+from shared.pooling import PoolingParams
 from shared.step_protocol import NewSequence, RunningSequence
 
 
@@ -14,7 +16,8 @@ class WorkerSequence:
     def __init__(self, seq_id: int, index: int, prompt_token_ids: list[int], output_token_ids: list[int],
                  block_table: list[int], num_computed_tokens: int, params, vocab_size: int,
                  block_tables: HostBlockTables, num_siblings: int = 0, table_row: int | None = None,
-                 keep_history: bool = False, grammars: Grammars | None = None, lora: LoRARequest | None = None):
+                 keep_history: bool = False, grammars: Grammars | None = None, lora: LoRARequest | None = None,
+                 pooling: PoolingParams | None = None):
         self.seq_id = seq_id
         self.index = index
         self.prompt_len = len(prompt_token_ids)
@@ -28,6 +31,9 @@ class WorkerSequence:
         self.vocab_size = vocab_size
         self.grammars = grammars
         self.lora = lora  # the adapter its tokens run through; None: the base model
+        # An embedding request's: its prompt's states are pooled (pool_state holds its chunks so far), nothing sampled.
+        self.pooling = pooling
+        self.pool_state = PoolingState() if pooling is not None else None
         # Its adapter could not be loaded: its request has failed; later deltas (plans made before the
         # scheduler heard) are ignored until it is dropped.
         self.failed = False
@@ -66,7 +72,7 @@ class WorkerSequence:
                  keep_history: bool = False, grammars: Grammars | None = None) -> "WorkerSequence":
         return cls(new.seq_id, new.index, new.prompt_token_ids, new.output_token_ids, new.block_table,
                    new.num_computed_tokens, new.sampling_params, vocab_size, block_tables, new.num_siblings,
-                   keep_history=keep_history, grammars=grammars, lora=new.lora)
+                   keep_history=keep_history, grammars=grammars, lora=new.lora, pooling=new.pooling)
 
     def fork(self, child_seq_id: int, child_index: int) -> "WorkerSequence":
         """A child sharing everything so far; its own random stream from now on."""

@@ -49,6 +49,11 @@ class GenerationStub:
                 request_serializer=pagedserve__api__pb2.ListModelsRequest.SerializeToString,
                 response_deserializer=pagedserve__api__pb2.ListModelsResponse.FromString,
                 _registered_method=True)
+        self.Embed = channel.unary_unary(
+                '/pagedserve.api.v1.Generation/Embed',
+                request_serializer=pagedserve__api__pb2.EmbedRequest.SerializeToString,
+                response_deserializer=pagedserve__api__pb2.EmbedResponse.FromString,
+                _registered_method=True)
 
 
 class GenerationServicer:
@@ -75,6 +80,13 @@ class GenerationServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Embed(self, request, context):
+        """Embeds each input with a pooling model (a gateway whose engine runs --runner pooling).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_GenerationServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -92,6 +104,11 @@ def add_GenerationServicer_to_server(servicer, server):
                     servicer.ListModels,
                     request_deserializer=pagedserve__api__pb2.ListModelsRequest.FromString,
                     response_serializer=pagedserve__api__pb2.ListModelsResponse.SerializeToString,
+            ),
+            'Embed': grpc.unary_unary_rpc_method_handler(
+                    servicer.Embed,
+                    request_deserializer=pagedserve__api__pb2.EmbedRequest.FromString,
+                    response_serializer=pagedserve__api__pb2.EmbedResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -175,6 +192,33 @@ class Generation:
             '/pagedserve.api.v1.Generation/ListModels',
             pagedserve__api__pb2.ListModelsRequest.SerializeToString,
             pagedserve__api__pb2.ListModelsResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Embed(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/pagedserve.api.v1.Generation/Embed',
+            pagedserve__api__pb2.EmbedRequest.SerializeToString,
+            pagedserve__api__pb2.EmbedResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -12,20 +12,38 @@ class Empty(_message.Message):
     def __init__(self) -> None: ...
 
 class EngineRequest(_message.Message):
-    __slots__ = ("request_id", "prompt_token_ids", "params", "cache_salt", "resumed", "lora")
+    __slots__ = ("request_id", "prompt_token_ids", "params", "cache_salt", "resumed", "lora", "pooling")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     PARAMS_FIELD_NUMBER: _ClassVar[int]
     CACHE_SALT_FIELD_NUMBER: _ClassVar[int]
     RESUMED_FIELD_NUMBER: _ClassVar[int]
     LORA_FIELD_NUMBER: _ClassVar[int]
+    POOLING_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
     params: _pagedserve_api_pb2.SamplingParameters
     cache_salt: str
     resumed: _containers.RepeatedCompositeFieldContainer[ResumedSequence]
     lora: LoRAAdapter
-    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., params: _Optional[_Union[_pagedserve_api_pb2.SamplingParameters, _Mapping]] = ..., cache_salt: _Optional[str] = ..., resumed: _Optional[_Iterable[_Union[ResumedSequence, _Mapping]]] = ..., lora: _Optional[_Union[LoRAAdapter, _Mapping]] = ...) -> None: ...
+    pooling: _pagedserve_api_pb2.PoolingParameters
+    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., params: _Optional[_Union[_pagedserve_api_pb2.SamplingParameters, _Mapping]] = ..., cache_salt: _Optional[str] = ..., resumed: _Optional[_Iterable[_Union[ResumedSequence, _Mapping]]] = ..., lora: _Optional[_Union[LoRAAdapter, _Mapping]] = ..., pooling: _Optional[_Union[_pagedserve_api_pb2.PoolingParameters, _Mapping]] = ...) -> None: ...
+
+class PoolerInfo(_message.Message):
+    __slots__ = ("pooling_type", "normalize", "hidden_size", "matryoshka", "matryoshka_dimensions", "max_seq_length")
+    POOLING_TYPE_FIELD_NUMBER: _ClassVar[int]
+    NORMALIZE_FIELD_NUMBER: _ClassVar[int]
+    HIDDEN_SIZE_FIELD_NUMBER: _ClassVar[int]
+    MATRYOSHKA_FIELD_NUMBER: _ClassVar[int]
+    MATRYOSHKA_DIMENSIONS_FIELD_NUMBER: _ClassVar[int]
+    MAX_SEQ_LENGTH_FIELD_NUMBER: _ClassVar[int]
+    pooling_type: str
+    normalize: bool
+    hidden_size: int
+    matryoshka: bool
+    matryoshka_dimensions: _containers.RepeatedScalarFieldContainer[int]
+    max_seq_length: int
+    def __init__(self, pooling_type: _Optional[str] = ..., normalize: _Optional[bool] = ..., hidden_size: _Optional[int] = ..., matryoshka: _Optional[bool] = ..., matryoshka_dimensions: _Optional[_Iterable[int]] = ..., max_seq_length: _Optional[int] = ...) -> None: ...
 
 class LoRAAdapter(_message.Message):
     __slots__ = ("name", "path")
@@ -122,7 +140,7 @@ class TokenOutputs(_message.Message):
     def __init__(self, keys: _Optional[_Iterable[int]] = ..., seq_indexes: _Optional[_Iterable[int]] = ..., num_tokens: _Optional[_Iterable[int]] = ..., token_ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class EngineOutput(_message.Message):
-    __slots__ = ("key", "seq_index", "new_token_ids", "new_logprobs", "prompt_logprobs", "finish_reason", "stop_token_id", "stop_string", "num_cached_tokens")
+    __slots__ = ("key", "seq_index", "new_token_ids", "new_logprobs", "prompt_logprobs", "finish_reason", "stop_token_id", "stop_string", "num_cached_tokens", "embedding")
     KEY_FIELD_NUMBER: _ClassVar[int]
     SEQ_INDEX_FIELD_NUMBER: _ClassVar[int]
     NEW_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
@@ -132,6 +150,7 @@ class EngineOutput(_message.Message):
     STOP_TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
     STOP_STRING_FIELD_NUMBER: _ClassVar[int]
     NUM_CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    EMBEDDING_FIELD_NUMBER: _ClassVar[int]
     key: int
     seq_index: int
     new_token_ids: _containers.RepeatedScalarFieldContainer[int]
@@ -141,10 +160,11 @@ class EngineOutput(_message.Message):
     stop_token_id: int
     stop_string: str
     num_cached_tokens: int
-    def __init__(self, key: _Optional[int] = ..., seq_index: _Optional[int] = ..., new_token_ids: _Optional[_Iterable[int]] = ..., new_logprobs: _Optional[_Iterable[_Union[PositionLogprobs, _Mapping]]] = ..., prompt_logprobs: _Optional[_Iterable[_Union[PositionLogprobs, _Mapping]]] = ..., finish_reason: _Optional[str] = ..., stop_token_id: _Optional[int] = ..., stop_string: _Optional[str] = ..., num_cached_tokens: _Optional[int] = ...) -> None: ...
+    embedding: _containers.RepeatedScalarFieldContainer[float]
+    def __init__(self, key: _Optional[int] = ..., seq_index: _Optional[int] = ..., new_token_ids: _Optional[_Iterable[int]] = ..., new_logprobs: _Optional[_Iterable[_Union[PositionLogprobs, _Mapping]]] = ..., prompt_logprobs: _Optional[_Iterable[_Union[PositionLogprobs, _Mapping]]] = ..., finish_reason: _Optional[str] = ..., stop_token_id: _Optional[int] = ..., stop_string: _Optional[str] = ..., num_cached_tokens: _Optional[int] = ..., embedding: _Optional[_Iterable[float]] = ...) -> None: ...
 
 class EngineInfo(_message.Message):
-    __slots__ = ("model", "max_model_len", "vocab_size", "eos_token_ids", "num_kv_blocks", "block_size", "max_logprobs", "protocol_version", "max_num_seqs", "max_loras")
+    __slots__ = ("model", "max_model_len", "vocab_size", "eos_token_ids", "num_kv_blocks", "block_size", "max_logprobs", "protocol_version", "max_num_seqs", "max_loras", "pooler")
     MODEL_FIELD_NUMBER: _ClassVar[int]
     MAX_MODEL_LEN_FIELD_NUMBER: _ClassVar[int]
     VOCAB_SIZE_FIELD_NUMBER: _ClassVar[int]
@@ -155,6 +175,7 @@ class EngineInfo(_message.Message):
     PROTOCOL_VERSION_FIELD_NUMBER: _ClassVar[int]
     MAX_NUM_SEQS_FIELD_NUMBER: _ClassVar[int]
     MAX_LORAS_FIELD_NUMBER: _ClassVar[int]
+    POOLER_FIELD_NUMBER: _ClassVar[int]
     model: str
     max_model_len: int
     vocab_size: int
@@ -165,7 +186,8 @@ class EngineInfo(_message.Message):
     protocol_version: int
     max_num_seqs: int
     max_loras: int
-    def __init__(self, model: _Optional[str] = ..., max_model_len: _Optional[int] = ..., vocab_size: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., num_kv_blocks: _Optional[int] = ..., block_size: _Optional[int] = ..., max_logprobs: _Optional[int] = ..., protocol_version: _Optional[int] = ..., max_num_seqs: _Optional[int] = ..., max_loras: _Optional[int] = ...) -> None: ...
+    pooler: PoolerInfo
+    def __init__(self, model: _Optional[str] = ..., max_model_len: _Optional[int] = ..., vocab_size: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., num_kv_blocks: _Optional[int] = ..., block_size: _Optional[int] = ..., max_logprobs: _Optional[int] = ..., protocol_version: _Optional[int] = ..., max_num_seqs: _Optional[int] = ..., max_loras: _Optional[int] = ..., pooler: _Optional[_Union[PoolerInfo, _Mapping]] = ...) -> None: ...
 
 class EngineStats(_message.Message):
     __slots__ = ("values",)
@@ -181,7 +203,7 @@ class EngineStats(_message.Message):
     def __init__(self, values: _Optional[_Mapping[str, float]] = ...) -> None: ...
 
 class WorkerInfo(_message.Message):
-    __slots__ = ("model", "num_kv_blocks", "block_size", "max_model_len", "vocab_size", "eos_token_ids", "device", "dtype", "num_cpu_blocks", "protocol_version", "num_speculative_tokens", "tensor_parallel_rank", "tensor_parallel_size", "max_loras", "max_lora_rank")
+    __slots__ = ("model", "num_kv_blocks", "block_size", "max_model_len", "vocab_size", "eos_token_ids", "device", "dtype", "num_cpu_blocks", "protocol_version", "num_speculative_tokens", "tensor_parallel_rank", "tensor_parallel_size", "max_loras", "max_lora_rank", "pooler")
     MODEL_FIELD_NUMBER: _ClassVar[int]
     NUM_KV_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
@@ -197,6 +219,7 @@ class WorkerInfo(_message.Message):
     TENSOR_PARALLEL_SIZE_FIELD_NUMBER: _ClassVar[int]
     MAX_LORAS_FIELD_NUMBER: _ClassVar[int]
     MAX_LORA_RANK_FIELD_NUMBER: _ClassVar[int]
+    POOLER_FIELD_NUMBER: _ClassVar[int]
     model: str
     num_kv_blocks: int
     block_size: int
@@ -212,10 +235,11 @@ class WorkerInfo(_message.Message):
     tensor_parallel_size: int
     max_loras: int
     max_lora_rank: int
-    def __init__(self, model: _Optional[str] = ..., num_kv_blocks: _Optional[int] = ..., block_size: _Optional[int] = ..., max_model_len: _Optional[int] = ..., vocab_size: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., device: _Optional[str] = ..., dtype: _Optional[str] = ..., num_cpu_blocks: _Optional[int] = ..., protocol_version: _Optional[int] = ..., num_speculative_tokens: _Optional[int] = ..., tensor_parallel_rank: _Optional[int] = ..., tensor_parallel_size: _Optional[int] = ..., max_loras: _Optional[int] = ..., max_lora_rank: _Optional[int] = ...) -> None: ...
+    pooler: PoolerInfo
+    def __init__(self, model: _Optional[str] = ..., num_kv_blocks: _Optional[int] = ..., block_size: _Optional[int] = ..., max_model_len: _Optional[int] = ..., vocab_size: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., device: _Optional[str] = ..., dtype: _Optional[str] = ..., num_cpu_blocks: _Optional[int] = ..., protocol_version: _Optional[int] = ..., num_speculative_tokens: _Optional[int] = ..., tensor_parallel_rank: _Optional[int] = ..., tensor_parallel_size: _Optional[int] = ..., max_loras: _Optional[int] = ..., max_lora_rank: _Optional[int] = ..., pooler: _Optional[_Union[PoolerInfo, _Mapping]] = ...) -> None: ...
 
 class NewSequence(_message.Message):
-    __slots__ = ("request_id", "seq_id", "index", "prompt_token_ids", "output_token_ids", "sampling_params", "block_table", "num_computed_tokens", "num_scheduled_tokens", "num_siblings", "lora")
+    __slots__ = ("request_id", "seq_id", "index", "prompt_token_ids", "output_token_ids", "sampling_params", "block_table", "num_computed_tokens", "num_scheduled_tokens", "num_siblings", "lora", "pooling")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     SEQ_ID_FIELD_NUMBER: _ClassVar[int]
     INDEX_FIELD_NUMBER: _ClassVar[int]
@@ -227,6 +251,7 @@ class NewSequence(_message.Message):
     NUM_SCHEDULED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     NUM_SIBLINGS_FIELD_NUMBER: _ClassVar[int]
     LORA_FIELD_NUMBER: _ClassVar[int]
+    POOLING_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     seq_id: int
     index: int
@@ -238,7 +263,8 @@ class NewSequence(_message.Message):
     num_scheduled_tokens: int
     num_siblings: int
     lora: LoRAAdapter
-    def __init__(self, request_id: _Optional[str] = ..., seq_id: _Optional[int] = ..., index: _Optional[int] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., output_token_ids: _Optional[_Iterable[int]] = ..., sampling_params: _Optional[_Union[_pagedserve_api_pb2.SamplingParameters, _Mapping]] = ..., block_table: _Optional[_Iterable[int]] = ..., num_computed_tokens: _Optional[int] = ..., num_scheduled_tokens: _Optional[int] = ..., num_siblings: _Optional[int] = ..., lora: _Optional[_Union[LoRAAdapter, _Mapping]] = ...) -> None: ...
+    pooling: _pagedserve_api_pb2.PoolingParameters
+    def __init__(self, request_id: _Optional[str] = ..., seq_id: _Optional[int] = ..., index: _Optional[int] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., output_token_ids: _Optional[_Iterable[int]] = ..., sampling_params: _Optional[_Union[_pagedserve_api_pb2.SamplingParameters, _Mapping]] = ..., block_table: _Optional[_Iterable[int]] = ..., num_computed_tokens: _Optional[int] = ..., num_scheduled_tokens: _Optional[int] = ..., num_siblings: _Optional[int] = ..., lora: _Optional[_Union[LoRAAdapter, _Mapping]] = ..., pooling: _Optional[_Union[_pagedserve_api_pb2.PoolingParameters, _Mapping]] = ...) -> None: ...
 
 class BlockIds(_message.Message):
     __slots__ = ("ids",)
@@ -326,7 +352,7 @@ class Sample(_message.Message):
     def __init__(self, token_id: _Optional[int] = ..., logprobs: _Optional[_Union[PositionLogprobs, _Mapping]] = ...) -> None: ...
 
 class SequenceOutput(_message.Message):
-    __slots__ = ("seq_id", "token_id", "logprobs", "prompt_logprobs", "prompt_logprobs_start", "siblings", "accepted_token_ids", "accepted_logprobs", "draft_token_ids", "error")
+    __slots__ = ("seq_id", "token_id", "logprobs", "prompt_logprobs", "prompt_logprobs_start", "siblings", "accepted_token_ids", "accepted_logprobs", "draft_token_ids", "error", "embedding")
     SEQ_ID_FIELD_NUMBER: _ClassVar[int]
     TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
     LOGPROBS_FIELD_NUMBER: _ClassVar[int]
@@ -337,6 +363,7 @@ class SequenceOutput(_message.Message):
     ACCEPTED_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     DRAFT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     ERROR_FIELD_NUMBER: _ClassVar[int]
+    EMBEDDING_FIELD_NUMBER: _ClassVar[int]
     seq_id: int
     token_id: int
     logprobs: PositionLogprobs
@@ -347,7 +374,8 @@ class SequenceOutput(_message.Message):
     accepted_logprobs: _containers.RepeatedCompositeFieldContainer[PositionLogprobs]
     draft_token_ids: _containers.RepeatedScalarFieldContainer[int]
     error: str
-    def __init__(self, seq_id: _Optional[int] = ..., token_id: _Optional[int] = ..., logprobs: _Optional[_Union[PositionLogprobs, _Mapping]] = ..., prompt_logprobs: _Optional[_Iterable[_Union[PositionLogprobs, _Mapping]]] = ..., prompt_logprobs_start: _Optional[int] = ..., siblings: _Optional[_Iterable[_Union[Sample, _Mapping]]] = ..., accepted_token_ids: _Optional[_Iterable[int]] = ..., accepted_logprobs: _Optional[_Iterable[_Union[PositionLogprobs, _Mapping]]] = ..., draft_token_ids: _Optional[_Iterable[int]] = ..., error: _Optional[str] = ...) -> None: ...
+    embedding: _containers.RepeatedScalarFieldContainer[float]
+    def __init__(self, seq_id: _Optional[int] = ..., token_id: _Optional[int] = ..., logprobs: _Optional[_Union[PositionLogprobs, _Mapping]] = ..., prompt_logprobs: _Optional[_Iterable[_Union[PositionLogprobs, _Mapping]]] = ..., prompt_logprobs_start: _Optional[int] = ..., siblings: _Optional[_Iterable[_Union[Sample, _Mapping]]] = ..., accepted_token_ids: _Optional[_Iterable[int]] = ..., accepted_logprobs: _Optional[_Iterable[_Union[PositionLogprobs, _Mapping]]] = ..., draft_token_ids: _Optional[_Iterable[int]] = ..., error: _Optional[str] = ..., embedding: _Optional[_Iterable[float]] = ...) -> None: ...
 
 class StepOutputs(_message.Message):
     __slots__ = ("seq_ids", "token_ids", "detailed", "detailed_positions", "num_accepted", "accepted_token_ids", "num_drafts", "draft_token_ids")

@@ -109,11 +109,14 @@ class DecoderLayer(nn.Module):
 
 
 class LlamaForCausalLM(nn.Module):
-    def __init__(self, config: ModelConfig, tp: TensorParallel = TensorParallel(), kv_replicas: int = 1):
+    def __init__(self, config: ModelConfig, tp: TensorParallel = TensorParallel(), kv_replicas: int = 1,
+                 with_head: bool = True):
         """``config``: this rank's share of the model (the whole model on a single rank); ``kv_replicas``:
-        how many ranks hold each KV head (more than one when the model has fewer KV heads than ranks)."""
+        how many ranks hold each KV head (more than one when the model has fewer KV heads than ranks);
+        ``with_head``: False for a pooling model, which needs no logits (and whose checkpoint may have no head)."""
         super().__init__()
         self.config = config
+        self.with_head = with_head
         self.tp = tp
         self.kv_replicas = kv_replicas
         self.rotary = RotaryEmbedding(config.head_dim, config.max_position_embeddings,
@@ -123,7 +126,7 @@ class LlamaForCausalLM(nn.Module):
                                     for i in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         # Tied: the embedding matrix doubles as the output projection (see lm_head_weight).
-        if not config.tie_word_embeddings:
+        if with_head and not config.tie_word_embeddings:
             self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         self.packed_logits: PackedLinear | None = None  # set by pack_linear_weights
 
@@ -140,8 +143,9 @@ class LlamaForCausalLM(nn.Module):
         for module in self.modules():
             if isinstance(module, SparseMoeBlock):
                 module.pack_experts()
-        tied = self.config.tie_word_embeddings
-        self.packed_logits = PackedLinear(self.embed_tokens.weight, None) if tied else self.lm_head
+        if self.with_head:
+            tied = self.config.tie_word_embeddings
+            self.packed_logits = PackedLinear(self.embed_tokens.weight, None) if tied else self.lm_head
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, attention,
                 meta: AttentionMetadata) -> torch.Tensor:
@@ -205,7 +209,7 @@ class LlamaForCausalLM(nn.Module):
         targets = WeightTargets(self.tp)
         targets.whole("model.embed_tokens.weight", self.embed_tokens.weight)
         targets.whole("model.norm.weight", self.norm.weight)
-        if not self.config.tie_word_embeddings:
+        if self.with_head and not self.config.tie_word_embeddings:
             targets.whole("lm_head.weight", self.lm_head.weight)
         for i, layer in enumerate(self.layers):
             p, attn = f"model.layers.{i}", layer.self_attn
@@ -244,8 +248,10 @@ class LlamaForCausalLM(nn.Module):
         for name, tensor in weights:
             if name.endswith("rotary_emb.inv_freq"):
                 continue  # some old checkpoints saved this buffer; we derive it from the config
-            if name == "lm_head.weight" and self.config.tie_word_embeddings:
-                continue  # tied: the output projection is the embedding, as in transformers
+            if name == "lm_head.weight" and (self.config.tie_word_embeddings or not self.with_head):
+                continue  # tied: the output projection is the embedding, as in transformers; or no head needed
+            if name not in targets and f"model.{name}" in targets:
+                name = f"model.{name}"  # a bare model's checkpoint (AutoModel, sentence-transformers) has no prefix
             if name not in targets:
                 raise ValueError(f"unexpected weight {name!r} for a {self.config.model_type} model")
             loaded.add(name)

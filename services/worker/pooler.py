@@ -1,0 +1,60 @@
+"""A pooling model's embeddings: a sequence's final-normed hidden states pooled into one vector.
+
+A prompt may be computed over several steps (chunked prefill), so the pooler keeps, per sequence, what
+its chunks so far leave to pool: nothing for "last" (its last chunk's last state is the embedding), the
+running float32 sum for "mean", the first state for "cls". The scheduler computes "mean" and "cls"
+prompts from their start (no prefix-cache hit), and a sequence preempted by recompute comes back new, so
+the state always covers every token before the step's. Embeddings are pooled in float32, cut to a
+request's ``dimensions``, then normalized (as sentence-transformers cuts matryoshka embeddings).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from shared.pooling import PoolerConfig, PoolingParams
+
+
+class PoolingState:
+    """One sequence's pooling so far."""
+
+    __slots__ = ("total", "count", "first")
+
+    def __init__(self):
+        self.total: torch.Tensor | None = None  # mean: the float32 sum of the states pooled so far [hidden]
+        self.count = 0  # mean: how many
+        self.first: torch.Tensor | None = None  # cls: the first token's state [hidden]
+
+
+class Pooler:
+    def __init__(self, config: PoolerConfig):
+        self.config = config
+
+    def add_chunk(self, state: PoolingState, rows: torch.Tensor, first_position: int) -> None:
+        """Take one step's states of a sequence: ``rows [n, hidden]`` for its tokens from ``first_position`` on."""
+        kind = self.config.pooling_type
+        if kind == "mean":
+            chunk = rows.float().sum(dim=0)
+            state.total = chunk if state.total is None else state.total + chunk
+            state.count += rows.shape[0]
+        elif kind == "cls" and first_position == 0:
+            state.first = rows[0].float()
+
+    def embedding(self, state: PoolingState, last_row: torch.Tensor, params: PoolingParams) -> torch.Tensor:
+        """The finished sequence's embedding (float32 [d]), after add_chunk took its last chunk; ``last_row``:
+        the state of its last token."""
+        kind = self.config.pooling_type
+        if kind == "mean":
+            vector = state.total / state.count
+        elif kind == "cls":
+            if state.first is None:
+                raise ValueError("cls pooling without the first token's state: the prompt was not computed from "
+                                 "its start")
+            vector = state.first
+        else:
+            vector = last_row.float()
+        if params.dimensions is not None:
+            vector = vector[:params.dimensions]
+        normalize = self.config.normalize if params.normalize is None else params.normalize
+        return F.normalize(vector, dim=0) if normalize else vector

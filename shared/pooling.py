@@ -1,0 +1,205 @@
+"""Embeddings: how a pooling engine turns a prompt's hidden states into one vector, and what a request asks.
+
+An engine runs one of two runners (vLLM's names): ``generate`` samples tokens; ``pooling`` computes each
+prompt once and returns, instead of tokens, the final-normed hidden states pooled into one vector. How
+they are pooled is the model directory's word: sentence-transformers' ``modules.json`` with its Pooling
+module (``1_Pooling/config.json``: the last token's state, the mean of them all, or the first token's) and
+an optional Normalize module. A directory without those files pools the last token and normalizes, as
+vLLM does for decoder models (e5-mistral, gte-Qwen2, Qwen3-Embedding all pool the last token).
+
+``resolve_runner("auto", dir)`` picks ``pooling`` for a directory that is a sentence-transformers model or
+whose architectures are bare models (``Qwen3Model``, ``MistralModel``: no language-model head), else
+``generate``.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from shared.proto import pagedserve_api_pb2 as api
+from shared.proto import pagedserve_internal_pb2 as wire
+from shared.sampling_params import keep_last_tokens
+
+RUNNERS = ("auto", "generate", "pooling")
+POOLING_TYPES = ("last", "mean", "cls")
+MODULES_FILE = "modules.json"
+# sentence-transformers' Pooling config: the switch that selects each mode we pool by.
+_POOLING_MODES = {"pooling_mode_lasttoken": "last", "pooling_mode_mean_tokens": "mean", "pooling_mode_cls_token": "cls"}
+_OTHER_MODES = ("pooling_mode_max_tokens", "pooling_mode_mean_sqrt_len_tokens", "pooling_mode_weightedmean_tokens")
+_ST_TYPE = "sentence_transformers.models."
+
+
+@dataclass(frozen=True, slots=True)
+class PoolerConfig:
+    """How the model's hidden states become its embedding (read from the model directory)."""
+
+    pooling_type: str  # "last": the last token's state; "mean": the mean over the prompt; "cls": the first token's
+    normalize: bool  # L2-normalized, unless a request says otherwise
+    hidden_size: int  # the embedding's length, before a request's ``dimensions`` cut it
+    matryoshka: bool = False  # trained so that its first k values are an embedding too (a request may cut it)
+    matryoshka_dimensions: tuple[int, ...] = ()  # the lengths it was trained for; empty: any up to hidden_size
+    max_seq_length: int | None = None  # sentence-transformers' own limit on the prompt, when it sets one
+
+    def __post_init__(self) -> None:
+        if self.pooling_type not in POOLING_TYPES:
+            raise ValueError(f"pooling type must be one of {POOLING_TYPES}, got {self.pooling_type!r}")
+        if not isinstance(self.hidden_size, int) or self.hidden_size <= 0:
+            raise ValueError(f"hidden_size must be a positive integer, got {self.hidden_size!r}")
+        bad = [d for d in self.matryoshka_dimensions if not 0 < d <= self.hidden_size]
+        if bad:
+            raise ValueError(f"matryoshka_dimensions {list(self.matryoshka_dimensions)} must lie in "
+                             f"[1, {self.hidden_size}]")
+
+    @property
+    def needs_every_token(self) -> bool:
+        """Whether every prompt token's state is pooled (mean) or the first one's (cls): then a prompt is
+        computed from its start, with no prefix-cache hit (the cached tokens' states are not kept)."""
+        return self.pooling_type != "last"
+
+    def to_proto(self) -> wire.PoolerInfo:
+        return wire.PoolerInfo(pooling_type=self.pooling_type, normalize=self.normalize,
+                               hidden_size=self.hidden_size, matryoshka=self.matryoshka,
+                               matryoshka_dimensions=self.matryoshka_dimensions,
+                               max_seq_length=self.max_seq_length or 0)
+
+    @classmethod
+    def from_proto(cls, m: wire.PoolerInfo) -> "PoolerConfig":
+        return cls(m.pooling_type, m.normalize, m.hidden_size, m.matryoshka, tuple(m.matryoshka_dimensions),
+                   m.max_seq_length or None)
+
+
+@dataclass(frozen=True, slots=True)
+class PoolingParams:
+    """What one embedding request asks of the pooler (vLLM's PoolingParams, OpenAI's embeddings fields)."""
+
+    dimensions: int | None = None  # keep the first this many values (matryoshka models only), then normalize
+    normalize: bool | None = None  # None: as the model says (PoolerConfig.normalize)
+    # Keep only the prompt's last k tokens (-1: as many as the context holds); applied where prompts are
+    # tokenized (the front ends), so it does not travel to the engine.
+    truncate_prompt_tokens: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.dimensions is not None and (not isinstance(self.dimensions, int) or isinstance(self.dimensions, bool)
+                                            or self.dimensions < 1):
+            raise ValueError(f"PoolingParams.dimensions must be a positive integer, got {self.dimensions!r}")
+        if self.normalize is not None and not isinstance(self.normalize, bool):
+            raise ValueError(f"PoolingParams.normalize must be true, false or null, got {self.normalize!r}")
+        k = self.truncate_prompt_tokens
+        if k is not None and (not isinstance(k, int) or isinstance(k, bool) or not (k >= 1 or k == -1)):
+            raise ValueError(f"PoolingParams.truncate_prompt_tokens must be an integer >= 1, or -1 (the context "
+                             f"length), got {k!r}")
+
+    def truncated(self, prompt_token_ids: list[int], max_model_len: int) -> list[int]:
+        """The prompt as the engine takes it (its last truncate_prompt_tokens tokens)."""
+        k = self.truncate_prompt_tokens
+        if k is not None and k > max_model_len:
+            raise ValueError(f"PoolingParams.truncate_prompt_tokens ({k}) exceeds the context length "
+                             f"({max_model_len}); use -1 for as many tokens as the context holds")
+        return keep_last_tokens(prompt_token_ids, k, max_model_len)
+
+    def check_fits(self, pooler: PoolerConfig) -> None:
+        """ValueError unless the model can give what is asked."""
+        if self.dimensions is None or self.dimensions == pooler.hidden_size:
+            return
+        if not pooler.matryoshka:
+            raise ValueError(f"PoolingParams.dimensions={self.dimensions} was asked for, but this model does not "
+                             "support matryoshka representation (its config.json says neither is_matryoshka nor "
+                             "matryoshka_dimensions): cutting its embeddings would make them poor")
+        if self.dimensions > pooler.hidden_size:
+            raise ValueError(f"PoolingParams.dimensions={self.dimensions} exceeds the embedding size "
+                             f"{pooler.hidden_size}")
+        if pooler.matryoshka_dimensions and self.dimensions not in pooler.matryoshka_dimensions:
+            raise ValueError(f"PoolingParams.dimensions={self.dimensions} is not one the model was trained for: "
+                             f"{', '.join(map(str, pooler.matryoshka_dimensions))}")
+
+    def to_proto(self) -> api.PoolingParameters:
+        m = api.PoolingParameters()
+        if self.dimensions is not None:
+            m.dimensions = self.dimensions
+        if self.normalize is not None:
+            m.normalize = self.normalize
+        return m
+
+    @classmethod
+    def from_proto(cls, m: api.PoolingParameters) -> "PoolingParams":
+        return cls(m.dimensions if m.HasField("dimensions") else None,
+                   m.normalize if m.HasField("normalize") else None)
+
+
+def resolve_runner(runner: str, model_dir: Path) -> str:
+    """``generate`` or ``pooling``: as asked, or for ``auto`` as the directory looks (module docstring)."""
+    if runner not in RUNNERS:
+        raise ValueError(f"runner must be one of {RUNNERS}, got {runner!r}")
+    if runner != "auto":
+        return runner
+    if (model_dir / MODULES_FILE).is_file():
+        return "pooling"
+    architectures = _read_json(model_dir / "config.json").get("architectures") or []
+    bare = architectures and all(isinstance(a, str) and a.endswith("Model") for a in architectures)
+    return "pooling" if bare else "generate"
+
+
+def read_pooler_config(model_dir: Path, hidden_size: int) -> PoolerConfig:
+    """The directory's pooler (module docstring); ValueError naming the file for what cannot be honoured."""
+    model_dir = Path(model_dir)
+    config = _read_json(model_dir / "config.json")
+    matryoshka_dimensions = tuple(config.get("matryoshka_dimensions") or ())
+    if not all(isinstance(d, int) and not isinstance(d, bool) for d in matryoshka_dimensions):
+        raise ValueError(f"{model_dir / 'config.json'}: matryoshka_dimensions must be a list of integers")
+    matryoshka = bool(config.get("is_matryoshka")) or bool(matryoshka_dimensions)
+    modules_file = model_dir / MODULES_FILE
+    if not modules_file.is_file():
+        return PoolerConfig("last", True, hidden_size, matryoshka, matryoshka_dimensions)
+    modules = _read_json(modules_file, list)
+    pooling_type, normalize, max_seq_length = None, False, None
+    for module in modules:
+        kind = module.get("type", "") if isinstance(module, dict) else ""
+        path = model_dir / str(module.get("path", "")) if isinstance(module, dict) else model_dir
+        if kind == _ST_TYPE + "Transformer":
+            if path.resolve() != model_dir.resolve():
+                raise ValueError(f"{modules_file}: the Transformer module must be the directory itself, not {path}")
+            max_seq_length = _read_json(model_dir / "sentence_bert_config.json", optional=True).get("max_seq_length")
+        elif kind == _ST_TYPE + "Pooling":
+            pooling_type = _pooling_type(path / "config.json", hidden_size)
+        elif kind == _ST_TYPE + "Normalize":
+            normalize = True
+        else:
+            raise ValueError(f"{modules_file}: module {module!r:.120} is not supported (only Transformer, Pooling "
+                             "and Normalize: a Dense projection or another module would change the embeddings)")
+    if pooling_type is None:
+        raise ValueError(f"{modules_file} lists no Pooling module: the embedding's pooling is unknown")
+    if max_seq_length is not None and (not isinstance(max_seq_length, int) or max_seq_length < 1):
+        raise ValueError(f"{model_dir / 'sentence_bert_config.json'}: max_seq_length must be a positive integer")
+    return PoolerConfig(pooling_type, normalize, hidden_size, matryoshka, matryoshka_dimensions, max_seq_length)
+
+
+def _pooling_type(file: Path, hidden_size: int) -> str:
+    raw = _read_json(file)
+    chosen = [mode for key, mode in _POOLING_MODES.items() if raw.get(key)]
+    others = [key for key in _OTHER_MODES if raw.get(key)]
+    if others or len(chosen) != 1:
+        raise ValueError(f"{file}: exactly one of {', '.join(_POOLING_MODES)} must be on (got "
+                         f"{', '.join(chosen + others) or 'none'}); other pooling modes are not supported")
+    if raw.get("include_prompt", True) is False:
+        raise ValueError(f"{file}: include_prompt false (pooling without the instruction's tokens) is not supported")
+    width = raw.get("word_embedding_dimension", hidden_size)
+    if width != hidden_size:
+        raise ValueError(f"{file}: word_embedding_dimension {width} differs from the model's hidden_size {hidden_size}")
+    return chosen[0]
+
+
+def _read_json(file: Path, kind: type = dict, optional: bool = False) -> Any:
+    if optional and not file.is_file():
+        return {}
+    try:
+        value = json.loads(file.read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        raise FileNotFoundError(f"{file} not found") from None
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise ValueError(f"{file} is not valid JSON: {e}") from e
+    if not isinstance(value, kind):
+        raise ValueError(f"{file} must hold a JSON {'object' if kind is dict else 'list'}")
+    return value
