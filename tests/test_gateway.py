@@ -1235,8 +1235,10 @@ def test_requests_still_running_at_the_end_of_the_drain_get_a_503_not_a_cut_conn
             events = stream.iter_lines()
             next(line for line in events if line.startswith("data: "))
             with concurrent.futures.ThreadPoolExecutor(1) as pool:
-                whole = pool.submit(httpx.post, url, json=long, timeout=60)
-                time.sleep(0.5)  # under way
+                # Eight sequences of 480 tokens: still running when the 0.5 s drain ends, however idle the
+                # machine (four of them once finished in time and failed the test).
+                whole = pool.submit(httpx.post, url, json={**long, "n": 8}, timeout=60)
+                time.sleep(0.3)  # under way
                 started = time.monotonic()
                 stack.procs["gateway"].send_signal(signal.SIGTERM)
                 rest = [line[6:] for line in events if line.startswith("data: ")]
