@@ -285,13 +285,7 @@ def test_token_id_inputs_raw_base64_and_vllm_fields(stack, last_dir):
     import urllib.request
 
     def post(body):
-        request = urllib.request.Request(f"{stack.base_url}/v1/embeddings", json.dumps(body).encode(),
-                                         {"Content-Type": "application/json"})
-        try:
-            with urllib.request.urlopen(request, timeout=30) as reply:
-                return reply.status, json.loads(reply.read())
-        except urllib.error.HTTPError as exc:
-            return exc.code, json.loads(exc.read())
+        return post_json(stack, "/v1/embeddings", body)
 
     status, body = post({"input": [[5, 6, 7], [8, 9]], "encoding_format": "base64", "normalize": False})
     assert status == 200, body
@@ -336,3 +330,52 @@ def test_grpc_embed(stack, last_dir):
         with pytest.raises(grpc.RpcError) as refused:
             stub.Embed(api.EmbedRequest(), timeout=30)
         assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+
+
+def post_json(stack, path: str, body: dict) -> tuple[int, dict]:
+    import urllib.request
+
+    request = urllib.request.Request(f"{stack.base_url}{path}", json.dumps(body).encode(),
+                                     {"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(request, timeout=30) as reply:
+            return reply.status, json.loads(reply.read())
+    except urllib.error.HTTPError as exc:
+        return exc.code, json.loads(exc.read())
+
+
+def hf_text_embedding(model_dir, text: str) -> torch.Tensor:
+    from transformers import AutoTokenizer
+
+    return hf_embedding(model_dir, AutoTokenizer.from_pretrained(str(model_dir))(text).input_ids)
+
+
+def test_score_and_rerank_are_cosine_similarities_of_the_embeddings(stack, last_dir):
+    rng, seed = fresh_rng()
+    query = "".join(rng.choice("abcdef ") for _ in range(30)).strip() or "q"
+    documents = [("".join(rng.choice("abcdef ") for _ in range(rng.randrange(5, 60))).strip() or "d") for _ in range(4)]
+    ref_query = hf_text_embedding(last_dir, query)
+    expected = [torch.nn.functional.cosine_similarity(ref_query, hf_text_embedding(last_dir, d), dim=0).item()
+                for d in documents]
+    status, scored = post_json(stack, "/v1/score", {"model": stack.model_name, "text_1": query, "text_2": documents})
+    assert status == 200, scored
+    assert [d["index"] for d in scored["data"]] == [0, 1, 2, 3] and scored["object"] == "list"
+    for got, want in zip(scored["data"], expected):
+        assert abs(got["score"] - want) < TOLERANCE, (got, want, seed)
+    status, pairwise = post_json(stack, "/score", {"text_1": documents[:2], "text_2": documents[2:]})
+    assert status == 200 and len(pairwise["data"]) == 2, pairwise
+    status, ranked = post_json(stack, "/v1/rerank", {"query": query, "documents": documents, "top_n": 2})
+    assert status == 200, ranked
+    best = sorted(range(4), key=lambda i: -expected[i])[:2]
+    assert [r["index"] for r in ranked["results"]] == best, (ranked, expected, seed)
+    assert ranked["results"][0]["document"]["text"] == documents[best[0]]
+    assert abs(ranked["results"][0]["relevance_score"] - expected[best[0]]) < TOLERANCE
+    status, cohere = post_json(stack, "/v2/rerank", {"query": query, "documents": [{"text": d} for d in documents]})
+    assert status == 200 and len(cohere["results"]) == 4, cohere
+    for path, bad, param in (("/v1/score", {"text_1": ["a", "b"], "text_2": ["c", "d", "e"]}, "text_2"),
+                             ("/v1/rerank", {"query": "q", "documents": []}, "documents"),
+                             ("/v1/rerank", {"query": "q", "documents": ["a"], "top_n": -1}, "top_n"),
+                             ("/v1/score", {"text_1": "a", "text_2": "b", "truncate_prompt_tokens": 0},
+                              "truncate_prompt_tokens")):
+        status, body = post_json(stack, path, bad)
+        assert status == 400 and body["error"]["param"] == param, (path, bad, body)

@@ -24,6 +24,7 @@ from services.gateway.protocol import ChatCompletionRequest, CompletionRequest
 from services.gateway.rate_limits import RateLimited
 from services.gateway.responses_api import create_response
 from services.gateway.responses_protocol import ResponsesRequest
+from services.gateway.score_api import RerankRequest, ScoreRequest, create_rerank, create_score
 from services.gateway.tokenizer_api import DetokenizeRequest, TokenizeRequest, detokenize, tokenize
 from shared.grpc_errors import NotFound, ResourceExhausted, ServiceUnavailable, Unauthenticated
 from shared.logging import bind_request_id, clear_request_id, setup_logging
@@ -261,6 +262,17 @@ def create_app(gen: Generator, allowed_origins: tuple[str, ...] = ("*",), auth: 
     @app.post("/v1/embeddings")
     async def embeddings(body: EmbeddingRequest, request: Request):
         return await respond(request, create_embeddings, body)
+
+    # vLLM's paths: scores at /score and /v1/score; reranking also at Jina's /v1 and Cohere's /v2.
+    for path in ("/score", "/v1/score"):
+        @app.post(path)
+        async def score(body: ScoreRequest, request: Request):
+            return await respond(request, create_score, body)
+
+    for path in ("/rerank", "/v1/rerank", "/v2/rerank"):
+        @app.post(path)
+        async def rerank(body: RerankRequest, request: Request):
+            return await respond(request, create_rerank, body)
 
     @app.post("/v1/responses")
     async def responses(body: ResponsesRequest, request: Request):

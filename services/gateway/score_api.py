@@ -1,0 +1,109 @@
+"""vLLM's /score and /rerank (Jina's and Cohere's shape) over an embedding model: each pair's score is the
+cosine similarity of the two texts' embeddings, as vLLM scores with embedding models. Each distinct text is
+embedded once (a query against many documents: the query once).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import math
+import time
+
+from pydantic import BaseModel, ConfigDict, field_validator
+
+from services.gateway.api_keys import ApiKey
+from services.gateway.generation import Generator, InvalidParameter
+from shared.pooling import PoolingParams
+from shared.sampling_params import SamplingParams
+
+
+class ScoreRequest(BaseModel):
+    model_config = ConfigDict(extra="allow")
+
+    model: str | None = None
+    text_1: str | list[str]  # one text against each of text_2, or one per text_2 entry
+    text_2: str | list[str]
+    truncate_prompt_tokens: int | None = None
+
+    def pairs(self) -> tuple[list[str], list[str]]:
+        first = [self.text_1] if isinstance(self.text_1, str) else list(self.text_1)
+        second = [self.text_2] if isinstance(self.text_2, str) else list(self.text_2)
+        if not first or not second:
+            raise InvalidParameter("text_1 and text_2 must each hold at least one text", "text_1")
+        if len(first) == 1:
+            first = first * len(second)
+        if len(first) != len(second):
+            raise InvalidParameter(f"text_1 has {len(first)} texts and text_2 {len(second)}: give one text_1, or "
+                                   "as many as text_2", "text_2")
+        return first, second
+
+
+class RerankDocument(BaseModel):
+    text: str
+
+
+class RerankRequest(BaseModel):
+    model_config = ConfigDict(extra="allow")
+
+    model: str | None = None
+    query: str
+    documents: list[str | RerankDocument]
+    top_n: int | None = None  # the best this many; None or 0: all of them
+    truncate_prompt_tokens: int | None = None
+
+    @field_validator("top_n")
+    @classmethod
+    def _top_n(cls, value):
+        if value is not None and value < 0:
+            raise ValueError("top_n must be >= 0")
+        return value
+
+    def texts(self) -> list[str]:
+        if not self.documents:
+            raise InvalidParameter("documents is empty: give at least one", "documents")
+        return [d if isinstance(d, str) else d.text for d in self.documents]
+
+
+def cosine(a: list[float], b: list[float]) -> float:
+    norms = math.sqrt(math.fsum(x * x for x in a)) * math.sqrt(math.fsum(y * y for y in b))
+    return math.fsum(x * y for x, y in zip(a, b)) / norms if norms else 0.0
+
+
+async def _embed(gen: Generator, requested_model: str | None, texts: list[str], truncate: int | None,
+                 request_id: str, api_key: ApiKey | None) -> tuple[str, dict[str, list[float]], int]:
+    """(the answering model's name, each distinct text's embedding, the prompt tokens embedded)."""
+    async with gen.admitted(api_key) as admission:
+        model = await gen.model()
+        lora = model.resolve(requested_model)
+        try:
+            pooling = PoolingParams(truncate_prompt_tokens=truncate)
+        except ValueError as exc:
+            raise InvalidParameter(str(exc).removeprefix("PoolingParams."), "truncate_prompt_tokens") from None
+        distinct = list(dict.fromkeys(texts))
+        prompts = await asyncio.to_thread(lambda: [model.encode(t) for t in distinct])  # off the event loop
+        runs = await gen.start(model, request_id, prompts, SamplingParams(), admission=admission, lora=lora,
+                               pooling=pooling)
+    embeddings = {text: run.embedding for text, run in zip(distinct, runs)}
+    return (lora.name if lora is not None else model.name), embeddings, sum(len(run.prompt) for run in runs)
+
+
+async def create_score(gen: Generator, body: ScoreRequest, request_id: str, api_key: ApiKey | None = None) -> dict:
+    first, second = body.pairs()
+    name, embeddings, tokens = await _embed(gen, body.model, first + second, body.truncate_prompt_tokens,
+                                            request_id, api_key)
+    data = [{"index": i, "object": "score", "score": cosine(embeddings[a], embeddings[b])}
+            for i, (a, b) in enumerate(zip(first, second))]
+    return {"id": f"score-{request_id}", "object": "list", "created": int(time.time()), "model": name, "data": data,
+            "usage": {"prompt_tokens": tokens, "total_tokens": tokens}}
+
+
+async def create_rerank(gen: Generator, body: RerankRequest, request_id: str, api_key: ApiKey | None = None) -> dict:
+    documents = body.texts()
+    name, embeddings, tokens = await _embed(gen, body.model, [body.query, *documents], body.truncate_prompt_tokens,
+                                            request_id, api_key)
+    query = embeddings[body.query]
+    results = sorted(({"index": i, "document": {"text": text}, "relevance_score": cosine(query, embeddings[text])}
+                      for i, text in enumerate(documents)), key=lambda r: -r["relevance_score"])
+    if body.top_n:
+        results = results[:body.top_n]
+    return {"id": f"rerank-{request_id}", "model": name, "usage": {"total_tokens": tokens}, "results": results}
