@@ -41,19 +41,21 @@ class Pooler:
         elif kind == "cls" and first_position == 0:
             state.first = rows[0].float()
 
-    def embedding(self, state: PoolingState, last_row: torch.Tensor, params: PoolingParams) -> torch.Tensor:
-        """The finished sequence's embedding (float32 [d]), after add_chunk took its last chunk; ``last_row``:
-        the state of its last token."""
+    def pooled(self, state: PoolingState, last_row: torch.Tensor) -> torch.Tensor:
+        """The finished sequence's pooled state (float32 [hidden], on the device), after add_chunk took its
+        last chunk; ``last_row``: the state of its last token."""
         kind = self.config.pooling_type
         if kind == "mean":
-            vector = state.total / state.count
-        elif kind == "cls":
+            return state.total / state.count
+        if kind == "cls":
             if state.first is None:
                 raise ValueError("cls pooling without the first token's state: the prompt was not computed from "
                                  "its start")
-            vector = state.first
-        else:
-            vector = last_row.float()
+            return state.first
+        return last_row.float()
+
+    def finish(self, vector: torch.Tensor, params: PoolingParams) -> torch.Tensor:
+        """A pooled vector as the request asked: cut to its dimensions, then normalized (or not)."""
         if params.dimensions is not None:
             vector = vector[:params.dimensions]
         normalize = self.config.normalize if params.normalize is None else params.normalize

@@ -388,15 +388,20 @@ class Worker:
         return outputs
 
     def _pool(self, batch: list[tuple[WorkerSequence, int]], hidden: torch.Tensor) -> dict[int, SequenceOutput]:
-        """Each sequence's states into its pooling; the embeddings of those whose prompt this step completes."""
-        outputs = {}
+        """Each sequence's states into its pooling; the embeddings of those whose prompt this step completes
+        (brought to the host together: one transfer per step, not one per sequence)."""
+        finished = []  # (batch index, sequence, pooled vector on the device)
         for i, (seq, num_tokens) in enumerate(batch):
             rows = hidden[self._query_start[i]:self._query_start[i + 1]]
             self.pooler.add_chunk(seq.pool_state, rows, seq.num_computed_tokens)
             if seq.num_computed_tokens + num_tokens == len(seq.token_ids):
-                vector = self.pooler.embedding(seq.pool_state, rows[-1], seq.pooling)
-                outputs[i] = SequenceOutput(seq_id=seq.seq_id, token_id=None, embedding=vector.tolist())
-        return outputs
+                finished.append((i, seq, self.pooler.pooled(seq.pool_state, rows[-1])))
+        if not finished:
+            return {}
+        vectors = torch.stack([vector for *_, vector in finished]).cpu()
+        return {i: SequenceOutput(seq_id=seq.seq_id, token_id=None,
+                                  embedding=self.pooler.finish(vector, seq.pooling).tolist())
+                for (i, seq, _), vector in zip(finished, vectors)}
 
     def _sample_tokens(self, hidden, sampling, sample_rows, outputs) -> None:
         """One token per sequence (one per position, for a sequence verifying drafts), plus one per
