@@ -42,6 +42,7 @@ class PoolerConfig:
     matryoshka: bool = False  # trained so that its first k values are an embedding too (a request may cut it)
     matryoshka_dimensions: tuple[int, ...] = ()  # the lengths it was trained for; empty: any up to hidden_size
     max_seq_length: int | None = None  # sentence-transformers' own limit on the prompt, when it sets one
+    lowercase: bool = False  # sentence-transformers' do_lower_case: the front ends lowercase texts before tokenizing
 
     def __post_init__(self) -> None:
         if self.pooling_type not in POOLING_TYPES:
@@ -63,12 +64,16 @@ class PoolerConfig:
         return wire.PoolerInfo(pooling_type=self.pooling_type, normalize=self.normalize,
                                hidden_size=self.hidden_size, matryoshka=self.matryoshka,
                                matryoshka_dimensions=self.matryoshka_dimensions,
-                               max_seq_length=self.max_seq_length or 0)
+                               max_seq_length=self.max_seq_length or 0, lowercase=self.lowercase)
 
     @classmethod
     def from_proto(cls, m: wire.PoolerInfo) -> "PoolerConfig":
         return cls(m.pooling_type, m.normalize, m.hidden_size, m.matryoshka, tuple(m.matryoshka_dimensions),
-                   m.max_seq_length or None)
+                   m.max_seq_length or None, m.lowercase)
+
+    def text(self, text: str) -> str:
+        """A text input as the model's tokenizer is to see it."""
+        return text.lower() if self.lowercase else text
 
 
 @dataclass(frozen=True, slots=True)
@@ -146,23 +151,30 @@ def read_pooler_config(model_dir: Path, hidden_size: int) -> PoolerConfig:
     """The directory's pooler (module docstring); ValueError naming the file for what cannot be honoured."""
     model_dir = Path(model_dir)
     config = _read_json(model_dir / "config.json")
-    matryoshka_dimensions = tuple(config.get("matryoshka_dimensions") or ())
-    if not all(isinstance(d, int) and not isinstance(d, bool) for d in matryoshka_dimensions):
-        raise ValueError(f"{model_dir / 'config.json'}: matryoshka_dimensions must be a list of integers")
-    matryoshka = bool(config.get("is_matryoshka")) or bool(matryoshka_dimensions)
+    dimensions, flag = config.get("matryoshka_dimensions") or [], config.get("is_matryoshka", False)
+    if not isinstance(dimensions, list) or not all(isinstance(d, int) and not isinstance(d, bool) for d in dimensions):
+        raise ValueError(f"{model_dir / 'config.json'}: matryoshka_dimensions must be a list of integers, "
+                         f"got {dimensions!r}")
+    if not isinstance(flag, bool):
+        raise ValueError(f"{model_dir / 'config.json'}: is_matryoshka must be true or false, got {flag!r}")
+    matryoshka_dimensions = tuple(dimensions)
+    matryoshka = flag or bool(matryoshka_dimensions)
     modules_file = model_dir / MODULES_FILE
     if not modules_file.is_file():
         return PoolerConfig("last", True, hidden_size, matryoshka, matryoshka_dimensions)
     modules = _read_json(modules_file, list)
-    pooling_type, normalize, max_seq_length = None, False, None
+    pooling_type, normalize, max_seq_length, lowercase = None, False, None, False
     for module in modules:
         kind = module.get("type", "") if isinstance(module, dict) else ""
         path = model_dir / str(module.get("path", "")) if isinstance(module, dict) else model_dir
         if kind == _ST_TYPE + "Transformer":
             if path.resolve() != model_dir.resolve():
                 raise ValueError(f"{modules_file}: the Transformer module must be the directory itself, not {path}")
-            max_seq_length = _read_json(model_dir / "sentence_bert_config.json", optional=True).get("max_seq_length")
+            bert_config = _read_json(model_dir / "sentence_bert_config.json", optional=True)
+            max_seq_length, lowercase = bert_config.get("max_seq_length"), bert_config.get("do_lower_case", False)
         elif kind == _ST_TYPE + "Pooling":
+            if path.resolve() == model_dir.resolve():
+                raise ValueError(f"{modules_file}: the Pooling module needs the path of its own directory")
             pooling_type = _pooling_type(path / "config.json", hidden_size)
         elif kind == _ST_TYPE + "Normalize":
             normalize = True
@@ -173,7 +185,10 @@ def read_pooler_config(model_dir: Path, hidden_size: int) -> PoolerConfig:
         raise ValueError(f"{modules_file} lists no Pooling module: the embedding's pooling is unknown")
     if max_seq_length is not None and (not isinstance(max_seq_length, int) or max_seq_length < 1):
         raise ValueError(f"{model_dir / 'sentence_bert_config.json'}: max_seq_length must be a positive integer")
-    return PoolerConfig(pooling_type, normalize, hidden_size, matryoshka, matryoshka_dimensions, max_seq_length)
+    if not isinstance(lowercase, bool):
+        raise ValueError(f"{model_dir / 'sentence_bert_config.json'}: do_lower_case must be true or false")
+    return PoolerConfig(pooling_type, normalize, hidden_size, matryoshka, matryoshka_dimensions, max_seq_length,
+                        lowercase)
 
 
 def _pooling_type(file: Path, hidden_size: int) -> str:

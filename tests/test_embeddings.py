@@ -379,3 +379,59 @@ def test_score_and_rerank_are_cosine_similarities_of_the_embeddings(stack, last_
                               "truncate_prompt_tokens")):
         status, body = post_json(stack, path, bad)
         assert status == 400 and body["error"]["param"] == param, (path, bad, body)
+
+
+def test_an_adapter_trained_on_the_bare_model_embeds_as_the_merged_model(source, tmp_path):
+    """PEFT on AutoModel saves base_model.model.layers...: its modules have no ``model.`` prefix."""
+    from safetensors.torch import load_file, save_file
+
+    from shared.lora import LoRARequest
+    from tests.lora_adapters import make_adapter, merged_model
+
+    adapter = make_adapter(source, tmp_path / "adapter", rank=4, seed=3)
+    merged = make_embedding_dir(merged_model(source, adapter, tmp_path / "merged"), tmp_path / "merged-emb")
+    weights = load_file(str(adapter / "adapter_model.safetensors"))
+    save_file({name.replace("base_model.model.model.", "base_model.model."): t for name, t in weights.items()},
+              str(adapter / "adapter_model.safetensors"))
+    model_dir = make_embedding_dir(source, tmp_path / "emb")
+    llm = small_engine(model_dir, enable_lora=True, max_lora_rank=4)
+    try:
+        prompt = {"prompt_token_ids": [21, 22, 23, 24, 25, 26]}
+        (with_adapter,) = llm.embed(prompt, use_tqdm=False, lora_request=LoRARequest("bare", str(adapter)))
+        (without,) = llm.embed(prompt, use_tqdm=False)
+    finally:
+        llm.close()
+    assert_close(with_adapter.outputs.embedding, hf_embedding(merged, [21, 22, 23, 24, 25, 26]), "adapter")
+    assert_close(without.outputs.embedding, hf_embedding(model_dir, [21, 22, 23, 24, 25, 26]), "base model")
+    assert (torch.tensor(with_adapter.outputs.embedding) - torch.tensor(without.outputs.embedding)).abs().max() > 1e-3
+
+
+def test_do_lower_case_lowercases_texts_and_per_prompt_params(source, tmp_path):
+    model_dir = make_embedding_dir(source, tmp_path / "lower")
+    (model_dir / "sentence_bert_config.json").write_text(json.dumps({"max_seq_length": 256, "do_lower_case": True}))
+    llm = small_engine(model_dir)
+    try:
+        upper, lower = llm.embed(["Hello World", "hello world"], [PoolingParams(normalize=False), PoolingParams()],
+                                 use_tqdm=False)
+        with pytest.raises(ValueError, match="one PoolingParams per prompt"):
+            llm.embed(["a", "b"], [PoolingParams()], use_tqdm=False)
+    finally:
+        llm.close()
+    assert upper.prompt_token_ids == lower.prompt_token_ids
+    assert_close(upper.outputs.embedding, hf_embedding(model_dir, lower.prompt_token_ids, normalize=False), "lowercased")
+    assert_close(lower.outputs.embedding, hf_embedding(model_dir, lower.prompt_token_ids), "normalized")
+
+
+@pytest.mark.parametrize("config, error", [({"matryoshka_dimensions": 768}, "must be a list of integers"),
+                                           ({"is_matryoshka": "false"}, "must be true or false")])
+def test_matryoshka_settings_of_the_wrong_type_are_refused(tmp_path, config, error):
+    (tmp_path / "config.json").write_text(json.dumps({"hidden_size": 64, **config}))
+    with pytest.raises(ValueError, match=error):
+        read_pooler_config(tmp_path, 64)
+
+
+def test_a_pooling_module_without_its_path_is_refused(tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps({"hidden_size": 64}))
+    write_st_files(tmp_path, [{"path": "", "type": ST + "Transformer"}, {"type": ST + "Pooling"}])
+    with pytest.raises(ValueError, match="Pooling module needs the path"):
+        read_pooler_config(tmp_path, 64)

@@ -32,7 +32,8 @@ from shared.logging import bind_request_id, clear_request_id, setup_logging
 log = setup_logging("gateway")
 
 REQUEST_ID = "pagedserve.request_id"  # where the middleware leaves the request id in the ASGI scope
-ENDPOINTS = {"/v1/completions", "/v1/chat/completions", "/v1/responses", "/v1/models", "/tokenize", "/detokenize", "/version", "/health",
+ENDPOINTS = {"/v1/completions", "/v1/chat/completions", "/v1/responses", "/v1/embeddings", "/score", "/v1/score",
+             "/rerank", "/v1/rerank", "/v2/rerank", "/v1/models", "/tokenize", "/detokenize", "/version", "/health",
              "/metrics"}
 API_KEY = "pagedserve.api_key"  # where the auth middleware leaves the caller's ApiKey in the ASGI scope
 

@@ -61,7 +61,8 @@ def _encode(model: Model, body: EmbeddingRequest) -> list[list[int]]:
     prompts = []
     for item in body.inputs():
         if isinstance(item, str):
-            prompts.append(model.encode(item, add_special_tokens=body.add_special_tokens))
+            prompts.append(model.encode(model.pooler.text(item) if model.pooler else item,
+                                        add_special_tokens=body.add_special_tokens))
         else:
             try:
                 model.check_token_ids(item)

@@ -280,14 +280,15 @@ class Run:
             self.cancel()
             raise
         self._first_output_s = time.perf_counter() - self._started
-        self._metrics.ttft.observe(self._first_output_s)
-        if self.pooling is not None:
+        if self.pooling is not None:  # its whole latency: no first token to time
             await self._take_embedding(self._first)
+            return
+        self._metrics.ttft.observe(self._first_output_s)
 
     async def _take_embedding(self, message) -> None:
         """An embedding request is done with its first output."""
         self._done = [True]
-        self._metrics.finish(len(self.prompt), 0, time.perf_counter() - self._started, self._first_output_s, 1)
+        self._metrics.finish(len(self.prompt), 0, time.perf_counter() - self._started, None, 1)
         if message is not None and message.num_cached_tokens:
             self.cached_tokens = min(message.num_cached_tokens, len(self.prompt))
         if message is None or not message.embedding:  # aborted at the scheduler (it is stopping)

@@ -188,7 +188,7 @@ def _embed_inputs(model, request: api.EmbedRequest) -> list[list[int]]:
     prompts = []
     for item in request.inputs:
         if item.WhichOneof("input") == "text":
-            prompts.append(model.encode(item.text))
+            prompts.append(model.encode(model.pooler.text(item.text) if model.pooler else item.text))
         else:
             prompts.append(list(item.token_ids.ids))
     return prompts

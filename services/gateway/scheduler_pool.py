@@ -188,8 +188,9 @@ class SchedulerPool:
             self._reference = info
             return
         ref = self._reference
-        mine = (info.model, info.max_model_len, info.vocab_size, info.protocol_version)
-        theirs = (ref.model, ref.max_model_len, ref.vocab_size, ref.protocol_version)
+        # (a pooling scheduler of the same directory serves another kind of request: not the same model)
+        mine = (info.model, info.max_model_len, info.vocab_size, info.protocol_version, info.pooler)
+        theirs = (ref.model, ref.max_model_len, ref.vocab_size, ref.protocol_version, ref.pooler)
         if mine != theirs:
             why = f"serves {mine}, the others {theirs}"
             if self._excluded.get(address) != why:

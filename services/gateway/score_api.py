@@ -6,8 +6,9 @@ embedded once (a query against many documents: the query once).
 from __future__ import annotations
 
 import asyncio
-import math
 import time
+
+import numpy as np
 
 from pydantic import BaseModel, ConfigDict, field_validator
 
@@ -64,9 +65,13 @@ class RerankRequest(BaseModel):
         return [d if isinstance(d, str) else d.text for d in self.documents]
 
 
-def cosine(a: list[float], b: list[float]) -> float:
-    norms = math.sqrt(math.fsum(x * x for x in a)) * math.sqrt(math.fsum(y * y for y in b))
-    return math.fsum(x * y for x, y in zip(a, b)) / norms if norms else 0.0
+def cosines(pairs: list[tuple[list[float], list[float]]]) -> list[float]:
+    """Each pair's cosine similarity (numpy, float64: a thousand 4096-wide pairs in milliseconds)."""
+    first = np.asarray([a for a, _ in pairs], dtype=np.float64)
+    second = np.asarray([b for _, b in pairs], dtype=np.float64)
+    norms = np.linalg.norm(first, axis=1) * np.linalg.norm(second, axis=1)
+    dots = np.einsum("ij,ij->i", first, second)
+    return np.divide(dots, norms, out=np.zeros_like(dots), where=norms > 0).tolist()
 
 
 async def _embed(gen: Generator, requested_model: str | None, texts: list[str], truncate: int | None,
@@ -80,7 +85,8 @@ async def _embed(gen: Generator, requested_model: str | None, texts: list[str], 
         except ValueError as exc:
             raise InvalidParameter(str(exc).removeprefix("PoolingParams."), "truncate_prompt_tokens") from None
         distinct = list(dict.fromkeys(texts))
-        prompts = await asyncio.to_thread(lambda: [model.encode(t) for t in distinct])  # off the event loop
+        prompts = await asyncio.to_thread(  # off the event loop
+            lambda: [model.encode(model.pooler.text(t) if model.pooler else t) for t in distinct])
         runs = await gen.start(model, request_id, prompts, SamplingParams(), admission=admission, lora=lora,
                                pooling=pooling)
     embeddings = {text: run.embedding for text, run in zip(distinct, runs)}
@@ -91,8 +97,8 @@ async def create_score(gen: Generator, body: ScoreRequest, request_id: str, api_
     first, second = body.pairs()
     name, embeddings, tokens = await _embed(gen, body.model, first + second, body.truncate_prompt_tokens,
                                             request_id, api_key)
-    data = [{"index": i, "object": "score", "score": cosine(embeddings[a], embeddings[b])}
-            for i, (a, b) in enumerate(zip(first, second))]
+    scores = await asyncio.to_thread(cosines, [(embeddings[a], embeddings[b]) for a, b in zip(first, second)])
+    data = [{"index": i, "object": "score", "score": score} for i, score in enumerate(scores)]
     return {"id": f"score-{request_id}", "object": "list", "created": int(time.time()), "model": name, "data": data,
             "usage": {"prompt_tokens": tokens, "total_tokens": tokens}}
 
@@ -102,8 +108,9 @@ async def create_rerank(gen: Generator, body: RerankRequest, request_id: str, ap
     name, embeddings, tokens = await _embed(gen, body.model, [body.query, *documents], body.truncate_prompt_tokens,
                                             request_id, api_key)
     query = embeddings[body.query]
-    results = sorted(({"index": i, "document": {"text": text}, "relevance_score": cosine(query, embeddings[text])}
-                      for i, text in enumerate(documents)), key=lambda r: -r["relevance_score"])
+    scores = await asyncio.to_thread(cosines, [(query, embeddings[text]) for text in documents])
+    results = sorted(({"index": i, "document": {"text": text}, "relevance_score": score}
+                      for i, (text, score) in enumerate(zip(documents, scores))), key=lambda r: -r["relevance_score"])
     if body.top_n:
         results = results[:body.top_n]
     return {"id": f"rerank-{request_id}", "model": name, "usage": {"total_tokens": tokens}, "results": results}

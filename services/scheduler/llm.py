@@ -126,27 +126,31 @@ class LLM:
 
     # --- embeddings ---------------------------------------------------------------------------------
 
-    def embed(self, prompts: PromptType | SequenceABC[PromptType], pooling_params: PoolingParams | None = None,
+    def embed(self, prompts: PromptType | SequenceABC[PromptType],
+              pooling_params: PoolingParams | SequenceABC[PoolingParams] | None = None,
               use_tqdm: bool = True, lora_request: LoRARequest | SequenceABC[LoRARequest | None] | None = None,
               truncate_prompt_tokens: int | None = None) -> list[EmbeddingRequestOutput]:
         """One embedding per prompt, in input order (a pooling model: ``LLM(runner="pooling")``, or "auto" for a
-        sentence-transformers directory). ``truncate_prompt_tokens`` is vLLM's keyword for the PoolingParams field."""
+        sentence-transformers directory); one PoolingParams for all, or one per prompt. ``truncate_prompt_tokens``
+        is vLLM's keyword for the PoolingParams field."""
         prompts = self._prompt_list(prompts)
-        params = pooling_params if pooling_params is not None else PoolingParams()
-        if not isinstance(params, PoolingParams):
-            raise ValueError(f"pooling_params must be PoolingParams, got {type(params).__name__}")
+        params = self._pooling_per_prompt(pooling_params, len(prompts))
         if truncate_prompt_tokens is not None:
-            params = dataclasses.replace(params, truncate_prompt_tokens=truncate_prompt_tokens)
+            params = [dataclasses.replace(p, truncate_prompt_tokens=truncate_prompt_tokens) for p in params]
         loras = self._loras_per_prompt(lora_request, len(prompts))
+        pooler = self.engine.info.pooler
         requests = []
-        for prompt in prompts:
+        for prompt, p in zip(prompts, params):
+            if pooler is not None and pooler.lowercase:  # sentence-transformers' do_lower_case
+                prompt = pooler.text(prompt) if isinstance(prompt, str) else \
+                    {**prompt, "prompt": pooler.text(prompt["prompt"])} \
+                    if isinstance(prompt, dict) and isinstance(prompt.get("prompt"), str) else prompt
             text, token_ids = self._tokenize(prompt)
-            requests.append((str(next(self._request_ids)), text,
-                             params.truncated(token_ids, self.engine.info.max_model_len)))
+            requests.append((str(next(self._request_ids)), text, p.truncated(token_ids, self.engine.info.max_model_len)))
         added = []
         try:
-            for (request_id, _, token_ids), lora in zip(requests, loras):
-                self.engine.add_request(request_id, token_ids, SamplingParams(), lora=lora, pooling=params)
+            for (request_id, _, token_ids), lora, p in zip(requests, loras, params):
+                self.engine.add_request(request_id, token_ids, SamplingParams(), lora=lora, pooling=p)
                 added.append(request_id)
             embeddings = self._run_embeddings({request_id for request_id, *_ in requests}, use_tqdm)
         except BaseException:
@@ -200,6 +204,17 @@ class LLM:
         params = list(sampling_params)
         if len(params) != count:
             raise ValueError(f"got {len(params)} sampling params for {count} prompts; give one, or one per prompt")
+        return params
+
+    @staticmethod
+    def _pooling_per_prompt(pooling_params, count: int) -> list[PoolingParams]:
+        if pooling_params is None or isinstance(pooling_params, PoolingParams):
+            return [pooling_params or PoolingParams()] * count
+        params = list(pooling_params) if isinstance(pooling_params, Iterable) and \
+            not isinstance(pooling_params, (str, dict)) else None
+        if params is None or len(params) != count or not all(isinstance(p, PoolingParams) for p in params):
+            raise ValueError(f"pooling_params must be PoolingParams, or one PoolingParams per prompt ({count}), got "
+                             f"{pooling_params!r:.200}")
         return params
 
     @staticmethod

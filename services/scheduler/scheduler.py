@@ -365,13 +365,14 @@ class Scheduler:
         cache_full_blocks = self.blocks.cache_full_blocks
         # A sequence the worker failed (its adapter would not load) computed nothing: cache none of its blocks.
         failed = {out.seq_id for out in result.outputs if out.error} if self.max_loras else ()
+        # A pooling engine's mean or cls prompts never take hits: indexing their blocks would only evict others.
         for seq_id, num_tokens in scheduled.items():
             seq = seqs.get(seq_id)
             if seq is not None and seq.status is SequenceStatus.RUNNING:
                 seq.num_inflight_tokens -= num_tokens
                 seq.num_computed_tokens += num_tokens
                 # Every computed token is known: the placeholders of earlier steps are resolved.
-                if seq_id not in failed:
+                if seq_id not in failed and not (seq.whole_prompt and seq.pooling is not None):
                     cache_full_blocks(seq_id, seq.num_computed_tokens, seq.token_slice, seq.cache_extra)
         updates = []
         for out in result.outputs:

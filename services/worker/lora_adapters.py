@@ -99,6 +99,8 @@ class AdapterSlots:
         for name, tensor in weights.items():
             match = _WEIGHT_NAME.fullmatch(name)
             module = match["module"] if match else None
+            if module is not None and module not in self.targets and f"model.{module}" in self.targets:
+                module = f"model.{module}"  # trained on the bare model (AutoModel, an embedding model)
             if module not in self.targets:
                 raise ValueError(f"weight {name!r} is not an adapter of an attention or dense MLP projection of "
                                  f"this model (adapters on embeddings, the output head or experts are not supported)")

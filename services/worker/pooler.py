@@ -39,7 +39,7 @@ class Pooler:
             state.total = chunk if state.total is None else state.total + chunk
             state.count += rows.shape[0]
         elif kind == "cls" and first_position == 0:
-            state.first = rows[0].float()
+            state.first = rows[0].float().clone()  # not a view: it would keep the step's states alive
 
     def pooled(self, state: PoolingState, last_row: torch.Tensor) -> torch.Tensor:
         """The finished sequence's pooled state (float32 [hidden], on the device), after add_chunk took its

@@ -399,9 +399,14 @@ class Worker:
         if not finished:
             return {}
         vectors = torch.stack([vector for *_, vector in finished]).cpu()
-        return {i: SequenceOutput(seq_id=seq.seq_id, token_id=None,
-                                  embedding=self.pooler.finish(vector, seq.pooling).tolist())
-                for (i, seq, _), vector in zip(finished, vectors)}
+        finite = torch.isfinite(vectors).all(dim=1).tolist()
+        outputs = {}
+        for (i, seq, _), vector, ok in zip(finished, vectors, finite):
+            outputs[i] = SequenceOutput(seq_id=seq.seq_id, token_id=None,
+                                        embedding=self.pooler.finish(vector, seq.pooling).tolist()) if ok else \
+                SequenceOutput(seq_id=seq.seq_id, token_id=None, error=f"the embedding of sequence {seq.seq_id} is not "
+                               f"finite (an overflow in {str(self.dtype).removeprefix('torch.')}): try float32 or bfloat16")
+        return outputs
 
     def _sample_tokens(self, hidden, sampling, sample_rows, outputs) -> None:
         """One token per sequence (one per position, for a sequence verifying drafts), plus one per
