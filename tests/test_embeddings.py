@@ -435,3 +435,21 @@ def test_a_pooling_module_without_its_path_is_refused(tmp_path):
     write_st_files(tmp_path, [{"path": "", "type": ST + "Transformer"}, {"type": ST + "Pooling"}])
     with pytest.raises(ValueError, match="Pooling module needs the path"):
         read_pooler_config(tmp_path, 64)
+
+
+def test_chat_messages_are_embedded_as_their_rendered_conversation(stack, last_dir):
+    from transformers import AutoTokenizer
+
+    messages = [{"role": "user", "content": "find the capital of France"}]
+    status, body = post_json(stack, "/v1/embeddings", {"messages": messages, "encoding_format": "float"})
+    assert status == 200 and len(body["data"]) == 1, body
+    ids = AutoTokenizer.from_pretrained(str(last_dir)).apply_chat_template(messages, add_generation_prompt=True,
+                                                                           tokenize=True)
+    ids = list(ids["input_ids"]) if isinstance(ids, dict) or hasattr(ids, "keys") else list(ids)
+    assert body["usage"]["prompt_tokens"] == len(ids)
+    assert_close(body["data"][0]["embedding"], hf_embedding(last_dir, ids), "chat embedding")
+    for bad, param in (({"messages": messages, "input": "x"}, "input"), ({"messages": []}, "messages"),
+                       ({"messages": messages, "continue_final_message": True}, "continue_final_message"),
+                       ({"messages": messages, "chat_template": "{{ 1 }}"}, "chat_template")):
+        status, body = post_json(stack, "/v1/embeddings", bad)
+        assert status == 400 and body["error"]["param"] == param, (bad, body)

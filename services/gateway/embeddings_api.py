@@ -1,6 +1,8 @@
 """/v1/embeddings: OpenAI's embeddings API (with vLLM's extension fields) over a pooling engine.
 
-Each input is one engine request; they run side by side and the answer lists their embeddings in input
+Instead of ``input``, vLLM's chat form takes ``messages``: one conversation, rendered by the chat template
+(with the generation prompt unless ``add_generation_prompt`` is false), embedded as one input. Each input
+is one engine request; they run side by side and the answer lists their embeddings in input
 order. ``encoding_format`` "base64" is the embedding's float32 little-endian bytes, base64-encoded (what
 the openai client asks for by default, and decodes).
 """
@@ -17,6 +19,7 @@ from pydantic import BaseModel, ConfigDict, field_validator
 
 from services.gateway.api_keys import ApiKey
 from services.gateway.generation import Generator, InvalidParameter, Model, Run
+from services.gateway.protocol import ChatMessage
 from shared.pooling import PoolingParams
 from shared.sampling_params import SamplingParams
 
@@ -25,16 +28,21 @@ class EmbeddingRequest(BaseModel):
     model_config = ConfigDict(extra="allow")  # OpenAI's user, and fields of other servers: accepted, unused
 
     model: str | None = None
-    input: str | list[str] | list[int] | list[list[int]]
+    input: str | list[str] | list[int] | list[list[int]] | None = None
     encoding_format: Literal["float", "base64"] = "float"
     dimensions: int | None = None
     # vLLM's
     truncate_prompt_tokens: int | None = None
-    add_special_tokens: bool = True
+    add_special_tokens: bool | None = None  # None: true for input; for messages the template holds them
     normalize: bool | None = None
     cache_salt: str | None = None
+    messages: list[ChatMessage] | None = None  # vLLM's chat form, instead of input
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    chat_template: str | None = None  # as a chat completion's (--trust-request-chat-template)
+    chat_template_kwargs: dict | None = None
 
-    @field_validator("encoding_format", "add_special_tokens", mode="before")
+    @field_validator("encoding_format", "add_generation_prompt", "continue_final_message", mode="before")
     @classmethod
     def _null_is_default(cls, value, info):
         return cls.model_fields[info.field_name].default if value is None else value
@@ -49,6 +57,8 @@ class EmbeddingRequest(BaseModel):
 
     def inputs(self) -> list[str | list[int]]:
         """One entry per input: a string, or token ids."""
+        if (self.input is None) == (self.messages is None):
+            raise InvalidParameter("give exactly one of input and messages", "input")
         given = self.input
         if isinstance(given, str) or (given and isinstance(given[0], int)):
             given = [given]
@@ -58,11 +68,13 @@ class EmbeddingRequest(BaseModel):
 
 
 def _encode(model: Model, body: EmbeddingRequest) -> list[list[int]]:
+    if body.messages is not None and body.input is None:
+        return [_encode_chat(model, body)]
     prompts = []
     for item in body.inputs():
         if isinstance(item, str):
             prompts.append(model.encode(model.pooler.text(item) if model.pooler else item,
-                                        add_special_tokens=body.add_special_tokens))
+                                        add_special_tokens=body.add_special_tokens is not False))
         else:
             try:
                 model.check_token_ids(item)
@@ -70,6 +82,18 @@ def _encode(model: Model, body: EmbeddingRequest) -> list[list[int]]:
                 raise InvalidParameter(str(exc), "input") from None
             prompts.append(list(item))
     return prompts
+
+
+def _encode_chat(model: Model, body: EmbeddingRequest) -> list[int]:
+    if not body.messages:
+        raise InvalidParameter("messages is empty: give at least one message", "messages")
+    if body.continue_final_message and body.add_generation_prompt:
+        raise InvalidParameter("continue_final_message needs add_generation_prompt=false", "continue_final_message")
+    text, tokens = model.encode_chat([m.as_dict() for m in body.messages],
+                                     add_generation_prompt=body.add_generation_prompt,
+                                     continue_final_message=body.continue_final_message,
+                                     template_kwargs=body.chat_template_kwargs, chat_template=body.chat_template)
+    return model.encode(text) if body.add_special_tokens else tokens
 
 
 def _encoded(vector: list[float], encoding_format: str) -> list[float] | str:
