@@ -60,3 +60,17 @@ class EmbeddingRequestOutput:
     outputs: EmbeddingOutput
     finished: bool = True
     num_cached_tokens: int = 0  # prompt tokens found in the prefix cache (their prefill skipped)
+
+
+@dataclass
+class ScoringOutput:
+    score: float  # the cosine similarity of the pair's embeddings
+
+
+@dataclass
+class ScoringRequestOutput:
+    """One pair's score, shaped like vLLM's."""
+
+    request_id: str
+    outputs: ScoringOutput
+    finished: bool = True

@@ -453,3 +453,18 @@ def test_chat_messages_are_embedded_as_their_rendered_conversation(stack, last_d
                        ({"messages": messages, "chat_template": "{{ 1 }}"}, "chat_template")):
         status, body = post_json(stack, "/v1/embeddings", bad)
         assert status == 400 and body["error"]["param"] == param, (bad, body)
+
+
+def test_offline_score_is_the_cosine_of_the_embeddings(last_dir):
+    llm = small_engine(last_dir)
+    try:
+        outputs = llm.score("the query", ["a document", "the query", "another one"], use_tqdm=False)
+        a, b = llm.embed(["the query", "another one"], use_tqdm=False)
+        with pytest.raises(ValueError, match="give one text_1, or as many as text_2"):
+            llm.score(["a", "b"], ["c", "d", "e"], use_tqdm=False)
+    finally:
+        llm.close()
+    assert len(outputs) == 3 and abs(outputs[1].outputs.score - 1) < 1e-6  # a text against itself
+    expected = torch.nn.functional.cosine_similarity(torch.tensor(a.outputs.embedding),
+                                                     torch.tensor(b.outputs.embedding), dim=0).item()
+    assert abs(outputs[2].outputs.score - expected) < 1e-6

@@ -25,6 +25,7 @@ class ScoreRequest(BaseModel):
     text_1: str | list[str]  # one text against each of text_2, or one per text_2 entry
     text_2: str | list[str]
     truncate_prompt_tokens: int | None = None
+    cache_salt: str | None = None  # vLLM's: only requests with the same salt share prefix-cache blocks
 
     def pairs(self) -> tuple[list[str], list[str]]:
         first = [self.text_1] if isinstance(self.text_1, str) else list(self.text_1)
@@ -51,6 +52,7 @@ class RerankRequest(BaseModel):
     documents: list[str | RerankDocument]
     top_n: int | None = None  # the best this many; None or 0: all of them
     truncate_prompt_tokens: int | None = None
+    cache_salt: str | None = None
 
     @field_validator("top_n")
     @classmethod
@@ -75,7 +77,8 @@ def cosines(pairs: list[tuple[list[float], list[float]]]) -> list[float]:
 
 
 async def _embed(gen: Generator, requested_model: str | None, texts: list[str], truncate: int | None,
-                 request_id: str, api_key: ApiKey | None) -> tuple[str, dict[str, list[float]], int]:
+                 cache_salt: str | None, request_id: str, api_key: ApiKey | None
+                 ) -> tuple[str, dict[str, list[float]], int]:
     """(the answering model's name, each distinct text's embedding, the prompt tokens embedded)."""
     async with gen.admitted(api_key) as admission:
         model = await gen.model()
@@ -87,8 +90,8 @@ async def _embed(gen: Generator, requested_model: str | None, texts: list[str], 
         distinct = list(dict.fromkeys(texts))
         prompts = await asyncio.to_thread(  # off the event loop
             lambda: [model.encode(model.pooler.text(t) if model.pooler else t) for t in distinct])
-        runs = await gen.start(model, request_id, prompts, SamplingParams(), admission=admission, lora=lora,
-                               pooling=pooling)
+        runs = await gen.start(model, request_id, prompts, SamplingParams(), cache_salt=cache_salt,
+                               admission=admission, lora=lora, pooling=pooling)
     embeddings = {text: run.embedding for text, run in zip(distinct, runs)}
     return (lora.name if lora is not None else model.name), embeddings, sum(len(run.prompt) for run in runs)
 
@@ -96,7 +99,7 @@ async def _embed(gen: Generator, requested_model: str | None, texts: list[str], 
 async def create_score(gen: Generator, body: ScoreRequest, request_id: str, api_key: ApiKey | None = None) -> dict:
     first, second = body.pairs()
     name, embeddings, tokens = await _embed(gen, body.model, first + second, body.truncate_prompt_tokens,
-                                            request_id, api_key)
+                                            body.cache_salt, request_id, api_key)
     scores = await asyncio.to_thread(cosines, [(embeddings[a], embeddings[b]) for a, b in zip(first, second)])
     data = [{"index": i, "object": "score", "score": score} for i, score in enumerate(scores)]
     return {"id": f"score-{request_id}", "object": "list", "created": int(time.time()), "model": name, "data": data,
@@ -106,7 +109,7 @@ async def create_score(gen: Generator, body: ScoreRequest, request_id: str, api_
 async def create_rerank(gen: Generator, body: RerankRequest, request_id: str, api_key: ApiKey | None = None) -> dict:
     documents = body.texts()
     name, embeddings, tokens = await _embed(gen, body.model, [body.query, *documents], body.truncate_prompt_tokens,
-                                            request_id, api_key)
+                                            body.cache_salt, request_id, api_key)
     query = embeddings[body.query]
     scores = await asyncio.to_thread(cosines, [(query, embeddings[text]) for text in documents])
     results = sorted(({"index": i, "document": {"text": text}, "relevance_score": score}

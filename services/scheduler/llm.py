@@ -14,6 +14,7 @@ import weakref
 from collections.abc import Iterable
 from collections.abc import Sequence as SequenceABC
 
+import torch
 from tqdm import tqdm
 
 from services.scheduler.engine_core import EngineCore
@@ -29,7 +30,7 @@ from shared.grpc_errors import ServiceUnavailable
 from shared.model_config import ModelConfig
 from shared.lora import LoRARequest
 from shared.model_factory import default_model_dir
-from shared.outputs import EmbeddingOutput, EmbeddingRequestOutput, RequestOutput
+from shared.outputs import EmbeddingOutput, EmbeddingRequestOutput, RequestOutput, ScoringOutput, ScoringRequestOutput
 from shared.pooling import PoolingParams
 from shared.sampling_params import SamplingParams
 from shared.tokenizer import load_tokenizer, render_chat
@@ -160,6 +161,28 @@ class LLM:
         return [EmbeddingRequestOutput(request_id, text, token_ids, EmbeddingOutput(embeddings[request_id][0]),
                                        num_cached_tokens=embeddings[request_id][1])
                 for request_id, text, token_ids in requests]
+
+    def score(self, text_1: str | SequenceABC[str], text_2: str | SequenceABC[str], use_tqdm: bool = True,
+              lora_request: LoRARequest | None = None,
+              truncate_prompt_tokens: int | None = None) -> list[ScoringRequestOutput]:
+        """vLLM's LLM.score with an embedding model: each pair's cosine similarity (one text_1 against every
+        text_2, or pair by pair); each distinct text is embedded once."""
+        first = [text_1] if isinstance(text_1, str) else list(text_1)
+        second = [text_2] if isinstance(text_2, str) else list(text_2)
+        if not first or not second or not all(isinstance(t, str) for t in first + second):
+            raise ValueError("text_1 and text_2 must each be a text or a non-empty list of texts")
+        if len(first) == 1:
+            first = first * len(second)
+        if len(first) != len(second):
+            raise ValueError(f"text_1 has {len(first)} texts and text_2 {len(second)}: give one text_1, or as many "
+                             "as text_2")
+        distinct = list(dict.fromkeys(first + second))
+        outputs = self.embed(distinct, use_tqdm=use_tqdm, lora_request=lora_request,
+                             truncate_prompt_tokens=truncate_prompt_tokens)
+        vectors = {text: torch.tensor(out.outputs.embedding, dtype=torch.float64) for text, out in zip(distinct, outputs)}
+        return [ScoringRequestOutput(str(next(self._request_ids)), ScoringOutput(
+                    torch.nn.functional.cosine_similarity(vectors[a], vectors[b], dim=0).item()))
+                for a, b in zip(first, second)]
 
     def _run_embeddings(self, request_ids: set[str], use_tqdm: bool) -> dict[str, tuple[list[float], int]]:
         """Steps until every request has its embedding: (embedding, cached prompt tokens) by request id."""
