@@ -218,3 +218,17 @@ def _read_json(file: Path, kind: type = dict, optional: bool = False) -> Any:
     if not isinstance(value, kind):
         raise ValueError(f"{file} must hold a JSON {'object' if kind is dict else 'list'}")
     return value
+
+
+def score_pairs(text_1: str | list[str], text_2: str | list[str]) -> tuple[list[str], list[str]]:
+    """The pairs a score request compares (vLLM's rule): one text_1 against every text_2, or pair by pair."""
+    first = [text_1] if isinstance(text_1, str) else list(text_1)
+    second = [text_2] if isinstance(text_2, str) else list(text_2)
+    if not first or not second or not all(isinstance(t, str) for t in first + second):
+        raise ValueError("text_1 and text_2 must each be a text or a non-empty list of texts")
+    if len(first) == 1:
+        first = first * len(second)
+    if len(first) != len(second):
+        raise ValueError(f"text_1 has {len(first)} texts and text_2 {len(second)}: give one text_1, or as many as "
+                         "text_2")
+    return first, second

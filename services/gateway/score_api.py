@@ -14,7 +14,7 @@ from pydantic import BaseModel, ConfigDict, field_validator
 
 from services.gateway.api_keys import ApiKey
 from services.gateway.generation import Generator, InvalidParameter
-from shared.pooling import PoolingParams
+from shared.pooling import PoolingParams, score_pairs
 from shared.sampling_params import SamplingParams
 
 
@@ -28,16 +28,11 @@ class ScoreRequest(BaseModel):
     cache_salt: str | None = None  # vLLM's: only requests with the same salt share prefix-cache blocks
 
     def pairs(self) -> tuple[list[str], list[str]]:
-        first = [self.text_1] if isinstance(self.text_1, str) else list(self.text_1)
-        second = [self.text_2] if isinstance(self.text_2, str) else list(self.text_2)
-        if not first or not second:
-            raise InvalidParameter("text_1 and text_2 must each hold at least one text", "text_1")
-        if len(first) == 1:
-            first = first * len(second)
-        if len(first) != len(second):
-            raise InvalidParameter(f"text_1 has {len(first)} texts and text_2 {len(second)}: give one text_1, or "
-                                   "as many as text_2", "text_2")
-        return first, second
+        try:
+            return score_pairs(self.text_1, self.text_2)
+        except ValueError as exc:
+            mismatch = "give one text_1" in str(exc)  # as many text_2 as text_1: text_2's count is off
+            raise InvalidParameter(str(exc), "text_2" if mismatch else "text_1") from None
 
 
 class RerankDocument(BaseModel):

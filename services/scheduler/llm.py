@@ -31,7 +31,7 @@ from shared.model_config import ModelConfig
 from shared.lora import LoRARequest
 from shared.model_factory import default_model_dir
 from shared.outputs import EmbeddingOutput, EmbeddingRequestOutput, RequestOutput, ScoringOutput, ScoringRequestOutput
-from shared.pooling import PoolingParams
+from shared.pooling import PoolingParams, score_pairs
 from shared.sampling_params import SamplingParams
 from shared.tokenizer import load_tokenizer, render_chat
 
@@ -167,15 +167,7 @@ class LLM:
               truncate_prompt_tokens: int | None = None) -> list[ScoringRequestOutput]:
         """vLLM's LLM.score with an embedding model: each pair's cosine similarity (one text_1 against every
         text_2, or pair by pair); each distinct text is embedded once."""
-        first = [text_1] if isinstance(text_1, str) else list(text_1)
-        second = [text_2] if isinstance(text_2, str) else list(text_2)
-        if not first or not second or not all(isinstance(t, str) for t in first + second):
-            raise ValueError("text_1 and text_2 must each be a text or a non-empty list of texts")
-        if len(first) == 1:
-            first = first * len(second)
-        if len(first) != len(second):
-            raise ValueError(f"text_1 has {len(first)} texts and text_2 {len(second)}: give one text_1, or as many "
-                             "as text_2")
+        first, second = score_pairs(text_1, text_2)
         distinct = list(dict.fromkeys(first + second))
         outputs = self.embed(distinct, use_tqdm=use_tqdm, lora_request=lora_request,
                              truncate_prompt_tokens=truncate_prompt_tokens)
