@@ -20,6 +20,7 @@ from pydantic import BaseModel, ConfigDict, field_validator
 from services.gateway.api_keys import ApiKey
 from services.gateway.generation import Generator, InvalidParameter, Model, Run
 from services.gateway.protocol import ChatMessage
+from services.gateway.tokenizer_api import encode_chat_body
 from shared.pooling import PoolingParams
 from shared.sampling_params import SamplingParams
 
@@ -52,8 +53,7 @@ class EmbeddingRequest(BaseModel):
             return PoolingParams(dimensions=self.dimensions, normalize=self.normalize,
                                  truncate_prompt_tokens=self.truncate_prompt_tokens)
         except ValueError as exc:
-            message = str(exc).removeprefix("PoolingParams.")
-            raise InvalidParameter(message, message.split(" ", 1)[0]) from None
+            raise InvalidParameter.from_params_error(exc) from None
 
     def inputs(self) -> list[str | list[int]]:
         """One entry per input: a string, or token ids."""
@@ -69,12 +69,13 @@ class EmbeddingRequest(BaseModel):
 
 def _encode(model: Model, body: EmbeddingRequest) -> list[list[int]]:
     if body.messages is not None and body.input is None:
-        return [_encode_chat(model, body)]
+        if not body.messages:
+            raise InvalidParameter("messages is empty: give at least one message", "messages")
+        return [encode_chat_body(model, body)]
     prompts = []
     for item in body.inputs():
         if isinstance(item, str):
-            prompts.append(model.encode(model.pooler.text(item) if model.pooler else item,
-                                        add_special_tokens=body.add_special_tokens is not False))
+            prompts.append(model.encode_input(item, add_special_tokens=body.add_special_tokens is not False))
         else:
             try:
                 model.check_token_ids(item)
@@ -82,18 +83,6 @@ def _encode(model: Model, body: EmbeddingRequest) -> list[list[int]]:
                 raise InvalidParameter(str(exc), "input") from None
             prompts.append(list(item))
     return prompts
-
-
-def _encode_chat(model: Model, body: EmbeddingRequest) -> list[int]:
-    if not body.messages:
-        raise InvalidParameter("messages is empty: give at least one message", "messages")
-    if body.continue_final_message and body.add_generation_prompt:
-        raise InvalidParameter("continue_final_message needs add_generation_prompt=false", "continue_final_message")
-    text, tokens = model.encode_chat([m.as_dict() for m in body.messages],
-                                     add_generation_prompt=body.add_generation_prompt,
-                                     continue_final_message=body.continue_final_message,
-                                     template_kwargs=body.chat_template_kwargs, chat_template=body.chat_template)
-    return model.encode(text) if body.add_special_tokens else tokens
 
 
 def _encoded(vector: list[float], encoding_format: str) -> list[float] | str:
@@ -115,6 +104,6 @@ async def create_embeddings(gen: Generator, body: EmbeddingRequest, request_id: 
                 for run in runs]
         prompt_tokens = sum(len(run.prompt) for run in runs)
         return {"id": f"embd-{request_id}", "object": "list", "created": int(time.time()),
-                "model": lora.name if lora is not None else model.name, "data": data,
+                "model": model.answer_name(lora), "data": data,
                 "usage": {"prompt_tokens": prompt_tokens, "total_tokens": prompt_tokens,
                           "prompt_tokens_details": {"cached_tokens": sum(run.cached_tokens for run in runs)}}}

@@ -48,11 +48,15 @@ class InvalidParameter(ValueError):
         self.param = param
 
     @classmethod
-    def from_sampling_error(cls, exc: ValueError) -> "InvalidParameter":
-        """SamplingParams' "SamplingParams.<name> must ..." errors name the parameter."""
-        named = str(exc).startswith("SamplingParams.")
-        message = str(exc).removeprefix("SamplingParams.")
-        return cls(message, message.split(" ", 1)[0] if named else None)
+    def from_params_error(cls, exc: ValueError, param: str | None = None) -> "InvalidParameter":
+        """SamplingParams' and PoolingParams' "<class>.<name> must ..." errors name the parameter (unless
+        ``param`` says which)."""
+        text = str(exc)
+        for prefix in ("SamplingParams.", "PoolingParams."):
+            if text.startswith(prefix):
+                message = text.removeprefix(prefix)
+                return cls(message, param or message.split(" ", 1)[0])
+        return cls(text, param)
 
 
 class Overloaded(ResourceExhausted):
@@ -139,6 +143,14 @@ class Model:
         text = render_chat(self.tokenizer, messages, chat_template=chat_template, **template_options)
         return text, self.encode(text, add_special_tokens=False)
 
+    def encode_input(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        """An embedding input's tokens: lowercased first where the pooling model says (do_lower_case)."""
+        return self.encode(self.pooler.text(text) if self.pooler is not None else text, add_special_tokens)
+
+    def answer_name(self, lora: LoRARequest | None) -> str:
+        """The model an answer names: the adapter's, when the request ran with one."""
+        return lora.name if lora is not None else self.name
+
     def decode(self, token_ids: list[int]) -> str:
         return self.tokenizer.decode(token_ids)
 
@@ -163,7 +175,7 @@ class Model:
             params.check_truncation_fits(self.max_model_len)
             params.check_a_token_allowed(self.eos_token_ids)
         except ValueError as exc:
-            raise InvalidParameter.from_sampling_error(exc) from None
+            raise InvalidParameter.from_params_error(exc) from None
         if not prompt:
             raise InvalidParameter("the prompt is empty: give at least one token", "prompt")
         self.check_token_ids(prompt)
@@ -200,7 +212,7 @@ class Model:
             try:
                 pooling.check_fits(self.pooler)
             except ValueError as exc:
-                raise InvalidParameter(str(exc).removeprefix("PoolingParams."), "dimensions") from None
+                raise InvalidParameter.from_params_error(exc, "dimensions") from None
 
     def check_embedding_prompt(self, prompt: list[int]) -> None:
         """What the scheduler would refuse of an embedding input (it needs no room for output tokens)."""

@@ -75,7 +75,7 @@ class GenerationServicer(api_grpc.GenerationServicer):
                 try:  # off the event loop: checking a structured output's grammar can take long
                     params = await asyncio.to_thread(SamplingParams.from_proto, request.params)
                 except ValueError as exc:  # its messages name the field, as over HTTP
-                    raise InvalidParameter.from_sampling_error(exc) from None
+                    raise InvalidParameter.from_params_error(exc) from None
                 # Off the event loop, as over HTTP: a huge prompt must not stall the other streams.
                 prompt = await asyncio.to_thread(model.encode, request.text) \
                     if request.WhichOneof("prompt") == "text" else list(request.token_ids.ids)
@@ -151,7 +151,7 @@ class GenerationServicer(api_grpc.GenerationServicer):
                                             admission=admission, lora=lora, pooling=pooling)
             prompt_tokens = sum(len(run.prompt) for run in runs)
             return api.EmbedResponse(
-                request_id=request_id, model=lora.name if lora is not None else model.name,
+                request_id=request_id, model=model.answer_name(lora),
                 embeddings=[api.Embedding(index=run.position, values=run.embedding, prompt_tokens=len(run.prompt))
                             for run in runs],
                 usage=api.Usage(prompt_tokens=prompt_tokens, cached_prompt_tokens=sum(r.cached_tokens for r in runs)))
@@ -178,8 +178,7 @@ def _pooling_params(request: api.EmbedRequest) -> PoolingParams:
     try:
         return dataclasses.replace(PoolingParams.from_proto(request.params), truncate_prompt_tokens=truncate)
     except ValueError as exc:
-        message = str(exc).removeprefix("PoolingParams.")
-        raise InvalidParameter(message, message.split(" ", 1)[0]) from None
+        raise InvalidParameter.from_params_error(exc) from None
 
 
 def _embed_inputs(model, request: api.EmbedRequest) -> list[list[int]]:
@@ -188,7 +187,7 @@ def _embed_inputs(model, request: api.EmbedRequest) -> list[list[int]]:
     prompts = []
     for item in request.inputs:
         if item.WhichOneof("input") == "text":
-            prompts.append(model.encode(model.pooler.text(item.text) if model.pooler else item.text))
+            prompts.append(model.encode_input(item.text))
         else:
             prompts.append(list(item.token_ids.ids))
     return prompts

@@ -128,7 +128,7 @@ class _Sampling(BaseModel):
                                   stop=[self.stop] if isinstance(self.stop, str) else list(self.stop or []),
                                   logit_bias=bias, structured_outputs=structured)
         except ValueError as exc:
-            raise InvalidParameter.from_sampling_error(exc) from None
+            raise InvalidParameter.from_params_error(exc) from None
 
     def structured_outputs_asked(self) -> StructuredOutputs | None:
         """The output's constraint, from whichever of the fields that ask for one was given (one at most)."""

@@ -81,14 +81,14 @@ async def _embed(gen: Generator, requested_model: str | None, texts: list[str], 
         try:
             pooling = PoolingParams(truncate_prompt_tokens=truncate)
         except ValueError as exc:
-            raise InvalidParameter(str(exc).removeprefix("PoolingParams."), "truncate_prompt_tokens") from None
+            raise InvalidParameter.from_params_error(exc, "truncate_prompt_tokens") from None
         distinct = list(dict.fromkeys(texts))
         prompts = await asyncio.to_thread(  # off the event loop
-            lambda: [model.encode(model.pooler.text(t) if model.pooler else t) for t in distinct])
+            lambda: [model.encode_input(t) for t in distinct])
         runs = await gen.start(model, request_id, prompts, SamplingParams(), cache_salt=cache_salt,
                                admission=admission, lora=lora, pooling=pooling)
     embeddings = {text: run.embedding for text, run in zip(distinct, runs)}
-    return (lora.name if lora is not None else model.name), embeddings, sum(len(run.prompt) for run in runs)
+    return model.answer_name(lora), embeddings, sum(len(run.prompt) for run in runs)
 
 
 async def create_score(gen: Generator, body: ScoreRequest, request_id: str, api_key: ApiKey | None = None) -> dict:

@@ -38,6 +38,13 @@ def _tokenize(model: Model, body: TokenizeRequest) -> list[int]:
         raise InvalidParameter("give exactly one of prompt and messages", "prompt")
     if body.prompt is not None:
         return model.encode(body.prompt, add_special_tokens=body.add_special_tokens is not False)
+    return encode_chat_body(model, body)
+
+
+def encode_chat_body(model: Model, body) -> list[int]:
+    """A request's ``messages`` through the chat template, with vLLM's chat fields (add_generation_prompt,
+    continue_final_message, chat_template_kwargs, chat_template, add_special_tokens: the template's own by
+    default); /tokenize's and /v1/embeddings' alike."""
     if body.continue_final_message and body.add_generation_prompt:
         raise InvalidParameter("continue_final_message needs add_generation_prompt=false", "continue_final_message")
     text, tokens = model.encode_chat([m.as_dict() for m in body.messages],

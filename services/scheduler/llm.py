@@ -142,10 +142,11 @@ class LLM:
         pooler = self.engine.info.pooler
         requests = []
         for prompt, p in zip(prompts, params):
-            if pooler is not None and pooler.lowercase:  # sentence-transformers' do_lower_case
-                prompt = pooler.text(prompt) if isinstance(prompt, str) else \
-                    {**prompt, "prompt": pooler.text(prompt["prompt"])} \
-                    if isinstance(prompt, dict) and isinstance(prompt.get("prompt"), str) else prompt
+            if pooler is not None:  # sentence-transformers' do_lower_case
+                if isinstance(prompt, str):
+                    prompt = pooler.text(prompt)
+                elif isinstance(prompt, dict) and isinstance(prompt.get("prompt"), str):
+                    prompt = {**prompt, "prompt": pooler.text(prompt["prompt"])}
             text, token_ids = self._tokenize(prompt)
             requests.append((str(next(self._request_ids)), text, p.truncated(token_ids, self.engine.info.max_model_len)))
         added = []
