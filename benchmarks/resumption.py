@@ -101,7 +101,7 @@ def one_mode(model_dir: Path, port: int, prompts, args, resume: bool) -> dict:
     extra = [] if resume else ["--max-resumes", "0"]
     serve = start_stack(model_dir, port, *extra, *args.serve_arg)
     try:
-        with urllib.request.urlopen(f"http://127.0.0.1:{port}/v1/models", timeout=5) as reply:
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/v1/models", timeout=60) as reply:  # loads the tokenizer
             model = json.loads(reply.read())["data"][0]["id"]
         run_batch(port, model, prompts[:2], 8)  # warm-up: first touches of the pools
         clean, clean_s, _ = run_batch(port, model, prompts, args.max_tokens)

@@ -6,6 +6,11 @@ import inspect
 from pathlib import Path
 
 
+def import_tokenizer_library() -> None:
+    """Import transformers' tokenizers (seconds: it imports torch too), e.g. while waiting for a backend."""
+    from transformers import AutoTokenizer  # noqa: F401
+
+
 def load_tokenizer(path: str | Path):
     from transformers import AutoTokenizer
 

@@ -92,7 +92,7 @@ def test_tensor_parallel_benchmark_runs_one_worker_against_two_ranks(tmp_path, t
 def test_resumption_benchmark_kills_a_worker_under_streams_that_all_go_on(tmp_path, llama_dir):
     out = tmp_path / "resumption.json"
     subprocess.run([sys.executable, str(REPO / "benchmarks" / "resumption.py"), "--model", str(llama_dir),
-                    "--concurrency", "3", "--prompt-len", "16", "--max-tokens", "300", "--kill-after", "10",
+                    "--concurrency", "3", "--prompt-len", "16", "--max-tokens", "100", "--kill-after", "10",
                     "--modes", "resume", "--port", str(free_port()), "--out", str(out)],
                    cwd=REPO, check=True, timeout=240, stdout=subprocess.DEVNULL)
     (mode,) = json.loads(out.read_text())["modes"]

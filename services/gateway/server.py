@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import itertools
 import signal
 
 import uvicorn
@@ -28,6 +29,7 @@ from services.gateway.tool_parsers import TOOL_CALL_PARSERS, ToolCallParser, fla
 from shared.gc_heap import freeze_startup_objects, unfreeze_startup_objects
 from shared.grpc_errors import ServiceUnavailable
 from shared.logging import setup_logging
+from shared.tokenizer import import_tokenizer_library
 
 log = setup_logging("gateway")
 
@@ -45,13 +47,17 @@ class _Uvicorn(uvicorn.Server):
 async def _learn_model(gen: Generator) -> None:
     """Fetch the model info and load the tokenizer ahead of the first request; retry while the
     scheduler is not up yet (requests meanwhile get 503)."""
-    while True:
+    # The import takes seconds: done while the scheduler starts, not after it answers.
+    preload = asyncio.create_task(asyncio.to_thread(import_tokenizer_library))
+    for attempt in itertools.count():
         try:
             await gen.model()
             break
         except Exception as exc:
-            log.info("waiting for the scheduler", scheduler=gen.client.address, error=str(exc))
-            await asyncio.sleep(1.0)
+            if attempt % 10 == 0:
+                log.info("waiting for the scheduler", scheduler=gen.client.address, error=str(exc))
+            await asyncio.sleep(min(1.0, 0.1 * 1.5 ** attempt))  # soon after a scheduler that starts with us
+    await preload
     # HTTP is already up: freeze (the tokenizer, above all) while no request is alive if that comes
     # soon. A live request's objects frozen with it are still freed by their reference counts; only
     # its garbage cycles would stay, so under constant traffic it freezes anyway.

@@ -32,7 +32,7 @@ def load_model(model_dir: str | Path, dtype: torch.dtype, device: torch.device, 
     files = safetensors_files(Path(model_dir))
     with torch.device("meta"):
         model = LlamaForCausalLM(config, tp, tp.kv_replicas(whole), with_head)
-    model = model.to(dtype).to_empty(device=torch.device(device))
+    _materialize(model, dtype, torch.device(device))
     state = {"file": None, "done": False}
     try:
         model.load_weights(_stream(files, state))
@@ -44,6 +44,22 @@ def load_model(model_dir: str | Path, dtype: torch.dtype, device: torch.device, 
     if pack and can_pack(dtype, torch.device(device)):
         model.pack_linear_weights()
     return model, config
+
+
+def _materialize(model: torch.nn.Module, dtype: torch.dtype, device: torch.device) -> None:
+    """Give every meta parameter uninitialised storage (floating ones in ``dtype``) on ``device``. What
+    ``.to(dtype).to_empty(device)`` does, without its meta-tensor path: that imports sympy, a second of
+    every worker's start-up."""
+    made: dict[int, torch.nn.Parameter] = {}
+    for module in model.modules():
+        for name, param in module._parameters.items():
+            if param is None:
+                continue
+            if id(param) not in made:
+                kind = dtype if param.dtype.is_floating_point else param.dtype
+                made[id(param)] = torch.nn.Parameter(torch.empty(param.shape, dtype=kind, device=device),
+                                                     requires_grad=param.requires_grad)
+            module._parameters[name] = made[id(param)]
 
 
 def safetensors_files(model_dir: Path) -> list[Path]:

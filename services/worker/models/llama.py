@@ -121,7 +121,10 @@ class LlamaForCausalLM(nn.Module):
         self.kv_replicas = kv_replicas
         self.rotary = RotaryEmbedding(config.head_dim, config.max_position_embeddings,
                                       config.rope_theta, config.rope_scaling)
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        # Given its (uninitialised) weight: a random init on the meta device imports torch._dynamo, two
+        # seconds of every worker's start-up; the checkpoint overwrites it anyway.
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size,
+                                         _weight=torch.empty(config.vocab_size, config.hidden_size))
         self.layers = nn.ModuleList(DecoderLayer(config, i, self.rotary, tp)
                                     for i in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
