@@ -24,14 +24,13 @@ import random
 import statistics
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from benchmarks.workload import bench_model_dir, write_report  # noqa: E402
+from benchmarks.workload import bench_model_dir, median_seconds_interleaved, write_report  # noqa: E402
 from pagedserve import LLM  # noqa: E402
 from tests.embedding_models import make_embedding_dir  # noqa: E402
 
@@ -92,16 +91,17 @@ def main() -> None:
     modes = {"hf_one_at_a_time": lambda p: hf_embed(hf, p, 1), "hf_batched": lambda p: hf_embed(hf, p, args.hf_batch),
              **{name: (lambda p, e=e: e.embed([{"prompt_token_ids": x} for x in p], use_tqdm=False))
                 for name, e in engines.items()}}
-    seconds: dict[str, list[float]] = {mode: [] for mode in modes}
-    tokens: dict[str, int] = {mode: 0 for mode in modes}
-    for _ in range(args.rounds):
+    # Every round's prompts have the same token count in expectation; the rate is per round's median.
+    round_tokens = []
+
+    def counted_prompts() -> list[list[int]]:
         prompts = fresh_prompts()
-        for mode, run in modes.items():
-            start = time.perf_counter()
-            run(prompts)
-            seconds[mode].append(time.perf_counter() - start)
-            tokens[mode] = sum(map(len, prompts))
-    rows = {mode: {"prompt_tokens_per_s": round(tokens[mode] / statistics.median(s), 1)} for mode, s in seconds.items()}
+        round_tokens.append(sum(map(len, prompts)))
+        return prompts
+
+    medians = median_seconds_interleaved(modes, args.rounds, counted_prompts)
+    tokens = statistics.median(round_tokens)
+    rows = {mode: {"prompt_tokens_per_s": round(tokens / s, 1)} for mode, s in medians.items()}
     for mode, row in rows.items():
         row["vs_hf_batched"] = round(row["prompt_tokens_per_s"] / rows["hf_batched"]["prompt_tokens_per_s"], 3)
         print(f"{mode:20s} {row['prompt_tokens_per_s']:10.1f} prompt tok/s  {row['vs_hf_batched']:.3f}x hf_batched",

@@ -43,3 +43,19 @@ def write_report(out: str | Path, report: dict) -> Path:
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(report, indent=2))
     return path
+
+
+def median_seconds_interleaved(modes: dict, rounds: int, fresh_inputs) -> dict[str, float]:
+    """Each mode's median wall time over ``rounds``; every round draws new inputs and runs the modes one
+    after another on them, so a machine that drifts (this one is shared) hits them alike."""
+    import statistics
+    import time
+
+    seconds: dict[str, list[float]] = {mode: [] for mode in modes}
+    for _ in range(rounds):
+        inputs = fresh_inputs()
+        for mode, run in modes.items():
+            start = time.perf_counter()
+            run(inputs)
+            seconds[mode].append(time.perf_counter() - start)
+    return {mode: statistics.median(times) for mode, times in seconds.items()}

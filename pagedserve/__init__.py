@@ -1,14 +1,15 @@
 """pagedserve: LLM serving with PagedAttention. The public front; the code lives in services/ and shared/."""
 
 from shared.lora import LoRARequest
-from shared.outputs import (CompletionOutput, EmbeddingOutput, EmbeddingRequestOutput, Logprob, RequestOutput,
-                            ScoringOutput, ScoringRequestOutput)
+from shared.outputs import (ClassificationOutput, ClassificationRequestOutput, CompletionOutput, EmbeddingOutput,
+                            EmbeddingRequestOutput, Logprob, RequestOutput, ScoringOutput, ScoringRequestOutput)
 from shared.pooling import PoolingParams
 from shared.sampling_params import SamplingParams
 from shared.structured_outputs import StructuredOutputs
 
 __all__ = ["LLM", "LoRARequest", "SamplingParams", "StructuredOutputs", "RequestOutput", "CompletionOutput", "Logprob",
-           "PoolingParams", "EmbeddingRequestOutput", "EmbeddingOutput", "ScoringRequestOutput", "ScoringOutput"]
+           "PoolingParams", "EmbeddingRequestOutput", "EmbeddingOutput", "ClassificationRequestOutput",
+           "ClassificationOutput", "ScoringRequestOutput", "ScoringOutput"]
 __version__ = "0.1.0"
 
 

@@ -63,8 +63,29 @@ class EmbeddingRequestOutput:
 
 
 @dataclass
+class ClassificationOutput:
+    probs: list[float]  # one score per class in the model's label order (its activation's, or raw logits)
+
+    @property
+    def num_classes(self) -> int:
+        return len(self.probs)
+
+
+@dataclass
+class ClassificationRequestOutput:
+    """One prompt's class scores, shaped like vLLM's."""
+
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    outputs: ClassificationOutput
+    finished: bool = True
+    num_cached_tokens: int = 0
+
+
+@dataclass
 class ScoringOutput:
-    score: float  # the cosine similarity of the pair's embeddings
+    score: float  # the cosine similarity of the pair's embeddings, or a cross-encoder's relevance
 
 
 @dataclass

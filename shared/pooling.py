@@ -7,9 +7,15 @@ module (``1_Pooling/config.json``: the last token's state, the mean of them all,
 an optional Normalize module. A directory without those files pools the last token and normalizes, as
 vLLM does for decoder models (e5-mistral, gte-Qwen2, Qwen3-Embedding all pool the last token).
 
+A sequence classifier (``Qwen2ForSequenceClassification``: a ``score`` head of one row per label over the
+last token's state) is a pooling model too: its output is the head's logits through an activation, sigmoid
+for one label (a cross-encoder reranker's relevance) and softmax across more, or the one its
+sentence-transformers cross-encoder config names. A request's ``task`` says which output it wants:
+``embed`` from an embedding model, ``classify`` from a classifier; each model refuses the other.
+
 ``resolve_runner("auto", dir)`` picks ``pooling`` for a directory that is a sentence-transformers model or
-whose architectures are bare models (``Qwen3Model``, ``MistralModel``: no language-model head), else
-``generate``.
+whose architectures are bare models (``Qwen3Model``, ``MistralModel``: no language-model head) or
+sequence classifiers, else ``generate``.
 """
 
 from __future__ import annotations
@@ -25,6 +31,12 @@ from shared.sampling_params import keep_last_tokens
 
 RUNNERS = ("auto", "generate", "pooling")
 POOLING_TYPES = ("last", "mean", "cls")
+TASKS = ("embed", "classify")
+ACTIVATIONS = ("sigmoid", "softmax", "identity")
+CLASSIFIER_SUFFIX = "ForSequenceClassification"
+# A sentence-transformers cross-encoder's activation_fn (config.json) -> ours.
+_CROSS_ENCODER_ACTIVATIONS = {"torch.nn.modules.activation.Sigmoid": "sigmoid",
+                              "torch.nn.modules.linear.Identity": "identity"}
 MODULES_FILE = "modules.json"
 # sentence-transformers' Pooling config: the switch that selects each mode we pool by.
 _POOLING_MODES = {"pooling_mode_lasttoken": "last", "pooling_mode_mean_tokens": "mean", "pooling_mode_cls_token": "cls"}
@@ -43,8 +55,15 @@ class PoolerConfig:
     matryoshka_dimensions: tuple[int, ...] = ()  # the lengths it was trained for; empty: any up to hidden_size
     max_seq_length: int | None = None  # sentence-transformers' own limit on the prompt, when it sets one
     lowercase: bool = False  # sentence-transformers' do_lower_case: the front ends lowercase texts before tokenizing
+    labels: tuple[str, ...] = ()  # a classifier's class names in logit order (id2label); empty: an embedding model
+    activation: str | None = None  # a classifier's, on its logits: one of ACTIVATIONS
 
     def __post_init__(self) -> None:
+        if self.labels and (self.activation not in ACTIVATIONS or self.pooling_type != "last"):
+            raise ValueError(f"a classifier pools the last token and has an activation in {ACTIVATIONS}, got "
+                             f"{self.pooling_type!r} and {self.activation!r}")
+        if not self.labels and self.activation is not None:
+            raise ValueError("only a classifier (with labels) has an activation")
         if self.pooling_type not in POOLING_TYPES:
             raise ValueError(f"pooling type must be one of {POOLING_TYPES}, got {self.pooling_type!r}")
         if not isinstance(self.hidden_size, int) or self.hidden_size <= 0:
@@ -60,16 +79,26 @@ class PoolerConfig:
         computed from its start, with no prefix-cache hit (the cached tokens' states are not kept)."""
         return self.pooling_type != "last"
 
+    @property
+    def classifies(self) -> bool:
+        return bool(self.labels)
+
+    @property
+    def task(self) -> str:
+        """What it serves: "classify" (class scores), or "embed"."""
+        return "classify" if self.classifies else "embed"
+
     def to_proto(self) -> wire.PoolerInfo:
         return wire.PoolerInfo(pooling_type=self.pooling_type, normalize=self.normalize,
                                hidden_size=self.hidden_size, matryoshka=self.matryoshka,
                                matryoshka_dimensions=self.matryoshka_dimensions,
-                               max_seq_length=self.max_seq_length or 0, lowercase=self.lowercase)
+                               max_seq_length=self.max_seq_length or 0, lowercase=self.lowercase,
+                               labels=self.labels, activation=self.activation or "")
 
     @classmethod
     def from_proto(cls, m: wire.PoolerInfo) -> "PoolerConfig":
         return cls(m.pooling_type, m.normalize, m.hidden_size, m.matryoshka, tuple(m.matryoshka_dimensions),
-                   m.max_seq_length or None, m.lowercase)
+                   m.max_seq_length or None, m.lowercase, tuple(m.labels), m.activation or None)
 
     def text(self, text: str) -> str:
         """A text input as the model's tokenizer is to see it."""
@@ -78,15 +107,25 @@ class PoolerConfig:
 
 @dataclass(frozen=True, slots=True)
 class PoolingParams:
-    """What one embedding request asks of the pooler (vLLM's PoolingParams, OpenAI's embeddings fields)."""
+    """What one pooling request asks of the pooler (vLLM's PoolingParams, OpenAI's embeddings fields)."""
 
-    dimensions: int | None = None  # keep the first this many values (matryoshka models only), then normalize
-    normalize: bool | None = None  # None: as the model says (PoolerConfig.normalize)
+    dimensions: int | None = None  # embed: keep the first this many values (matryoshka models only), then normalize
+    normalize: bool | None = None  # embed: None: as the model says (PoolerConfig.normalize)
     # Keep only the prompt's last k tokens (-1: as many as the context holds); applied where prompts are
     # tokenized (the front ends), so it does not travel to the engine.
     truncate_prompt_tokens: int | None = None
+    use_activation: bool | None = None  # classify: False gives the raw logits; None or True: the model's activation
+    task: str = "embed"  # "embed" (an embedding model's vector) or "classify" (a classifier's class scores)
 
     def __post_init__(self) -> None:
+        if self.task not in TASKS:
+            raise ValueError(f"PoolingParams.task must be one of {TASKS}, got {self.task!r}")
+        if self.use_activation is not None and not isinstance(self.use_activation, bool):
+            raise ValueError(f"PoolingParams.use_activation must be true, false or null, got {self.use_activation!r}")
+        wrong = ("dimensions", "normalize") if self.task == "classify" else ("use_activation",)
+        for name in wrong:
+            if getattr(self, name) is not None:
+                raise ValueError(f"PoolingParams.{name} does not apply to the {self.task} task")
         if self.dimensions is not None and (not isinstance(self.dimensions, int) or isinstance(self.dimensions, bool)
                                             or self.dimensions < 1):
             raise ValueError(f"PoolingParams.dimensions must be a positive integer, got {self.dimensions!r}")
@@ -107,6 +146,11 @@ class PoolingParams:
 
     def check_fits(self, pooler: PoolerConfig) -> None:
         """ValueError unless the model can give what is asked."""
+        if self.task != pooler.task:
+            raise ValueError(f"this model is {'a classifier' if pooler.classifies else 'an embedding model'}: it "
+                             f"serves the {pooler.task} task, not {self.task} ("
+                             + ("class scores from /classify, /score and LLM.classify" if pooler.classifies else
+                                "embeddings from /v1/embeddings and LLM.embed") + ")")
         if self.dimensions is None or self.dimensions == pooler.hidden_size:
             return
         if not pooler.matryoshka:
@@ -126,12 +170,16 @@ class PoolingParams:
             m.dimensions = self.dimensions
         if self.normalize is not None:
             m.normalize = self.normalize
+        if self.use_activation is not None:
+            m.use_activation = self.use_activation
+        m.task = self.task
         return m
 
     @classmethod
     def from_proto(cls, m: api.PoolingParameters) -> "PoolingParams":
         return cls(m.dimensions if m.HasField("dimensions") else None,
-                   m.normalize if m.HasField("normalize") else None)
+                   m.normalize if m.HasField("normalize") else None, None,
+                   m.use_activation if m.HasField("use_activation") else None, m.task or "embed")
 
 
 def resolve_runner(runner: str, model_dir: Path) -> str:
@@ -143,7 +191,8 @@ def resolve_runner(runner: str, model_dir: Path) -> str:
     if (model_dir / MODULES_FILE).is_file():
         return "pooling"
     architectures = _read_json(model_dir / "config.json").get("architectures") or []
-    bare = architectures and all(isinstance(a, str) and a.endswith("Model") for a in architectures)
+    bare = architectures and all(isinstance(a, str) and a.endswith(("Model", CLASSIFIER_SUFFIX))
+                                 for a in architectures)
     return "pooling" if bare else "generate"
 
 
@@ -159,6 +208,8 @@ def read_pooler_config(model_dir: Path, hidden_size: int) -> PoolerConfig:
         raise ValueError(f"{model_dir / 'config.json'}: is_matryoshka must be true or false, got {flag!r}")
     matryoshka_dimensions = tuple(dimensions)
     matryoshka = flag or bool(matryoshka_dimensions)
+    if is_classifier(config):
+        return _classifier(config, model_dir / "config.json", hidden_size)
     modules_file = model_dir / MODULES_FILE
     if not modules_file.is_file():
         return PoolerConfig("last", True, hidden_size, matryoshka, matryoshka_dimensions)
@@ -189,6 +240,35 @@ def read_pooler_config(model_dir: Path, hidden_size: int) -> PoolerConfig:
         raise ValueError(f"{model_dir / 'sentence_bert_config.json'}: do_lower_case must be true or false")
     return PoolerConfig(pooling_type, normalize, hidden_size, matryoshka, matryoshka_dimensions, max_seq_length,
                         lowercase)
+
+
+def is_classifier(config: dict) -> bool:
+    """Whether a config.json is a sequence classifier's (a score head instead of the language-model head)."""
+    return any(isinstance(a, str) and a.endswith(CLASSIFIER_SUFFIX) for a in config.get("architectures") or [])
+
+
+def _classifier(config: dict, file: Path, hidden_size: int) -> PoolerConfig:
+    """As transformers' *ForSequenceClassification: the head over the last token's state (module docstring)."""
+    id2label, count = config.get("id2label"), config.get("num_labels")
+    if id2label is None:  # transformers' default: num_labels (2) labels named LABEL_i
+        id2label = {str(i): f"LABEL_{i}" for i in range(2 if count is None else count)}
+    if not isinstance(id2label, dict) or sorted(id2label) != sorted(str(i) for i in range(len(id2label))) \
+            or not all(isinstance(v, str) for v in id2label.values()):
+        raise ValueError(f"{file}: id2label must map 0..n-1 to label names, got {id2label!r:.200}")
+    if not id2label or (count is not None and count != len(id2label)):
+        raise ValueError(f"{file}: num_labels {count} and id2label's {len(id2label)} labels disagree (or none)")
+    labels = tuple(id2label[str(i)] for i in range(len(id2label)))
+    named = (config.get("sentence_transformers") or {}).get("activation_fn")
+    if named is not None:
+        if named not in _CROSS_ENCODER_ACTIVATIONS:
+            raise ValueError(f"{file}: sentence_transformers.activation_fn {named!r} is not supported (only "
+                             f"{', '.join(_CROSS_ENCODER_ACTIVATIONS)})")
+        activation = _CROSS_ENCODER_ACTIVATIONS[named]
+    elif len(labels) == 1 or config.get("problem_type") == "multi_label_classification":
+        activation = "sigmoid"  # each label on its own
+    else:
+        activation = "softmax"
+    return PoolerConfig("last", False, hidden_size, labels=labels, activation=activation)
 
 
 def _pooling_type(file: Path, hidden_size: int) -> str:
@@ -232,3 +312,11 @@ def score_pairs(text_1: str | list[str], text_2: str | list[str]) -> tuple[list[
         raise ValueError(f"text_1 has {len(first)} texts and text_2 {len(second)}: give one text_1, or as many as "
                          "text_2")
     return first, second
+
+
+def check_cross_encoder(pooler: PoolerConfig) -> None:
+    """ValueError unless a classifier can score text pairs: as in vLLM, only one with a single label (a
+    cross-encoder, whose one score is the pair's relevance)."""
+    if len(pooler.labels) != 1:
+        raise ValueError(f"scoring pairs takes a classifier with one label (a cross-encoder); this one has "
+                         f"{len(pooler.labels)} ({', '.join(pooler.labels)}): classify the texts instead")

@@ -261,7 +261,8 @@ class SequenceOutput:
     # Set when this sequence cannot go on (its structured output grammar failed): the scheduler ends
     # its request with this error, and only it (token_id is then not to be kept).
     error: str = ""
-    # A pooling sequence's embedding, in the step that computed the rest of its prompt (token_id is None).
+    # A pooling sequence's embedding (a classifier's class scores), in the step that computed the rest of
+    # its prompt (token_id is None).
     embedding: list[float] | None = None
 
     @property
@@ -377,7 +378,7 @@ class WorkerInfo:
     tensor_parallel_size: int = 1  # how many they are
     max_loras: int = 0  # distinct LoRA adapters one step may run (0: adapters are not enabled)
     max_lora_rank: int = 0  # the largest adapter rank it takes
-    pooler: PoolerConfig | None = None  # set: it runs a pooling model (embeddings only); None: it generates
+    pooler: PoolerConfig | None = None  # set: it runs a pooling model (embeddings or class scores); None: it generates
 
     def to_proto(self) -> wire.WorkerInfo:
         return wire.WorkerInfo(model=self.model, num_kv_blocks=self.num_kv_blocks, block_size=self.block_size,

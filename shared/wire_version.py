@@ -18,7 +18,8 @@ from shared.grpc_errors import ServiceUnavailable
 # 7: a sequence's last output says how many of its tokens the prefix cache held;
 # 8: requests and new sequences may name a LoRA adapter, and WorkerInfo says how many adapters a step runs;
 # 9: embedding requests (pooling parameters in, an embedding out) and the pooler in WorkerInfo and EngineInfo.
-INTERNAL_PROTOCOL_VERSION = 9
+# 10: classifiers: a pooler's labels and activation, and a pooling request's task and use_activation.
+INTERNAL_PROTOCOL_VERSION = 10
 
 
 class IncompatiblePeer(ServiceUnavailable):

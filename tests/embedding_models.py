@@ -65,3 +65,37 @@ def _bare_model(model_dir: str):
     if model_dir not in _models:
         _models[model_dir] = AutoModel.from_pretrained(model_dir, dtype=torch.float32).eval()
     return _models[model_dir]
+
+
+def make_classifier_dir(source: Path, path: Path, labels: tuple[str, ...] = ("negative", "positive"),
+                        seed: int = 0, **config_changes) -> Path:
+    """``source``'s weights as transformers' ``*ForSequenceClassification`` in ``path``: no lm_head, a fresh
+    ``score`` head of one row per label (sharp: the scores spread, so a wrong row shows)."""
+    path.mkdir(parents=True, exist_ok=True)
+    for file in source.iterdir():
+        if file.is_file() and not file.name.endswith(".safetensors"):
+            shutil.copy(file, path / file.name)
+    weights = {name: t for name, t in load_file(str(source / "model.safetensors")).items() if name != "lm_head.weight"}
+    hidden = weights["model.embed_tokens.weight"].shape[1]
+    generator = torch.Generator().manual_seed(seed)
+    weights["score.weight"] = torch.randn(len(labels), hidden, generator=generator) * (2.0 / hidden ** 0.5)
+    save_file(weights, str(path / "model.safetensors"), metadata={"format": "pt"})
+    config = json.loads((path / "config.json").read_text())
+    config["architectures"] = [config["architectures"][0].replace("ForCausalLM", "ForSequenceClassification")]
+    config["id2label"] = {str(i): label for i, label in enumerate(labels)}
+    config["label2id"] = {label: i for i, label in enumerate(labels)}
+    config.update(config_changes)
+    (path / "config.json").write_text(json.dumps(config, indent=2))
+    return path
+
+
+def hf_class_scores(model_dir: Path, token_ids: list[int], activation: str | None = "softmax") -> torch.Tensor:
+    """transformers' sequence classifier's logits for one prompt, through ``activation`` (None: raw)."""
+    from transformers import AutoModelForSequenceClassification
+
+    key = f"classifier:{model_dir}"
+    if key not in _models:
+        _models[key] = AutoModelForSequenceClassification.from_pretrained(str(model_dir), dtype=torch.float32).eval()
+    with torch.no_grad():
+        logits = _models[key](torch.tensor([token_ids])).logits[0].float()
+    return {"softmax": lambda x: torch.softmax(x, dim=0), "sigmoid": torch.sigmoid, None: lambda x: x}[activation](logits)

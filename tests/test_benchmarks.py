@@ -143,6 +143,18 @@ def test_lora_benchmark_times_every_mode(tmp_path, llama_dir):
     assert 0 <= report["one_adapter_equals_merged"] <= 1
 
 
+def test_reranking_benchmark_checks_then_times_every_mode(tmp_path, llama_dir):
+    out = tmp_path / "reranking.json"
+    subprocess.run([sys.executable, str(REPO / "benchmarks" / "reranking.py"), "--model", str(llama_dir),
+                    "--documents", "4", "--query-len", "16", "--min-len", "2", "--max-len", "20", "--hf-batch", "2",
+                    "--rounds", "1", "--max-num-batched-tokens", "40", "--out", str(out)], cwd=REPO, check=True, timeout=300, stdout=subprocess.DEVNULL)
+    report = json.loads(out.read_text())
+    assert set(report["rows"]) == {"hf_one_at_a_time", "hf_batched", "engine", "engine_prefix_cache"}
+    assert all(row["pairs_per_s"] > 0 for row in report["rows"].values())
+    assert report["max_error_vs_transformers"] < 1e-4
+    assert report["prefix_cache_hit_rate"] > 0  # the query's full block, for pairs after the first step's
+
+
 def test_embeddings_benchmark_checks_then_times_every_mode(tmp_path, llama_dir):
     out = tmp_path / "embeddings.json"
     subprocess.run([sys.executable, str(REPO / "benchmarks" / "embeddings.py"), "--model", str(llama_dir),

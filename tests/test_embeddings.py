@@ -248,11 +248,15 @@ def test_a_generative_checkpoint_serves_embeddings_with_runner_pooling(llama_dir
 # --- over the gateway ------------------------------------------------------------------------------------
 
 
+def start_pooling_stack(model_dir, log_dir) -> Stack:
+    """Blocks of 8 and 32-token steps: long inputs take several."""
+    return Stack(model_dir, log_dir, worker_args=("--block-size", "8", "--num-gpu-blocks-override", "256",
+                                                  "--max-num-batched-tokens", "32")).start()
+
+
 @pytest.fixture(scope="module")
 def stack(last_dir, tmp_path_factory):
-    stack = Stack(last_dir, tmp_path_factory.mktemp("embedding-logs"),
-                  worker_args=("--block-size", "8", "--num-gpu-blocks-override", "256",
-                               "--max-num-batched-tokens", "32")).start()
+    stack = start_pooling_stack(last_dir, tmp_path_factory.mktemp("embedding-logs"))
     try:
         yield stack
     finally:
@@ -302,6 +306,8 @@ def test_token_id_inputs_raw_base64_and_vllm_fields(stack, last_dir):
         assert status == 400 and body["error"]["param"] == param, (bad, body)
     status, body = post({"input": "x", "model": "nope"})
     assert status == 404, body
+    status, body = post_json(stack, "/classify", {"input": "x"})
+    assert status == 400 and body["error"]["param"] == "model" and "embedding model" in body["error"]["message"]
     status, body = post({"model": stack.model_name, "prompt": "hello", "max_tokens": 4})
     assert status == 400, body  # (no input)
     request = urllib.request.Request(f"{stack.base_url}/v1/completions",

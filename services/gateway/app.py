@@ -15,6 +15,7 @@ from starlette.exceptions import HTTPException
 
 from pagedserve import __version__
 from services.gateway.auth import OPEN_PATHS, Authenticator
+from services.gateway.classify_api import ClassificationRequest, create_classification
 from services.gateway.embeddings_api import EmbeddingRequest, create_embeddings
 from services.gateway.generation import Generator, InvalidParameter
 from services.gateway.lora_api import (LoadLoRAAdapterRequest, UnloadLoRAAdapterRequest, load_lora_adapter,
@@ -32,8 +33,8 @@ from shared.logging import bind_request_id, clear_request_id, setup_logging
 log = setup_logging("gateway")
 
 REQUEST_ID = "pagedserve.request_id"  # where the middleware leaves the request id in the ASGI scope
-ENDPOINTS = {"/v1/completions", "/v1/chat/completions", "/v1/responses", "/v1/embeddings", "/score", "/v1/score",
-             "/rerank", "/v1/rerank", "/v2/rerank", "/v1/models", "/tokenize", "/detokenize", "/version", "/health",
+ENDPOINTS = {"/v1/completions", "/v1/chat/completions", "/v1/responses", "/v1/embeddings", "/classify",
+             "/v1/classify", "/score", "/v1/score", "/rerank", "/v1/rerank", "/v2/rerank", "/v1/models", "/tokenize", "/detokenize", "/version", "/health",
              "/metrics"}
 API_KEY = "pagedserve.api_key"  # where the auth middleware leaves the caller's ApiKey in the ASGI scope
 
@@ -263,6 +264,11 @@ def create_app(gen: Generator, allowed_origins: tuple[str, ...] = ("*",), auth: 
     @app.post("/v1/embeddings")
     async def embeddings(body: EmbeddingRequest, request: Request):
         return await respond(request, create_embeddings, body)
+
+    for path in ("/classify", "/v1/classify"):  # vLLM's path, and SGLang's
+        @app.post(path)
+        async def classify(body: ClassificationRequest, request: Request):
+            return await respond(request, create_classification, body)
 
     # vLLM's paths: scores at /score and /v1/score; reranking also at Jina's /v1 and Cohere's /v2.
     for path in ("/score", "/v1/score"):

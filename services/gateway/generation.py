@@ -147,6 +147,10 @@ class Model:
         """An embedding input's tokens: lowercased first where the pooling model says (do_lower_case)."""
         return self.encode(self.pooler.text(text) if self.pooler is not None else text, add_special_tokens)
 
+    def encode_pair(self, text_1: str, text_2: str) -> list[int]:
+        """A cross-encoder's input: the two texts tokenized together, as the tokenizer joins a pair."""
+        return list(self.tokenizer(self.pooler.text(text_1), self.pooler.text(text_2)).input_ids)
+
     def answer_name(self, lora: LoRARequest | None) -> str:
         """The model an answer names: the adapter's, when the request ran with one."""
         return lora.name if lora is not None else self.name
@@ -203,11 +207,18 @@ class Model:
     def check_runner(self, pooling: PoolingParams | None) -> None:
         """Embeddings only from a pooling model, generation only from the others; ``dimensions`` as it allows."""
         if pooling is None and self.pooler is not None:
-            raise InvalidParameter(f"The model `{self.name}` is an embedding (pooling) model: it serves "
-                                   "/v1/embeddings only, not generation.", "model")
+            raise InvalidParameter(f"The model `{self.name}` is {'a classifier' if self.pooler.classifies else 'an embedding'} "
+                                   f"(pooling) model: it serves {'/classify' if self.pooler.classifies else '/v1/embeddings'}"
+                                   ", /score and /rerank, not generation.", "model")
         if pooling is not None and self.pooler is None:
             raise InvalidParameter(f"The model `{self.name}` generates text and serves no embeddings: run its worker "
                                    "with --runner pooling for an embedding model.", "model")
+        if pooling is not None and pooling.task != self.pooler.task:
+            raise InvalidParameter(
+                f"The model `{self.name}` is a classifier: it serves /classify, /score and /rerank, not embeddings."
+                if self.pooler.classifies else
+                f"The model `{self.name}` is an embedding model: it serves /v1/embeddings, /score and /rerank, "
+                "not classification.", "model")
         if pooling is not None:
             try:
                 pooling.check_fits(self.pooler)

@@ -11,6 +11,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from services.gateway.call_ids import CallIds
+from services.gateway.classify_api import best_label
 from services.gateway.api_keys import ApiKey
 from services.gateway.auth import Authenticator
 from services.gateway.generation import Generator, InvalidParameter, SeqDelta, TokenLogprob, new_request_id
@@ -137,24 +138,42 @@ class GenerationServicer(api_grpc.GenerationServicer):
 
     async def Embed(self, request, context):
         """Every input's embedding (a pooling engine); cancelling the call aborts them."""
-        request_id = request.request_id or new_request_id("embd")
+        def answer(request_id, model, lora, runs, usage):
+            return api.EmbedResponse(
+                request_id=request_id, model=model.answer_name(lora), usage=usage,
+                embeddings=[api.Embedding(index=run.position, values=run.embedding, prompt_tokens=len(run.prompt))
+                            for run in runs])
+        return await self._pool(request, context, "embd", "embed", answer)
+
+    async def Classify(self, request, context):
+        """Every input's class scores (a sequence classifier); cancelling the call aborts them."""
+        def answer(request_id, model, lora, runs, usage):
+            labels = model.pooler.labels
+            return api.ClassifyResponse(
+                request_id=request_id, model=model.answer_name(lora), usage=usage,
+                classifications=[api.Classification(index=run.position, label=best_label(labels, run.embedding),
+                                                    probs=run.embedding, prompt_tokens=len(run.prompt))
+                                 for run in runs])
+        return await self._pool(request, context, "classify", "classify", answer)
+
+    async def _pool(self, request, context, id_prefix: str, task: str, answer):
+        """An Embed or Classify call: its inputs pooled side by side, then ``answer``'s response."""
+        request_id = request.request_id or new_request_id(id_prefix)
         bind_request_id(request_id)
         try:
             api_key = await self._caller(context)
             async with self.gen.admitted(api_key) as admission:
                 model = await self.gen.model()
                 lora = model.resolve(request.model)
-                pooling = _pooling_params(request)
-                prompts = await asyncio.to_thread(_embed_inputs, model, request)
+                pooling = _pooling_params(request, task)
+                model.check_runner(pooling)
+                prompts = await asyncio.to_thread(_pooling_inputs, model, request)
                 runs = await self.gen.start(model, _engine_id(api_key, request_id), prompts, SamplingParams(),
                                             cache_salt=request.cache_salt if request.HasField("cache_salt") else None,
                                             admission=admission, lora=lora, pooling=pooling)
-            prompt_tokens = sum(len(run.prompt) for run in runs)
-            return api.EmbedResponse(
-                request_id=request_id, model=model.answer_name(lora),
-                embeddings=[api.Embedding(index=run.position, values=run.embedding, prompt_tokens=len(run.prompt))
-                            for run in runs],
-                usage=api.Usage(prompt_tokens=prompt_tokens, cached_prompt_tokens=sum(r.cached_tokens for r in runs)))
+            usage = api.Usage(prompt_tokens=sum(len(run.prompt) for run in runs),
+                              cached_prompt_tokens=sum(run.cached_tokens for run in runs))
+            return answer(request_id, model, lora, runs, usage)
         except grpc.aio.AbortError:
             raise
         except Exception as exc:
@@ -173,15 +192,21 @@ class GenerationServicer(api_grpc.GenerationServicer):
                                               for name in [model.name, *model.adapters]])
 
 
-def _pooling_params(request: api.EmbedRequest) -> PoolingParams:
+def _pooling_params(request: api.EmbedRequest | api.ClassifyRequest, task: str) -> PoolingParams:
     truncate = request.truncate_prompt_tokens if request.HasField("truncate_prompt_tokens") else None
     try:
-        return dataclasses.replace(PoolingParams.from_proto(request.params), truncate_prompt_tokens=truncate)
+        if task == "classify":
+            return PoolingParams(truncate_prompt_tokens=truncate, task=task,
+                                 use_activation=request.use_activation if request.HasField("use_activation") else None)
+        params = api.PoolingParameters()
+        params.CopyFrom(request.params)
+        params.task = task  # the call's, whatever the client put there
+        return dataclasses.replace(PoolingParams.from_proto(params), truncate_prompt_tokens=truncate)
     except ValueError as exc:
         raise InvalidParameter.from_params_error(exc) from None
 
 
-def _embed_inputs(model, request: api.EmbedRequest) -> list[list[int]]:
+def _pooling_inputs(model, request: api.EmbedRequest | api.ClassifyRequest) -> list[list[int]]:
     if not request.inputs:
         raise InvalidParameter("inputs is empty: give at least one text or token ids", "inputs")
     prompts = []

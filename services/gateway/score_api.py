@@ -1,6 +1,8 @@
-"""vLLM's /score and /rerank (Jina's and Cohere's shape) over an embedding model: each pair's score is the
-cosine similarity of the two texts' embeddings, as vLLM scores with embedding models. Each distinct text is
-embedded once (a query against many documents: the query once).
+"""vLLM's /score and /rerank (Jina's and Cohere's shape). Over an embedding model each pair's score is the
+cosine similarity of the two texts' embeddings, each distinct text embedded once (a query against many
+documents: the query once). Over a one-label classifier (a cross-encoder reranker) it is the model's score
+of the pair tokenized together, one engine request per pair (with a shared query first, the prefix cache
+computes the query's tokens once).
 """
 
 from __future__ import annotations
@@ -14,7 +16,7 @@ from pydantic import BaseModel, ConfigDict, field_validator
 
 from services.gateway.api_keys import ApiKey
 from services.gateway.generation import Generator, InvalidParameter
-from shared.pooling import PoolingParams, score_pairs
+from shared.pooling import PoolingParams, check_cross_encoder, score_pairs
 from shared.sampling_params import SamplingParams
 
 
@@ -71,31 +73,43 @@ def cosines(pairs: list[tuple[list[float], list[float]]]) -> list[float]:
     return np.divide(dots, norms, out=np.zeros_like(dots), where=norms > 0).tolist()
 
 
-async def _embed(gen: Generator, requested_model: str | None, texts: list[str], truncate: int | None,
-                 cache_salt: str | None, request_id: str, api_key: ApiKey | None
-                 ) -> tuple[str, dict[str, list[float]], int]:
-    """(the answering model's name, each distinct text's embedding, the prompt tokens embedded)."""
+async def _scores(gen: Generator, requested_model: str | None, first: list[str], second: list[str],
+                  truncate: int | None, cache_salt: str | None, request_id: str, api_key: ApiKey | None
+                  ) -> tuple[str, list[float], int]:
+    """(the answering model's name, each pair's score, the prompt tokens pooled)."""
     async with gen.admitted(api_key) as admission:
         model = await gen.model()
         lora = model.resolve(requested_model)
+        cross_encoder = model.pooler is not None and model.pooler.classifies
+        if cross_encoder:
+            try:
+                check_cross_encoder(model.pooler)
+            except ValueError as exc:
+                raise InvalidParameter(str(exc), "model") from None
         try:
-            pooling = PoolingParams(truncate_prompt_tokens=truncate)
+            pooling = PoolingParams(truncate_prompt_tokens=truncate, task="classify" if cross_encoder else "embed")
         except ValueError as exc:
             raise InvalidParameter.from_params_error(exc, "truncate_prompt_tokens") from None
-        distinct = list(dict.fromkeys(texts))
-        prompts = await asyncio.to_thread(  # off the event loop
-            lambda: [model.encode_input(t) for t in distinct])
+        model.check_runner(pooling)
+        if cross_encoder:
+            prompts = await asyncio.to_thread(lambda: [model.encode_pair(a, b) for a, b in zip(first, second)])
+        else:
+            distinct = list(dict.fromkeys(first + second))
+            prompts = await asyncio.to_thread(lambda: [model.encode_input(t) for t in distinct])  # off the event loop
         runs = await gen.start(model, request_id, prompts, SamplingParams(), cache_salt=cache_salt,
                                admission=admission, lora=lora, pooling=pooling)
+    tokens = sum(len(run.prompt) for run in runs)
+    if cross_encoder:
+        return model.answer_name(lora), [run.embedding[0] for run in runs], tokens
     embeddings = {text: run.embedding for text, run in zip(distinct, runs)}
-    return model.answer_name(lora), embeddings, sum(len(run.prompt) for run in runs)
+    scores = await asyncio.to_thread(cosines, [(embeddings[a], embeddings[b]) for a, b in zip(first, second)])
+    return model.answer_name(lora), scores, tokens
 
 
 async def create_score(gen: Generator, body: ScoreRequest, request_id: str, api_key: ApiKey | None = None) -> dict:
     first, second = body.pairs()
-    name, embeddings, tokens = await _embed(gen, body.model, first + second, body.truncate_prompt_tokens,
-                                            body.cache_salt, request_id, api_key)
-    scores = await asyncio.to_thread(cosines, [(embeddings[a], embeddings[b]) for a, b in zip(first, second)])
+    name, scores, tokens = await _scores(gen, body.model, first, second, body.truncate_prompt_tokens,
+                                         body.cache_salt, request_id, api_key)
     data = [{"index": i, "object": "score", "score": score} for i, score in enumerate(scores)]
     return {"id": f"score-{request_id}", "object": "list", "created": int(time.time()), "model": name, "data": data,
             "usage": {"prompt_tokens": tokens, "total_tokens": tokens}}
@@ -103,10 +117,8 @@ async def create_score(gen: Generator, body: ScoreRequest, request_id: str, api_
 
 async def create_rerank(gen: Generator, body: RerankRequest, request_id: str, api_key: ApiKey | None = None) -> dict:
     documents = body.texts()
-    name, embeddings, tokens = await _embed(gen, body.model, [body.query, *documents], body.truncate_prompt_tokens,
-                                            body.cache_salt, request_id, api_key)
-    query = embeddings[body.query]
-    scores = await asyncio.to_thread(cosines, [(query, embeddings[text]) for text in documents])
+    name, scores, tokens = await _scores(gen, body.model, [body.query] * len(documents), documents,
+                                         body.truncate_prompt_tokens, body.cache_salt, request_id, api_key)
     results = sorted(({"index": i, "document": {"text": text}, "relevance_score": score}
                       for i, (text, score) in enumerate(zip(documents, scores))), key=lambda r: -r["relevance_score"])
     if body.top_n:

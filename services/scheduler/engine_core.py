@@ -141,8 +141,9 @@ class EngineCore:
             raise ValueError("this model generates text and serves no embeddings: start its worker with "
                              "--runner pooling (LLM(runner='pooling')) for an embedding model")
         if pooling is None:
-            raise ValueError("this model is a pooling model (runner 'pooling'): it serves embeddings only "
-                             "(/v1/embeddings, LLM.embed), not generation")
+            served = "class scores only (/classify, LLM.classify)" if pooler.classifies else \
+                "embeddings only (/v1/embeddings, LLM.embed)"
+            raise ValueError(f"this model is a pooling model (runner 'pooling'): it serves {served}, not generation")
         self._check_request(request_id, prompt, cache_salt)
         pooling.check_fits(pooler)
         if len(prompt) > self.info.max_model_len:

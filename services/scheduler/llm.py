@@ -30,8 +30,9 @@ from shared.grpc_errors import ServiceUnavailable
 from shared.model_config import ModelConfig
 from shared.lora import LoRARequest
 from shared.model_factory import default_model_dir
-from shared.outputs import EmbeddingOutput, EmbeddingRequestOutput, RequestOutput, ScoringOutput, ScoringRequestOutput
-from shared.pooling import PoolingParams, score_pairs
+from shared.outputs import (ClassificationOutput, ClassificationRequestOutput, EmbeddingOutput, EmbeddingRequestOutput,
+                            RequestOutput, ScoringOutput, ScoringRequestOutput)
+from shared.pooling import PoolingParams, check_cross_encoder, score_pairs
 from shared.sampling_params import SamplingParams
 from shared.tokenizer import load_tokenizer, render_chat
 
@@ -134,8 +135,49 @@ class LLM:
         """One embedding per prompt, in input order (a pooling model: ``LLM(runner="pooling")``, or "auto" for a
         sentence-transformers directory); one PoolingParams for all, or one per prompt. ``truncate_prompt_tokens``
         is vLLM's keyword for the PoolingParams field."""
+        pooled = self._pool(prompts, pooling_params, "embed", use_tqdm, lora_request, truncate_prompt_tokens)
+        return [EmbeddingRequestOutput(request_id, text, token_ids, EmbeddingOutput(vector), num_cached_tokens=cached)
+                for request_id, text, token_ids, vector, cached in pooled]
+
+    def classify(self, prompts: PromptType | SequenceABC[PromptType],
+                 pooling_params: PoolingParams | SequenceABC[PoolingParams] | None = None,
+                 use_tqdm: bool = True, lora_request: LoRARequest | SequenceABC[LoRARequest | None] | None = None,
+                 truncate_prompt_tokens: int | None = None) -> list[ClassificationRequestOutput]:
+        """Each prompt's class scores, in input order (a sequence classifier: ``*ForSequenceClassification``);
+        ``PoolingParams(task="classify", use_activation=False)`` gives the raw logits."""
+        pooled = self._pool(prompts, pooling_params, "classify", use_tqdm, lora_request, truncate_prompt_tokens)
+        return [ClassificationRequestOutput(request_id, text, token_ids, ClassificationOutput(vector),
+                                            num_cached_tokens=cached)
+                for request_id, text, token_ids, vector, cached in pooled]
+
+    def score(self, text_1: str | SequenceABC[str], text_2: str | SequenceABC[str], use_tqdm: bool = True,
+              lora_request: LoRARequest | None = None,
+              truncate_prompt_tokens: int | None = None) -> list[ScoringRequestOutput]:
+        """vLLM's LLM.score: each pair's score (one text_1 against every text_2, or pair by pair). With an
+        embedding model, the cosine similarity of the two texts' embeddings (each distinct text embedded
+        once); with a one-label classifier (a cross-encoder), its score of the pair tokenized together."""
+        first, second = score_pairs(text_1, text_2)
+        pooler = self.engine.info.pooler
+        if pooler is not None and pooler.classifies:
+            check_cross_encoder(pooler)
+            pairs = [{"prompt_token_ids": self.tokenizer(a, b).input_ids} for a, b in zip(first, second)]
+            outputs = self.classify(pairs, use_tqdm=use_tqdm, lora_request=lora_request,
+                                    truncate_prompt_tokens=truncate_prompt_tokens)
+            return [ScoringRequestOutput(str(next(self._request_ids)), ScoringOutput(out.outputs.probs[0]))
+                    for out in outputs]
+        distinct = list(dict.fromkeys(first + second))
+        outputs = self.embed(distinct, use_tqdm=use_tqdm, lora_request=lora_request,
+                             truncate_prompt_tokens=truncate_prompt_tokens)
+        vectors = {text: torch.tensor(out.outputs.embedding, dtype=torch.float64) for text, out in zip(distinct, outputs)}
+        return [ScoringRequestOutput(str(next(self._request_ids)), ScoringOutput(
+                    torch.nn.functional.cosine_similarity(vectors[a], vectors[b], dim=0).item()))
+                for a, b in zip(first, second)]
+
+    def _pool(self, prompts, pooling_params, task: str, use_tqdm: bool, lora_request,
+              truncate_prompt_tokens: int | None) -> list[tuple[str, str | None, list[int], list[float], int]]:
+        """(request id, text, token ids, pooled vector, cached prompt tokens) per prompt, in input order."""
         prompts = self._prompt_list(prompts)
-        params = self._pooling_per_prompt(pooling_params, len(prompts))
+        params = self._pooling_per_prompt(pooling_params, len(prompts), task)
         if truncate_prompt_tokens is not None:
             params = [dataclasses.replace(p, truncate_prompt_tokens=truncate_prompt_tokens) for p in params]
         loras = self._loras_per_prompt(lora_request, len(prompts))
@@ -154,33 +196,17 @@ class LLM:
             for (request_id, _, token_ids), lora, p in zip(requests, loras, params):
                 self.engine.add_request(request_id, token_ids, SamplingParams(), lora=lora, pooling=p)
                 added.append(request_id)
-            embeddings = self._run_embeddings({request_id for request_id, *_ in requests}, use_tqdm)
+            pooled = self._run_pooling({request_id for request_id, *_ in requests}, use_tqdm)
         except BaseException:
             for request_id in added:
                 self.engine.abort_request(request_id)
             raise
-        return [EmbeddingRequestOutput(request_id, text, token_ids, EmbeddingOutput(embeddings[request_id][0]),
-                                       num_cached_tokens=embeddings[request_id][1])
-                for request_id, text, token_ids in requests]
+        return [(request_id, text, token_ids, *pooled[request_id]) for request_id, text, token_ids in requests]
 
-    def score(self, text_1: str | SequenceABC[str], text_2: str | SequenceABC[str], use_tqdm: bool = True,
-              lora_request: LoRARequest | None = None,
-              truncate_prompt_tokens: int | None = None) -> list[ScoringRequestOutput]:
-        """vLLM's LLM.score with an embedding model: each pair's cosine similarity (one text_1 against every
-        text_2, or pair by pair); each distinct text is embedded once."""
-        first, second = score_pairs(text_1, text_2)
-        distinct = list(dict.fromkeys(first + second))
-        outputs = self.embed(distinct, use_tqdm=use_tqdm, lora_request=lora_request,
-                             truncate_prompt_tokens=truncate_prompt_tokens)
-        vectors = {text: torch.tensor(out.outputs.embedding, dtype=torch.float64) for text, out in zip(distinct, outputs)}
-        return [ScoringRequestOutput(str(next(self._request_ids)), ScoringOutput(
-                    torch.nn.functional.cosine_similarity(vectors[a], vectors[b], dim=0).item()))
-                for a, b in zip(first, second)]
-
-    def _run_embeddings(self, request_ids: set[str], use_tqdm: bool) -> dict[str, tuple[list[float], int]]:
-        """Steps until every request has its embedding: (embedding, cached prompt tokens) by request id."""
+    def _run_pooling(self, request_ids: set[str], use_tqdm: bool) -> dict[str, tuple[list[float], int]]:
+        """Steps until every request has its pooled output: (vector, cached prompt tokens) by request id."""
         done: dict[str, tuple[list[float], int]] = {}
-        progress = tqdm(total=len(request_ids), desc="Embedding", disable=not use_tqdm, dynamic_ncols=True)
+        progress = tqdm(total=len(request_ids), desc="Pooling", disable=not use_tqdm, dynamic_ncols=True)
         try:
             while self.engine.has_unfinished():
                 for update in self.engine.step():
@@ -223,14 +249,18 @@ class LLM:
         return params
 
     @staticmethod
-    def _pooling_per_prompt(pooling_params, count: int) -> list[PoolingParams]:
+    def _pooling_per_prompt(pooling_params, count: int, task: str) -> list[PoolingParams]:
         if pooling_params is None or isinstance(pooling_params, PoolingParams):
-            return [pooling_params or PoolingParams()] * count
-        params = list(pooling_params) if isinstance(pooling_params, Iterable) and \
-            not isinstance(pooling_params, (str, dict)) else None
-        if params is None or len(params) != count or not all(isinstance(p, PoolingParams) for p in params):
-            raise ValueError(f"pooling_params must be PoolingParams, or one PoolingParams per prompt ({count}), got "
-                             f"{pooling_params!r:.200}")
+            params = [pooling_params or PoolingParams(task=task)] * count
+        else:
+            params = list(pooling_params) if isinstance(pooling_params, Iterable) and \
+                not isinstance(pooling_params, (str, dict)) else None
+            if params is None or len(params) != count or not all(isinstance(p, PoolingParams) for p in params):
+                raise ValueError(f"pooling_params must be PoolingParams, or one PoolingParams per prompt ({count}), "
+                                 f"got {pooling_params!r:.200}")
+        wrong = next((p for p in params if p.task != task), None)
+        if wrong is not None:
+            raise ValueError(f"LLM.{task} takes PoolingParams(task={task!r}), got task={wrong.task!r}")
         return params
 
     @staticmethod

@@ -5,7 +5,9 @@ its chunks so far leave to pool: nothing for "last" (its last chunk's last state
 running float32 sum for "mean", the first state for "cls". The scheduler computes "mean" and "cls"
 prompts from their start (no prefix-cache hit), and a sequence preempted by recompute comes back new, so
 the state always covers every token before the step's. Embeddings are pooled in float32, cut to a
-request's ``dimensions``, then normalized (as sentence-transformers cuts matryoshka embeddings).
+request's ``dimensions``, then normalized (as sentence-transformers cuts matryoshka embeddings). A
+classifier's pooled states go through its score head in one batch on the device; each request's logits
+then through the activation (or not: ``use_activation`` false).
 """
 
 from __future__ import annotations
@@ -14,6 +16,10 @@ import torch
 import torch.nn.functional as F
 
 from shared.pooling import PoolerConfig, PoolingParams
+
+
+_ACTIVATIONS = {"sigmoid": torch.sigmoid, "softmax": lambda logits: torch.softmax(logits, dim=0),
+                "identity": lambda logits: logits}
 
 
 class PoolingState:
@@ -55,7 +61,10 @@ class Pooler:
         return last_row.float()
 
     def finish(self, vector: torch.Tensor, params: PoolingParams) -> torch.Tensor:
-        """A pooled vector as the request asked: cut to its dimensions, then normalized (or not)."""
+        """A pooled vector as the request asked: cut to its dimensions, then normalized (or not); a
+        classifier's logits through its activation, unless the request turns it off."""
+        if self.config.classifies:
+            return vector if params.use_activation is False else _ACTIVATIONS[self.config.activation](vector)
         if params.dimensions is not None:
             vector = vector[:params.dimensions]
         normalize = self.config.normalize if params.normalize is None else params.normalize

@@ -71,7 +71,8 @@ class Worker:
             cpu_kernels_unavailable_reason()  # build (or load) the C++ kernels now, not inside the first step
         self.model_dir = Path(config.model) if config.model else default_model_dir()
         self.model_config = ModelConfig.from_model_dir(self.model_dir)
-        # A pooling model returns embeddings instead of tokens (shared/pooling.py): no logits head, no sampling.
+        # A pooling model returns embeddings (or a classifier's class scores) instead of tokens
+        # (shared/pooling.py): no logits head, no sampling.
         pooling = resolve_runner(config.runner, self.model_dir) == "pooling"
         self.pooler = Pooler(read_pooler_config(self.model_dir, self.model_config.hidden_size)) if pooling else None
         if pooling and config.speculative_config is not None:
@@ -84,7 +85,8 @@ class Worker:
         # From here on model_config is this rank's share (its heads, KV pools and MLP columns), not the
         # whole model's; with one rank the two are the same.
         self.model, self.model_config = load_model(self.model_dir, self.dtype, self.device, tp=self.tp,
-                                                   with_head=not pooling)
+                                                   with_head=not pooling,
+                                                   num_labels=len(self.pooler.config.labels) if pooling else 0)
         # Room for the adapters is taken before the KV budget is measured.
         self.adapters = AdapterSlots(self.model, config.max_loras, config.max_lora_rank, self.tp) \
             if config.enable_lora else None
@@ -398,7 +400,10 @@ class Worker:
                 finished.append((i, seq, self.pooler.pooled(seq.pool_state, rows[-1])))
         if not finished:
             return {}
-        vectors = torch.stack([vector for *_, vector in finished]).cpu()
+        vectors = torch.stack([vector for *_, vector in finished])
+        if self.pooler.config.classifies:
+            vectors = self.model.classify(vectors)  # the logits; the activation is each request's (finish)
+        vectors = vectors.cpu()
         finite = torch.isfinite(vectors).all(dim=1).tolist()
         outputs = {}
         for (i, seq, _), vector, ok in zip(finished, vectors, finite):

@@ -54,6 +54,11 @@ class GenerationStub:
                 request_serializer=pagedserve__api__pb2.EmbedRequest.SerializeToString,
                 response_deserializer=pagedserve__api__pb2.EmbedResponse.FromString,
                 _registered_method=True)
+        self.Classify = channel.unary_unary(
+                '/pagedserve.api.v1.Generation/Classify',
+                request_serializer=pagedserve__api__pb2.ClassifyRequest.SerializeToString,
+                response_deserializer=pagedserve__api__pb2.ClassifyResponse.FromString,
+                _registered_method=True)
 
 
 class GenerationServicer:
@@ -87,6 +92,13 @@ class GenerationServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Classify(self, request, context):
+        """Classifies each input with a sequence classifier (a pooling engine whose model has a score head).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_GenerationServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -109,6 +121,11 @@ def add_GenerationServicer_to_server(servicer, server):
                     servicer.Embed,
                     request_deserializer=pagedserve__api__pb2.EmbedRequest.FromString,
                     response_serializer=pagedserve__api__pb2.EmbedResponse.SerializeToString,
+            ),
+            'Classify': grpc.unary_unary_rpc_method_handler(
+                    servicer.Classify,
+                    request_deserializer=pagedserve__api__pb2.ClassifyRequest.FromString,
+                    response_serializer=pagedserve__api__pb2.ClassifyResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -219,6 +236,33 @@ class Generation:
             '/pagedserve.api.v1.Generation/Embed',
             pagedserve__api__pb2.EmbedRequest.SerializeToString,
             pagedserve__api__pb2.EmbedResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Classify(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/pagedserve.api.v1.Generation/Classify',
+            pagedserve__api__pb2.ClassifyRequest.SerializeToString,
+            pagedserve__api__pb2.ClassifyResponse.FromString,
             options,
             channel_credentials,
             insecure,

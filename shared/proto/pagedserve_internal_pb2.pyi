@@ -30,7 +30,7 @@ class EngineRequest(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., params: _Optional[_Union[_pagedserve_api_pb2.SamplingParameters, _Mapping]] = ..., cache_salt: _Optional[str] = ..., resumed: _Optional[_Iterable[_Union[ResumedSequence, _Mapping]]] = ..., lora: _Optional[_Union[LoRAAdapter, _Mapping]] = ..., pooling: _Optional[_Union[_pagedserve_api_pb2.PoolingParameters, _Mapping]] = ...) -> None: ...
 
 class PoolerInfo(_message.Message):
-    __slots__ = ("pooling_type", "normalize", "hidden_size", "matryoshka", "matryoshka_dimensions", "max_seq_length", "lowercase")
+    __slots__ = ("pooling_type", "normalize", "hidden_size", "matryoshka", "matryoshka_dimensions", "max_seq_length", "lowercase", "labels", "activation")
     POOLING_TYPE_FIELD_NUMBER: _ClassVar[int]
     NORMALIZE_FIELD_NUMBER: _ClassVar[int]
     HIDDEN_SIZE_FIELD_NUMBER: _ClassVar[int]
@@ -38,6 +38,8 @@ class PoolerInfo(_message.Message):
     MATRYOSHKA_DIMENSIONS_FIELD_NUMBER: _ClassVar[int]
     MAX_SEQ_LENGTH_FIELD_NUMBER: _ClassVar[int]
     LOWERCASE_FIELD_NUMBER: _ClassVar[int]
+    LABELS_FIELD_NUMBER: _ClassVar[int]
+    ACTIVATION_FIELD_NUMBER: _ClassVar[int]
     pooling_type: str
     normalize: bool
     hidden_size: int
@@ -45,7 +47,9 @@ class PoolerInfo(_message.Message):
     matryoshka_dimensions: _containers.RepeatedScalarFieldContainer[int]
     max_seq_length: int
     lowercase: bool
-    def __init__(self, pooling_type: _Optional[str] = ..., normalize: _Optional[bool] = ..., hidden_size: _Optional[int] = ..., matryoshka: _Optional[bool] = ..., matryoshka_dimensions: _Optional[_Iterable[int]] = ..., max_seq_length: _Optional[int] = ..., lowercase: _Optional[bool] = ...) -> None: ...
+    labels: _containers.RepeatedScalarFieldContainer[str]
+    activation: str
+    def __init__(self, pooling_type: _Optional[str] = ..., normalize: _Optional[bool] = ..., hidden_size: _Optional[int] = ..., matryoshka: _Optional[bool] = ..., matryoshka_dimensions: _Optional[_Iterable[int]] = ..., max_seq_length: _Optional[int] = ..., lowercase: _Optional[bool] = ..., labels: _Optional[_Iterable[str]] = ..., activation: _Optional[str] = ...) -> None: ...
 
 class LoRAAdapter(_message.Message):
     __slots__ = ("name", "path")

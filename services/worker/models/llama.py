@@ -110,10 +110,11 @@ class DecoderLayer(nn.Module):
 
 class LlamaForCausalLM(nn.Module):
     def __init__(self, config: ModelConfig, tp: TensorParallel = TensorParallel(), kv_replicas: int = 1,
-                 with_head: bool = True):
+                 with_head: bool = True, num_labels: int = 0):
         """``config``: this rank's share of the model (the whole model on a single rank); ``kv_replicas``:
         how many ranks hold each KV head (more than one when the model has fewer KV heads than ranks);
-        ``with_head``: False for a pooling model, which needs no logits (and whose checkpoint may have no head)."""
+        ``with_head``: False for a pooling model, which needs no logits (and whose checkpoint may have no head);
+        ``num_labels``: a sequence classifier's, whose ``score`` head maps a state to one logit per label."""
         super().__init__()
         self.config = config
         self.with_head = with_head
@@ -132,6 +133,8 @@ class LlamaForCausalLM(nn.Module):
         if with_head and not config.tie_word_embeddings:
             self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         self.packed_logits: PackedLinear | None = None  # set by pack_linear_weights
+        if num_labels:  # whole on every rank: a few rows
+            self.score = nn.Linear(config.hidden_size, num_labels, bias=False)
 
     @property
     def lm_head_weight(self) -> torch.Tensor:
@@ -205,6 +208,11 @@ class LlamaForCausalLM(nn.Module):
             return self.packed_logits(hidden).float()
         return F.linear(hidden, self.lm_head_weight).float()
 
+    def classify(self, pooled: torch.Tensor) -> torch.Tensor:
+        """A classifier's float32 logits ``[N, num_labels]`` for pooled float32 states ``[N, hidden]`` (in the
+        model's dtype, as transformers computes them; the head may be packed, see pack_linear_weights)."""
+        return self.score(pooled.to(self.embed_tokens.weight.dtype)).float()
+
     # ---- loading -----------------------------------------------------------------------------
 
     def _weight_targets(self) -> WeightTargets:
@@ -214,6 +222,8 @@ class LlamaForCausalLM(nn.Module):
         targets.whole("model.norm.weight", self.norm.weight)
         if self.with_head and not self.config.tie_word_embeddings:
             targets.whole("lm_head.weight", self.lm_head.weight)
+        if hasattr(self, "score"):
+            targets.whole("score.weight", self.score.weight)
         for i, layer in enumerate(self.layers):
             p, attn = f"model.layers.{i}", layer.self_attn
             targets.whole(f"{p}.input_layernorm.weight", layer.input_layernorm.weight)
