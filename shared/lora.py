@@ -127,7 +127,7 @@ def _refuse_unsupported(raw: dict, config_file: Path) -> None:
         raise ValueError(f"{config_file}: peft_type {peft_type!r} is not supported, only LORA")
     refused = {
         "use_dora": "DoRA adapters are not supported",
-        "modules_to_save": "modules_to_save (fully trained modules beside the adapter) is not supported",
+        "modules_to_save": "modules_to_save (fully trained modules beside the adapter, such as a classifier's score head) is not supported",
         "rank_pattern": "per-module ranks (rank_pattern) are not supported",
         "alpha_pattern": "per-module alphas (alpha_pattern) are not supported",
         "fan_in_fan_out": "fan_in_fan_out (transposed, Conv1D-style weights) is not supported",

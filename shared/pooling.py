@@ -9,8 +9,8 @@ vLLM does for decoder models (e5-mistral, gte-Qwen2, Qwen3-Embedding all pool th
 
 A sequence classifier (``Qwen2ForSequenceClassification``: a ``score`` head of one row per label over the
 last token's state) is a pooling model too: its output is the head's logits through an activation, sigmoid
-for one label (a cross-encoder reranker's relevance) and softmax across more, or the one its
-sentence-transformers cross-encoder config names. A request's ``task`` says which output it wants:
+for one label (a cross-encoder reranker's relevance) and softmax across more, none for a regressor, or
+the one its sentence-transformers cross-encoder config names. A request's ``task`` says which output it wants:
 ``embed`` from an embedding model, ``classify`` from a classifier; each model refuses the other.
 
 ``resolve_runner("auto", dir)`` picks ``pooling`` for a directory that is a sentence-transformers model or
@@ -21,7 +21,7 @@ sequence classifiers, else ``generate``.
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -115,14 +115,16 @@ class PoolingParams:
     # tokenized (the front ends), so it does not travel to the engine.
     truncate_prompt_tokens: int | None = None
     use_activation: bool | None = None  # classify: False gives the raw logits; None or True: the model's activation
-    task: str = "embed"  # "embed" (an embedding model's vector) or "classify" (a classifier's class scores)
+    # "embed" (an embedding model's vector) or "classify" (a classifier's class scores); None, as in vLLM:
+    # the entry point's (LLM.embed, LLM.classify, the gateway's endpoints), set through with_task.
+    task: str | None = None
 
     def __post_init__(self) -> None:
-        if self.task not in TASKS:
+        if self.task is not None and self.task not in TASKS:
             raise ValueError(f"PoolingParams.task must be one of {TASKS}, got {self.task!r}")
         if self.use_activation is not None and not isinstance(self.use_activation, bool):
             raise ValueError(f"PoolingParams.use_activation must be true, false or null, got {self.use_activation!r}")
-        wrong = ("dimensions", "normalize") if self.task == "classify" else ("use_activation",)
+        wrong = {"classify": ("dimensions", "normalize"), "embed": ("use_activation",)}.get(self.task, ())
         for name in wrong:
             if getattr(self, name) is not None:
                 raise ValueError(f"PoolingParams.{name} does not apply to the {self.task} task")
@@ -136,16 +138,21 @@ class PoolingParams:
             raise ValueError(f"PoolingParams.truncate_prompt_tokens must be an integer >= 1, or -1 (the context "
                              f"length), got {k!r}")
 
+    def with_task(self, task: str) -> "PoolingParams":
+        """These params for ``task`` (ValueError if they name another, or fields it does not take)."""
+        if self.task not in (None, task):
+            raise ValueError(f"PoolingParams.task is {self.task!r}, but this asks for {task!r}")
+        return self if self.task == task else replace(self, task=task)
+
     def truncated(self, prompt_token_ids: list[int], max_model_len: int) -> list[int]:
         """The prompt as the engine takes it (its last truncate_prompt_tokens tokens)."""
-        k = self.truncate_prompt_tokens
-        if k is not None and k > max_model_len:
-            raise ValueError(f"PoolingParams.truncate_prompt_tokens ({k}) exceeds the context length "
-                             f"({max_model_len}); use -1 for as many tokens as the context holds")
-        return keep_last_tokens(prompt_token_ids, k, max_model_len)
+        token_limit(self.truncate_prompt_tokens, max_model_len)  # ValueError past the context
+        return keep_last_tokens(prompt_token_ids, self.truncate_prompt_tokens, max_model_len)
 
     def check_fits(self, pooler: PoolerConfig) -> None:
-        """ValueError unless the model can give what is asked."""
+        """ValueError unless the model can give what is asked (no task: the model's)."""
+        if self.task is None:
+            return self.with_task(pooler.task).check_fits(pooler)
         if self.task != pooler.task:
             raise ValueError(f"this model is {'a classifier' if pooler.classifies else 'an embedding model'}: it "
                              f"serves the {pooler.task} task, not {self.task} ("
@@ -172,25 +179,30 @@ class PoolingParams:
             m.normalize = self.normalize
         if self.use_activation is not None:
             m.use_activation = self.use_activation
-        m.task = self.task
+        m.task = self.task or ""
         return m
 
     @classmethod
     def from_proto(cls, m: api.PoolingParameters) -> "PoolingParams":
         return cls(m.dimensions if m.HasField("dimensions") else None,
                    m.normalize if m.HasField("normalize") else None, None,
-                   m.use_activation if m.HasField("use_activation") else None, m.task or "embed")
+                   m.use_activation if m.HasField("use_activation") else None, m.task or None)
 
 
 def resolve_runner(runner: str, model_dir: Path) -> str:
     """``generate`` or ``pooling``: as asked, or for ``auto`` as the directory looks (module docstring)."""
     if runner not in RUNNERS:
         raise ValueError(f"runner must be one of {RUNNERS}, got {runner!r}")
+    config = _read_json(model_dir / "config.json")
+    if runner == "generate" and is_classifier(config):
+        names = ", ".join(map(str, config["architectures"]))
+        raise ValueError(f"{model_dir / 'config.json'}: a sequence classifier ({names}) has no language-model head "
+                         "to generate with; serve it with runner 'pooling' (or 'auto')")
     if runner != "auto":
         return runner
     if (model_dir / MODULES_FILE).is_file():
         return "pooling"
-    architectures = _read_json(model_dir / "config.json").get("architectures") or []
+    architectures = config.get("architectures") or []
     bare = architectures and all(isinstance(a, str) and a.endswith(("Model", CLASSIFIER_SUFFIX))
                                  for a in architectures)
     return "pooling" if bare else "generate"
@@ -258,12 +270,16 @@ def _classifier(config: dict, file: Path, hidden_size: int) -> PoolerConfig:
     if not id2label or (count is not None and count != len(id2label)):
         raise ValueError(f"{file}: num_labels {count} and id2label's {len(id2label)} labels disagree (or none)")
     labels = tuple(id2label[str(i)] for i in range(len(id2label)))
-    named = (config.get("sentence_transformers") or {}).get("activation_fn")
+    # sentence-transformers' cross-encoder names its activation (older versions in a key of their own).
+    named = (config.get("sentence_transformers") or {}).get("activation_fn") or \
+        config.get("sbert_ce_default_activation_function")
     if named is not None:
         if named not in _CROSS_ENCODER_ACTIVATIONS:
             raise ValueError(f"{file}: sentence_transformers.activation_fn {named!r} is not supported (only "
                              f"{', '.join(_CROSS_ENCODER_ACTIVATIONS)})")
         activation = _CROSS_ENCODER_ACTIVATIONS[named]
+    elif config.get("problem_type") == "regression":
+        activation = "identity"  # a score on a scale (an STS regressor), not a probability
     elif len(labels) == 1 or config.get("problem_type") == "multi_label_classification":
         activation = "sigmoid"  # each label on its own
     else:
@@ -320,3 +336,18 @@ def check_cross_encoder(pooler: PoolerConfig) -> None:
     if len(pooler.labels) != 1:
         raise ValueError(f"scoring pairs takes a classifier with one label (a cross-encoder); this one has "
                          f"{len(pooler.labels)} ({', '.join(pooler.labels)}): classify the texts instead")
+
+
+def token_limit(truncate_prompt_tokens: int | None, max_model_len: int) -> int | None:
+    """The most tokens a prompt keeps (None: all). A cross-encoder's pair is cut by the tokenizer, which
+    trims the longer text to fit, as vLLM truncates pairs (keeping the last tokens would cut the query)."""
+    k = truncate_prompt_tokens
+    if k is None:
+        return None
+    if not isinstance(k, int) or isinstance(k, bool) or not (k >= 1 or k == -1):
+        raise ValueError(f"PoolingParams.truncate_prompt_tokens must be an integer >= 1, or -1 (the context "
+                         f"length), got {k!r}")
+    if k > max_model_len:
+        raise ValueError(f"PoolingParams.truncate_prompt_tokens ({k}) exceeds the context length "
+                         f"({max_model_len}); use -1 for as many tokens as the context holds")
+    return max_model_len if k == -1 else k

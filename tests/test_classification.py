@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from pagedserve import LLM, PoolingParams
+from services.gateway.classify_api import best_label
 from shared.pooling import PoolerConfig, read_pooler_config, resolve_runner
 from shared.proto import pagedserve_api_pb2 as api
 from shared.proto import pagedserve_api_pb2_grpc as api_grpc
@@ -60,25 +61,36 @@ def test_a_classifier_directory_gives_its_labels_and_activation(three_labels, cr
         return read_pooler_config(tmp_path, 64)
 
     assert config_with(problem_type="multi_label_classification").activation == "sigmoid"
+    assert config_with(problem_type="regression").activation == "identity"
     assert config_with(sentence_transformers={"activation_fn": "torch.nn.modules.linear.Identity"}).activation == \
         "identity"
+    assert config_with(sbert_ce_default_activation_function="torch.nn.modules.activation.Sigmoid").activation == \
+        "sigmoid"
     assert config_with(id2label=None, label2id=None).labels == ("LABEL_0", "LABEL_1")  # transformers' default
     for changes, error in (({"id2label": {"0": "a", "2": "b"}}, "id2label must map"),
                            ({"num_labels": 2}, "disagree"),
                            ({"sentence_transformers": {"activation_fn": "torch.nn.Tanh"}}, "not supported")):
         with pytest.raises(ValueError, match=error):
             config_with(**changes)
+    with pytest.raises(ValueError, match="no language-model head"):
+        resolve_runner("generate", three_labels)
+    assert best_label(("a", "b", "c"), [0.2, 0.5, 0.3]) == "b" and best_label(("a", "b"), [0.9, 0.1]) == "a"
 
 
 def test_pooling_params_keep_each_task_s_fields_to_it():
     for bad, error in ((dict(task="classify", dimensions=8), "dimensions does not apply"),
                        (dict(task="classify", normalize=True), "normalize does not apply"),
-                       (dict(use_activation=False), "use_activation does not apply"),
+                       (dict(task="embed", use_activation=False), "use_activation does not apply"),
                        (dict(task="rank"), "task must be one of"), (dict(task="classify", use_activation=1), "true")):
         with pytest.raises(ValueError, match=error):
             PoolingParams(**bad)
-    params = PoolingParams(task="classify", use_activation=False)
-    assert PoolingParams.from_proto(params.to_proto()) == params
+    # As in vLLM, the task is the entry point's: a request's fields are checked against it then.
+    with pytest.raises(ValueError, match="use_activation does not apply to the embed task"):
+        PoolingParams(use_activation=False).with_task("embed")
+    with pytest.raises(ValueError, match="task is 'embed', but this asks for 'classify'"):
+        PoolingParams(task="embed").with_task("classify")
+    for params in (PoolingParams(use_activation=False).with_task("classify"), PoolingParams(dimensions=4)):
+        assert PoolingParams.from_proto(params.to_proto()) == params
 
 
 def test_class_scores_equal_transformers_across_chunks_and_prefix_cache_hits(three_labels):
@@ -89,8 +101,8 @@ def test_class_scores_equal_transformers_across_chunks_and_prefix_cache_hits(thr
     prompts = random_prompts(rng, 6, 60) + [shared + p for p in random_prompts(rng, 3, 20)]
     first = llm.classify([{"prompt_token_ids": p} for p in prompts], use_tqdm=False)
     again = llm.classify([{"prompt_token_ids": p} for p in prompts[-3:]], use_tqdm=False)
-    raw = llm.classify([{"prompt_token_ids": p} for p in prompts[:2]],
-                       PoolingParams(task="classify", use_activation=False), use_tqdm=False)
+    raw = llm.classify([{"prompt_token_ids": p} for p in prompts[:2]], PoolingParams(use_activation=False),
+                       use_tqdm=False)
     for i, (prompt, out) in enumerate(zip(prompts, first)):
         assert out.outputs.num_classes == 3
         assert_close(out.outputs.probs, hf_class_scores(three_labels, prompt), f"prompt {i} (seed {seed})")
@@ -105,8 +117,8 @@ def test_class_scores_equal_transformers_across_chunks_and_prefix_cache_hits(thr
         llm.generate("hello", use_tqdm=False)
     with pytest.raises(ValueError, match="one label"):
         llm.score("a", ["b"], use_tqdm=False)
-    with pytest.raises(ValueError, match="LLM.classify takes PoolingParams"):
-        llm.classify("a", PoolingParams(), use_tqdm=False)
+    with pytest.raises(ValueError, match="task is 'embed'"):
+        llm.classify("a", PoolingParams(task="embed"), use_tqdm=False)
     assert llm.classify("hello", use_tqdm=False)[0].outputs.probs == pytest.approx(
         hf_class_scores(three_labels, tokenizer_of(three_labels)("hello").input_ids).tolist(), abs=1e-4)
     assert llm.stats()["kv_blocks_used"] == 0
@@ -131,9 +143,29 @@ def test_a_cross_encoder_scores_each_pair_tokenized_together(cross_encoder):
     for i, (document, out) in enumerate(zip(documents, scored)):
         ref = hf_class_scores(cross_encoder, tokenizer(query, document).input_ids, activation="sigmoid")
         assert_close([out.outputs.score], ref, f"pair {i} (seed {seed})")
-    pair = llm.score([documents[0], documents[1]], [query, query], use_tqdm=False)
-    ref = hf_class_scores(cross_encoder, tokenizer(documents[1], query).input_ids, activation="sigmoid")
-    assert_close([pair[1].outputs.score], ref, f"pair by pair (seed {seed})")
+    pair = llm.score([documents[0], documents[1]], [query, query], use_tqdm=False,
+                     pooling_params=PoolingParams(use_activation=False))
+    ref = hf_class_scores(cross_encoder, tokenizer(documents[1], query).input_ids, activation=None)
+    assert_close([pair[1].outputs.score], ref, f"pair by pair, the logit (seed {seed})")
+    # Truncation trims the longer text of a pair (the document), as the tokenizer does: the query stays whole.
+    short_query, long_document = "blue sky", " ".join(["tree sun"] * 40)
+    (cut,) = llm.score(short_query, long_document, use_tqdm=False, truncate_prompt_tokens=24)
+    kept = tokenizer(short_query, long_document, truncation=True, max_length=24).input_ids
+    assert len(kept) == 24 and kept[:len(tokenizer(short_query).input_ids)] == tokenizer(short_query).input_ids
+    assert_close([cut.outputs.score], hf_class_scores(cross_encoder, kept, "sigmoid"), f"truncated (seed {seed})")
+    llm.close()
+
+
+def test_a_bfloat16_classifier_scores_as_transformers_does(three_labels):
+    # The head runs in the model's dtype on the float32 pooled state: bfloat16 rounding, not garbage.
+    rng, seed = fresh_rng()
+    llm = small_engine(three_labels, dtype="bfloat16")
+    prompts = random_prompts(rng, 4, 40)
+    for i, (prompt, out) in enumerate(zip(prompts, llm.classify([{"prompt_token_ids": p} for p in prompts],
+                                                                use_tqdm=False))):
+        error = (torch.tensor(out.outputs.probs) - hf_class_scores(three_labels, prompt)).abs().max().item()
+        assert error < 0.05 and sum(out.outputs.probs) == pytest.approx(1.0, abs=1e-5), \
+            f"prompt {i}: error {error:.3f} (seed {seed})"
     llm.close()
 
 
@@ -173,6 +205,9 @@ def test_classify_score_and_rerank_over_http(stack, cross_encoder):
     status, scored = post_json(stack, "/score", {"text_1": query, "text_2": documents})
     assert status == 200, scored
     assert_close([d["score"] for d in scored["data"]], torch.tensor(expected), f"/score (seed {seed})")
+    status, raw = post_json(stack, "/v1/score", {"text_1": query, "text_2": documents[:1], "use_activation": False})
+    assert status == 200 and raw["data"][0]["score"] == pytest.approx(
+        hf_class_scores(cross_encoder, tokenizer(query, documents[0]).input_ids, None).item(), abs=1e-4), raw
     status, ranked = post_json(stack, "/v1/rerank", {"query": query, "documents": documents, "top_n": 2})
     assert status == 200, ranked
     best = sorted(range(3), key=lambda i: -expected[i])[:2]

@@ -336,6 +336,9 @@ def test_grpc_embed(stack, last_dir):
         with pytest.raises(grpc.RpcError) as refused:
             stub.Embed(api.EmbedRequest(), timeout=30)
         assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        with pytest.raises(grpc.RpcError) as refused:  # an embedding model does not classify
+            stub.Classify(api.ClassifyRequest(inputs=[api.EmbedInput(text="x")]), timeout=30)
+        assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "embedding model" in refused.value.details()
 
 
 def post_json(stack, path: str, body: dict) -> tuple[int, dict]:
@@ -382,7 +385,8 @@ def test_score_and_rerank_are_cosine_similarities_of_the_embeddings(stack, last_
                              ("/v1/rerank", {"query": "q", "documents": []}, "documents"),
                              ("/v1/rerank", {"query": "q", "documents": ["a"], "top_n": -1}, "top_n"),
                              ("/v1/score", {"text_1": "a", "text_2": "b", "truncate_prompt_tokens": 0},
-                              "truncate_prompt_tokens")):
+                              "truncate_prompt_tokens"),
+                             ("/v1/score", {"text_1": "a", "text_2": "b", "use_activation": False}, "use_activation")):
         status, body = post_json(stack, path, bad)
         assert status == 400 and body["error"]["param"] == param, (path, bad, body)
 

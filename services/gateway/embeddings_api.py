@@ -34,7 +34,7 @@ class EmbeddingRequest(PoolingRequest):
     def pooling_params(self) -> PoolingParams:
         try:
             return PoolingParams(dimensions=self.dimensions, normalize=self.normalize,
-                                 truncate_prompt_tokens=self.truncate_prompt_tokens)
+                                 truncate_prompt_tokens=self.truncate_prompt_tokens, task="embed")
         except ValueError as exc:
             raise InvalidParameter.from_params_error(exc) from None
 

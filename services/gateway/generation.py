@@ -147,9 +147,11 @@ class Model:
         """An embedding input's tokens: lowercased first where the pooling model says (do_lower_case)."""
         return self.encode(self.pooler.text(text) if self.pooler is not None else text, add_special_tokens)
 
-    def encode_pair(self, text_1: str, text_2: str) -> list[int]:
-        """A cross-encoder's input: the two texts tokenized together, as the tokenizer joins a pair."""
-        return list(self.tokenizer(self.pooler.text(text_1), self.pooler.text(text_2)).input_ids)
+    def encode_pair(self, text_1: str, text_2: str, limit: int | None = None) -> list[int]:
+        """A cross-encoder's input: the two texts tokenized together, as the tokenizer joins a pair; at most
+        ``limit`` tokens, the longer text trimmed to fit."""
+        return list(self.tokenizer(self.pooler.text(text_1), self.pooler.text(text_2), truncation=limit is not None,
+                                   max_length=limit).input_ids)
 
     def answer_name(self, lora: LoRARequest | None) -> str:
         """The model an answer names: the adapter's, when the request ran with one."""
@@ -211,8 +213,9 @@ class Model:
                                    f"(pooling) model: it serves {'/classify' if self.pooler.classifies else '/v1/embeddings'}"
                                    ", /score and /rerank, not generation.", "model")
         if pooling is not None and self.pooler is None:
-            raise InvalidParameter(f"The model `{self.name}` generates text and serves no embeddings: run its worker "
-                                   "with --runner pooling for an embedding model.", "model")
+            kind = "class scores" if pooling.task == "classify" else "embeddings"
+            raise InvalidParameter(f"The model `{self.name}` generates text and serves no {kind}: run its worker "
+                                   "with --runner pooling for a pooling model.", "model")
         if pooling is not None and pooling.task != self.pooler.task:
             raise InvalidParameter(
                 f"The model `{self.name}` is a classifier: it serves /classify, /score and /rerank, not embeddings."

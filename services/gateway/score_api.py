@@ -1,8 +1,8 @@
 """vLLM's /score and /rerank (Jina's and Cohere's shape). Over an embedding model each pair's score is the
 cosine similarity of the two texts' embeddings, each distinct text embedded once (a query against many
 documents: the query once). Over a one-label classifier (a cross-encoder reranker) it is the model's score
-of the pair tokenized together, one engine request per pair (with a shared query first, the prefix cache
-computes the query's tokens once).
+of the pair tokenized together (through its activation, unless ``use_activation`` is false), one engine
+request per pair; with a shared query first, pairs after the first step find its blocks in the prefix cache.
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from pydantic import BaseModel, ConfigDict, field_validator
 
 from services.gateway.api_keys import ApiKey
 from services.gateway.generation import Generator, InvalidParameter
-from shared.pooling import PoolingParams, check_cross_encoder, score_pairs
+from shared.pooling import PoolingParams, check_cross_encoder, score_pairs, token_limit
 from shared.sampling_params import SamplingParams
 
 
@@ -28,6 +28,7 @@ class ScoreRequest(BaseModel):
     text_2: str | list[str]
     truncate_prompt_tokens: int | None = None
     cache_salt: str | None = None  # vLLM's: only requests with the same salt share prefix-cache blocks
+    use_activation: bool | None = None  # vLLM's, for a cross-encoder: false gives its raw logit
 
     def pairs(self) -> tuple[list[str], list[str]]:
         try:
@@ -50,6 +51,7 @@ class RerankRequest(BaseModel):
     top_n: int | None = None  # the best this many; None or 0: all of them
     truncate_prompt_tokens: int | None = None
     cache_salt: str | None = None
+    use_activation: bool | None = None
 
     @field_validator("top_n")
     @classmethod
@@ -73,30 +75,36 @@ def cosines(pairs: list[tuple[list[float], list[float]]]) -> list[float]:
     return np.divide(dots, norms, out=np.zeros_like(dots), where=norms > 0).tolist()
 
 
-async def _scores(gen: Generator, requested_model: str | None, first: list[str], second: list[str],
-                  truncate: int | None, cache_salt: str | None, request_id: str, api_key: ApiKey | None
-                  ) -> tuple[str, list[float], int]:
+async def _scores(gen: Generator, body: ScoreRequest | RerankRequest, first: list[str], second: list[str],
+                  request_id: str, api_key: ApiKey | None) -> tuple[str, list[float], int]:
     """(the answering model's name, each pair's score, the prompt tokens pooled)."""
     async with gen.admitted(api_key) as admission:
         model = await gen.model()
-        lora = model.resolve(requested_model)
+        lora = model.resolve(body.model)
         cross_encoder = model.pooler is not None and model.pooler.classifies
         if cross_encoder:
             try:
                 check_cross_encoder(model.pooler)
             except ValueError as exc:
                 raise InvalidParameter(str(exc), "model") from None
+        elif body.use_activation is not None:
+            raise InvalidParameter("use_activation is for a cross-encoder (a classifier); an embedding model's "
+                                   "scores are cosine similarities", "use_activation")
         try:
-            pooling = PoolingParams(truncate_prompt_tokens=truncate, task="classify" if cross_encoder else "embed")
+            if cross_encoder:  # the tokenizer trims each pair (its longer text), not the engine
+                limit = token_limit(body.truncate_prompt_tokens, model.max_model_len)
+                pooling = PoolingParams(use_activation=body.use_activation, task="classify")
+            else:
+                pooling = PoolingParams(truncate_prompt_tokens=body.truncate_prompt_tokens, task="embed")
         except ValueError as exc:
-            raise InvalidParameter.from_params_error(exc, "truncate_prompt_tokens") from None
+            raise InvalidParameter.from_params_error(exc) from None
         model.check_runner(pooling)
         if cross_encoder:
-            prompts = await asyncio.to_thread(lambda: [model.encode_pair(a, b) for a, b in zip(first, second)])
+            prompts = await asyncio.to_thread(lambda: [model.encode_pair(a, b, limit) for a, b in zip(first, second)])
         else:
             distinct = list(dict.fromkeys(first + second))
             prompts = await asyncio.to_thread(lambda: [model.encode_input(t) for t in distinct])  # off the event loop
-        runs = await gen.start(model, request_id, prompts, SamplingParams(), cache_salt=cache_salt,
+        runs = await gen.start(model, request_id, prompts, SamplingParams(), cache_salt=body.cache_salt,
                                admission=admission, lora=lora, pooling=pooling)
     tokens = sum(len(run.prompt) for run in runs)
     if cross_encoder:
@@ -108,8 +116,7 @@ async def _scores(gen: Generator, requested_model: str | None, first: list[str],
 
 async def create_score(gen: Generator, body: ScoreRequest, request_id: str, api_key: ApiKey | None = None) -> dict:
     first, second = body.pairs()
-    name, scores, tokens = await _scores(gen, body.model, first, second, body.truncate_prompt_tokens,
-                                         body.cache_salt, request_id, api_key)
+    name, scores, tokens = await _scores(gen, body, first, second, request_id, api_key)
     data = [{"index": i, "object": "score", "score": score} for i, score in enumerate(scores)]
     return {"id": f"score-{request_id}", "object": "list", "created": int(time.time()), "model": name, "data": data,
             "usage": {"prompt_tokens": tokens, "total_tokens": tokens}}
@@ -117,8 +124,7 @@ async def create_score(gen: Generator, body: ScoreRequest, request_id: str, api_
 
 async def create_rerank(gen: Generator, body: RerankRequest, request_id: str, api_key: ApiKey | None = None) -> dict:
     documents = body.texts()
-    name, scores, tokens = await _scores(gen, body.model, [body.query] * len(documents), documents,
-                                         body.truncate_prompt_tokens, body.cache_salt, request_id, api_key)
+    name, scores, tokens = await _scores(gen, body, [body.query] * len(documents), documents, request_id, api_key)
     results = sorted(({"index": i, "document": {"text": text}, "relevance_score": score}
                       for i, (text, score) in enumerate(zip(documents, scores))), key=lambda r: -r["relevance_score"])
     if body.top_n:

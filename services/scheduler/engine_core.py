@@ -138,8 +138,9 @@ class EngineCore:
         may fill the whole context)."""
         pooler = self.info.pooler
         if pooler is None:
-            raise ValueError("this model generates text and serves no embeddings: start its worker with "
-                             "--runner pooling (LLM(runner='pooling')) for an embedding model")
+            kind = "class scores" if pooling is not None and pooling.task == "classify" else "embeddings"
+            raise ValueError(f"this model generates text and serves no {kind}: start its worker with "
+                             "--runner pooling (LLM(runner='pooling')) for a pooling model")
         if pooling is None:
             served = "class scores only (/classify, LLM.classify)" if pooler.classifies else \
                 "embeddings only (/v1/embeddings, LLM.embed)"

@@ -32,7 +32,7 @@ from shared.lora import LoRARequest
 from shared.model_factory import default_model_dir
 from shared.outputs import (ClassificationOutput, ClassificationRequestOutput, EmbeddingOutput, EmbeddingRequestOutput,
                             RequestOutput, ScoringOutput, ScoringRequestOutput)
-from shared.pooling import PoolingParams, check_cross_encoder, score_pairs
+from shared.pooling import PoolingParams, check_cross_encoder, score_pairs, token_limit
 from shared.sampling_params import SamplingParams
 from shared.tokenizer import load_tokenizer, render_chat
 
@@ -144,31 +144,35 @@ class LLM:
                  use_tqdm: bool = True, lora_request: LoRARequest | SequenceABC[LoRARequest | None] | None = None,
                  truncate_prompt_tokens: int | None = None) -> list[ClassificationRequestOutput]:
         """Each prompt's class scores, in input order (a sequence classifier: ``*ForSequenceClassification``);
-        ``PoolingParams(task="classify", use_activation=False)`` gives the raw logits."""
+        ``PoolingParams(use_activation=False)`` gives the raw logits."""
         pooled = self._pool(prompts, pooling_params, "classify", use_tqdm, lora_request, truncate_prompt_tokens)
         return [ClassificationRequestOutput(request_id, text, token_ids, ClassificationOutput(vector),
                                             num_cached_tokens=cached)
                 for request_id, text, token_ids, vector, cached in pooled]
 
     def score(self, text_1: str | SequenceABC[str], text_2: str | SequenceABC[str], use_tqdm: bool = True,
-              lora_request: LoRARequest | None = None,
-              truncate_prompt_tokens: int | None = None) -> list[ScoringRequestOutput]:
+              lora_request: LoRARequest | None = None, truncate_prompt_tokens: int | None = None,
+              pooling_params: PoolingParams | None = None) -> list[ScoringRequestOutput]:
         """vLLM's LLM.score: each pair's score (one text_1 against every text_2, or pair by pair). With an
         embedding model, the cosine similarity of the two texts' embeddings (each distinct text embedded
-        once); with a one-label classifier (a cross-encoder), its score of the pair tokenized together."""
+        once); with a one-label classifier (a cross-encoder), its score of the pair tokenized together
+        (``truncate_prompt_tokens`` then trims the longer text of a pair, as the tokenizer truncates pairs)."""
         first, second = score_pairs(text_1, text_2)
         pooler = self.engine.info.pooler
         if pooler is not None and pooler.classifies:
             check_cross_encoder(pooler)
-            pairs = [{"prompt_token_ids": self.tokenizer(a, b).input_ids} for a, b in zip(first, second)]
-            outputs = self.classify(pairs, use_tqdm=use_tqdm, lora_request=lora_request,
-                                    truncate_prompt_tokens=truncate_prompt_tokens)
-            return [ScoringRequestOutput(str(next(self._request_ids)), ScoringOutput(out.outputs.probs[0]))
-                    for out in outputs]
+            params = (pooling_params or PoolingParams()).with_task("classify")
+            k = params.truncate_prompt_tokens if truncate_prompt_tokens is None else truncate_prompt_tokens
+            limit = token_limit(k, self.engine.info.max_model_len)
+            pairs = [{"prompt_token_ids": self.tokenizer(a, b, truncation=limit is not None, max_length=limit).input_ids}
+                     for a, b in zip(first, second)]
+            outputs = self.classify(pairs, dataclasses.replace(params, truncate_prompt_tokens=None), use_tqdm,
+                                    lora_request)
+            return [ScoringRequestOutput(out.request_id, ScoringOutput(out.outputs.probs[0])) for out in outputs]
         distinct = list(dict.fromkeys(first + second))
-        outputs = self.embed(distinct, use_tqdm=use_tqdm, lora_request=lora_request,
-                             truncate_prompt_tokens=truncate_prompt_tokens)
+        outputs = self.embed(distinct, pooling_params, use_tqdm, lora_request, truncate_prompt_tokens)
         vectors = {text: torch.tensor(out.outputs.embedding, dtype=torch.float64) for text, out in zip(distinct, outputs)}
+        # A pair's id is its own: its score comes from two embedding requests (or one, shared with others).
         return [ScoringRequestOutput(str(next(self._request_ids)), ScoringOutput(
                     torch.nn.functional.cosine_similarity(vectors[a], vectors[b], dim=0).item()))
                 for a, b in zip(first, second)]
@@ -251,17 +255,13 @@ class LLM:
     @staticmethod
     def _pooling_per_prompt(pooling_params, count: int, task: str) -> list[PoolingParams]:
         if pooling_params is None or isinstance(pooling_params, PoolingParams):
-            params = [pooling_params or PoolingParams(task=task)] * count
-        else:
-            params = list(pooling_params) if isinstance(pooling_params, Iterable) and \
-                not isinstance(pooling_params, (str, dict)) else None
-            if params is None or len(params) != count or not all(isinstance(p, PoolingParams) for p in params):
-                raise ValueError(f"pooling_params must be PoolingParams, or one PoolingParams per prompt ({count}), "
-                                 f"got {pooling_params!r:.200}")
-        wrong = next((p for p in params if p.task != task), None)
-        if wrong is not None:
-            raise ValueError(f"LLM.{task} takes PoolingParams(task={task!r}), got task={wrong.task!r}")
-        return params
+            return [(pooling_params or PoolingParams()).with_task(task)] * count
+        params = list(pooling_params) if isinstance(pooling_params, Iterable) and \
+            not isinstance(pooling_params, (str, dict)) else None
+        if params is None or len(params) != count or not all(isinstance(p, PoolingParams) for p in params):
+            raise ValueError(f"pooling_params must be PoolingParams, or one PoolingParams per prompt ({count}), "
+                             f"got {pooling_params!r:.200}")
+        return [p.with_task(task) for p in params]
 
     @staticmethod
     def _loras_per_prompt(lora_request, count: int) -> list[LoRARequest | None]:

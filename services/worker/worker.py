@@ -409,7 +409,7 @@ class Worker:
         for (i, seq, _), vector, ok in zip(finished, vectors, finite):
             outputs[i] = SequenceOutput(seq_id=seq.seq_id, token_id=None,
                                         embedding=self.pooler.finish(vector, seq.pooling).tolist()) if ok else \
-                SequenceOutput(seq_id=seq.seq_id, token_id=None, error=f"the embedding of sequence {seq.seq_id} is not "
+                SequenceOutput(seq_id=seq.seq_id, token_id=None, error=f"the pooled output of sequence {seq.seq_id} is not "
                                f"finite (an overflow in {str(self.dtype).removeprefix('torch.')}): try float32 or bfloat16")
         return outputs
 
