@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 
 from pagedserve.cli import ENGINE_KEYS, add_engine_args, apply_env_defaults
 from services.gateway.lora_modules import parse_lora_modules
+from services.gateway.reasoning_parsers import REASONING_PARSERS, reasoning_flag_error
 from services.gateway.tool_parsers import TOOL_CALL_PARSERS, flag_error
 from services.scheduler.local_workers import (free_tcp_port, process_environments, terminate_with_parent,
                                               wait_grpc_serving)
@@ -27,8 +28,8 @@ from shared.lora import read_adapter_config
 SCHEDULER_FLAGS = ("max_num_seqs", "max_num_batched_tokens", "enable_chunked_prefill", "enable_prefix_caching",
                    "preemption_mode", "async_scheduling")
 GATEWAY_FLAGS = ("host", "port", "grpc_port", "served_model_name", "tokenizer", "max_resumes", "resume_timeout",
-                 "enable_auto_tool_choice", "tool_call_parser", "lora_modules", "allow_runtime_lora_updating",
-                 "trust_request_chat_template")
+                 "enable_auto_tool_choice", "tool_call_parser", "reasoning_parser", "lora_modules",
+                 "allow_runtime_lora_updating", "trust_request_chat_template")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -53,6 +54,8 @@ def build_parser() -> argparse.ArgumentParser:
                         help="answer tool_choice 'auto': the model's calls are read with --tool-call-parser")
     parser.add_argument("--tool-call-parser", choices=sorted(TOOL_CALL_PARSERS), default=None,
                         help="the model's tool-call format (see pagedserve gateway --help)")
+    parser.add_argument("--reasoning-parser", choices=sorted(REASONING_PARSERS), default=None,
+                        help="the model's reasoning format (see pagedserve gateway --help)")
     parser.add_argument("--lora-modules", nargs="+", action="extend", default=None,
                         help="LoRA adapters served beside the model, each as name=path (see pagedserve gateway "
                              "--help); turns on --enable-lora")
@@ -282,6 +285,8 @@ def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     if (error := flag_error(args.enable_auto_tool_choice, args.tool_call_parser)) is not None:  # before any child
+        parser.error(error)
+    if (error := reasoning_flag_error(args.reasoning_parser)) is not None:
         parser.error(error)
     if args.lora_modules or args.allow_runtime_lora_updating:
         args.enable_lora = True

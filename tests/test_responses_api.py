@@ -23,7 +23,9 @@ EVENT_ORDER = ("response.created", "response.in_progress", "response.output_item
 @pytest.fixture(scope="module")
 def stack(llama_dir, tmp_path_factory):
     stack = Stack(llama_dir, tmp_path_factory.mktemp("responses-logs"), worker_args=WORKER_ARGS,
-                  gateway_args=("--enable-auto-tool-choice", "--tool-call-parser", "hermes")).start()
+                  gateway_args=("--enable-auto-tool-choice", "--tool-call-parser", "hermes",
+                                # Benign for other tests: qwen3 splits only outputs that open with <think>.
+                                "--reasoning-parser", "qwen3")).start()
     try:
         yield stack
     finally:
@@ -242,7 +244,6 @@ def test_a_repeated_prompt_reports_its_cached_tokens(client, llama_dir):
     ({"max_output_tokens": 0}, "max_output_tokens"),
     ({"top_logprobs": 2}, "top_logprobs"),
     ({"truncation": "auto"}, "truncation"),
-    ({"reasoning": {"effort": "high"}}, "reasoning"),
     ({"text": {"format": {"type": "json_schema", "name": "x"}}}, "text.format"),
     ({"tool_choice": "auto", "tools": TOOLS[:0] + [{"type": "function"}]}, "tools"),
     ({"tool_choice": {"type": "function"}, "tools": TOOLS}, "tool_choice"),
@@ -284,3 +285,50 @@ def test_a_stream_that_fails_ends_with_an_error_event_and_response_failed():
         ("error", 2, "service_unavailable", "the scheduler went away")
     assert failed.sequence_number == 3 and failed.response.status == "failed"
     assert failed.response.error.message == "the scheduler went away"
+
+
+# --- reasoning (--reasoning-parser qwen3) ----------------------------------------------------------------
+
+THINK = {"structured_outputs": {"regex": "<think>[a-z]{3,12}</think>[a-z]{3,12}"}}  # vLLM's field: a thinking shape
+
+
+def test_reasoning_is_told_from_the_answer_whole_streamed_and_in_responses(client, llama_dir):
+    messages = [{"role": "user", "content": "Think, then answer."}]
+    whole = chat(client, llama_dir, messages, max_tokens=40, extra_body=THINK).choices[0].message
+    reasoning, content = whole.model_extra["reasoning"], whole.content
+    assert reasoning and content and whole.model_extra["reasoning_content"] == reasoning
+    assert reasoning.isalpha() and content.isalpha() and "<" not in reasoning + content
+    # Streamed: reasoning deltas, then content deltas, adding up to the whole answer's.
+    pieces = {"reasoning_content": "", "content": ""}
+    for chunk in chat(client, llama_dir, messages, max_tokens=40, extra_body=THINK, stream=True):
+        delta = chunk.choices[0].delta if chunk.choices else None
+        if delta is not None:
+            pieces["content"] += delta.content or ""
+            pieces["reasoning_content"] += (delta.model_extra or {}).get("reasoning_content") or ""
+            assert not (delta.content and pieces["reasoning_content"] != reasoning), "content before reasoning ended"
+    assert pieces == {"reasoning_content": reasoning, "content": content}
+    # include_reasoning false: the same answer without its reasoning.
+    hidden = chat(client, llama_dir, messages, max_tokens=40, extra_body={**THINK, "include_reasoning": False})
+    assert hidden.choices[0].message.content == content and hidden.choices[0].message.model_extra["reasoning"] is None
+    # A plain answer (no <think> opening it) is all content.
+    plain = chat(client, llama_dir, messages, max_tokens=6).choices[0].message
+    assert plain.model_extra["reasoning"] is None and plain.content
+    # Responses: a reasoning item before the message, whole and streamed.
+    ask = dict(input="Think, then answer.", max_output_tokens=40, extra_body=THINK)
+    response = client.responses.create(model=llama_dir.name, temperature=0, **ask)
+    assert [item.type for item in response.output] == ["reasoning", "message"]
+    assert response.output[0].content[0].text == reasoning and response.output_text == content
+    events = events_of(client, llama_dir, reasoning={"effort": "low"}, **ask)
+    check_event_order(events)
+    assert "".join(e.delta for e in events if e.type == "response.reasoning_text.delta") == reasoning
+    assert [e.text for e in events if e.type == "response.reasoning_text.done"] == [reasoning]
+    assert events[-1].response.output_text == content
+
+
+def test_reasoning_asked_of_a_gateway_without_a_parser_is_refused():
+    from services.gateway.generation import InvalidParameter
+    from services.gateway.responses_protocol import ResponsesRequest
+
+    request = ResponsesRequest(model="m", input="Hi", reasoning={"effort": "high"})
+    with pytest.raises(InvalidParameter, match="no --reasoning-parser"):
+        request.check_reasoning(None)

@@ -26,6 +26,7 @@ from services.gateway.rate_limits import RateLimiter, Reservation
 from services.gateway.resumption import Resubmission, ResumePolicy, Resumer
 from services.gateway.scheduler_client import SessionLost, SubmitStream
 from services.gateway.scheduler_pool import SchedulerPool
+from services.gateway.reasoning_parsers import ReasoningParser
 from services.gateway.tool_parsers import ToolCallParser
 from shared.detokenizer import IncrementalDetokenizer
 from shared.grpc_errors import NotFound, ResourceExhausted, ServiceUnavailable
@@ -115,6 +116,7 @@ class Model:
     adapters: dict[str, LoRAModule] = field(default_factory=dict)  # --lora-modules, by the name clients use
     trust_request_chat_template: bool = False  # a request may bring its own chat template
     pooler: PoolerConfig | None = None  # set: the engine runs a pooling model (embeddings, no generation)
+    reasoning_parser: ReasoningParser | None = None  # how its reasoning is told from its answer (--reasoning-parser)
     _token_strings: dict[int, str] = field(default_factory=dict)
 
     def resolve(self, requested: str | None) -> LoRARequest | None:
@@ -486,9 +488,11 @@ class Generator:
                  tokenizer: str | None = None, max_concurrent_requests: int | None = None,
                  limiter: RateLimiter | None = None, resume_policy: ResumePolicy | None = ResumePolicy(),
                  tool_parser: ToolCallParser | None = None,
-                 lora_modules: list[LoRAModule] | None = None, trust_request_chat_template: bool = False):
+                 lora_modules: list[LoRAModule] | None = None, trust_request_chat_template: bool = False,
+                 reasoning_parser: ReasoningParser | None = None):
         """``lora_modules``: parse_lora_modules' adapters (--lora-modules)."""
         self.client = client
+        self.reasoning_parser = reasoning_parser  # None: outputs are not split into reasoning and content
         self.trust_request_chat_template = trust_request_chat_template
         self.lora_modules = lora_modules or []
         # Runs whose scheduler is lost are submitted again (None: they fail with 503).
@@ -526,7 +530,7 @@ class Generator:
                  lora_adapters=sorted(adapters))
         return Model(name, info.max_model_len, info.vocab_size, info.max_logprobs, tokenizer, info.max_num_seqs,
                      self.tool_parser, tuple(info.eos_token_ids), adapters, self.trust_request_chat_template,
-                     PoolerConfig.from_proto(info.pooler) if info.HasField("pooler") else None)
+                     PoolerConfig.from_proto(info.pooler) if info.HasField("pooler") else None, self.reasoning_parser)
 
     @contextlib.asynccontextmanager
     async def admitted(self, api_key: ApiKey | None = None):

@@ -7,6 +7,7 @@ Choice k of a completions request with several prompts is prompt k // n, sequenc
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import time
 from collections import defaultdict
@@ -327,6 +328,12 @@ class _Chat(_Reply):
         self._streams: dict[int, ToolCallStream] = defaultdict(self._auto.stream) if self._auto else {}
         self._calls_made: dict[int, int] = defaultdict(int)
         self._max_calls = 1 if self.body.parallel_tool_calls is False else None  # as OpenAI's: the first call only
+        # --reasoning-parser: each choice's thinking apart from its answer (a forced call's output is the call).
+        self._reasoning = self.model.reasoning_parser if self.forced is None else None
+        self._constrained = self.body.structured_outputs_asked() is not None
+        prompt = self.prompt_texts[0] if self.prompt_texts else ""
+        self._thinking = defaultdict(lambda: self._reasoning.stream(prompt, self._constrained)) \
+            if self._reasoning else {}
 
     def opening_choices(self) -> list[list[dict]]:
         # OpenAI's first delta of each choice carries the role.
@@ -344,15 +351,30 @@ class _Chat(_Reply):
     def chunk_choice(self, k: int, position: int, delta: SeqDelta) -> dict | None:
         if not (delta.text or delta.token_ids or delta.finish_reason):
             return None
+        reasoning = ""
+        if self._reasoning is not None:  # the answer's part of the text goes on to the tool-call parser
+            reasoning, text = self._split_delta(k, delta)
+            delta = dataclasses.replace(delta, text=text)
         message, finish = {"content": delta.text} if delta.text else {}, delta.finish_reason
         if self.forced is not None:
             message, finish = self._tool_call_delta(k, delta)
         elif self._auto is not None:
             message, finish = self._auto_delta(k, delta)
-            if not (message or finish or delta.logprobs):
-                return None
+        if reasoning and self.body.include_reasoning:
+            message = {"reasoning": reasoning, "reasoning_content": reasoning, **message}  # vLLM's two names
+        if self._auto is not None and not (message or finish or delta.logprobs):
+            return None
         return {"index": k, "delta": message, "logprobs": self._logprobs(delta.logprobs or []),
                 "finish_reason": finish, "stop_reason": delta.stop_reason}
+
+    def _split_delta(self, k: int, delta: SeqDelta) -> tuple[str, str]:
+        """(reasoning, content) of one delta's text; the choice's last delta gives out what was held."""
+        stream = self._thinking[k]
+        reasoning, content = stream.feed(delta.text)
+        if delta.finish_reason is not None:
+            last_reasoning, last_content = stream.finish()
+            reasoning, content = reasoning + last_reasoning, content + last_content
+        return reasoning, content
 
     def _tool_call_delta(self, k: int, delta: SeqDelta) -> tuple[dict, str | None]:
         """A named call streams its arguments as they come; "required" calls come whole at the end
@@ -396,17 +418,25 @@ class _Chat(_Reply):
         return answer
 
     def whole_choice(self, k, position, text, logprobs, end) -> dict:
+        reasoning = None
+        if self._reasoning is not None:
+            reasoning, content = self._reasoning.split(text, self.prompt_texts[0] if self.prompt_texts else "",
+                                                       self._constrained)
+            text = content if content is not None else ("" if reasoning is None else None)  # all reasoning: null
         message, finish = {"role": "assistant", "content": text}, end and end.finish_reason
         calls = self.forced.calls(text) if self.forced is not None else None
         if calls is not None:
             message, finish = {"role": "assistant", "content": None, "tool_calls": calls}, \
                 self.forced.finish_reason(finish)
-        elif self._auto is not None:
+        elif self._auto is not None and text:
             parsed = self._auto.stream().parse(text)
             if parsed.calls:
                 message = {"role": "assistant", "content": parsed.content or None,
                            "tool_calls": [tool_call(c.name, c.arguments) for c in parsed.calls[:self._max_calls]]}
                 finish = _auto_finish(finish, True)
+        if self._reasoning is not None:
+            shown = reasoning if self.body.include_reasoning else None
+            message.update(reasoning=shown, reasoning_content=shown)  # vLLM's two names for it
         return {"index": k, "message": message, "logprobs": self._logprobs(logprobs), "finish_reason": finish,
                 "stop_reason": end and end.stop_reason}
 

@@ -98,7 +98,7 @@ class _Sampling(BaseModel):
 
     # Completions' echo and chat's logprobs and template flags too (check_fields: declared below).
     _nulls = field_validator("n", "stream", "echo", "logprobs", "add_generation_prompt", "continue_final_message",
-                             mode="before", check_fields=False)(classmethod(_null_is_default))
+                             "include_reasoning", mode="before", check_fields=False)(classmethod(_null_is_default))
 
     def check_supported(self, unsupported: dict[str, str] = UNSUPPORTED) -> None:
         for name, value in (self.model_extra or {}).items():
@@ -258,6 +258,7 @@ class ChatCompletionRequest(_Sampling):
     continue_final_message: bool = False
     chat_template_kwargs: dict[str, Any] | None = None
     chat_template: str | None = None  # a Jinja template for this request (--trust-request-chat-template)
+    include_reasoning: bool = True  # vLLM's: false leaves the reasoning out of the answer (--reasoning-parser)
 
     def checked_params(self) -> SamplingParams:
         if self.top_logprobs is not None and not self.logprobs:

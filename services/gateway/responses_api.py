@@ -6,6 +6,7 @@ per call) and its chunks into the typed events a Responses stream is made of, in
 
     response.created, response.in_progress,
     per item: response.output_item.added,
+        reasoning: response.reasoning_text.delta..., response.reasoning_text.done (--reasoning-parser)
         a message: response.content_part.added, response.output_text.delta..., response.output_text.done,
                    response.content_part.done
         a call:    response.function_call_arguments.delta..., response.function_call_arguments.done
@@ -51,6 +52,7 @@ class _Response(_Chat):
 
     @staticmethod
     def checked_params(model, body: ResponsesRequest):
+        body.check_reasoning(model.reasoning_parser)
         return _Chat.checked_params(model, body.chat)
 
     def __init__(self, model, body: ResponsesRequest, response_id: str, runs, prompt_texts):
@@ -90,8 +92,10 @@ class _Response(_Chat):
         choice = (await super().whole())["choices"][0]
         message, logprobs = choice["message"], (choice["logprobs"] or {}).get("content")
         calls = message.get("tool_calls") or []
-        output = [] if calls and not message["content"] else [
-            _message_item(_item_id("msg"), message["content"] or "", logprobs, "completed")]
+        output = [_reasoning_item(_item_id("rs"), message["reasoning"], "completed")] if message.get("reasoning") \
+            else []
+        if not (calls or output) or message["content"]:
+            output.append(_message_item(_item_id("msg"), message["content"] or "", logprobs, "completed"))
         output += [_call_item(_item_id("fc"), call, "completed") for call in calls]
         status = self.status(choice["finish_reason"])
         output[-1]["status"] = status  # the item the cut came in (if it was cut), as OpenAI marks it
@@ -120,6 +124,9 @@ class _Response(_Chat):
                 continue
             stream.hold_logprobs((choice["logprobs"] or {}).get("content") or [])
             message = choice["delta"]
+            if message.get("reasoning"):
+                for event in stream.reasoning(message["reasoning"]):
+                    yield event
             if message.get("content"):
                 for event in stream.text(message["content"]):
                     yield event
@@ -169,6 +176,17 @@ class _EventWriter:
                           if self.with_logprobs else self.plain_delta(text))
         return events
 
+    def reasoning(self, text: str) -> list[str]:
+        """Thinking: a reasoning item of its own, before the answer's message."""
+        events = []
+        if self.open is None or self.open["type"] != "reasoning":
+            events += self.close()
+            self.open = _reasoning_item(_item_id("rs"), "", "in_progress")
+            events.append(self.event("response.output_item.added", output_index=len(self.items), item=self.open))
+        self.open["content"][0]["text"] += text
+        events.append(self.part_event("response.reasoning_text.delta", delta=text))
+        return events
+
     def plain_delta(self, text: str) -> str:
         """The open message's text delta without logprobs (nearly every event of a stream), written out
         directly: the same text that part_event gives through the encoder (a test holds them equal)."""
@@ -201,7 +219,9 @@ class _EventWriter:
         item, events = self.open, []
         if item is None:
             return events
-        if item["type"] == "message":
+        if item["type"] == "reasoning":
+            events.append(self.part_event("response.reasoning_text.done", text=item["content"][0]["text"]))
+        elif item["type"] == "message":
             text, entries = item.pop("text"), item.pop("entries")
             part = _text_part(text, entries if self.with_logprobs else None)
             events += [self.part_event("response.output_text.done", text=text, logprobs=entries),
@@ -231,6 +251,11 @@ def _text_part(text: str, logprobs: list[dict] | None) -> dict:
 def _message_item(item_id: str, text: str, logprobs: list[dict] | None, status: str) -> dict:
     return {"id": item_id, "type": "message", "role": "assistant", "status": status,
             "content": [_text_part(text, logprobs)]}
+
+
+def _reasoning_item(item_id: str, text: str, status: str) -> dict:
+    return {"id": item_id, "type": "reasoning", "summary": [], "content": [{"type": "reasoning_text", "text": text}],
+            "status": status}
 
 
 def _call_item(item_id: str, call: dict, status: str) -> dict:

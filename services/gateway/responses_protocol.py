@@ -94,6 +94,13 @@ class ResponsesRequest(BaseModel):
             return exc
         return InvalidParameter(re.sub(rf"\b{exc.param}\b", name, str(exc)), name)
 
+    def check_reasoning(self, parser) -> None:
+        """``reasoning`` asks for a model's thinking: only one whose reasoning the gateway can tell from its
+        answer (--reasoning-parser) has any. Its effort is the model's own (it is not told one)."""
+        if parser is None and self.reasoning and any(v is not None for v in self.reasoning.values()):
+            raise InvalidParameter("reasoning is not supported: this model does not reason before answering "
+                                   "(the gateway runs no --reasoning-parser)", "reasoning")
+
     def _check_supported(self) -> None:
         extra = self.model_extra or {}
         for name, what in _STATEFUL.items():
@@ -105,9 +112,6 @@ class ResponsesRequest(BaseModel):
         if self.truncation not in (None, "disabled"):
             raise InvalidParameter("truncation must be 'disabled': an input longer than the context is refused, "
                                    "not cut", "truncation")
-        if self.reasoning and any(v is not None for v in self.reasoning.values()):
-            raise InvalidParameter("reasoning is not supported: this model does not reason before answering",
-                                   "reasoning")
         if extra.get("n") not in (None, 1):
             raise InvalidParameter("a response has one output: n must be 1", "n")
 

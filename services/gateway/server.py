@@ -24,6 +24,7 @@ from services.gateway.lora_modules import parse_lora_modules
 from services.gateway.metrics import GatewayMetrics
 from services.gateway.resumption import ResumePolicy
 from services.gateway.rate_limits import RateLimiter
+from services.gateway.reasoning_parsers import REASONING_PARSERS, reasoning_flag_error
 from services.gateway.scheduler_pool import HEALTH_POLL_S, SchedulerPool
 from services.gateway.tool_parsers import TOOL_CALL_PARSERS, ToolCallParser, flag_error
 from shared.gc_heap import freeze_startup_objects, unfreeze_startup_objects
@@ -109,7 +110,8 @@ async def serve(args: argparse.Namespace) -> None:
     resume_policy = ResumePolicy(args.max_resumes, args.resume_timeout) if args.max_resumes else None
     tool_parser = ToolCallParser(args.tool_call_parser) if args.enable_auto_tool_choice else None
     gen = Generator(client, metrics, args.served_model_name, args.tokenizer, args.max_concurrent_requests, limiter,
-                    resume_policy, tool_parser, args.lora_modules, args.trust_request_chat_template)
+                    resume_policy, tool_parser, args.lora_modules, args.trust_request_chat_template,
+                    REASONING_PARSERS[args.reasoning_parser] if args.reasoning_parser else None)
     grpc_server, grpc_health = create_grpc_server(gen, f"{args.host}:{args.grpc_port}", auth)
     origins = tuple(o.strip() for o in args.allowed_origins.split(",") if o.strip())
     http = _Uvicorn(uvicorn.Config(create_app(gen, origins, auth, args.allow_runtime_lora_updating), host=args.host, port=args.port, log_config=None,
@@ -193,6 +195,10 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--tool-call-parser", choices=sorted(TOOL_CALL_PARSERS), default=None,
                         help="the model's tool-call format: hermes (Hermes, Qwen 2.5/3, the built-in model), "
                              "llama3_json (Llama 3.1-3.3)")
+    parser.add_argument("--reasoning-parser", choices=sorted(REASONING_PARSERS), default=None,
+                        help="the model's reasoning format: chat answers carry the text between <think> and "
+                             "</think> as reasoning (and reasoning_content), apart from the content: deepseek_r1 "
+                             "(R1 and its distills, QwQ), qwen3")
     parser.add_argument("--allowed-origins", default="*",
                         help="comma-separated origins browsers may call the HTTP API from (CORS); '' turns CORS off")
     parser.add_argument("--api-key", action="append", default=None,
@@ -230,6 +236,8 @@ def main(argv: list[str] | None = None) -> int:
     apply_env_defaults(parser)
     args = parser.parse_args(argv)
     if (error := flag_error(args.enable_auto_tool_choice, args.tool_call_parser)) is not None:
+        parser.error(error)
+    if (error := reasoning_flag_error(args.reasoning_parser)) is not None:
         parser.error(error)
     if args.max_resumes < 0 or not args.resume_timeout > 0:
         parser.error("--max-resumes must be 0 or more and --resume-timeout positive")
