@@ -77,7 +77,7 @@ def flags(args: argparse.Namespace, names) -> list[str]:
     for name in names:
         value = getattr(args, name)
         flag = "--" + name.replace("_", "-")
-        if value is None:
+        if value is None or value == "":  # an empty variable (compose's default) is no value, not an empty one
             continue
         if isinstance(value, bool):  # every boolean flag here is a --x / --no-x pair
             out.append(flag if value else "--no-" + flag[2:])

@@ -69,7 +69,7 @@ def check_event_order(events: list) -> None:
             if event.type.startswith("response.content_part."):
                 assert part_open == event.type.endswith(".done")
                 part_open = not part_open
-            elif event.type.startswith("response.output_text."):
+            elif event.type.startswith(("response.output_text.", "response.reasoning_text.")):
                 assert part_open
     assert not open_items
     assert [i.id for i in final.response.output] == [i.id for i in closed]
@@ -318,8 +318,19 @@ def test_reasoning_is_told_from_the_answer_whole_streamed_and_in_responses(clien
     response = client.responses.create(model=llama_dir.name, temperature=0, **ask)
     assert [item.type for item in response.output] == ["reasoning", "message"]
     assert response.output[0].content[0].text == reasoning and response.output_text == content
+    details = response.usage.output_tokens_details
+    assert 0 < details.reasoning_tokens < response.usage.output_tokens
+    # A stateless client's next turn sends the output back, its reasoning item included.
+    follow_up = client.responses.create(model=llama_dir.name, max_output_tokens=4, input=[
+        {"role": "user", "content": "Think, then answer."}, *[item.model_dump() for item in response.output],
+        {"role": "user", "content": "And then?"}])
+    assert follow_up.usage.output_tokens == 4
     events = events_of(client, llama_dir, reasoning={"effort": "low"}, **ask)
     check_event_order(events)
+    assert [e.type for e in events[2:5]] == ["response.output_item.added", "response.content_part.added",
+                                             "response.reasoning_text.delta"]
+    assert events[-1].response.reasoning.effort == "low"
+    assert events[-1].response.usage.output_tokens_details.reasoning_tokens == details.reasoning_tokens
     assert "".join(e.delta for e in events if e.type == "response.reasoning_text.delta") == reasoning
     assert [e.text for e in events if e.type == "response.reasoning_text.done"] == [reasoning]
     assert events[-1].response.output_text == content

@@ -330,10 +330,8 @@ class _Chat(_Reply):
         self._max_calls = 1 if self.body.parallel_tool_calls is False else None  # as OpenAI's: the first call only
         # --reasoning-parser: each choice's thinking apart from its answer (a forced call's output is the call).
         self._reasoning = self.model.reasoning_parser if self.forced is None else None
-        self._constrained = self.body.structured_outputs_asked() is not None
-        prompt = self.prompt_texts[0] if self.prompt_texts else ""
-        self._thinking = defaultdict(lambda: self._reasoning.stream(prompt, self._constrained)) \
-            if self._reasoning else {}
+        self._constrained = self._reasoning is not None and self.body.structured_outputs_asked() is not None
+        self._thinking = defaultdict(self.reasoning_stream) if self._reasoning else {}
 
     def opening_choices(self) -> list[list[dict]]:
         # OpenAI's first delta of each choice carries the role.
@@ -362,10 +360,14 @@ class _Chat(_Reply):
             message, finish = self._auto_delta(k, delta)
         if reasoning and self.body.include_reasoning:
             message = {"reasoning": reasoning, "reasoning_content": reasoning, **message}  # vLLM's two names
-        if self._auto is not None and not (message or finish or delta.logprobs):
-            return None
+        if (self._auto or self._reasoning) is not None and not (message or finish or delta.logprobs):
+            return None  # all held back (a possible call or tag), or reasoning left out
         return {"index": k, "delta": message, "logprobs": self._logprobs(delta.logprobs or []),
                 "finish_reason": finish, "stop_reason": delta.stop_reason}
+
+    def reasoning_stream(self):
+        """A choice's splitter of reasoning from content (--reasoning-parser)."""
+        return self._reasoning.stream(self.prompt_texts[0] if self.prompt_texts else "", self._constrained)
 
     def _split_delta(self, k: int, delta: SeqDelta) -> tuple[str, str]:
         """(reasoning, content) of one delta's text; the choice's last delta gives out what was held."""
@@ -434,7 +436,7 @@ class _Chat(_Reply):
                 message = {"role": "assistant", "content": parsed.content or None,
                            "tool_calls": [tool_call(c.name, c.arguments) for c in parsed.calls[:self._max_calls]]}
                 finish = _auto_finish(finish, True)
-        if self._reasoning is not None:
+        if self.model.reasoning_parser is not None:  # (a forced call's answer too: it has none)
             shown = reasoning if self.body.include_reasoning else None
             message.update(reasoning=shown, reasoning_content=shown)  # vLLM's two names for it
         return {"index": k, "message": message, "logprobs": self._logprobs(logprobs), "finish_reason": finish,

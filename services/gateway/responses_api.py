@@ -6,7 +6,8 @@ per call) and its chunks into the typed events a Responses stream is made of, in
 
     response.created, response.in_progress,
     per item: response.output_item.added,
-        reasoning: response.reasoning_text.delta..., response.reasoning_text.done (--reasoning-parser)
+        reasoning: response.content_part.added, response.reasoning_text.delta..., response.reasoning_text.done,
+                   response.content_part.done (--reasoning-parser)
         a message: response.content_part.added, response.output_text.delta..., response.output_text.done,
                    response.content_part.done
         a call:    response.function_call_arguments.delta..., response.function_call_arguments.done
@@ -58,6 +59,19 @@ class _Response(_Chat):
     def __init__(self, model, body: ResponsesRequest, response_id: str, runs, prompt_texts):
         self.request = body
         super().__init__(model, body.chat, response_id, runs, prompt_texts)
+        self.reasoning_tokens = 0  # the output's tokens until its thinking ended (output_tokens_details)
+
+    def deltas(self):
+        return self._counting_reasoning(super().deltas()) if self._reasoning is not None else super().deltas()
+
+    async def _counting_reasoning(self, deltas):
+        """The deltas as they come, counting the tokens of those still inside the thinking."""
+        stream = self.reasoning_stream()
+        async for delta in deltas:
+            reasoning, content = stream.feed(delta.text)
+            if not content and (reasoning or stream.state != "content"):
+                self.reasoning_tokens += len(delta.token_ids)
+            yield delta
 
     # --- the Response object ----------------------------------------------------------------------
 
@@ -70,7 +84,7 @@ class _Response(_Chat):
             "incomplete_details": {"reason": "max_output_tokens"} if status == "incomplete" else None,
             "instructions": request.instructions, "max_output_tokens": request.max_output_tokens,
             "model": self.model_name, "output": output, "parallel_tool_calls": request.parallel_tool_calls is not False,
-            "previous_response_id": None, "reasoning": None, "store": False, "temperature": request.temperature,
+            "previous_response_id": None, "reasoning": request.reasoning, "store": False, "temperature": request.temperature,
             "top_p": request.top_p, "text": {"format": (request.text or {}).get("format") or {"type": "text"}},
             "tool_choice": request.tool_choice or "auto", "tools": request.tools or [], "truncation": "disabled",
             "top_logprobs": request.top_logprobs, "metadata": request.metadata or {}, "user": request.user,
@@ -81,7 +95,8 @@ class _Response(_Chat):
         counts = self.usage()
         return {"input_tokens": counts["prompt_tokens"],
                 "input_tokens_details": {"cached_tokens": counts["prompt_tokens_details"]["cached_tokens"]},
-                "output_tokens": counts["completion_tokens"], "output_tokens_details": {"reasoning_tokens": 0},
+                "output_tokens": counts["completion_tokens"],
+                "output_tokens_details": {"reasoning_tokens": self.reasoning_tokens},
                 "total_tokens": counts["total_tokens"]}
 
     @staticmethod
@@ -94,6 +109,8 @@ class _Response(_Chat):
         calls = message.get("tool_calls") or []
         output = [_reasoning_item(_item_id("rs"), message["reasoning"], "completed")] if message.get("reasoning") \
             else []
+        if output and logprobs:  # the thinking's tokens come first: the message's text is what follows them
+            logprobs = _last_covering(logprobs, len(message["content"] or ""))
         if not (calls or output) or message["content"]:
             output.append(_message_item(_item_id("msg"), message["content"] or "", logprobs, "completed"))
         output += [_call_item(_item_id("fc"), call, "completed") for call in calls]
@@ -177,13 +194,17 @@ class _EventWriter:
         return events
 
     def reasoning(self, text: str) -> list[str]:
-        """Thinking: a reasoning item of its own, before the answer's message."""
-        events = []
+        """Thinking: a reasoning item of its own, before the answer's message (its tokens' logprobs are
+        not the message's)."""
+        events, self.logprobs = [], []
         if self.open is None or self.open["type"] != "reasoning":
             events += self.close()
             self.open = _reasoning_item(_item_id("rs"), "", "in_progress")
-            events.append(self.event("response.output_item.added", output_index=len(self.items), item=self.open))
-        self.open["content"][0]["text"] += text
+            self.open["content"] = []  # the part comes with its own event
+            events += [self.event("response.output_item.added", output_index=len(self.items), item=self.open),
+                       self.part_event("response.content_part.added", _reasoning_part(""))]
+            self.open["text"] = ""
+        self.open["text"] += text
         events.append(self.part_event("response.reasoning_text.delta", delta=text))
         return events
 
@@ -220,7 +241,10 @@ class _EventWriter:
         if item is None:
             return events
         if item["type"] == "reasoning":
-            events.append(self.part_event("response.reasoning_text.done", text=item["content"][0]["text"]))
+            part = _reasoning_part(item.pop("text"))
+            events += [self.part_event("response.reasoning_text.done", text=part["text"]),
+                       self.part_event("response.content_part.done", part)]
+            item["content"] = [part]
         elif item["type"] == "message":
             text, entries = item.pop("text"), item.pop("entries")
             part = _text_part(text, entries if self.with_logprobs else None)
@@ -253,9 +277,21 @@ def _message_item(item_id: str, text: str, logprobs: list[dict] | None, status: 
             "content": [_text_part(text, logprobs)]}
 
 
+def _reasoning_part(text: str) -> dict:
+    return {"type": "reasoning_text", "text": text}
+
+
 def _reasoning_item(item_id: str, text: str, status: str) -> dict:
-    return {"id": item_id, "type": "reasoning", "summary": [], "content": [{"type": "reasoning_text", "text": text}],
-            "status": status}
+    return {"id": item_id, "type": "reasoning", "summary": [], "content": [_reasoning_part(text)], "status": status}
+
+
+def _last_covering(entries: list[dict], chars: int) -> list[dict]:
+    """The last of a text's token entries that spell its last ``chars`` characters."""
+    kept, covered = len(entries), 0
+    while kept and covered < chars:
+        kept -= 1
+        covered += len(entries[kept]["token"])
+    return entries[kept:]
 
 
 def _call_item(item_id: str, call: dict, status: str) -> dict:

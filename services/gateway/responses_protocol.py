@@ -149,11 +149,13 @@ def _append_item(messages: list[dict], item: Any) -> None:
         output = item.get("output")
         messages.append({"role": "tool", "tool_call_id": _required(item, "call_id"),
                          "content": output if isinstance(output, str) else _text(output)})
+    elif kind == "reasoning":
+        pass  # an earlier turn's thinking, passed back with its output: templates leave it out of history
     elif kind == "item_reference":
         raise InvalidParameter("item references are not supported: this gateway keeps no items", "input")
     else:
-        raise InvalidParameter(f"input items of type {kind!r} are not supported (messages, function_call and "
-                               "function_call_output are)", "input")
+        raise InvalidParameter(f"input items of type {kind!r} are not supported (messages, function_call, "
+                               "function_call_output and reasoning are)", "input")
 
 
 def _text(content: Any) -> str:
