@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import os
 import random
 from dataclasses import dataclass
 from pathlib import Path
@@ -25,16 +24,11 @@ def bench_workload(num_requests: int = 200, seed: int = 0, vocab_size: int = 320
 
 
 def bench_model_dir() -> Path:
-    """The bench model (Llama shape, 56 M parameters), created once and cached."""
-    from shared.model_factory import BENCH_MODEL, create_model_dir
+    """The bench model (Llama shape, 56 M parameters), created once and cached (safe against a concurrent
+    process making it too)."""
+    from shared.model_factory import BENCH_MODEL, cached_model_dir
 
-    root = Path(os.environ.get("PAGEDSERVE_CACHE", Path.home() / ".cache" / "pagedserve"))
-    path = root / "bench-model-v1"
-    if not (path / "config.json").exists():
-        tmp = root / f".bench-model-tmp-{os.getpid()}"
-        create_model_dir(tmp, **BENCH_MODEL)
-        tmp.rename(path)
-    return path
+    return cached_model_dir("bench-model-v1", BENCH_MODEL)
 
 
 def write_report(out: str | Path, report: dict) -> Path:

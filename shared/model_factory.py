@@ -184,14 +184,30 @@ def cache_root() -> Path:
 
 
 def default_model_dir() -> Path:
-    """The built-in default model, created on first use and cached on disk.
+    """The built-in default model, created on first use and cached on disk."""
+    return cached_model_dir(DEFAULT_MODEL_NAME, DEFAULT_MODEL)
+
+
+def cached_model_dir(name: str, spec: dict) -> Path:
+    """``create_model_dir(**spec)`` made once under cache_root() as ``name``.
 
     It is built in a private temporary directory and renamed into place, so a
     concurrent process either sees no directory or a complete one.
     """
-    final = cache_root() / DEFAULT_MODEL_NAME
+    final = cache_root() / name
     if (final / "config.json").is_file():
         return final
+    final.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{name}-", dir=final.parent))
+    try:
+        create_model_dir(tmp, **spec)
+        os.rename(tmp, final)
+    except OSError:
+        if not (final / "config.json").is_file():  # not simply another process winning the race
+            raise
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return final
     final.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{DEFAULT_MODEL_NAME}-", dir=final.parent))
     try:
