@@ -380,19 +380,38 @@ def test_stream_usage_is_null_until_the_last_chunk(stack, llama_dir):
 
 
 def test_latency_histograms_count_each_request(stack, client, llama_dir):
-    def counts() -> dict[str, float]:
+    def scrape() -> dict[str, float]:
+        """Every sample without a histogram bucket label, by name and labels."""
         text = http_get(f"{stack.base_url}/metrics")[1]
         return {line.split()[0]: float(line.split()[1]) for line in text.splitlines()
-                if line.split()[0].endswith("_seconds_count")}
+                if line and not line.startswith("#") and "le=" not in line}
 
-    before = counts()
+    def counts(samples: dict[str, float]) -> dict[str, float]:
+        return {name: value for name, value in samples.items() if name.endswith("_seconds_count")}
+
+    before = counts(scrape())
     client.completions.create(model=llama_dir.name, prompt=PROMPTS[0], max_tokens=6, temperature=0,
                               extra_body={"ignore_eos": True})
     client.completions.create(model=llama_dir.name, prompt=PROMPTS[0], max_tokens=1, temperature=0)
-    after = counts()
+    samples = scrape()
+    after = counts(samples)
     for name, new in (("time_to_first_token", 2), ("e2e_request_latency", 2), ("time_per_output_token", 1)):
         key = f"pagedserve_{name}_seconds_count"
         assert after[key] - before.get(key, 0) == new, name  # one token has no time per output token
+    # vLLM's names for the same series (and the engine's), labelled with the served model, for dashboards,
+    # autoscalers and routers made for vLLM.
+    label = f'{{model_name="{llama_dir.name}"}}'
+    for ours, theirs in (("pagedserve_prompt_tokens_total", "vllm:prompt_tokens_total"),
+                         ("pagedserve_generation_tokens_total", "vllm:generation_tokens_total"),
+                         ("pagedserve_time_to_first_token_seconds_count", "vllm:time_to_first_token_seconds_count"),
+                         ("pagedserve_time_per_output_token_seconds_count", "vllm:inter_token_latency_seconds_count"),
+                         ('pagedserve_engine_num_requests_waiting{scheduler="' + stack.scheduler_address + '"}',
+                          "vllm:num_requests_waiting"),
+                         ('pagedserve_engine_prefix_cache_hits{scheduler="' + stack.scheduler_address + '"}',
+                          "vllm:prefix_cache_hits_total")):
+        assert samples[theirs + label] == samples[ours], (ours, theirs)
+    assert samples["vllm:request_prompt_tokens_count" + label] >= 2
+    assert 0 <= samples["vllm:kv_cache_usage_perc" + label] <= 1
 
 
 def test_stream_chat_n2(client, llama_dir):

@@ -338,6 +338,7 @@ def create_app(gen: Generator, allowed_origins: tuple[str, ...] = ("*",), auth: 
     @app.get("/metrics")
     async def metrics():
         stats = await gen.client.stats()
-        return Response(gen.metrics.render(stats, gen.client.routable()), media_type=CONTENT_TYPE_LATEST)
+        return Response(gen.metrics.render(stats, gen.client.routable(), gen.known_model_name()),
+                        media_type=CONTENT_TYPE_LATEST)
 
     return app

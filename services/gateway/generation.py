@@ -516,6 +516,10 @@ class Generator:
                     self._model = await self._load_model()
         return self._model
 
+    def known_model_name(self) -> str | None:
+        """The served model's name, once the scheduler said which model it is (or --served-model-name)."""
+        return self._model.name if self._model is not None else self.served_model_name
+
     async def _load_model(self) -> Model:
         info = await self.client.info()
         check_peer_version("scheduler", self.client.address, info.protocol_version)

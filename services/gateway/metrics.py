@@ -1,4 +1,5 @@
-"""Prometheus metrics of the gateway, plus the engine's own stats (GetStats) as gauges.
+"""Prometheus metrics of the gateway, plus the engine's own stats (GetStats) as gauges; and the same again
+under vLLM's names (vllm_metrics.py).
 
 Each gateway gets its own registry, so several can live in one process (tests).
 """
@@ -7,8 +8,11 @@ from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
+from services.gateway.vllm_metrics import VllmMetrics
+
 LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
 TOKEN_BUCKETS = (0.005, 0.01, 0.02, 0.03, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 1, 2.5)
+TOKEN_COUNT_BUCKETS = (1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000, 20000, 50000, 100000)
 
 
 class GatewayMetrics:
@@ -41,20 +45,33 @@ class GatewayMetrics:
         self.scheduler_routable = Gauge("pagedserve_scheduler_routable",
                                         "1 while new requests may go to the scheduler (serving, same model)",
                                         ["scheduler"], registry=r)
+        self.request_prompt_tokens = Histogram("pagedserve_request_prompt_tokens", "prompt tokens per engine request",
+                                               buckets=TOKEN_COUNT_BUCKETS, registry=r)
+        self.request_generation_tokens = Histogram("pagedserve_request_generation_tokens",
+                                                   "tokens generated per engine request (all its sequences)",
+                                                   buckets=TOKEN_COUNT_BUCKETS, registry=r)
         self._engine: dict[str, Gauge] = {}  # pagedserve_engine_<stat>, made as the scheduler reports them
+        self.vllm = VllmMetrics([self.prompt_tokens, self.generation_tokens, self.ttft, self.e2e, self.tpot,
+                                 self.request_prompt_tokens, self.request_generation_tokens])
+        r.register(self.vllm)
 
     def finish(self, prompt_tokens: int, generation_tokens: int, seconds: float,
                first_output_s: float | None = None, num_sequences: int = 1) -> None:
         self.prompt_tokens.inc(prompt_tokens)
         self.generation_tokens.inc(generation_tokens)
+        self.request_prompt_tokens.observe(prompt_tokens)
+        self.request_generation_tokens.observe(generation_tokens)
         self.e2e.observe(seconds)
         per_sequence = generation_tokens / num_sequences  # n > 1: the sequences decode side by side
         if first_output_s is not None and per_sequence > 1:
             self.tpot.observe((seconds - first_output_s) / (per_sequence - 1))
 
-    def render(self, engine_stats: dict[str, dict[str, float] | None], routable: dict[str, bool]) -> bytes:
+    def render(self, engine_stats: dict[str, dict[str, float] | None], routable: dict[str, bool],
+               model_name: str | None = None) -> bytes:
         """engine_stats: each scheduler's GetStats by address (None: it did not answer); routable:
-        whether new requests go to it (the gateway's health poll found it serving its model)."""
+        whether new requests go to it (the gateway's health poll found it serving its model);
+        model_name: the served model's (vLLM's names' label), once known."""
+        self.vllm.update(engine_stats, model_name)
         for address, stats in engine_stats.items():
             self.scheduler_up.labels(scheduler=address).set(0 if stats is None else 1)
             self.scheduler_routable.labels(scheduler=address).set(1 if routable.get(address) else 0)
