@@ -411,6 +411,9 @@ def test_latency_histograms_count_each_request(stack, client, llama_dir):
                           "vllm:prefix_cache_hits_total")):
         assert samples[theirs + label] == samples[ours], (ours, theirs)
     assert samples["vllm:request_prompt_tokens_count" + label] >= 2
+    finished = f'{{finished_reason="length",model_name="{llama_dir.name}"}}'
+    assert samples["vllm:request_success_total" + finished] == samples['pagedserve_request_success_total'
+                                                                        '{finished_reason="length"}'] >= 2
     assert 0 <= samples["vllm:kv_cache_usage_perc" + label] <= 1
 
 

@@ -272,6 +272,7 @@ class Run:
         self._stream, self._metrics = stream, metrics
         self._resumer, self._cache_salt = resumer, cache_salt
         self.resumes = 0  # times this run was submitted again after losing its scheduler
+        self.finish_reasons: list[str] = []  # its sequences' as they end ("stop", "length", "abort")
         self._aborted = False  # the client's Abort: a resumption stops
         self._outputs: list[list[int]] = [[] for _ in range(params.n)]  # each sequence's tokens so far
         self._skip_prompt_logprobs = 0  # a run started over sends the prompt logprobs already passed on again
@@ -316,7 +317,8 @@ class Run:
     async def _take_embedding(self, message) -> None:
         """An embedding request is done with its first output."""
         self._done = [True]
-        self._metrics.finish(len(self.prompt), 0, time.perf_counter() - self._started, None, 1)
+        self._metrics.finish(len(self.prompt), 0, time.perf_counter() - self._started, None, 1,
+                             ["stop" if message is not None and message.embedding else "abort"])
         if message is not None and message.num_cached_tokens:
             self.cached_tokens = min(message.num_cached_tokens, len(self.prompt))
         if message is None or not message.embedding:  # aborted at the scheduler (it is stopping)
@@ -341,13 +343,16 @@ class Run:
             for index, done in enumerate(self._done):
                 if not done:
                     self._done[index] = True
+                    self.finish_reasons.append("abort")
                     yield SeqDelta(index, [], self._detoks[index].flush().text, None, "abort", None, self.position)
         finally:
             self.cancel()  # no-op after a normal end; otherwise aborts the rest at the scheduler
             # Beam search reports its beams once, at the end: there is no time per token to see.
             first = None if self.params.use_beam_search else self._first_output_s
+            # A sequence that did not end (the client went away) was aborted.
+            reasons = self.finish_reasons + ["abort"] * (len(self._done) - len(self.finish_reasons))
             self._metrics.finish(len(self.prompt), self.completion_tokens, time.perf_counter() - self._started,
-                                 first, self.params.n)
+                                 first, self.params.n, reasons)
 
     async def _next(self):
         """The request's next output (None once it ended), from the scheduler it runs on now."""
@@ -428,6 +433,8 @@ class Run:
             which = message.WhichOneof("stop_reason")
             delta.stop_reason = getattr(message, which) if which else None
         self._done[index] = delta.finish_reason is not None
+        if delta.finish_reason is not None:
+            self.finish_reasons.append(delta.finish_reason)
         return delta
 
 

@@ -50,13 +50,17 @@ class GatewayMetrics:
         self.request_generation_tokens = Histogram("pagedserve_request_generation_tokens",
                                                    "tokens generated per engine request (all its sequences)",
                                                    buckets=TOKEN_COUNT_BUCKETS, registry=r)
+        self.request_success = Counter("pagedserve_request_success", "sequences ended, by why (stop, length, abort)",
+                                       ["finished_reason"], registry=r)
         self._engine: dict[str, Gauge] = {}  # pagedserve_engine_<stat>, made as the scheduler reports them
         self.vllm = VllmMetrics([self.prompt_tokens, self.generation_tokens, self.ttft, self.e2e, self.tpot,
-                                 self.request_prompt_tokens, self.request_generation_tokens])
+                                 self.request_prompt_tokens, self.request_generation_tokens, self.request_success])
         r.register(self.vllm)
 
     def finish(self, prompt_tokens: int, generation_tokens: int, seconds: float,
-               first_output_s: float | None = None, num_sequences: int = 1) -> None:
+               first_output_s: float | None = None, num_sequences: int = 1, finish_reasons=()) -> None:
+        for reason in finish_reasons:
+            self.request_success.labels(finished_reason=reason).inc()
         self.prompt_tokens.inc(prompt_tokens)
         self.generation_tokens.inc(generation_tokens)
         self.request_prompt_tokens.observe(prompt_tokens)

@@ -30,7 +30,8 @@ _RENAMED = {"pagedserve_prompt_tokens": ("vllm:prompt_tokens",),
             "pagedserve_time_per_output_token_seconds": ("vllm:inter_token_latency_seconds",
                                                          "vllm:time_per_output_token_seconds"),
             "pagedserve_request_prompt_tokens": ("vllm:request_prompt_tokens",),
-            "pagedserve_request_generation_tokens": ("vllm:request_generation_tokens",)}
+            "pagedserve_request_generation_tokens": ("vllm:request_generation_tokens",),
+            "pagedserve_request_success": ("vllm:request_success",)}
 
 
 class VllmMetrics(Collector):
