@@ -18,6 +18,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from services.gateway.tool_parsers import partial_suffix
+
 START, END = "<think>", "</think>"
 
 
@@ -73,7 +75,7 @@ class ReasoningStream:
         if self.state == "reasoning":
             end = self.held.find(END)
             if end < 0:
-                keep = _partial_tag(self.held, END)
+                keep = partial_suffix(self.held, END)
                 reasoning, self.held = self.held[:len(self.held) - keep], self.held[len(self.held) - keep:]
                 return reasoning, ""
             reasoning, self.held, self.state = self.held[:end], self.held[end + len(END):], "content"
@@ -86,11 +88,3 @@ class ReasoningStream:
         if self.state == "reasoning" or (self.state == "opening" and self.reasons_without_tag):
             return held, ""
         return "", held
-
-
-def _partial_tag(text: str, tag: str) -> int:
-    """How many of text's last characters could be the start of ``tag``."""
-    for size in range(min(len(text), len(tag) - 1), 0, -1):
-        if tag.startswith(text[-size:]):
-            return size
-    return 0

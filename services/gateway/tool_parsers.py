@@ -110,7 +110,7 @@ def _skip_space(text: str, position: int) -> int:
     return position
 
 
-def _partial_suffix(text: str, marker: str) -> int:
+def partial_suffix(text: str, marker: str) -> int:
     """The length of the longest end of text that begins the marker (it may be completed next)."""
     for size in range(min(len(text), len(marker) - 1), 0, -1):
         if marker.startswith(text[-size:]):
@@ -144,7 +144,7 @@ class HermesStream(ToolCallStream):
                 continue
             start = self._held.find(self.START)
             if start == -1:
-                keep = len(self._held) - _partial_suffix(self._held, self.START)
+                keep = len(self._held) - partial_suffix(self._held, self.START)
                 self._content(self._held[:keep], out)
                 self._held = self._held[keep:]
                 return out
