@@ -15,6 +15,9 @@ import pytest
 
 from tests.services_harness import REPO
 
+# The fixture compiles for two GPUs at once; beside another test process that takes up to two minutes here.
+pytestmark = pytest.mark.timeout(600)
+
 KERNELS = {"_paged_attention_kernel", "_reduce_splits_kernel", "_write_kv_kernel", "_copy_blocks_kernel",
            "_grouped_matmul_kernel"}
 ARCHS = (80, 90)
