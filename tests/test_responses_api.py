@@ -294,8 +294,10 @@ THINK = {"structured_outputs": {"regex": "<think>[a-z]{3,12}</think>[a-z]{3,12}"
 
 def test_reasoning_is_told_from_the_answer_whole_streamed_and_in_responses(client, llama_dir):
     messages = [{"role": "user", "content": "Think, then answer."}]
-    whole = chat(client, llama_dir, messages, max_tokens=40, extra_body=THINK).choices[0].message
+    answer = chat(client, llama_dir, messages, max_tokens=40, extra_body=THINK)
+    whole = answer.choices[0].message
     reasoning, content = whole.model_extra["reasoning"], whole.content
+    assert 0 < answer.usage.completion_tokens_details.reasoning_tokens < answer.usage.completion_tokens
     assert reasoning and content and whole.model_extra["reasoning_content"] == reasoning
     assert reasoning.isalpha() and content.isalpha() and "<" not in reasoning + content
     # Streamed: reasoning deltas, then content deltas, adding up to the whole answer's.
@@ -319,7 +321,7 @@ def test_reasoning_is_told_from_the_answer_whole_streamed_and_in_responses(clien
     assert [item.type for item in response.output] == ["reasoning", "message"]
     assert response.output[0].content[0].text == reasoning and response.output_text == content
     details = response.usage.output_tokens_details
-    assert 0 < details.reasoning_tokens < response.usage.output_tokens
+    assert details.reasoning_tokens == answer.usage.completion_tokens_details.reasoning_tokens
     # A stateless client's next turn sends the output back, its reasoning item included.
     follow_up = client.responses.create(model=llama_dir.name, max_output_tokens=4, input=[
         {"role": "user", "content": "Think, then answer."}, *[item.model_dump() for item in response.output],

@@ -332,6 +332,8 @@ class _Chat(_Reply):
         self._reasoning = self.model.reasoning_parser if self.forced is None else None
         self._constrained = self._reasoning is not None and self.body.structured_outputs_asked() is not None
         self._thinking = defaultdict(self.reasoning_stream) if self._reasoning else {}
+        self._counters = defaultdict(self.reasoning_stream)  # per choice: which of its tokens are thinking
+        self._reasoning_tokens: dict[int, int] = defaultdict(int)
 
     def opening_choices(self) -> list[list[dict]]:
         # OpenAI's first delta of each choice carries the role.
@@ -364,6 +366,28 @@ class _Chat(_Reply):
             return None  # all held back (a possible call or tag), or reasoning left out
         return {"index": k, "delta": message, "logprobs": self._logprobs(delta.logprobs or []),
                 "finish_reason": finish, "stop_reason": delta.stop_reason}
+
+    def deltas(self) -> AsyncIterator[SeqDelta]:
+        return self._counting_reasoning(super().deltas()) if self._reasoning is not None else super().deltas()
+
+    async def _counting_reasoning(self, deltas: AsyncIterator[SeqDelta]) -> AsyncIterator[SeqDelta]:
+        """The deltas as they come, counting each choice's tokens that come before its thinking ended."""
+        async for delta in deltas:
+            k = delta.position * self.n + delta.index
+            stream = self._counters[k]
+            reasoning, content = stream.feed(delta.text)
+            if not content and (reasoning or stream.state != "content"):
+                self._reasoning_tokens[k] += len(delta.token_ids)
+            yield delta
+
+    def reasoning_tokens(self) -> int:
+        return sum(self._reasoning_tokens.values())
+
+    def usage(self) -> dict:
+        counts = super().usage()
+        if self._reasoning is not None:  # OpenAI's place for them
+            counts["completion_tokens_details"] = {"reasoning_tokens": self.reasoning_tokens()}
+        return counts
 
     def reasoning_stream(self):
         """A choice's splitter of reasoning from content (--reasoning-parser)."""

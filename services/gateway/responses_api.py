@@ -59,19 +59,6 @@ class _Response(_Chat):
     def __init__(self, model, body: ResponsesRequest, response_id: str, runs, prompt_texts):
         self.request = body
         super().__init__(model, body.chat, response_id, runs, prompt_texts)
-        self.reasoning_tokens = 0  # the output's tokens until its thinking ended (output_tokens_details)
-
-    def deltas(self):
-        return self._counting_reasoning(super().deltas()) if self._reasoning is not None else super().deltas()
-
-    async def _counting_reasoning(self, deltas):
-        """The deltas as they come, counting the tokens of those still inside the thinking."""
-        stream = self.reasoning_stream()
-        async for delta in deltas:
-            reasoning, content = stream.feed(delta.text)
-            if not content and (reasoning or stream.state != "content"):
-                self.reasoning_tokens += len(delta.token_ids)
-            yield delta
 
     # --- the Response object ----------------------------------------------------------------------
 
@@ -96,7 +83,7 @@ class _Response(_Chat):
         return {"input_tokens": counts["prompt_tokens"],
                 "input_tokens_details": {"cached_tokens": counts["prompt_tokens_details"]["cached_tokens"]},
                 "output_tokens": counts["completion_tokens"],
-                "output_tokens_details": {"reasoning_tokens": self.reasoning_tokens},
+                "output_tokens_details": {"reasoning_tokens": self.reasoning_tokens()},
                 "total_tokens": counts["total_tokens"]}
 
     @staticmethod
