@@ -39,7 +39,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--host", default="127.0.0.1", help="HTTP (OpenAI API) host")
     parser.add_argument("--port", type=int, default=8000, help="HTTP (OpenAI API) port")
     parser.add_argument("--grpc-port", type=int, default=50050, help="public gRPC API port")
-    parser.add_argument("--served-model-name", default=None)
+    parser.add_argument("--served-model-name", nargs="+", action="extend", default=None,
+                        help="model ids clients use (see pagedserve gateway --help)")
     parser.add_argument("--api-key", action="append", default=None,
                         help="a key every request must carry (see pagedserve gateway --help); repeatable")
     parser.add_argument("--api-key-store", default=None, help="Redis URL of the keys made with 'pagedserve api-keys'")

@@ -42,6 +42,7 @@ def stack(llama_dir, sql_adapter, tmp_path_factory):
                   worker_args=WORKER_ARGS + ("--enable-lora", "--max-loras", "2", "--max-lora-rank", "8"),
                   gateway_args=("--enable-auto-tool-choice", "--tool-call-parser", "hermes",
                                 "--allow-runtime-lora-updating", "--trust-request-chat-template",
+                                "--served-model-name", llama_dir.name, "llama-alias",
                                 "--lora-modules", f"sql={sql_adapter}",  # several after one flag, as vLLM's
                                 json.dumps({"name": "broken", "path": "/nowhere", "base_model_name": "hub/llama"}))
                   ).start()
@@ -85,7 +86,10 @@ def wait_blocks_free(stack, timeout_s: float = 5.0) -> dict[str, float]:
 
 
 def test_models_health_openapi_and_request_id(stack, client, llama_dir):
-    assert [m.id for m in client.models.list().data] == [llama_dir.name, "sql", "broken"]
+    assert [m.id for m in client.models.list().data] == [llama_dir.name, "llama-alias", "sql", "broken"]
+    # An alias (vLLM's --served-model-name with several) is served; answers carry the first name.
+    aliased = client.completions.create(model="llama-alias", prompt="Hi", max_tokens=2)
+    assert aliased.model == llama_dir.name and client.models.retrieve("llama-alias").id == "llama-alias"
     assert http_get(f"{stack.base_url}/health")[0] == 200
     status, spec = http_get(f"{stack.base_url}/openapi.json")
     assert status == 200 and "/v1/chat/completions" in spec["paths"]
@@ -615,9 +619,9 @@ def test_grpc_generate(stack, offline, llama_dir):
         assert replies[-1].usage.completion_tokens == len(expected.token_ids)
         by_ids = list(stub.Generate(api.GenerateRequest(token_ids=api.TokenIds(ids=[5, 6, 7]), params=params)))
         assert by_ids[-1].finish_reason
-        card, *adapters = stub.ListModels(api.ListModelsRequest()).models
+        card, alias, *adapters = stub.ListModels(api.ListModelsRequest()).models
         assert card.id == llama_dir.name and card.max_model_len == 512 and card.vocab_size == 512
-        assert [a.id for a in adapters] == ["sql", "broken"]
+        assert alias.id == "llama-alias" and [a.id for a in adapters] == ["sql", "broken"]
         # An adapter by its model name, as over HTTP; a broken one fails with INVALID_ARGUMENT.
         tuned = list(stub.Generate(api.GenerateRequest(model="sql", text=PROMPTS[2], params=params)))
         assert [t for r in tuned for t in r.token_ids] != expected.token_ids

@@ -245,14 +245,14 @@ def test_lora_modules_flag_entries_and_their_errors(tmp_path, monkeypatch):
 
     parsed = parse_lora_modules(["sql=/a/sql", ' {"name": "chat", "path": "/a/chat", "base_model_name": "hub/base"} '])
     assert parsed == [LoRAModule(LoRARequest("sql", "/a/sql")), LoRAModule(LoRARequest("chat", "/a/chat"), "hub/base")]
-    assert adapters_for("base", parsed, max_loras=1) == {"sql": parsed[0], "chat": parsed[1]}
+    assert adapters_for(("base",), parsed, max_loras=1) == {"sql": parsed[0], "chat": parsed[1]}
     for entries, reason in [(["sql"], "name=path or a JSON"), (["=/a"], "name=path"), (["{nope"], "not valid JSON"),
                             (['{"name": "x"}'], "takes name, path"), (['{"name": "x", "path": "/p", "r": 1}'],
                                                                      "takes name, path"),
                             (["a=/1", "a=/2"], "names a more than once")]:
         with pytest.raises(ValueError, match=reason):
             parse_lora_modules(entries)
-    assert adapters_for("sql", parsed, max_loras=1) == {"chat": parsed[1]}  # unreachable: left out, logged
+    assert adapters_for(("base", "sql"), parsed, max_loras=1) == {"chat": parsed[1]}  # unreachable: left out, logged
     import argparse
     args = argparse.Namespace(lora_modules=["a=/1", "b=/2"], enable_lora=True)
     assert flags(args, ["lora_modules", "enable_lora"]) == ["--lora-modules", "a=/1", "--lora-modules", "b=/2",

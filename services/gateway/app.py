@@ -253,9 +253,10 @@ def create_app(gen: Generator, allowed_origins: tuple[str, ...] = ("*",), auth: 
     async def chat_completions(body: ChatCompletionRequest, request: Request):
         return await respond(request, create_chat_completion, body)
 
-    def model_card(model, adapter=None) -> dict:
-        """The model's card, or an adapter's (vLLM's fields: its directory as root, its base model as parent)."""
-        card = {"id": model.name, "object": "model", "created": int(time.time()), "owned_by": "pagedserve",
+    def model_card(model, adapter=None, name: str | None = None) -> dict:
+        """The model's card (under ``name``, one of its names), or an adapter's (vLLM's fields: its directory
+        as root, its base model as parent)."""
+        card = {"id": name or model.name, "object": "model", "created": int(time.time()), "owned_by": "pagedserve",
                 "max_model_len": model.max_model_len, "parent": None}
         if adapter is not None:
             card.update(id=adapter.lora.name, root=adapter.lora.path, parent=adapter.base_model_name or model.name)
@@ -288,8 +289,8 @@ def create_app(gen: Generator, allowed_origins: tuple[str, ...] = ("*",), auth: 
     @app.get("/v1/models")
     async def models():
         served = await gen.model()
-        return {"object": "list", "data": [model_card(served)] + [model_card(served, adapter)
-                                                                   for adapter in served.adapters.values()]}
+        return {"object": "list", "data": [model_card(served, name=name) for name in served.names] +
+                [model_card(served, adapter) for adapter in served.adapters.values()]}
 
     @app.get("/v1/models/{model_id:path}")
     async def model(model_id: str):
@@ -298,7 +299,9 @@ def create_app(gen: Generator, allowed_origins: tuple[str, ...] = ("*",), auth: 
             lora = served.resolve(model_id)
         except NotFound as exc:
             return error_response(exc)
-        return model_card(served, served.adapters[lora.name] if lora is not None else None)
+        if lora is not None:
+            return model_card(served, served.adapters[lora.name])
+        return model_card(served, name=model_id if model_id in served.names else None)
 
     async def plain_text(action, body):
         """vLLM's LoRA endpoints answer success as plain text, errors as OpenAI error objects."""

@@ -117,17 +117,23 @@ class Model:
     trust_request_chat_template: bool = False  # a request may bring its own chat template
     pooler: PoolerConfig | None = None  # set: the engine runs a pooling model (embeddings, no generation)
     reasoning_parser: ReasoningParser | None = None  # how its reasoning is told from its answer (--reasoning-parser)
+    aliases: tuple[str, ...] = ()  # other names it answers to (--served-model-name's after the first)
     _token_strings: dict[int, str] = field(default_factory=dict)
 
     def resolve(self, requested: str | None) -> LoRARequest | None:
         """The adapter a request's ``model`` names (None: the model itself, also when it names none)."""
-        if not requested or requested == self.name:
+        if not requested or requested in self.names:
             return None
         module = self.adapters.get(requested)
         if module is None:
-            served = ", ".join(f"`{name}`" for name in [self.name, *self.adapters])
+            served = ", ".join(f"`{name}`" for name in [*self.names, *self.adapters])
             raise NotFound(f"The model `{requested}` does not exist; this server serves {served}.")
         return module.lora
+
+    @property
+    def names(self) -> tuple[str, ...]:
+        """The names it is served under: the first is the one answers carry."""
+        return (self.name, *self.aliases)
 
     def check_name(self, requested: str | None) -> None:
         self.resolve(requested)
@@ -491,7 +497,8 @@ class Admission:
 
 
 class Generator:
-    def __init__(self, client: SchedulerPool, metrics: GatewayMetrics, served_model_name: str | None = None,
+    def __init__(self, client: SchedulerPool, metrics: GatewayMetrics,
+                 served_model_name: str | list[str] | None = None,
                  tokenizer: str | None = None, max_concurrent_requests: int | None = None,
                  limiter: RateLimiter | None = None, resume_policy: ResumePolicy | None = ResumePolicy(),
                  tool_parser: ToolCallParser | None = None,
@@ -506,7 +513,9 @@ class Generator:
         self.resumer = None if resume_policy is None else Resumer(client, resume_policy, metrics)
         self.limiter = limiter  # per-key rate limits (keys from the Redis store); None: none kept
         self.metrics = metrics
-        self.served_model_name = served_model_name
+        # --served-model-name: the name answers carry, then the aliases it also answers to (vLLM's flag).
+        names = [served_model_name] if isinstance(served_model_name, str) else list(served_model_name or [])
+        self.served_model_name, self.model_aliases = (names[0], tuple(names[1:])) if names else (None, ())
         self.tokenizer_path = tokenizer
         self.max_concurrent_requests = max_concurrent_requests
         self.tool_parser = tool_parser  # None: tool_choice "auto" is refused
@@ -536,12 +545,13 @@ class Generator:
         except (FileNotFoundError, ValueError) as exc:  # a deployment error, not the client's
             raise ServiceUnavailable(f"cannot load the tokenizer ({exc}); pass --tokenizer") from exc
         name = self.served_model_name or Path(info.model).name or info.model
-        adapters = adapters_for(name, self.lora_modules, info.max_loras)
+        adapters = adapters_for((name, *self.model_aliases), self.lora_modules, info.max_loras)
         log.info("model ready", model=name, path=info.model, max_model_len=info.max_model_len,
                  lora_adapters=sorted(adapters))
         return Model(name, info.max_model_len, info.vocab_size, info.max_logprobs, tokenizer, info.max_num_seqs,
                      self.tool_parser, tuple(info.eos_token_ids), adapters, self.trust_request_chat_template,
-                     PoolerConfig.from_proto(info.pooler) if info.HasField("pooler") else None, self.reasoning_parser)
+                     PoolerConfig.from_proto(info.pooler) if info.HasField("pooler") else None, self.reasoning_parser,
+                     self.model_aliases)
 
     @contextlib.asynccontextmanager
     async def admitted(self, api_key: ApiKey | None = None):

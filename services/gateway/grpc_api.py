@@ -189,7 +189,7 @@ class GenerationServicer(api_grpc.GenerationServicer):
             await _abort_with(context, exc)
         return api.ListModelsResponse(models=[api.ModelCard(id=name, max_model_len=model.max_model_len,
                                                             vocab_size=model.vocab_size)
-                                              for name in [model.name, *model.adapters]])
+                                              for name in [*model.names, *model.adapters]])
 
 
 def _pooling_params(request: api.EmbedRequest | api.ClassifyRequest, task: str) -> PoolingParams:

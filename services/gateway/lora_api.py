@@ -34,7 +34,7 @@ class UnloadLoRAAdapterRequest(BaseModel):
 
 async def load_lora_adapter(gen: Generator, body: LoadLoRAAdapterRequest) -> str:
     model = await gen.model()
-    if body.lora_name == model.name or body.lora_name in model.adapters:
+    if body.lora_name in model.names or body.lora_name in model.adapters:
         raise ValueError(f"The lora adapter '{body.lora_name}' has already been loaded.")
     read_adapter_config(body.lora_path)  # ValueError: missing, or what no worker applies
     model.adapters[body.lora_name] = LoRAModule(LoRARequest(body.lora_name, body.lora_path), body.base_model_name)

@@ -57,15 +57,15 @@ def _from_json(entry: str) -> LoRAModule:
     return LoRAModule(LoRARequest(raw["name"], raw["path"]), base)
 
 
-def adapters_for(model_name: str, modules: list[LoRAModule], max_loras: int) -> dict[str, LoRAModule]:
-    """The adapters by name, once the served model's name and the workers' LoRA room are known. One that
-    has the model's own name could never be asked for: left out, with an error in the log."""
+def adapters_for(model_names: tuple[str, ...], modules: list[LoRAModule], max_loras: int) -> dict[str, LoRAModule]:
+    """The adapters by name, once the served model's names and the workers' LoRA room are known. One that
+    has one of the model's own names could never be asked for: left out, with an error in the log."""
     if modules and not max_loras:
         log.error("the workers run without LoRA: requests for the --lora-modules adapters will fail",
                   hint="start the workers with --enable-lora", adapters=[m.lora.name for m in modules])
     adapters = {}
     for module in modules:
-        if module.lora.name == model_name:
+        if module.lora.name in model_names:
             log.error("a LoRA adapter has the served model's own name: left out", adapter=module.lora.name)
             continue
         adapters[module.lora.name] = module

@@ -170,8 +170,9 @@ def build_parser() -> argparse.ArgumentParser:
                         help="scheduler address (host:port; default 127.0.0.1:50051); repeat (or comma-separate "
                              "in PAGEDSERVE_SCHEDULER) for several, each with its own worker: requests are spread "
                              "over them (services/gateway/scheduler_pool.py)")
-    parser.add_argument("--served-model-name", default=None, help="model id clients use (default: the model "
-                                                                   "directory's name)")
+    parser.add_argument("--served-model-name", nargs="+", action="extend", default=None,
+                        help="model ids clients use (default: the model directory's name); with several, as "
+                             "vLLM's, requests may name any and answers carry the first")
     parser.add_argument("--tokenizer", default=None, help="tokenizer directory (default: the model directory "
                                                           "the scheduler reports)")
     parser.add_argument("--max-concurrent-requests", type=int, default=None,
