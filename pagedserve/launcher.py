@@ -201,7 +201,10 @@ class Stack:
         cmd = [sys.executable, "-m", "pagedserve", child.command, *child.argv]
         # A session of its own: Ctrl-C reaches only the launcher, which stops the children in order.
         # Should the launcher itself die (SIGKILL), the kernel sends the children SIGTERM: no orphans.
-        env = {**os.environ, "PYTHONUNBUFFERED": "1", **child.env}
+        # A flag passed here is not read again from the environment: a list flag (--served-model-name,
+        # --lora-modules) would take the variable's values and then the flag's.
+        passed = {"PAGEDSERVE_" + arg[2:].replace("-", "_").upper() for arg in child.argv if arg.startswith("--")}
+        env = {**{k: v for k, v in os.environ.items() if k not in passed}, "PYTHONUNBUFFERED": "1", **child.env}
         child.proc = subprocess.Popen(cmd, env=env, start_new_session=True, preexec_fn=terminate_with_parent)
         self.children[child.label] = child
 

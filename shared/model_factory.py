@@ -208,14 +208,3 @@ def cached_model_dir(name: str, spec: dict) -> Path:
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return final
-    final.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{DEFAULT_MODEL_NAME}-", dir=final.parent))
-    try:
-        create_model_dir(tmp, **DEFAULT_MODEL)
-        os.rename(tmp, final)
-    except OSError:
-        if not (final / "config.json").is_file():  # not simply another process winning the race
-            raise
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
-    return final

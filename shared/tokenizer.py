@@ -3,16 +3,23 @@
 from __future__ import annotations
 
 import inspect
+import threading
 from pathlib import Path
+
+
+# transformers' lazy imports are not safe from two threads at once (one may see a half-made module).
+_IMPORT_LOCK = threading.Lock()
 
 
 def import_tokenizer_library() -> None:
     """Import transformers' tokenizers (seconds: it imports torch too), e.g. while waiting for a backend."""
-    from transformers import AutoTokenizer  # noqa: F401
+    with _IMPORT_LOCK:
+        from transformers import AutoTokenizer  # noqa: F401
 
 
 def load_tokenizer(path: str | Path):
-    from transformers import AutoTokenizer
+    with _IMPORT_LOCK:
+        from transformers import AutoTokenizer
 
     path = Path(path)
     if not path.is_dir():

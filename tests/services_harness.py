@@ -20,27 +20,37 @@ REPO = Path(__file__).resolve().parents[1]
 _HANDED_OUT: set[int] = set()
 
 
-def free_port() -> int:
-    """A free loopback port below the kernel's ephemeral range, never the same one twice.
+def free_port(span: int = 1) -> int:
+    """A free loopback port below the kernel's ephemeral range, never the same one twice (``span``: that
+    many consecutive ones, the first returned).
 
     A port from bind(("", 0)) is ephemeral: between this check and the service's own bind, any
     outgoing connection (a client retrying a service that is not up yet) may take it as its local
-    port, and the service then fails to start.
+    port, and the service then fails to start. Each pytest-xdist process draws from a share of the
+    range of its own: the set of ports handed out is per process.
     """
     low = _ephemeral_range_start()
+    start = max(1024, low - 12000)
+    share = (low - start) // int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+    start += share * int(os.environ.get("PYTEST_XDIST_WORKER", "gw0").removeprefix("gw") or 0)
     rng = random.Random()
     for _ in range(1000):
-        port = rng.randrange(max(1024, low - 12000), low)
-        if port in _HANDED_OUT:
+        port = rng.randrange(start, start + share - span + 1)
+        ports = range(port, port + span)
+        if any(p in _HANDED_OUT for p in ports) or not all(_bindable(p) for p in ports):
             continue
-        with socket.socket() as sock:
-            try:
-                sock.bind(("127.0.0.1", port))
-            except OSError:
-                continue
-        _HANDED_OUT.add(port)
+        _HANDED_OUT.update(ports)
         return port
     raise RuntimeError("no free port below the ephemeral range")
+
+
+def _bindable(port: int) -> bool:
+    with socket.socket() as sock:
+        try:
+            sock.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+    return True
 
 
 def _ephemeral_range_start() -> int:

@@ -93,7 +93,7 @@ def test_resumption_benchmark_kills_a_worker_under_streams_that_all_go_on(tmp_pa
     out = tmp_path / "resumption.json"
     subprocess.run([sys.executable, str(REPO / "benchmarks" / "resumption.py"), "--model", str(llama_dir),
                     "--concurrency", "3", "--prompt-len", "16", "--max-tokens", "100", "--kill-after", "10",
-                    "--modes", "resume", "--port", str(free_port()), "--out", str(out)],
+                    "--modes", "resume", "--port", str(free_port(span=2)), "--out", str(out)],  # HTTP, then gRPC
                    cwd=REPO, check=True, timeout=240, stdout=subprocess.DEVNULL)
     (mode,) = json.loads(out.read_text())["modes"]
     assert mode["requests"] == mode["completed"] == mode["completed_with_uninterrupted_text"] == 3

@@ -279,6 +279,8 @@ class Run:
         self._resumer, self._cache_salt = resumer, cache_salt
         self.resumes = 0  # times this run was submitted again after losing its scheduler
         self.finish_reasons: list[str] = []  # its sequences' as they end ("stop", "length", "abort")
+        self._recorded = False  # its end is in the metrics (by __aiter__'s end, once it was read)
+        self._read = False
         self._aborted = False  # the client's Abort: a resumption stops
         self._outputs: list[list[int]] = [[] for _ in range(params.n)]  # each sequence's tokens so far
         self._skip_prompt_logprobs = 0  # a run started over sends the prompt logprobs already passed on again
@@ -322,7 +324,7 @@ class Run:
 
     async def _take_embedding(self, message) -> None:
         """An embedding request is done with its first output."""
-        self._done = [True]
+        self._done, self._recorded = [True], True
         self._metrics.finish(len(self.prompt), 0, time.perf_counter() - self._started, None, 1,
                              ["stop" if message is not None and message.embedding else "abort"])
         if message is not None and message.num_cached_tokens:
@@ -335,6 +337,7 @@ class Run:
             raise RuntimeError(f"embedding request {self.request_id} had an output after its embedding")
 
     async def __aiter__(self) -> AsyncIterator[SeqDelta]:
+        self._read = True
         try:
             message = self._first
             while message is not None:
@@ -357,8 +360,16 @@ class Run:
             first = None if self.params.use_beam_search else self._first_output_s
             # A sequence that did not end (the client went away) was aborted.
             reasons = self.finish_reasons + ["abort"] * (len(self._done) - len(self.finish_reasons))
+            self._recorded = True
             self._metrics.finish(len(self.prompt), self.completion_tokens, time.perf_counter() - self._started,
                                  first, self.params.n, reasons)
+
+    def record_abandoned(self) -> None:
+        """A run given up before it was read (its request failed, or its client left, first): its
+        sequences ended as aborted."""
+        if not (self._recorded or self._read):
+            self._recorded = True
+            self._metrics.request_success.labels(finished_reason="abort").inc(len(self._done))
 
     async def _next(self):
         """The request's next output (None once it ended), from the scheduler it runs on now."""
@@ -514,7 +525,8 @@ class Generator:
         self.limiter = limiter  # per-key rate limits (keys from the Redis store); None: none kept
         self.metrics = metrics
         # --served-model-name: the name answers carry, then the aliases it also answers to (vLLM's flag).
-        names = [served_model_name] if isinstance(served_model_name, str) else list(served_model_name or [])
+        names = [served_model_name] if isinstance(served_model_name, str) else \
+            list(dict.fromkeys(served_model_name or []))
         self.served_model_name, self.model_aliases = (names[0], tuple(names[1:])) if names else (None, ())
         self.tokenizer_path = tokenizer
         self.max_concurrent_requests = max_concurrent_requests
@@ -662,6 +674,7 @@ class Generator:
         except BaseException:
             for run, started in itertools.zip_longest(runs, starts):  # all or nothing: abort every one
                 run.cancel()
+                run.record_abandoned()
                 if started is not None:
                     started.cancel()
             raise

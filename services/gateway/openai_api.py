@@ -140,6 +140,7 @@ class _Reply:
         """Idempotent; also right when events() never started (a client gone before the first byte)."""
         for run in self.runs:
             run.cancel()
+            run.record_abandoned()  # (a client gone before the stream began)
         await self.slot.aclose()
 
     async def whole(self) -> dict:

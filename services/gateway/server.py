@@ -57,7 +57,7 @@ async def _learn_model(gen: Generator) -> None:
         except Exception as exc:
             if attempt % 10 == 0:
                 log.info("waiting for the scheduler", scheduler=gen.client.address, error=str(exc))
-            await asyncio.sleep(min(1.0, 0.1 * 1.5 ** attempt))  # soon after a scheduler that starts with us
+            await asyncio.sleep(min(1.0, 0.1 * 1.5 ** min(attempt, 8)))  # soon after a scheduler starting with us
     await preload
     # HTTP is already up: freeze (the tokenizer, above all) while no request is alive if that comes
     # soon. A live request's objects frozen with it are still freed by their reference counts; only
