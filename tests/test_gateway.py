@@ -405,20 +405,22 @@ def test_latency_histograms_count_each_request(stack, client, llama_dir):
     # vLLM's names for the same series (and the engine's), labelled with the served model, for dashboards,
     # autoscalers and routers made for vLLM.
     label = f'{{model_name="{llama_dir.name}"}}'
-    for ours, theirs in (("pagedserve_prompt_tokens_total", "vllm:prompt_tokens_total"),
-                         ("pagedserve_generation_tokens_total", "vllm:generation_tokens_total"),
-                         ("pagedserve_time_to_first_token_seconds_count", "vllm:time_to_first_token_seconds_count"),
-                         ("pagedserve_time_per_output_token_seconds_count", "vllm:inter_token_latency_seconds_count"),
-                         ('pagedserve_engine_num_requests_waiting{scheduler="' + stack.scheduler_address + '"}',
-                          "vllm:num_requests_waiting"),
-                         ('pagedserve_engine_prefix_cache_hits{scheduler="' + stack.scheduler_address + '"}',
-                          "vllm:prefix_cache_hits_total")):
-        assert samples[theirs + label] == samples[ours], (ours, theirs)
+    engine = f'{{engine="0",model_name="{llama_dir.name}"}}'  # the engine's, per scheduler
+    scheduler = f'{{scheduler="{stack.scheduler_address}"}}'
+    for ours, theirs in (("pagedserve_prompt_tokens_total", "vllm:prompt_tokens_total" + label),
+                         ("pagedserve_generation_tokens_total", "vllm:generation_tokens_total" + label),
+                         ("pagedserve_time_to_first_token_seconds_count",
+                          "vllm:time_to_first_token_seconds_count" + label),
+                         ("pagedserve_time_per_output_token_seconds_count",
+                          "vllm:inter_token_latency_seconds_count" + label),
+                         ("pagedserve_engine_num_requests_waiting" + scheduler, "vllm:num_requests_waiting" + engine),
+                         ("pagedserve_engine_prefix_cache_hits" + scheduler, "vllm:prefix_cache_hits_total" + engine)):
+        assert samples[theirs] == samples[ours], (ours, theirs)
     assert samples["vllm:request_prompt_tokens_count" + label] >= 2
     finished = f'{{finished_reason="length",model_name="{llama_dir.name}"}}'
     assert samples["vllm:request_success_total" + finished] == samples['pagedserve_request_success_total'
                                                                         '{finished_reason="length"}'] >= 2
-    assert 0 <= samples["vllm:kv_cache_usage_perc" + label] <= 1
+    assert 0 <= samples["vllm:kv_cache_usage_perc" + engine] <= 1
 
 
 def test_stream_chat_n2(client, llama_dir):

@@ -2,10 +2,12 @@
 prometheus-adapter) and routers made for vLLM read ``vllm:num_requests_waiting``, ``vllm:kv_cache_usage_perc``
 or ``vllm:time_to_first_token_seconds`` without a change.
 
-Each is labelled with ``model_name`` (the served model, as vLLM labels them). The engine's are the sums over
-the gateway's schedulers that answered GetStats, at the time of the scrape; a restarted scheduler's totals
-start again from 0, which Prometheus' rate() reads as a counter reset. The gateway's histograms and counters
-are the same series as pagedserve's, under vLLM's names (not observed twice).
+Each is labelled with ``model_name`` (the served model, as vLLM labels them). The engine's come per
+scheduler, labelled ``engine`` with its place in the gateway's --scheduler list (as vLLM's V1 labels its
+engines): a scheduler that did not answer GetStats is missing from that scrape rather than lowering a sum,
+and a restarted one's counters start again from 0, which Prometheus' rate() reads as a reset of its own.
+The gateway's histograms and counters are the same series as pagedserve's, under vLLM's names (not
+observed twice).
 """
 
 from __future__ import annotations
@@ -38,37 +40,39 @@ class VllmMetrics(Collector):
     def __init__(self, own: list):
         self.own = own  # pagedserve's collectors whose series _RENAMED names again
         self.model_name = ""
-        self.engine: dict[str, float] = {}  # the schedulers' stats, summed
+        self.engines: dict[str, dict[str, float]] = {}  # each answering scheduler's stats, by its engine label
 
     def update(self, engine_stats: dict[str, dict[str, float] | None], model_name: str | None) -> None:
-        """Before a scrape: each scheduler's GetStats (None: it did not answer), the served model's name."""
+        """Before a scrape: each scheduler's GetStats in --scheduler order (None: it did not answer), and
+        the served model's name."""
         self.model_name = model_name or ""
-        self.engine = {}
-        for stats in engine_stats.values():
-            for name, value in (stats or {}).items():
-                self.engine[name] = self.engine.get(name, 0.0) + value
+        self.engines = {str(i): stats for i, stats in enumerate(engine_stats.values()) if stats is not None}
 
     def collect(self):
         labels = {"model_name": self.model_name}
-        for stat, name in _GAUGES.items():
-            yield _one(GaugeMetricFamily(name, f"engine {stat} (pagedserve_engine_{stat})", labels=list(labels)),
-                       labels, self.engine.get(stat, 0.0))
-        total = self.engine.get("kv_blocks_total", 0.0)
-        usage = self.engine.get("kv_blocks_used", 0.0) / total if total else 0.0
-        for name in ("vllm:kv_cache_usage_perc", "vllm:gpu_cache_usage_perc"):  # vLLM's V1 name, and V0's
-            yield _one(GaugeMetricFamily(name, "KV cache blocks in use, 0 to 1", labels=list(labels)), labels, usage)
-        for stat, name in _COUNTERS.items():
-            yield _one(CounterMetricFamily(name, f"engine {stat} (pagedserve_engine_{stat})", labels=list(labels)),
-                       labels, self.engine.get(stat, 0.0))
+        per_engine = ["engine", "model_name"]
+        gauges = {name: GaugeMetricFamily(name, f"engine {stat} (pagedserve_engine_{stat})", labels=per_engine)
+                  for stat, name in _GAUGES.items()}
+        usages = [GaugeMetricFamily(name, "KV cache blocks in use, 0 to 1", labels=per_engine)
+                  for name in ("vllm:kv_cache_usage_perc", "vllm:gpu_cache_usage_perc")]  # V1's name, and V0's
+        counters = {name: CounterMetricFamily(name, f"engine {stat} (pagedserve_engine_{stat})", labels=per_engine)
+                    for stat, name in _COUNTERS.items()}
+        for engine, stats in self.engines.items():
+            values = [engine, self.model_name]
+            for stat, name in _GAUGES.items():
+                gauges[name].add_metric(values, stats.get(stat, 0.0))
+            total = stats.get("kv_blocks_total", 0.0)
+            for family in usages:
+                family.add_metric(values, stats.get("kv_blocks_used", 0.0) / total if total else 0.0)
+            for stat, name in _COUNTERS.items():
+                counters[name].add_metric(values, stats.get(stat, 0.0))
+        yield from gauges.values()
+        yield from usages
+        yield from counters.values()
         for collector in self.own:
             for family in collector.collect():
                 for name in _RENAMED.get(family.name, ()):
                     yield _renamed(family, name, labels)
-
-
-def _one(family, labels: dict[str, str], value: float):
-    family.add_metric(list(labels.values()), value)
-    return family
 
 
 def _renamed(family: Metric, name: str, labels: dict[str, str]) -> Metric:
