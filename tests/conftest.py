@@ -10,6 +10,20 @@ TINY = dict(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_la
             num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512)
 
 
+# The files that take longest (a minute or more each on 2 cores), started first: with the tests spread over
+# two processes a file at a time (-n 2 --dist loadfile), one of these last would leave the other process idle.
+SLOW_FIRST = ("test_triton_compile.py", "test_benchmarks.py", "test_gateway.py", "test_gpu_kernels_script.py",
+              "test_launcher.py", "test_tensor_parallel.py")
+
+
+def pytest_collection_modifyitems(items):
+    def rank(item) -> int:
+        name = item.path.name
+        return SLOW_FIRST.index(name) if name in SLOW_FIRST else len(SLOW_FIRST)
+
+    items.sort(key=rank)  # stable: each file's own order is kept
+
+
 @pytest.fixture(scope="session", autouse=True)
 def cpu_kernels_built():
     """Build the C++ CPU kernels once, up front, so no worker process a test starts pays for it (or
