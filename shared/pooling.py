@@ -133,10 +133,7 @@ class PoolingParams:
             raise ValueError(f"PoolingParams.dimensions must be a positive integer, got {self.dimensions!r}")
         if self.normalize is not None and not isinstance(self.normalize, bool):
             raise ValueError(f"PoolingParams.normalize must be true, false or null, got {self.normalize!r}")
-        k = self.truncate_prompt_tokens
-        if k is not None and (not isinstance(k, int) or isinstance(k, bool) or not (k >= 1 or k == -1)):
-            raise ValueError(f"PoolingParams.truncate_prompt_tokens must be an integer >= 1, or -1 (the context "
-                             f"length), got {k!r}")
+        _check_truncation(self.truncate_prompt_tokens)
 
     def with_task(self, task: str) -> "PoolingParams":
         """These params for ``task`` (ValueError if they name another, or fields it does not take)."""
@@ -342,12 +339,16 @@ def token_limit(truncate_prompt_tokens: int | None, max_model_len: int) -> int |
     """The most tokens a prompt keeps (None: all). A cross-encoder's pair is cut by the tokenizer, which
     trims the longer text to fit, as vLLM truncates pairs (keeping the last tokens would cut the query)."""
     k = truncate_prompt_tokens
+    _check_truncation(k)
     if k is None:
         return None
-    if not isinstance(k, int) or isinstance(k, bool) or not (k >= 1 or k == -1):
-        raise ValueError(f"PoolingParams.truncate_prompt_tokens must be an integer >= 1, or -1 (the context "
-                         f"length), got {k!r}")
     if k > max_model_len:
         raise ValueError(f"PoolingParams.truncate_prompt_tokens ({k}) exceeds the context length "
                          f"({max_model_len}); use -1 for as many tokens as the context holds")
     return max_model_len if k == -1 else k
+
+
+def _check_truncation(k) -> None:
+    if k is not None and (not isinstance(k, int) or isinstance(k, bool) or not (k >= 1 or k == -1)):
+        raise ValueError(f"PoolingParams.truncate_prompt_tokens must be an integer >= 1, or -1 (the context "
+                         f"length), got {k!r}")

@@ -333,7 +333,7 @@ class _Chat(_Reply):
         self._reasoning = self.model.reasoning_parser if self.forced is None else None
         self._constrained = self._reasoning is not None and self.body.structured_outputs_asked() is not None
         self._thinking = defaultdict(self.reasoning_stream) if self._reasoning else {}
-        self._counters = defaultdict(self.reasoning_stream)  # per choice: which of its tokens are thinking
+        self._counters = defaultdict(self.reasoning_stream) if self._reasoning else {}  # which tokens are thinking
         self._reasoning_tokens: dict[int, int] = defaultdict(int)
 
     def opening_choices(self) -> list[list[dict]]:
