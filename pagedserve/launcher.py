@@ -145,39 +145,48 @@ class Stack:
         self.children: dict[str, Child] = {}
 
     def start(self) -> None:
+        """Every worker starts at once (loading weights is most of a start); the schedulers and the
+        gateway once all serve. The gateway waits for its schedulers by itself, so it starts with them."""
         args = self.args
         envs = worker_envs(args)
         tp = args.tensor_parallel_size
+        backends = [self._spawn_workers("worker" + self._suffix(i), i, envs[i * tp:(i + 1) * tp])
+                    for i in range(args.data_parallel_size)]
+        for ranks in backends:
+            for label, address in ranks:
+                self._wait_grpc_healthy(label, address)
         schedulers = []
-        for i in range(args.data_parallel_size):
-            suffix = f" {i}" if args.data_parallel_size > 1 else ""
-            workers = self._start_workers("worker" + suffix, i, envs[i * tp:(i + 1) * tp])
+        for i, ranks in enumerate(backends):
             scheduler = f"unix:{self.socket_dir}/scheduler{i}.sock"
-            ranks = [flag for address in workers for flag in ("--worker", address)]
-            self._spawn(Child("scheduler" + suffix, "scheduler",
-                              ["--listen", scheduler, *ranks] + flags(args, SCHEDULER_FLAGS), {}))
-            self._wait_grpc_healthy("scheduler" + suffix, scheduler)
-            schedulers += ["--scheduler", scheduler]
-        self._spawn(Child("gateway", "gateway", schedulers + flags(args, GATEWAY_FLAGS), gateway_secrets(args)))
+            workers = [flag for _, address in ranks for flag in ("--worker", address)]
+            self._spawn(Child("scheduler" + self._suffix(i), "scheduler",
+                              ["--listen", scheduler, *workers] + flags(args, SCHEDULER_FLAGS), {}))
+            schedulers.append(scheduler)
+        self._spawn(Child("gateway", "gateway", [flag for address in schedulers for flag in ("--scheduler", address)]
+                          + flags(args, GATEWAY_FLAGS), gateway_secrets(args)))
+        for i, scheduler in enumerate(schedulers):
+            self._wait_grpc_healthy("scheduler" + self._suffix(i), scheduler)
         self._wait_http_healthy("gateway", f"http://{args.host}:{args.port}/health")
 
-    def _start_workers(self, label: str, backend: int, envs: list[dict[str, str]]) -> list[str]:
-        """A backend's worker, or its tensor-parallel group (meeting at a TCP port of its own); their
-        addresses in rank order, once all serve."""
+    def _suffix(self, backend: int) -> str:
+        return f" {backend}" if self.args.data_parallel_size > 1 else ""
+
+    def _spawn_workers(self, label: str, backend: int, envs: list[dict[str, str]]) -> list[tuple[str, str]]:
+        """A backend's worker, or its tensor-parallel group (meeting at a TCP port of its own): each
+        rank's label and address, in rank order."""
         if len(envs) == 1:
             address = f"unix:{self.socket_dir}/worker{backend}.sock"
             self._spawn(Child(label, "worker", worker_argv(self.args, address), envs[0]))
-            self._wait_grpc_healthy(label, address)
-            return [address]
+            return [(label, address)]
         meeting = f"tcp://127.0.0.1:{free_tcp_port()}"
-        addresses = [f"unix:{self.socket_dir}/worker{backend}-rank{rank}.sock" for rank in range(len(envs))]
-        for rank, (address, env) in enumerate(zip(addresses, envs)):
+        ranks = []
+        for rank, env in enumerate(envs):
+            address = f"unix:{self.socket_dir}/worker{backend}-rank{rank}.sock"
             argv = worker_argv(self.args, address) + ["--tensor-parallel-rank", str(rank),
                                                       "--distributed-init-method", meeting]
             self._spawn(Child(f"{label} rank {rank}", "worker", argv, env, group=label))
-        for rank, address in enumerate(addresses):  # the ranks meet before any serves
-            self._wait_grpc_healthy(f"{label} rank {rank}", address)
-        return addresses
+            ranks.append((f"{label} rank {rank}", address))
+        return ranks
 
     def _restart_group(self, group: str) -> None:
         """A tensor-parallel group's ranks cannot go on without one of them: all start again, meeting
