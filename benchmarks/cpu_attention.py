@@ -24,6 +24,7 @@ import torch  # noqa: E402
 
 from services.worker.attention.cpu_attention import CpuAttentionBackend  # noqa: E402
 from services.worker.attention.metadata import AttentionMetadata  # noqa: E402
+from services.worker.attention.spec import AttentionSpec  # noqa: E402
 from services.worker.attention.torch_ref import TorchAttentionBackend  # noqa: E402
 
 HEADS, KV_HEADS, HEAD_DIM, LAYERS, BLOCK_SIZE = 8, 4, 64, 8, 16
@@ -98,7 +99,7 @@ def main() -> None:
         for name in chosen:
             batch = all_cases[name]
             kv_caches, seqs, inputs = make_case(batch, generator)
-            old, new = TorchAttentionBackend(kv_caches, scale), CpuAttentionBackend(kv_caches, scale)
+            old, new = TorchAttentionBackend(kv_caches, AttentionSpec(scale)), CpuAttentionBackend(kv_caches, AttentionSpec(scale))
             # Same inputs for both: writing the same k/v into the same slots again changes nothing.
             expected, got = step(old, inputs, make_metadata(seqs)), step(new, inputs, make_metadata(seqs))
             for a, b in zip(expected, got):

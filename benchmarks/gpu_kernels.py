@@ -262,7 +262,8 @@ def meta_to_cpu(meta):
 # --- section: correctness ------------------------------------------------------------------------------------
 
 
-def check_attention_case(bench: Bench, specs, shape: Shape, dtype_name: str, split_k, generator) -> dict:
+def check_attention_case(bench: Bench, specs, shape: Shape, dtype_name: str, split_k, generator,
+                         window: int | None = None, softcap: float | None = None) -> dict:
     torch = bench.torch
     from services.worker.attention.torch_ref import paged_attention_reference
     from services.worker.attention.triton_attention import paged_attention
@@ -274,11 +275,13 @@ def check_attention_case(bench: Bench, specs, shape: Shape, dtype_name: str, spl
     q = torch.randn(meta.num_tokens, shape.heads, shape.head_dim, device=bench.device).to(dtype)
     scale = shape.head_dim ** -0.5
     out = paged_attention(q, pool[0, 0], pool[0, 1], meta, scale, out=torch.full_like(q, float("nan")),
-                          split_k=split_k)
+                          split_k=split_k, window=window, softcap=softcap)
     # The reference runs on the CPU: one sequence at a time there costs no device memory.
-    ref = paged_attention_reference(q.cpu(), pool[0, 0].cpu(), pool[0, 1].cpu(), meta_to_cpu(meta), scale)
+    ref = paged_attention_reference(q.cpu(), pool[0, 0].cpu(), pool[0, 1].cpu(), meta_to_cpu(meta), scale,
+                                    window=window, softcap=softcap)
     err, ok = compare_outputs(out, ref, dtype_name)
-    return {"shape": shape.label, "dtype": dtype_name, "split_k": split_k, "max_abs_err": err, "ok": ok}
+    return {"shape": shape.label, "dtype": dtype_name, "split_k": split_k, "window": window, "softcap": softcap,
+            "max_abs_err": err, "ok": ok}
 
 
 def compare_outputs(out, ref, dtype_name: str) -> tuple[float, bool]:
@@ -351,6 +354,18 @@ def section_check(bench: Bench, record: dict) -> None:
                 results.append(case)
                 print(f"  attention {shape.label:<16}{dtype:<10}{batch_name:<12}split={split_k!s:<6}"
                       f"err={case['max_abs_err']:.2e} {'ok' if case['ok'] else 'FAIL'}", flush=True)
+                bench.release()
+    # Sliding windows (Mistral's 4096; Gemma 2's 4096 with its cap of 50 on the scores) on the main shape.
+    shape = cases[0][0]
+    windows = [(7, None), (5, 1.0)] if bench.smoke else [(4096, None), (4096, 50.0), (700, None)]
+    for dtype in ("bfloat16", "float32"):
+        for window, softcap in windows:
+            for split_k in (False, True):
+                case = check_attention_case(bench, batches["mixed"], shape, dtype, split_k, generator, window, softcap)
+                case["batch"] = "mixed"
+                results.append(case)
+                print(f"  attention {shape.label:<16}{dtype:<10}window={window!s:<6}cap={softcap!s:<6}"
+                      f"split={split_k!s:<6}err={case['max_abs_err']:.2e} {'ok' if case['ok'] else 'FAIL'}", flush=True)
                 bench.release()
     for case in check_cache_ops(bench, generator):
         print(f"  {case['op']:<20}{'ok' if case['ok'] else 'FAIL'}", flush=True)

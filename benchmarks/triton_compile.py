@@ -342,7 +342,7 @@ def check_warm_up(recorder: Recorder, case: WarmUpCase, rounds: int) -> dict:
     model, config = load_model(model_dir, dtype, device, pack=False)
     num_blocks = -(-case.max_model_len // block_size) * 24 + 1
     pools = allocate_kv_pools(config, num_blocks, block_size, dtype, device)
-    attention = triton_attention.TritonAttentionBackend(pools, config.head_dim ** -0.5)
+    attention = triton_attention.TritonAttentionBackend(pools, model.attention_spec())
     recorder.case = f"warm-up {case.label} {case.dtype}"
     before = len(recorder.variants)
     passes = warm_up_kernels(model, attention, whole_pool(pools), block_size, case.max_model_len, case.token_budget,

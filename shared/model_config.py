@@ -22,6 +22,10 @@ SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", *MOE_MODEL_TYPES)
 # The dense family each MoE one shares its attention with.
 _ATTENTION_FAMILY = {"mixtral": "mistral", "qwen2_moe": "qwen2", "qwen3_moe": "qwen3"}
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
+LAYER_TYPES = ("full_attention", "sliding_attention")
+# Models whose sliding_window counts only with use_sliding_window on; models whose every layer slides.
+_WINDOW_SWITCHED = ("qwen2", "qwen3", "qwen2_moe", "qwen3_moe")
+_EVERY_LAYER_SLIDES = ("mistral", "mixtral", "qwen3_moe")
 # Keys each rope type needs besides rope_theta; checked up front so a bad config fails at load.
 _ROPE_KEYS = {"default": (), "linear": ("factor",),
               "llama3": ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")}
@@ -48,11 +52,14 @@ class ModelConfig:
     tie_word_embeddings: bool
     qkv_bias: bool  # q_proj/k_proj/v_proj carry a bias
     qk_norm: bool  # per-head RMSNorm on q and k before rotary (Qwen3)
-    sliding_window: int | None  # None unless the config turns it on; the engine must not exceed it
+    sliding_window: int | None  # keys a query sees in a "sliding_attention" layer, itself included; None: no such layer
     dtype: str = "float32"
     o_bias: bool = False  # o_proj carries a bias (Llama/Qwen3 attention_bias)
     mlp_bias: bool = False  # gate/up/down carry biases (Llama mlp_bias)
     moe: MoEConfig | None = None  # None: every layer has a dense MLP
+    # Per layer, transformers' names: "sliding_attention" (within sliding_window) or "full_attention";
+    # empty: every layer full.
+    layer_types: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         for name in ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
@@ -67,6 +74,17 @@ class ModelConfig:
             raise ValueError(f"head_dim must be even for rotary embeddings, got {self.head_dim}")
         if self.rms_norm_eps <= 0 or self.rope_theta <= 0:
             raise ValueError("rms_norm_eps and rope_theta must be positive")
+        if self.layer_types:
+            if len(self.layer_types) != self.num_hidden_layers:
+                raise ValueError(f"layer_types has {len(self.layer_types)} entries for {self.num_hidden_layers} layers")
+            unknown = sorted(set(self.layer_types) - set(LAYER_TYPES))
+            if unknown:
+                raise ValueError(f"unsupported layer_types {unknown}; supported: {', '.join(LAYER_TYPES)}")
+        window = self.sliding_window
+        if window is not None and (not isinstance(window, int) or isinstance(window, bool) or window < 1):
+            raise ValueError(f"sliding_window must be a positive integer, got {window!r}")
+        if "sliding_attention" in self.layer_types and window is None:
+            raise ValueError("layer_types has sliding_attention layers but there is no sliding_window")
 
     @classmethod
     def from_model_dir(cls, path: str | Path) -> "ModelConfig":
@@ -103,6 +121,7 @@ class ModelConfig:
         # Qwen3's config class defaults head_dim to 128 rather than deriving it; mirror transformers.
         head_dim = raw.get("head_dim") or (128 if model_type == "qwen3" else raw["hidden_size"] // heads)
         rope_theta, rope_scaling = _parse_rope(raw, _DEFAULT_ROPE_THETA.get(model_type, 10000.0))
+        window, layer_types = _parse_attention_layers(raw, model_type)
         attention_bias = bool(raw.get("attention_bias", False))
         family = _ATTENTION_FAMILY.get(model_type, model_type)
         # Qwen2-MoE's config has a qkv_bias switch (on unless turned off); Qwen2's biases are always there.
@@ -124,12 +143,19 @@ class ModelConfig:
             tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
             qkv_bias=qkv_bias,
             qk_norm=family == "qwen3",
-            sliding_window=_parse_sliding_window(raw, family),
+            sliding_window=window,
+            layer_types=layer_types,
             dtype=str(raw.get("dtype") or raw.get("torch_dtype") or "float32"),
             o_bias=family in ("llama", "qwen3") and attention_bias,
             mlp_bias=model_type == "llama" and bool(raw.get("mlp_bias", False)),
             moe=parse_moe(raw, model_type),
         )
+
+    def attention_window(self, layer: int) -> int | None:
+        """The keys a query sees in ``layer`` (itself included), or None: its whole context."""
+        if self.layer_types and self.layer_types[layer] == "sliding_attention":
+            return self.sliding_window
+        return None
 
     def mlp_width(self, layer: int) -> int:
         """The intermediate size of a layer's dense MLP, or of each expert in a sparse one."""
@@ -157,8 +183,27 @@ def _parse_rope(raw: dict[str, Any], default_theta: float) -> tuple[float, dict[
     return theta, {"rope_type": rope_type, **params}
 
 
-def _parse_sliding_window(raw: dict[str, Any], model_type: str) -> int | None:
+def _parse_attention_layers(raw: dict[str, Any], model_type: str) -> tuple[int | None, tuple[str, ...]]:
+    """(sliding_window, layer_types) as transformers reads them: which layers attend within a window."""
+    window = raw.get("sliding_window") or None
+    if model_type not in _WINDOW_SWITCHED + _EVERY_LAYER_SLIDES:  # Llama's attention has no window
+        window = None
     # Qwen configs carry a sliding_window value even when use_sliding_window is off.
-    if model_type in ("qwen2", "qwen3") and not raw.get("use_sliding_window", False):
-        return None
-    return raw.get("sliding_window") or None
+    if model_type in _WINDOW_SWITCHED and not raw.get("use_sliding_window", False):
+        window = None
+    num_layers = raw["num_hidden_layers"]
+    if window is None:
+        return None, ()
+    if model_type in _EVERY_LAYER_SLIDES:  # their attention reads the window alone (layer_types aside)
+        return window, ("sliding_attention",) * num_layers
+    given = raw.get("layer_types")
+    if given is not None:
+        if not isinstance(given, list):
+            raise ValueError(f"layer_types must be a list, got {given!r}")
+        return window, tuple(given)
+    first_full = raw.get("max_window_layers", 28)
+    if model_type == "qwen2_moe":  # every other layer below max_window_layers, from the first
+        return window, tuple("sliding_attention" if i % 2 == 0 and i < first_full else "full_attention"
+                             for i in range(num_layers))
+    # Qwen2 and Qwen3: the layers from max_window_layers on
+    return window, tuple("sliding_attention" if i >= first_full else "full_attention" for i in range(num_layers))

@@ -61,7 +61,7 @@ def llama_dir(tiny_model_factory):
 
 @pytest.fixture(scope="session")
 def mistral_dir(tiny_model_factory):
-    # Multi-query attention; no sliding window (the engine does not implement one).
+    # Multi-query attention, full (mistral_window_dir has the window).
     return tiny_model_factory("mistral", num_key_value_heads=1, sliding_window=None)
 
 
@@ -74,6 +74,18 @@ def qwen2_dir(tiny_model_factory):
 def qwen3_dir(tiny_model_factory):
     # Per-head q/k norms; head_dim (32) deliberately differs from hidden / heads (16).
     return tiny_model_factory("qwen3", head_dim=32)
+
+
+@pytest.fixture(scope="session")
+def mistral_window_dir(tiny_model_factory):
+    # Every layer attends within 12 keys: most of a test's context lies outside the window.
+    return tiny_model_factory("mistral", sliding_window=12)
+
+
+@pytest.fixture(scope="session")
+def qwen2_window_dir(tiny_model_factory):
+    # Layer 0 full, layer 1 within a 20-key window (max_window_layers): both kinds in every step.
+    return tiny_model_factory("qwen2", use_sliding_window=True, sliding_window=20, max_window_layers=1)
 
 
 @pytest.fixture(scope="session")

@@ -64,7 +64,7 @@ def model_and_backend(model_dir):
     model, config = load_model(model_dir, torch.float32, CPU)
     pools = allocate_kv_pools(config, NUM_BLOCKS, BLOCK_SIZE, torch.float32, CPU)
     pools[0][0].normal_()  # stale contents, which padding must neither disturb nor be hurt by
-    return model, config, TritonAttentionBackend(pools, config.head_dim ** -0.5), pools
+    return model, config, TritonAttentionBackend(pools, model.attention_spec()), pools
 
 
 def capture(model, backend, capturer, max_num_seqs=4) -> DecodeGraphs:

@@ -8,6 +8,7 @@ import shutil
 import pytest
 import torch
 
+from services.worker.attention.spec import AttentionSpec
 from services.worker.attention.torch_ref import TorchAttentionBackend, paged_attention_reference, write_kv
 from services.worker.model_loader import load_eos_token_ids, load_model
 from shared.model_config import ModelConfig
@@ -28,7 +29,7 @@ class PagedRunner:
         pools = [(torch.zeros(shape, dtype=dtype), torch.zeros(shape, dtype=dtype))
                  for _ in range(config.num_hidden_layers)]
         self.model, self.block_size = model, block_size
-        self.backend = TorchAttentionBackend(pools, scale=config.head_dim ** -0.5)
+        self.backend = TorchAttentionBackend(pools, model.attention_spec())
         # Reversed and interleaved: a sequence's blocks are never contiguous or ascending.
         self.free = list(range(num_blocks - 1, -1, -2)) + list(range(num_blocks - 2, -1, -2))
         self.tables: dict[int, list[int]] = {}
@@ -189,6 +190,42 @@ def test_config_fields(qwen2_dir, qwen3_dir, mistral_dir):
     assert qwen2.dtype == "float32"
 
 
+BASE = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4, vocab_size=100)
+
+
+@pytest.mark.parametrize("raw, window, types", [
+    (dict(model_type="mistral", sliding_window=32), 32, "SSSS"),  # every layer, as transformers' Mistral
+    (dict(model_type="mistral", sliding_window=None), None, ""),
+    (dict(model_type="llama", sliding_window=32), None, ""),  # Llama's attention has no window
+    (dict(model_type="qwen2", sliding_window=32), None, ""),  # off unless use_sliding_window
+    (dict(model_type="qwen2", sliding_window=32, use_sliding_window=True, max_window_layers=2), 32, "FFSS"),
+    (dict(model_type="qwen3", sliding_window=32, use_sliding_window=True), 32, "FFFF"),  # max_window_layers 28
+    (dict(model_type="qwen2", sliding_window=32, use_sliding_window=True,
+          layer_types=["sliding_attention", "full_attention"] * 2), 32, "SFSF"),  # given: taken as it is
+    (dict(model_type="qwen2_moe", sliding_window=32, use_sliding_window=True, max_window_layers=3, num_experts=4,
+          num_experts_per_tok=2, moe_intermediate_size=32), 32, "SFSF"),
+    (dict(model_type="mixtral", sliding_window=32, num_local_experts=4, num_experts_per_tok=2), 32, "SSSS"),
+])
+def test_which_layers_attend_within_a_window(raw, window, types):
+    config = ModelConfig.from_dict({**BASE, **raw})
+    expanded = "".join("S" if t == "sliding_attention" else "F" for t in config.layer_types)
+    assert (config.sliding_window, expanded) == (window, types)
+    assert [config.attention_window(i) for i in range(4)] == [window if t == "S" else None for t in types or "FFFF"]
+
+
+@pytest.mark.parametrize("raw, message", [
+    (dict(sliding_window=-3), "sliding_window must be a positive integer"),
+    (dict(sliding_window=2.5), "sliding_window must be a positive integer"),
+    (dict(model_type="qwen2", use_sliding_window=True, sliding_window=8, layer_types=["full_attention"]),
+     "layer_types has 1 entries for 4 layers"),
+    (dict(model_type="qwen2", use_sliding_window=True, sliding_window=8, layer_types=["chunked_attention"] * 4),
+     "unsupported layer_types"),
+])
+def test_bad_window_settings_are_refused(raw, message):
+    with pytest.raises(ValueError, match=message):
+        ModelConfig.from_dict({**BASE, "model_type": "mistral", **raw})
+
+
 def test_corrupt_safetensors(llama_copy):
     file = llama_copy / "model.safetensors"
     data = file.read_bytes()
@@ -302,7 +339,7 @@ def test_reference_matches_backend(batch):
     # Poison the slots the backend must write: a missed write shows up as NaN.
     write_kv(k_cache, v_cache, torch.full_like(k, float("nan")), torch.full_like(v, float("nan")),
              meta.slot_mapping)
-    out = TorchAttentionBackend([(k_cache, v_cache)], scale=dim ** -0.5).forward(0, q, k, v, meta)
+    out = TorchAttentionBackend([(k_cache, v_cache)], AttentionSpec(dim ** -0.5)).forward(0, q, k, v, meta)
     assert torch.isfinite(out).all()
     torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(k_cache, ref_k, equal_nan=True)

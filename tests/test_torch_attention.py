@@ -8,6 +8,7 @@ import torch
 
 from services.worker.attention import torch_ref
 from services.worker.attention.cpu_kernels import cpu_kernels_unavailable_reason
+from services.worker.attention.spec import AttentionSpec
 from services.worker.attention.torch_ref import TorchAttentionBackend, paged_attention_reference, write_kv
 from tests.attention_inputs import build_metadata
 
@@ -28,8 +29,10 @@ def backend(request) -> type:
 def run_case(batch: list[tuple[int, int]], backend: type, *, heads: int = 8, kv_heads: int = 4, dim: int = 64,
              block_size: int = 16, dtype: torch.dtype = torch.float32, layers: int = 2,
              order: str = "random", seed: int = 0, atol: float = 1e-5, rtol: float = 1e-5,
-             monkeypatch: pytest.MonkeyPatch | None = None) -> None:
-    """batch: (cached, new) tokens per sequence. Every layer of one step is checked against the oracle."""
+             monkeypatch: pytest.MonkeyPatch | None = None, windows: tuple[int | None, ...] = (),
+             softcap: float | None = None) -> None:
+    """batch: (cached, new) tokens per sequence. Every layer of one step is checked against the oracle;
+    ``windows``: per layer (AttentionSpec's), ``softcap`` for all."""
     generator = torch.Generator().manual_seed(seed)
     needed = sum(-(-(c + n) // block_size) for c, n in batch)
     num_blocks = needed + 5
@@ -55,18 +58,19 @@ def run_case(batch: list[tuple[int, int]], backend: type, *, heads: int = 8, kv_
                      randn(prefix.num_tokens, kv_heads, dim), prefix.slot_mapping)
 
     meta = build_metadata(seqs, block_size)
-    scale = dim ** -0.5
+    spec = AttentionSpec(dim ** -0.5, windows, softcap)
     inputs, expected = [], []
-    for k_cache, v_cache in pools:
+    for layer, (k_cache, v_cache) in enumerate(pools):
         q, k, v = (randn(meta.num_tokens, h, dim) for h in (heads, kv_heads, kv_heads))
         ref_k, ref_v = k_cache.clone(), v_cache.clone()
         write_kv(ref_k, ref_v, k, v, meta.slot_mapping)
         inputs.append((q, k, v))
-        expected.append((paged_attention_reference(q, ref_k, ref_v, meta, scale=scale), ref_k, ref_v))
+        want = paged_attention_reference(q, ref_k, ref_v, meta, spec.scale, window=spec.window(layer), softcap=softcap)
+        expected.append((want, ref_k, ref_v))
         # Poison the slots the backend must write: a missed write (or a read before it) shows up as NaN.
         write_kv(k_cache, v_cache, torch.full_like(k, NAN), torch.full_like(v, NAN), meta.slot_mapping)
 
-    attention = backend(pools, scale=scale)
+    attention = backend(pools, spec)
     if monkeypatch is not None:  # every output row must be written: the output starts as NaN
         empty_like = torch.empty_like
         monkeypatch.setattr(torch_ref.torch, "empty_like", lambda t, **kw: empty_like(t, **kw).fill_(NAN))
@@ -148,13 +152,47 @@ def test_bfloat16(backend, monkeypatch):
              seed=6, monkeypatch=monkeypatch)
 
 
+# Windows of 1 (a query sees only itself), under a block, a block exactly, across blocks, and longer than
+# every context; each beside a full layer in the same step, so both plans live side by side.
+WINDOWS = [1, 5, 16, 37, 1000]
+
+
+@pytest.mark.parametrize("window", WINDOWS)
+def test_sliding_window_decodes(backend, window, monkeypatch):
+    run_case([(c, 1) for c in DECODE_LENGTHS], backend, windows=(window, None), monkeypatch=monkeypatch)
+
+
+@pytest.mark.parametrize("window", WINDOWS)
+def test_sliding_window_prefill_and_mixed(backend, window, monkeypatch):
+    # First chunks longer and shorter than the window, chunks after a cached prefix the window cuts.
+    run_case([(0, 37), (9, 1), (32, 16), (20, 7), (0, 3), (100, 1), (5, 2), (48, 33)], backend,
+             windows=(None, window), seed=window, monkeypatch=monkeypatch)
+
+
+def test_sliding_window_with_masks_built_per_call_and_small_chunks(backend, monkeypatch):
+    monkeypatch.setattr(torch_ref, "MASK_KEEP_ELEMENTS", 0)
+    monkeypatch.setattr(torch_ref, "DECODE_CHUNK_BYTES", 40 * 1024)
+    lengths = torch.randint(0, 300, (30,), generator=torch.Generator().manual_seed(8)).tolist()
+    run_case([(c, 1) for c in lengths] + [(0, 40), (60, 20)], backend, windows=(24, 24), seed=8,
+             monkeypatch=monkeypatch)
+
+
+@pytest.mark.parametrize("windows", [(), (9, None)])
+def test_soft_capped_scores(backend, windows, monkeypatch):
+    # A cap of 2 bends nearly every score (they reach about ±8 here): a missed cap cannot pass.
+    run_case([(c, 1) for c in DECODE_LENGTHS[:8]] + [(0, 37), (32, 16)], backend, heads=8, kv_heads=2, dim=32,
+             softcap=2.0, windows=windows, seed=9, monkeypatch=monkeypatch)
+    run_case([(0, 20), (17, 12), (4, 1)], backend, dtype=torch.bfloat16, atol=2e-2, rtol=2e-2, softcap=2.0,
+             windows=windows, seed=10, monkeypatch=monkeypatch)
+
+
 def test_new_step_gets_new_plan(backend):
     """The per-step plan is keyed by the metadata object: a second step must not reuse the first's."""
     block_size, heads, kv_heads, dim = 4, 4, 2, 8
     generator = torch.Generator().manual_seed(7)
     shape = (8, block_size, kv_heads, dim)
     k_cache, v_cache = torch.randn(shape, generator=generator), torch.randn(shape, generator=generator)
-    attention = backend([(k_cache, v_cache)], scale=dim ** -0.5)
+    attention = backend([(k_cache, v_cache)], AttentionSpec(dim ** -0.5))
     for seqs in ([([0, 1], 5, 1), ([2], 1, 1)], [([0, 1], 6, 1), ([2], 2, 1)], [([3, 4], 3, 5)]):
         meta = build_metadata(seqs, block_size)
         q = torch.randn(meta.num_tokens, heads, dim, generator=generator)

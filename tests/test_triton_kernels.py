@@ -17,6 +17,7 @@ triton = pytest.importorskip("triton")
 
 from services.worker.attention.metadata import AttentionMetadata  # noqa: E402
 from services.worker.attention.selector import select_attention_backend  # noqa: E402
+from services.worker.attention.spec import AttentionSpec  # noqa: E402
 from services.worker.attention.torch_ref import (  # noqa: E402
     TorchAttentionBackend, paged_attention_reference, write_kv as write_kv_reference)
 from services.worker.attention.triton_attention import (  # noqa: E402
@@ -77,7 +78,7 @@ def random_pools(num_blocks, block_size, num_kv_heads, head_dim, dtype, generato
 
 
 def check_attention(specs, *, block_size=8, num_heads=4, num_kv_heads=2, head_dim=32, dtype=torch.float32,
-                    order="random", seed=0, **kwargs):
+                    order="random", seed=0, window=None, softcap=None, **kwargs):
     g = torch.Generator().manual_seed(seed)
     num_blocks = sum(-(-(c + n) // block_size) for c, n in specs) + 5
     pool = random_pools(num_blocks, block_size, num_kv_heads, head_dim, dtype, g)
@@ -87,8 +88,9 @@ def check_attention(specs, *, block_size=8, num_heads=4, num_kv_heads=2, head_di
     qkv = torch.randn(meta.num_tokens, (num_heads + 2) * head_dim, generator=g).to(dtype)
     q = qkv[:, :num_heads * head_dim].view(-1, num_heads, head_dim)
     scale = head_dim ** -0.5
-    out = paged_attention(q, k_cache, v_cache, meta, scale, out=torch.full_like(q, NAN), **kwargs)
-    ref = paged_attention_reference(q, k_cache, v_cache, meta, scale)
+    out = paged_attention(q, k_cache, v_cache, meta, scale, out=torch.full_like(q, NAN), window=window,
+                          softcap=softcap, **kwargs)
+    ref = paged_attention_reference(q, k_cache, v_cache, meta, scale, window=window, softcap=softcap)
     assert not out.isnan().any()
     torch.testing.assert_close(out.float(), ref.float(), atol=TOLERANCE[dtype], rtol=TOLERANCE[dtype])
 
@@ -154,6 +156,27 @@ def test_plan_for_a_longer_context_holds_for_shorter_ones(num_splits):
     torch.testing.assert_close(out, ref, atol=TOLERANCE[torch.float32], rtol=TOLERANCE[torch.float32])
 
 
+# Windows of 1 (itself only), inside a 16-key step, a block exactly, across tiles; prefill chunks whose
+# first queries see the start of the context and whose later ones do not.
+@pytest.mark.parametrize("window", [1, 5, 8, 23])
+def test_sliding_window(window):
+    check_attention(MIXED + [(40, 1), (0, 30)], block_size=8, window=window, block_n=16)
+
+
+@pytest.mark.parametrize("num_splits", [None, 3])
+def test_sliding_window_split_k(num_splits):
+    # The splits cover only the keys the window reaches (from a 16-key boundary); some stay empty.
+    check_attention([(70, 1), (3, 1), (40, 1), (20, 6)], block_size=8, num_heads=8, num_kv_heads=2, window=21,
+                    split_k=True, num_splits=num_splits, block_n=16)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_soft_capped_scores(dtype):
+    # A cap of 1 bends every score past a few tenths: a kernel without it cannot match the reference.
+    check_attention(MIXED, block_size=8, softcap=1.0, dtype=dtype, block_n=16)
+    check_attention([(70, 1), (12, 5)], block_size=8, softcap=1.0, window=19, split_k=True, block_n=16)
+
+
 def test_split_k_forced_off_for_long_decode():
     check_attention([(200, 1)], block_size=16, split_k=False)
 
@@ -171,7 +194,7 @@ def test_bad_head_size_is_a_clear_error():
     with pytest.raises(ValueError, match="power-of-two head size"):
         paged_attention(q, pool[0, 0], pool[0, 1], meta, 1.0)
     with pytest.raises(ValueError, match="power-of-two head size"):
-        TritonAttentionBackend([(pool[0, 0], pool[0, 1])], 1.0)
+        TritonAttentionBackend([(pool[0, 0], pool[0, 1])], AttentionSpec(1.0))
 
 
 def test_bad_inputs_are_rejected():
@@ -200,20 +223,26 @@ def test_split_heuristic():
     assert make_launch_plan(meta, q, pool[0, 0], split_k=False).num_splits == 1
     assert make_launch_plan(meta, q, pool[0, 0]).num_stages == 3  # Triton's default unless pinned
     assert make_launch_plan(meta, q, pool[0, 0], num_stages=5).num_stages == 5
+    # A window bounds the keys any decode sees: the splits are sized for it (plus a 16-key step), not the context.
+    long = make_batch([(4000, 1)], 8, 600, torch.Generator().manual_seed(0))
+    assert make_launch_plan(long, q, pool[0, 0], split_k=True, num_splits=4, window=100).num_splits == 4
+    assert make_launch_plan(long, q, pool[0, 0], split_k=True, num_splits=16, window=100).num_splits == 8
 
 
 # --- the backend -------------------------------------------------------------------------------------
 
 
 @pytest.mark.parametrize("split_k", [None, True])
-def test_backend_matches_torch_backend(split_k):
+@pytest.mark.parametrize("spec", [AttentionSpec(32 ** -0.5), AttentionSpec(32 ** -0.5, (6, None), 1.5),
+                                  AttentionSpec(32 ** -0.5, (9, 9))], ids=["plain", "window-and-full-capped", "windows"])
+def test_backend_matches_torch_backend(split_k, spec):
     g = torch.Generator().manual_seed(1)
     layers, block_size, heads, kv_heads, dim = 2, 4, 4, 2, 32
     meta = make_batch(MIXED, block_size, 40, g)
     pools = random_pools(40, block_size, kv_heads, dim, torch.float32, g, layers=layers)
     pools_ref = pools.clone()
-    ours = TritonAttentionBackend([(pools[i, 0], pools[i, 1]) for i in range(layers)], dim ** -0.5, split_k=split_k)
-    ref = TorchAttentionBackend([(pools_ref[i, 0], pools_ref[i, 1]) for i in range(layers)], dim ** -0.5)
+    ours = TritonAttentionBackend([(pools[i, 0], pools[i, 1]) for i in range(layers)], spec, split_k=split_k)
+    ref = TorchAttentionBackend([(pools_ref[i, 0], pools_ref[i, 1]) for i in range(layers)], spec)
     for layer in range(layers):
         q = torch.randn(meta.num_tokens, heads, dim, generator=g)
         k, v = torch.randn(2, meta.num_tokens, kv_heads, dim, generator=g)
@@ -319,7 +348,7 @@ def test_selector(monkeypatch):
     monkeypatch.setattr(cpu_kernels, "_build", lambda: "no C++ compiler found")
     assert select_attention_backend("auto", cpu) is TorchAttentionBackend
     with pytest.raises(ValueError, match=r"cannot run here: no C\+\+ compiler"):
-        CpuAttentionBackend([], scale=1.0)
+        CpuAttentionBackend([], AttentionSpec(1.0))
 
 
 def test_config_validates_backend_name():

@@ -49,10 +49,9 @@ def load_draft_model(path: str, target: ModelConfig, max_model_len: int, dtype: 
     if config.vocab_size != target.vocab_size:
         raise ValueError(f"the draft model at {path} has a vocabulary of {config.vocab_size} tokens, the target "
                          f"{target.vocab_size}: a draft must share the target's tokenizer")
-    reach = min(config.max_position_embeddings, config.sliding_window or config.max_position_embeddings)
-    if reach < max_model_len:  # attention here is full, not windowed (as for the target)
-        raise ValueError(f"the draft model at {path} handles {reach} positions, fewer than the context length "
-                         f"{max_model_len}: lower max_model_len")
+    if config.max_position_embeddings < max_model_len:
+        raise ValueError(f"the draft model at {path} handles {config.max_position_embeddings} positions, fewer than "
+                         f"the context length {max_model_len}: lower max_model_len")
     model, config = load_model(Path(path), dtype, device)
     return DraftModel(model, config)
 
@@ -76,7 +75,7 @@ class DraftModelProposer:
                                   block_size, dtype, device)
         self.kv_pool = whole_pool(pools)  # [layers, 2, blocks + scratch, block_size, kv_heads, head_dim]
         self.host_pool = allocate_host_pool(draft.config, num_host_blocks, block_size, dtype)
-        self.attention = attention_backend(pools, draft.config.head_dim ** -0.5)
+        self.attention = attention_backend(pools, draft.model.attention_spec())
 
     @staticmethod
     def num_scratch_blocks(num_tokens: int, block_size: int, max_num_seqs: int) -> int:

@@ -113,7 +113,7 @@ class Worker:
         else:
             self._swap_out = self._swap_in = swap_blocks
         backend = select_attention_backend(config.attention_backend, self.device)
-        self.attention = backend(self.kv_pools, self.model_config.head_dim ** -0.5)
+        self.attention = backend(self.kv_pools, self.model.attention_spec())
         if backend.name == "triton":
             self.model.use_fused_experts()
         self.eos_token_ids = load_eos_token_ids(self.model_dir)
@@ -209,9 +209,6 @@ class Worker:
     def _resolve_max_model_len(self) -> int:
         model = self.model_config
         limit = model.max_position_embeddings
-        if model.sliding_window is not None:
-            # Attention here is full, not windowed: serve only lengths where the two agree.
-            limit = min(limit, model.sliding_window)
         if self.pooler is not None and self.pooler.config.max_seq_length is not None:
             limit = min(limit, self.pooler.config.max_seq_length)  # what sentence-transformers would truncate to
         wanted = self.config.max_model_len

@@ -15,9 +15,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 
 from services.worker.attention.metadata import AttentionMetadata
+from services.worker.attention.sdpa import attend
+from services.worker.attention.spec import AttentionSpec
 
 
 def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
@@ -37,8 +38,12 @@ def gather_context(cache: torch.Tensor, block_table: torch.Tensor, context_len: 
 
 
 def paged_attention_reference(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                              meta: AttentionMetadata, scale: float) -> torch.Tensor:
-    """Attention of every new token over its sequence's cached context; ``q`` is ``[T, H, D]``."""
+                              meta: AttentionMetadata, scale: float, *, window: int | None = None,
+                              softcap: float | None = None) -> torch.Tensor:
+    """Attention of every new token over its sequence's cached context; ``q`` is ``[T, H, D]``.
+
+    ``window``: each query sees only the last ``window`` positions up to its own; ``softcap``: scores
+    become ``softcap * tanh(score / softcap)`` (spec.py)."""
     num_heads, num_kv_heads = q.shape[1], k_cache.shape[2]
     group = num_heads // num_kv_heads
     out = torch.empty_like(q)
@@ -51,10 +56,15 @@ def paged_attention_reference(q: torch.Tensor, k_cache: torch.Tensor, v_cache: t
         keys = keys.repeat_interleave(group, dim=1)
         values = values.repeat_interleave(group, dim=1)
         scores = torch.einsum("qhd,khd->hqk", query, keys) * scale
+        if softcap is not None:
+            scores = torch.tanh(scores / softcap) * softcap
         # New token t sits at position context_len - query_len + t and sees keys up to it.
         query_pos = torch.arange(context_len - query_len, context_len, device=q.device).unsqueeze(1)
         key_pos = torch.arange(context_len, device=q.device).unsqueeze(0)
-        scores = scores.masked_fill(key_pos > query_pos, float("-inf"))
+        hidden = key_pos > query_pos
+        if window is not None:
+            hidden |= key_pos <= query_pos - window
+        scores = scores.masked_fill(hidden, float("-inf"))
         probs = torch.softmax(scores, dim=-1)
         out[start:start + query_len] = torch.einsum("hqk,khd->qhd", probs, values).to(q.dtype)
     return out
@@ -74,11 +84,11 @@ MASK_KEEP_ELEMENTS = 4 << 20
 
 @dataclass
 class _DecodeChunk:
-    """Sequences with one new token each, attended together over contexts padded to ``length``."""
+    """Sequences with one new token each, attended together over spans of blocks padded to ``length``."""
     rows: torch.Tensor  # [n] int64: their rows in q / out
     blocks: torch.Tensor  # [n * length / block_size] int64: block table rows, padded with the sequence's last block
-    length: int  # padded context length, a multiple of block_size
-    mask: torch.Tensor | None  # [n, 1, 1, length]: 0 where a key exists, -inf past the context; None if none padded
+    length: int  # padded span length, a multiple of block_size
+    mask: torch.Tensor | None  # [n, 1, 1, length]: 0 where a key is seen, -inf elsewhere; None if all are
 
 
 @dataclass
@@ -87,26 +97,29 @@ class _Prefill:
     start: int
     query_len: int
     context_len: int
-    blocks: torch.Tensor | None  # int64 block ids covering the context; None: no cached prefix (attend to new k/v)
-    mask: torch.Tensor | None  # [query_len, padded context]: -inf above the causal diagonal; None: build per call
+    blocks: torch.Tensor | None  # int64 block ids covering the keys seen; None: attend over the new k/v only
+    first_key: int  # the position of the first key attended (the first gathered block's first slot)
+    causal: bool  # the plain causal mask is exact (new k/v only, no window cut): SDPA's is_causal
+    mask: torch.Tensor | None  # additive [query_len, keys]; None when causal, or too large to keep (built per call)
 
 
 @dataclass
 class _StepPlan:
-    """Everything about one step's batch that every layer would otherwise recompute."""
-    meta: AttentionMetadata
-    key: tuple
+    """Everything about one step's batch that every layer (of one window) would otherwise recompute."""
     decode: list  # the backend's decode work (here _DecodeChunk), from _plan_decodes
     prefill: list[_Prefill]
 
 
-def _causal_mask(query_len: int, context_len: int, padded_len: int, dtype: torch.dtype,
-                 device: torch.device) -> torch.Tensor:
-    """Additive mask: new token t (at context_len - query_len + t) sees keys up to its own position."""
+def _causal_mask(query_len: int, context_len: int, num_keys: int, dtype: torch.dtype, device: torch.device,
+                 first_key: int = 0, window: int | None = None) -> torch.Tensor:
+    """Additive mask: new token t (at context_len - query_len + t) sees keys up to its own position (and,
+    with a window, none ``window`` or more before it); column j is the key at ``first_key + j``."""
     query_pos = torch.arange(context_len - query_len, context_len, device=device).unsqueeze(1)
-    key_pos = torch.arange(padded_len, device=device).unsqueeze(0)
-    return torch.zeros(query_len, padded_len, dtype=dtype, device=device).masked_fill_(key_pos > query_pos,
-                                                                                        float("-inf"))
+    key_pos = torch.arange(first_key, first_key + num_keys, device=device).unsqueeze(0)
+    hidden = key_pos > query_pos
+    if window is not None:
+        hidden |= key_pos <= query_pos - window
+    return torch.zeros(query_len, num_keys, dtype=dtype, device=device).masked_fill_(hidden, float("-inf"))
 
 
 class TorchAttentionBackend:
@@ -117,7 +130,8 @@ class TorchAttentionBackend:
     gathered K/V are read back from cache; (2) hands SDPA the gathered blocks as strided views, with the
     query heads that share a KV head folded into one [group, head_dim] query, so each K/V head is read
     once; (3) attends a first prefill chunk straight over its new k/v with ``is_causal``; (4) computes
-    the per-step bookkeeping (sorting, chunking, block indices, masks) once per step, not per layer.
+    the per-step bookkeeping (sorting, chunking, block indices, masks) once per step and window, not per
+    layer; (5) with a sliding window, gathers only the blocks the window reaches.
     Padding only ever reads the sequence's own blocks, whose unused slots hold finite stale values that
     the -inf mask turns into exact zeros.
     """
@@ -125,31 +139,40 @@ class TorchAttentionBackend:
     name = "torch"
     supports_cuda_graphs = False  # plans each step from the host copies of the lengths
 
-    def __init__(self, kv_caches: list[tuple[torch.Tensor, torch.Tensor]], scale: float):
+    def __init__(self, kv_caches: list[tuple[torch.Tensor, torch.Tensor]], spec: AttentionSpec):
         self.kv_caches = kv_caches  # per layer: (K pool, V pool)
-        self.scale = scale
-        self._plan: _StepPlan | None = None
+        self.spec = spec
+        self._plans_for: tuple | None = None  # (metadata, dtype, pool shape) the plans below were made for
+        self._plans: dict[int | None, _StepPlan] = {}  # by window
         self._workspace: dict[tuple[int, torch.dtype], torch.Tensor] = {}
 
     def forward(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 meta: AttentionMetadata) -> torch.Tensor:
         k_cache, v_cache = self.kv_caches[layer]
         write_kv(k_cache, v_cache, k, v, meta.slot_mapping)
-        plan = self._step_plan(meta, q.dtype, k_cache)
+        window = self.spec.window(layer)
+        plan = self._step_plan(meta, q.dtype, k_cache, window)
         out = torch.empty_like(q)
         if plan.decode:
-            self._decode(q, k_cache, v_cache, plan.decode, out)
+            self._decode(q, k_cache, v_cache, plan.decode, out, window)
         if plan.prefill:
-            self._prefill(q, k, v, k_cache, v_cache, plan.prefill, out)
+            self._prefill(q, k, v, k_cache, v_cache, plan.prefill, out, window)
         return out
 
-    # ---- per-step plan, shared by all layers ------------------------------------------------------
+    # ---- per-step plan, shared by all layers of one window ----------------------------------------
 
-    def _step_plan(self, meta: AttentionMetadata, dtype: torch.dtype, k_cache: torch.Tensor) -> _StepPlan:
-        key = (dtype, tuple(k_cache.shape[1:]))
-        plan = self._plan
-        if plan is not None and plan.meta is meta and plan.key == key:
-            return plan
+    def _step_plan(self, meta: AttentionMetadata, dtype: torch.dtype, k_cache: torch.Tensor,
+                   window: int | None) -> _StepPlan:
+        key = (meta, dtype, tuple(k_cache.shape[1:]))
+        if self._plans_for is None or self._plans_for[0] is not meta or self._plans_for[1:] != key[1:]:
+            self._plans_for, self._plans = key, {}  # held here, so the `is` test cannot match a recycled id
+        plan = self._plans.get(window)
+        if plan is None:
+            plan = self._plans[window] = self._make_plan(meta, dtype, k_cache, window)
+        return plan
+
+    def _make_plan(self, meta: AttentionMetadata, dtype: torch.dtype, k_cache: torch.Tensor,
+                   window: int | None) -> _StepPlan:
         block_size = k_cache.shape[1]
         tables = meta.block_tables.long()
         seq_lens, query_lens = meta.seq_lens_cpu, meta.query_lens_cpu
@@ -157,55 +180,74 @@ class TorchAttentionBackend:
         one_each = meta.is_decode_only and meta.num_tokens == meta.num_seqs
         starts = None if one_each else meta.query_start_loc.tolist()
 
-        # Decodes, longest first (rows: where each one's token sits in q).
-        order = sorted((i for i, n in enumerate(query_lens) if n == 1), key=lambda i: -seq_lens[i])
+        # Decodes, the most keys first (rows: where each one's token sits in q).
+        decodes = [i for i, n in enumerate(query_lens) if n == 1]
+        visible = {i: seq_lens[i] if window is None else min(seq_lens[i], window) for i in decodes}
+        order = sorted(decodes, key=lambda i: -visible[i])
         rows = order if one_each else [starts[i] for i in order]
-        decode = self._plan_decodes(meta, tables, order, rows, dtype, k_cache) if order else []
+        decode = self._plan_decodes(meta, tables, order, rows, dtype, k_cache, window) if order else []
 
         prefill = []
         for i, (query_len, context_len) in enumerate(zip(query_lens, seq_lens)):
             if query_len <= 1:
                 continue
-            if context_len == query_len:
-                prefill.append(_Prefill(starts[i], query_len, context_len, None, None))
+            first_query = context_len - query_len
+            first_visible = 0 if window is None else max(0, first_query - window + 1)
+            if context_len == query_len and (window is None or query_len <= window):
+                prefill.append(_Prefill(starts[i], query_len, context_len, None, 0, True, None))
                 continue
-            num_blocks = -(-context_len // block_size)
-            length = num_blocks * block_size
+            if context_len == query_len:  # no cached prefix, but the window cuts: the new k/v, masked
+                first_block, blocks, num_keys = 0, None, query_len
+            else:
+                first_block = first_visible // block_size
+                num_blocks = -(-context_len // block_size)
+                blocks, num_keys = tables[i, first_block:num_blocks], (num_blocks - first_block) * block_size
+            first_key = first_block * block_size
             mask = None
-            if query_len * length <= MASK_KEEP_ELEMENTS:
-                mask = _causal_mask(query_len, context_len, length, dtype, k_cache.device)
-            prefill.append(_Prefill(starts[i], query_len, context_len, tables[i, :num_blocks], mask))
-        self._plan = plan = _StepPlan(meta, key, decode, prefill)
-        return plan
+            if query_len * num_keys <= MASK_KEEP_ELEMENTS:
+                mask = _causal_mask(query_len, context_len, num_keys, dtype, k_cache.device, first_key, window)
+            prefill.append(_Prefill(starts[i], query_len, context_len, blocks, first_key, False, mask))
+        return _StepPlan(decode, prefill)
 
     def _plan_decodes(self, meta: AttentionMetadata, tables: torch.Tensor, order: list[int], rows: list[int],
-                      dtype: torch.dtype, k_cache: torch.Tensor) -> list[_DecodeChunk]:
-        """Cut the decodes (sequence indices ``order``, longest first; ``tables``: the block tables
-        as int64) into chunks of similar length."""
+                      dtype: torch.dtype, k_cache: torch.Tensor, window: int | None) -> list[_DecodeChunk]:
+        """Cut the decodes (sequence indices ``order``, most keys first; ``tables``: the block tables
+        as int64) into chunks of similar length. Each sequence's span runs from the block holding the
+        first key it sees to its last block."""
         block_size, num_kv_heads, head_dim = k_cache.shape[1:]
         seq_lens, device = meta.seq_lens_cpu, k_cache.device
+        first_key = {i: 0 if window is None else max(0, seq_lens[i] - window) for i in order}
+        # Tokens from the first block gathered: up to block_size - 1 more than the keys seen, so longest first again.
+        span = {i: seq_lens[i] - first_key[i] // block_size * block_size for i in order}
+        order, rows = zip(*sorted(zip(order, rows), key=lambda pair: -span[pair[0]]))
+        first_key = [first_key[i] for i in order]
+        first_block = [f // block_size for f in first_key]
+        spans = [span[i] for i in order]
         token_bytes = 2 * num_kv_heads * head_dim * torch.empty((), dtype=k_cache.dtype).element_size()
         budget = max(block_size, DECODE_CHUNK_BYTES // token_bytes)
         chunks = []
         first = 0
         while first < len(order):
-            num_blocks = -(-seq_lens[order[first]] // block_size)
+            num_blocks = -(-spans[first] // block_size)
             length = num_blocks * block_size
             end = first + 1
             while (end < len(order) and (end - first + 1) * length <= budget
-                   and (length - seq_lens[order[end]] <= max(length // 2, DECODE_PAD_SLACK))):
+                   and (length - spans[end] <= max(length // 2, DECODE_PAD_SLACK))):
                 end += 1
-            chunk_lens = [seq_lens[i] for i in order[first:end]]
             seqs = torch.tensor(order[first:end], device=device)
-            lens = torch.tensor(chunk_lens, device=device)
-            last_block = (lens + block_size - 1) // block_size - 1
-            columns = torch.minimum(torch.arange(num_blocks, device=device).unsqueeze(0), last_block.unsqueeze(1))
+            lens = torch.tensor(spans[first:end], device=device)
+            starts = torch.tensor(first_block[first:end], device=device)
+            last_block = starts + (lens + block_size - 1) // block_size - 1
+            columns = torch.minimum(starts.unsqueeze(1) + torch.arange(num_blocks, device=device).unsqueeze(0),
+                                    last_block.unsqueeze(1))
             blocks = tables[seqs].gather(1, columns).flatten()
+            skipped = [key - block * block_size for key, block in zip(first_key[first:end], first_block[first:end])]
             mask = None
-            if any(n != length for n in chunk_lens):
-                pad = torch.arange(length, device=device).unsqueeze(0) >= lens.unsqueeze(1)
-                mask = torch.zeros(len(chunk_lens), 1, 1, length, dtype=dtype, device=device).masked_fill_(
-                    pad.view(len(chunk_lens), 1, 1, length), float("-inf"))
+            if any(n != length for n in spans[first:end]) or any(skipped):
+                position = torch.arange(length, device=device).unsqueeze(0)
+                hidden = (position >= lens.unsqueeze(1)) | (position < torch.tensor(skipped, device=device).unsqueeze(1))
+                mask = torch.zeros(end - first, 1, 1, length, dtype=dtype, device=device).masked_fill_(
+                    hidden.view(end - first, 1, 1, length), float("-inf"))
             chunks.append(_DecodeChunk(torch.tensor(rows[first:end], device=device), blocks, length, mask))
             first = end
         return chunks
@@ -227,7 +269,7 @@ class TorchAttentionBackend:
     # ---- attention ----------------------------------------------------------------------------
 
     def _decode(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                chunks: list[_DecodeChunk], out: torch.Tensor) -> None:
+                chunks: list[_DecodeChunk], out: torch.Tensor, window: int | None) -> None:
         """One query per sequence. The ``group`` query heads of a KV head become one [group, dim] query."""
         num_heads, (num_kv_heads, head_dim) = q.shape[1], k_cache.shape[2:]
         group = num_heads // num_kv_heads
@@ -236,29 +278,27 @@ class TorchAttentionBackend:
             keys = self._gather(k_cache, chunk.blocks, 0).view(n, chunk.length, num_kv_heads, head_dim)
             values = self._gather(v_cache, chunk.blocks, 1).view(n, chunk.length, num_kv_heads, head_dim)
             query = q.index_select(0, chunk.rows).view(n, num_kv_heads, group, head_dim)
-            attended = F.scaled_dot_product_attention(query, keys.transpose(1, 2), values.transpose(1, 2),
-                                                      attn_mask=chunk.mask, scale=self.scale)
+            attended = attend(query, keys.transpose(1, 2), values.transpose(1, 2), mask=chunk.mask,
+                              scale=self.spec.scale, softcap=self.spec.logit_softcap)
             out.index_copy_(0, chunk.rows, attended.reshape(n, num_heads, head_dim))
 
     def _prefill(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
-                 v_cache: torch.Tensor, prefills: list[_Prefill], out: torch.Tensor) -> None:
+                 v_cache: torch.Tensor, prefills: list[_Prefill], out: torch.Tensor, window: int | None) -> None:
         """Several new tokens: attend causally over the cached prefix (if any) and themselves."""
         # 4-D [1, heads, tokens, dim] views: with 3-D inputs SDPA falls back to its slow math path on CPU.
         enable_gqa = q.shape[1] != k_cache.shape[2]
         for p in prefills:
             end = p.start + p.query_len
             query = q[p.start:end].transpose(0, 1).unsqueeze(0)
-            if p.blocks is None:  # the context is exactly the new tokens: no gather, no mask
+            if p.blocks is None:  # the context is exactly the new tokens: no gather
                 keys = k[p.start:end].to(k_cache.dtype).transpose(0, 1).unsqueeze(0)
                 values = v[p.start:end].to(v_cache.dtype).transpose(0, 1).unsqueeze(0)
-                attended = F.scaled_dot_product_attention(query, keys, values, is_causal=True,
-                                                          scale=self.scale, enable_gqa=enable_gqa)
             else:
-                length = p.blocks.numel() * k_cache.shape[1]
                 keys = self._gather(k_cache, p.blocks, 0).flatten(0, 1).transpose(0, 1).unsqueeze(0)
                 values = self._gather(v_cache, p.blocks, 1).flatten(0, 1).transpose(0, 1).unsqueeze(0)
-                mask = p.mask if p.mask is not None else _causal_mask(p.query_len, p.context_len, length,
-                                                                      q.dtype, q.device)
-                attended = F.scaled_dot_product_attention(query, keys, values, attn_mask=mask,
-                                                          scale=self.scale, enable_gqa=enable_gqa)
+            mask = p.mask
+            if mask is None and not p.causal:
+                mask = _causal_mask(p.query_len, p.context_len, keys.shape[2], q.dtype, q.device, p.first_key, window)
+            attended = attend(query, keys, values, mask=mask, is_causal=p.causal, scale=self.spec.scale,
+                              softcap=self.spec.logit_softcap, enable_gqa=enable_gqa)
             out[p.start:end] = attended[0].transpose(0, 1)

@@ -3,7 +3,9 @@
 Every sequence's context is its cached tokens followed by its new tokens, and all of it is read from
 the paged pool: the backend first stores the new K/V with the cache-write kernel, so the attention
 kernel needs no second source for them. A query token at position ``p`` sees keys ``0..p`` (causal
-within the new tokens, everything before them).
+within the new tokens, everything before them), or with a sliding window (``SLIDING``) keys
+``p - window + 1..p``: a tile's loop starts at the first key its first query sees. With ``SOFTCAP``
+each score ``s`` becomes ``cap * tanh(s / cap)`` before the softmax (Gemma 2; spec.py).
 
 Work split. A program owns (a tile of up to BLOCK_Q query tokens of one sequence) x (one KV head)
 x (one split of the context). Its BLOCK_M = BLOCK_Q * GROUP_PAD rows are every (query token, query
@@ -32,6 +34,7 @@ import triton
 import triton.language as tl
 
 from services.worker.attention.metadata import AttentionMetadata
+from services.worker.attention.spec import AttentionSpec
 from services.worker.attention.triton_cache_ops import SUPPORTED_DTYPES, _check_layer_pools, require, write_kv
 
 LOG2E = 1.4426950408889634
@@ -95,9 +98,12 @@ def _attend(
     block_tables_ptr,  # [num_seqs, max_blocks] int32
     seq, stride_bt, kv_head, stride_cb, stride_cs, stride_ch,
     lo, hi,  # the key positions [lo, hi) this program covers
-    scale_log2,
+    scale_log2,  # what q . k is multiplied by: scale * log2(e), or with SOFTCAP scale / cap
+    softcap_log2,  # SOFTCAP only: cap * log2(e)
+    window,  # SLIDING only: keys seen per query, itself included
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr,
-    USE_DOT: tl.constexpr, IEEE_DOT: tl.constexpr, DOT_FP32: tl.constexpr,
+    USE_DOT: tl.constexpr, IEEE_DOT: tl.constexpr, DOT_FP32: tl.constexpr, SLIDING: tl.constexpr,
+    SOFTCAP: tl.constexpr,
 ):
     """Online softmax over keys [lo, hi): the unnormalised output, the running max and the sum."""
     m = tl.full([BLOCK_M], float("-inf"), tl.float32)
@@ -112,7 +118,13 @@ def _attend(
         # K is loaded transposed, [HEAD_DIM, BLOCK_N], so the scores are a plain q @ k.
         k = tl.load(k_cache_ptr + offs[None, :] + dims[:, None], mask=k_ok[None, :], other=0.0)
         s = _matmul(q, k, USE_DOT, IEEE_DOT, DOT_FP32) * scale_log2
-        s = tl.where(k_ok[None, :] & (k_pos[None, :] <= q_pos[:, None]), s, float("-inf"))
+        if SOFTCAP:
+            # tanh(x) = 1 - 2 / (e^2x + 1): exact at both ends (no libdevice call, so the interpreter runs it).
+            s = (1.0 - 2.0 / (tl.exp2(s * (2.0 * 1.4426950408889634)) + 1.0)) * softcap_log2
+        seen = k_ok[None, :] & (k_pos[None, :] <= q_pos[:, None])
+        if SLIDING:
+            seen = seen & (k_pos[None, :] > q_pos[:, None] - window)
+        s = tl.where(seen, s, float("-inf"))
         m_new = tl.maximum(m, tl.max(s, 1))
         # A row with nothing visible yet keeps max -inf; shift by 0 there so exp2 gives 0, not NaN.
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
@@ -128,7 +140,7 @@ def _attend(
 # Arguments that change from batch to batch are kept out of Triton's specialisation (on divisibility by
 # 16, on == 1, on pointer alignment), so a new block-table width or tile count or split count does not
 # compile a new binary in the middle of serving. None of them feeds a vectorised access.
-@triton.jit(do_not_specialize=["stride_lt", "stride_lh", "stride_bt"],
+@triton.jit(do_not_specialize=["stride_lt", "stride_lh", "stride_bt", "window"],
             do_not_specialize_on_alignment=["tile_seq_ptr", "tile_q0_ptr"])
 def _paged_attention_kernel(
     out_ptr,  # [num_tokens, num_heads, head_dim] q's dtype; with SPLIT: [num_tokens, num_heads, splits, head_dim] f32
@@ -141,7 +153,9 @@ def _paged_attention_kernel(
     query_start_ptr,  # [num_seqs + 1] int32
     tile_seq_ptr,  # [num_tiles] int32: the sequence of each query tile
     tile_q0_ptr,  # [num_tiles] int32: the tile's first query index within its sequence
-    scale_log2,  # softmax scale * log2(e)
+    scale_log2,  # softmax scale * log2(e); with SOFTCAP scale / cap
+    softcap_log2,  # SOFTCAP only: cap * log2(e)
+    window,  # SLIDING only: keys seen per query, itself included
     stride_qt, stride_qh,
     stride_ot, stride_oh, stride_os,  # stride_os: the split dimension (SPLIT only)
     stride_lt, stride_lh,
@@ -157,6 +171,8 @@ def _paged_attention_kernel(
     USE_DOT: tl.constexpr,  # head_dim >= 16: tensor-core dot; else a broadcast sum
     IEEE_DOT: tl.constexpr,  # float32 inputs: full-precision dot, not TF32
     DOT_FP32: tl.constexpr,  # upcast dot operands (interpreted bfloat16 only)
+    SLIDING: tl.constexpr,  # a sliding-window layer
+    SOFTCAP: tl.constexpr,  # scores soft-capped
 ):
     tile = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -179,19 +195,24 @@ def _paged_attention_kernel(
 
     # No key after the tile's last query matters: it stops the loop early for prefill tiles.
     kv_end = ctx - q_len + tl.minimum(q0 + BLOCK_M // GROUP_PAD, q_len)
+    # Nor any key before the first one the tile's first query sees (rounded down to 16: aligned loads).
+    if SLIDING:
+        kv_begin = tl.maximum(ctx - q_len + q0 - window + 1, 0) // 16 * 16
+    else:
+        kv_begin = 0
     if SPLIT:
-        # Each sequence spreads its own context over the splits, in whole 16-key steps (aligned loads). A
+        # Each sequence spreads its own keys over the splits, in whole 16-key steps (aligned loads). A
         # plan made for the longest context so keeps every split busy on shorter ones, and stays valid
         # whatever the lengths: a CUDA graph replays it with new ones.
-        keys_per_split = tl.cdiv(tl.cdiv(ctx, tl.num_programs(2)), 16) * 16
-        lo = split * keys_per_split
+        keys_per_split = tl.cdiv(tl.cdiv(ctx - kv_begin, tl.num_programs(2)), 16) * 16
+        lo = kv_begin + split * keys_per_split
         hi = tl.minimum(lo + keys_per_split, kv_end)
     else:
-        lo = 0
+        lo = kv_begin
         hi = kv_end
     acc, m, l = _attend(q, q_pos, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq, stride_bt, kv_head,
-                        stride_cb, stride_cs, stride_ch, lo, hi, scale_log2,
-                        BLOCK_M, BLOCK_N, BLOCK_SIZE, HEAD_DIM, USE_DOT, IEEE_DOT, DOT_FP32)
+                        stride_cb, stride_cs, stride_ch, lo, hi, scale_log2, softcap_log2, window,
+                        BLOCK_M, BLOCK_N, BLOCK_SIZE, HEAD_DIM, USE_DOT, IEEE_DOT, DOT_FP32, SLIDING, SOFTCAP)
 
     # Rows that saw no key (only in an empty split) have l == 0: output 0, log-sum-exp -inf.
     out = acc / tl.where(l > 0, l, 1.0)[:, None]
@@ -222,7 +243,7 @@ def _reduce_splits_kernel(
     splits = tl.arange(0, SPLITS_PAD)
     ok = splits < num_splits
     lse = tl.load(lse_ptr + token * stride_lt + head * stride_lh + splits, mask=ok, other=float("-inf"))
-    # Key 0 is visible to every query and lies in split 0, so the max is finite.
+    # Every row sees its own key, in one split or another, so the max is finite.
     weights = tl.exp2(lse - tl.max(lse, 0))
     weights = weights / tl.sum(weights, 0)
     dims = tl.arange(0, HEAD_DIM)
@@ -313,24 +334,25 @@ def _tile_sizes(meta: AttentionMetadata, group: int, head_dim: int, dtype: torch
     return block_q, group_pad, block_n
 
 
-def _split_count(meta: AttentionMetadata, num_programs: int, device: torch.device, split_k: bool | None,
-                 num_splits: int | None) -> int:
+def _split_count(meta: AttentionMetadata, max_keys: int, num_programs: int, device: torch.device,
+                 split_k: bool | None, num_splits: int | None) -> int:
     if split_k is False:
         return 1
     if num_splits is not None:
         require(num_splits >= 1, f"num_splits must be >= 1, got {num_splits}")
         return num_splits
     if split_k:
-        return max(2, min(SPLIT_MAX, meta.max_seq_len // SPLIT_MIN_KEYS))
-    return choose_num_splits(num_programs, meta.max_seq_len, meta.max_query_len, _sm_count(device))
+        return max(2, min(SPLIT_MAX, max_keys // SPLIT_MIN_KEYS))
+    return choose_num_splits(num_programs, max_keys, meta.max_query_len, _sm_count(device))
 
 
 def make_launch_plan(meta: AttentionMetadata, q: torch.Tensor, k_cache: torch.Tensor, split_k: bool | None = None,
                      num_splits: int | None = None, block_n: int | None = None,
-                     num_stages: int | None = None) -> LaunchPlan:
+                     num_stages: int | None = None, window: int | None = None) -> LaunchPlan:
     """Tile sizes, the query tiles and the split count; split_k forces split-K on or off (None: heuristic).
 
     ``num_splits``, ``block_n`` and ``num_stages`` pin what the heuristics would choose (tests, tuning).
+    ``window``: the most keys a decode sees in any layer the plan serves (None: its whole context).
     """
     num_heads, head_dim = q.shape[1], q.shape[2]
     num_kv_heads = k_cache.shape[2]
@@ -339,12 +361,14 @@ def make_launch_plan(meta: AttentionMetadata, q: torch.Tensor, k_cache: torch.Te
     require(block_n >= MIN_DOT and block_n & (block_n - 1) == 0,
              f"block_n must be a power of two >= 16, got {block_n}")
     seqs, firsts = _query_tiles(meta.query_lens_cpu, block_q)
-    splits = _split_count(meta, len(seqs) * num_kv_heads, q.device, split_k, num_splits)
+    # A window's keys may start mid-way through a 16-key step (the kernel rounds down): 15 more at most.
+    max_keys = meta.max_seq_len if window is None else min(meta.max_seq_len, window + MIN_DOT - 1)
+    splits = _split_count(meta, max_keys, len(seqs) * num_kv_heads, q.device, split_k, num_splits)
     # Splits start on a multiple of 16 keys (aligned loads); the count is what that rounding leaves for
-    # the longest context (shorter ones leave later splits empty where they have under 16 keys each).
-    keys_per_split = _cdiv(_cdiv(meta.max_seq_len, splits), MIN_DOT) * MIN_DOT
+    # the most keys (fewer leave later splits empty where they have under 16 keys each).
+    keys_per_split = _cdiv(_cdiv(max_keys, splits), MIN_DOT) * MIN_DOT
     split = bool(split_k) or splits > 1
-    splits = _cdiv(meta.max_seq_len, keys_per_split) if split else 1
+    splits = _cdiv(max_keys, keys_per_split) if split else 1
     tiles = torch.tensor([seqs, firsts], dtype=torch.int32).to(q.device, non_blocking=True)
     num_warps = _num_warps(block_q * group_pad, head_dim, fma_dot=q.dtype == torch.float32)
     require(num_stages is None or num_stages >= 1, f"num_stages must be >= 1, got {num_stages}")
@@ -384,9 +408,11 @@ def _check_attention_inputs(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
         require(out.stride(-1) == 1, "out's last dimension must be contiguous")
 
 
-def _kernel_flags(q: torch.Tensor, k_cache: torch.Tensor, plan: LaunchPlan) -> dict:
+def _kernel_flags(q: torch.Tensor, k_cache: torch.Tensor, plan: LaunchPlan, window: int | None,
+                  softcap: float | None) -> dict:
     head_dim = q.shape[2]
     return dict(GROUP=q.shape[1] // k_cache.shape[2], GROUP_PAD=plan.group_pad, BLOCK_M=plan.block_q * plan.group_pad,
+                SLIDING=window is not None, SOFTCAP=softcap is not None,
                 BLOCK_N=plan.block_n, BLOCK_SIZE=k_cache.shape[1], HEAD_DIM=head_dim, USE_DOT=head_dim >= MIN_DOT,
                 # IEEE for float32: TF32 would drift from the reference (16-bit inputs are exact anyway).
                 IEEE_DOT=q.dtype == torch.float32,
@@ -395,10 +421,14 @@ def _kernel_flags(q: torch.Tensor, k_cache: torch.Tensor, plan: LaunchPlan) -> d
 
 
 def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
-                    scale: float, *, out: torch.Tensor | None = None, split_k: bool | None = None,
+                    scale: float, *, window: int | None = None, softcap: float | None = None,
+                    out: torch.Tensor | None = None, split_k: bool | None = None,
                     num_splits: int | None = None, block_n: int | None = None, num_stages: int | None = None,
                     plan: LaunchPlan | None = None, check: bool = True) -> torch.Tensor:
     """Attention of every new token over its sequence's paged context; ``q`` is ``[T, H, D]``.
+
+    ``window``: each query sees only the last ``window`` positions up to its own; ``softcap``: scores
+    become ``softcap * tanh(score / softcap)`` (spec.py).
 
     The new tokens' K/V must already be in the pool (``write_kv``). ``split_k`` forces split-K on
     (True) or off (False); None lets the heuristic choose. ``num_splits``, ``block_n`` and ``num_stages``
@@ -408,17 +438,20 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     """
     if check:
         _check_attention_inputs(q, k_cache, v_cache, meta, out)
+        require(window is None or window >= 1, f"window must be >= 1, got {window}")
+        require(softcap is None or softcap > 0, f"softcap must be > 0, got {softcap}")
     if plan is None:
-        plan = make_launch_plan(meta, q, k_cache, split_k, num_splits, block_n, num_stages)
+        plan = make_launch_plan(meta, q, k_cache, split_k, num_splits, block_n, num_stages, window)
     out = torch.empty_like(q) if out is None else out
     if q.shape[0] == 0:
         return out
     num_tokens, num_heads, head_dim = q.shape
     grid = (plan.num_tiles, k_cache.shape[2], plan.num_splits)
+    scales = (scale * LOG2E, 0.0) if softcap is None else (scale / softcap, softcap * LOG2E)
     common = (q, k_cache, v_cache, meta.block_tables, meta.seq_lens, meta.query_start_loc, plan.tiles[0],
-              plan.tiles[1], scale * LOG2E, q.stride(0), q.stride(1))
+              plan.tiles[1], *scales, window or 0, q.stride(0), q.stride(1))
     pool_strides = (k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), meta.block_tables.stride(0))
-    flags = _kernel_flags(q, k_cache, plan)
+    flags = _kernel_flags(q, k_cache, plan, window, softcap)
     if not plan.split:
         _paged_attention_kernel[grid](out, out, *common, out.stride(0), out.stride(1), 0, 0, 0, *pool_strides,
                                       SPLIT=False, **flags)
@@ -442,12 +475,15 @@ class TritonAttentionBackend:
     name = "triton"
     supports_cuda_graphs = True  # every length is read from device tensors, and plan_for keeps a step's plan
 
-    def __init__(self, kv_caches: list[tuple[torch.Tensor, torch.Tensor]], scale: float,
+    def __init__(self, kv_caches: list[tuple[torch.Tensor, torch.Tensor]], spec: AttentionSpec,
                  split_k: bool | None = None):
         self.kv_caches = kv_caches  # per layer: (K pool, V pool)
-        self.scale = scale
+        self.spec = spec
         self.split_k = split_k  # None: the heuristic chooses; True/False force split-K on/off
         check_head_dim(kv_caches[0][0].shape[-1])
+        # One plan serves every layer of a step: sized for the most keys any layer sees.
+        windows = [spec.window(layer) for layer in range(len(kv_caches))]
+        self._plan_window = None if None in windows or not windows else max(windows)
         self._plan_for: AttentionMetadata | None = None
         self._plan: LaunchPlan | None = None
 
@@ -459,9 +495,10 @@ class TritonAttentionBackend:
         new_step = self._plan_for is not meta
         write_kv(k_cache, v_cache, k, v, meta.slot_mapping, check=new_step)
         if new_step:
-            self._plan = make_launch_plan(meta, q, k_cache, self.split_k)
+            self._plan = make_launch_plan(meta, q, k_cache, self.split_k, window=self._plan_window)
             self._plan_for = meta  # held here, so the `is` test cannot match a recycled id
-        return paged_attention(q, k_cache, v_cache, meta, self.scale, plan=self._plan, check=new_step)
+        return paged_attention(q, k_cache, v_cache, meta, self.spec.scale, window=self.spec.window(layer),
+                               softcap=self.spec.logit_softcap, plan=self._plan, check=new_step)
 
     def plan_for(self, meta: AttentionMetadata) -> LaunchPlan | None:
         """The plan steps over ``meta`` launch with, once a forward pass over it has run (None before).

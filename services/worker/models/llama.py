@@ -22,6 +22,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from services.worker.attention.metadata import AttentionMetadata
+from services.worker.attention.spec import AttentionSpec
 from services.worker.models.layers import RMSNorm, RotaryEmbedding, silu_and_mul
 from services.worker.models.lora_linear import LoRABatch, LoRALinear, LoRATarget
 from services.worker.models.moe import SparseMoeBlock
@@ -135,6 +136,12 @@ class LlamaForCausalLM(nn.Module):
         self.packed_logits: PackedLinear | None = None  # set by pack_linear_weights
         if num_labels:  # whole on every rank: a few rows
             self.score = nn.Linear(config.hidden_size, num_labels, bias=False)
+
+    def attention_spec(self) -> AttentionSpec:
+        """What every attention layer computes: the same for each rank (heads are split, not layers)."""
+        config = self.config
+        return AttentionSpec(config.head_dim ** -0.5,
+                             tuple(config.attention_window(i) for i in range(config.num_hidden_layers)))
 
     @property
     def lm_head_weight(self) -> torch.Tensor:

@@ -7,7 +7,8 @@
 // dealt out longest context first, dynamically, on torch's own OpenMP pool (the extension links
 // the libgomp torch already loaded).
 // Scores for the whole context are kept (context x group floats per thread), so the softmax is exact
-// two-pass rather than online: pass 1 reads K, pass 2 reads V.
+// two-pass rather than online: pass 1 reads K, pass 2 reads V. With a sliding window the context is the
+// sequence's last `window` tokens; with a soft cap each score s becomes cap * tanh(s / cap).
 
 #include <ATen/core/Tensor.h>
 #include <c10/util/BFloat16.h>
@@ -48,21 +49,24 @@ struct DecodeShape {
   int64_t cache_block_stride, cache_token_stride, cache_head_stride;  // pools [N, B, Hkv, D], contiguous
   int64_t table_stride;   // block_tables [S, max_blocks]
   float scale;
+  int64_t window;         // keys seen per query, itself included; 0: all of them
+  float softcap;          // 0: scores uncapped
 };
 
-// visit(row, t) for each of a sequence's first `len` tokens in order, where row points at the token's
-// KV head `first_kv` in `cache`; while at token t of a block, prefetches token t of the next block.
+// visit(row, i) for the i-th of a sequence's tokens begin..len-1 in order, where row points at the
+// token's KV head `first_kv` in `cache`; while at token t of a block, prefetches token t of the next block.
 template <typename T, typename Visit>
-inline void for_each_token(const T* cache, const int32_t* table, int64_t len, int64_t first_kv,
+inline void for_each_token(const T* cache, const int32_t* table, int64_t begin, int64_t len, int64_t first_kv,
                            int64_t row_bytes, const DecodeShape& s, Visit&& visit) {
-  for (int64_t start = 0, b = 0; start < len; start += s.block_size, ++b) {
+  for (int64_t b = begin / s.block_size; b * s.block_size < len; ++b) {
+    const int64_t start = b * s.block_size;
     const T* block = cache + table[b] * s.cache_block_stride + first_kv * s.cache_head_stride;
     const T* next = start + s.block_size < len
         ? cache + table[b + 1] * s.cache_block_stride + first_kv * s.cache_head_stride : nullptr;
     const int64_t count = std::min(s.block_size, len - start);
-    for (int64_t t = 0; t < count; ++t) {
+    for (int64_t t = std::max<int64_t>(begin - start, 0); t < count; ++t) {
       if (next != nullptr) prefetch_row(next + t * s.cache_token_stride, row_bytes);
-      visit(block + t * s.cache_token_stride, start + t);
+      visit(block + t * s.cache_token_stride, start + t - begin);
     }
   }
 }
@@ -91,33 +95,38 @@ void decode_attention(T* out, const T* query, const T* key_cache, const T* value
       const int64_t i = item / splits, first_kv = (item % splits) * heads;
       const int64_t row = rows[i], seq = seqs[i];
       const int64_t len = seq_lens[seq];
+      const int64_t begin = s.window > 0 ? std::max<int64_t>(0, len - s.window) : 0;
+      const int64_t n = len - begin;  // keys seen
       const int32_t* table = block_tables + seq * s.table_stride;
       for (int64_t h = 0; h < width; ++h) {
         const T* src = query + row * s.q_row_stride + (first_kv * group + h) * s.q_head_stride;
         for (int64_t d = 0; d < D; ++d) q[h * D + d] = to_float(src[d]) * s.scale;
       }
-      scores.resize(width * len);
+      scores.resize(width * n);
 
       // Pass 1: scores[h][t] = q_h . k_t for the item's query heads h.
-      for_each_token(key_cache, table, len, first_kv, row_bytes, s, [&](const T* k_row, int64_t t) {
+      for_each_token(key_cache, table, begin, len, first_kv, row_bytes, s, [&](const T* k_row, int64_t t) {
         for (int64_t h = 0; h < width; ++h) {
           const T* k = k_row + (h / group) * s.cache_head_stride;
           const float* qh = q.data() + h * D;
           float dot = 0.f;
 #pragma omp simd reduction(+ : dot)
           for (int64_t d = 0; d < D; ++d) dot += qh[d] * to_float(k[d]);
-          scores[h * len + t] = dot;
+          scores[h * n + t] = dot;
         }
       });
+      if (s.softcap > 0.f) {
+        for (float& score : scores) score = s.softcap * std::tanh(score / s.softcap);
+      }
       // Softmax numerators in place; 1/sum is applied to the output.
       for (int64_t h = 0; h < width; ++h) {
-        float* sh = scores.data() + h * len;
+        float* sh = scores.data() + h * n;
         float max = -std::numeric_limits<float>::infinity();
 #pragma omp simd reduction(max : max)
-        for (int64_t t = 0; t < len; ++t) max = std::max(max, sh[t]);
+        for (int64_t t = 0; t < n; ++t) max = std::max(max, sh[t]);
         float sum = 0.f;
 #pragma omp simd reduction(+ : sum)
-        for (int64_t t = 0; t < len; ++t) {
+        for (int64_t t = 0; t < n; ++t) {
           sh[t] = pagedserve_cpu::exp_clamped(sh[t] - max);
           sum += sh[t];
         }
@@ -125,10 +134,10 @@ void decode_attention(T* out, const T* query, const T* key_cache, const T* value
       }
       // Pass 2: acc[h] = sum_t p[h][t] v_t.
       std::fill(acc.begin(), acc.end(), 0.f);
-      for_each_token(value_cache, table, len, first_kv, row_bytes, s, [&](const T* v_row, int64_t t) {
+      for_each_token(value_cache, table, begin, len, first_kv, row_bytes, s, [&](const T* v_row, int64_t t) {
         for (int64_t h = 0; h < width; ++h) {
           const T* v = v_row + (h / group) * s.cache_head_stride;
-          const float p = scores[h * len + t];
+          const float p = scores[h * n + t];
           float* ah = acc.data() + h * D;
 #pragma omp simd
           for (int64_t d = 0; d < D; ++d) ah[d] += p * to_float(v[d]);
@@ -208,14 +217,16 @@ void check_indices(int64_t num_tokens, int64_t num_blocks, int64_t block_size, c
 void paged_decode_attention(at::Tensor out, const at::Tensor& query, const at::Tensor& key_cache,
                             const at::Tensor& value_cache, const at::Tensor& block_tables,
                             const at::Tensor& seq_lens, const at::Tensor& rows, const at::Tensor& seqs,
-                            double scale) {
+                            double scale, int64_t window, double softcap) {
   check_layout(out, query, key_cache, value_cache, block_tables, seq_lens, rows, seqs);
+  TORCH_CHECK_VALUE(window >= 0 && softcap >= 0, "window and softcap must be >= 0 (0: none)");
   check_indices(query.size(0), key_cache.size(0), key_cache.size(1), block_tables, seq_lens, rows, seqs);
   const DecodeShape shape{rows.numel(),          query.size(1),         key_cache.size(2),
                           query.size(2),         key_cache.size(1),     query.stride(0),
                           query.stride(1),       out.stride(0),         out.stride(1),
                           key_cache.stride(0),   key_cache.stride(1),   key_cache.stride(2),
-                          block_tables.stride(0), static_cast<float>(scale)};
+                          block_tables.stride(0), static_cast<float>(scale), window,
+                          static_cast<float>(softcap)};
   const auto* tables = block_tables.data_ptr<int32_t>();
   const auto* lens = seq_lens.data_ptr<int32_t>();
   const auto* row_ptr = rows.data_ptr<int64_t>();
@@ -245,7 +256,8 @@ void paged_decode_attention(at::Tensor out, const at::Tensor& query, const at::T
 
 TORCH_LIBRARY(pagedserve_cpu, m) {
   m.def("paged_decode_attention(Tensor(a!) out, Tensor query, Tensor key_cache, Tensor value_cache, "
-        "Tensor block_tables, Tensor seq_lens, Tensor rows, Tensor seqs, float scale) -> ()");
+        "Tensor block_tables, Tensor seq_lens, Tensor rows, Tensor seqs, float scale, int window, "
+        "float softcap) -> ()");
 }
 
 TORCH_LIBRARY_IMPL(pagedserve_cpu, CPU, m) { m.impl("paged_decode_attention", &paged_decode_attention); }
