@@ -89,13 +89,14 @@ def make_classifier_dir(source: Path, path: Path, labels: tuple[str, ...] = ("ne
     return path
 
 
-def hf_class_scores(model_dir: Path, token_ids: list[int], activation: str | None = "softmax") -> torch.Tensor:
+def hf_class_scores(model_dir: Path, token_ids: list[int], activation: str | None = "softmax",
+                    dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """transformers' sequence classifier's logits for one prompt, through ``activation`` (None: raw)."""
     from transformers import AutoModelForSequenceClassification
 
-    key = f"classifier:{model_dir}"
+    key = f"classifier:{model_dir}:{dtype}"
     if key not in _models:
-        _models[key] = AutoModelForSequenceClassification.from_pretrained(str(model_dir), dtype=torch.float32).eval()
+        _models[key] = AutoModelForSequenceClassification.from_pretrained(str(model_dir), dtype=dtype).eval()
     with torch.no_grad():
         logits = _models[key](torch.tensor([token_ids])).logits[0].float()
     return {"softmax": lambda x: torch.softmax(x, dim=0), "sigmoid": torch.sigmoid, None: lambda x: x}[activation](logits)

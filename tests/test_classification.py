@@ -157,14 +157,16 @@ def test_a_cross_encoder_scores_each_pair_tokenized_together(cross_encoder):
 
 
 def test_a_bfloat16_classifier_scores_as_transformers_does(three_labels):
-    # The head runs in the model's dtype on the float32 pooled state: bfloat16 rounding, not garbage.
+    # The head runs in the model's dtype on the float32 pooled state, as transformers' bfloat16 classifier. Against
+    # it (400 fresh prompts): at most 0.014 apart; each lies up to 0.049 from float32 (which once failed 0.05).
     rng, seed = fresh_rng()
     llm = small_engine(three_labels, dtype="bfloat16")
     prompts = random_prompts(rng, 4, 40)
     for i, (prompt, out) in enumerate(zip(prompts, llm.classify([{"prompt_token_ids": p} for p in prompts],
                                                                 use_tqdm=False))):
-        error = (torch.tensor(out.outputs.probs) - hf_class_scores(three_labels, prompt)).abs().max().item()
-        assert error < 0.05 and sum(out.outputs.probs) == pytest.approx(1.0, abs=1e-5), \
+        expected = hf_class_scores(three_labels, prompt, dtype=torch.bfloat16)
+        error = (torch.tensor(out.outputs.probs) - expected).abs().max().item()
+        assert error < 0.03 and sum(out.outputs.probs) == pytest.approx(1.0, abs=1e-5), \
             f"prompt {i}: error {error:.3f} (seed {seed})"
     llm.close()
 
