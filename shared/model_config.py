@@ -17,22 +17,21 @@ from pathlib import Path
 from typing import Any
 
 from shared.moe_config import MOE_MODEL_TYPES, MoEConfig, parse_moe
+from shared.gemma_config import GEMMA_MODEL_TYPES, gemma_fields, gemma_layer_types, gemma_rope
+from shared.rope_config import parse_rope
 
-SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", *MOE_MODEL_TYPES)
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", *MOE_MODEL_TYPES, *GEMMA_MODEL_TYPES)
 # The dense family each MoE one shares its attention with.
 _ATTENTION_FAMILY = {"mixtral": "mistral", "qwen2_moe": "qwen2", "qwen3_moe": "qwen3"}
-SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
 LAYER_TYPES = ("full_attention", "sliding_attention")
 # Models whose sliding_window counts only with use_sliding_window on; models whose every layer slides.
 _WINDOW_SWITCHED = ("qwen2", "qwen3", "qwen2_moe", "qwen3_moe")
 _EVERY_LAYER_SLIDES = ("mistral", "mixtral", "qwen3_moe")
-# Keys each rope type needs besides rope_theta; checked up front so a bad config fails at load.
-_ROPE_KEYS = {"default": (), "linear": ("factor",),
-              "llama3": ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")}
 _REQUIRED_KEYS = ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads", "vocab_size")
 # Defaults transformers uses when config.json omits a key (save_pretrained always writes them).
 _DEFAULT_ROPE_THETA = {"mixtral": 1e6}  # else 10000.0
 _DEFAULT_RMS_NORM_EPS = {"mixtral": 1e-5}  # else 1e-6
+_DEFAULT_HEAD_DIM = {"qwen3": 128, "gemma": 256, "gemma2": 256, "gemma3_text": 256}  # else hidden / heads
 
 
 @dataclass(frozen=True)
@@ -51,7 +50,7 @@ class ModelConfig:
     max_position_embeddings: int
     tie_word_embeddings: bool
     qkv_bias: bool  # q_proj/k_proj/v_proj carry a bias
-    qk_norm: bool  # per-head RMSNorm on q and k before rotary (Qwen3)
+    qk_norm: bool  # per-head RMSNorm on q and k before rotary (Qwen3, Gemma 3)
     sliding_window: int | None  # keys a query sees in a "sliding_attention" layer, itself included; None: no such layer
     dtype: str = "float32"
     o_bias: bool = False  # o_proj carries a bias (Llama/Qwen3 attention_bias)
@@ -60,6 +59,15 @@ class ModelConfig:
     # Per layer, transformers' names: "sliding_attention" (within sliding_window) or "full_attention";
     # empty: every layer full.
     layer_types: tuple[str, ...] = ()
+    # Gemma (gemma_config.py); the defaults are Llama's.
+    hidden_act: str = "silu"  # the MLP gate's activation: "silu" (SwiGLU) or "gelu_pytorch_tanh" (GeGLU)
+    gemma_norms: bool = False  # RMSNorms scale by (1 + weight), in float32, cast after
+    embedding_multiplier: float | None = None  # embeddings times this, rounded to the model's dtype first
+    sandwich_norms: bool = False  # norms after attention's and the MLP's outputs, and before the MLP
+    query_pre_attn_scalar: float | None = None  # attention scale: its inverse square root; None: head_dim's
+    attn_logit_softcap: float | None = None  # attention scores become cap * tanh(score / cap)
+    final_logit_softcap: float | None = None  # so do the logits
+    local_rope_theta: float | None = None  # sliding layers' own plain RoPE base (Gemma 3); None: one RoPE
 
     def __post_init__(self) -> None:
         for name in ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
@@ -85,6 +93,16 @@ class ModelConfig:
             raise ValueError(f"sliding_window must be a positive integer, got {window!r}")
         if "sliding_attention" in self.layer_types and window is None:
             raise ValueError("layer_types has sliding_attention layers but there is no sliding_window")
+        if self.hidden_act not in ("silu", "gelu_pytorch_tanh"):
+            raise ValueError(f"unsupported hidden_act {self.hidden_act!r}")
+        for name in ("query_pre_attn_scalar", "attn_logit_softcap", "final_logit_softcap", "local_rope_theta"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, (int, float)) or isinstance(value, bool) or value <= 0):
+                raise ValueError(f"{name} must be a positive number, got {value!r}")
+
+    @property
+    def attention_scale(self) -> float:
+        return (self.query_pre_attn_scalar or self.head_dim) ** -0.5
 
     @classmethod
     def from_model_dir(cls, path: str | Path) -> "ModelConfig":
@@ -115,18 +133,24 @@ class ModelConfig:
         missing = [key for key in _REQUIRED_KEYS if key not in raw]
         if missing:
             raise ValueError(f"missing required key(s): {', '.join(missing)}")
-        if raw.get("hidden_act", "silu") != "silu":
+        gemma = model_type in GEMMA_MODEL_TYPES
+        if not gemma and raw.get("hidden_act", "silu") != "silu":
             raise ValueError(f"unsupported hidden_act {raw['hidden_act']!r}; only 'silu' is supported")
         heads = raw["num_attention_heads"]
-        # Qwen3's config class defaults head_dim to 128 rather than deriving it; mirror transformers.
-        head_dim = raw.get("head_dim") or (128 if model_type == "qwen3" else raw["hidden_size"] // heads)
-        rope_theta, rope_scaling = _parse_rope(raw, _DEFAULT_ROPE_THETA.get(model_type, 10000.0))
-        window, layer_types = _parse_attention_layers(raw, model_type)
+        # Qwen3's and Gemma's config classes default head_dim rather than deriving it; mirror transformers.
+        head_dim = raw.get("head_dim") or _DEFAULT_HEAD_DIM.get(model_type) or raw["hidden_size"] // heads
+        if gemma:
+            rope_theta, rope_scaling, local_rope_theta = gemma_rope(raw, model_type)
+            window, layer_types = gemma_layer_types(raw, model_type)
+        else:
+            rope_theta, rope_scaling = parse_rope(raw, _DEFAULT_ROPE_THETA.get(model_type, 10000.0))
+            local_rope_theta = None
+            window, layer_types = _parse_attention_layers(raw, model_type)
         attention_bias = bool(raw.get("attention_bias", False))
         family = _ATTENTION_FAMILY.get(model_type, model_type)
         # Qwen2-MoE's config has a qkv_bias switch (on unless turned off); Qwen2's biases are always there.
         qkv_bias = (bool(raw.get("qkv_bias", True)) if model_type == "qwen2_moe"
-                    else family == "qwen2" or (family in ("llama", "qwen3") and attention_bias))
+                    else family == "qwen2" or (family in ("llama", "qwen3", *GEMMA_MODEL_TYPES) and attention_bias))
         return cls(
             model_type=model_type,
             hidden_size=raw["hidden_size"],
@@ -140,15 +164,17 @@ class ModelConfig:
             rope_theta=rope_theta,
             rope_scaling=rope_scaling,
             max_position_embeddings=raw.get("max_position_embeddings", 2048),
-            tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
+            tie_word_embeddings=bool(raw.get("tie_word_embeddings", gemma)),  # Gemma's are tied unless it says
             qkv_bias=qkv_bias,
-            qk_norm=family == "qwen3",
+            qk_norm=family in ("qwen3", "gemma3_text"),
             sliding_window=window,
             layer_types=layer_types,
             dtype=str(raw.get("dtype") or raw.get("torch_dtype") or "float32"),
-            o_bias=family in ("llama", "qwen3") and attention_bias,
+            o_bias=family in ("llama", "qwen3", *GEMMA_MODEL_TYPES) and attention_bias,
             mlp_bias=model_type == "llama" and bool(raw.get("mlp_bias", False)),
             moe=parse_moe(raw, model_type),
+            local_rope_theta=local_rope_theta,
+            **(gemma_fields(raw, model_type) if gemma else {}),
         )
 
     def attention_window(self, layer: int) -> int | None:
@@ -160,27 +186,6 @@ class ModelConfig:
     def mlp_width(self, layer: int) -> int:
         """The intermediate size of a layer's dense MLP, or of each expert in a sparse one."""
         return self.moe.intermediate_size if self.moe is not None and self.moe.is_sparse(layer) else self.intermediate_size
-
-
-def _parse_rope(raw: dict[str, Any], default_theta: float) -> tuple[float, dict[str, Any] | None]:
-    """(rope_theta, scaling) from either the v5 ``rope_parameters`` or the v4 ``rope_scaling``."""
-    params = dict(raw.get("rope_parameters") or raw.get("rope_scaling") or {})
-    if "rope_parameters" in params:  # some v5 configs nest per-attention-type parameters; not ours
-        raise ValueError("per-layer-type rope_parameters are not supported")
-    theta = float(params.pop("rope_theta", raw.get("rope_theta", default_theta)))
-    # v4 spelled the kind "type"; v5 "rope_type".
-    rope_type = params.pop("rope_type", None) or params.pop("type", None) or "default"
-    params.pop("type", None)
-    if rope_type not in SUPPORTED_ROPE_TYPES:
-        raise ValueError(f"unsupported rope type {rope_type!r}; supported: {', '.join(SUPPORTED_ROPE_TYPES)}")
-    missing = [key for key in _ROPE_KEYS[rope_type] if key not in params]
-    if missing:
-        raise ValueError(f"rope type {rope_type!r} needs {', '.join(missing)}")
-    if params.get("partial_rotary_factor", 1.0) != 1.0:
-        raise ValueError("partial_rotary_factor != 1.0 is not supported")
-    if rope_type == "default":
-        return theta, None
-    return theta, {"rope_type": rope_type, **params}
 
 
 def _parse_attention_layers(raw: dict[str, Any], model_type: str) -> tuple[int | None, tuple[str, ...]]:

@@ -104,23 +104,25 @@ def train_tokenizer(vocab_size: int):
 
 
 def _config(model_type: str, **kwargs: Any):
-    from transformers import (LlamaConfig, MistralConfig, MixtralConfig, Qwen2Config, Qwen2MoeConfig, Qwen3Config,
-                              Qwen3MoeConfig)
+    from transformers import (Gemma2Config, Gemma3TextConfig, GemmaConfig, LlamaConfig, MistralConfig, MixtralConfig,
+                              Qwen2Config, Qwen2MoeConfig, Qwen3Config, Qwen3MoeConfig)
 
     classes = {"llama": LlamaConfig, "mistral": MistralConfig, "qwen2": Qwen2Config, "qwen3": Qwen3Config,
-               "mixtral": MixtralConfig, "qwen2_moe": Qwen2MoeConfig, "qwen3_moe": Qwen3MoeConfig}
+               "mixtral": MixtralConfig, "qwen2_moe": Qwen2MoeConfig, "qwen3_moe": Qwen3MoeConfig,
+               "gemma": GemmaConfig, "gemma2": Gemma2Config, "gemma3_text": Gemma3TextConfig}
     if model_type not in classes:
         raise ValueError(f"unsupported model_type {model_type!r}; supported: {', '.join(classes)}")
     return classes[model_type](**kwargs)
 
 
 @torch.no_grad()
-def _randomize(model: torch.nn.Module, init_std: float, seed: int) -> None:
-    """Seeded weights: matrices and biases ~ N(0, std); norm weights ~ 1 + N(0, 0.1)."""
+def _randomize(model: torch.nn.Module, init_std: float, seed: int, norm_center: float = 1.0) -> None:
+    """Seeded weights: matrices and biases ~ N(0, std); norm weights ~ norm_center + N(0, 0.1) (Gemma's
+    norms scale by 1 + weight: centred on 0 they scale by about 1, as Llama's centred on 1)."""
     generator = torch.Generator().manual_seed(seed)
     for name, param in sorted(model.named_parameters()):
         noise = torch.randn(param.shape, generator=generator, dtype=torch.float32)
-        value = 1.0 + 0.1 * noise if "norm" in name else init_std * noise
+        value = norm_center + 0.1 * noise if "norm" in name else init_std * noise
         param.copy_(value)
 
 
@@ -158,7 +160,7 @@ def create_model_dir(path: str | Path, *, model_type: str = "llama", vocab_size:
         **extra_config)
     torch_dtype = getattr(torch, dtype)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-    _randomize(model, init_std, seed)
+    _randomize(model, init_std, seed, norm_center=0.0 if model_type.startswith("gemma") else 1.0)
     _silence_unused_rows(model, len(tokenizer))
     model = model.to(torch_dtype)
     model.generation_config = GenerationConfig(eos_token_id=eos_ids, pad_token_id=eos_ids[1],

@@ -89,6 +89,28 @@ def qwen2_window_dir(tiny_model_factory):
 
 
 @pytest.fixture(scope="session")
+def gemma_dir(tiny_model_factory):
+    # GeGLU, (1 + weight) norms, scaled embeddings, tied head (as Gemma's).
+    return tiny_model_factory("gemma", head_dim=16, tie_word_embeddings=True)
+
+
+@pytest.fixture(scope="session")
+def gemma2_dir(tiny_model_factory):
+    # Sandwich norms; layer 0 within a 10-key window, layer 1 full; an attention scale of 12 ** -0.5, not
+    # head_dim's; attention scores capped at 5 and logits at 10 (small caps: they bend these models' values).
+    return tiny_model_factory("gemma2", head_dim=16, tie_word_embeddings=True, query_pre_attn_scalar=12,
+                              sliding_window=10, attn_logit_softcapping=5.0, final_logit_softcapping=10.0)
+
+
+@pytest.fixture(scope="session")
+def gemma3_dir(tiny_model_factory):
+    # q/k norms; layer 0 slides (10 keys, its own RoPE base), layer 1 is full with linearly scaled RoPE.
+    return tiny_model_factory("gemma3_text", head_dim=32, tie_word_embeddings=True, query_pre_attn_scalar=24,
+                              sliding_window=10, sliding_window_pattern=2,
+                              rope_scaling={"rope_type": "linear", "factor": 2.0})
+
+
+@pytest.fixture(scope="session")
 def tied_dir(tiny_model_factory):
     return tiny_model_factory("llama", tie_word_embeddings=True, rope_scaling={"rope_type": "linear",
                                                                                 "factor": 2.0})

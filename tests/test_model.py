@@ -17,7 +17,7 @@ from tests.checkpoint_edits import rewrite_weights
 
 CPU = torch.device("cpu")
 ARCH_FIXTURES = ["llama_dir", "mistral_dir", "qwen2_dir", "qwen3_dir", "tied_dir", "mixtral_dir", "qwen2_moe_dir",
-                 "qwen3_moe_dir"]
+                 "qwen3_moe_dir", "gemma_dir", "gemma2_dir", "gemma3_dir"]
 
 
 class PagedRunner:
@@ -99,10 +99,12 @@ def test_matches_transformers(fixture, request):
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-def test_half_precision_runs(dtype, llama_dir):
-    model, config = load_model(llama_dir, dtype, CPU)
+@pytest.mark.parametrize("fixture", ["llama_dir", "gemma2_dir"])
+def test_half_precision_runs(dtype, fixture, request):
+    model_dir = request.getfixturevalue(fixture)
+    model, config = load_model(model_dir, dtype, CPU)
     assert all(p.dtype == dtype for p in model.parameters())
-    reference, _ = load_model(llama_dir, torch.float32, CPU)
+    reference, _ = load_model(model_dir, torch.float32, CPU)
     prompt = random_prompts(config.vocab_size, [11])[0]
     logits = PagedRunner(model, config, dtype=dtype).step({0: prompt})[0]
     expected = PagedRunner(reference, config).step({0: prompt})[0]
@@ -224,6 +226,42 @@ def test_which_layers_attend_within_a_window(raw, window, types):
 def test_bad_window_settings_are_refused(raw, message):
     with pytest.raises(ValueError, match=message):
         ModelConfig.from_dict({**BASE, "model_type": "mistral", **raw})
+
+
+def test_gemma_configs_in_both_rope_formats():
+    v4 = ModelConfig.from_dict({**BASE, "model_type": "gemma3_text", "rope_theta": 1e6, "rope_local_base_freq": 1e4,
+                                "rope_scaling": {"rope_type": "linear", "factor": 8.0}, "sliding_window": 512})
+    v5 = ModelConfig.from_dict({**BASE, "model_type": "gemma3_text", "sliding_window": 512, "rope_parameters": {
+        "full_attention": {"rope_type": "linear", "factor": 8.0, "rope_theta": 1e6},
+        "sliding_attention": {"rope_type": "default", "rope_theta": 1e4}}})
+    for config in (v4, v5):
+        assert (config.rope_theta, config.rope_scaling, config.local_rope_theta) == \
+            (1e6, {"rope_type": "linear", "factor": 8.0}, 1e4)
+        assert config.layer_types == ("sliding_attention",) * 4  # five in six: none of the first four is full
+        assert config.qk_norm and config.sandwich_norms and config.tie_word_embeddings and config.head_dim == 256
+    gemma = ModelConfig.from_dict({**BASE, "model_type": "gemma", "hidden_act": "gelu"})  # its releases' spelling
+    assert gemma.hidden_act == "gelu_pytorch_tanh" and gemma.embedding_multiplier == 8.0 and not gemma.sandwich_norms
+    assert gemma.attention_scale == 256 ** -0.5 and gemma.sliding_window is None
+    gemma2 = ModelConfig.from_dict({**BASE, "model_type": "gemma2", "query_pre_attn_scalar": 144,
+                                    "attn_logit_softcapping": 50.0, "final_logit_softcapping": 30.0})
+    assert gemma2.attention_scale == 144 ** -0.5 and gemma2.sliding_window == 4096
+    assert (gemma2.attn_logit_softcap, gemma2.final_logit_softcap) == (50.0, 30.0)
+    assert gemma2.layer_types == ("sliding_attention", "full_attention") * 2
+
+
+@pytest.mark.parametrize("raw, message", [
+    (dict(model_type="gemma3_text", use_bidirectional_attention=True), "use_bidirectional_attention"),
+    (dict(model_type="gemma2", hidden_activation="relu"), "unsupported activation 'relu'"),
+    (dict(model_type="gemma3_text", rope_parameters={"full_attention": {"rope_type": "default"},
+                                                     "sliding_attention": {"rope_type": "linear", "factor": 2.0}}),
+     "sliding layers must use plain RoPE"),
+    (dict(model_type="llama", rope_parameters={"full_attention": {"rope_type": "default"}}),
+     "rope parameters per layer type"),
+    (dict(model_type="gemma2", attn_logit_softcapping=-1.0), "attn_logit_softcap must be a positive number"),
+])
+def test_bad_gemma_settings_are_refused(raw, message):
+    with pytest.raises(ValueError, match=message):
+        ModelConfig.from_dict({**BASE, **raw})
 
 
 def test_corrupt_safetensors(llama_copy):

@@ -372,3 +372,23 @@ def test_engine_greedy_tokens_equal_torch_backend(llama_dir):
         outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
         results[backend] = [o.outputs[0].token_ids for o in outputs]
     assert results["triton"] == results["torch"]
+
+
+# --- the engine over the kernels ----------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("model_fixture", ["gemma2_dir", "mistral_window_dir"])
+def test_engine_on_the_kernels_equals_transformers(model_fixture, request):
+    """Windows (and Gemma 2's caps) through the kernels end to end: prompts longer than the window,
+    chunked, with decodes beside them."""
+    from pagedserve import LLM, SamplingParams
+    from tests.oracle import assert_greedy_equal, hf_greedy
+
+    model_dir = request.getfixturevalue(model_fixture)
+    prompts = [[(7 * i + 3) % 500 + 1 for i in range(n)] for n in (30, 5, 19)]
+    llm = LLM(str(model_dir), block_size=8, max_num_batched_tokens=24, attention_backend="triton")
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    for prompt, out in zip(prompts, outputs):
+        ref, ref_logprobs = hf_greedy(model_dir, prompt, 8)
+        assert_greedy_equal(out.outputs[0].token_ids, ref, ref_logprobs, f"{model_fixture} prompt of {len(prompt)}")

@@ -1,4 +1,5 @@
-"""Building blocks shared by the models: RMSNorm, rotary embedding, SiLU-and-mul.
+"""Building blocks shared by the models: RMSNorm (Llama's and Gemma's), rotary embedding, the gated
+activations (SiLU- and GELU-and-mul).
 
 Each one reproduces the arithmetic of the Hugging Face implementation (which
 dtype each step runs in, in which order), because the model's outputs are
@@ -57,6 +58,32 @@ class RMSNorm(nn.Module):
         return self(residual), residual
 
 
+class GemmaRMSNorm(RMSNorm):
+    """Gemma's: scales by ``1 + weight`` in float32, then casts (Llama casts first, then scales).
+
+    In float32 the two orders agree, so the fused CPU kernels take it with ``1 + weight`` as their weight.
+    """
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if _fused_on_cpu(x) and x.dtype == torch.float32 and self.weight.dtype == torch.float32:
+            return cpu_layers.rms_norm(x, 1.0 + self.weight, self.eps)
+        x32 = x.float()
+        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return (x32 * (1.0 + self.weight.float())).to(x.dtype)
+
+    def forward_with_residual(self, x: torch.Tensor, residual: torch.Tensor
+                              ) -> tuple[torch.Tensor, torch.Tensor]:
+        if (_fused_on_cpu(x) and x.dtype == torch.float32 and self.weight.dtype == torch.float32
+                and residual.dtype == x.dtype and x.is_contiguous() and residual.is_contiguous()):
+            return cpu_layers.fused_add_rms_norm(x, residual, 1.0 + self.weight, self.eps), residual
+        residual = residual + x
+        return self(residual), residual
+
+
+def rms_norm_class(gemma: bool) -> type[RMSNorm]:
+    return GemmaRMSNorm if gemma else RMSNorm
+
+
 def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
     """SwiGLU on a fused [..., 2 * I] projection: silu(gate) * up."""
     if _fused_on_cpu(gate_up) and gate_up.dim() == 2 and gate_up.stride(-1) == 1:
@@ -64,6 +91,15 @@ def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
         return cpu_layers.silu_and_mul(gate_up)
     gate, up = gate_up.chunk(2, dim=-1)
     return F.silu(gate) * up
+
+
+def gelu_tanh_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """GeGLU on a fused [..., 2 * I] projection: gelu(gate, tanh approximation) * up (Gemma)."""
+    gate, up = gate_up.chunk(2, dim=-1)
+    return F.gelu(gate, approximate="tanh") * up
+
+
+GATED_ACTIVATIONS = {"silu": silu_and_mul, "gelu_pytorch_tanh": gelu_tanh_and_mul}
 
 
 def rope_inv_freq(head_dim: int, theta: float, scaling: dict[str, Any] | None) -> torch.Tensor:

@@ -1,5 +1,6 @@
-"""The Llama family (Llama, Mistral, Qwen2, Qwen3, and their mixture-of-experts kin Mixtral, Qwen2-MoE
-and Qwen3-MoE, whose sparse layers are moe.py's) over a paged KV cache.
+"""The Llama family (Llama, Mistral, Qwen2, Qwen3, their mixture-of-experts kin Mixtral, Qwen2-MoE
+and Qwen3-MoE, whose sparse layers are moe.py's, and Gemma 1/2/3, whose differences gemma_config.py
+lists) over a paged KV cache.
 
 Inputs are flattened: the scheduled tokens of every sequence in the batch, one
 after another, with their positions; attention (and the KV cache) is the
@@ -23,7 +24,7 @@ from torch import nn
 
 from services.worker.attention.metadata import AttentionMetadata
 from services.worker.attention.spec import AttentionSpec
-from services.worker.models.layers import RMSNorm, RotaryEmbedding, silu_and_mul
+from services.worker.models.layers import GATED_ACTIVATIONS, RotaryEmbedding, rms_norm_class
 from services.worker.models.lora_linear import LoRABatch, LoRALinear, LoRATarget
 from services.worker.models.moe import SparseMoeBlock
 from services.worker.models.packed_linear import PackedLinear, pack_linear_layers
@@ -44,8 +45,9 @@ class Attention(nn.Module):
         self.qkv_proj = nn.Linear(config.hidden_size, self.q_size + 2 * self.kv_size, bias=config.qkv_bias)
         self.o_proj = nn.Linear(self.q_size, config.hidden_size, bias=config.o_bias and tp.rank == 0)
         if config.qk_norm:
-            self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
-            self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
+            norm = rms_norm_class(config.gemma_norms)
+            self.q_norm = norm(self.head_dim, config.rms_norm_eps)
+            self.k_norm = norm(self.head_dim, config.rms_norm_eps)
         self.qk_norm = config.qk_norm
         self.rotary = [rotary]  # in a list so the shared module is not registered once per layer
 
@@ -63,15 +65,18 @@ class Attention(nn.Module):
 
 
 class MLP(nn.Module):
-    def __init__(self, hidden_size: int, intermediate_size: int, bias: bool, tp: TensorParallel, reduce: bool = True):
-        """``reduce``: sum the output over the ranks (False: the caller adds this rank's part to its own first)."""
+    def __init__(self, hidden_size: int, intermediate_size: int, bias: bool, tp: TensorParallel, reduce: bool = True,
+                 activation: str = "silu"):
+        """``reduce``: sum the output over the ranks (False: the caller adds this rank's part to its own first);
+        ``activation``: the gate's (SwiGLU's silu, or Gemma's tanh-approximated GELU)."""
         super().__init__()
         self.tp, self.reduce = tp, reduce
         self.gate_up_proj = nn.Linear(hidden_size, 2 * intermediate_size, bias=bias)
         self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=bias and tp.rank == 0)
+        self.act_and_mul = GATED_ACTIVATIONS[activation]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        out = self.down_proj(silu_and_mul(self.gate_up_proj(x)))
+        out = self.down_proj(self.act_and_mul(self.gate_up_proj(x)))
         return self.tp.all_reduce(out) if self.reduce else out
 
 
@@ -79,7 +84,7 @@ def build_mlp(config: ModelConfig, layer: int, tp: TensorParallel) -> nn.Module:
     """The layer's dense MLP, or its experts where the model has them there."""
     moe = config.moe
     if moe is None or not moe.is_sparse(layer):
-        return MLP(config.hidden_size, config.intermediate_size, config.mlp_bias, tp)
+        return MLP(config.hidden_size, config.intermediate_size, config.mlp_bias, tp, activation=config.hidden_act)
     shared = moe.shared_expert_intermediate_size
     shared_expert = MLP(config.hidden_size, shared, False, tp, reduce=False) if shared else None
     return SparseMoeBlock(config.hidden_size, moe, tp, shared_expert)
@@ -88,9 +93,15 @@ def build_mlp(config: ModelConfig, layer: int, tp: TensorParallel) -> nn.Module:
 class DecoderLayer(nn.Module):
     def __init__(self, config: ModelConfig, layer: int, rotary: RotaryEmbedding, tp: TensorParallel):
         super().__init__()
-        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        norm = rms_norm_class(config.gemma_norms)
+        self.input_layernorm = norm(config.hidden_size, config.rms_norm_eps)
         self.self_attn = Attention(config, layer, rotary, tp)
-        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        # With sandwich norms (Gemma 2/3) this one normalises attention's output, not the MLP's input.
+        self.post_attention_layernorm = norm(config.hidden_size, config.rms_norm_eps)
+        self.sandwich = config.sandwich_norms
+        if self.sandwich:
+            self.pre_feedforward_layernorm = norm(config.hidden_size, config.rms_norm_eps)
+            self.post_feedforward_layernorm = norm(config.hidden_size, config.rms_norm_eps)
         self.mlp = build_mlp(config, layer, tp)
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None, positions: torch.Tensor, attention,
@@ -105,6 +116,10 @@ class DecoderLayer(nn.Module):
         else:
             h, residual = self.input_layernorm.forward_with_residual(x, residual)
         h = self.self_attn(h, positions, attention, meta)
+        if self.sandwich:  # HF: x + post_ff(mlp(pre_ff(x))), x = residual + post_attn(attention)
+            h, residual = self.pre_feedforward_layernorm.forward_with_residual(self.post_attention_layernorm(h),
+                                                                               residual)
+            return self.post_feedforward_layernorm(self.mlp(h)), residual
         h, residual = self.post_attention_layernorm.forward_with_residual(h, residual)
         return self.mlp(h), residual
 
@@ -123,13 +138,16 @@ class LlamaForCausalLM(nn.Module):
         self.kv_replicas = kv_replicas
         self.rotary = RotaryEmbedding(config.head_dim, config.max_position_embeddings,
                                       config.rope_theta, config.rope_scaling)
+        # Gemma 3's sliding layers rotate with a base of their own.
+        self.local_rotary = None if config.local_rope_theta is None else RotaryEmbedding(
+            config.head_dim, config.max_position_embeddings, config.local_rope_theta, None)
         # Given its (uninitialised) weight: a random init on the meta device imports torch._dynamo, two
         # seconds of every worker's start-up; the checkpoint overwrites it anyway.
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size,
                                          _weight=torch.empty(config.vocab_size, config.hidden_size))
-        self.layers = nn.ModuleList(DecoderLayer(config, i, self.rotary, tp)
+        self.layers = nn.ModuleList(DecoderLayer(config, i, self._rotary_of(i), tp)
                                     for i in range(config.num_hidden_layers))
-        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.norm = rms_norm_class(config.gemma_norms)(config.hidden_size, config.rms_norm_eps)
         # Tied: the embedding matrix doubles as the output projection (see lm_head_weight).
         if with_head and not config.tie_word_embeddings:
             self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
@@ -137,11 +155,17 @@ class LlamaForCausalLM(nn.Module):
         if num_labels:  # whole on every rank: a few rows
             self.score = nn.Linear(config.hidden_size, num_labels, bias=False)
 
+    def _rotary_of(self, layer: int) -> RotaryEmbedding:
+        if self.local_rotary is not None and self.config.attention_window(layer) is not None:
+            return self.local_rotary
+        return self.rotary
+
     def attention_spec(self) -> AttentionSpec:
         """What every attention layer computes: the same for each rank (heads are split, not layers)."""
         config = self.config
-        return AttentionSpec(config.head_dim ** -0.5,
-                             tuple(config.attention_window(i) for i in range(config.num_hidden_layers)))
+        return AttentionSpec(config.attention_scale,
+                             tuple(config.attention_window(i) for i in range(config.num_hidden_layers)),
+                             config.attn_logit_softcap)
 
     @property
     def lm_head_weight(self) -> torch.Tensor:
@@ -164,6 +188,8 @@ class LlamaForCausalLM(nn.Module):
                 meta: AttentionMetadata) -> torch.Tensor:
         """Hidden states ``[T, hidden]`` after the final norm, one row per scheduled token."""
         x, residual = self.embed_tokens(input_ids), None
+        if self.config.embedding_multiplier is not None:  # Gemma: the multiplier rounded to the dtype, as HF
+            x = x * torch.tensor(self.config.embedding_multiplier, dtype=torch.float32).to(x.dtype)
         for layer in self.layers:
             x, residual = layer(x, residual, positions, attention, meta)
         if residual is None:  # no layers
@@ -210,10 +236,14 @@ class LlamaForCausalLM(nn.Module):
         return batch, targets
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """Float32 logits ``[N, vocab]`` for the rows of ``hidden`` that need sampling."""
+        """Float32 logits ``[N, vocab]`` for the rows of ``hidden`` that need sampling (soft-capped where the
+        model says: Gemma 2)."""
         if self.packed_logits is not None:
-            return self.packed_logits(hidden).float()
-        return F.linear(hidden, self.lm_head_weight).float()
+            logits = self.packed_logits(hidden).float()
+        else:
+            logits = F.linear(hidden, self.lm_head_weight).float()
+        cap = self.config.final_logit_softcap
+        return logits if cap is None else torch.tanh(logits / cap) * cap
 
     def classify(self, pooled: torch.Tensor) -> torch.Tensor:
         """A classifier's float32 logits ``[N, num_labels]`` for pooled float32 states ``[N, hidden]`` (in the
@@ -235,6 +265,9 @@ class LlamaForCausalLM(nn.Module):
             p, attn = f"model.layers.{i}", layer.self_attn
             targets.whole(f"{p}.input_layernorm.weight", layer.input_layernorm.weight)
             targets.whole(f"{p}.post_attention_layernorm.weight", layer.post_attention_layernorm.weight)
+            if layer.sandwich:
+                targets.whole(f"{p}.pre_feedforward_layernorm.weight", layer.pre_feedforward_layernorm.weight)
+                targets.whole(f"{p}.post_feedforward_layernorm.weight", layer.post_feedforward_layernorm.weight)
             qkv_sizes = [attn.q_size, attn.kv_size, attn.kv_size]
             for suffix, fused in (("weight", attn.qkv_proj.weight), ("bias", attn.qkv_proj.bias)):
                 if fused is not None:
