@@ -19,14 +19,17 @@ from shared.rope_config import parse_rope, rope_from_params
 GEMMA_MODEL_TYPES = ("gemma", "gemma2", "gemma3_text")
 _DEFAULT_WINDOW = 4096  # transformers' Gemma2Config / Gemma3TextConfig default
 _DEFAULT_PATTERN = 6  # Gemma 3: layers i with (i + 1) % 6 != 0 slide
+_DEFAULT_CAPS = {"gemma2": (50.0, 30.0)}  # (attention scores, logits): Gemma2Config's defaults
 
 
 def gemma_activation(raw: dict[str, Any], model_type: str) -> str:
-    """The MLP's activation. Gemma 1's official configs say "gelu", which transformers reads as the tanh
-    approximation it was trained with; Gemma 2 and 3 name it hidden_activation."""
-    name = raw.get("hidden_activation") or raw.get("hidden_act") or "gelu_pytorch_tanh"
-    if model_type == "gemma" and name == "gelu":
-        name = "gelu_pytorch_tanh"
+    """The MLP's activation. Gemma 1 reads hidden_act, whose "gelu" in its official configs transformers
+    takes for the tanh approximation it was trained with; Gemma 2 and 3 read hidden_activation alone."""
+    if model_type == "gemma":
+        name = raw.get("hidden_act") or "gelu_pytorch_tanh"
+        name = "gelu_pytorch_tanh" if name == "gelu" else name
+    else:
+        name = raw.get("hidden_activation") or "gelu_pytorch_tanh"
     if name != "gelu_pytorch_tanh":
         raise ValueError(f"unsupported activation {name!r} for {model_type}; only 'gelu_pytorch_tanh' is supported")
     return name
@@ -37,6 +40,8 @@ def gemma_layer_types(raw: dict[str, Any], model_type: str) -> tuple[int | None,
     if model_type == "gemma":
         return None, ()
     window = raw.get("sliding_window", _DEFAULT_WINDOW)
+    if window is None:  # written as null: the sliding layers' mask is the causal one
+        return None, ()
     num_layers = raw["num_hidden_layers"]
     given = raw.get("layer_types")
     if given is not None:
@@ -57,8 +62,9 @@ def gemma_rope(raw: dict[str, Any], model_type: str) -> tuple[float, dict[str, A
         return theta, scaling, None
     params = raw.get("rope_parameters")
     if isinstance(params, dict) and isinstance(params.get("full_attention"), dict):  # v5: one dict per layer type
-        theta, scaling = rope_from_params(params["full_attention"], 1_000_000.0)
-        local, local_scaling = rope_from_params(params.get("sliding_attention") or {}, 10_000.0)
+        theta, scaling = rope_from_params(params["full_attention"], raw.get("rope_theta", 1_000_000.0))
+        local, local_scaling = rope_from_params(params.get("sliding_attention") or {},
+                                                raw.get("rope_local_base_freq", 10_000.0))
     else:  # v4: rope_theta and rope_scaling for the full layers, rope_local_base_freq for the sliding ones
         theta, scaling = parse_rope(raw, 1_000_000.0)
         local, local_scaling = float(raw.get("rope_local_base_freq", 10_000.0)), None
@@ -74,12 +80,13 @@ def gemma_fields(raw: dict[str, Any], model_type: str) -> dict[str, Any]:
                          "the engine's attention is causal")
     later = model_type != "gemma"
     scalar = raw.get("query_pre_attn_scalar", 256) if later else None
+    caps = _DEFAULT_CAPS.get(model_type, (None, None))  # what transformers takes when config.json omits them
     return dict(
         hidden_act=gemma_activation(raw, model_type),
         gemma_norms=True,
         embedding_multiplier=float(raw["hidden_size"]) ** 0.5,
         sandwich_norms=later,
         query_pre_attn_scalar=float(scalar) if scalar is not None else None,
-        attn_logit_softcap=raw.get("attn_logit_softcapping") if later else None,
-        final_logit_softcap=raw.get("final_logit_softcapping") if later else None,
+        attn_logit_softcap=raw.get("attn_logit_softcapping", caps[0]) if later else None,
+        final_logit_softcap=raw.get("final_logit_softcapping", caps[1]) if later else None,
     )

@@ -19,7 +19,8 @@ from pathlib import Path
 from shared.proto import pagedserve_internal_pb2 as wire
 
 # PEFT module names the worker applies adapters to: the projections of attention and the dense MLP.
-SUPPORTED_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+# Phi-3 fuses q/k/v and gate/up in one projection each: its adapters name those (cut into parts on loading).
+SUPPORTED_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj", "qkv_proj", "gate_up_proj")
 ADAPTER_CONFIG = "adapter_config.json"
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
 

@@ -18,15 +18,16 @@ from typing import Any
 
 from shared.moe_config import MOE_MODEL_TYPES, MoEConfig, parse_moe
 from shared.gemma_config import GEMMA_MODEL_TYPES, gemma_fields, gemma_layer_types, gemma_rope
-from shared.rope_config import parse_rope
+from shared.rope_config import PHI3_ROPE_ALIASES, parse_rope, partial_rotary_factor
 
-SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", *MOE_MODEL_TYPES, *GEMMA_MODEL_TYPES)
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "phi3", *MOE_MODEL_TYPES, *GEMMA_MODEL_TYPES)
 # The dense family each MoE one shares its attention with.
 _ATTENTION_FAMILY = {"mixtral": "mistral", "qwen2_moe": "qwen2", "qwen3_moe": "qwen3"}
 LAYER_TYPES = ("full_attention", "sliding_attention")
 # Models whose sliding_window counts only with use_sliding_window on; models whose every layer slides.
 _WINDOW_SWITCHED = ("qwen2", "qwen3", "qwen2_moe", "qwen3_moe")
-_EVERY_LAYER_SLIDES = ("mistral", "mixtral", "qwen3_moe")
+_EVERY_LAYER_SLIDES = ("mistral", "mixtral", "qwen3_moe", "phi3")
+_WINDOW_BY_DEFAULT = ("mistral", "qwen2", "qwen3", "qwen2_moe", "qwen3_moe")  # 4096 when config.json omits it
 _REQUIRED_KEYS = ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads", "vocab_size")
 # Defaults transformers uses when config.json omits a key (save_pretrained always writes them).
 _DEFAULT_ROPE_THETA = {"mixtral": 1e6}  # else 10000.0
@@ -68,6 +69,7 @@ class ModelConfig:
     attn_logit_softcap: float | None = None  # attention scores become cap * tanh(score / cap)
     final_logit_softcap: float | None = None  # so do the logits
     local_rope_theta: float | None = None  # sliding layers' own plain RoPE base (Gemma 3); None: one RoPE
+    partial_rotary_factor: float = 1.0  # the share of each head's dimensions that rotates, from the first (Phi-4-mini)
 
     def __post_init__(self) -> None:
         for name in ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
@@ -99,6 +101,19 @@ class ModelConfig:
             value = getattr(self, name)
             if value is not None and (not isinstance(value, (int, float)) or isinstance(value, bool) or value <= 0):
                 raise ValueError(f"{name} must be a positive number, got {value!r}")
+
+        if self.rotary_dim < 2 or self.rotary_dim % 2:
+            raise ValueError(f"partial_rotary_factor {self.partial_rotary_factor} leaves {self.rotary_dim} of "
+                             f"head_dim {self.head_dim} to rotate: must be a positive even number")
+        if self.rope_scaling is not None and self.rope_scaling["rope_type"] == "longrope":
+            for name in ("short_factor", "long_factor"):
+                if len(self.rope_scaling[name]) != self.rotary_dim // 2:
+                    raise ValueError(f"longrope {name} has {len(self.rope_scaling[name])} entries; the rotary "
+                                     f"dimensions need {self.rotary_dim // 2}")
+
+    @property
+    def rotary_dim(self) -> int:
+        return int(self.head_dim * self.partial_rotary_factor)
 
     @property
     def attention_scale(self) -> float:
@@ -143,9 +158,13 @@ class ModelConfig:
             rope_theta, rope_scaling, local_rope_theta = gemma_rope(raw, model_type)
             window, layer_types = gemma_layer_types(raw, model_type)
         else:
-            rope_theta, rope_scaling = parse_rope(raw, _DEFAULT_ROPE_THETA.get(model_type, 10000.0))
+            rope_theta, rope_scaling = parse_rope(raw, _DEFAULT_ROPE_THETA.get(model_type, 10000.0),
+                                                  PHI3_ROPE_ALIASES if model_type == "phi3" else None)
             local_rope_theta = None
             window, layer_types = _parse_attention_layers(raw, model_type)
+        rotary_share = partial_rotary_factor(raw)
+        if rotary_share != 1.0 and model_type != "phi3":  # their attention in transformers rotates whole heads
+            raise ValueError(f"partial_rotary_factor {rotary_share} is not supported for {model_type}")
         attention_bias = bool(raw.get("attention_bias", False))
         family = _ATTENTION_FAMILY.get(model_type, model_type)
         # Qwen2-MoE's config has a qkv_bias switch (on unless turned off); Qwen2's biases are always there.
@@ -174,6 +193,7 @@ class ModelConfig:
             mlp_bias=model_type == "llama" and bool(raw.get("mlp_bias", False)),
             moe=parse_moe(raw, model_type),
             local_rope_theta=local_rope_theta,
+            partial_rotary_factor=rotary_share,
             **(gemma_fields(raw, model_type) if gemma else {}),
         )
 
@@ -190,7 +210,8 @@ class ModelConfig:
 
 def _parse_attention_layers(raw: dict[str, Any], model_type: str) -> tuple[int | None, tuple[str, ...]]:
     """(sliding_window, layer_types) as transformers reads them: which layers attend within a window."""
-    window = raw.get("sliding_window") or None
+    # Absent, transformers' default (4096 for most); written as null, none.
+    window = raw.get("sliding_window", 4096 if model_type in _WINDOW_BY_DEFAULT else None) or None
     if model_type not in _WINDOW_SWITCHED + _EVERY_LAYER_SLIDES:  # Llama's attention has no window
         window = None
     # Qwen configs carry a sliding_window value even when use_sliding_window is off.

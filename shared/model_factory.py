@@ -105,11 +105,11 @@ def train_tokenizer(vocab_size: int):
 
 def _config(model_type: str, **kwargs: Any):
     from transformers import (Gemma2Config, Gemma3TextConfig, GemmaConfig, LlamaConfig, MistralConfig, MixtralConfig,
-                              Qwen2Config, Qwen2MoeConfig, Qwen3Config, Qwen3MoeConfig)
+                              Phi3Config, Qwen2Config, Qwen2MoeConfig, Qwen3Config, Qwen3MoeConfig)
 
     classes = {"llama": LlamaConfig, "mistral": MistralConfig, "qwen2": Qwen2Config, "qwen3": Qwen3Config,
                "mixtral": MixtralConfig, "qwen2_moe": Qwen2MoeConfig, "qwen3_moe": Qwen3MoeConfig,
-               "gemma": GemmaConfig, "gemma2": Gemma2Config, "gemma3_text": Gemma3TextConfig}
+               "gemma": GemmaConfig, "gemma2": Gemma2Config, "gemma3_text": Gemma3TextConfig, "phi3": Phi3Config}
     if model_type not in classes:
         raise ValueError(f"unsupported model_type {model_type!r}; supported: {', '.join(classes)}")
     return classes[model_type](**kwargs)

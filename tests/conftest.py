@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
+import torch
 
 TINY = dict(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
             num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512)
@@ -108,6 +110,23 @@ def gemma3_dir(tiny_model_factory):
     return tiny_model_factory("gemma3_text", head_dim=32, tie_word_embeddings=True, query_pre_attn_scalar=24,
                               sliding_window=10, sliding_window_pattern=2,
                               rope_scaling={"rope_type": "linear", "factor": 2.0})
+
+
+@pytest.fixture(scope="session")
+def phi3_dir(tiny_model_factory):
+    # Fused qkv_proj and gate_up_proj in the checkpoint; every layer within 12 keys; half of each head
+    # rotates (Phi-4-mini's partial rotary); tied head.
+    return tiny_model_factory("phi3", head_dim=16, sliding_window=12, partial_rotary_factor=0.5,
+                              tie_word_embeddings=True)
+
+
+@pytest.fixture(scope="session")
+def phi3_longrope_dir(tiny_model_factory):
+    # LongRoPE (Phi-3-mini-128k's): short factors within 64 positions, long ones past; fresh factors each run.
+    generator = torch.Generator().manual_seed(int.from_bytes(os.urandom(4), "little"))
+    short, long = 1 + torch.rand(8, generator=generator), 1 + 4 * torch.rand(8, generator=generator)
+    return tiny_model_factory("phi3", head_dim=16, original_max_position_embeddings=64, rope_scaling={
+        "rope_type": "longrope", "short_factor": short.tolist(), "long_factor": long.tolist()})
 
 
 @pytest.fixture(scope="session")

@@ -28,7 +28,7 @@ def blocks_to_force_preemption(block_size: int) -> int:
 
 @pytest.mark.parametrize("model_fixture", ["llama_dir", "mistral_dir", "qwen2_dir", "qwen3_dir", "tied_dir",
                                            "mixtral_dir", "qwen2_moe_dir", "qwen3_moe_dir", "mistral_window_dir",
-                                           "qwen2_window_dir", "gemma_dir", "gemma2_dir", "gemma3_dir"])
+                                           "qwen2_window_dir", "gemma_dir", "gemma2_dir", "gemma3_dir", "phi3_dir"])
 @pytest.mark.parametrize("block_size", [8, 16])
 def test_greedy_equals_transformers(model_fixture, block_size, request):
     model_dir = request.getfixturevalue(model_fixture)
@@ -44,6 +44,23 @@ def test_greedy_equals_transformers(model_fixture, block_size, request):
         ref, ref_logprobs = hf_greedy(model_dir, prompt, MAX_TOKENS)
         assert_greedy_equal(out.outputs[0].token_ids, ref, ref_logprobs, f"{model_fixture} prompt of {len(prompt)}")
         assert out.outputs[0].finish_reason == "length"
+
+
+def test_longrope_picks_its_factors_by_the_context_served(phi3_longrope_dir):
+    """LongRoPE's short factors while the context served stays within the pretraining length (64 here):
+    then every sequence equals transformers'; past it the long ones, as transformers uses for sequences
+    longer than that length (shorter ones it would rotate with the short factors; vLLM serves as we do)."""
+    params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
+    # Within 64: prompts up to 40 tokens, 20 more generated. Past it: a prompt of 150 (one of 64 would not do:
+    # transformers rotates a forward pass over positions 0..63 with the short factors).
+    cases = [(64, [p[:40] for p in random_prompts(seed=5)[1:]]), (None, random_prompts(seed=6)[4:])]
+    for max_model_len, prompts in cases:
+        llm = LLM(str(phi3_longrope_dir), block_size=8, max_num_batched_tokens=48, max_model_len=max_model_len)
+        assert llm.engine.executor.worker.model.rotary.long_context == (max_model_len is None)
+        outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+        for prompt, out in zip(prompts, outputs):
+            ref, ref_logprobs = hf_greedy(phi3_longrope_dir, prompt, MAX_TOKENS)
+            assert_greedy_equal(out.outputs[0].token_ids, ref, ref_logprobs, f"context {max_model_len}, {len(prompt)}")
 
 
 @pytest.mark.parametrize("max_num_seqs", [256, 3])  # 3: a step's prompt logprobs come 3 rows at a time

@@ -59,6 +59,20 @@ def test_adapters_and_the_base_model_in_one_batch_equal_transformers_merged(llam
     assert llm.stats()["kv_blocks_used"] == 0
 
 
+def test_an_adapter_on_phi3_s_fused_projections_equals_transformers_merged(phi3_dir, tmp_path):
+    # Phi-3's PEFT adapters target qkv_proj and gate_up_proj, whose B spans the fused rows: cut per part here.
+    adapter = make_adapter(phi3_dir, tmp_path / "fused", rank=8, modules=("qkv_proj", "o_proj", "gate_up_proj",
+                                                                          "down_proj"), seed=4)
+    merged = merged_model(phi3_dir, adapter, tmp_path / "merged")
+    llm = LLM(str(phi3_dir), enable_lora=True, max_lora_rank=8, block_size=8, max_num_batched_tokens=48)
+    batch = prompts(seed=6)
+    outputs = llm.generate([{"prompt_token_ids": p} for p in batch * 2], GREEDY, use_tqdm=False,
+                           lora_request=[LoRARequest("fused", str(adapter))] * 4 + [None] * 4)
+    check(outputs[:4], batch, merged, "adapter on fused projections")
+    check(outputs[4:], batch, phi3_dir, "base model")
+    assert outputs[2].outputs[0].token_ids != outputs[6].outputs[0].token_ids, "the adapter changed nothing"
+
+
 def test_one_slot_serves_adapters_in_turn_and_reloads_an_evicted_one(llama_dir, adapters):
     # max_loras=1: the scheduler runs one adapter at a time (the worker refuses a step with two).
     llm = LLM(str(llama_dir), enable_lora=True, max_loras=1, max_lora_rank=8)

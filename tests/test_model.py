@@ -17,7 +17,7 @@ from tests.checkpoint_edits import rewrite_weights
 
 CPU = torch.device("cpu")
 ARCH_FIXTURES = ["llama_dir", "mistral_dir", "qwen2_dir", "qwen3_dir", "tied_dir", "mixtral_dir", "qwen2_moe_dir",
-                 "qwen3_moe_dir", "gemma_dir", "gemma2_dir", "gemma3_dir"]
+                 "qwen3_moe_dir", "gemma_dir", "gemma2_dir", "gemma3_dir", "phi3_dir"]
 
 
 class PagedRunner:
@@ -207,6 +207,10 @@ BASE = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_atte
     (dict(model_type="qwen2_moe", sliding_window=32, use_sliding_window=True, max_window_layers=3, num_experts=4,
           num_experts_per_tok=2, moe_intermediate_size=32), 32, "SFSF"),
     (dict(model_type="mixtral", sliding_window=32, num_local_experts=4, num_experts_per_tok=2), 32, "SSSS"),
+    (dict(model_type="mistral"), 4096, "SSSS"),  # absent: transformers' default
+    (dict(model_type="qwen2", use_sliding_window=True, max_window_layers=3), 4096, "FFFS"),
+    (dict(model_type="gemma2", sliding_window=None), None, ""),  # null: the sliding layers' mask is causal
+    (dict(model_type="phi3"), None, ""),
 ])
 def test_which_layers_attend_within_a_window(raw, window, types):
     config = ModelConfig.from_dict({**BASE, **raw})
@@ -247,6 +251,10 @@ def test_gemma_configs_in_both_rope_formats():
     assert gemma2.attention_scale == 144 ** -0.5 and gemma2.sliding_window == 4096
     assert (gemma2.attn_logit_softcap, gemma2.final_logit_softcap) == (50.0, 30.0)
     assert gemma2.layer_types == ("sliding_attention", "full_attention") * 2
+    # Without them, Gemma2Config's caps (50 and 30) and activation (Gemma 2 reads hidden_activation alone).
+    bare = ModelConfig.from_dict({**BASE, "model_type": "gemma2", "hidden_act": "gelu"})
+    assert (bare.attn_logit_softcap, bare.final_logit_softcap, bare.hidden_act) == (50.0, 30.0, "gelu_pytorch_tanh")
+    assert ModelConfig.from_dict({**BASE, "model_type": "gemma3_text"}).final_logit_softcap is None
 
 
 @pytest.mark.parametrize("raw, message", [
@@ -262,6 +270,36 @@ def test_gemma_configs_in_both_rope_formats():
 def test_bad_gemma_settings_are_refused(raw, message):
     with pytest.raises(ValueError, match=message):
         ModelConfig.from_dict({**BASE, **raw})
+
+
+def test_phi3_rope_settings_read_as_transformers_reads_them():
+    import math
+
+    factors = {"short_factor": [1.0] * 8, "long_factor": [2.0] * 8}
+    for kind in ("su", "yarn", "longrope"):  # Phi-3's older configs name LongRoPE "su" or "yarn"
+        config = ModelConfig.from_dict({**BASE, "model_type": "phi3", "max_position_embeddings": 131072,
+                                        "original_max_position_embeddings": 4096,
+                                        "rope_scaling": {"type": kind, **factors}})
+        scaling = config.rope_scaling
+        assert scaling["rope_type"] == "longrope" and scaling["original_max_position_embeddings"] == 4096
+        assert scaling["attention_factor"] == pytest.approx(math.sqrt(1 + math.log(32) / math.log(4096)))
+    with pytest.raises(ValueError, match="unsupported rope type 'yarn'"):  # YaRN proper is another method
+        ModelConfig.from_dict({**BASE, "model_type": "llama", "rope_scaling": {"type": "yarn", "factor": 4.0}})
+    partial = ModelConfig.from_dict({**BASE, "model_type": "phi3", "partial_rotary_factor": 0.75})
+    assert partial.rotary_dim == 12  # of head_dim 16
+    with pytest.raises(ValueError, match="partial_rotary_factor 0.75 is not supported for llama"):
+        ModelConfig.from_dict({**BASE, "model_type": "llama", "partial_rotary_factor": 0.75})
+    with pytest.raises(ValueError, match="longrope short_factor has 8 entries; the rotary dimensions need 6"):
+        ModelConfig.from_dict({**BASE, "model_type": "phi3", "partial_rotary_factor": 0.75,
+                               "rope_scaling": {"type": "longrope", **factors}})
+
+
+def test_fused_checkpoint_tensors_of_the_wrong_size_are_refused(phi3_dir, tmp_path):
+    copy = shutil.copytree(phi3_dir, tmp_path / "model")
+    name = "model.layers.0.self_attn.qkv_proj.weight"
+    rewrite_weights(copy, lambda tensors: tensors.update({name: tensors[name][:-1].clone()}))
+    with pytest.raises(ValueError, match="qkv_proj.weight' has 127 rows, expected q, k and v's 128"):
+        load_model(copy, torch.float32, CPU)
 
 
 def test_corrupt_safetensors(llama_copy):

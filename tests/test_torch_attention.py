@@ -186,6 +186,14 @@ def test_soft_capped_scores(backend, windows, monkeypatch):
              windows=windows, seed=10, monkeypatch=monkeypatch)
 
 
+def test_soft_capped_scores_a_few_queries_at_a_time(backend, monkeypatch):
+    from services.worker.attention import sdpa
+
+    monkeypatch.setattr(sdpa, "SCORES_ELEMENTS", 200)  # a handful of query rows per slice
+    run_case([(0, 37), (32, 16), (5, 1), (0, 9)], backend, heads=4, kv_heads=2, dim=16, softcap=2.0,
+             windows=(7, None), seed=11, monkeypatch=monkeypatch)
+
+
 def test_new_step_gets_new_plan(backend):
     """The per-step plan is keyed by the metadata object: a second step must not reuse the first's."""
     block_size, heads, kv_heads, dim = 4, 4, 2, 8

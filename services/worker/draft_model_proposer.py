@@ -52,7 +52,7 @@ def load_draft_model(path: str, target: ModelConfig, max_model_len: int, dtype: 
     if config.max_position_embeddings < max_model_len:
         raise ValueError(f"the draft model at {path} handles {config.max_position_embeddings} positions, fewer than "
                          f"the context length {max_model_len}: lower max_model_len")
-    model, config = load_model(Path(path), dtype, device)
+    model, config = load_model(Path(path), dtype, device, max_model_len=max_model_len)
     return DraftModel(model, config)
 
 

@@ -25,6 +25,8 @@ from services.worker.tensor_parallel import TensorParallel
 from shared.lora import ADAPTER_WEIGHTS, LoRARequest, read_adapter_config
 
 # PEFT's saved names: base_model.model.<module>.lora_A.weight (an adapter name may sit before .weight).
+# A checkpoint's fused projection -> the parts it stands for here, in row order.
+_FUSED_MODULES = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
 _WEIGHT_NAME = re.compile(r"(?:base_model\.model\.)?(?P<module>.+)\.lora_(?P<kind>[AB])(?:\.[\w-]+)?\.weight")
 
 
@@ -99,12 +101,13 @@ class AdapterSlots:
         for name, tensor in weights.items():
             match = _WEIGHT_NAME.fullmatch(name)
             module = match["module"] if match else None
-            if module is not None and module not in self.targets and f"model.{module}" in self.targets:
+            if module is not None and not self._knows(module) and self._knows(f"model.{module}"):
                 module = f"model.{module}"  # trained on the bare model (AutoModel, an embedding model)
-            if module not in self.targets:
+            if module is None or not self._knows(module):
                 raise ValueError(f"weight {name!r} is not an adapter of an attention or dense MLP projection of "
                                  f"this model (adapters on embeddings, the output head or experts are not supported)")
             found.setdefault(module, {})[match["kind"]] = tensor
+        found = self._unfused(found)
         pairs = {}
         for module, kinds in found.items():
             if set(kinds) != {"A", "B"}:
@@ -118,6 +121,29 @@ class AdapterSlots:
                 raise ValueError(f"{module}'s weights are not all finite")
             pairs[module] = (a, b)
         return pairs
+
+    def _knows(self, module: str) -> bool:
+        """A projection with a slot here, or a fused one (Phi-3's qkv_proj, gate_up_proj) whose parts have."""
+        prefix, _, name = module.rpartition(".")
+        return module in self.targets or (name in _FUSED_MODULES and f"{prefix}.{_FUSED_MODULES[name][0]}" in self.targets)
+
+    def _unfused(self, found: dict[str, dict[str, torch.Tensor]]) -> dict[str, dict[str, torch.Tensor]]:
+        """A fused projection's adapter as its parts': one A for all, B cut by each part's rows (x A B on the
+        fused output is that, part by part)."""
+        out = {}
+        for module, kinds in found.items():
+            prefix, _, name = module.rpartition(".")
+            if module in self.targets or name not in _FUSED_MODULES or set(kinds) != {"A", "B"}:
+                out[module] = kinds
+                continue
+            parts = [f"{prefix}.{part}" for part in _FUSED_MODULES[name]]
+            rows = [self.targets[part].whole for part in parts]
+            if kinds["B"].shape[0] != sum(rows):
+                raise ValueError(f"{module} has lora_B {tuple(kinds['B'].shape)}; this model needs {sum(rows)} rows "
+                                 f"(an adapter for another model?)")
+            for part, b in zip(parts, kinds["B"].split(rows)):
+                out[part] = {"A": kinds["A"], "B": b}
+        return out
 
     def _whole_shapes(self, target: LoRATarget, rank: int) -> tuple[tuple[int, int], tuple[int, int]]:
         layer = target.layer

@@ -24,16 +24,17 @@ INDEX_FILE = "model.safetensors.index.json"
 
 
 def load_model(model_dir: str | Path, dtype: torch.dtype, device: torch.device, pack: bool = True,
-               tp: TensorParallel = TensorParallel(), with_head: bool = True,
-               num_labels: int = 0) -> tuple[LlamaForCausalLM, ModelConfig]:
+               tp: TensorParallel = TensorParallel(), with_head: bool = True, num_labels: int = 0,
+               max_model_len: int | None = None) -> tuple[LlamaForCausalLM, ModelConfig]:
     """The model (this rank's share of it), ready for inference, and the config of that share; ``pack``
     re-lays float32 CPU projections for oneDNN (packed_linear); ``with_head``: False for a pooling model;
-    ``num_labels``: a sequence classifier's (its score head)."""
+    ``num_labels``: a sequence classifier's (its score head); ``max_model_len``: the longest context served
+    (None: the model's own)."""
     whole = ModelConfig.from_model_dir(model_dir)
     config = tp.shard(whole)
     files = safetensors_files(Path(model_dir))
     with torch.device("meta"):
-        model = LlamaForCausalLM(config, tp, tp.kv_replicas(whole), with_head, num_labels)
+        model = LlamaForCausalLM(config, tp, tp.kv_replicas(whole), with_head, num_labels, max_model_len)
     _materialize(model, dtype, torch.device(device))
     state = {"file": None, "done": False}
     try:

@@ -84,13 +84,14 @@ class Worker:
         self.tp: TensorParallel = join_group(tensor_parallel_rank, config.tensor_parallel_size, distributed_init_method, self.device)
         # From here on model_config is this rank's share (its heads, KV pools and MLP columns), not the
         # whole model's; with one rank the two are the same.
+        self.max_model_len = self._resolve_max_model_len()
         self.model, self.model_config = load_model(self.model_dir, self.dtype, self.device, tp=self.tp,
                                                    with_head=not pooling,
-                                                   num_labels=len(self.pooler.config.labels) if pooling else 0)
+                                                   num_labels=len(self.pooler.config.labels) if pooling else 0,
+                                                   max_model_len=self.max_model_len)
         # Room for the adapters is taken before the KV budget is measured.
         self.adapters = AdapterSlots(self.model, config.max_loras, config.max_lora_rank, self.tp) \
             if config.enable_lora else None
-        self.max_model_len = self._resolve_max_model_len()
         token_budget = config.token_budget(self.max_model_len)
         spec = config.speculative_config
         # A draft model's weights load before the KV budget is measured, and each block holds its K/V too.

@@ -194,7 +194,8 @@ class TorchAttentionBackend:
             first_query = context_len - query_len
             first_visible = 0 if window is None else max(0, first_query - window + 1)
             if context_len == query_len and (window is None or query_len <= window):
-                prefill.append(_Prefill(starts[i], query_len, context_len, None, 0, True, None))
+                prefill.append(_Prefill(starts[i], query_len, context_len, blocks=None, first_key=0, causal=True,
+                                        mask=None))
                 continue
             if context_len == query_len:  # no cached prefix, but the window cuts: the new k/v, masked
                 first_block, blocks, num_keys = 0, None, query_len
@@ -206,7 +207,8 @@ class TorchAttentionBackend:
             mask = None
             if query_len * num_keys <= MASK_KEEP_ELEMENTS:
                 mask = _causal_mask(query_len, context_len, num_keys, dtype, k_cache.device, first_key, window)
-            prefill.append(_Prefill(starts[i], query_len, context_len, blocks, first_key, False, mask))
+            prefill.append(_Prefill(starts[i], query_len, context_len, blocks=blocks, first_key=first_key, causal=False,
+                                    mask=mask))
         return _StepPlan(decode, prefill)
 
     def _plan_decodes(self, meta: AttentionMetadata, tables: torch.Tensor, order: list[int], rows: list[int],

@@ -102,10 +102,15 @@ def gelu_tanh_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
 GATED_ACTIVATIONS = {"silu": silu_and_mul, "gelu_pytorch_tanh": gelu_tanh_and_mul}
 
 
-def rope_inv_freq(head_dim: int, theta: float, scaling: dict[str, Any] | None) -> torch.Tensor:
-    """Inverse frequencies (float32), with linear or Llama-3 scaling applied like transformers."""
-    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
+def rope_inv_freq(dim: int, theta: float, scaling: dict[str, Any] | None, long_context: bool = False) -> torch.Tensor:
+    """Inverse frequencies (float32) of ``dim`` rotary dimensions, with linear, Llama-3 or LongRoPE scaling
+    applied like transformers (LongRoPE: its long factors with ``long_context``, else its short ones)."""
+    exponents = torch.arange(0, dim, 2, dtype=torch.int64).float() / dim
     rope_type = scaling["rope_type"] if scaling else "default"
+    if rope_type == "longrope":
+        factors = scaling["long_factor" if long_context else "short_factor"]
+        return 1.0 / (torch.tensor(factors, dtype=torch.float32) * theta ** exponents)
+    inv_freq = 1.0 / (theta ** exponents)
     if rope_type == "default":
         return inv_freq
     if rope_type == "linear":
@@ -139,22 +144,33 @@ class RotaryEmbedding(nn.Module):
     The table is computed in float32 (like HF, which then casts cos/sin to the
     activation dtype) on first use, on the device and in the dtype of the
     queries; it is not a buffer, so building the model on the meta device and
-    loading weights never has to touch it.
+    loading weights never has to touch it. With ``rotary_dim`` below the head size
+    only each head's first ``rotary_dim`` dimensions rotate (partial rotary).
+
+    LongRoPE's factor set is chosen once, for the longest context served (``max_model_len``): its long
+    factors when that passes the pretraining length, as vLLM does. transformers switches per forward
+    pass, by the longest position in it; the two agree for every sequence when the context stays within
+    the pretraining length, and for sequences past it when it does not.
     """
 
-    def __init__(self, head_dim: int, max_positions: int, theta: float, scaling: dict[str, Any] | None):
+    def __init__(self, head_dim: int, max_positions: int, theta: float, scaling: dict[str, Any] | None,
+                 rotary_dim: int | None = None, max_model_len: int | None = None):
         super().__init__()
         self.head_dim, self.max_positions = head_dim, max_positions
+        self.rotary_dim = rotary_dim or head_dim
         self.theta, self.scaling = theta, scaling
+        self.long_context = (scaling is not None and scaling["rope_type"] == "longrope"
+                             and (max_model_len or max_positions) > scaling["original_max_position_embeddings"])
         self._cos: torch.Tensor | None = None
         self._sin: torch.Tensor | None = None
 
     def _build(self, device: torch.device, dtype: torch.dtype) -> None:
-        inv_freq = rope_inv_freq(self.head_dim, self.theta, self.scaling).to(device)
+        inv_freq = rope_inv_freq(self.rotary_dim, self.theta, self.scaling, self.long_context).to(device)
         positions = torch.arange(self.max_positions, device=device, dtype=torch.float32)
         freqs = positions[:, None] * inv_freq[None, :]
         emb = torch.cat((freqs, freqs), dim=-1)
-        self._cos, self._sin = emb.cos().to(dtype), emb.sin().to(dtype)
+        factor = self.scaling.get("attention_factor", 1.0) if self.scaling else 1.0  # LongRoPE's
+        self._cos, self._sin = (emb.cos() * factor).to(dtype), (emb.sin() * factor).to(dtype)
 
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
                 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -164,6 +180,16 @@ class RotaryEmbedding(nn.Module):
         """
         if self._cos is None or self._cos.device != q.device or self._cos.dtype != q.dtype:
             self._build(q.device, q.dtype)
+        if self.rotary_dim < self.head_dim:  # rotate the leading dimensions; the rest pass through
+            q_lead, k_lead = q[..., :self.rotary_dim], k[..., :self.rotary_dim]
+            q_rot, k_rot = self._rotate(positions, q_lead, k_lead)
+            if q_rot is q_lead:  # rotated in place
+                return q, k
+            return (torch.cat((q_rot, q[..., self.rotary_dim:]), dim=-1),
+                    torch.cat((k_rot, k[..., self.rotary_dim:]), dim=-1))
+        return self._rotate(positions, q, k)
+
+    def _rotate(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         if _fused_on_cpu(q) and k.dtype == q.dtype and q.stride(-1) == 1 and k.stride(-1) == 1:
             # One in-place pass instead of gathers, cat, neg, four multiplies and two adds.
             cpu_layers.rotary_embedding(positions.long(), q, k, self._cos, self._sin)

@@ -28,7 +28,7 @@ from services.worker.models.layers import GATED_ACTIVATIONS, RotaryEmbedding, rm
 from services.worker.models.lora_linear import LoRABatch, LoRALinear, LoRATarget
 from services.worker.models.moe import SparseMoeBlock
 from services.worker.models.packed_linear import PackedLinear, pack_linear_layers
-from services.worker.models.weight_targets import HF_MLP_NAMES, MIXTRAL_EXPERT_NAMES, WeightTargets
+from services.worker.models.weight_targets import HF_MLP_NAMES, MIXTRAL_EXPERT_NAMES, WeightTargets, unfuse_checkpoint
 from services.worker.tensor_parallel import TensorParallel
 from shared.model_config import ModelConfig
 
@@ -126,18 +126,20 @@ class DecoderLayer(nn.Module):
 
 class LlamaForCausalLM(nn.Module):
     def __init__(self, config: ModelConfig, tp: TensorParallel = TensorParallel(), kv_replicas: int = 1,
-                 with_head: bool = True, num_labels: int = 0):
+                 with_head: bool = True, num_labels: int = 0, max_model_len: int | None = None):
         """``config``: this rank's share of the model (the whole model on a single rank); ``kv_replicas``:
         how many ranks hold each KV head (more than one when the model has fewer KV heads than ranks);
         ``with_head``: False for a pooling model, which needs no logits (and whose checkpoint may have no head);
-        ``num_labels``: a sequence classifier's, whose ``score`` head maps a state to one logit per label."""
+        ``num_labels``: a sequence classifier's, whose ``score`` head maps a state to one logit per label;
+        ``max_model_len``: the longest context served (None: max_position_embeddings), which picks LongRoPE's
+        factor set."""
         super().__init__()
         self.config = config
         self.with_head = with_head
         self.tp = tp
         self.kv_replicas = kv_replicas
-        self.rotary = RotaryEmbedding(config.head_dim, config.max_position_embeddings,
-                                      config.rope_theta, config.rope_scaling)
+        self.rotary = RotaryEmbedding(config.head_dim, config.max_position_embeddings, config.rope_theta,
+                                      config.rope_scaling, config.rotary_dim, max_model_len)
         # Gemma 3's sliding layers rotate with a base of their own.
         self.local_rotary = None if config.local_rope_theta is None else RotaryEmbedding(
             config.head_dim, config.max_position_embeddings, config.local_rope_theta, None)
@@ -152,8 +154,17 @@ class LlamaForCausalLM(nn.Module):
         if with_head and not config.tie_word_embeddings:
             self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         self.packed_logits: PackedLinear | None = None  # set by pack_linear_weights
+        self._multipliers: dict[torch.dtype, torch.Tensor] = {}  # Gemma's embedding multiplier, per dtype
         if num_labels:  # whole on every rank: a few rows
             self.score = nn.Linear(config.hidden_size, num_labels, bias=False)
+
+    def _embedding_multiplier(self, dtype: torch.dtype) -> torch.Tensor:
+        """Gemma's sqrt(hidden), through float32 to ``dtype`` (transformers rounds it so), made once per dtype."""
+        made = self._multipliers.get(dtype)
+        if made is None:
+            value = torch.tensor(self.config.embedding_multiplier, dtype=torch.float32)
+            made = self._multipliers[dtype] = value.to(self.embed_tokens.weight.device, dtype)
+        return made
 
     def _rotary_of(self, layer: int) -> RotaryEmbedding:
         if self.local_rotary is not None and self.config.attention_window(layer) is not None:
@@ -189,7 +200,7 @@ class LlamaForCausalLM(nn.Module):
         """Hidden states ``[T, hidden]`` after the final norm, one row per scheduled token."""
         x, residual = self.embed_tokens(input_ids), None
         if self.config.embedding_multiplier is not None:  # Gemma: the multiplier rounded to the dtype, as HF
-            x = x * torch.tensor(self.config.embedding_multiplier, dtype=torch.float32).to(x.dtype)
+            x = x * self._embedding_multiplier(x.dtype)
         for layer in self.layers:
             x, residual = layer(x, residual, positions, attention, meta)
         if residual is None:  # no layers
@@ -239,11 +250,13 @@ class LlamaForCausalLM(nn.Module):
         """Float32 logits ``[N, vocab]`` for the rows of ``hidden`` that need sampling (soft-capped where the
         model says: Gemma 2)."""
         if self.packed_logits is not None:
-            logits = self.packed_logits(hidden).float()
+            logits = self.packed_logits(hidden)
         else:
-            logits = F.linear(hidden, self.lm_head_weight).float()
+            logits = F.linear(hidden, self.lm_head_weight)
         cap = self.config.final_logit_softcap
-        return logits if cap is None else torch.tanh(logits / cap) * cap
+        if cap is not None:  # in the model's dtype, as transformers caps them
+            logits = torch.tanh(logits / cap) * cap
+        return logits.float()
 
     def classify(self, pooled: torch.Tensor) -> torch.Tensor:
         """A classifier's float32 logits ``[N, num_labels]`` for pooled float32 states ``[N, hidden]`` (in the
@@ -298,6 +311,10 @@ class LlamaForCausalLM(nn.Module):
         """Copy checkpoint tensors (HF names) into the model, converting dtype and device."""
         targets = self._weight_targets()
         loaded: set[str] = set()
+        attn = self.layers[0].self_attn if len(self.layers) else None
+        if attn is not None:  # Phi-3 stores q/k/v and gate/up fused: split into the names the targets know
+            kv_whole = attn.kv_size * self.tp.size // self.kv_replicas
+            weights = unfuse_checkpoint(weights, (attn.q_size * self.tp.size, kv_whole, kv_whole))
         for name, tensor in weights:
             if name.endswith("rotary_emb.inv_freq"):
                 continue  # some old checkpoints saved this buffer; we derive it from the config

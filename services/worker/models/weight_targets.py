@@ -8,7 +8,7 @@ the row-parallel ones (o_proj, down_proj: by their inputs); see tensor_parallel.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 
 import torch
 from torch import nn
@@ -91,3 +91,24 @@ class WeightTargets(dict):
         for e in range(w13.shape[0]):
             self.parts(f"{prefix}.{e}", "weight", w13[e], [gate, up], [inter, inter], [1, 1])
             self.columns(f"{prefix}.{e}.{down}.weight", w2[e])
+
+
+def unfuse_checkpoint(weights: Iterable[tuple[str, torch.Tensor]], qkv_rows: tuple[int, int, int]
+                      ) -> Iterator[tuple[str, torch.Tensor]]:
+    """A checkpoint that stores q/k/v or gate/up as one tensor each (Phi-3's ``self_attn.qkv_proj`` and
+    ``mlp.gate_up_proj``), as the separate tensors the targets name; ``qkv_rows``: the whole model's q, k
+    and v rows. Every other tensor passes as it is."""
+    for name, tensor in weights:
+        if ".self_attn.qkv_proj." in name:
+            if tensor.shape[0] != sum(qkv_rows):
+                raise ValueError(f"weight {name!r} has {tensor.shape[0]} rows, expected q, k and v's {sum(qkv_rows)}")
+            for part, rows in zip(("q_proj", "k_proj", "v_proj"), tensor.split(list(qkv_rows))):
+                yield name.replace(".qkv_proj.", f".{part}."), rows
+        elif ".mlp.gate_up_proj." in name:
+            if tensor.shape[0] % 2:
+                raise ValueError(f"weight {name!r} has an odd number of rows ({tensor.shape[0]}): not gate and up")
+            gate, up = tensor.chunk(2)
+            yield name.replace(".gate_up_proj.", ".gate_proj."), gate
+            yield name.replace(".gate_up_proj.", ".up_proj."), up
+        else:
+            yield name, tensor
