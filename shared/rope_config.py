@@ -6,8 +6,10 @@ one ``rope_parameters`` dict holding the theta too, or, for models whose layer k
 RoPE; a kind we cannot compute exactly is refused.
 
 LongRoPE (Phi-3's "longrope", which its older configs call "su" or "yarn") keeps two sets of frequency
-factors, for contexts within ``original_max_position_embeddings`` and beyond; its scaling dict gets that
-length and the cos/sin ``attention_factor`` filled in here, as transformers derives them.
+factors, for contexts within ``original_max_position_embeddings`` and beyond; YaRN (Qwen's long-context
+setting) blends interpolated and original frequencies by wavelength. Their scaling dicts get the
+pretraining length, the cos/sin ``attention_factor`` and YaRN's defaults filled in here, as transformers
+derives them.
 """
 
 from __future__ import annotations
@@ -15,11 +17,11 @@ from __future__ import annotations
 import math
 from typing import Any
 
-SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "longrope")
+SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "longrope", "yarn")
 # Keys each rope type needs besides rope_theta; checked up front so a bad config fails at load.
 _ROPE_KEYS = {"default": (), "linear": ("factor",),
               "llama3": ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"),
-              "longrope": ("short_factor", "long_factor")}
+              "longrope": ("short_factor", "long_factor"), "yarn": ()}
 PHI3_ROPE_ALIASES = {"su": "longrope", "yarn": "longrope"}  # Phi-3's older names for LongRoPE, and only Phi-3's
 
 
@@ -32,6 +34,8 @@ def parse_rope(raw: dict[str, Any], default_theta: float, aliases: dict[str, str
     theta, scaling = rope_from_params(params, raw.get("rope_theta", default_theta), aliases)
     if scaling is not None and scaling["rope_type"] == "longrope":
         scaling = _longrope(scaling, raw)
+    if scaling is not None and scaling["rope_type"] == "yarn":
+        scaling = _yarn(scaling, raw)
     return theta, scaling
 
 
@@ -81,3 +85,26 @@ def _longrope(scaling: dict[str, Any], raw: dict[str, Any]) -> dict[str, Any]:
         if not isinstance(values, list) or not all(isinstance(v, (int, float)) and v > 0 for v in values):
             raise ValueError(f"longrope {name} must be a list of positive numbers")
     return {**scaling, "original_max_position_embeddings": int(original), "attention_factor": float(attention_factor)}
+
+
+def _yarn_mscale(factor: float, mscale: float = 1.0) -> float:
+    return 1.0 if factor <= 1 else 0.1 * mscale * math.log(factor) + 1.0
+
+
+def _yarn(scaling: dict[str, Any], raw: dict[str, Any]) -> dict[str, Any]:
+    """YaRN's scaling with transformers' defaults resolved: the pretraining length (the rope dict's, else the
+    model's length), the factor (else the ratio of the two), beta_fast 32 and beta_slow 1, truncation on,
+    and the cos/sin attention factor (DeepSeek's mscale over mscale_all_dim where both are given)."""
+    maximum = raw.get("max_position_embeddings", 2048)
+    original = scaling.get("original_max_position_embeddings") or maximum
+    factor = scaling.get("factor") or maximum / original
+    attention_factor = scaling.get("attention_factor")
+    if attention_factor is None:
+        mscale, all_dims = scaling.get("mscale"), scaling.get("mscale_all_dim")
+        attention_factor = (_yarn_mscale(factor, mscale) / _yarn_mscale(factor, all_dims) if mscale and all_dims
+                            else _yarn_mscale(factor))
+    if not factor > 0:
+        raise ValueError(f"yarn factor must be positive, got {factor!r}")
+    return {**scaling, "factor": float(factor), "original_max_position_embeddings": int(original),
+            "attention_factor": float(attention_factor), "beta_fast": scaling.get("beta_fast") or 32,
+            "beta_slow": scaling.get("beta_slow") or 1, "truncate": scaling.get("truncate", True)}

@@ -130,6 +130,13 @@ def phi3_longrope_dir(tiny_model_factory):
 
 
 @pytest.fixture(scope="session")
+def yarn_dir(tiny_model_factory):
+    # Qwen2.5's long-context setting: YaRN by 4 over a pretraining length of 64 (the ramp spans dimensions).
+    return tiny_model_factory("qwen2", rope_scaling={"rope_type": "yarn", "factor": 4.0,
+                                                     "original_max_position_embeddings": 64})
+
+
+@pytest.fixture(scope="session")
 def tied_dir(tiny_model_factory):
     return tiny_model_factory("llama", tie_word_embeddings=True, rope_scaling={"rope_type": "linear",
                                                                                 "factor": 2.0})

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 import shutil
 
 import pytest
@@ -17,7 +18,7 @@ from tests.checkpoint_edits import rewrite_weights
 
 CPU = torch.device("cpu")
 ARCH_FIXTURES = ["llama_dir", "mistral_dir", "qwen2_dir", "qwen3_dir", "tied_dir", "mixtral_dir", "qwen2_moe_dir",
-                 "qwen3_moe_dir", "gemma_dir", "gemma2_dir", "gemma3_dir", "phi3_dir"]
+                 "qwen3_moe_dir", "gemma_dir", "gemma2_dir", "gemma3_dir", "phi3_dir", "yarn_dir"]
 
 
 class PagedRunner:
@@ -168,8 +169,8 @@ def test_missing_required_key(llama_copy):
 
 
 def test_unsupported_rope_type(llama_copy):
-    _edit_config(llama_copy, rope_parameters={"rope_type": "yarn", "rope_theta": 10000.0, "factor": 2.0})
-    with pytest.raises(ValueError, match="yarn.*default, linear, llama3"):
+    _edit_config(llama_copy, rope_parameters={"rope_type": "dynamic", "rope_theta": 10000.0, "factor": 2.0})
+    with pytest.raises(ValueError, match="dynamic.*default, linear, llama3, longrope, yarn"):
         ModelConfig.from_model_dir(llama_copy)
 
 
@@ -273,8 +274,6 @@ def test_bad_gemma_settings_are_refused(raw, message):
 
 
 def test_phi3_rope_settings_read_as_transformers_reads_them():
-    import math
-
     factors = {"short_factor": [1.0] * 8, "long_factor": [2.0] * 8}
     for kind in ("su", "yarn", "longrope"):  # Phi-3's older configs name LongRoPE "su" or "yarn"
         config = ModelConfig.from_dict({**BASE, "model_type": "phi3", "max_position_embeddings": 131072,
@@ -283,8 +282,15 @@ def test_phi3_rope_settings_read_as_transformers_reads_them():
         scaling = config.rope_scaling
         assert scaling["rope_type"] == "longrope" and scaling["original_max_position_embeddings"] == 4096
         assert scaling["attention_factor"] == pytest.approx(math.sqrt(1 + math.log(32) / math.log(4096)))
-    with pytest.raises(ValueError, match="unsupported rope type 'yarn'"):  # YaRN proper is another method
-        ModelConfig.from_dict({**BASE, "model_type": "llama", "rope_scaling": {"type": "yarn", "factor": 4.0}})
+    yarn = ModelConfig.from_dict({**BASE, "model_type": "qwen2", "max_position_embeddings": 4096,  # YaRN proper
+                                  "rope_scaling": {"type": "yarn", "factor": 4.0}}).rope_scaling
+    assert (yarn["rope_type"], yarn["original_max_position_embeddings"], yarn["beta_fast"], yarn["beta_slow"]) == \
+        ("yarn", 4096, 32, 1)
+    assert yarn["attention_factor"] == pytest.approx(0.1 * math.log(4.0) + 1)
+    deepseek = ModelConfig.from_dict({**BASE, "model_type": "llama", "rope_scaling": {
+        "type": "yarn", "factor": 40.0, "mscale": 1.0, "mscale_all_dim": 0.707,
+        "original_max_position_embeddings": 4096}}).rope_scaling
+    assert deepseek["attention_factor"] == pytest.approx((0.1 * math.log(40) + 1) / (0.0707 * math.log(40) + 1))
     partial = ModelConfig.from_dict({**BASE, "model_type": "phi3", "partial_rotary_factor": 0.75})
     assert partial.rotary_dim == 12  # of head_dim 16
     with pytest.raises(ValueError, match="partial_rotary_factor 0.75 is not supported for llama"):

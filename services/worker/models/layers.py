@@ -117,7 +117,28 @@ def rope_inv_freq(dim: int, theta: float, scaling: dict[str, Any] | None, long_c
         return inv_freq / scaling["factor"]
     if rope_type == "llama3":
         return _llama3_inv_freq(inv_freq, scaling)
+    if rope_type == "yarn":
+        return _yarn_inv_freq(inv_freq, dim, theta, scaling)
     raise ValueError(f"unsupported rope type {rope_type!r}")
+
+
+def _yarn_inv_freq(inv_freq: torch.Tensor, dim: int, theta: float, scaling: dict[str, Any]) -> torch.Tensor:
+    """YaRN: dimensions that turn fewer than beta_slow times over the pretraining length are interpolated
+    (divided by ``factor``), those turning more than beta_fast times kept, a linear ramp between."""
+    original = scaling["original_max_position_embeddings"]
+
+    def dimension_of(rotations: float) -> float:  # the dimension that turns this many times over `original`
+        return dim * math.log(original / (rotations * 2 * math.pi)) / (2 * math.log(theta))
+
+    low, high = dimension_of(scaling["beta_fast"]), dimension_of(scaling["beta_slow"])
+    if scaling["truncate"]:
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, dim - 1)
+    if low == high:
+        high += 0.001  # no zero-width ramp
+    ramp = ((torch.arange(dim // 2, dtype=torch.float32) - low) / (high - low)).clamp(0, 1)
+    kept = 1 - ramp  # the share of each dimension's original frequency
+    return inv_freq / scaling["factor"] * (1 - kept) + inv_freq * kept
 
 
 def _llama3_inv_freq(inv_freq: torch.Tensor, scaling: dict[str, Any]) -> torch.Tensor:
