@@ -17,10 +17,12 @@ from pathlib import Path
 from typing import Any
 
 from shared.moe_config import MOE_MODEL_TYPES, MoEConfig, parse_moe
+from shared.multimodal_config import TEXT_MODEL_OF, text_config_of
 from shared.gemma_config import GEMMA_MODEL_TYPES, gemma_fields, gemma_layer_types, gemma_rope
 from shared.rope_config import PHI3_ROPE_ALIASES, parse_rope, partial_rotary_factor
 
-SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "phi3", *MOE_MODEL_TYPES, *GEMMA_MODEL_TYPES)
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "phi3", *MOE_MODEL_TYPES, *GEMMA_MODEL_TYPES,
+                         *TEXT_MODEL_OF)
 # The dense family each MoE one shares its attention with.
 _ATTENTION_FAMILY = {"mixtral": "mistral", "qwen2_moe": "qwen2", "qwen3_moe": "qwen3"}
 LAYER_TYPES = ("full_attention", "sliding_attention")
@@ -70,6 +72,9 @@ class ModelConfig:
     final_logit_softcap: float | None = None  # so do the logits
     local_rope_theta: float | None = None  # sliding layers' own plain RoPE base (Gemma 3); None: one RoPE
     partial_rotary_factor: float = 1.0  # the share of each head's dimensions that rotates, from the first (Phi-4-mini)
+    # The multimodal checkpoint (its model_type) whose language model this is: its weights are unwrapped and
+    # the vision tower's skipped (multimodal_config.py); None: a text model's own checkpoint.
+    text_of: str | None = None
 
     def __post_init__(self) -> None:
         for name in ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
@@ -145,6 +150,10 @@ class ModelConfig:
             raise ValueError(f"unsupported architecture model_type={model_type!r} "
                              f"(architectures={raw.get('architectures')}); "
                              f"supported: {', '.join(SUPPORTED_MODEL_TYPES)}")
+        text_of = None
+        if model_type in TEXT_MODEL_OF:
+            text_of, raw = model_type, text_config_of(raw)
+            model_type = raw["model_type"]
         missing = [key for key in _REQUIRED_KEYS if key not in raw]
         if missing:
             raise ValueError(f"missing required key(s): {', '.join(missing)}")
@@ -194,6 +203,7 @@ class ModelConfig:
             moe=parse_moe(raw, model_type),
             local_rope_theta=local_rope_theta,
             partial_rotary_factor=rotary_share,
+            text_of=text_of,
             **(gemma_fields(raw, model_type) if gemma else {}),
         )
 

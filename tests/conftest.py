@@ -113,6 +113,13 @@ def gemma3_dir(tiny_model_factory):
 
 
 @pytest.fixture(scope="session")
+def gemma3_multimodal_dir(tiny_model_factory):
+    # Gemma3ForConditionalGeneration (Gemma 3 from 4B up): a vision tower beside the text model, served for text.
+    return tiny_model_factory("gemma3", head_dim=32, query_pre_attn_scalar=24, sliding_window=10,
+                              sliding_window_pattern=2)
+
+
+@pytest.fixture(scope="session")
 def phi3_dir(tiny_model_factory):
     # Fused qkv_proj and gate_up_proj in the checkpoint; every layer within 12 keys; half of each head
     # rotates (Phi-4-mini's partial rotary); tied head.

@@ -308,6 +308,37 @@ def test_fused_checkpoint_tensors_of_the_wrong_size_are_refused(phi3_dir, tmp_pa
         load_model(copy, torch.float32, CPU)
 
 
+def test_a_multimodal_checkpoint_serves_its_language_model(gemma3_multimodal_dir, tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    hf = AutoModelForCausalLM.from_pretrained(gemma3_multimodal_dir, dtype=torch.float32).eval()
+    prompt = random_prompts(500, [13])[0]
+    expected = hf_logits(hf, prompt)
+    # As transformers v4 saves it (language_model.model.*), and as v5 names it (model.language_model.*).
+    v5 = shutil.copytree(gemma3_multimodal_dir, tmp_path / "v5")
+    rewrite_weights(v5, lambda tensors: tensors.update(
+        {name.replace("language_model.model.", "model.language_model.").replace("vision_tower.", "model.vision_tower."):
+         tensors.pop(name) for name in list(tensors)}))
+    for model_dir in (gemma3_multimodal_dir, v5):
+        model, config = load_model(model_dir, torch.float32, CPU)
+        assert (config.model_type, config.text_of) == ("gemma3_text", "gemma3")
+        torch.testing.assert_close(PagedRunner(model, config).step({0: prompt})[0], expected, atol=1e-4, rtol=0)
+
+
+def test_a_sparse_text_config_takes_transformers_defaults():
+    # As the Hub's gemma-3-4b config writes it: the rest comes from Gemma3TextConfig's defaults.
+    config = ModelConfig.from_dict({"model_type": "gemma3", "torch_dtype": "bfloat16", "text_config": {
+        "hidden_size": 2560, "intermediate_size": 10240, "model_type": "gemma3_text", "num_hidden_layers": 34,
+        "rope_scaling": {"factor": 8.0, "rope_type": "linear"}, "sliding_window": 1024}})
+    assert (config.vocab_size, config.num_attention_heads, config.num_key_value_heads, config.head_dim) == \
+        (262_208, 8, 4, 256)
+    assert (config.max_position_embeddings, config.dtype, config.tie_word_embeddings) == (131_072, "bfloat16", True)
+    assert config.layer_types[:6] == ("sliding_attention",) * 5 + ("full_attention",)
+    assert config.rope_scaling == {"rope_type": "linear", "factor": 8.0} and config.local_rope_theta == 10_000.0
+    with pytest.raises(ValueError, match="text_config must be gemma3_text, got 'llama'"):
+        ModelConfig.from_dict({"model_type": "gemma3", "text_config": {"model_type": "llama"}})
+
+
 def test_corrupt_safetensors(llama_copy):
     file = llama_copy / "model.safetensors"
     data = file.read_bytes()

@@ -31,6 +31,7 @@ from services.worker.models.packed_linear import PackedLinear, pack_linear_layer
 from services.worker.models.weight_targets import HF_MLP_NAMES, MIXTRAL_EXPERT_NAMES, WeightTargets, unfuse_checkpoint
 from services.worker.tensor_parallel import TensorParallel
 from shared.model_config import ModelConfig
+from shared.multimodal_config import text_checkpoint_name
 
 
 class Attention(nn.Module):
@@ -315,6 +316,9 @@ class LlamaForCausalLM(nn.Module):
         if attn is not None:  # Phi-3 stores q/k/v and gate/up fused: split into the names the targets know
             kv_whole = attn.kv_size * self.tp.size // self.kv_replicas
             weights = unfuse_checkpoint(weights, (attn.q_size * self.tp.size, kv_whole, kv_whole))
+        if self.config.text_of is not None:  # a multimodal checkpoint: its language model's tensors only
+            weights = ((plain, tensor) for name, tensor in weights
+                       if (plain := text_checkpoint_name(name)) is not None)
         for name, tensor in weights:
             if name.endswith("rotary_emb.inv_freq"):
                 continue  # some old checkpoints saved this buffer; we derive it from the config
