@@ -7,7 +7,10 @@ milliseconds per layer call (write_kv included) for the "torch" backend (gather 
 "cpu" backend (decodes in csrc/cpu_attention.cpp), interleaved: the median and the best of the
 repeats (on a shared machine the best is the steadier number).
 
-    python benchmarks/cpu_attention.py [--threads N] [--repeats 7] [--cases decode16,decode64,...]
+    python benchmarks/cpu_attention.py [--threads N] [--repeats 7] [--cases decode16,decode64,...] [--window W]
+
+``--window W`` makes every layer a sliding-window layer of W keys (Mistral's kind); ``long16`` (16 decodes
+at 4096 keys) is where a window saves the most.
 """
 
 from __future__ import annotations
@@ -71,7 +74,7 @@ def cases(generator: torch.Generator) -> dict[str, list[tuple[int, int]]]:
                    + [(256, 256), (512, 128), (48, 200)]  # chunks after cached blocks
                    + decode(32))  # decodes riding along
     return {"decode16": decode(16), "decode64": decode(64), "decode200": decode(200),
-            "prefill_mix": prefill_mix, "first_chunks": [(0, 128)] * 16}
+            "prefill_mix": prefill_mix, "first_chunks": [(0, 128)] * 16, "long16": [(4095, 1)] * 16}
 
 
 def step(backend, inputs, meta) -> list[torch.Tensor]:
@@ -84,22 +87,24 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=7, help="timed steps per backend and case")
     parser.add_argument("--cases", default=None, help="comma-separated subset of the case names")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--window", type=int, default=None, help="every layer attends within this many keys")
     args = parser.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
     generator = torch.Generator().manual_seed(args.seed)
     all_cases = cases(generator)
     chosen = args.cases.split(",") if args.cases else list(all_cases)
-    scale = HEAD_DIM ** -0.5
+    spec = AttentionSpec(HEAD_DIM ** -0.5, (args.window,) * LAYERS)
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads; H={HEADS} Hkv={KV_HEADS} D={HEAD_DIM} "
-          f"block_size={BLOCK_SIZE} float32, {LAYERS} layers; ms per layer call over {args.repeats} steps")
+          f"block_size={BLOCK_SIZE} float32, {LAYERS} layers, window {args.window}; ms per layer call over "
+          f"{args.repeats} steps")
     print(f"{'case':<13}{'seqs':>5}{'tokens':>7}{'ctx tokens':>11}  {'median: torch':>13}{'cpu':>8}{'speedup':>9}"
           f"  {'best: torch':>11}{'cpu':>8}{'speedup':>9}")
     with torch.inference_mode():
         for name in chosen:
             batch = all_cases[name]
             kv_caches, seqs, inputs = make_case(batch, generator)
-            old, new = TorchAttentionBackend(kv_caches, AttentionSpec(scale)), CpuAttentionBackend(kv_caches, AttentionSpec(scale))
+            old, new = TorchAttentionBackend(kv_caches, spec), CpuAttentionBackend(kv_caches, spec)
             # Same inputs for both: writing the same k/v into the same slots again changes nothing.
             expected, got = step(old, inputs, make_metadata(seqs)), step(new, inputs, make_metadata(seqs))
             for a, b in zip(expected, got):
