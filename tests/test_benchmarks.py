@@ -165,3 +165,11 @@ def test_embeddings_benchmark_checks_then_times_every_mode(tmp_path, llama_dir):
     assert all(row["prompt_tokens_per_s"] > 0 for row in report["rows"].values())
     assert report["max_error_vs_transformers"] < 1e-4
     assert report["prefix_cache_hit_rate"] > 0  # the shared instruction's full blocks
+
+
+def test_cpu_attention_checks_both_backends_with_a_window():
+    # The script asserts the two backends agree before it times them; a window exercises the spans it gathers.
+    run = subprocess.run([sys.executable, str(REPO / "benchmarks" / "cpu_attention.py"), "--cases",
+                          "decode16,prefill_mix", "--repeats", "1", "--window", "100"],
+                         cwd=REPO, check=True, timeout=120, capture_output=True, text=True)
+    assert "window 100" in run.stdout and "prefill_mix" in run.stdout
