@@ -13,7 +13,7 @@ a GPU launch of the same arguments gets (dtypes, 16-byte divisibility, constexpr
 The arguments cover a fixed set of shapes (gpu_kernels.py's, the project's models', small test
 shapes), dtypes, batches (decode, block tables of odd width, long decode, mixed prefill and decode)
 and split-K choices, plus the 5-stage decode that gpu_kernels.py's decode section times (not its tune
-sweep); each distinct binary is reported once.
+sweep) and sliding-window and soft-capped layers; each distinct binary is reported once.
 
 For each variant: registers per thread, spilled bytes, the stack frame and shared memory (from ptxas),
 whether the K/V tiles arrive by asynchronous copies (the software pipeline), in how many buffers, and
@@ -240,6 +240,23 @@ def compile_tuning_variants(recorder: Recorder) -> None:
         recorder.failed("paged_attention", e)
 
 
+def compile_window_and_cap_variants(recorder: Recorder) -> None:
+    """Sliding-window layers (Mistral's shape, a 4096-key window) and Gemma 2's (head size 256, its window and
+    its cap of 50 on the scores), off and on split-K."""
+    from services.worker.attention.triton_attention import paged_attention
+
+    for shape, window, softcap in ((Shape(32, 8, 128), 4096, None), (Shape(16, 8, 256), 4096, 50.0)):
+        for batch_name in ("decode", "mixed"):
+            q, pool, meta = attention_inputs(shape, torch.bfloat16, BATCHES[batch_name])
+            for split_k in (False, True):
+                recorder.case = f"{label(shape)} bfloat16 {batch_name} window={window} cap={softcap} split={split_k}"
+                try:
+                    paged_attention(q, pool[0, 0], pool[0, 1], meta, shape.head_dim ** -0.5, window=window,
+                                    softcap=softcap, split_k=split_k)
+                except Exception as e:
+                    recorder.failed("paged_attention", e)
+
+
 def compile_cache_ops(recorder: Recorder, shape: Shape, dtype_name: str) -> None:
     from services.worker.attention.triton_cache_ops import copy_blocks, write_kv
 
@@ -408,6 +425,7 @@ def main() -> int:
         compile_attention(recorder, shape, dtype_name)
         compile_cache_ops(recorder, shape, dtype_name)
     compile_tuning_variants(recorder)
+    compile_window_and_cap_variants(recorder)
     compile_experts(recorder, args.quick)
     elapsed = time.perf_counter() - started
     print_table(recorder.variants)
