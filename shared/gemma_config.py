@@ -85,6 +85,7 @@ def gemma_fields(raw: dict[str, Any], model_type: str) -> dict[str, Any]:
         hidden_act=gemma_activation(raw, model_type),
         gemma_norms=True,
         embedding_multiplier=float(raw["hidden_size"]) ** 0.5,
+        round_embedding_multiplier=True,
         sandwich_norms=later,
         query_pre_attn_scalar=float(scalar) if scalar is not None else None,
         attn_logit_softcap=raw.get("attn_logit_softcapping", caps[0]) if later else None,

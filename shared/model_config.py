@@ -21,10 +21,10 @@ from shared.multimodal_config import TEXT_MODEL_OF, text_config_of
 from shared.gemma_config import GEMMA_MODEL_TYPES, gemma_fields, gemma_layer_types, gemma_rope
 from shared.rope_config import PHI3_ROPE_ALIASES, parse_rope, partial_rotary_factor
 
-SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "phi3", *MOE_MODEL_TYPES, *GEMMA_MODEL_TYPES,
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "phi3", "granite", *MOE_MODEL_TYPES, *GEMMA_MODEL_TYPES,
                          *TEXT_MODEL_OF)
 # The dense family each MoE one shares its attention with.
-_ATTENTION_FAMILY = {"mixtral": "mistral", "qwen2_moe": "qwen2", "qwen3_moe": "qwen3"}
+_ATTENTION_FAMILY = {"mixtral": "mistral", "qwen2_moe": "qwen2", "qwen3_moe": "qwen3", "granite": "llama"}
 LAYER_TYPES = ("full_attention", "sliding_attention")
 # Models whose sliding_window counts only with use_sliding_window on; models whose every layer slides.
 _WINDOW_SWITCHED = ("qwen2", "qwen3", "qwen2_moe", "qwen3_moe")
@@ -65,13 +65,18 @@ class ModelConfig:
     # Gemma (gemma_config.py); the defaults are Llama's.
     hidden_act: str = "silu"  # the MLP gate's activation: "silu" (SwiGLU) or "gelu_pytorch_tanh" (GeGLU)
     gemma_norms: bool = False  # RMSNorms scale by (1 + weight), in float32, cast after
-    embedding_multiplier: float | None = None  # embeddings times this, rounded to the model's dtype first
+    embedding_multiplier: float | None = None  # embeddings times this (Gemma, Granite)
+    round_embedding_multiplier: bool = False  # Gemma rounds the multiplier to the model's dtype first
     sandwich_norms: bool = False  # norms after attention's and the MLP's outputs, and before the MLP
     query_pre_attn_scalar: float | None = None  # attention scale: its inverse square root; None: head_dim's
     attn_logit_softcap: float | None = None  # attention scores become cap * tanh(score / cap)
     final_logit_softcap: float | None = None  # so do the logits
     local_rope_theta: float | None = None  # sliding layers' own plain RoPE base (Gemma 3); None: one RoPE
     partial_rotary_factor: float = 1.0  # the share of each head's dimensions that rotates, from the first (Phi-4-mini)
+    # Granite: attention and MLP outputs scaled before the residual add, the attention scale given, logits divided.
+    residual_multiplier: float = 1.0
+    attention_multiplier: float | None = None  # the attention scale itself; None: from query_pre_attn_scalar or head_dim
+    logits_scaling: float = 1.0  # logits divided by this
     # The multimodal checkpoint (its model_type) whose language model this is: its weights are unwrapped and
     # the vision tower's skipped (multimodal_config.py); None: a text model's own checkpoint.
     text_of: str | None = None
@@ -102,7 +107,8 @@ class ModelConfig:
             raise ValueError("layer_types has sliding_attention layers but there is no sliding_window")
         if self.hidden_act not in ("silu", "gelu_pytorch_tanh"):
             raise ValueError(f"unsupported hidden_act {self.hidden_act!r}")
-        for name in ("query_pre_attn_scalar", "attn_logit_softcap", "final_logit_softcap", "local_rope_theta"):
+        for name in ("query_pre_attn_scalar", "attn_logit_softcap", "final_logit_softcap", "local_rope_theta",
+                     "embedding_multiplier", "residual_multiplier", "attention_multiplier", "logits_scaling"):
             value = getattr(self, name)
             if value is not None and (not isinstance(value, (int, float)) or isinstance(value, bool) or value <= 0):
                 raise ValueError(f"{name} must be a positive number, got {value!r}")
@@ -122,6 +128,8 @@ class ModelConfig:
 
     @property
     def attention_scale(self) -> float:
+        if self.attention_multiplier is not None:
+            return self.attention_multiplier
         return (self.query_pre_attn_scalar or self.head_dim) ** -0.5
 
     @classmethod
@@ -199,12 +207,13 @@ class ModelConfig:
             layer_types=layer_types,
             dtype=str(raw.get("dtype") or raw.get("torch_dtype") or "float32"),
             o_bias=family in ("llama", "qwen3", *GEMMA_MODEL_TYPES) and attention_bias,
-            mlp_bias=model_type == "llama" and bool(raw.get("mlp_bias", False)),
+            mlp_bias=family == "llama" and bool(raw.get("mlp_bias", False)),
             moe=parse_moe(raw, model_type),
             local_rope_theta=local_rope_theta,
             partial_rotary_factor=rotary_share,
             text_of=text_of,
             **(gemma_fields(raw, model_type) if gemma else {}),
+            **(_granite_fields(raw) if model_type == "granite" else {}),
         )
 
     def attention_window(self, layer: int) -> int | None:
@@ -216,6 +225,14 @@ class ModelConfig:
     def mlp_width(self, layer: int) -> int:
         """The intermediate size of a layer's dense MLP, or of each expert in a sparse one."""
         return self.moe.intermediate_size if self.moe is not None and self.moe.is_sparse(layer) else self.intermediate_size
+
+
+def _granite_fields(raw: dict[str, Any]) -> dict[str, Any]:
+    """Granite's four multipliers, transformers' defaults (1.0 each) where config.json omits them."""
+    return dict(embedding_multiplier=float(raw.get("embedding_multiplier", 1.0)),
+                residual_multiplier=float(raw.get("residual_multiplier", 1.0)),
+                attention_multiplier=float(raw.get("attention_multiplier", 1.0)),
+                logits_scaling=float(raw.get("logits_scaling", 1.0)))
 
 
 def _parse_attention_layers(raw: dict[str, Any], model_type: str) -> tuple[int | None, tuple[str, ...]]:

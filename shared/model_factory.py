@@ -104,12 +104,13 @@ def train_tokenizer(vocab_size: int):
 
 
 def _config(model_type: str, **kwargs: Any):
-    from transformers import (Gemma2Config, Gemma3TextConfig, GemmaConfig, LlamaConfig, MistralConfig, MixtralConfig,
-                              Phi3Config, Qwen2Config, Qwen2MoeConfig, Qwen3Config, Qwen3MoeConfig)
+    from transformers import (Gemma2Config, Gemma3TextConfig, GemmaConfig, GraniteConfig, LlamaConfig, MistralConfig,
+                              MixtralConfig, Phi3Config, Qwen2Config, Qwen2MoeConfig, Qwen3Config, Qwen3MoeConfig)
 
     classes = {"llama": LlamaConfig, "mistral": MistralConfig, "qwen2": Qwen2Config, "qwen3": Qwen3Config,
                "mixtral": MixtralConfig, "qwen2_moe": Qwen2MoeConfig, "qwen3_moe": Qwen3MoeConfig,
-               "gemma": GemmaConfig, "gemma2": Gemma2Config, "gemma3_text": Gemma3TextConfig, "phi3": Phi3Config}
+               "gemma": GemmaConfig, "gemma2": Gemma2Config, "gemma3_text": Gemma3TextConfig, "phi3": Phi3Config,
+               "granite": GraniteConfig}
     if model_type == "gemma3":  # a multimodal checkpoint: the text model asked for, beside a token vision tower
         from transformers import Gemma3Config, SiglipVisionConfig
 

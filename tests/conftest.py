@@ -120,6 +120,14 @@ def gemma3_multimodal_dir(tiny_model_factory):
 
 
 @pytest.fixture(scope="session")
+def granite_dir(tiny_model_factory):
+    # Granite 3's four multipliers (its 8B's embedding and residual ones, an attention scale of its own, logits
+    # divided by 4), with biases on attention and the MLP.
+    return tiny_model_factory("granite", embedding_multiplier=12.0, residual_multiplier=0.22,
+                              attention_multiplier=0.15, logits_scaling=4.0, attention_bias=True, mlp_bias=True)
+
+
+@pytest.fixture(scope="session")
 def phi3_dir(tiny_model_factory):
     # Fused qkv_proj and gate_up_proj in the checkpoint; every layer within 12 keys; half of each head
     # rotates (Phi-4-mini's partial rotary); tied head.

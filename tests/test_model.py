@@ -18,7 +18,7 @@ from tests.checkpoint_edits import rewrite_weights
 
 CPU = torch.device("cpu")
 ARCH_FIXTURES = ["llama_dir", "mistral_dir", "qwen2_dir", "qwen3_dir", "tied_dir", "mixtral_dir", "qwen2_moe_dir",
-                 "qwen3_moe_dir", "gemma_dir", "gemma2_dir", "gemma3_dir", "phi3_dir", "yarn_dir"]
+                 "qwen3_moe_dir", "gemma_dir", "gemma2_dir", "gemma3_dir", "phi3_dir", "yarn_dir", "granite_dir"]
 
 
 class PagedRunner:

@@ -100,6 +100,7 @@ class DecoderLayer(nn.Module):
         # With sandwich norms (Gemma 2/3) this one normalises attention's output, not the MLP's input.
         self.post_attention_layernorm = norm(config.hidden_size, config.rms_norm_eps)
         self.sandwich = config.sandwich_norms
+        self.residual_multiplier = config.residual_multiplier
         if self.sandwich:
             self.pre_feedforward_layernorm = norm(config.hidden_size, config.rms_norm_eps)
             self.post_feedforward_layernorm = norm(config.hidden_size, config.rms_norm_eps)
@@ -117,12 +118,15 @@ class DecoderLayer(nn.Module):
         else:
             h, residual = self.input_layernorm.forward_with_residual(x, residual)
         h = self.self_attn(h, positions, attention, meta)
+        if self.residual_multiplier != 1.0:  # Granite scales both outputs before the residual add
+            h = h * self.residual_multiplier
         if self.sandwich:  # HF: x + post_ff(mlp(pre_ff(x))), x = residual + post_attn(attention)
             h, residual = self.pre_feedforward_layernorm.forward_with_residual(self.post_attention_layernorm(h),
                                                                                residual)
             return self.post_feedforward_layernorm(self.mlp(h)), residual
         h, residual = self.post_attention_layernorm.forward_with_residual(h, residual)
-        return self.mlp(h), residual
+        h = self.mlp(h)
+        return (h * self.residual_multiplier if self.residual_multiplier != 1.0 else h), residual
 
 
 class LlamaForCausalLM(nn.Module):
@@ -155,17 +159,16 @@ class LlamaForCausalLM(nn.Module):
         if with_head and not config.tie_word_embeddings:
             self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         self.packed_logits: PackedLinear | None = None  # set by pack_linear_weights
-        self._multipliers: dict[torch.dtype, torch.Tensor] = {}  # Gemma's embedding multiplier, per dtype
         if num_labels:  # whole on every rank: a few rows
             self.score = nn.Linear(config.hidden_size, num_labels, bias=False)
 
-    def _embedding_multiplier(self, dtype: torch.dtype) -> torch.Tensor:
-        """Gemma's sqrt(hidden), through float32 to ``dtype`` (transformers rounds it so), made once per dtype."""
-        made = self._multipliers.get(dtype)
-        if made is None:
-            value = torch.tensor(self.config.embedding_multiplier, dtype=torch.float32)
-            made = self._multipliers[dtype] = value.to(self.embed_tokens.weight.device, dtype)
-        return made
+    def _embedding_multiplier(self, dtype: torch.dtype) -> float:
+        """What embeddings are multiplied by: Gemma's sqrt(hidden) first rounded through float32 to ``dtype``
+        (transformers rounds it so), Granite's as it is."""
+        value = self.config.embedding_multiplier
+        if self.config.round_embedding_multiplier:
+            value = torch.tensor(value, dtype=torch.float32).to(dtype).item()
+        return value
 
     def _rotary_of(self, layer: int) -> RotaryEmbedding:
         if self.local_rotary is not None and self.config.attention_window(layer) is not None:
@@ -200,7 +203,7 @@ class LlamaForCausalLM(nn.Module):
                 meta: AttentionMetadata) -> torch.Tensor:
         """Hidden states ``[T, hidden]`` after the final norm, one row per scheduled token."""
         x, residual = self.embed_tokens(input_ids), None
-        if self.config.embedding_multiplier is not None:  # Gemma: the multiplier rounded to the dtype, as HF
+        if self.config.embedding_multiplier is not None:  # Gemma, Granite
             x = x * self._embedding_multiplier(x.dtype)
         for layer in self.layers:
             x, residual = layer(x, residual, positions, attention, meta)
@@ -254,6 +257,8 @@ class LlamaForCausalLM(nn.Module):
             logits = self.packed_logits(hidden)
         else:
             logits = F.linear(hidden, self.lm_head_weight)
+        if self.config.logits_scaling != 1.0:  # Granite
+            logits = logits / self.config.logits_scaling
         cap = self.config.final_logit_softcap
         if cap is not None:  # in the model's dtype, as transformers caps them
             logits = torch.tanh(logits / cap) * cap
