@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from shared.rope_config import parse_rope, rope_from_params
+from shared.rope_config import complete_scaling, parse_rope, rope_from_params
 
 GEMMA_MODEL_TYPES = ("gemma", "gemma2", "gemma3_text")
 _DEFAULT_WINDOW = 4096  # transformers' Gemma2Config / Gemma3TextConfig default
@@ -54,19 +54,21 @@ def gemma_layer_types(raw: dict[str, Any], model_type: str) -> tuple[int | None,
     return window, tuple("sliding_attention" if (i + 1) % pattern else "full_attention" for i in range(num_layers))
 
 
-def gemma_rope(raw: dict[str, Any], model_type: str) -> tuple[float, dict[str, Any] | None, float | None]:
+def gemma_rope(raw: dict[str, Any], model_type: str, max_positions: int
+               ) -> tuple[float, dict[str, Any] | None, float | None]:
     """(rope_theta, rope_scaling, local_rope_theta): the last is Gemma 3's sliding layers' base (None for
     Gemma 1 and 2, whose layers all rotate alike)."""
     if model_type != "gemma3_text":
-        theta, scaling = parse_rope(raw, 10000.0)
+        theta, scaling = parse_rope(raw, 10000.0, max_positions)
         return theta, scaling, None
     params = raw.get("rope_parameters")
     if isinstance(params, dict) and isinstance(params.get("full_attention"), dict):  # v5: one dict per layer type
         theta, scaling = rope_from_params(params["full_attention"], raw.get("rope_theta", 1_000_000.0))
+        scaling = complete_scaling(scaling, max_positions)
         local, local_scaling = rope_from_params(params.get("sliding_attention") or {},
                                                 raw.get("rope_local_base_freq", 10_000.0))
     else:  # v4: rope_theta and rope_scaling for the full layers, rope_local_base_freq for the sliding ones
-        theta, scaling = parse_rope(raw, 1_000_000.0)
+        theta, scaling = parse_rope(raw, 1_000_000.0, max_positions)
         local, local_scaling = float(raw.get("rope_local_base_freq", 10_000.0)), None
     if local_scaling is not None:
         raise ValueError("Gemma 3's sliding layers must use plain RoPE (their rope_type 'default')")

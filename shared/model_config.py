@@ -33,7 +33,8 @@ _WINDOW_BY_DEFAULT = ("mistral", "qwen2", "qwen3", "qwen2_moe", "qwen3_moe")  # 
 _REQUIRED_KEYS = ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads", "vocab_size")
 # Defaults transformers uses when config.json omits a key (save_pretrained always writes them).
 _DEFAULT_ROPE_THETA = {"mixtral": 1e6}  # else 10000.0
-_DEFAULT_RMS_NORM_EPS = {"mixtral": 1e-5}  # else 1e-6
+_DEFAULT_RMS_NORM_EPS = {"mixtral": 1e-5, "phi3": 1e-5}  # else 1e-6
+_DEFAULT_MAX_POSITIONS = {"phi3": 4096, "gemma": 8192, "gemma2": 8192, "gemma3_text": 131_072}  # else 2048
 _DEFAULT_HEAD_DIM = {"qwen3": 128, "gemma": 256, "gemma2": 256, "gemma3_text": 256}  # else hidden / heads
 
 
@@ -166,17 +167,20 @@ class ModelConfig:
         if missing:
             raise ValueError(f"missing required key(s): {', '.join(missing)}")
         gemma = model_type in GEMMA_MODEL_TYPES
+        max_positions = raw.get("max_position_embeddings", _DEFAULT_MAX_POSITIONS.get(model_type, 2048))
         if not gemma and raw.get("hidden_act", "silu") != "silu":
             raise ValueError(f"unsupported hidden_act {raw['hidden_act']!r}; only 'silu' is supported")
         heads = raw["num_attention_heads"]
         # Qwen3's and Gemma's config classes default head_dim rather than deriving it; mirror transformers.
         head_dim = raw.get("head_dim") or _DEFAULT_HEAD_DIM.get(model_type) or raw["hidden_size"] // heads
         if gemma:
-            rope_theta, rope_scaling, local_rope_theta = gemma_rope(raw, model_type)
+            rope_theta, rope_scaling, local_rope_theta = gemma_rope(raw, model_type, max_positions)
             window, layer_types = gemma_layer_types(raw, model_type)
         else:
-            rope_theta, rope_scaling = parse_rope(raw, _DEFAULT_ROPE_THETA.get(model_type, 10000.0),
-                                                  PHI3_ROPE_ALIASES if model_type == "phi3" else None)
+            phi3 = model_type == "phi3"
+            rope_theta, rope_scaling = parse_rope(raw, _DEFAULT_ROPE_THETA.get(model_type, 10000.0), max_positions,
+                                                  PHI3_ROPE_ALIASES if phi3 else None,
+                                                  raw.get("original_max_position_embeddings", 4096) if phi3 else None)
             local_rope_theta = None
             window, layer_types = _parse_attention_layers(raw, model_type)
         rotary_share = partial_rotary_factor(raw)
@@ -199,7 +203,7 @@ class ModelConfig:
             rms_norm_eps=float(raw.get("rms_norm_eps", _DEFAULT_RMS_NORM_EPS.get(model_type, 1e-6))),
             rope_theta=rope_theta,
             rope_scaling=rope_scaling,
-            max_position_embeddings=raw.get("max_position_embeddings", 2048),
+            max_position_embeddings=max_positions,
             tie_word_embeddings=bool(raw.get("tie_word_embeddings", gemma)),  # Gemma's are tied unless it says
             qkv_bias=qkv_bias,
             qk_norm=family in ("qwen3", "gemma3_text"),

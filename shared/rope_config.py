@@ -25,18 +25,28 @@ _ROPE_KEYS = {"default": (), "linear": ("factor",),
 PHI3_ROPE_ALIASES = {"su": "longrope", "yarn": "longrope"}  # Phi-3's older names for LongRoPE, and only Phi-3's
 
 
-def parse_rope(raw: dict[str, Any], default_theta: float, aliases: dict[str, str] | None = None
-               ) -> tuple[float, dict[str, Any] | None]:
-    """(rope_theta, scaling) of a model whose every layer rotates alike."""
+def parse_rope(raw: dict[str, Any], default_theta: float, max_positions: int, aliases: dict[str, str] | None = None,
+               pretraining_length: int | None = None) -> tuple[float, dict[str, Any] | None]:
+    """(rope_theta, scaling) of a model whose every layer rotates alike; ``max_positions``: the model's
+    max_position_embeddings; ``pretraining_length``: see complete_scaling."""
     params = dict(raw.get("rope_parameters") or raw.get("rope_scaling") or {})
     if any(isinstance(value, dict) for value in params.values()):
         raise ValueError(f"rope parameters per layer type ({', '.join(params)}) are not supported for this model")
     theta, scaling = rope_from_params(params, raw.get("rope_theta", default_theta), aliases)
-    if scaling is not None and scaling["rope_type"] == "longrope":
-        scaling = _longrope(scaling, raw)
-    if scaling is not None and scaling["rope_type"] == "yarn":
-        scaling = _yarn(scaling, raw)
-    return theta, scaling
+    return theta, complete_scaling(scaling, max_positions, pretraining_length)
+
+
+def complete_scaling(scaling: dict[str, Any] | None, max_positions: int, pretraining_length: int | None = None
+                     ) -> dict[str, Any] | None:
+    """LongRoPE's and YaRN's derived settings filled in. Their pretraining length is the rope dict's
+    original_max_position_embeddings, else ``max_positions``; a model-level one (``pretraining_length``:
+    Phi-3's, whose config class always has it) wins over both, as in transformers."""
+    if scaling is None or scaling["rope_type"] not in ("longrope", "yarn"):
+        return scaling
+    original = pretraining_length or scaling.get("original_max_position_embeddings") or max_positions
+    if scaling["rope_type"] == "longrope":
+        return _longrope(scaling, max_positions, original)
+    return _yarn(scaling, max_positions, original)
 
 
 def partial_rotary_factor(raw: dict[str, Any]) -> float:
@@ -70,12 +80,9 @@ def rope_from_params(params: dict[str, Any], default_theta: float, aliases: dict
     return theta, {"rope_type": rope_type, **params}
 
 
-def _longrope(scaling: dict[str, Any], raw: dict[str, Any]) -> dict[str, Any]:
-    """LongRoPE's scaling with its pretraining length and cos/sin factor resolved, as transformers does:
-    a top-level original_max_position_embeddings (Phi-3's) wins over the rope dict's; without a factor
-    the ratio of the two lengths stands in; the attention factor is sqrt(1 + ln(factor) / ln(original))."""
-    maximum = raw.get("max_position_embeddings", 2048)
-    original = raw.get("original_max_position_embeddings") or scaling.get("original_max_position_embeddings") or maximum
+def _longrope(scaling: dict[str, Any], maximum: int, original: int) -> dict[str, Any]:
+    """LongRoPE's cos/sin factor resolved, as transformers does: without a factor the ratio of the two
+    lengths stands in; the attention factor is sqrt(1 + ln(factor) / ln(original))."""
     factor = scaling.get("factor") or maximum / original
     attention_factor = scaling.get("attention_factor")
     if attention_factor is None:
@@ -91,12 +98,10 @@ def _yarn_mscale(factor: float, mscale: float = 1.0) -> float:
     return 1.0 if factor <= 1 else 0.1 * mscale * math.log(factor) + 1.0
 
 
-def _yarn(scaling: dict[str, Any], raw: dict[str, Any]) -> dict[str, Any]:
-    """YaRN's scaling with transformers' defaults resolved: the pretraining length (the rope dict's, else the
-    model's length), the factor (else the ratio of the two), beta_fast 32 and beta_slow 1, truncation on,
-    and the cos/sin attention factor (DeepSeek's mscale over mscale_all_dim where both are given)."""
-    maximum = raw.get("max_position_embeddings", 2048)
-    original = scaling.get("original_max_position_embeddings") or maximum
+def _yarn(scaling: dict[str, Any], maximum: int, original: int) -> dict[str, Any]:
+    """YaRN's scaling with transformers' defaults resolved: the factor (else the ratio of the two lengths),
+    beta_fast 32 and beta_slow 1, truncation on, and the cos/sin attention factor (DeepSeek's mscale over
+    mscale_all_dim where both are given)."""
     factor = scaling.get("factor") or maximum / original
     attention_factor = scaling.get("attention_factor")
     if attention_factor is None:

@@ -73,6 +73,18 @@ def test_an_adapter_on_phi3_s_fused_projections_equals_transformers_merged(phi3_
     assert outputs[2].outputs[0].token_ids != outputs[6].outputs[0].token_ids, "the adapter changed nothing"
 
 
+def test_an_adapter_trained_on_a_multimodal_checkpoint_applies_to_its_language_model(gemma3_multimodal_dir, tmp_path):
+    # PEFT names a Gemma 3 (4B and up) fine-tune's modules inside the wrapper: language_model.model.layers...
+    adapter = make_adapter(gemma3_multimodal_dir, tmp_path / "mm", rank=8, modules=ATTENTION, seed=7)
+    assert any(".language_model.model.layers." in name for name in load_file(adapter / "adapter_model.safetensors"))
+    merged = merged_model(gemma3_multimodal_dir, adapter, tmp_path / "merged")
+    llm = LLM(str(gemma3_multimodal_dir), enable_lora=True, max_lora_rank=8, block_size=8, max_num_batched_tokens=48)
+    batch = prompts(seed=8)
+    outputs = llm.generate([{"prompt_token_ids": p} for p in batch], GREEDY, use_tqdm=False,
+                           lora_request=LoRARequest("mm", str(adapter)))
+    check(outputs, batch, merged, "adapter on a multimodal checkpoint's language model")
+
+
 def test_one_slot_serves_adapters_in_turn_and_reloads_an_evicted_one(llama_dir, adapters):
     # max_loras=1: the scheduler runs one adapter at a time (the worker refuses a step with two).
     llm = LLM(str(llama_dir), enable_lora=True, max_loras=1, max_lora_rank=8)

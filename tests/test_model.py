@@ -291,6 +291,19 @@ def test_phi3_rope_settings_read_as_transformers_reads_them():
         "type": "yarn", "factor": 40.0, "mscale": 1.0, "mscale_all_dim": 0.707,
         "original_max_position_embeddings": 4096}}).rope_scaling
     assert deepseek["attention_factor"] == pytest.approx((0.1 * math.log(40) + 1) / (0.0707 * math.log(40) + 1))
+    # Phi3Config always has an original_max_position_embeddings (4096 by default): it wins over the rope dict's.
+    bare = ModelConfig.from_dict({**BASE, "model_type": "phi3", "rope_scaling": {
+        "type": "longrope", "original_max_position_embeddings": 64, **factors}})
+    assert bare.rope_scaling["original_max_position_embeddings"] == 4096
+    assert (bare.rms_norm_eps, bare.max_position_embeddings) == (1e-5, 4096)  # Phi3Config's defaults
+    llama = ModelConfig.from_dict({**BASE, "model_type": "llama", "original_max_position_embeddings": 4096,
+                                   "rope_scaling": {"type": "longrope", "original_max_position_embeddings": 64,
+                                                    **factors}})
+    assert llama.rope_scaling["original_max_position_embeddings"] == 64  # others: the rope dict's
+    gemma3 = ModelConfig.from_dict({**BASE, "model_type": "gemma3_text", "rope_parameters": {
+        "full_attention": {"rope_type": "yarn", "factor": 4.0, "rope_theta": 1e6},
+        "sliding_attention": {"rope_type": "default", "rope_theta": 1e4}}})
+    assert gemma3.rope_scaling["beta_fast"] == 32 and gemma3.rope_scaling["original_max_position_embeddings"] == 131072
     partial = ModelConfig.from_dict({**BASE, "model_type": "phi3", "partial_rotary_factor": 0.75})
     assert partial.rotary_dim == 12  # of head_dim 16
     with pytest.raises(ValueError, match="partial_rotary_factor 0.75 is not supported for llama"):

@@ -23,6 +23,7 @@ from safetensors.torch import load_file
 from services.worker.models.lora_linear import LoRALinear, LoRATarget
 from services.worker.tensor_parallel import TensorParallel
 from shared.lora import ADAPTER_WEIGHTS, LoRARequest, read_adapter_config
+from shared.multimodal_config import text_checkpoint_name
 
 # PEFT's saved names: base_model.model.<module>.lora_A.weight (an adapter name may sit before .weight).
 # A checkpoint's fused projection -> the parts it stands for here, in row order.
@@ -35,6 +36,7 @@ class AdapterSlots:
         self.batch, self.targets = model.add_lora(num_slots, max_rank)
         self.layers: list[LoRALinear] = list({id(t.layer): t.layer for t in self.targets.values()}.values())
         self.num_slots, self.max_rank, self.tp = num_slots, max_rank, tp
+        self.multimodal = model.config.text_of is not None  # PEFT names its modules inside the wrapper
         self._loaded: OrderedDict[LoRARequest, int] = OrderedDict()  # adapter -> slot, least recently used first
         self._free = list(range(num_slots))
 
@@ -101,6 +103,11 @@ class AdapterSlots:
         for name, tensor in weights.items():
             match = _WEIGHT_NAME.fullmatch(name)
             module = match["module"] if match else None
+            if module is not None and self.multimodal:  # language_model.model.X / model.language_model.X
+                plain = text_checkpoint_name(f"{module}.weight")
+                if plain is None:  # the vision tower's (PEFT's target names match its projections too): no text
+                    continue       # runs through it here
+                module = plain.removesuffix(".weight")
             if module is not None and not self._knows(module) and self._knows(f"model.{module}"):
                 module = f"model.{module}"  # trained on the bare model (AutoModel, an embedding model)
             if module is None or not self._knows(module):

@@ -190,7 +190,9 @@ class RotaryEmbedding(nn.Module):
         positions = torch.arange(self.max_positions, device=device, dtype=torch.float32)
         freqs = positions[:, None] * inv_freq[None, :]
         emb = torch.cat((freqs, freqs), dim=-1)
-        factor = self.scaling.get("attention_factor", 1.0) if self.scaling else 1.0  # LongRoPE's
+        # LongRoPE's and YaRN's cos/sin factor (transformers applies none for the other kinds).
+        factor = self.scaling["attention_factor"] if self.scaling and "attention_factor" in self.scaling \
+            and self.scaling["rope_type"] in ("longrope", "yarn") else 1.0
         self._cos, self._sin = (emb.cos() * factor).to(dtype), (emb.sin() * factor).to(dtype)
 
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor

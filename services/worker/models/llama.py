@@ -317,13 +317,13 @@ class LlamaForCausalLM(nn.Module):
         """Copy checkpoint tensors (HF names) into the model, converting dtype and device."""
         targets = self._weight_targets()
         loaded: set[str] = set()
+        if self.config.text_of is not None:  # a multimodal checkpoint: its language model's tensors only
+            weights = ((plain, tensor) for name, tensor in weights
+                       if (plain := text_checkpoint_name(name)) is not None)
         attn = self.layers[0].self_attn if len(self.layers) else None
         if attn is not None:  # Phi-3 stores q/k/v and gate/up fused: split into the names the targets know
             kv_whole = attn.kv_size * self.tp.size // self.kv_replicas
             weights = unfuse_checkpoint(weights, (attn.q_size * self.tp.size, kv_whole, kv_whole))
-        if self.config.text_of is not None:  # a multimodal checkpoint: its language model's tensors only
-            weights = ((plain, tensor) for name, tensor in weights
-                       if (plain := text_checkpoint_name(name)) is not None)
         for name, tensor in weights:
             if name.endswith("rotary_emb.inv_freq"):
                 continue  # some old checkpoints saved this buffer; we derive it from the config
