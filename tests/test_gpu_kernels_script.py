@@ -48,6 +48,7 @@ def test_every_section_runs_and_checks_pass(tmp_path):
         (dtype, split) for dtype in ("float32", "bfloat16") for split in (False, True)}
     assert {c["op"] for c in checks if "op" in c} == {"write_kv", "copy_blocks", "swap_round_trip"}
     assert results["targets"]["greedy_ok"] and sections["engine"]["triton_compiles_after_warm_up"] == []
+    assert sections["engine"]["windowed_greedy_ok"], sections["engine"]
     for row in sections["decode"]["cases"]:
         assert row["paged_graph_us"] > 0 and row["sdpa_graph_us"] > 0 and "speed_vs_sdpa_graph" in row
     assert isinstance(results["targets"]["decode_speed_met_graph"], bool)
