@@ -21,7 +21,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import torch  # noqa: E402
 
-from benchmarks.workload import BenchRequest, bench_model_dir, bench_workload, write_report  # noqa: E402
+from benchmarks.workload import (  # noqa: E402
+    BENCH_ARCHITECTURES, BenchRequest, bench_model_dir, bench_workload, write_report)
 
 
 def run_pagedserve(model_dir: Path, requests: list[BenchRequest], args) -> dict:
@@ -107,11 +108,13 @@ def main() -> None:
     parser.add_argument("--hf-batch-size", type=int, default=32)
     parser.add_argument("--vllm-python", default=None, help="a Python with vllm installed (separate venv)")
     parser.add_argument("--vllm-block-size", type=int, default=32)
+    parser.add_argument("--architecture", choices=sorted(BENCH_ARCHITECTURES), default="llama",
+                        help="the bench model's shape in this architecture (gemma2: windows and soft caps)")
     parser.add_argument("--out", default=str(Path(__file__).with_name("results") / "offline_throughput.json"))
     args = parser.parse_args()
 
     torch.manual_seed(args.seed)
-    model_dir = bench_model_dir()
+    model_dir = bench_model_dir(args.architecture)
     requests = bench_workload(args.num_requests, args.seed)
     results = {"pagedserve": run_pagedserve(model_dir, requests, args)}
     if not args.skip_hf:
@@ -136,7 +139,7 @@ def report(results: dict, args, num_requests: int) -> None:
         print(f"{name:<18}{r['tokens_per_s']:>11.1f}{r['requests_per_s']:>9.3f}{ours / r['tokens_per_s']:>14.2f}")
     print(f"peak KV waste: {results['pagedserve']['kv_waste_pct_peak']:.2f}%   "
           f"preemptions: {results['pagedserve']['num_preemptions']}")
-    out = write_report(args.out, {"num_requests": num_requests, "seed": args.seed,
+    out = write_report(args.out, {"architecture": args.architecture, "num_requests": num_requests, "seed": args.seed,
                                   "torch_threads": torch.get_num_threads(), "results": results})
     print(f"wrote {out}")
 

@@ -23,12 +23,21 @@ def bench_workload(num_requests: int = 200, seed: int = 0, vocab_size: int = 320
                          rng.randint(*output_range)) for _ in range(num_requests)]
 
 
-def bench_model_dir() -> Path:
-    """The bench model (Llama shape, 56 M parameters), created once and cached (safe against a concurrent
-    process making it too)."""
+# The bench model's shape in other architectures: Gemma 2 with its caps and every other layer in a 256-key
+# window (the workload's prompts run to 512), GQA heads of 64.
+BENCH_ARCHITECTURES = {"llama": {}, "gemma2": dict(model_type="gemma2", head_dim=64, sliding_window=256,
+                                                    attn_logit_softcapping=50.0, final_logit_softcapping=30.0,
+                                                    query_pre_attn_scalar=64, tie_word_embeddings=True)}
+
+
+def bench_model_dir(architecture: str = "llama") -> Path:
+    """The bench model (Llama shape, 56 M parameters; or that shape in another architecture), created once
+    and cached (safe against a concurrent process making it too)."""
     from shared.model_factory import BENCH_MODEL, cached_model_dir
 
-    return cached_model_dir("bench-model-v1", BENCH_MODEL)
+    if architecture == "llama":
+        return cached_model_dir("bench-model-v1", BENCH_MODEL)
+    return cached_model_dir(f"bench-model-{architecture}-v1", {**BENCH_MODEL, **BENCH_ARCHITECTURES[architecture]})
 
 
 def write_report(out: str | Path, report: dict) -> Path:
