@@ -105,7 +105,7 @@ def test_select_experts_takes_the_most_probable():
 
 
 def _block(moe: MoEConfig, hidden: int = 16, shared: int = 0, seed: int = 0) -> SparseMoeBlock:
-    from services.worker.models.llama import MLP
+    from services.worker.models.decoder import MLP
 
     tp = TensorParallel()
     block = SparseMoeBlock(hidden, moe, tp, MLP(hidden, shared, False, tp, reduce=False) if shared else None)

@@ -1,12 +1,10 @@
-"""The Llama family (Llama, Mistral, Qwen2, Qwen3, their mixture-of-experts kin Mixtral, Qwen2-MoE
-and Qwen3-MoE, whose sparse layers are moe.py's, and Gemma 1/2/3, whose differences gemma_config.py
-lists) over a paged KV cache.
+"""The Llama family over a paged KV cache: Llama, Mistral, Qwen2, Qwen3, Phi-3, Granite, Gemma 1/2/3 (whose
+differences gemma_config.py lists) and the mixture-of-experts kin Mixtral, Qwen2-MoE and Qwen3-MoE (whose
+sparse layers are moe.py's). The model around its decoder layers (decoder.py): embeddings, the final
+norm, the logits head, LoRA slots and loading.
 
-Inputs are flattened: the scheduled tokens of every sequence in the batch, one
-after another, with their positions; attention (and the KV cache) is the
-backend's job, so this module is only the dense math. q/k/v and gate/up are
-fused into one matmul each; ``load_weights`` takes Hugging Face names and
-writes each checkpoint tensor into its slice of the fused weight (weight_targets.py).
+``load_weights`` takes Hugging Face names and writes each checkpoint tensor into its slice of the fused
+weight (weight_targets.py).
 
 With tensor parallelism the model is built from this rank's share of the config
 (its heads and intermediate columns, see tensor_parallel.py): ``load_weights``
@@ -24,7 +22,8 @@ from torch import nn
 
 from services.worker.attention.metadata import AttentionMetadata
 from services.worker.attention.spec import AttentionSpec
-from services.worker.models.layers import GATED_ACTIVATIONS, RotaryEmbedding, rms_norm_class
+from services.worker.models.decoder import MLP, DecoderLayer
+from services.worker.models.layers import RotaryEmbedding, rms_norm_class
 from services.worker.models.lora_linear import LoRABatch, LoRALinear, LoRATarget
 from services.worker.models.moe import SparseMoeBlock
 from services.worker.models.packed_linear import PackedLinear, pack_linear_layers
@@ -32,101 +31,6 @@ from services.worker.models.weight_targets import HF_MLP_NAMES, MIXTRAL_EXPERT_N
 from services.worker.tensor_parallel import TensorParallel
 from shared.model_config import ModelConfig
 from shared.multimodal_config import text_checkpoint_name
-
-
-class Attention(nn.Module):
-    def __init__(self, config: ModelConfig, layer: int, rotary: RotaryEmbedding, tp: TensorParallel):
-        super().__init__()
-        self.layer = layer
-        self.tp = tp
-        self.num_heads, self.num_kv_heads = config.num_attention_heads, config.num_key_value_heads
-        self.head_dim = config.head_dim
-        self.q_size = self.num_heads * self.head_dim
-        self.kv_size = self.num_kv_heads * self.head_dim
-        self.qkv_proj = nn.Linear(config.hidden_size, self.q_size + 2 * self.kv_size, bias=config.qkv_bias)
-        self.o_proj = nn.Linear(self.q_size, config.hidden_size, bias=config.o_bias and tp.rank == 0)
-        if config.qk_norm:
-            norm = rms_norm_class(config.gemma_norms)
-            self.q_norm = norm(self.head_dim, config.rms_norm_eps)
-            self.k_norm = norm(self.head_dim, config.rms_norm_eps)
-        self.qk_norm = config.qk_norm
-        self.rotary = [rotary]  # in a list so the shared module is not registered once per layer
-
-    def forward(self, x: torch.Tensor, positions: torch.Tensor, attention, meta: AttentionMetadata
-                ) -> torch.Tensor:
-        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q = q.view(-1, self.num_heads, self.head_dim)
-        k = k.view(-1, self.num_kv_heads, self.head_dim)
-        v = v.view(-1, self.num_kv_heads, self.head_dim)
-        if self.qk_norm:
-            q, k = self.q_norm(q), self.k_norm(k)
-        q, k = self.rotary[0](positions, q, k)
-        out = attention.forward(self.layer, q, k, v.contiguous(), meta)
-        return self.tp.all_reduce(self.o_proj(out.reshape(-1, self.q_size)))
-
-
-class MLP(nn.Module):
-    def __init__(self, hidden_size: int, intermediate_size: int, bias: bool, tp: TensorParallel, reduce: bool = True,
-                 activation: str = "silu"):
-        """``reduce``: sum the output over the ranks (False: the caller adds this rank's part to its own first);
-        ``activation``: the gate's (SwiGLU's silu, or Gemma's tanh-approximated GELU)."""
-        super().__init__()
-        self.tp, self.reduce = tp, reduce
-        self.gate_up_proj = nn.Linear(hidden_size, 2 * intermediate_size, bias=bias)
-        self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=bias and tp.rank == 0)
-        self.act_and_mul = GATED_ACTIVATIONS[activation]
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        out = self.down_proj(self.act_and_mul(self.gate_up_proj(x)))
-        return self.tp.all_reduce(out) if self.reduce else out
-
-
-def build_mlp(config: ModelConfig, layer: int, tp: TensorParallel) -> nn.Module:
-    """The layer's dense MLP, or its experts where the model has them there."""
-    moe = config.moe
-    if moe is None or not moe.is_sparse(layer):
-        return MLP(config.hidden_size, config.intermediate_size, config.mlp_bias, tp, activation=config.hidden_act)
-    shared = moe.shared_expert_intermediate_size
-    shared_expert = MLP(config.hidden_size, shared, False, tp, reduce=False) if shared else None
-    return SparseMoeBlock(config.hidden_size, moe, tp, shared_expert)
-
-
-class DecoderLayer(nn.Module):
-    def __init__(self, config: ModelConfig, layer: int, rotary: RotaryEmbedding, tp: TensorParallel):
-        super().__init__()
-        norm = rms_norm_class(config.gemma_norms)
-        self.input_layernorm = norm(config.hidden_size, config.rms_norm_eps)
-        self.self_attn = Attention(config, layer, rotary, tp)
-        # With sandwich norms (Gemma 2/3) this one normalises attention's output, not the MLP's input.
-        self.post_attention_layernorm = norm(config.hidden_size, config.rms_norm_eps)
-        self.sandwich = config.sandwich_norms
-        self.residual_multiplier = config.residual_multiplier
-        if self.sandwich:
-            self.pre_feedforward_layernorm = norm(config.hidden_size, config.rms_norm_eps)
-            self.post_feedforward_layernorm = norm(config.hidden_size, config.rms_norm_eps)
-        self.mlp = build_mlp(config, layer, tp)
-
-    def forward(self, x: torch.Tensor, residual: torch.Tensor | None, positions: torch.Tensor, attention,
-                meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
-        """``(mlp output, residual)``, whose sum is the layer's output (HF: ``x + mlp(norm(x))``).
-
-        The sum is left to the next norm, which adds it in the same pass (vLLM's fused_add_rms_norm);
-        the first layer gets ``residual=None``. On the CPU ``residual`` is updated in place.
-        """
-        if residual is None:
-            residual, h = x, self.input_layernorm(x)
-        else:
-            h, residual = self.input_layernorm.forward_with_residual(x, residual)
-        h = self.self_attn(h, positions, attention, meta)
-        if self.residual_multiplier != 1.0:  # Granite scales both outputs before the residual add
-            h = h * self.residual_multiplier
-        if self.sandwich:  # HF: x + post_ff(mlp(pre_ff(x))), x = residual + post_attn(attention)
-            h, residual = self.pre_feedforward_layernorm.forward_with_residual(self.post_attention_layernorm(h),
-                                                                               residual)
-            return self.post_feedforward_layernorm(self.mlp(h)), residual
-        h, residual = self.post_attention_layernorm.forward_with_residual(h, residual)
-        h = self.mlp(h)
-        return (h * self.residual_multiplier if self.residual_multiplier != 1.0 else h), residual
 
 
 class LlamaForCausalLM(nn.Module):
