@@ -85,10 +85,10 @@ def gemma_fields(raw: dict[str, Any], model_type: str) -> dict[str, Any]:
     caps = _DEFAULT_CAPS.get(model_type, (None, None))  # what transformers takes when config.json omits them
     return dict(
         hidden_act=gemma_activation(raw, model_type),
-        gemma_norms=True,
+        norm_style="gemma",
         embedding_multiplier=float(raw["hidden_size"]) ** 0.5,
         round_embedding_multiplier=True,
-        sandwich_norms=later,
+        norm_placement="sandwich" if later else "pre",
         query_pre_attn_scalar=float(scalar) if scalar is not None else None,
         attn_logit_softcap=raw.get("attn_logit_softcapping", caps[0]) if later else None,
         final_logit_softcap=raw.get("final_logit_softcapping", caps[1]) if later else None,

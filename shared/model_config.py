@@ -21,20 +21,23 @@ from shared.multimodal_config import TEXT_MODEL_OF, text_config_of
 from shared.gemma_config import GEMMA_MODEL_TYPES, gemma_fields, gemma_layer_types, gemma_rope
 from shared.rope_config import PHI3_ROPE_ALIASES, parse_rope, partial_rotary_factor
 
-SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "phi3", "granite", *MOE_MODEL_TYPES, *GEMMA_MODEL_TYPES,
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "phi3", "granite", "olmo2", "smollm3", *MOE_MODEL_TYPES,
+                         *GEMMA_MODEL_TYPES,
                          *TEXT_MODEL_OF)
 # The dense family each MoE one shares its attention with.
-_ATTENTION_FAMILY = {"mixtral": "mistral", "qwen2_moe": "qwen2", "qwen3_moe": "qwen3", "granite": "llama"}
+_ATTENTION_FAMILY = {"mixtral": "mistral", "qwen2_moe": "qwen2", "qwen3_moe": "qwen3", "granite": "llama",
+                     "olmo2": "llama", "smollm3": "llama"}
 LAYER_TYPES = ("full_attention", "sliding_attention")
 # Models whose sliding_window counts only with use_sliding_window on; models whose every layer slides.
-_WINDOW_SWITCHED = ("qwen2", "qwen3", "qwen2_moe", "qwen3_moe")
+_WINDOW_SWITCHED = ("qwen2", "qwen3", "qwen2_moe", "qwen3_moe", "smollm3")
 _EVERY_LAYER_SLIDES = ("mistral", "mixtral", "qwen3_moe", "phi3")
 _WINDOW_BY_DEFAULT = ("mistral", "qwen2", "qwen3", "qwen2_moe", "qwen3_moe")  # 4096 when config.json omits it
 _REQUIRED_KEYS = ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads", "vocab_size")
 # Defaults transformers uses when config.json omits a key (save_pretrained always writes them).
 _DEFAULT_ROPE_THETA = {"mixtral": 1e6}  # else 10000.0
-_DEFAULT_RMS_NORM_EPS = {"mixtral": 1e-5, "phi3": 1e-5}  # else 1e-6
-_DEFAULT_MAX_POSITIONS = {"phi3": 4096, "gemma": 8192, "gemma2": 8192, "gemma3_text": 131_072}  # else 2048
+_DEFAULT_RMS_NORM_EPS = {"mixtral": 1e-5, "phi3": 1e-5, "olmo2": 1e-5}  # else 1e-6
+_DEFAULT_MAX_POSITIONS = {"phi3": 4096, "gemma": 8192, "gemma2": 8192, "gemma3_text": 131_072,
+                          "smollm3": 32768}  # else 2048
 _DEFAULT_HEAD_DIM = {"qwen3": 128, "gemma": 256, "gemma2": 256, "gemma3_text": 256}  # else hidden / heads
 
 
@@ -65,10 +68,16 @@ class ModelConfig:
     layer_types: tuple[str, ...] = ()
     # Gemma (gemma_config.py); the defaults are Llama's.
     hidden_act: str = "silu"  # the MLP gate's activation: "silu" (SwiGLU) or "gelu_pytorch_tanh" (GeGLU)
-    gemma_norms: bool = False  # RMSNorms scale by (1 + weight), in float32, cast after
+    # RMSNorm arithmetic: "llama" (cast, then scale by weight), "gemma" (scale by 1 + weight in float32, then
+    # cast), "olmo2" (scale by weight in float32, then cast).
+    norm_style: str = "llama"
+    # Where the layer's norms sit: "pre" (before attention and the MLP), "sandwich" (Gemma 2/3: before and
+    # after each), "post" (OLMo 2: after each, none before).
+    norm_placement: str = "pre"
+    qk_norm_per_head: bool = True  # False: q and k normalised over their whole projection (OLMo 2)
+    rope_layers: tuple[bool, ...] = ()  # per layer, whether it rotates q and k (SmolLM3's NoPE layers); (): all
     embedding_multiplier: float | None = None  # embeddings times this (Gemma, Granite)
     round_embedding_multiplier: bool = False  # Gemma rounds the multiplier to the model's dtype first
-    sandwich_norms: bool = False  # norms after attention's and the MLP's outputs, and before the MLP
     query_pre_attn_scalar: float | None = None  # attention scale: its inverse square root; None: head_dim's
     attn_logit_softcap: float | None = None  # attention scores become cap * tanh(score / cap)
     final_logit_softcap: float | None = None  # so do the logits
@@ -106,6 +115,10 @@ class ModelConfig:
             raise ValueError(f"sliding_window must be a positive integer, got {window!r}")
         if "sliding_attention" in self.layer_types and window is None:
             raise ValueError("layer_types has sliding_attention layers but there is no sliding_window")
+        if self.norm_style not in ("llama", "gemma", "olmo2") or self.norm_placement not in ("pre", "sandwich", "post"):
+            raise ValueError(f"unsupported norms {self.norm_style!r} / {self.norm_placement!r}")
+        if self.rope_layers and len(self.rope_layers) != self.num_hidden_layers:
+            raise ValueError(f"no_rope_layers has {len(self.rope_layers)} entries for {self.num_hidden_layers} layers")
         if self.hidden_act not in ("silu", "gelu_pytorch_tanh"):
             raise ValueError(f"unsupported hidden_act {self.hidden_act!r}")
         for name in ("query_pre_attn_scalar", "attn_logit_softcap", "final_logit_softcap", "local_rope_theta",
@@ -206,7 +219,7 @@ class ModelConfig:
             max_position_embeddings=max_positions,
             tie_word_embeddings=bool(raw.get("tie_word_embeddings", gemma)),  # Gemma's are tied unless it says
             qkv_bias=qkv_bias,
-            qk_norm=family in ("qwen3", "gemma3_text"),
+            qk_norm=family in ("qwen3", "gemma3_text") or model_type == "olmo2",
             sliding_window=window,
             layer_types=layer_types,
             dtype=str(raw.get("dtype") or raw.get("torch_dtype") or "float32"),
@@ -218,7 +231,12 @@ class ModelConfig:
             text_of=text_of,
             **(gemma_fields(raw, model_type) if gemma else {}),
             **(_granite_fields(raw) if model_type == "granite" else {}),
+            **(_OLMO2_FIELDS if model_type == "olmo2" else {}),
+            **(_smollm3_fields(raw) if model_type == "smollm3" else {}),
         )
+
+    def uses_rope(self, layer: int) -> bool:
+        return not self.rope_layers or self.rope_layers[layer]
 
     def attention_window(self, layer: int) -> int | None:
         """The keys a query sees in ``layer`` (itself included), or None: its whole context."""
@@ -229,6 +247,21 @@ class ModelConfig:
     def mlp_width(self, layer: int) -> int:
         """The intermediate size of a layer's dense MLP, or of each expert in a sparse one."""
         return self.moe.intermediate_size if self.moe is not None and self.moe.is_sparse(layer) else self.intermediate_size
+
+
+# OLMo 2: norms after attention and the MLP only, scaled in float32; q/k norms over the whole projection.
+_OLMO2_FIELDS = dict(norm_style="olmo2", norm_placement="post", qk_norm_per_head=False)
+
+
+def _smollm3_fields(raw: dict[str, Any]) -> dict[str, Any]:
+    """SmolLM3's NoPE layers: no_rope_layers (1: rotates), else every no_rope_layer_interval-th layer skips RoPE."""
+    given = raw.get("no_rope_layers")
+    if given is None:
+        interval = raw.get("no_rope_layer_interval", 4)
+        given = [int((i + 1) % interval != 0) for i in range(raw["num_hidden_layers"])]
+    if not isinstance(given, list):
+        raise ValueError(f"no_rope_layers must be a list, got {given!r}")
+    return dict(rope_layers=tuple(bool(flag) for flag in given))
 
 
 def _granite_fields(raw: dict[str, Any]) -> dict[str, Any]:
@@ -258,6 +291,9 @@ def _parse_attention_layers(raw: dict[str, Any], model_type: str) -> tuple[int |
         if not isinstance(given, list):
             raise ValueError(f"layer_types must be a list, got {given!r}")
         return window, tuple(given)
+    if model_type == "smollm3":  # its NoPE layers slide
+        rope = _smollm3_fields(raw)["rope_layers"]
+        return window, tuple("full_attention" if rotates else "sliding_attention" for rotates in rope)
     first_full = raw.get("max_window_layers", 28)
     if model_type == "qwen2_moe":  # every other layer below max_window_layers, from the first
         return window, tuple("sliding_attention" if i % 2 == 0 and i < first_full else "full_attention"

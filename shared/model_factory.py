@@ -105,12 +105,13 @@ def train_tokenizer(vocab_size: int):
 
 def _config(model_type: str, **kwargs: Any):
     from transformers import (Gemma2Config, Gemma3TextConfig, GemmaConfig, GraniteConfig, LlamaConfig, MistralConfig,
-                              MixtralConfig, Phi3Config, Qwen2Config, Qwen2MoeConfig, Qwen3Config, Qwen3MoeConfig)
+                              MixtralConfig, Olmo2Config, Phi3Config, Qwen2Config, Qwen2MoeConfig, Qwen3Config,
+                              Qwen3MoeConfig, SmolLM3Config)
 
     classes = {"llama": LlamaConfig, "mistral": MistralConfig, "qwen2": Qwen2Config, "qwen3": Qwen3Config,
                "mixtral": MixtralConfig, "qwen2_moe": Qwen2MoeConfig, "qwen3_moe": Qwen3MoeConfig,
                "gemma": GemmaConfig, "gemma2": Gemma2Config, "gemma3_text": Gemma3TextConfig, "phi3": Phi3Config,
-               "granite": GraniteConfig}
+               "granite": GraniteConfig, "olmo2": Olmo2Config, "smollm3": SmolLM3Config}
     if model_type == "gemma3":  # a multimodal checkpoint: the text model asked for, beside a token vision tower
         from transformers import Gemma3Config, SiglipVisionConfig
 

@@ -128,6 +128,18 @@ def granite_dir(tiny_model_factory):
 
 
 @pytest.fixture(scope="session")
+def olmo2_dir(tiny_model_factory):
+    # Norms after attention and the MLP only (scaled in float32), q/k norms over the whole projection.
+    return tiny_model_factory("olmo2")
+
+
+@pytest.fixture(scope="session")
+def smollm3_dir(tiny_model_factory):
+    # Every other layer without RoPE (NoPE), and those within a 10-key window.
+    return tiny_model_factory("smollm3", no_rope_layer_interval=2, use_sliding_window=True, sliding_window=10)
+
+
+@pytest.fixture(scope="session")
 def phi3_dir(tiny_model_factory):
     # Fused qkv_proj and gate_up_proj in the checkpoint; every layer within 12 keys; half of each head
     # rotates (Phi-4-mini's partial rotary); tied head.

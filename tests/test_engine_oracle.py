@@ -29,7 +29,7 @@ def blocks_to_force_preemption(block_size: int) -> int:
 @pytest.mark.parametrize("model_fixture", ["llama_dir", "mistral_dir", "qwen2_dir", "qwen3_dir", "tied_dir",
                                            "mixtral_dir", "qwen2_moe_dir", "qwen3_moe_dir", "mistral_window_dir",
                                            "qwen2_window_dir", "gemma_dir", "gemma2_dir", "gemma3_dir", "gemma3_multimodal_dir",
-                                           "phi3_dir", "yarn_dir", "granite_dir"])
+                                           "phi3_dir", "yarn_dir", "granite_dir", "olmo2_dir", "smollm3_dir"])
 @pytest.mark.parametrize("block_size", [8, 16])
 def test_greedy_equals_transformers(model_fixture, block_size, request):
     model_dir = request.getfixturevalue(model_fixture)

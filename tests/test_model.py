@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import math
 import shutil
 
@@ -18,7 +19,8 @@ from tests.checkpoint_edits import rewrite_weights
 
 CPU = torch.device("cpu")
 ARCH_FIXTURES = ["llama_dir", "mistral_dir", "qwen2_dir", "qwen3_dir", "tied_dir", "mixtral_dir", "qwen2_moe_dir",
-                 "qwen3_moe_dir", "gemma_dir", "gemma2_dir", "gemma3_dir", "phi3_dir", "yarn_dir", "granite_dir"]
+                 "qwen3_moe_dir", "gemma_dir", "gemma2_dir", "gemma3_dir", "phi3_dir", "yarn_dir", "granite_dir",
+                 "olmo2_dir", "smollm3_dir"]
 
 
 class PagedRunner:
@@ -243,9 +245,9 @@ def test_gemma_configs_in_both_rope_formats():
         assert (config.rope_theta, config.rope_scaling, config.local_rope_theta) == \
             (1e6, {"rope_type": "linear", "factor": 8.0}, 1e4)
         assert config.layer_types == ("sliding_attention",) * 4  # five in six: none of the first four is full
-        assert config.qk_norm and config.sandwich_norms and config.tie_word_embeddings and config.head_dim == 256
+        assert config.qk_norm and config.norm_placement == "sandwich" and config.tie_word_embeddings and config.head_dim == 256
     gemma = ModelConfig.from_dict({**BASE, "model_type": "gemma", "hidden_act": "gelu"})  # its releases' spelling
-    assert gemma.hidden_act == "gelu_pytorch_tanh" and gemma.embedding_multiplier == 8.0 and not gemma.sandwich_norms
+    assert gemma.hidden_act == "gelu_pytorch_tanh" and gemma.embedding_multiplier == 8.0 and gemma.norm_placement == "pre"
     assert gemma.attention_scale == 256 ** -0.5 and gemma.sliding_window is None
     gemma2 = ModelConfig.from_dict({**BASE, "model_type": "gemma2", "query_pre_attn_scalar": 144,
                                     "attn_logit_softcapping": 50.0, "final_logit_softcapping": 30.0})
@@ -350,6 +352,18 @@ def test_a_sparse_text_config_takes_transformers_defaults():
     assert config.rope_scaling == {"rope_type": "linear", "factor": 8.0} and config.local_rope_theta == 10_000.0
     with pytest.raises(ValueError, match="text_config must be gemma3_text, got 'llama'"):
         ModelConfig.from_dict({"model_type": "gemma3", "text_config": {"model_type": "llama"}})
+
+
+def test_olmo2_and_smollm3_settings():
+    olmo2 = ModelConfig.from_dict({**BASE, "model_type": "olmo2"})
+    assert (olmo2.norm_style, olmo2.norm_placement, olmo2.qk_norm, olmo2.qk_norm_per_head, olmo2.rms_norm_eps) == \
+        ("olmo2", "post", True, False, 1e-5)
+    smol = ModelConfig.from_dict({**BASE, "model_type": "smollm3", "num_hidden_layers": 8})
+    assert [smol.uses_rope(i) for i in range(8)] == [True, True, True, False] * 2  # every 4th layer: NoPE
+    assert smol.sliding_window is None and smol.max_position_embeddings == 32768
+    windowed = ModelConfig.from_dict({**BASE, "model_type": "smollm3", "no_rope_layers": [1, 0, 1, 0],
+                                      "use_sliding_window": True, "sliding_window": 64})
+    assert windowed.layer_types == ("full_attention", "sliding_attention") * 2  # the NoPE layers slide
 
 
 def test_corrupt_safetensors(llama_copy):
@@ -469,3 +483,29 @@ def test_reference_matches_backend(batch):
     assert torch.isfinite(out).all()
     torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(k_cache, ref_k, equal_nan=True)
+
+
+@pytest.mark.parametrize("style, reference", [("llama", "models.llama.modeling_llama.LlamaRMSNorm"),
+                                              ("gemma", "models.gemma2.modeling_gemma2.Gemma2RMSNorm"),
+                                              ("olmo2", "models.olmo2.modeling_olmo2.Olmo2RMSNorm")])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_each_norm_style_rounds_as_transformers_does(style, reference, dtype):
+    # The three orders (cast then scale; scale by 1 + weight, then cast; scale, then cast) agree in float32
+    # only: in 16 bits each must be transformers' own, bit for bit.
+    import importlib
+
+    from services.worker.models.layers import rms_norm_class
+
+    module, name = reference.rsplit(".", 1)
+    theirs = getattr(importlib.import_module(f"transformers.{module}"), name)(64, eps=1e-6).to(dtype)
+    ours = rms_norm_class(style)(64, 1e-6).to(dtype)
+    generator = torch.Generator().manual_seed(int.from_bytes(os.urandom(4), "little"))
+    weight = torch.randn(64, generator=generator).to(dtype)
+    theirs.weight.data.copy_(weight)
+    ours.weight.data.copy_(weight)
+    x = (torch.randn(7, 64, generator=generator) * 3).to(dtype)
+    with torch.no_grad():
+        assert torch.equal(ours(x), theirs(x))
+        residual = (torch.randn(7, 64, generator=generator)).to(dtype)
+        normed, summed = ours.forward_with_residual(x, residual.clone())
+        assert torch.equal(summed, residual + x) and torch.equal(normed, theirs(residual + x))

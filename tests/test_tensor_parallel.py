@@ -33,7 +33,7 @@ def biased_dir(tiny_model_factory):
 
 @pytest.mark.parametrize("model_fixture, size", [("mistral_dir", 2), ("biased_dir", 2), ("qwen3_dir", 2),
                                                  ("qwen2_moe_dir", 2), ("gemma2_dir", 2),
-                                                 ("phi3_dir", 2), ("granite_dir", 2)])
+                                                 ("phi3_dir", 2), ("granite_dir", 2), ("olmo2_dir", 2)])
 def test_greedy_on_ranks_equals_transformers(model_fixture, size, request):
     """Multi-query attention (one KV head, held by both ranks), row-parallel biases, per-head q/k
     norms; under chunked prefill and preemption. (Four ranks: the LoRA test below.)"""

@@ -13,14 +13,15 @@ import torch
 from torch import nn
 
 from services.worker.attention.metadata import AttentionMetadata
-from services.worker.models.layers import GATED_ACTIVATIONS, RotaryEmbedding, rms_norm_class
+from services.worker.models.layers import GATED_ACTIVATIONS, RotaryEmbedding, SplitRMSNorm, rms_norm_class
 from services.worker.models.moe import SparseMoeBlock
 from services.worker.tensor_parallel import TensorParallel
 from shared.model_config import ModelConfig
 
 
 class Attention(nn.Module):
-    def __init__(self, config: ModelConfig, layer: int, rotary: RotaryEmbedding, tp: TensorParallel):
+    def __init__(self, config: ModelConfig, layer: int, rotary: RotaryEmbedding | None, tp: TensorParallel):
+        """``rotary`` None: a layer without positional rotation (SmolLM3's NoPE layers)."""
         super().__init__()
         self.layer = layer
         self.tp = tp
@@ -30,22 +31,28 @@ class Attention(nn.Module):
         self.kv_size = self.num_kv_heads * self.head_dim
         self.qkv_proj = nn.Linear(config.hidden_size, self.q_size + 2 * self.kv_size, bias=config.qkv_bias)
         self.o_proj = nn.Linear(self.q_size, config.hidden_size, bias=config.o_bias and tp.rank == 0)
-        if config.qk_norm:
-            norm = rms_norm_class(config.gemma_norms)
+        if config.qk_norm and config.qk_norm_per_head:
+            norm = rms_norm_class(config.norm_style)
             self.q_norm = norm(self.head_dim, config.rms_norm_eps)
             self.k_norm = norm(self.head_dim, config.rms_norm_eps)
-        self.qk_norm = config.qk_norm
+        elif config.qk_norm:  # over this rank's share of the whole projection (OLMo 2)
+            self.q_norm = SplitRMSNorm(self.q_size, config.rms_norm_eps, tp)
+            self.k_norm = SplitRMSNorm(self.kv_size, config.rms_norm_eps, tp)
+        self.qk_norm, self.qk_norm_per_head = config.qk_norm, config.qk_norm_per_head
         self.rotary = [rotary]  # in a list so the shared module is not registered once per layer
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor, attention, meta: AttentionMetadata
                 ) -> torch.Tensor:
         q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q = q.view(-1, self.num_heads, self.head_dim)
-        k = k.view(-1, self.num_kv_heads, self.head_dim)
-        v = v.view(-1, self.num_kv_heads, self.head_dim)
-        if self.qk_norm:
+        if self.qk_norm and not self.qk_norm_per_head:
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k = self.rotary[0](positions, q, k)
+        q = q.reshape(-1, self.num_heads, self.head_dim)
+        k = k.reshape(-1, self.num_kv_heads, self.head_dim)
+        v = v.view(-1, self.num_kv_heads, self.head_dim)
+        if self.qk_norm and self.qk_norm_per_head:
+            q, k = self.q_norm(q), self.k_norm(k)
+        if self.rotary[0] is not None:
+            q, k = self.rotary[0](positions, q, k)
         out = attention.forward(self.layer, q, k, v.contiguous(), meta)
         return self.tp.all_reduce(self.o_proj(out.reshape(-1, self.q_size)))
 
@@ -77,18 +84,20 @@ def build_mlp(config: ModelConfig, layer: int, tp: TensorParallel) -> nn.Module:
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, config: ModelConfig, layer: int, rotary: RotaryEmbedding, tp: TensorParallel):
+    def __init__(self, config: ModelConfig, layer: int, rotary: RotaryEmbedding | None, tp: TensorParallel):
         super().__init__()
-        norm = rms_norm_class(config.gemma_norms)
-        self.input_layernorm = norm(config.hidden_size, config.rms_norm_eps)
+        norm, size, eps = rms_norm_class(config.norm_style), config.hidden_size, config.rms_norm_eps
+        self.placement = config.norm_placement
+        if self.placement != "post":
+            self.input_layernorm = norm(size, eps)
         self.self_attn = Attention(config, layer, rotary, tp)
-        # With sandwich norms (Gemma 2/3) this one normalises attention's output, not the MLP's input.
-        self.post_attention_layernorm = norm(config.hidden_size, config.rms_norm_eps)
-        self.sandwich = config.sandwich_norms
+        # With sandwich or post norms this one normalises attention's output, not the MLP's input.
+        self.post_attention_layernorm = norm(size, eps)
+        if self.placement == "sandwich":
+            self.pre_feedforward_layernorm = norm(size, eps)
+        if self.placement != "pre":
+            self.post_feedforward_layernorm = norm(size, eps)
         self.residual_multiplier = config.residual_multiplier
-        if self.sandwich:
-            self.pre_feedforward_layernorm = norm(config.hidden_size, config.rms_norm_eps)
-            self.post_feedforward_layernorm = norm(config.hidden_size, config.rms_norm_eps)
         self.mlp = build_mlp(config, layer, tp)
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None, positions: torch.Tensor, attention,
@@ -98,6 +107,10 @@ class DecoderLayer(nn.Module):
         The sum is left to the next norm, which adds it in the same pass (vLLM's fused_add_rms_norm);
         the first layer gets ``residual=None``. On the CPU ``residual`` is updated in place.
         """
+        if self.placement == "post":  # HF: x + post_ff(mlp(x)), x = residual + post_attn(attention(residual))
+            stream = x if residual is None else x + residual
+            stream = stream + self.post_attention_layernorm(self.self_attn(stream, positions, attention, meta))
+            return self.post_feedforward_layernorm(self.mlp(stream)), stream
         if residual is None:
             residual, h = x, self.input_layernorm(x)
         else:
@@ -105,7 +118,7 @@ class DecoderLayer(nn.Module):
         h = self.self_attn(h, positions, attention, meta)
         if self.residual_multiplier != 1.0:  # Granite scales both outputs before the residual add
             h = h * self.residual_multiplier
-        if self.sandwich:  # HF: x + post_ff(mlp(pre_ff(x))), x = residual + post_attn(attention)
+        if self.placement == "sandwich":  # HF: x + post_ff(mlp(pre_ff(x))), x = residual + post_attn(attention)
             h, residual = self.pre_feedforward_layernorm.forward_with_residual(self.post_attention_layernorm(h),
                                                                                residual)
             return self.post_feedforward_layernorm(self.mlp(h)), residual

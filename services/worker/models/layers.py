@@ -58,30 +58,62 @@ class RMSNorm(nn.Module):
         return self(residual), residual
 
 
-class GemmaRMSNorm(RMSNorm):
-    """Gemma's: scales by ``1 + weight`` in float32, then casts (Llama casts first, then scales).
+class Float32ScaledRMSNorm(RMSNorm):
+    """Scales in float32, then casts (Llama casts first, then scales): by ``weight`` (OLMo 2) or, with
+    ``OFFSET`` 1, by ``1 + weight`` (Gemma).
 
-    In float32 the two orders agree, so the fused CPU kernels take it with ``1 + weight`` as their weight.
+    In float32 the two orders agree, so the fused CPU kernels take it with ``OFFSET + weight`` as their weight.
     """
+
+    OFFSET = 0.0
+
+    def _scale(self) -> torch.Tensor:
+        return self.weight + self.OFFSET if self.OFFSET else self.weight
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if _fused_on_cpu(x) and x.dtype == torch.float32 and self.weight.dtype == torch.float32:
-            return cpu_layers.rms_norm(x, 1.0 + self.weight, self.eps)
+            return cpu_layers.rms_norm(x, self._scale(), self.eps)
         x32 = x.float()
         x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
-        return (x32 * (1.0 + self.weight.float())).to(x.dtype)
+        return (x32 * (self.OFFSET + self.weight.float())).to(x.dtype)
 
     def forward_with_residual(self, x: torch.Tensor, residual: torch.Tensor
                               ) -> tuple[torch.Tensor, torch.Tensor]:
         if (_fused_on_cpu(x) and x.dtype == torch.float32 and self.weight.dtype == torch.float32
                 and residual.dtype == x.dtype and x.is_contiguous() and residual.is_contiguous()):
-            return cpu_layers.fused_add_rms_norm(x, residual, 1.0 + self.weight, self.eps), residual
+            return cpu_layers.fused_add_rms_norm(x, residual, self._scale(), self.eps), residual
         residual = residual + x
         return self(residual), residual
 
 
-def rms_norm_class(gemma: bool) -> type[RMSNorm]:
-    return GemmaRMSNorm if gemma else RMSNorm
+class GemmaRMSNorm(Float32ScaledRMSNorm):
+    OFFSET = 1.0
+
+
+NORM_STYLES = {"llama": RMSNorm, "gemma": GemmaRMSNorm, "olmo2": Float32ScaledRMSNorm}
+
+
+def rms_norm_class(style: str) -> type[RMSNorm]:
+    return NORM_STYLES[style]
+
+
+class SplitRMSNorm(nn.Module):
+    """OLMo 2's q/k norm: over a whole projection ``[T, heads * head_dim]`` (not per head), which tensor
+    parallelism splits by heads: each rank's sum of squares is all-reduced, so every rank normalises by the
+    whole projection's mean. (Ranks that hold the same KV heads add them alike: count and sum grow together.)"""
+
+    def __init__(self, dim: int, eps: float, tp):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps, self.tp = eps, tp
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x32 = x.float()
+        squares = x32.pow(2).sum(-1, keepdim=True)
+        if self.tp.size > 1:
+            squares = self.tp.all_reduce(squares)
+        x32 = x32 * torch.rsqrt(squares / (x.shape[-1] * self.tp.size) + self.eps)
+        return (self.weight.float() * x32).to(x.dtype)
 
 
 def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:

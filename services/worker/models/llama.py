@@ -58,7 +58,7 @@ class LlamaForCausalLM(nn.Module):
                                          _weight=torch.empty(config.vocab_size, config.hidden_size))
         self.layers = nn.ModuleList(DecoderLayer(config, i, self._rotary_of(i), tp)
                                     for i in range(config.num_hidden_layers))
-        self.norm = rms_norm_class(config.gemma_norms)(config.hidden_size, config.rms_norm_eps)
+        self.norm = rms_norm_class(config.norm_style)(config.hidden_size, config.rms_norm_eps)
         # Tied: the embedding matrix doubles as the output projection (see lm_head_weight).
         if with_head and not config.tie_word_embeddings:
             self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
@@ -74,7 +74,9 @@ class LlamaForCausalLM(nn.Module):
             value = torch.tensor(value, dtype=torch.float32).to(dtype).item()
         return value
 
-    def _rotary_of(self, layer: int) -> RotaryEmbedding:
+    def _rotary_of(self, layer: int) -> RotaryEmbedding | None:
+        if not self.config.uses_rope(layer):
+            return None
         if self.local_rotary is not None and self.config.attention_window(layer) is not None:
             return self.local_rotary
         return self.rotary
@@ -186,20 +188,23 @@ class LlamaForCausalLM(nn.Module):
             targets.whole("score.weight", self.score.weight)
         for i, layer in enumerate(self.layers):
             p, attn = f"model.layers.{i}", layer.self_attn
-            targets.whole(f"{p}.input_layernorm.weight", layer.input_layernorm.weight)
-            targets.whole(f"{p}.post_attention_layernorm.weight", layer.post_attention_layernorm.weight)
-            if layer.sandwich:
-                targets.whole(f"{p}.pre_feedforward_layernorm.weight", layer.pre_feedforward_layernorm.weight)
-                targets.whole(f"{p}.post_feedforward_layernorm.weight", layer.post_feedforward_layernorm.weight)
+            for name in ("input_layernorm", "post_attention_layernorm", "pre_feedforward_layernorm",
+                         "post_feedforward_layernorm"):
+                if hasattr(layer, name):  # which norms a layer has depends on their placement
+                    targets.whole(f"{p}.{name}.weight", getattr(layer, name).weight)
             qkv_sizes = [attn.q_size, attn.kv_size, attn.kv_size]
             for suffix, fused in (("weight", attn.qkv_proj.weight), ("bias", attn.qkv_proj.bias)):
                 if fused is not None:
                     targets.parts(f"{p}.self_attn", suffix, fused, ["q_proj", "k_proj", "v_proj"], qkv_sizes,
                                   [1, self.kv_replicas, self.kv_replicas])
             targets.row_parallel(f"{p}.self_attn.o_proj", attn.o_proj, self.config.o_bias)
-            if attn.qk_norm:
+            if attn.qk_norm and attn.qk_norm_per_head:
                 targets.whole(f"{p}.self_attn.q_norm.weight", attn.q_norm.weight)
                 targets.whole(f"{p}.self_attn.k_norm.weight", attn.k_norm.weight)
+            elif attn.qk_norm:  # over the whole projection: this rank's heads' share of the weight
+                targets.parts(f"{p}.self_attn", "weight", attn.q_norm.weight, ["q_norm"], [attn.q_size], [1])
+                targets.parts(f"{p}.self_attn", "weight", attn.k_norm.weight, ["k_norm"], [attn.kv_size],
+                              [self.kv_replicas])
             if isinstance(layer.mlp, SparseMoeBlock):
                 self._expert_targets(targets, p, layer.mlp)
             else:
