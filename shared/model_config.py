@@ -34,7 +34,7 @@ _EVERY_LAYER_SLIDES = ("mistral", "mixtral", "qwen3_moe", "phi3")
 _WINDOW_BY_DEFAULT = ("mistral", "qwen2", "qwen3", "qwen2_moe", "qwen3_moe")  # 4096 when config.json omits it
 _REQUIRED_KEYS = ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads", "vocab_size")
 # Defaults transformers uses when config.json omits a key (save_pretrained always writes them).
-_DEFAULT_ROPE_THETA = {"mixtral": 1e6}  # else 10000.0
+_DEFAULT_ROPE_THETA = {"mixtral": 1e6, "smollm3": 2e6}  # else 10000.0
 _DEFAULT_RMS_NORM_EPS = {"mixtral": 1e-5, "phi3": 1e-5, "olmo2": 1e-5}  # else 1e-6
 _DEFAULT_MAX_POSITIONS = {"phi3": 4096, "gemma": 8192, "gemma2": 8192, "gemma3_text": 131_072,
                           "smollm3": 32768}  # else 2048
@@ -76,6 +76,7 @@ class ModelConfig:
     norm_placement: str = "pre"
     qk_norm_per_head: bool = True  # False: q and k normalised over their whole projection (OLMo 2)
     rope_layers: tuple[bool, ...] = ()  # per layer, whether it rotates q and k (SmolLM3's NoPE layers); (): all
+    rotate_in_float32: bool = False  # q and k rotated in float32, then cast back (OLMo 2)
     embedding_multiplier: float | None = None  # embeddings times this (Gemma, Granite)
     round_embedding_multiplier: bool = False  # Gemma rounds the multiplier to the model's dtype first
     query_pre_attn_scalar: float | None = None  # attention scale: its inverse square root; None: head_dim's
@@ -217,14 +218,15 @@ class ModelConfig:
             rope_theta=rope_theta,
             rope_scaling=rope_scaling,
             max_position_embeddings=max_positions,
-            tie_word_embeddings=bool(raw.get("tie_word_embeddings", gemma)),  # Gemma's are tied unless it says
+            # Gemma's and SmolLM3's are tied unless config.json says otherwise
+            tie_word_embeddings=bool(raw.get("tie_word_embeddings", gemma or model_type == "smollm3")),
             qkv_bias=qkv_bias,
             qk_norm=family in ("qwen3", "gemma3_text") or model_type == "olmo2",
             sliding_window=window,
             layer_types=layer_types,
             dtype=str(raw.get("dtype") or raw.get("torch_dtype") or "float32"),
             o_bias=family in ("llama", "qwen3", *GEMMA_MODEL_TYPES) and attention_bias,
-            mlp_bias=family == "llama" and bool(raw.get("mlp_bias", False)),
+            mlp_bias=family == "llama" and model_type != "olmo2" and bool(raw.get("mlp_bias", False)),
             moe=parse_moe(raw, model_type),
             local_rope_theta=local_rope_theta,
             partial_rotary_factor=rotary_share,
@@ -250,18 +252,18 @@ class ModelConfig:
 
 
 # OLMo 2: norms after attention and the MLP only, scaled in float32; q/k norms over the whole projection.
-_OLMO2_FIELDS = dict(norm_style="olmo2", norm_placement="post", qk_norm_per_head=False)
+_OLMO2_FIELDS = dict(norm_style="olmo2", norm_placement="post", qk_norm_per_head=False, rotate_in_float32=True)
 
 
 def _smollm3_fields(raw: dict[str, Any]) -> dict[str, Any]:
     """SmolLM3's NoPE layers: no_rope_layers (1: rotates), else every no_rope_layer_interval-th layer skips RoPE."""
-    given = raw.get("no_rope_layers")
+    given, num_layers = raw.get("no_rope_layers"), raw["num_hidden_layers"]
     if given is None:
         interval = raw.get("no_rope_layer_interval", 4)
-        given = [int((i + 1) % interval != 0) for i in range(raw["num_hidden_layers"])]
-    if not isinstance(given, list):
-        raise ValueError(f"no_rope_layers must be a list, got {given!r}")
-    return dict(rope_layers=tuple(bool(flag) for flag in given))
+        given = [int((i + 1) % interval != 0) for i in range(num_layers)]
+    if not isinstance(given, list) or len(given) < num_layers:
+        raise ValueError(f"no_rope_layers must list at least one flag per layer ({num_layers}), got {given!r}")
+    return dict(rope_layers=tuple(bool(flag) for flag in given[:num_layers]))  # transformers reads the first ones
 
 
 def _granite_fields(raw: dict[str, Any]) -> dict[str, Any]:
@@ -278,7 +280,8 @@ def _parse_attention_layers(raw: dict[str, Any], model_type: str) -> tuple[int |
     window = raw.get("sliding_window", 4096 if model_type in _WINDOW_BY_DEFAULT else None) or None
     if model_type not in _WINDOW_SWITCHED + _EVERY_LAYER_SLIDES:  # Llama's attention has no window
         window = None
-    # Qwen configs carry a sliding_window value even when use_sliding_window is off.
+    # Qwen configs carry a sliding_window value even when use_sliding_window is off. (SmolLM3 with it off attends
+    # fully even where its layer_types say sliding: transformers' flash path does, its eager mask would not.)
     if model_type in _WINDOW_SWITCHED and not raw.get("use_sliding_window", False):
         window = None
     num_layers = raw["num_hidden_layers"]

@@ -129,8 +129,9 @@ def granite_dir(tiny_model_factory):
 
 @pytest.fixture(scope="session")
 def olmo2_dir(tiny_model_factory):
-    # Norms after attention and the MLP only (scaled in float32), q/k norms over the whole projection.
-    return tiny_model_factory("olmo2")
+    # Norms after attention and the MLP only (scaled in float32), q/k norms over the whole projection; one KV
+    # head, so two ranks hold it both (their sums of squares then count it twice, and so do their counts).
+    return tiny_model_factory("olmo2", num_key_value_heads=1)
 
 
 @pytest.fixture(scope="session")

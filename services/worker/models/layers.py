@@ -207,8 +207,10 @@ class RotaryEmbedding(nn.Module):
     """
 
     def __init__(self, head_dim: int, max_positions: int, theta: float, scaling: dict[str, Any] | None,
-                 rotary_dim: int | None = None, max_model_len: int | None = None):
+                 rotary_dim: int | None = None, max_model_len: int | None = None, in_float32: bool = False):
+        """``in_float32``: rotate in float32 and cast back (OLMo 2), rather than in the activations' dtype."""
         super().__init__()
+        self.in_float32 = in_float32
         self.head_dim, self.max_positions = head_dim, max_positions
         self.rotary_dim = rotary_dim or head_dim
         self.theta, self.scaling = theta, scaling
@@ -233,8 +235,12 @@ class RotaryEmbedding(nn.Module):
 
         On the CPU (fused kernel) q and k are rotated in place and returned; elsewhere new tensors.
         """
-        if self._cos is None or self._cos.device != q.device or self._cos.dtype != q.dtype:
-            self._build(q.device, q.dtype)
+        table_dtype = torch.float32 if self.in_float32 else q.dtype
+        if self._cos is None or self._cos.device != q.device or self._cos.dtype != table_dtype:
+            self._build(q.device, table_dtype)
+        if table_dtype != q.dtype:  # float32 products, cast back (transformers' OLMo 2)
+            q_rot, k_rot = self.forward(positions, q.float(), k.float())
+            return q_rot.to(q.dtype), k_rot.to(k.dtype)
         if self.rotary_dim < self.head_dim:  # rotate the leading dimensions; the rest pass through
             q_lead, k_lead = q[..., :self.rotary_dim], k[..., :self.rotary_dim]
             q_rot, k_rot = self._rotate(positions, q_lead, k_lead)

@@ -48,7 +48,8 @@ class LlamaForCausalLM(nn.Module):
         self.tp = tp
         self.kv_replicas = kv_replicas
         self.rotary = RotaryEmbedding(config.head_dim, config.max_position_embeddings, config.rope_theta,
-                                      config.rope_scaling, config.rotary_dim, max_model_len)
+                                      config.rope_scaling, config.rotary_dim, max_model_len,
+                                      in_float32=config.rotate_in_float32)
         # Gemma 3's sliding layers rotate with a base of their own.
         self.local_rotary = None if config.local_rope_theta is None else RotaryEmbedding(
             config.head_dim, config.max_position_embeddings, config.local_rope_theta, None)
