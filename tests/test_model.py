@@ -103,8 +103,9 @@ def test_matches_transformers(fixture, request):
 
 @pytest.mark.parametrize("fixture", ["llama_dir", "olmo2_dir", "smollm3_dir"])
 def test_bfloat16_logits_equal_transformers_bfloat16(fixture, request):
-    # Each step in transformers' dtype, in its order (OLMo 2 rotates in float32 and casts back): its logits to
-    # rounding. (Rotating OLMo 2 in bf16 instead put them 0.11 apart.)
+    # Each step in transformers' dtype, in its order (OLMo 2 rotates in float32 and casts back): its logits,
+    # but for a last-bit rounding here and there (seen after other tests in the process: one bf16 step, 0.03).
+    # Rotating OLMo 2 in bf16 instead moved 78% of them, by 0.011 on average and up to 0.11.
     from transformers import AutoModelForCausalLM
 
     model_dir = request.getfixturevalue(fixture)
@@ -113,7 +114,8 @@ def test_bfloat16_logits_equal_transformers_bfloat16(fixture, request):
     prompts = random_prompts(config.vocab_size, [20, 33], seed=int.from_bytes(os.urandom(4), "little"))
     ours = PagedRunner(model, config, dtype=torch.bfloat16, num_blocks=40).step(dict(enumerate(prompts)))
     for i, prompt in enumerate(prompts):
-        assert (ours[i] - hf_logits(hf, prompt)).abs().max() < 0.02
+        apart = (ours[i] - hf_logits(hf, prompt)).abs()
+        assert apart.mean() < 0.001 and apart.max() < 0.07, (apart.mean(), apart.max())
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
