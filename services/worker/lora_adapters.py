@@ -132,7 +132,8 @@ class AdapterSlots:
     def _knows(self, module: str) -> bool:
         """A projection with a slot here, or a fused one (Phi-3's qkv_proj, gate_up_proj) whose parts have."""
         prefix, _, name = module.rpartition(".")
-        return module in self.targets or (name in _FUSED_MODULES and f"{prefix}.{_FUSED_MODULES[name][0]}" in self.targets)
+        return module in self.targets or (name in _FUSED_MODULES
+                                          and f"{prefix}.{_FUSED_MODULES[name][0]}" in self.targets)
 
     def _unfused(self, found: dict[str, dict[str, torch.Tensor]]) -> dict[str, dict[str, torch.Tensor]]:
         """A fused projection's adapter as its parts': one A for all, B cut by each part's rows (x A B on the

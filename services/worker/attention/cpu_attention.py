@@ -25,6 +25,7 @@ class _Decodes:
     seqs: torch.Tensor  # [n] int64: its sequence index in the metadata's block_tables / seq_lens
     block_tables: torch.Tensor  # [num_seqs, max_blocks] int32 (the metadata's)
     seq_lens: torch.Tensor  # [num_seqs] int32 (the metadata's)
+    window: int | None  # the layers' sliding window (None: whole contexts)
 
 
 class CpuAttentionBackend(TorchAttentionBackend):
@@ -39,10 +40,10 @@ class CpuAttentionBackend(TorchAttentionBackend):
     def _plan_decodes(self, meta: AttentionMetadata, tables: torch.Tensor, order: list[int], rows: list[int],
                       dtype: torch.dtype, k_cache: torch.Tensor, window: int | None) -> list[_Decodes]:
         return [_Decodes(torch.tensor(rows, dtype=torch.int64), torch.tensor(order, dtype=torch.int64),
-                         meta.block_tables.contiguous(), meta.seq_lens.contiguous())]
+                         meta.block_tables.contiguous(), meta.seq_lens.contiguous(), window)]
 
     def _decode(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                decodes: list[_Decodes], out: torch.Tensor, window: int | None) -> None:
+                decodes: list[_Decodes], out: torch.Tensor) -> None:
         for d in decodes:
             paged_decode_attention(out, q, k_cache, v_cache, d.block_tables, d.seq_lens, d.rows, d.seqs,
-                                   self.spec.scale, window=window, softcap=self.spec.logit_softcap)
+                                   self.spec.scale, window=d.window, softcap=self.spec.logit_softcap)

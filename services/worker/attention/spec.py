@@ -28,8 +28,3 @@ class AttentionSpec:
 
     def window(self, layer: int) -> int | None:
         return self.windows[layer] if layer < len(self.windows) else None
-
-    def first_visible(self, layer: int, position: int) -> int:
-        """The first key position a query at ``position`` sees in ``layer``."""
-        window = self.window(layer)
-        return 0 if window is None else max(0, position - window + 1)

@@ -122,6 +122,16 @@ def _causal_mask(query_len: int, context_len: int, num_keys: int, dtype: torch.d
     return torch.zeros(query_len, num_keys, dtype=dtype, device=device).masked_fill_(hidden, float("-inf"))
 
 
+def _first_key(context_len: int, window: int | None) -> int:
+    """The first key the token at ``context_len - 1`` sees."""
+    return 0 if window is None else max(0, context_len - window)
+
+
+def _span(context_len: int, window: int | None, block_size: int) -> int:
+    """A decode's tokens from the first block it gathers: up to block_size - 1 more than the keys it sees."""
+    return context_len - _first_key(context_len, window) // block_size * block_size
+
+
 class TorchAttentionBackend:
     """Writes new K/V into the paged pool and attends over it, with PyTorch ops.
 
@@ -154,7 +164,7 @@ class TorchAttentionBackend:
         plan = self._step_plan(meta, q.dtype, k_cache, window)
         out = torch.empty_like(q)
         if plan.decode:
-            self._decode(q, k_cache, v_cache, plan.decode, out, window)
+            self._decode(q, k_cache, v_cache, plan.decode, out)
         if plan.prefill:
             self._prefill(q, k, v, k_cache, v_cache, plan.prefill, out, window)
         return out
@@ -180,10 +190,9 @@ class TorchAttentionBackend:
         one_each = meta.is_decode_only and meta.num_tokens == meta.num_seqs
         starts = None if one_each else meta.query_start_loc.tolist()
 
-        # Decodes, the most keys first (rows: where each one's token sits in q).
+        # Decodes, the longest span of gathered blocks first (rows: where each one's token sits in q).
         decodes = [i for i, n in enumerate(query_lens) if n == 1]
-        visible = {i: seq_lens[i] if window is None else min(seq_lens[i], window) for i in decodes}
-        order = sorted(decodes, key=lambda i: -visible[i])
+        order = sorted(decodes, key=lambda i: -_span(seq_lens[i], window, block_size))
         rows = order if one_each else [starts[i] for i in order]
         decode = self._plan_decodes(meta, tables, order, rows, dtype, k_cache, window) if order else []
 
@@ -192,7 +201,7 @@ class TorchAttentionBackend:
             if query_len <= 1:
                 continue
             first_query = context_len - query_len
-            first_visible = 0 if window is None else max(0, first_query - window + 1)
+            first_visible = _first_key(first_query + 1, window)  # what the chunk's first token sees
             if context_len == query_len and (window is None or query_len <= window):
                 prefill.append(_Prefill(starts[i], query_len, context_len, blocks=None, first_key=0, causal=True,
                                         mask=None))
@@ -213,18 +222,14 @@ class TorchAttentionBackend:
 
     def _plan_decodes(self, meta: AttentionMetadata, tables: torch.Tensor, order: list[int], rows: list[int],
                       dtype: torch.dtype, k_cache: torch.Tensor, window: int | None) -> list[_DecodeChunk]:
-        """Cut the decodes (sequence indices ``order``, most keys first; ``tables``: the block tables
+        """Cut the decodes (sequence indices ``order``, longest span first; ``tables``: the block tables
         as int64) into chunks of similar length. Each sequence's span runs from the block holding the
         first key it sees to its last block."""
         block_size, num_kv_heads, head_dim = k_cache.shape[1:]
         seq_lens, device = meta.seq_lens_cpu, k_cache.device
-        first_key = {i: 0 if window is None else max(0, seq_lens[i] - window) for i in order}
-        # Tokens from the first block gathered: up to block_size - 1 more than the keys seen, so longest first again.
-        span = {i: seq_lens[i] - first_key[i] // block_size * block_size for i in order}
-        order, rows = zip(*sorted(zip(order, rows), key=lambda pair: -span[pair[0]]))
-        first_key = [first_key[i] for i in order]
+        first_key = [_first_key(seq_lens[i], window) for i in order]
         first_block = [f // block_size for f in first_key]
-        spans = [span[i] for i in order]
+        spans = [_span(seq_lens[i], window, block_size) for i in order]
         token_bytes = 2 * num_kv_heads * head_dim * torch.empty((), dtype=k_cache.dtype).element_size()
         budget = max(block_size, DECODE_CHUNK_BYTES // token_bytes)
         chunks = []
@@ -271,7 +276,7 @@ class TorchAttentionBackend:
     # ---- attention ----------------------------------------------------------------------------
 
     def _decode(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                chunks: list[_DecodeChunk], out: torch.Tensor, window: int | None) -> None:
+                chunks: list[_DecodeChunk], out: torch.Tensor) -> None:
         """One query per sequence. The ``group`` query heads of a KV head become one [group, dim] query."""
         num_heads, (num_kv_heads, head_dim) = q.shape[1], k_cache.shape[2:]
         group = num_heads // num_kv_heads
