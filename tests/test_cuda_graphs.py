@@ -80,10 +80,10 @@ def eager(model, backend, batch):
 
 
 def test_context_classes():
-    assert SHORT_CONTEXT == 1023  # the longest the split heuristic never splits
-    assert context_classes(600) == [600]
-    assert context_classes(1023) == [1023]
-    assert context_classes(32768) == [1023, 32768]
+    assert SHORT_CONTEXT == 255  # the longest the split heuristic never splits
+    assert context_classes(200) == [200]
+    assert context_classes(255) == [255]
+    assert context_classes(32768) == [255, 32768]
 
 
 def test_capture_sizes():
@@ -141,7 +141,7 @@ def test_check_passes_faithful_graphs_and_catches_frozen_ones(long_llama_dir):
         good = capture(model, backend, ReplayByRerunning(), max_num_seqs=2)
         assert check_decode_graphs(good, model, backend, **options) < 1e-4  # float32; split or not
         frozen = capture(model, backend, FrozenReplay(), max_num_seqs=2)
-        with pytest.raises(ValueError, match="for 1 sequences up to 1023 keys differs from the eager forward pass"):
+        with pytest.raises(ValueError, match="for 1 sequences up to 255 keys differs from the eager forward pass"):
             check_decode_graphs(frozen, model, backend, **options)
 
 

@@ -24,10 +24,11 @@ def shapes(batches):
 
 
 @pytest.mark.parametrize("max_model_len, budget, prefills, decodes", [
-    (2048, 4096, [1, 2, 4, 8, 16, 32, 64], [1024, 2048]),  # 2 and 4 splits of 512 keys
-    (2000, 48, [1, 2, 4, 8, 16, 32, 48], [1024, 2000]),  # the longest query and context themselves too
-    (40960, 4096, [1, 2, 4, 8, 16, 32, 64], [1024, 2048, 4096, 8192, 16384, 32768, 40960]),
-    (700, 4096, [1, 2, 4, 8, 16, 32, 64], []),  # too short for split-K
+    (2048, 4096, [1, 2, 4, 8, 16, 32, 64], [256, 512, 1024, 2048]),  # 2, 4, 8 and 16 splits of 128 keys
+    (2000, 48, [1, 2, 4, 8, 16, 32, 48], [256, 512, 1024, 2000]),  # the longest query and context themselves too
+    (40960, 4096, [1, 2, 4, 8, 16, 32, 64], [256, 512, 1024, 2048, 4096, 8192, 40960]),  # 64 splits from 8192
+    (700, 4096, [1, 2, 4, 8, 16, 32, 64], [256, 512, 700]),
+    (255, 4096, [1, 2, 4, 8, 16, 32, 64], []),  # too short for split-K
     (40, 4096, [1, 2, 4, 8, 16, 32, 40], []),
 ])
 def test_warm_up_reaches_every_tile_height_and_split_count(max_model_len, budget, prefills, decodes):

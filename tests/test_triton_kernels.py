@@ -20,8 +20,9 @@ from services.worker.attention.selector import select_attention_backend  # noqa:
 from services.worker.attention.spec import AttentionSpec  # noqa: E402
 from services.worker.attention.torch_ref import (  # noqa: E402
     TorchAttentionBackend, paged_attention_reference, write_kv as write_kv_reference)
+from services.worker.attention import triton_attention  # noqa: E402
 from services.worker.attention.triton_attention import (  # noqa: E402
-    TritonAttentionBackend, choose_num_splits, make_launch_plan, paged_attention)
+    SPLIT_MIN_KEYS, TritonAttentionBackend, choose_num_splits, make_launch_plan, paged_attention)
 from services.worker.attention.triton_cache_ops import copy_blocks, swap_blocks, whole_pool, write_kv  # noqa: E402
 from services.worker.swap_staging import SwapStaging  # noqa: E402
 
@@ -127,6 +128,25 @@ def test_prefill_longer_than_one_query_tile():
     assert (plan.block_q, plan.num_warps, plan.num_tiles) == (8, 8, 5 + 5 + 1)
 
 
+def test_tile_sizes_follow_the_batch_and_the_device(monkeypatch):
+    bf16 = dict(dtype=torch.bfloat16)
+    pool = torch.empty(16, 8, 2, 128, **bf16)
+    decodes = make_batch([(40, 1), (3, 1)], 8, 16, torch.Generator().manual_seed(0))
+    mixed = make_batch([(9, 40), (3, 1)], 8, 16, torch.Generator().manual_seed(0))
+    # The interpreter stands in for a GPU with an A100's shared memory or more: 128-key decode steps.
+    assert make_launch_plan(decodes, torch.empty(2, 4, 128, **bf16), pool).block_n == 128
+    plan = make_launch_plan(mixed, torch.empty(41, 4, 128, **bf16), pool)
+    assert (plan.block_n, plan.block_q * 2, plan.num_warps) == (64, 64, 4)  # prefill tiles keep 64 keys
+    wide = make_launch_plan(mixed, torch.empty(41, 4, 256, **bf16), torch.empty(16, 8, 2, 256, **bf16))
+    assert (wide.block_n, wide.block_q * 2, wide.num_warps) == (32, 64, 8)
+    monkeypatch.setattr(triton_attention, "_shared_memory", lambda device: 100 << 10)  # a consumer GPU
+    assert make_launch_plan(decodes, torch.empty(2, 4, 128, **bf16), pool).block_n == 64
+    with pytest.raises(ValueError, match="block_q"):
+        make_launch_plan(mixed, torch.empty(41, 4, 128, **bf16), pool, block_q=3)
+    with pytest.raises(ValueError, match="block_q"):
+        make_launch_plan(mixed, torch.empty(41, 4, 128, **bf16), pool, block_q=4)  # 4 x 2 heads < 16 rows
+
+
 def test_attention_tiny_head_dim_without_dot():
     check_attention([(9, 1), (0, 4)], head_dim=8)  # below tl.dot's minimum: the broadcast-sum path
 
@@ -213,7 +233,9 @@ def test_bad_inputs_are_rejected():
 def test_split_heuristic():
     sms = 132
     assert choose_num_splits(num_programs=8, max_seq_len=32768, max_query_len=1, sm_count=sms) > 1
-    assert choose_num_splits(num_programs=8, max_seq_len=256, max_query_len=1, sm_count=sms) == 1  # short
+    assert choose_num_splits(num_programs=8, max_seq_len=2 * SPLIT_MIN_KEYS - 1, max_query_len=1,
+                             sm_count=sms) == 1  # short
+    assert choose_num_splits(num_programs=8, max_seq_len=512, max_query_len=1, sm_count=sms) == 512 // SPLIT_MIN_KEYS
     assert choose_num_splits(num_programs=2048, max_seq_len=32768, max_query_len=1, sm_count=sms) == 1  # full GPU
     assert choose_num_splits(num_programs=8, max_seq_len=32768, max_query_len=64, sm_count=sms) == 1  # prefill
     meta = make_batch([(40, 1)], 8, 8, torch.Generator().manual_seed(0))

@@ -41,6 +41,8 @@ LOG2E = 1.4426950408889634
 MIN_DOT = 16  # tl.dot needs every tile dimension >= 16
 # Tile shapes and warps are where ptxas spills (next to) nothing on sm_80, sm_90 and sm_100
 # (benchmarks/triton_compile.py). 64 rows is also what Hopper's wgmma needs per warpgroup.
+# 128-row tiles ran prefill 5-18% faster on an H200 but spill hundreds of bytes on sm_80 and sm_90
+# with 4 warps, and gain less with 8 (RESULTS.md, tune_prefill): 64 rows stay.
 PREFILL_ROWS = 64  # rows (query token x head) per prefill tile, 16-bit inputs
 # float32 dots run on CUDA cores (IEEE, no tensor cores): every thread keeps its own copies of operand
 # rows, so the tiles are smaller and the warps more; 64-row tiles on 4 warps spilled kilobytes.
@@ -49,7 +51,15 @@ WIDE_WARPS = 8  # float32 tiles, and 16-bit tiles whose accumulator is larger th
 DEFAULT_STAGES = 3  # Triton's own default; see LaunchPlan.num_stages
 MAX_BLOCK_N = 64  # keys per inner-loop step, at most
 KV_TILE_BYTES = 32 << 10  # one K tile + one V tile; with their pipeline buffers they must fit in shared memory
-SPLIT_MIN_KEYS = 512  # a split shorter than this costs more in the reduce than it gains
+# A decode tile has 16 rows, so twice the keys per step costs few registers and halves the loop's trips:
+# on an H200, 128 keys (bf16, head size 128) beat 64 by 15-18% at 4k and 32k keys (RESULTS.md, tune).
+# Its buffers need more shared memory than GPUs below the A100's 164 KiB have.
+DECODE_MAX_BLOCK_N = 128
+DECODE_KV_TILE_BYTES = 64 << 10
+DECODE_MIN_SHARED_MEMORY = 160 << 10
+# A split shorter than this costs more in the reduce than it gains: one 128-key step. On an H200 a lone
+# decode over 512 keys took 9.2 us whole, 6.6 us in four splits (RESULTS.md, tune).
+SPLIT_MIN_KEYS = 128
 SPLIT_MAX = 64
 SPLIT_TARGET_WAVES = 2  # aim for about this many programs per SM when splitting
 CPU_SM_COUNT = 8  # stands in for the SM count under the interpreter
@@ -322,15 +332,31 @@ def _num_warps(block_m: int, head_dim: int, fma_dot: bool) -> int:
     return WIDE_WARPS if fma_dot or block_m * head_dim > PREFILL_ROWS * 128 else 4
 
 
-def _tile_sizes(meta: AttentionMetadata, group: int, head_dim: int, dtype: torch.dtype) -> tuple[int, int, int]:
+def _shared_memory(device: torch.device) -> int:
+    """Shared memory one program may opt into; the interpreter has no limit (it stands in for a large GPU)."""
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).shared_memory_per_block_optin
+    return DECODE_MIN_SHARED_MEMORY
+
+
+def _keys_per_step(decode_only: bool, head_dim: int, element_size: int, device: torch.device) -> int:
+    """A K tile and a V tile of at most the byte budget together, so the pipelined copies fit in shared memory."""
+    if decode_only and _shared_memory(device) >= DECODE_MIN_SHARED_MEMORY:
+        most, budget = DECODE_MAX_BLOCK_N, DECODE_KV_TILE_BYTES
+    else:
+        most, budget = MAX_BLOCK_N, KV_TILE_BYTES
+    return max(MIN_DOT, min(most, budget // (2 * head_dim * element_size)))
+
+
+def _tile_sizes(meta: AttentionMetadata, group: int, head_dim: int, dtype: torch.dtype,
+                device: torch.device) -> tuple[int, int, int]:
     """(query tokens per tile, GROUP_PAD, keys per loop step)."""
     group_pad = triton.next_power_of_2(group)
     element_size = dtype.itemsize
     rows = _rows_per_tile(head_dim, fma_dot=dtype == torch.float32)
     min_q = max(1, MIN_DOT // group_pad)  # enough query tokens for BLOCK_M >= 16
     block_q = max(min_q, min(max(1, rows // group_pad), triton.next_power_of_2(meta.max_query_len)))
-    # A K tile and a V tile of at most KV_TILE_BYTES together, so the pipelined copies fit in shared memory.
-    block_n = max(MIN_DOT, min(MAX_BLOCK_N, KV_TILE_BYTES // (2 * head_dim * element_size)))
+    block_n = _keys_per_step(meta.max_query_len == 1, head_dim, element_size, device)
     return block_q, group_pad, block_n
 
 
@@ -348,18 +374,23 @@ def _split_count(meta: AttentionMetadata, max_keys: int, num_programs: int, devi
 
 def make_launch_plan(meta: AttentionMetadata, q: torch.Tensor, k_cache: torch.Tensor, split_k: bool | None = None,
                      num_splits: int | None = None, block_n: int | None = None,
-                     num_stages: int | None = None, window: int | None = None) -> LaunchPlan:
+                     num_stages: int | None = None, window: int | None = None,
+                     block_q: int | None = None) -> LaunchPlan:
     """Tile sizes, the query tiles and the split count; split_k forces split-K on or off (None: heuristic).
 
-    ``num_splits``, ``block_n`` and ``num_stages`` pin what the heuristics would choose (tests, tuning).
-    ``window``: the most keys a decode sees in any layer the plan serves (None: its whole context).
+    ``num_splits``, ``block_n``, ``num_stages`` and ``block_q`` pin what the heuristics would choose
+    (tests, tuning). ``window``: the most keys a decode sees in any layer the plan serves (None: its
+    whole context).
     """
     num_heads, head_dim = q.shape[1], q.shape[2]
     num_kv_heads = k_cache.shape[2]
-    block_q, group_pad, default_n = _tile_sizes(meta, num_heads // num_kv_heads, head_dim, q.dtype)
+    default_q, group_pad, default_n = _tile_sizes(meta, num_heads // num_kv_heads, head_dim, q.dtype, q.device)
     block_n = block_n or default_n
     require(block_n >= MIN_DOT and block_n & (block_n - 1) == 0,
              f"block_n must be a power of two >= 16, got {block_n}")
+    block_q = block_q or default_q
+    require(block_q & (block_q - 1) == 0 and block_q * group_pad >= MIN_DOT,
+             f"block_q must be a power of two with block_q * {group_pad} query heads >= 16 rows, got {block_q}")
     seqs, firsts = _query_tiles(meta.query_lens_cpu, block_q)
     # A window's keys may start mid-way through a 16-key step (the kernel rounds down): 15 more at most.
     max_keys = meta.max_seq_len if window is None else min(meta.max_seq_len, window + MIN_DOT - 1)
