@@ -1,20 +1,22 @@
 #!/usr/bin/env bash
 # Issue 4's one device call, prepared: benchmarks/gpu_kernels.py with what the device image lacks.
 #
-# The device's Python (3.12: torch, triton, transformers, grpcio, protobuf, but no structlog, and a
-# protobuf and grpcio older than shared/proto's generated code may need) cannot reach a registry, so
-# the missing packages travel as wheels. Here, once per checkout:
+# The device's Python (3.12: torch, triton, transformers, grpcio, protobuf, but no structlog or gRPC
+# health/reflection services, and a protobuf and grpcio older than shared/proto's generated code may
+# need) cannot reach a registry, so the missing packages travel as wheels. Here, once per checkout:
 #     bash benchmarks/gpu_run.sh fetch     # wheels into .whl/ (ignored through .git/info/exclude)
 # then one call of the device tool:
 #     run(command="bash benchmarks/gpu_run.sh", carry=[".whl"], timeout_s=590)
-# It leaves gpu.txt, scheduler_overhead.{log,json}, gpu_kernels.log and gpu_kernels.json under $OUT: the issue's five sections, then the
-# decode tuning sweep, all within 515 s of this script's start; then moe_layer.{log,json} (the fused
-# experts kernel against transformers' loop, about 20 s) by 545 s (the call's limit is 590 s; the
-# script's own imports and its report take the rest). The JSON is rewritten after every section.
+# It leaves gpu.txt, scheduler_overhead.{log,json}, gpu_kernels.log and gpu_kernels.json under $OUT: the
+# issue's five sections, then the decode and prefill tuning sweeps, all within 515 s of this script's
+# start; then moe_layer.{log,json} (the fused experts kernel against transformers' loop, about 20 s) by
+# 545 s (the call's limit is 590 s; the script's own imports and its report take the rest). The JSON is
+# rewritten after every section. On an H200 (2026-12-04, three partial calls) the sections took about
+# 48-70 s (check), 12 (decode), 3 (prefill), 8 (cache), 56-84 (engine), 44 (tune), 17-23 (tune_prefill).
 set -euo pipefail
 START=$(date +%s)
 cd "$(dirname "$0")/.."
-WHEELS=(structlog==26.1.0 protobuf==7.36.2 grpcio==1.85.3)
+WHEELS=(structlog==26.1.0 protobuf==7.36.2 grpcio==1.85.3 grpcio-health-checking==1.85.1 grpcio-reflection==1.85.1)
 
 if [[ "${1:-}" == fetch ]]; then
     grep -qsx '/.whl/' .git/info/exclude || echo '/.whl/' >> .git/info/exclude
@@ -33,7 +35,7 @@ export PYTHONPATH="/tmp/site:$PWD" PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TRANSFORM
 # The scheduler's time per step on this host's CPU (about 10 s), beside the GPU's step times below.
 python3 benchmarks/scheduler_overhead.py --batch 32 256 --steps 100 --out "$OUT/scheduler_overhead.json" \
     > "$OUT/scheduler_overhead.log" 2>&1 || true
-python3 benchmarks/gpu_kernels.py --sections check,decode,prefill,cache,engine,tune \
+python3 benchmarks/gpu_kernels.py --sections check,decode,prefill,cache,engine,tune,tune_prefill \
     --deadline $((START + 515 - $(date +%s))) \
     --out "$OUT/gpu_kernels.json" 2>&1 | tee "$OUT/gpu_kernels.log"
 # One Qwen3-30B-A3B expert layer (128 experts, 8 per token) in bfloat16: fused kernel, grouped loop, transformers.

@@ -27,7 +27,7 @@ if tuple(int(part) for part in TRITON_VERSION.split(".")[:2]) < (3, 7):  # as te
     pytest.skip(f"the Triton {TRITON_VERSION} interpreter cannot run the kernels", allow_module_level=True)
 
 SCRIPT = str(REPO / "benchmarks" / "gpu_kernels.py")
-ALL_SECTIONS = "check,decode,prefill,cache,engine,tune"
+ALL_SECTIONS = "check,decode,prefill,cache,engine,tune,tune_prefill"
 
 
 def run_script(tmp_path, *args: str) -> dict:
@@ -62,6 +62,13 @@ def test_every_section_runs_and_checks_pass(tmp_path):
     split_counts = {v["num_splits"] for v in tune[0]["variants"]}
     assert len(split_counts) > 1, "the split case tries other split counts"
     assert {"write_kv", "copy_blocks", "swap"} <= set(sections["cache"])
+    assert isinstance(results["targets"]["bandwidth_met"], bool)
+    prefill_tune = sections["tune_prefill"]["cases"]
+    assert [case["label"] for case in prefill_tune] == ["causal 40", "24 after 16 + 2 decodes"]
+    for case in prefill_tune:
+        variants = case["variants"]
+        assert variants[0]["default"] and len(variants) > 1 and all(v.get("ok") for v in variants), variants
+        assert case["best"] in variants
 
 
 def test_a_spent_deadline_skips_sections_but_writes_the_report(tmp_path):
