@@ -13,7 +13,9 @@ NEAR_TIE_NATS = 1e-3
 def hf_model(model_dir: str):
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    # Eager attention, always: some transformers releases (5.17) run Gemma 2 on SDPA, which drops its
+    # score cap, and the oracle would be wrong (a GPU run found it).
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32, attn_implementation="eager")
     model.generation_config.eos_token_id = None  # compare full lengths, like ignore_eos
     model.generation_config.pad_token_id = 0
     return model.eval()

@@ -16,7 +16,7 @@ from tests.oracle import hf_greedy
 def hf_beam_model(model_dir: str):
     from transformers import AutoModelForCausalLM
 
-    return AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    return AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32, attn_implementation="eager").eval()
 
 
 def hf_beams(model_dir, prompt: list[int], *, beams: int, n: int, max_tokens: int, length_penalty: float,

@@ -75,7 +75,7 @@ def test_matches_transformers(fixture, request):
 
     model_dir = request.getfixturevalue(fixture)
     model, config = load_model(model_dir, torch.float32, CPU)
-    hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32, attn_implementation="eager").eval()
     long, short = random_prompts(config.vocab_size, [13, 6])
 
     # (a) both whole prompts in one prefill batch
@@ -343,7 +343,8 @@ def test_fused_checkpoint_tensors_of_the_wrong_size_are_refused(phi3_dir, tmp_pa
 def test_a_multimodal_checkpoint_serves_its_language_model(gemma3_multimodal_dir, tmp_path):
     from transformers import AutoModelForCausalLM
 
-    hf = AutoModelForCausalLM.from_pretrained(gemma3_multimodal_dir, dtype=torch.float32).eval()
+    hf = AutoModelForCausalLM.from_pretrained(gemma3_multimodal_dir, dtype=torch.float32,
+                                              attn_implementation="eager").eval()
     prompt = random_prompts(500, [13])[0]
     expected = hf_logits(hf, prompt)
     # As transformers v4 saves it (language_model.model.*), and as v5 names it (model.language_model.*).
