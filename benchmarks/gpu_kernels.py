@@ -540,8 +540,8 @@ def bandwidth_targets(long_rows: list[dict]) -> dict:
     """The bandwidth target on kernel time over K/V larger than L2; and on launch-inclusive time."""
     beyond_l2 = [r for r in long_rows if not r["kv_fits_in_l2"]]
     kernel = [r.get("frac_of_copy_bw_graph") for r in beyond_l2]
-    return {"target_bandwidth_met": (all(f >= BANDWIDTH_TARGET for f in kernel)
-                                     if kernel and None not in kernel else None),
+    return {"target_bandwidth_met": (bool(kernel) and all(f >= BANDWIDTH_TARGET for f in kernel)
+                                     if None not in kernel else None),  # None: a graph replay failed
             "target_bandwidth_met_as_launched": bool(long_rows) and all(r["frac_of_copy_bw"] >= BANDWIDTH_TARGET
                                                                         for r in long_rows)}
 
