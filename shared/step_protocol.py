@@ -49,7 +49,9 @@ class NewSequence:
     prompt_token_ids: list[int]  # the prompt, in full
     output_token_ids: list[int]  # tokens generated before a recompute preemption; else empty
     sampling_params: SamplingParams  # how to sample; the worker needs penalties, seed, logprobs
-    block_table: list[int]  # physical block ids, logical order; covers every token computed after this step
+    # Physical block ids, logical order; covers every token computed after this step. A block freed
+    # behind the window (WorkerInfo.kv_window) is sent as 0: no kernel reads that far back.
+    block_table: list[int]
     num_computed_tokens: int  # tokens whose KV is already in the cache (a prefix-cache hit); 0 otherwise
     num_scheduled_tokens: int  # tokens to compute this step, starting at num_computed_tokens
     # n > 1: when the prompt completes, also sample one token for each of this many siblings
@@ -379,6 +381,9 @@ class WorkerInfo:
     max_loras: int = 0  # distinct LoRA adapters one step may run (0: adapters are not enabled)
     max_lora_rank: int = 0  # the largest adapter rank it takes
     pooler: PoolerConfig | None = None  # set: it runs a pooling model (embeddings or class scores); None: it generates
+    # Every attention layer (a draft model's too) sees at most this many keys back from a query, so the
+    # scheduler frees the blocks behind a sequence's window; None: some layer sees the whole context.
+    kv_window: int | None = None
 
     def to_proto(self) -> wire.WorkerInfo:
         return wire.WorkerInfo(model=self.model, num_kv_blocks=self.num_kv_blocks, block_size=self.block_size,
@@ -389,11 +394,13 @@ class WorkerInfo:
                                tensor_parallel_rank=self.tensor_parallel_rank,
                                tensor_parallel_size=self.tensor_parallel_size, max_loras=self.max_loras,
                                max_lora_rank=self.max_lora_rank,
-                               pooler=self.pooler.to_proto() if self.pooler is not None else None)
+                               pooler=self.pooler.to_proto() if self.pooler is not None else None,
+                               kv_window=self.kv_window)
 
     @classmethod
     def from_proto(cls, m: wire.WorkerInfo) -> "WorkerInfo":
         return cls(m.model, m.num_kv_blocks, m.block_size, m.max_model_len, m.vocab_size, tuple(m.eos_token_ids),
                    m.device, m.dtype, m.num_cpu_blocks, m.protocol_version, m.num_speculative_tokens,
                    m.tensor_parallel_rank, m.tensor_parallel_size or 1, m.max_loras, m.max_lora_rank,
-                   PoolerConfig.from_proto(m.pooler) if m.HasField("pooler") else None)
+                   PoolerConfig.from_proto(m.pooler) if m.HasField("pooler") else None,
+                   m.kv_window if m.HasField("kv_window") else None)

@@ -19,7 +19,8 @@ from shared.grpc_errors import ServiceUnavailable
 # 8: requests and new sequences may name a LoRA adapter, and WorkerInfo says how many adapters a step runs;
 # 9: embedding requests (pooling parameters in, an embedding out) and the pooler in WorkerInfo and EngineInfo.
 # 10: classifiers: a pooler's labels and activation, and a pooling request's task and use_activation.
-INTERNAL_PROTOCOL_VERSION = 10
+# 11: WorkerInfo's kv_window; block tables may hold 0 for blocks freed behind it (never read).
+INTERNAL_PROTOCOL_VERSION = 11
 
 
 class IncompatiblePeer(ServiceUnavailable):

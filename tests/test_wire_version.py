@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 from concurrent import futures
 
 import grpc
@@ -22,6 +23,12 @@ INFO = WorkerInfo(model="m", num_kv_blocks=8, block_size=16, max_model_len=64, v
 
 def test_worker_info_carries_the_release_wire_version():
     assert WorkerInfo.from_proto(INFO.to_proto()).protocol_version == INTERNAL_PROTOCOL_VERSION
+
+
+def test_worker_info_round_trips_its_kv_window():
+    assert WorkerInfo.from_proto(INFO.to_proto()).kv_window is None  # unset: some layer sees everything
+    windowed = dataclasses.replace(INFO, kv_window=4096)
+    assert WorkerInfo.from_proto(windowed.to_proto()) == windowed
 
 
 class OldWorker(wire_grpc.WorkerServicer):

@@ -11,6 +11,7 @@ import torch
 
 from services.worker.attention.cpu_kernels import cpu_kernels_unavailable_reason
 from services.worker.attention.selector import select_attention_backend
+from services.worker.attention.spec import kv_window
 from services.worker.block_moves import copy_blocks_torch, swap_blocks, whole_pool
 from services.worker.cpu_tuning import keep_large_allocations_in_heap
 from services.worker.draft_model_proposer import DraftModel, DraftModelProposer, load_draft_model
@@ -127,6 +128,7 @@ class Worker:
         self.pools = [(self.kv_pool, self.host_pool)]
         if isinstance(self.proposer, DraftModelProposer):
             self.pools.append((self.proposer.kv_pool, self.proposer.host_pool))
+        self.kv_window = self._kv_window()  # reported: the scheduler frees blocks behind every layer's window
         self.startup_seconds: dict[str, float] = {}  # what a CUDA worker did before serving, and how long it took
         self.startup_memory: dict[str, int] = {}  # the largest step's measured peak beside what was set aside for it
         if self.device.type == "cuda":
@@ -227,7 +229,16 @@ class Worker:
                           tensor_parallel_rank=self.tp.rank, tensor_parallel_size=self.tp.size,
                           max_loras=self.config.max_loras if self.adapters is not None else 0,
                           max_lora_rank=self.config.max_lora_rank if self.adapters is not None else 0,
-                          pooler=self.pooler.config if self.pooler is not None else None)
+                          pooler=self.pooler.config if self.pooler is not None else None, kv_window=self.kv_window)
+
+    def _kv_window(self) -> int | None:
+        """The most keys any attention layer sees back, over the target and a draft model (which shares
+        the block tables); None if a layer sees the whole context."""
+        specs = [(self.model.attention_spec(), self.model_config.num_hidden_layers)]
+        if isinstance(self.proposer, DraftModelProposer):
+            draft = self.proposer.draft
+            specs.append((draft.model.attention_spec(), draft.config.num_hidden_layers))
+        return kv_window(*specs)
 
     # --- one step ---------------------------------------------------------------------------------
 

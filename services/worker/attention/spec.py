@@ -28,3 +28,16 @@ class AttentionSpec:
 
     def window(self, layer: int) -> int | None:
         return self.windows[layer] if layer < len(self.windows) else None
+
+    def widest_window(self, num_layers: int) -> int | None:
+        """The most keys any of the model's layers sees back from a query; None if one sees them all.
+
+        Blocks wholly before that many keys back from a sequence's next token are never read again."""
+        windows = [self.window(layer) for layer in range(num_layers)]
+        return None if None in windows or not windows else max(windows)
+
+
+def kv_window(*specs: tuple[AttentionSpec, int]) -> int | None:
+    """The widest window over every (spec, layer count) of the models sharing the block tables."""
+    widest = [spec.widest_window(num_layers) for spec, num_layers in specs]
+    return None if None in widest else max(widest)
