@@ -7,6 +7,12 @@ after each allocation it has exactly ceil(tokens / block_size) entries, where
 With prefix caching, a sequence's full blocks are indexed by their chained hash
 as soon as their KV is computed, and a new sequence starts from the longest run
 of cached blocks matching its first tokens.
+
+With a sliding window on every attention layer (``kv_window``), a block wholly
+before the window of the sequence's next token is never read again: it is freed
+(to the prefix cache, if indexed) and its table entry becomes None. Released
+entries are always a run at the table's start; the worker keeps whatever id it
+had there (or gets FREED_BLOCK_ID) and never reads it.
 """
 
 from __future__ import annotations
@@ -18,6 +24,10 @@ from services.scheduler.block_hash import BlockHash, hash_full_blocks
 from services.scheduler.block_pool import BlockPool, KVCacheBlock
 
 TokenSlice = Callable[[int, int], list[int]]  # (start, end) -> the sequence's token ids in that range
+FREED_BLOCK_ID = 0  # what a released entry is sent as: any id would do, no kernel reads it
+# A kernel may start reading up to this many keys before a query's window: the Triton kernel rounds its
+# first key down to a multiple of 16 (aligned loads). Blocks are freed only behind that.
+READ_MARGIN = 16
 
 
 @dataclass(frozen=True)
@@ -32,19 +42,23 @@ NO_NEW_BLOCKS = Allocation((), None)
 
 class BlockManager:
     def __init__(self, num_blocks: int, block_size: int, watermark: float = 0.0, enable_caching: bool = False,
-                 num_host_blocks: int = 0):
+                 num_host_blocks: int = 0, kv_window: int | None = None):
         if block_size < 1:
             raise ValueError(f"block_size must be >= 1, got {block_size}")
+        if kv_window is not None and kv_window < 1:
+            raise ValueError(f"kv_window must be >= 1 (or None), got {kv_window}")
         self.block_size = block_size
+        self.kv_window = kv_window  # the most keys any layer sees back; None: the whole context
         self.enable_caching = enable_caching
         self.pool = BlockPool(num_blocks, enable_caching)
         self.host_pool = BlockPool(num_host_blocks) if num_host_blocks else None  # swap space
-        self._host_tables: dict[int, list[KVCacheBlock]] = {}  # swapped-out seq id -> its host blocks
+        self._host_tables: dict[int, list[KVCacheBlock | None]] = {}  # swapped-out seq id -> its host blocks
         self._hashes: dict[int, list[BlockHash]] = {}  # seq id -> hashes of its full, computed blocks
         # Blocks kept back from new admissions so running sequences can grow without preempting at once.
         self.watermark_blocks = int(watermark * num_blocks)
-        self._tables: dict[int, list[KVCacheBlock]] = {}
+        self._tables: dict[int, list[KVCacheBlock | None]] = {}  # None: released behind the window
         self._num_slotted: dict[int, int] = {}  # seq id -> tokens that have a slot
+        self._num_released: dict[int, int] = {}  # seq id -> released entries at its table's start
 
     # --- queries ---------------------------------------------------------------------------------
 
@@ -65,7 +79,11 @@ class BlockManager:
 
     def block_table(self, seq_id: int, start: int = 0) -> list[int]:
         """The physical block ids of the sequence's table, from logical block ``start`` on."""
-        return [block.block_id for block in self._tables.get(seq_id, ())[start:]]
+        return [FREED_BLOCK_ID if block is None else block.block_id for block in self._tables.get(seq_id, ())[start:]]
+
+    def num_released_blocks(self, seq_id: int) -> int:
+        """Entries at the start of the sequence's table whose blocks were freed behind the window."""
+        return self._num_released.get(seq_id, 0)
 
     def num_table_blocks(self, seq_id: int) -> int:
         return len(self._tables.get(seq_id, ()))
@@ -102,9 +120,8 @@ class BlockManager:
         """The block holding token ``position``, if it exists and another sequence holds it too."""
         table = self._tables.get(seq_id, ())
         index = position // self.block_size
-        if index < len(table) and table[index].ref_cnt > 1:
-            return table[index]
-        return None
+        block = table[index] if index < len(table) else None
+        return block if block is not None and block.ref_cnt > 1 else None
 
     @property
     def num_cached_blocks(self) -> int:
@@ -117,7 +134,8 @@ class BlockManager:
                    for seq_id, table in self._tables.items())
 
     def allocated_slots(self) -> int:
-        return sum(len(table) for table in self._tables.values()) * self.block_size
+        return sum(len(table) - self._num_released.get(seq_id, 0)
+                   for seq_id, table in self._tables.items()) * self.block_size
 
     # --- changes ---------------------------------------------------------------------------------
 
@@ -163,10 +181,11 @@ class BlockManager:
     def fork(self, parent_id: int, child_id: int) -> None:
         """The child shares every block of the parent (one more reference each)."""
         table = self._tables[parent_id]
-        for block in table:
+        for block in _live(table):
             block.ref_cnt += 1
         self._tables[child_id] = list(table)
         self._num_slotted[child_id] = self._num_slotted[parent_id]
+        self._num_released[child_id] = self._num_released.get(parent_id, 0)
         self._hashes[child_id] = list(self._hashes.get(parent_id, ()))
 
     def free(self, seq_id: int) -> None:
@@ -174,9 +193,27 @@ class BlockManager:
         table = self._tables.pop(seq_id, [])
         self._num_slotted.pop(seq_id, None)
         self._hashes.pop(seq_id, None)
-        self.pool.free(table[::-1])
+        self._num_released.pop(seq_id, None)
+        self.pool.free(_live(table[::-1]))
         if seq_id in self._host_tables:
-            self.host_pool.free(self._host_tables.pop(seq_id))
+            self.host_pool.free(_live(self._host_tables.pop(seq_id)))
+
+    def release_blocks_behind_window(self, seq_id: int, num_computed_tokens: int) -> int:
+        """Free the blocks no layer will read again: wholly before the window (and READ_MARGIN) of the
+        sequence's next token, at position ``num_computed_tokens``. Returns how many were freed."""
+        table = self._tables.get(seq_id)
+        if self.kv_window is None or table is None:
+            return 0
+        first_read = num_computed_tokens - self.kv_window + 1 - READ_MARGIN
+        behind = min(max(0, first_read) // self.block_size, len(table))
+        start = self._num_released.get(seq_id, 0)
+        if behind <= start:
+            return 0
+        released = table[start:behind]
+        table[start:behind] = [None] * len(released)
+        self._num_released[seq_id] = behind
+        self.pool.free(released[::-1])  # as free(): the later blocks first, so they are evicted first
+        return len(released)
 
     # --- swapping --------------------------------------------------------------------------------
 
@@ -185,29 +222,34 @@ class BlockManager:
         return self.host_pool.num_free_blocks if self.host_pool else 0
 
     def can_swap_out(self, seq_id: int) -> bool:
-        return self.host_pool is not None and len(self._tables.get(seq_id, ())) <= self.num_free_host_blocks
+        return self.host_pool is not None and len(_live(self._tables.get(seq_id, ()))) <= self.num_free_host_blocks
 
     def swap_out(self, seq_id: int) -> list[tuple[int, int]]:
         """Move the sequence's KV to host blocks; the (device, host) pairs to copy. Its device blocks are
-        released (a block another sequence shares stays with it)."""
+        released (a block another sequence shares stays with it); released entries stay released."""
         table = self._tables.pop(seq_id)
-        host = self.host_pool.allocate(len(table))
-        self._host_tables[seq_id] = host
+        live = _live(table)
+        host = iter(self.host_pool.allocate(len(live)))
+        self._host_tables[seq_id] = [None if block is None else next(host) for block in table]
         self._hashes.pop(seq_id, None)
-        self.pool.free(table[::-1])
-        return [(device.block_id, host_block.block_id) for device, host_block in zip(table, host)]
+        self.pool.free(live[::-1])
+        return [(device.block_id, host_block.block_id)
+                for device, host_block in zip(table, self._host_tables[seq_id]) if device is not None]
 
     def can_swap_in(self, seq_id: int, num_tokens: int) -> bool:
-        """Room on the device for the swapped blocks and for ``num_tokens`` slotted tokens in all."""
-        return max(len(self._host_tables[seq_id]), self.blocks_for(num_tokens)) <= self.num_free_blocks
+        """Room on the device for the swapped blocks and the ones ``num_tokens`` slotted tokens add."""
+        host = self._host_tables[seq_id]
+        return len(_live(host)) + max(0, self.blocks_for(num_tokens) - len(host)) <= self.num_free_blocks
 
     def swap_in(self, seq_id: int) -> list[tuple[int, int]]:
         """Bring the sequence's KV back into fresh device blocks; the (host, device) pairs to copy."""
         host = self._host_tables.pop(seq_id)
-        device = self.pool.allocate(len(host))
-        self._tables[seq_id] = device
-        self.host_pool.free(host)
-        return [(host_block.block_id, block.block_id) for host_block, block in zip(host, device)]
+        live = _live(host)
+        device = iter(self.pool.allocate(len(live)))
+        self._tables[seq_id] = [None if block is None else next(device) for block in host]
+        self.host_pool.free(live)
+        return [(host_block.block_id, block.block_id)
+                for host_block, block in zip(host, self._tables[seq_id]) if host_block is not None]
 
     def is_swapped(self, seq_id: int) -> bool:
         return seq_id in self._host_tables
@@ -251,14 +293,15 @@ class BlockManager:
                                tokens(len(hashes) * self.block_size, num_full * self.block_size), self.block_size, extra)
         table = self._tables[seq_id]
         for index, block_hash in enumerate(new, start=len(hashes)):
-            self.pool.cache_block(table[index], block_hash)
+            if table[index] is not None:  # a block released before it was indexed is gone
+                self.pool.cache_block(table[index], block_hash)
         hashes.extend(new)
 
     # --- invariants, for tests -------------------------------------------------------------------
 
     def check_invariants(self) -> None:
         if self.host_pool is not None:
-            host_refs = sum(len(t) for t in self._host_tables.values())
+            host_refs = sum(len(_live(t)) for t in self._host_tables.values())
             assert host_refs == self.host_pool.num_used_blocks, "host blocks leaked or double-used"
             assert all(b.ref_cnt in (0, 1) for b in self.host_pool.blocks), "a host block is shared"
         cached_free = [b for b in self.pool.blocks if b.ref_cnt == 0 and b.block_hash is not None]
@@ -268,7 +311,10 @@ class BlockManager:
         refs: dict[int, int] = {}
         for seq_id, table in self._tables.items():
             assert len(table) == self.blocks_for(self._num_slotted[seq_id]), f"seq {seq_id}: table size"
-            for block in table:
+            released = self._num_released.get(seq_id, 0)
+            assert all(b is None for b in table[:released]) and None not in table[released:], \
+                f"seq {seq_id}: released entries are not the table's first {released}"
+            for block in _live(table):
                 refs[block.block_id] = refs.get(block.block_id, 0) + 1
         free_ids = set(self.pool.free_queue.block_ids())
         assert len(free_ids) == self.pool.num_free_blocks, "free queue count"
@@ -276,3 +322,8 @@ class BlockManager:
             assert block.ref_cnt >= 0, f"{block}: negative reference count"
             assert block.ref_cnt == refs.get(block.block_id, 0), f"{block}: reference count != table uses"
             assert (block.ref_cnt == 0) == (block.block_id in free_ids), f"{block}: free iff unreferenced"
+
+
+def _live(table) -> list[KVCacheBlock]:
+    """A table's blocks that were not released behind the window."""
+    return [block for block in table if block is not None]

@@ -45,7 +45,7 @@ class EngineCore:
         self.info: WorkerInfo = executor.worker_info()
         self.max_logprobs = max_logprobs
         blocks = BlockManager(self.info.num_kv_blocks, self.info.block_size, watermark, enable_prefix_caching,
-                              num_host_blocks=self.info.num_cpu_blocks)
+                              num_host_blocks=self.info.num_cpu_blocks, kv_window=self.info.kv_window)
         self.scheduler = Scheduler(limits, blocks, self.info.eos_token_ids, self.info.max_model_len,
                                    new_seq_id=lambda: next(self._seq_ids), max_loras=self.info.max_loras)
         self.stats = EngineStats(blocks)

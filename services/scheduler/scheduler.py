@@ -96,6 +96,7 @@ class Scheduler:
            what the waiting siblings need (else beam groups could hold each other's blocks forever).
         The oldest running sequence is never a victim while another runs, so it always advances:
         no deadlock, and no livelock (requests that could never fit are refused at admission).
+        (Blocks behind every layer's sliding window are freed when results come in, in update().)
 
         The plan may be made while the previous step still runs (see can_plan_ahead): a sequence
         sampling in that step counts its coming token as a placeholder, computed in this step,
@@ -362,7 +363,7 @@ class Scheduler:
 
     def update(self, scheduled: dict[int, int], result: StepResult, seqs: dict[int, Sequence]) -> list[SequenceUpdate]:
         """Advance the scheduled sequences by the step's result; the updates for the front end."""
-        cache_full_blocks = self.blocks.cache_full_blocks
+        cache_full_blocks, release_behind_window = self.blocks.cache_full_blocks, self.blocks.release_blocks_behind_window
         # A sequence the worker failed (its adapter would not load) computed nothing: cache none of its blocks.
         failed = {out.seq_id for out in result.outputs if out.error} if self.max_loras else ()
         # A pooling engine's mean or cls prompts never take hits: indexing their blocks would only evict others.
@@ -374,6 +375,9 @@ class Scheduler:
                 # Every computed token is known: the placeholders of earlier steps are resolved.
                 if seq_id not in failed and not (seq.whole_prompt and seq.pooling is not None):
                     cache_full_blocks(seq_id, seq.num_computed_tokens, seq.token_slice, seq.cache_extra)
+                # Indexed first: a released block stays in the prefix cache. A step already in flight
+                # starts at num_computed_tokens too, so it reads nothing released here.
+                release_behind_window(seq_id, seq.num_computed_tokens)
         updates = []
         for out in result.outputs:
             seq = seqs.get(out.seq_id)
