@@ -7,9 +7,12 @@
 3. capacity: sequences running at once within a fixed KV budget, against contiguous
    pre-allocation of the maximum length from the same budget (target >= 10x);
 4. preemption: throughput on the bench workload with a quarter of the KV it needs, by swapping
-   against by recomputing.
+   against by recomputing;
+5. sliding windows: the bench shape as Mistral (every layer in a 256-key window) on the bench
+   workload, freeing the blocks behind the window against keeping them: peak KV blocks with room to
+   spare, then throughput and preemptions with a quarter of the KV that keeping them needs.
 
-    python benchmarks/memory.py [--sections 1234] [--num-requests 64]
+    python benchmarks/memory.py [--sections 12345] [--num-requests 64]
 """
 
 from __future__ import annotations
@@ -105,9 +108,35 @@ def preemption_throughput(model: str, num_requests: int) -> dict:
     return result
 
 
+def window_release(num_requests: int) -> dict:
+    model = str(bench_model_dir("mistral"))
+    requests = bench_workload(num_requests, seed=2)
+    prompts = [{"prompt_token_ids": r.prompt_token_ids} for r in requests]
+    params = [greedy(r.output_len) for r in requests]
+
+    def run(release: bool, **options) -> tuple[dict, list]:
+        llm = LLM(model, enable_prefix_caching=False, **options)
+        if not release:  # the worker reports its window; the scheduler is told to ignore it
+            llm.engine.scheduler.blocks.kv_window = None
+        start = time.perf_counter()
+        outputs = llm.generate(prompts, params, use_tqdm=False)
+        elapsed, stats = time.perf_counter() - start, llm.stats()
+        tokens = sum(len(o.outputs[0].token_ids) for o in outputs)
+        return ({"tokens_per_s": tokens / elapsed, "elapsed_s": elapsed, "preemptions": stats["num_preemptions"],
+                 "kv_blocks_used_peak": stats["kv_blocks_used_peak"]}, [o.outputs[0].token_ids for o in outputs])
+
+    result = {"roomy_kept": run(False)[0], "roomy_released": run(True)[0]}
+    quarter = max(1, result["roomy_kept"]["kv_blocks_used_peak"] // 4)
+    result["blocks"] = quarter
+    result["tight_kept"], kept_tokens = run(False, num_gpu_blocks_override=quarter)
+    result["tight_released"], released_tokens = run(True, num_gpu_blocks_override=quarter)
+    result["same_tokens"] = kept_tokens == released_tokens
+    return result
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--sections", default="1234")
+    parser.add_argument("--sections", default="12345")
     parser.add_argument("--num-requests", type=int, default=64)
     parser.add_argument("--num-questions", type=int, default=8)
     parser.add_argument("--capacity-budget-tokens", type=int, default=65536)
@@ -125,6 +154,8 @@ def main() -> None:
         report["capacity"] = capacity(model, args.capacity_requests, args.capacity_budget_tokens)
     if "4" in args.sections:
         report["preemption"] = preemption_throughput(model, args.num_requests)
+    if "5" in args.sections:
+        report["window_release"] = window_release(args.num_requests)
     print(json.dumps(report, indent=2))
     write_report(args.out, report)
 

@@ -27,7 +27,8 @@ def bench_workload(num_requests: int = 200, seed: int = 0, vocab_size: int = 320
 # window (the workload's prompts run to 512), GQA heads of 64.
 BENCH_ARCHITECTURES = {"llama": {}, "gemma2": dict(model_type="gemma2", head_dim=64, sliding_window=256,
                                                     attn_logit_softcapping=50.0, final_logit_softcapping=30.0,
-                                                    query_pre_attn_scalar=64, tie_word_embeddings=True)}
+                                                    query_pre_attn_scalar=64, tie_word_embeddings=True),
+                       "mistral": dict(model_type="mistral", sliding_window=256)}  # every layer windowed
 
 
 def bench_model_dir(architecture: str = "llama") -> Path:
