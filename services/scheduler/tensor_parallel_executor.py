@@ -18,7 +18,7 @@ from shared.step_protocol import StepPlan, StepResult, WorkerInfo
 
 # What every rank must report alike (the rest: the smallest pools serve all).
 _SAME = ("model", "block_size", "max_model_len", "vocab_size", "eos_token_ids", "dtype", "protocol_version",
-         "num_speculative_tokens", "pooler")
+         "num_speculative_tokens", "pooler", "kv_window")
 
 
 class TensorParallelExecutor:
