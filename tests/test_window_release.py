@@ -13,6 +13,7 @@ import pytest  # noqa: E402
 from pagedserve import LLM, SamplingParams  # noqa: E402
 from services.scheduler.block_manager import FREED_BLOCK_ID, READ_MARGIN, BlockManager  # noqa: E402
 from services.worker.attention.spec import AttentionSpec, kv_window  # noqa: E402
+from tests.kv_release import poison_released_blocks  # noqa: E402
 from tests.oracle import assert_greedy_equal, hf_greedy  # noqa: E402
 
 WINDOW = 12  # conftest's mistral_window_dir: every layer sees 12 keys
@@ -84,17 +85,63 @@ def test_swapping_moves_only_the_live_blocks_and_keeps_the_released_entries():
     manager.check_invariants()
 
 
-def test_released_blocks_stay_in_the_prefix_cache():
+def evict(manager: BlockManager, block_hash) -> None:
+    """What the pool does to a cached-free block when it hands it out (LRU picks the longest freed)."""
+    block = manager.pool.cached_block(block_hash)
+    assert block.ref_cnt == 0
+    manager.pool._evict(block)
+
+
+def cached_sequence(manager: BlockManager, tokens: list[int]) -> None:
+    grown(manager, 0, len(tokens))
+    manager.cache_full_blocks(0, len(tokens), lambda start, end: tokens[start:end])
+
+
+def test_a_cache_hit_needs_only_the_blocks_its_window_reads():
     manager = BlockManager(num_blocks=20, block_size=4, enable_caching=True, kv_window=WINDOW)
     tokens = list(range(100, 148))
-    grown(manager, 0, 48)
-    manager.cache_full_blocks(0, 48, lambda start, end: tokens[start:end])
+    cached_sequence(manager, tokens)
     manager.release_blocks_behind_window(0, 48)
     assert manager.num_cached_blocks == 5  # freed, still indexed
-    hits = manager.cached_prefix(tokens + [1])
-    assert len(hits) == 12  # the released blocks and the live ones: the whole prompt
-    manager.allocate_with_hits(1, hits, 49)
+    hashes = manager.cached_prefix(tokens + [1]).hashes
+    for block_hash in hashes[:5]:  # freed first, so evicted first: the start of the chain
+        evict(manager, block_hash)
+    hit = manager.cached_prefix(tokens + [1])
+    # The next token, at 48, reads from key 48 - 12 + 1 - 16 = 21, in block 5: blocks 5-11 suffice.
+    assert hit.num_blocks == 12 and hit.blocks[:5] == (None,) * 5 and None not in hit.blocks[5:]
+    assert hit.hashes == hashes
+    manager.allocate_with_hits(1, hit, 49)
+    assert manager.num_released_blocks(1) == 5 and manager.block_table(1)[5:12] == manager.block_table(0)[5:12]
     manager.check_invariants()
+    manager.free(1)
+    manager.free(0)
+    # Block 8 missing: 12 blocks would need it; 8 would need blocks 1-7, and 1-4 are gone too.
+    evict(manager, hashes[8])
+    assert manager.cached_prefix(tokens + [1]).num_blocks == 0
+    manager.check_invariants()
+
+
+def test_a_block_missing_inside_the_window_ends_the_hit_before_it():
+    manager = BlockManager(num_blocks=20, block_size=4, enable_caching=True, kv_window=WINDOW)
+    tokens = list(range(100, 148))
+    cached_sequence(manager, tokens)
+    manager.free(0)
+    hashes = manager.cached_prefix(tokens + [1]).hashes
+    evict(manager, hashes[8])
+    hit = manager.cached_prefix(tokens + [1])
+    # 8 blocks: the token at 32 reads from key 5, in block 1; block 0 is not needed (a released entry).
+    assert hit.num_blocks == 8 and hit.blocks[0] is None and None not in hit.blocks[1:]
+
+
+def test_without_a_window_a_cache_hit_starts_at_the_first_block():
+    manager = BlockManager(num_blocks=20, block_size=4, enable_caching=True)
+    tokens = list(range(100, 148))
+    cached_sequence(manager, tokens)
+    manager.free(0)
+    hashes = manager.cached_prefix(tokens + [1]).hashes
+    assert len(hashes) == 12
+    evict(manager, hashes[0])
+    assert manager.cached_prefix(tokens + [1]).num_blocks == 0
 
 
 def test_the_worker_reports_the_widest_window_of_all_its_models():
@@ -104,25 +151,6 @@ def test_the_worker_reports_the_widest_window_of_all_its_models():
     assert kv_window((AttentionSpec(1.0, (16, None)), 2)) is None  # Gemma 2-like: some layers are global
     assert kv_window((windowed, 2), (AttentionSpec(1.0, (64,)), 1)) == 64  # a draft model reads further
     assert kv_window((windowed, 2), (AttentionSpec(1.0), 1)) is None
-
-
-def poison_released_blocks(llm: LLM, value: float) -> list[int]:
-    """Fill every block the scheduler releases with ``value`` in the worker's pool: a kernel that read
-    one within a window would go wrong. Returns the running count of released blocks (one entry)."""
-    blocks, pool = llm.engine.scheduler.blocks, llm.engine.executor.worker.kv_pool
-    release, count = blocks.release_blocks_behind_window, [0]
-
-    def release_and_poison(seq_id: int, num_computed_tokens: int) -> int:
-        start = blocks.num_released_blocks(seq_id)
-        table = blocks.block_table(seq_id)
-        released = release(seq_id, num_computed_tokens)
-        if released:
-            pool[:, :, table[start:start + released]] = value
-            count[0] += released
-        return released
-
-    blocks.release_blocks_behind_window = release_and_poison
-    return count
 
 
 @pytest.mark.parametrize("backend, block_size, num_blocks", [
@@ -176,3 +204,21 @@ def test_releasing_lets_more_sequences_run_at_once(mistral_window_dir):
     assert with_release == 0 < without, runs
     assert tokens == tokens_kept  # the same greedy tokens either way
     assert all(len(t) == 40 for t in tokens)
+
+
+def test_a_follow_up_turn_hits_the_cache_after_its_start_was_evicted(mistral_window_dir):
+    """A conversation's start leaves the window first, is freed first and so evicted first; its later
+    blocks still serve the next turn, which equals transformers'."""
+    rng = random.Random(int.from_bytes(os.urandom(4), "little"))
+    first, other = ([rng.randrange(1, 500) for _ in range(n)] for n in (160, 100))
+    follow_up = first + [rng.randrange(1, 500) for _ in range(3)]
+    llm = LLM(str(mistral_window_dir), block_size=8, num_gpu_blocks_override=30)
+    params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+    for prompt in (first, other):
+        llm.generate([{"prompt_token_ids": prompt}], params, use_tqdm=False)
+    before = llm.stats()["prefix_cache_hits"]
+    out = llm.generate([{"prompt_token_ids": follow_up}], params, use_tqdm=False)[0]
+    assert llm.stats()["prefix_cache_hits"] - before == 160  # every full block of the first turn
+    ref, ref_logprobs = hf_greedy(mistral_window_dir, follow_up, 4)
+    assert_greedy_equal(out.outputs[0].token_ids, ref, ref_logprobs)
+    llm.engine.scheduler.blocks.check_invariants()

@@ -40,6 +40,22 @@ class Allocation:
 NO_NEW_BLOCKS = Allocation((), None)
 
 
+@dataclass(frozen=True)
+class CacheHit:
+    """The cached start of a new sequence: its first table entries and their hashes (the chain that
+    later blocks continue). With a sliding window only the blocks the first new token's window reaches
+    must be cached; the entries before them are released (None) from the start."""
+    blocks: tuple[KVCacheBlock | None, ...] = ()
+    hashes: tuple[BlockHash, ...] = ()
+
+    @property
+    def num_blocks(self) -> int:
+        return len(self.blocks)
+
+
+NO_HIT = CacheHit()
+
+
 class BlockManager:
     def __init__(self, num_blocks: int, block_size: int, watermark: float = 0.0, enable_caching: bool = False,
                  num_host_blocks: int = 0, kv_window: int | None = None):
@@ -102,12 +118,12 @@ class BlockManager:
         return in_table + max(0, self.num_free_blocks - reserve_blocks) * self.block_size
 
     def can_allocate(self, seq_id: int, num_tokens: int, *, keep_watermark: bool = False,
-                     hits: list[KVCacheBlock] = (), write_from: int | None = None) -> bool:
+                     hits: CacheHit = NO_HIT, write_from: int | None = None) -> bool:
         """Room for ``num_tokens`` slots, the first ones in cache hits (a cached-free hit costs a free block),
         plus a copy of the block written first when it is shared."""
         reserve = self.watermark_blocks if keep_watermark else 0
-        revived = sum(1 for block in hits if block.ref_cnt == 0)
-        needed = self.num_blocks_to_grow(seq_id, num_tokens, write_from) - len(hits) + revived
+        revived = sum(1 for block in _live(hits.blocks) if block.ref_cnt == 0)
+        needed = self.num_blocks_to_grow(seq_id, num_tokens, write_from) - hits.num_blocks + revived
         return needed <= self.num_free_blocks - reserve
 
     def num_blocks_to_grow(self, seq_id: int, num_tokens: int, write_from: int | None = None) -> int:
@@ -255,28 +271,43 @@ class BlockManager:
         return seq_id in self._host_tables
     # --- prefix caching --------------------------------------------------------------------------
 
-    def cached_prefix(self, token_ids: list[int], extra: bytes = b"") -> list[KVCacheBlock]:
-        """The longest run of cached blocks matching the start of ``token_ids``.
+    def cached_prefix(self, token_ids: list[int], extra: bytes = b"") -> CacheHit:
+        """The longest cached start of ``token_ids``: every block of it cached, or with a sliding window
+        every block the window of the first token after it reaches (earlier ones may have been evicted;
+        the chain of hashes is a function of the tokens, so later blocks are found without them).
 
         Stops one token short of the end: at least one token must be computed, since its
         logits are what the sequence samples from.
         """
         if not self.enable_caching:
-            return []
-        hits = []
-        for block_hash in hash_full_blocks(None, token_ids[:len(token_ids) - 1], self.block_size, extra):
-            block = self.pool.cached_block(block_hash)
+            return NO_HIT
+        hashes = hash_full_blocks(None, token_ids[:len(token_ids) - 1], self.block_size, extra)
+        blocks = [self.pool.cached_block(block_hash) for block_hash in hashes]
+        best, run_start = 0, 0  # the longest start found; where the run of cached blocks now ending began
+        for index, block in enumerate(blocks):
             if block is None:
-                break
-            hits.append(block)
-        return hits
+                if self.kv_window is None:
+                    break  # without a window every block of the start is read
+                run_start = index + 1
+            elif run_start <= self._first_block_read(index + 1):
+                best = index + 1
+        needed_from = self._first_block_read(best)
+        return CacheHit((None,) * needed_from + tuple(blocks[needed_from:best]), tuple(hashes[:best]))
 
-    def allocate_with_hits(self, seq_id: int, hits: list[KVCacheBlock], num_tokens: int) -> list[int]:
+    def _first_block_read(self, num_blocks: int) -> int:
+        """The first block a sequence computed up to ``num_blocks`` full blocks reads at its next token."""
+        if self.kv_window is None:
+            return 0
+        return max(0, num_blocks * self.block_size - self.kv_window + 1 - READ_MARGIN) // self.block_size
+
+    def allocate_with_hits(self, seq_id: int, hits: CacheHit, num_tokens: int) -> list[int]:
         """Start a sequence's table with its cache hits, then fresh blocks up to ``num_tokens`` slots."""
-        self.pool.touch(hits)
-        self._tables[seq_id] = list(hits)
-        self._num_slotted[seq_id] = len(hits) * self.block_size
-        self._hashes[seq_id] = [block.block_hash for block in hits]
+        live = _live(hits.blocks)
+        self.pool.touch(live)
+        self._tables[seq_id] = list(hits.blocks)
+        self._num_released[seq_id] = hits.num_blocks - len(live)
+        self._num_slotted[seq_id] = hits.num_blocks * self.block_size
+        self._hashes[seq_id] = list(hits.hashes)
         self.append_slots(seq_id, num_tokens)
         return self.block_table(seq_id)
 

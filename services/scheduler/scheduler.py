@@ -7,7 +7,7 @@ from collections import deque
 from dataclasses import dataclass
 
 from services.scheduler.beam_search import BeamStep
-from services.scheduler.block_manager import BlockManager
+from services.scheduler.block_manager import NO_HIT, BlockManager, CacheHit
 from services.scheduler.preemption import choose_preemption
 from services.scheduler.sequence import Sequence, SequenceStatus, SequenceUpdate
 from shared.step_protocol import Fork, NewSequence, RunningSequence, SequenceOutput, StepPlan, StepResult
@@ -244,7 +244,7 @@ class Scheduler:
             if not self._adapter_fits(seq, adapters):
                 continue  # waits for a running adapter to finish; others behind it may go
             hits = self._cache_hits(seq)
-            num_cached = len(hits) * self.blocks.block_size
+            num_cached = hits.num_blocks * self.blocks.block_size
             num_tokens = seq.num_tokens - num_cached
             if num_tokens > budget and not self.limits.enable_chunked_prefill:
                 break
@@ -289,10 +289,10 @@ class Scheduler:
         if parked:
             self._preempt(parked[-1], plan)
 
-    def _cache_hits(self, seq: Sequence) -> list:
+    def _cache_hits(self, seq: Sequence) -> CacheHit:
         # Prompt logprobs (and mean or cls pooling) need every prompt position computed: such requests skip the lookup.
         if not self.blocks.enable_caching or seq.whole_prompt:
-            return []
+            return NO_HIT
         return self.blocks.cached_prefix(seq.token_slice(0, seq.num_tokens), seq.cache_extra)
 
     def _count_cache_lookup(self, seq: Sequence, num_cached: int) -> None:
