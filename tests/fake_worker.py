@@ -6,7 +6,11 @@ shared block written in place or a wrong prefix-cache hit shows up as a wrong co
 
 With ``num_speculative_tokens`` it also proposes drafts, some right and some wrong (its tokens are
 a function of the sequence and its length, so it knows which), and verifies them: an accepted
-draft's KV must later read as the token it became."""
+draft's KV must later read as the token it became.
+
+With ``kv_window`` it reports a sliding window on every layer, and reads and counts only what the
+Triton kernel may read: from the window's first key rounded down to 16. A slot holds a hash of the
+whole prefix up to its token, so a block reused by another sequence cannot pass by chance."""
 
 from __future__ import annotations
 
@@ -15,11 +19,12 @@ from shared.step_protocol import PositionLogprobs, Sample, SequenceOutput, StepP
 
 class FakeWorker:
     def __init__(self, num_blocks: int, block_size: int, max_model_len: int = 512, vocab_size: int = 100,
-                 eos_token_ids: tuple[int, ...] = (0,), num_cpu_blocks: int = 0, num_speculative_tokens: int = 0):
+                 eos_token_ids: tuple[int, ...] = (0,), num_cpu_blocks: int = 0, num_speculative_tokens: int = 0,
+                 kv_window: int | None = None):
         self.info = WorkerInfo(model="fake", num_kv_blocks=num_blocks, block_size=block_size,
                                max_model_len=max_model_len, vocab_size=vocab_size, eos_token_ids=eos_token_ids,
                                device="cpu", dtype="float32", num_cpu_blocks=num_cpu_blocks,
-                               num_speculative_tokens=num_speculative_tokens)
+                               num_speculative_tokens=num_speculative_tokens, kv_window=kv_window)
         self.num_accepted = 0  # drafts accepted, over all steps
         self.seqs: dict[int, dict] = {}
         self.plans: list[StepPlan] = []
@@ -28,6 +33,15 @@ class FakeWorker:
 
     def worker_info(self) -> WorkerInfo:
         return self.info
+
+    def first_read(self, position: int) -> int:
+        """The first key a query at ``position`` may load (the Triton kernel's rounded window start)."""
+        window = self.info.kv_window
+        return 0 if window is None else max(0, position - window + 1) // 16 * 16
+
+    def live_table(self, seq: dict) -> list[int]:
+        """The blocks the sequence's next query may read: released ones (before them) hold anything."""
+        return seq["table"][self.first_read(seq["computed"]) // self.info.block_size:]
 
     def shutdown(self) -> None:
         pass
@@ -71,7 +85,7 @@ class FakeWorker:
         for seq in self.seqs.values():
             if seq.get("swapped"):
                 continue  # its table is stale until a swap-in replaces it
-            for block in seq["table"]:
+            for block in self.live_table(seq):
                 users[block] = users.get(block, 0) + 1
         outputs = [out for seq, n in batch if (out := self._compute(seq, n, users)) is not None]
         return StepResult(step_id=plan.step_id, outputs=outputs)
@@ -80,7 +94,7 @@ class FakeWorker:
         # A swap-out moves all of a sequence's blocks, which is how a sequence is seen to leave.
         out = {src for src, _ in plan.swap_out}
         for seq in self.seqs.values():
-            if seq["table"] and set(seq["table"]) <= out:
+            if self.live_table(seq) and set(self.live_table(seq)) <= out:
                 seq["swapped"] = True
         for src, dst in plan.swap_out:
             self.host[dst] = list(self.device[src])
@@ -122,13 +136,13 @@ class FakeWorker:
         assert n >= 1 and end <= len(inputs), "scheduled past the known tokens"
         assert not drafts or end == len(inputs), "drafts must follow every token of the sequence"
         assert len(seq["table"]) == -(-end // bs), "table does not cover exactly the computed tokens"
-        for pos in range(start):  # the context must be intact
-            assert self.device[seq["table"][pos // bs]][pos % bs] == seq["tokens"][pos], \
+        for pos in range(self.first_read(start), start):  # the context it reads must be intact
+            assert self.device[seq["table"][pos // bs]][pos % bs] == hash(tuple(seq["tokens"][:pos + 1])), \
                 f"seq {seq['seq_id']}: KV of position {pos} is wrong"
         for pos in range(start, end):
             block = seq["table"][pos // bs]
             assert users[block] == 1, "a shared block was written in place"
-            self.device[block][pos % bs] = inputs[pos]
+            self.device[block][pos % bs] = hash(tuple(inputs[:pos + 1]))
         seq["computed"] = end
         if end < len(inputs):
             return None
