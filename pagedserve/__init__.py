@@ -2,14 +2,15 @@
 
 from shared.lora import LoRARequest
 from shared.outputs import (ClassificationOutput, ClassificationRequestOutput, CompletionOutput, EmbeddingOutput,
-                            EmbeddingRequestOutput, Logprob, RequestOutput, ScoringOutput, ScoringRequestOutput)
+                            EmbeddingRequestOutput, Logprob, PoolingOutput, PoolingRequestOutput, RequestOutput,
+                            ScoringOutput, ScoringRequestOutput)
 from shared.pooling import PoolingParams
 from shared.sampling_params import SamplingParams
 from shared.structured_outputs import StructuredOutputs
 
 __all__ = ["LLM", "LoRARequest", "SamplingParams", "StructuredOutputs", "RequestOutput", "CompletionOutput", "Logprob",
            "PoolingParams", "EmbeddingRequestOutput", "EmbeddingOutput", "ClassificationRequestOutput",
-           "ClassificationOutput", "ScoringRequestOutput", "ScoringOutput"]
+           "ClassificationOutput", "ScoringRequestOutput", "ScoringOutput", "PoolingRequestOutput", "PoolingOutput"]
 __version__ = "0.1.0"
 
 

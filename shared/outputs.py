@@ -3,6 +3,10 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    import torch
 
 
 @dataclass
@@ -42,6 +46,23 @@ class RequestOutput:
 
 
 @dataclass
+class PoolingOutput:
+    data: torch.Tensor  # the pooled vector (an embedding, or class scores), float32 on the CPU
+
+
+@dataclass
+class PoolingRequestOutput:
+    """One prompt's pooled output (LLM.encode), shaped like vLLM's; embed() and classify() give its kinds."""
+
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    outputs: PoolingOutput
+    finished: bool = True
+    num_cached_tokens: int = 0  # prompt tokens found in the prefix cache (their prefill skipped)
+
+
+@dataclass
 class EmbeddingOutput:
     embedding: list[float]  # pooled, cut to the request's dimensions, normalized unless it said otherwise
 
@@ -51,15 +72,10 @@ class EmbeddingOutput:
 
 
 @dataclass
-class EmbeddingRequestOutput:
+class EmbeddingRequestOutput(PoolingRequestOutput):
     """One prompt's embedding, shaped like vLLM's."""
 
-    request_id: str
-    prompt: str | None
-    prompt_token_ids: list[int]
     outputs: EmbeddingOutput
-    finished: bool = True
-    num_cached_tokens: int = 0  # prompt tokens found in the prefix cache (their prefill skipped)
 
 
 @dataclass
@@ -72,15 +88,10 @@ class ClassificationOutput:
 
 
 @dataclass
-class ClassificationRequestOutput:
+class ClassificationRequestOutput(PoolingRequestOutput):
     """One prompt's class scores, shaped like vLLM's."""
 
-    request_id: str
-    prompt: str | None
-    prompt_token_ids: list[int]
     outputs: ClassificationOutput
-    finished: bool = True
-    num_cached_tokens: int = 0
 
 
 @dataclass

@@ -125,6 +125,31 @@ def test_class_scores_equal_transformers_across_chunks_and_prefix_cache_hits(thr
     llm.close()
 
 
+def test_encode_gives_vllm_s_pooling_outputs(three_labels, tiny_model_factory):
+    """LLM.encode, vLLM's generic pooling call: a tensor per prompt, the model's own task by default."""
+    rng, seed = fresh_rng()
+    prompts = random_prompts(rng, 3, 30)
+    classifier = small_engine(three_labels)
+    outputs = classifier.encode([{"prompt_token_ids": p} for p in prompts], use_tqdm=False)
+    for prompt, out in zip(prompts, outputs):
+        assert isinstance(out.outputs.data, torch.Tensor) and out.outputs.data.dtype == torch.float32
+        assert out.prompt_token_ids == prompt and out.finished
+        assert_close(out.outputs.data.tolist(), hf_class_scores(three_labels, prompt), f"seed {seed}")
+    raw = classifier.encode({"prompt_token_ids": prompts[0]}, PoolingParams(use_activation=False),
+                            pooling_task="classify", use_tqdm=False)[0]
+    assert_close(raw.outputs.data.tolist(), hf_class_scores(three_labels, prompts[0], activation=None), "logits")
+    with pytest.raises(ValueError, match="serves the classify task, not embed"):
+        classifier.encode("hello", pooling_task="embed", use_tqdm=False)
+    with pytest.raises(ValueError, match="pooling_task must be"):
+        classifier.encode("hello", pooling_task="token_embed", use_tqdm=False)
+    classifier.close()
+    embedder = LLM(str(tiny_model_factory("llama")), runner="pooling", block_size=16, num_gpu_blocks_override=64)
+    embedded = embedder.encode({"prompt_token_ids": prompts[1]}, use_tqdm=False)[0].outputs.data
+    assert embedded.tolist() == pytest.approx(
+        embedder.embed({"prompt_token_ids": prompts[1]}, use_tqdm=False)[0].outputs.embedding, abs=1e-6)
+    embedder.close()
+
+
 def test_an_embedding_model_does_not_classify(tiny_model_factory):
     llm = LLM(str(tiny_model_factory("llama")), runner="pooling", block_size=16, num_gpu_blocks_override=64)
     with pytest.raises(ValueError, match="embedding model: it serves the embed task, not classify"):

@@ -31,7 +31,7 @@ from shared.model_config import ModelConfig
 from shared.lora import LoRARequest
 from shared.model_factory import default_model_dir
 from shared.outputs import (ClassificationOutput, ClassificationRequestOutput, EmbeddingOutput, EmbeddingRequestOutput,
-                            RequestOutput, ScoringOutput, ScoringRequestOutput)
+                            PoolingOutput, PoolingRequestOutput, RequestOutput, ScoringOutput, ScoringRequestOutput)
 from shared.pooling import PoolingParams, check_cross_encoder, score_pairs, token_limit
 from shared.sampling_params import SamplingParams
 from shared.tokenizer import load_tokenizer, render_chat
@@ -148,6 +148,23 @@ class LLM:
         pooled = self._pool(prompts, pooling_params, "classify", use_tqdm, lora_request, truncate_prompt_tokens)
         return [ClassificationRequestOutput(request_id, text, token_ids, ClassificationOutput(vector),
                                             num_cached_tokens=cached)
+                for request_id, text, token_ids, vector, cached in pooled]
+
+    def encode(self, prompts: PromptType | SequenceABC[PromptType],
+               pooling_params: PoolingParams | SequenceABC[PoolingParams] | None = None, *,
+               truncate_prompt_tokens: int | None = None, use_tqdm: bool = True,
+               lora_request: LoRARequest | SequenceABC[LoRARequest | None] | None = None,
+               pooling_task: str | None = None) -> list[PoolingRequestOutput]:
+        """vLLM's generic pooling call: each prompt's pooled vector as a tensor (``outputs.data``), for
+        ``pooling_task`` "embed" or "classify" (None: the model's own: class scores from a classifier,
+        else an embedding). The same vectors as embed() and classify()."""
+        pooler = self.engine.info.pooler
+        task = pooling_task if pooling_task is not None else pooler.task if pooler is not None else "embed"
+        if task not in ("embed", "classify"):
+            raise ValueError(f"pooling_task must be 'embed' or 'classify' (or None for the model's own), got {task!r}")
+        pooled = self._pool(prompts, pooling_params, task, use_tqdm, lora_request, truncate_prompt_tokens)
+        return [PoolingRequestOutput(request_id, text, token_ids, PoolingOutput(torch.tensor(vector, dtype=torch.float32)),
+                                     num_cached_tokens=cached)
                 for request_id, text, token_ids, vector, cached in pooled]
 
     def score(self, text_1: str | SequenceABC[str], text_2: str | SequenceABC[str], use_tqdm: bool = True,
