@@ -218,6 +218,30 @@ def test_admission_refuses_what_could_never_run(prompt, params, match):
     assert not engine.has_unfinished()
 
 
+@pytest.mark.parametrize("block_size, window, budget", [(1, 3, 2), (4, 3, 4), (4, 12, 8), (8, 5, 16), (16, 40, 16),
+                                                        (2, 1, 1)])
+@pytest.mark.parametrize("n, pipelined", [(1, False), (1, True), (2, False)])
+def test_a_pool_of_the_windowed_admission_bound_runs_a_sequence_longer_than_it(block_size, window, budget, n,
+                                                                              pipelined):
+    """With every layer windowed (and chunked prefill) admission asks only for the blocks a sequence holds
+    at once. A pool of exactly that many must run a request needing several times more to the end (an
+    unsound bound admits what then preempts itself forever: run_to_completion calls that a livelock)."""
+    probe, _ = make_engine(block_size=block_size, budget=budget, window=window)
+    num_blocks = probe.scheduler.blocks.most_blocks_held(200, budget)
+    assert num_blocks < probe.scheduler.blocks.blocks_for(200)
+    engine, worker = make_engine(num_blocks, block_size, budget=budget, max_model_len=256, window=window, caching=True,
+                                 host_blocks=num_blocks)
+    engine.add_request("long", [1 + i % 50 for i in range(150)], SamplingParams(n=n, max_tokens=50))
+    engine.add_request("other", [1 + i % 7 for i in range(60)], SamplingParams(max_tokens=20))
+    outputs = run_to_completion(engine, pipeline=Pipeline(engine) if pipelined else None)
+    assert len(outputs["long"]) == 50 * n and len(outputs["other"]) == 20
+    engine.step()  # tells the worker to drop the last finished sequence
+    assert engine.scheduler.blocks.num_used_blocks == 0 and not worker.seqs
+    with pytest.raises(ValueError, match="could never run"):  # one block fewer is refused
+        make_engine(num_blocks - 1, block_size, budget=budget, max_model_len=256, window=window)[0].add_request(
+            "long", [1] * 150, SamplingParams(max_tokens=50))
+
+
 def test_duplicate_request_id_is_refused():
     engine, _ = make_engine()
     engine.add_request("a", [1], SamplingParams())

@@ -222,3 +222,26 @@ def test_a_follow_up_turn_hits_the_cache_after_its_start_was_evicted(mistral_win
     ref, ref_logprobs = hf_greedy(mistral_window_dir, follow_up, 4)
     assert_greedy_equal(out.outputs[0].token_ids, ref, ref_logprobs)
     llm.engine.scheduler.blocks.check_invariants()
+
+
+def test_a_sequence_longer_than_the_pool_runs_when_only_its_window_is_held(mistral_window_dir):
+    """Admission asks for the most blocks a sequence holds at once: with every layer windowed and chunked
+    prefill, its window's and a step's. Two such requests share the pool (one waits or is preempted)."""
+    rng = random.Random(int.from_bytes(os.urandom(4), "little"))
+    prompts = [[rng.randrange(1, 500) for _ in range(n)] for n in (150, 120)]
+    params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+    # 190 tokens need 24 blocks of 8; a step of 32 tokens over a 12-key window holds at most
+    # ceil((32 + 11 + 16) / 8) + 2 = 10.
+    llm = LLM(str(mistral_window_dir), block_size=8, max_num_batched_tokens=32, enable_chunked_prefill=True,
+              num_gpu_blocks_override=12)
+    assert llm.engine.scheduler.blocks.most_blocks_held(190, 32) == 10
+    outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    for prompt, out in zip(prompts, outputs):
+        ref, ref_logprobs = hf_greedy(mistral_window_dir, prompt, 40)
+        assert_greedy_equal(out.outputs[0].token_ids, ref, ref_logprobs, f"prompt of {len(prompt)}")
+    assert llm.stats()["kv_blocks_used"] == 0
+    # Without chunked prefill a recomputed sequence needs every block in one step: refused as before.
+    whole = LLM(str(mistral_window_dir), block_size=8, max_num_batched_tokens=512, enable_chunked_prefill=False,
+                num_gpu_blocks_override=12)
+    with pytest.raises(ValueError, match="needing 24 KV blocks at once"):
+        whole.generate([{"prompt_token_ids": prompts[0]}], params, use_tqdm=False)

@@ -101,6 +101,19 @@ class BlockManager:
         """Entries at the start of the sequence's table whose blocks were freed behind the window."""
         return self._num_released.get(seq_id, 0)
 
+    def most_blocks_held(self, num_tokens: int, step_tokens: int | None) -> int:
+        """The most blocks a sequence growing to ``num_tokens`` tokens holds at once, computing at most
+        ``step_tokens`` a step (None: a whole prompt, or a recomputed sequence, in one step).
+
+        With a sliding window, a step from position p holds the blocks from the window's (and margin's)
+        start at p to p + step: never more than step + window - 1 + READ_MARGIN slots, spread over
+        their blocks plus one, and one more for a copy-on-write.
+        """
+        whole = self.blocks_for(num_tokens)
+        if self.kv_window is None or step_tokens is None:
+            return whole
+        return min(whole, self.blocks_for(step_tokens + self.kv_window - 1 + READ_MARGIN) + 2)
+
     def num_table_blocks(self, seq_id: int) -> int:
         return len(self._tables.get(seq_id, ()))
 

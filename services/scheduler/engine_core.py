@@ -197,12 +197,15 @@ class EngineCore:
             if value is not None and value > self.max_logprobs:
                 raise ValueError(f"{name}={value} exceeds the maximum of {self.max_logprobs}")
         # One sequence at a time must fit: siblings that do not fit beside it are preempted and
-        # run after it (the oldest sequence always advances), so n does not multiply the need.
+        # run after it (the oldest sequence always advances), so n does not multiply the need. With a
+        # sliding window on every layer and chunked prefill, a sequence holds only its window's blocks.
         longest = len(prompt) + (params.max_tokens or info.max_model_len - len(prompt))
-        needed = self.scheduler.blocks.blocks_for(longest)
+        limits = self.scheduler.limits
+        needed = self.scheduler.blocks.most_blocks_held(
+            longest, limits.max_num_batched_tokens if limits.enable_chunked_prefill else None)
         if needed > info.num_kv_blocks:
-            raise ValueError(f"the request can grow to {longest} tokens, needing {needed} KV blocks, but the "
-                             f"cache has only {info.num_kv_blocks}: it could never run")
+            raise ValueError(f"the request can grow to {longest} tokens, needing {needed} KV blocks at once, but "
+                             f"the cache has only {info.num_kv_blocks}: it could never run")
 
     def abort_request(self, request_id: str) -> None:
         seqs = self._requests.pop(request_id, None)
