@@ -107,7 +107,8 @@ class BlockManager:
 
         With a sliding window, a step from position p holds the blocks from the window's (and margin's)
         start at p to p + step: never more than step + window - 1 + READ_MARGIN slots, spread over
-        their blocks plus one, and one more for a copy-on-write.
+        their blocks plus one where they straddle a boundary; and one more for a copy-on-write (a
+        fork's one-token step copies its shared last block: it matters only for a budget under a block).
         """
         whole = self.blocks_for(num_tokens)
         if self.kv_window is None or step_tokens is None:
