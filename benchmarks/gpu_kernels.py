@@ -683,8 +683,8 @@ def tune_prefill_case(bench: Bench, shape: Shape, specs: list[tuple[int, int]], 
     q = torch.randn(sum(new for _, new in specs), shape.heads, shape.head_dim, device=bench.device).to(dtype)
     k_cache, v_cache = pool[0, 0], pool[0, 1]
     scale = shape.head_dim ** -0.5
-    group_pad = 1 << (shape.heads // shape.kv_heads - 1).bit_length()
     default = make_launch_plan(meta, q, k_cache)
+    group_pad = default.group_pad
     default_config = {"rows": default.block_q * group_pad, "block_n": default.block_n,
                       "num_warps": default.num_warps, "num_stages": default.num_stages}
     variants = [({**default_config, "default": True}, default)]

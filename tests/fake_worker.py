@@ -94,7 +94,7 @@ class FakeWorker:
         # A swap-out moves all of a sequence's blocks, which is how a sequence is seen to leave.
         out = {src for src, _ in plan.swap_out}
         for seq in self.seqs.values():
-            if self.live_table(seq) and set(self.live_table(seq)) <= out:
+            if (live := self.live_table(seq)) and set(live) <= out:
                 seq["swapped"] = True
         for src, dst in plan.swap_out:
             self.host[dst] = list(self.device[src])

@@ -231,11 +231,12 @@ class BlockManager:
     def release_blocks_behind_window(self, seq_id: int, num_computed_tokens: int) -> int:
         """Free the blocks no layer will read again: wholly before the window (and READ_MARGIN) of the
         sequence's next token, at position ``num_computed_tokens``. Returns how many were freed."""
-        table = self._tables.get(seq_id)
-        if self.kv_window is None or table is None:
+        if self.kv_window is None:  # on every step for every sequence: the common case returns first
             return 0
-        first_read = num_computed_tokens - self.kv_window + 1 - READ_MARGIN
-        behind = min(max(0, first_read) // self.block_size, len(table))
+        table = self._tables.get(seq_id)
+        if table is None:
+            return 0
+        behind = min(self._first_block_read(num_computed_tokens), len(table))
         start = self._num_released.get(seq_id, 0)
         if behind <= start:
             return 0
@@ -303,16 +304,16 @@ class BlockManager:
                 if self.kv_window is None:
                     break  # without a window every block of the start is read
                 run_start = index + 1
-            elif run_start <= self._first_block_read(index + 1):
+            elif run_start <= self._first_block_read((index + 1) * self.block_size):
                 best = index + 1
-        needed_from = self._first_block_read(best)
+        needed_from = self._first_block_read(best * self.block_size)
         return CacheHit((None,) * needed_from + tuple(blocks[needed_from:best]), tuple(hashes[:best]))
 
-    def _first_block_read(self, num_blocks: int) -> int:
-        """The first block a sequence computed up to ``num_blocks`` full blocks reads at its next token."""
+    def _first_block_read(self, position: int) -> int:
+        """The first block a kernel may read for a query at ``position``: its window's, less READ_MARGIN."""
         if self.kv_window is None:
             return 0
-        return max(0, num_blocks * self.block_size - self.kv_window + 1 - READ_MARGIN) // self.block_size
+        return max(0, position - self.kv_window + 1 - READ_MARGIN) // self.block_size
 
     def allocate_with_hits(self, seq_id: int, hits: CacheHit, num_tokens: int) -> list[int]:
         """Start a sequence's table with its cache hits, then fresh blocks up to ``num_tokens`` slots."""
