@@ -61,6 +61,13 @@ class Stream(threading.Thread):
         except httpx.HTTPError as exc:
             self.error = f"{type(exc).__name__}: {exc}"
 
+    def resumed_at(self, crashed_at: float) -> float | None:
+        """When the first token of the resumed request came: the arrival ending the longest pause after
+        the kill (tokens the dead worker had already sent can arrive a moment after it)."""
+        times = [crashed_at] + [t for t in self.arrivals if t > crashed_at]
+        gaps = [(b - a, b) for a, b in zip(times, times[1:])]
+        return max(gaps)[1] if gaps else None
+
     @property
     def longest_gap_s(self) -> float:
         return max((b - a for a, b in zip(self.arrivals, self.arrivals[1:])), default=0.0)
@@ -115,7 +122,7 @@ def one_mode(model_dir: Path, port: int, prompts, args, resume: bool) -> dict:
     completed = [s for s in hit if s.error is None and s.finish == "length"]
     same = sum(s.text == c.text for s, c in zip(hit, clean) if s in completed)
     pauses = [s.longest_gap_s for s in completed]
-    resumed_at = [next((t for t in s.arrivals if t > crashed_at), None) for s in completed]
+    resumed_at = [s.resumed_at(crashed_at) for s in completed]
     return {
         "resume": resume,
         "requests": len(hit),
