@@ -95,6 +95,39 @@ def choice_grammar(choices: list[str]) -> str:
     return "root ::= " + " | ".join(json.dumps(c, ensure_ascii=False) for c in choices)
 
 
+def xgrammar_schema(spec: str) -> str:
+    """The schema as xgrammar should compile it: each string bounded by minLength / maxLength (and by no
+    pattern or format) gets the bound as a pattern instead. xgrammar (to 0.2.9 at least, its issue #800)
+    lowers such strings to a class that admits raw control characters, which JSON forbids (json.loads
+    refuses the output); its pattern path keeps to JSON's characters. Like xgrammar's bounded strings,
+    such strings hold no escapes and no line breaks."""
+    schema = json.loads(spec)
+    rewritten = _bounds_as_patterns(schema)
+    return spec if rewritten == schema else json.dumps(rewritten, ensure_ascii=False)
+
+
+# One character of a bounded string: not a line break (as xgrammar's own bounded strings), and not a
+# surrogate code point (xgrammar's "." takes one, whose UTF-8 is invalid and decodes to three U+FFFD).
+_JSON_CHARACTER = r"[^\n\uD800-\uDFFF]"
+_LITERAL_KEYWORDS = frozenset({"enum", "const", "default", "examples"})  # values, not schemas
+
+
+def _bounds_as_patterns(node: Any) -> Any:
+    if isinstance(node, list):
+        return [_bounds_as_patterns(item) for item in node]
+    if not isinstance(node, dict):
+        return node
+    out = {key: value if key in _LITERAL_KEYWORDS else _bounds_as_patterns(value) for key, value in node.items()}
+    bounds = [out.get("minLength"), out.get("maxLength")]
+    types = out.get("type", "string")
+    may_be_string = types == "string" or (isinstance(types, list) and "string" in types)
+    if (may_be_string and "pattern" not in out and "format" not in out and any(isinstance(b, int) for b in bounds)
+            and all(b is None or (isinstance(b, int) and b >= 0) for b in bounds)):
+        low, high = out.pop("minLength", None) or 0, out.pop("maxLength", None)
+        out["pattern"] = f"^{_JSON_CHARACTER}{{{low},{'' if high is None else high}}}$"
+    return out
+
+
 def _schema_text(schema: Any) -> str:
     """The schema as text, its properties in the order given: the output follows that order (a
     model asked for its reasoning before its answer must write them so)."""
@@ -120,7 +153,7 @@ def _check_grammar(kind: str, spec: str, any_whitespace: bool) -> None:
 
     try:
         if kind in ("json", "json_object"):
-            xgr.Grammar.from_json_schema(spec, any_whitespace=any_whitespace)
+            xgr.Grammar.from_json_schema(xgrammar_schema(spec), any_whitespace=any_whitespace)
         elif kind == "regex":
             xgr.Grammar.from_regex(spec)
         elif kind in ("grammar", "choice"):

@@ -27,8 +27,9 @@ from pathlib import Path
 
 import torch
 
+from services.worker.utf8_mask import COMPLETE, Utf8Masks
 from shared.logging import setup_logging
-from shared.structured_outputs import StructuredOutputs, engine_message
+from shared.structured_outputs import StructuredOutputs, engine_message, xgrammar_schema
 
 log = setup_logging("worker")
 
@@ -37,12 +38,15 @@ GRAMMAR_CACHE_BYTES = 512 << 20  # compiled grammars kept for reuse (as vLLM's d
 
 class SequenceGrammar:
     """One sequence's matcher (made once its grammar is compiled): what it has accepted, and what it
-    allows next; or, once it cannot go on, why."""
+    allows next; or, once it cannot go on, why. Its mask also keeps the output's bytes well-formed UTF-8
+    (utf8_mask.py), which xgrammar alone does not."""
 
-    def __init__(self, compiled: Future, output_token_ids: list[int]):
+    def __init__(self, compiled: Future, output_token_ids: list[int], grammars: "Grammars"):
         self._compiled = compiled
+        self._grammars = grammars  # its UTF-8 masks exist once anything has compiled
         self._replay = list(output_token_ids)  # accepted as soon as the matcher exists
         self._matcher = None
+        self._utf8 = COMPLETE  # the character the output leaves unfinished, if any
         self.error: str | None = None
 
     def _ready(self):
@@ -68,11 +72,13 @@ class SequenceGrammar:
         return matcher is None or not matcher.is_terminated()
 
     def accept(self, token_id: int) -> None:
-        if self._matcher is None and self.error is None:
-            self._replay.append(token_id)  # not compiled yet
+        if self._matcher is None:
+            if self.error is None:
+                self._replay.append(token_id)  # not compiled yet
             return
         if self.error is None and not self._matcher.is_terminated() and not self._matcher.accept_token(token_id):
             self.error = f"token {token_id} is not allowed by the structured output grammar"
+        self._utf8 = self._grammars.utf8_masks.next_state(self._utf8, token_id)
 
     def fill(self, bitmask: torch.Tensor, row: int, eos_token_ids: Sequence[int]) -> None:
         """Row ``row`` of the bitmask: the tokens allowed next (only EOS, once the grammar failed)."""
@@ -80,6 +86,7 @@ class SequenceGrammar:
         if matcher is not None:
             matcher.fill_next_token_bitmask(bitmask, row)
             if bool(bitmask[row].any()):
+                self._grammars.utf8_masks.restrict(bitmask, row, self._utf8)
                 return
             self.error = "the structured output grammar allows no next token"
         _allow_only(bitmask, row, eos_token_ids)
@@ -99,18 +106,20 @@ class Grammars:
     def __init__(self, tokenizer_path: str | Path, vocab_size: int, eos_token_ids: tuple[int, ...]):
         self.tokenizer_path, self.vocab_size, self.eos_token_ids = tokenizer_path, vocab_size, eos_token_ids
         self._compiler = None
+        self.utf8_masks: Utf8Masks | None = None  # built with the compiler, from the same decoded vocabulary
         self._thread: ThreadPoolExecutor | None = None
 
     def for_sequence(self, constraint: StructuredOutputs, output_token_ids: list[int]) -> SequenceGrammar:
         """A grammar that will have accepted the sequence's output so far."""
         if self._thread is None:
             self._thread = ThreadPoolExecutor(1, thread_name_prefix="grammar-compiler")
-        return SequenceGrammar(self._thread.submit(self._compile, constraint), output_token_ids)
+        return SequenceGrammar(self._thread.submit(self._compile, constraint), output_token_ids, self)
 
     def _compile(self, constraint: StructuredOutputs):
         compiler, kind = self._compiler_built(), constraint.kind
         if kind in ("json", "json_object"):
-            return compiler.compile_json_schema(constraint.spec, any_whitespace=constraint.any_whitespace)
+            return compiler.compile_json_schema(xgrammar_schema(constraint.spec),
+                                                any_whitespace=constraint.any_whitespace)
         if kind == "regex":
             return compiler.compile_regex(constraint.regex)
         return compiler.compile_grammar(constraint.spec)  # an EBNF grammar, or a choice written as one
@@ -129,6 +138,7 @@ class Grammars:
             started = time.perf_counter()
             info = xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=self.vocab_size,
                                                       stop_token_ids=list(self.eos_token_ids))
+            self.utf8_masks = Utf8Masks(info.decoded_vocab, self.vocab_size)
             self._compiler = xgr.GrammarCompiler(info, cache_limit_bytes=GRAMMAR_CACHE_BYTES)
             log.info("grammar compiler ready", tokenizer=str(self.tokenizer_path),
                      seconds=round(time.perf_counter() - started, 3))

@@ -445,7 +445,14 @@ def _hashed_exponentials(vocab_hash: Tensor, seed_keys: Tensor, counters: Tensor
     bits += keys  # a second keyed round, so rows that differ in few key bits still decorrelate
     bits &= _MASK32
     _fmix32_(bits, scratch)
-    # The top 24 bits are exact in float32; the half-step offset keeps u strictly inside (0, 1).
-    bits >>= 8
+    return _exponentials_of_bits(bits)
+
+
+def _exponentials_of_bits(bits: Tensor) -> Tensor:
+    """Exp(1) from uniform 32-bit words: the top 23 bits plus a half step, (k + 0.5) / 2**23, is exact in
+    float32 and strictly inside (0, 1), so no noise is 0. (With 24 bits the largest value rounded to 1.0:
+    its noise was 0, a masked token's 0 / 0 was NaN, and argmax took that token, breaking grammars,
+    allowed_token_ids and top-k once in 2**24 draws.)"""
+    bits >>= 9
     uniform = bits.to(torch.float32)
-    return uniform.add_(0.5).mul_(2.0**-24).log_().neg_()
+    return uniform.add_(0.5).mul_(2.0**-23).log_().neg_()
