@@ -26,13 +26,17 @@ def pytest_collection_modifyitems(items):
     items.sort(key=rank)  # stable: each file's own order is kept
 
 
-@pytest.fixture(scope="session", autouse=True)
-def cpu_kernels_built():
-    """Build the C++ CPU kernels once, up front, so no worker process a test starts pays for it (or
-    races another to build them) while the test waits on its health check."""
-    from services.worker.attention.cpu_kernels import cpu_kernels_unavailable_reason
+def pytest_sessionstart(session):
+    """Build the C++ CPU kernels before any test runs, so no worker process a test starts builds them (or
+    waits for them) while the test waits on its health check. Under pytest-xdist the controller gets here
+    before it starts the test processes, which then find the build published; a concurrent run from
+    another checkout with the same sources builds it once between them (cpu_kernels.py)."""
+    from services.worker.attention.cpu_kernels import build_root, load_cpu_kernels
 
-    return cpu_kernels_unavailable_reason()
+    load_cpu_kernels(build_root(), wait_s=KERNEL_BUILD_WAIT_S)  # without a compiler: the torch backend
+
+
+KERNEL_BUILD_WAIT_S = 900.0  # longer than any build takes, even beside another run on the same cores
 
 
 @pytest.fixture(scope="session")

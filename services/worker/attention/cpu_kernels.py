@@ -1,10 +1,24 @@
-"""The C++ CPU kernels (csrc/cpu_attention.cpp, csrc/cpu_layers.cpp): built once per machine, then loaded
-from cache.
+"""The C++ CPU kernels (csrc/cpu_attention.cpp, csrc/cpu_layers.cpp): built once per machine, on first
+use, then loaded in milliseconds.
 
-torch's extension builder compiles the source with the machine's C++ compiler the first time a
-worker needs it (about 20 s here) and keeps the library under ``TORCH_EXTENSIONS_DIR``
-(default ``~/.cache/torch_extensions``); later loads take milliseconds, and a changed source is
-rebuilt. Where there is no compiler, the "auto" backend falls back to the pure-PyTorch one.
+The first process that needs them compiles them with the machine's C++ compiler (20-50 s) through
+torch's extension builder and publishes the library under ``TORCH_EXTENSIONS_DIR`` (default
+``~/.cache/torch_extensions``) as ``pagedserve_cpu_kernels_<digest>/``, the digest covering the sources,
+this CPU, the compiler, the flags, Python and torch (build_once.py: published by an atomic rename,
+so other processes and other checkouts load it without rebuilding or locking; concurrent starts wait
+for one build, logging that they do, and after BUILD_WAIT_S fall back to the PyTorch backend, as
+they do without a compiler). ``python -m services.worker.attention.cpu_kernels`` builds them ahead of
+any start.
+
+Why not at ``pip install`` time, as vLLM ships compiled kernels: an extension must be compiled against
+the torch it will run with, and pip's build isolation builds in a throwaway environment with a torch
+of its own (unpinned: a CUDA wheel of gigabytes on Linux, and possibly not the version a GPU user
+installed), while ``pip install torch==2.13.0 -e .`` builds the project before it installs any torch
+at all. Turning isolation off would make the README's one-line install two steps, and forgetting
+the flag would bring that back silently; ``-march=native`` code built into an image would also bind
+it to the CPU that built the image. A build on the machine that runs, against the torch that is
+loaded, is right for a CPU user and a GPU user with their own torch alike; the tests build once per
+run before any service starts (tests/conftest.py).
 """
 
 from __future__ import annotations
@@ -14,9 +28,13 @@ import hashlib
 import os
 import platform
 import shutil
+import sys
 from pathlib import Path
 
 import torch
+
+from services.worker.attention.build_once import build_once
+from services.worker.attention.file_lock import LockTimeout
 
 # Decode attention; the models' fused elementwise layers (wrapped in services/worker/models/cpu_layers.py).
 SOURCES = [Path(__file__).with_name("csrc") / name for name in ("cpu_attention.cpp", "cpu_layers.cpp")]
@@ -45,31 +63,72 @@ def paged_decode_attention(out: torch.Tensor, query: torch.Tensor, key_cache: to
 
 @functools.cache
 def _build() -> str | None:
-    """Compile (or load the cached build of) the kernels once per process; the reason on failure."""
-    if shutil.which(os.environ.get("CXX", "c++")) is None:
-        return "no C++ compiler found (install g++, or set CXX)"
-    from torch.utils.cpp_extension import load
+    """Load (building first if need be) the kernels once per process; the reason on failure."""
+    return load_cpu_kernels(build_root(), BUILD_WAIT_S)
 
+
+def load_cpu_kernels(root: Path, wait_s: float) -> str | None:
+    """Loads the kernels published under ``root``, building them there first if no process has (waiting
+    at most ``wait_s`` for another builder); the reason they cannot run on failure, else None."""
+    if shutil.which(_compiler()) is None:
+        return "no C++ compiler found (install g++, or set CXX)"
+    name = build_name()
     try:
-        load(name=f"pagedserve_cpu_kernels_{_source_digest()}", sources=[str(source) for source in SOURCES],
-             is_python_module=False,
-             # -fopenmp: the kernel's parallel loop; the libgomp.so.1 it links is the one torch has
-             # already loaded (same soname), so both share one thread pool.
-             extra_cflags=["-O3", "-march=native", "-fopenmp"], extra_ldflags=["-fopenmp"])
-    except (RuntimeError, OSError, ImportError, FileNotFoundError) as e:
+        library = build_once(root, name, f"{name}.so", functools.partial(_compile, name), wait_s)
+        if not _registered():  # a process that built them has them loaded already
+            torch.ops.load_library(str(library))
+    except LockTimeout as e:
+        return f"gave up waiting for another process's build of the C++ CPU kernels: {e}"
+    except (RuntimeError, OSError, ImportError) as e:
         first_line = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-        return f"building the C++ CPU kernels failed: {first_line}"
+        return f"building or loading the C++ CPU kernels failed: {first_line}"
     return None
 
 
-def _source_digest() -> str:
-    """A hash of every file in csrc/ (headers included: torch's own change detection hashes only the
-    listed sources) and of this CPU's model and feature flags (the build is -march=native, so a cache
-    shared with another kind of CPU must not hand it this machine's binary), in the build's name."""
+def build_name() -> str:
+    """The published build's directory (under build_root()) for this checkout's sources on this machine."""
+    return f"pagedserve_cpu_kernels_{build_digest()}"
+
+
+def build_root() -> Path:
+    """Where builds are published: torch's extensions directory (TORCH_EXTENSIONS_DIR overrides it)."""
+    from torch.utils.cpp_extension import get_default_build_root
+
+    return Path(os.environ.get("TORCH_EXTENSIONS_DIR") or get_default_build_root())
+
+
+BUILD_WAIT_S = 180.0  # a build takes 20-50 s; a builder past this has hung (and the launcher waits 300 s)
+# -fopenmp: the kernel's parallel loop; the libgomp.so.1 it links is the one torch has already loaded
+# (same soname), so both share one thread pool.
+CFLAGS, LDFLAGS = ("-O3", "-march=native", "-fopenmp"), ("-fopenmp",)
+
+
+def _compile(name: str, directory: Path) -> None:
+    """Builds ``directory/<name>.so`` (and loads it into this process: torch's builder always does)."""
+    from torch.utils.cpp_extension import load
+
+    load(name=name, sources=[str(source) for source in SOURCES], build_directory=str(directory),
+         is_python_module=False, extra_cflags=list(CFLAGS), extra_ldflags=list(LDFLAGS))
+
+
+def _registered() -> bool:
+    return hasattr(getattr(torch.ops, LIBRARY), "paged_decode_attention")
+
+
+def _compiler() -> str:
+    return os.environ.get("CXX", "c++")
+
+
+def build_digest() -> str:
+    """A hash of what the library depends on: every file in csrc/ (headers included), this CPU's model
+    and feature flags (the build is -march=native: a cache shared with another kind of CPU must not hand
+    it this machine's binary), the compiler, the flags, Python and torch (it links against torch)."""
     digest = hashlib.sha256(_cpu_fingerprint().encode())
     for path in sorted(SOURCES[0].parent.iterdir()):
         digest.update(path.name.encode() + path.read_bytes())
-    return digest.hexdigest()[:12]
+    for part in (_compiler(), *CFLAGS, *LDFLAGS, sys.implementation.cache_tag, torch.__version__):
+        digest.update(b"\0" + part.encode())
+    return digest.hexdigest()[:16]
 
 
 def _cpu_fingerprint() -> str:
@@ -79,3 +138,14 @@ def _cpu_fingerprint() -> str:
         return platform.machine() + platform.processor()
     wanted = ("model name", "flags", "Features", "CPU part")  # x86 and Arm spellings
     return platform.machine() + "".join(sorted({line for line in lines if line.startswith(wanted)}))
+
+
+def main() -> int:
+    """Builds (or finds) the kernels now: one line saying where, or why not (exit code 1)."""
+    reason = load_cpu_kernels(build_root(), BUILD_WAIT_S)
+    print(reason or f"the C++ CPU kernels are ready in {build_root() / build_name()}")
+    return 1 if reason else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
