@@ -105,7 +105,7 @@ async def serve_stand_in(port: int, model_dir: str, step_s: float) -> None:
     await server.wait_for_termination()
 
 
-def wait_healthy(url: str, procs: list[subprocess.Popen], timeout_s: float = 60.0) -> None:
+def wait_healthy(url: str, procs: list[subprocess.Popen], timeout_s: float = 300.0) -> None:
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         if any(p.poll() is not None for p in procs):

@@ -12,6 +12,7 @@ import sys
 import time
 import urllib.error
 import urllib.request
+from collections.abc import Callable
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
@@ -72,6 +73,57 @@ def http_get(url: str, timeout: float = 5.0, headers: dict[str, str] | None = No
         return status, raw
 
 
+# Limits that only bound a hung process, far above what a healthy run takes even beside other work on
+# the same cores (a flaky test costs more than a slow failure): a service's start (seconds when idle),
+# and a script a test runs to its end (under pytest's own per-test timeout, pyproject.toml).
+START_LIMIT_S = 300.0
+RUN_LIMIT_S = 480.0
+POLL_S = 0.25
+
+
+def wait_until_ready(ready: Callable[[], bool], procs: dict[str, subprocess.Popen], log_dir: Path, what: str,
+                     timeout_s: float = START_LIMIT_S) -> None:
+    """Returns once ``ready()`` says so (a check that fails to connect counts as not yet); fails at once,
+    with its log's tail (``log_dir/<name>.log``), when one of ``procs`` exits first, and with every log's
+    tail after ``timeout_s``."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        for name, proc in procs.items():
+            if proc.poll() is not None:
+                raise RuntimeError(f"{name} exited with {proc.returncode} while waiting for {what}:\n"
+                                   + log_tail(log_dir, name))
+        try:
+            if ready():
+                return
+        except OSError:
+            pass  # not listening yet, or too busy to answer in time
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"waited {timeout_s:.0f} s for {what}:\n"
+                               + "\n".join(log_tail(log_dir, name) for name in procs))
+        time.sleep(POLL_S)
+
+
+def grpc_serving(address: str) -> bool:
+    """Whether the gRPC service at ``address`` says SERVING (a fresh channel: no reconnect backoff)."""
+    import grpc
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    with grpc.insecure_channel(address) as channel:
+        try:
+            return health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=5).status \
+                == health_pb2.HealthCheckResponse.SERVING
+        except grpc.RpcError:
+            return False
+
+
+def log_tail(log_dir: Path, name: str, lines: int = 30) -> str:
+    try:
+        text = (log_dir / f"{name}.log").read_text(errors="replace").splitlines()
+    except OSError:
+        text = ["(no log)"]
+    return f"--- {name} ---\n" + "\n".join(text[-lines:])
+
+
 class Stack:
     """worker -> scheduler -> gateway; `with Stack(...) as stack:` or start()/stop()."""
 
@@ -103,45 +155,31 @@ class Stack:
                                             stdout=log, stderr=subprocess.STDOUT)
         log.close()  # the child holds its own copy
 
-    def start(self, timeout_s: float = 60.0, headers: dict[str, str] | None = None) -> "Stack":
+    def start(self, timeout_s: float = START_LIMIT_S, headers: dict[str, str] | None = None) -> "Stack":
         """headers: what a request needs to be served (an API key), for the readiness check."""
         # All three at once: the scheduler waits for its worker, the gateway learns the model lazily.
         self.start_worker()
         self.start_scheduler()
         self._spawn("gateway", "--port", str(self.http_port), "--grpc-port", str(self.grpc_port),
                     "--scheduler", self.scheduler_address, *self.gateway_args)
+        return self._started(lambda: http_get(f"{self.base_url}/health", 5)[0] == 200 and
+                             http_get(f"{self.base_url}/v1/models", 30, headers)[0] == 200,
+                             "the stack to become healthy", timeout_s)
+
+    def start_backend(self, timeout_s: float = START_LIMIT_S) -> "Stack":
+        """Only the worker and the scheduler (for another stack's gateway to use); returns once the
+        scheduler serves."""
+        self.start_worker()
+        self.start_scheduler()
+        return self._started(lambda: grpc_serving(self.scheduler_address), "the scheduler to serve", timeout_s)
+
+    def _started(self, ready: Callable[[], bool], what: str, timeout_s: float) -> "Stack":
         try:
-            self._wait_ready(timeout_s, headers)
+            wait_until_ready(ready, self.procs, self.log_dir, what, timeout_s)
         except BaseException:
             self.stop()
             raise
         return self
-
-    def start_backend(self, timeout_s: float = 60.0) -> "Stack":
-        """Only the worker and the scheduler (for another stack's gateway to use); returns once the
-        scheduler serves."""
-        import grpc
-        from grpc_health.v1 import health_pb2, health_pb2_grpc
-
-        self.start_worker()
-        self.start_scheduler()
-        deadline = time.monotonic() + timeout_s
-        with grpc.insecure_channel(self.scheduler_address) as channel:
-            health = health_pb2_grpc.HealthStub(channel)
-            while time.monotonic() < deadline:
-                for name, proc in self.procs.items():
-                    if proc.poll() is not None:
-                        self.stop()
-                        raise RuntimeError(f"{name} exited with {proc.returncode}:\n{self.log_tail(name)}")
-                try:
-                    if health.Check(health_pb2.HealthCheckRequest(), timeout=2).status == \
-                            health_pb2.HealthCheckResponse.SERVING:
-                        return self
-                except grpc.RpcError:
-                    pass
-                time.sleep(0.25)
-        self.stop()
-        raise TimeoutError(f"the scheduler did not serve in {timeout_s} s")
 
     def start_worker(self) -> None:
         """The worker (again, after kill("worker"): on the same address)."""
@@ -153,25 +191,8 @@ class Stack:
         self._spawn("scheduler", "--worker", f"127.0.0.1:{self.worker_port}", "--listen", self.scheduler_address,
                     *self.scheduler_args)
 
-    def _wait_ready(self, timeout_s: float, headers: dict[str, str] | None = None) -> None:
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
-            for name, proc in self.procs.items():
-                if proc.poll() is not None:
-                    raise RuntimeError(f"{name} exited with {proc.returncode} during start-up:\n{self.log_tail(name)}")
-            try:
-                if http_get(f"{self.base_url}/health", 2)[0] == 200 and \
-                        http_get(f"{self.base_url}/v1/models", 10, headers)[0] == 200:
-                    return
-            except OSError:
-                pass
-            time.sleep(0.25)
-        raise TimeoutError(f"the stack did not become healthy in {timeout_s} s:\n"
-                           + "\n".join(self.log_tail(name) for name in self.procs))
-
     def log_tail(self, name: str, lines: int = 30) -> str:
-        text = (self.log_dir / f"{name}.log").read_text(errors="replace").splitlines()
-        return f"--- {name} ---\n" + "\n".join(text[-lines:])
+        return log_tail(self.log_dir, name, lines)
 
     def kill(self, name: str) -> None:
         """Kill one service abruptly (a crash, not a shutdown)."""

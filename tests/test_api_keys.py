@@ -265,7 +265,7 @@ def stack(llama_dir, tmp_path_factory, keys):
     prefix, _ = keys
     stack = Stack(llama_dir, tmp_path_factory.mktemp("auth-logs"), worker_args=("--num-gpu-blocks-override", "256"),
                   gateway_args=("--api-key", STATIC_KEY, "--api-key-store", REDIS,
-                                "--api-key-store-prefix", prefix)).start(timeout_s=90, headers=bearer(STATIC_KEY))
+                                "--api-key-store-prefix", prefix)).start(headers=bearer(STATIC_KEY))
     try:
         yield stack
     finally:

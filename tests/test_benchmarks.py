@@ -7,7 +7,7 @@ import json
 import subprocess
 import sys
 
-from tests.services_harness import REPO, free_port
+from tests.services_harness import REPO, RUN_LIMIT_S, free_port
 
 
 def test_gateway_overhead_streams_through_the_real_gateway(tmp_path):
@@ -15,7 +15,7 @@ def test_gateway_overhead_streams_through_the_real_gateway(tmp_path):
     subprocess.run([sys.executable, str(REPO / "benchmarks" / "gateway_overhead.py"), "--num-requests", "6",
                     "--concurrency", "6", "--step-ms", "1", "--rounds", "1", "--out", str(out),
                     "--endpoints", "completions", "chat/completions", "responses"],
-                   cwd=REPO, check=True, timeout=240, stdout=subprocess.DEVNULL)
+                   cwd=REPO, check=True, timeout=RUN_LIMIT_S, stdout=subprocess.DEVNULL)
     report = json.loads(out.read_text())
     assert [r["endpoint"] for r in report["rounds"]] == ["completions", "chat/completions", "responses"]
     for round_ in report["rounds"]:  # every API's stream carries (nearly) a text event per token
@@ -27,7 +27,7 @@ def test_gateway_overhead_streams_through_the_real_gateway(tmp_path):
 def test_step_inputs_times_every_case(tmp_path):
     out = tmp_path / "step_inputs.json"
     subprocess.run([sys.executable, str(REPO / "benchmarks" / "step_inputs.py"), "--repeats", "1", "--json", str(out)],
-                   cwd=REPO, check=True, timeout=120, stdout=subprocess.DEVNULL)
+                   cwd=REPO, check=True, timeout=RUN_LIMIT_S, stdout=subprocess.DEVNULL)
     rows = json.loads(out.read_text())
     assert [(r["num_seqs"], r["context"]) for r in rows] == [(1, 512), (32, 4096), (32, 32768), (256, 2048)]
     assert all(r[key] > 0 for r in rows for key in r if key.endswith("_us"))
@@ -37,7 +37,7 @@ def test_sampler_memory_measures_each_case_in_its_own_process(tmp_path):
     out = tmp_path / "sampler_memory.json"
     subprocess.run([sys.executable, str(REPO / "benchmarks" / "sampler_memory.py"), "--cases",
                     "greedy:8:5000,costliest:64:32000", "--json", str(out)],
-                   cwd=REPO, check=True, timeout=120, stdout=subprocess.DEVNULL)
+                   cwd=REPO, check=True, timeout=RUN_LIMIT_S, stdout=subprocess.DEVNULL)
     greedy, costliest = json.loads(out.read_text())
     assert greedy["kind"] == "greedy" and costliest["rows"] == 64
     # The costliest path holds many [rows, vocab] temporaries at once; its bound in kv_cache.py covers them.
@@ -50,7 +50,7 @@ def test_scheduler_overhead_decodes_every_sequence_every_step(tmp_path):
     # The script checks that each timed step gave every sequence one token (its worker stand-in keeps the protocol).
     out = tmp_path / "scheduler_overhead.json"
     subprocess.run([sys.executable, str(REPO / "benchmarks" / "scheduler_overhead.py"), "--batch", "8", "--steps", "5",
-                    "--out", str(out)], cwd=REPO, check=True, timeout=120, stdout=subprocess.DEVNULL)
+                    "--out", str(out)], cwd=REPO, check=True, timeout=RUN_LIMIT_S, stdout=subprocess.DEVNULL)
     rows = json.loads(out.read_text())["rows"]
     assert {(r["n"], r["plan_ahead"]) for r in rows} == {(1, False), (1, True), (4, False), (4, True)}
     assert all(r["sequences"] == 8 and r["plan_us"] > 0 and r["apply_us"] > 0 for r in rows)
@@ -61,7 +61,7 @@ def test_scheduler_overhead_compares_two_checkouts(tmp_path):
     out = tmp_path / "compare.json"
     subprocess.run([sys.executable, str(REPO / "benchmarks" / "scheduler_overhead.py"), "--batch", "8",
                     "--against", str(REPO), "--bursts", "3", "--out", str(out)],
-                   cwd=REPO, check=True, timeout=120, stdout=subprocess.DEVNULL)
+                   cwd=REPO, check=True, timeout=RUN_LIMIT_S, stdout=subprocess.DEVNULL)
     rows = json.loads(out.read_text())["rows"]
     assert [(r["n"], r["plan_ahead"]) for r in rows] == [(1, False), (4, True)]
     assert all(r["this_us"] > 0 and r["other_us"] > 0 and 0.2 < r["ratio_median"] < 5 for r in rows)
@@ -73,7 +73,7 @@ def test_spec_decode_decodes_the_same_tokens_in_every_mode(tmp_path, tiny_model_
     model = tiny_model_factory("llama")
     subprocess.run([sys.executable, str(REPO / "benchmarks" / "spec_decode.py"), "--model", str(model), "--batches",
                     "1,3", "--output-len", "12", "--prompt-len", "8", "--rounds", "1", "--wrong", "0.0",
-                    "--proposal-contexts", "256", "--out", str(out)], cwd=REPO, check=True, timeout=180, stdout=subprocess.DEVNULL)
+                    "--proposal-contexts", "256", "--out", str(out)], cwd=REPO, check=True, timeout=RUN_LIMIT_S, stdout=subprocess.DEVNULL)
     report = json.loads(out.read_text())
     first = report["batches"][0]["rows"]
     assert [r["mode"] for r in first] == ["plain", "ngram", "reference, 0% wrong"]
@@ -84,7 +84,7 @@ def test_tensor_parallel_benchmark_runs_one_worker_against_two_ranks(tmp_path, t
     out = tmp_path / "tp.json"
     subprocess.run([sys.executable, str(REPO / "benchmarks" / "tensor_parallel.py"), "--model",
                     str(tiny_model_factory("llama")), "--num-requests", "2", "--output-len", "4", "--prompt-len", "6",
-                    "--rounds", "1", "--out", str(out)], cwd=REPO, check=True, timeout=180, stdout=subprocess.DEVNULL)
+                    "--rounds", "1", "--out", str(out)], cwd=REPO, check=True, timeout=RUN_LIMIT_S, stdout=subprocess.DEVNULL)
     report = json.loads(out.read_text())
     assert [r["mode"] for r in report["rows"]] == ["one worker", "2 ranks"] and report["agree"] == 2
 
@@ -94,7 +94,7 @@ def test_resumption_benchmark_kills_a_worker_under_streams_that_all_go_on(tmp_pa
     subprocess.run([sys.executable, str(REPO / "benchmarks" / "resumption.py"), "--model", str(llama_dir),
                     "--concurrency", "3", "--prompt-len", "16", "--max-tokens", "100", "--kill-after", "10",
                     "--modes", "resume", "--port", str(free_port(span=2)), "--out", str(out)],  # HTTP, then gRPC
-                   cwd=REPO, check=True, timeout=240, stdout=subprocess.DEVNULL)
+                   cwd=REPO, check=True, timeout=RUN_LIMIT_S, stdout=subprocess.DEVNULL)
     (mode,) = json.loads(out.read_text())["modes"]
     assert mode["requests"] == mode["completed"] == mode["completed_with_uninterrupted_text"] == 3
     assert mode["resumed_requests"] == 3 and mode["kill_to_first_token_after_s"] > 0
@@ -104,7 +104,7 @@ def test_structured_outputs_benchmark_times_every_mode(tmp_path, llama_dir):
     out = tmp_path / "structured_outputs.json"
     subprocess.run([sys.executable, str(REPO / "benchmarks" / "structured_outputs.py"), "--model", str(llama_dir),
                     "--batch", "4", "--prompt-len", "8", "--max-tokens", "8", "--rounds", "1", "--out", str(out)],
-                   cwd=REPO, check=True, timeout=120, stdout=subprocess.DEVNULL)
+                   cwd=REPO, check=True, timeout=RUN_LIMIT_S, stdout=subprocess.DEVNULL)
     report = json.loads(out.read_text())
     assert set(report["modes"]) == {"free", "regex", "json"}
     assert report["modes"]["regex"]["tokens"] == 4 * 8 and report["modes"]["json"]["throughput_vs_free"] > 0
@@ -113,7 +113,7 @@ def test_structured_outputs_benchmark_times_every_mode(tmp_path, llama_dir):
 def test_tool_parsing_times_each_parser_over_each_output(tmp_path):
     out = tmp_path / "tool_parsing.json"
     subprocess.run([sys.executable, str(REPO / "benchmarks" / "tool_parsing.py"), "--size", "3", "--repeats", "1",
-                    "--out", str(out)], cwd=REPO, check=True, timeout=120, stdout=subprocess.DEVNULL)
+                    "--out", str(out)], cwd=REPO, check=True, timeout=RUN_LIMIT_S, stdout=subprocess.DEVNULL)
     rows = json.loads(out.read_text())["rows"]
     assert {(r["parser"], r["output"]) for r in rows} == \
         {(p, o) for p in ("hermes", "llama3_json") for o in ("plain text", "one long call", "two calls")}
@@ -124,7 +124,7 @@ def test_moe_layer_benchmark_checks_each_variant_against_transformers(tmp_path):
     out = tmp_path / "moe_layer.json"
     subprocess.run([sys.executable, str(REPO / "benchmarks" / "moe_layer.py"), "--hidden", "32", "--inter", "16",
                     "--experts", "6", "--top-k", "2", "--tokens", "1", "9", "--repeats", "1", "--out", str(out)],
-                   cwd=REPO, check=True, timeout=120, stdout=subprocess.DEVNULL)
+                   cwd=REPO, check=True, timeout=RUN_LIMIT_S, stdout=subprocess.DEVNULL)
     rows = json.loads(out.read_text())["rows"]
     assert [r["tokens"] for r in rows] == [1, 9]
     for row in rows:
@@ -136,7 +136,7 @@ def test_lora_benchmark_times_every_mode(tmp_path, llama_dir):
     out = tmp_path / "lora.json"
     subprocess.run([sys.executable, str(REPO / "benchmarks" / "lora.py"), "--model", str(llama_dir), "--requests", "3",
                     "--max-tokens", "4", "--rank", "4", "--max-loras", "2", "--rounds", "1", "--out", str(out)],
-                   cwd=REPO, check=True, timeout=300, stdout=subprocess.DEVNULL)
+                   cwd=REPO, check=True, timeout=RUN_LIMIT_S, stdout=subprocess.DEVNULL)
     report = json.loads(out.read_text())
     assert set(report["rows"]) == {"base", "enabled_unused", "one_adapter", "mixed", "merged"}
     assert all(row["tokens_per_s"] > 0 for row in report["rows"].values())
@@ -147,7 +147,7 @@ def test_reranking_benchmark_checks_then_times_every_mode(tmp_path, llama_dir):
     out = tmp_path / "reranking.json"
     subprocess.run([sys.executable, str(REPO / "benchmarks" / "reranking.py"), "--model", str(llama_dir),
                     "--documents", "4", "--query-len", "16", "--min-len", "2", "--max-len", "20", "--hf-batch", "2",
-                    "--rounds", "1", "--max-num-batched-tokens", "40", "--out", str(out)], cwd=REPO, check=True, timeout=300, stdout=subprocess.DEVNULL)
+                    "--rounds", "1", "--max-num-batched-tokens", "40", "--out", str(out)], cwd=REPO, check=True, timeout=RUN_LIMIT_S, stdout=subprocess.DEVNULL)
     report = json.loads(out.read_text())
     assert set(report["rows"]) == {"hf_one_at_a_time", "hf_batched", "engine", "engine_prefix_cache"}
     assert all(row["pairs_per_s"] > 0 for row in report["rows"].values())
@@ -159,7 +159,7 @@ def test_embeddings_benchmark_checks_then_times_every_mode(tmp_path, llama_dir):
     out = tmp_path / "embeddings.json"
     subprocess.run([sys.executable, str(REPO / "benchmarks" / "embeddings.py"), "--model", str(llama_dir),
                     "--requests", "4", "--instruction-len", "16", "--min-len", "2", "--max-len", "20", "--hf-batch", "2",
-                    "--rounds", "1", "--out", str(out)], cwd=REPO, check=True, timeout=300, stdout=subprocess.DEVNULL)
+                    "--rounds", "1", "--out", str(out)], cwd=REPO, check=True, timeout=RUN_LIMIT_S, stdout=subprocess.DEVNULL)
     report = json.loads(out.read_text())
     assert set(report["rows"]) == {"hf_one_at_a_time", "hf_batched", "engine", "engine_prefix_cache"}
     assert all(row["prompt_tokens_per_s"] > 0 for row in report["rows"].values())
@@ -171,5 +171,5 @@ def test_cpu_attention_checks_both_backends_with_a_window():
     # The script asserts the two backends agree before it times them; a window exercises the spans it gathers.
     run = subprocess.run([sys.executable, str(REPO / "benchmarks" / "cpu_attention.py"), "--cases",
                           "decode16,prefill_mix", "--repeats", "1", "--window", "100"],
-                         cwd=REPO, check=True, timeout=120, capture_output=True, text=True)
+                         cwd=REPO, check=True, timeout=RUN_LIMIT_S, capture_output=True, text=True)
     assert "window 100" in run.stdout and "prefill_mix" in run.stdout

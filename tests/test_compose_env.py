@@ -7,14 +7,13 @@ import os
 import re
 import subprocess
 import sys
-import time
 import urllib.request
 from pathlib import Path
 
 import pytest
 import yaml
 
-from tests.services_harness import free_port, http_get
+from tests.services_harness import free_port, http_get, wait_until_ready
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -60,16 +59,7 @@ def test_services_run_from_compose_environment(llama_dir, tmp_path):
             procs[name] = subprocess.Popen([sys.executable, "-m", "pagedserve", *services[name]["command"]],
                                            cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT)
         base = f"http://127.0.0.1:{http_port}"
-        for _ in range(240):
-            try:
-                if http_get(f"{base}/health", 2)[0] == 200:
-                    break
-            except OSError:
-                pass  # not listening yet
-            dead = {name: p.returncode for name, p in procs.items() if p.poll() is not None}
-            assert not dead, f"exited: {dead}\n" + "\n".join(
-                f"--- {name}.log\n{(tmp_path / f'{name}.log').read_text()[-1500:]}" for name in procs)
-            time.sleep(0.25)
+        wait_until_ready(lambda: http_get(f"{base}/health", 5)[0] == 200, procs, tmp_path, "the services to become healthy")
         request = urllib.request.Request(f"{base}/v1/completions", method="POST",
                                          headers={"Content-Type": "application/json"},
                                          data=json.dumps({"model": "tiny", "prompt": "Hello", "max_tokens": 4,

@@ -24,7 +24,7 @@ from pagedserve import LLM, SamplingParams
 from shared.proto import pagedserve_api_pb2 as api
 from shared.proto import pagedserve_api_pb2_grpc as api_grpc
 from tests.lora_adapters import make_adapter
-from tests.services_harness import Stack, free_port, http_get
+from tests.services_harness import START_LIMIT_S, Stack, free_port, http_get
 
 PROMPTS = ["Hello there", "The quick brown fox", "Once upon a time"]
 WORKER_ARGS = ("--block-size", "16", "--num-gpu-blocks-override", "512")
@@ -1063,7 +1063,7 @@ def test_overload_then_dead_worker_then_dead_scheduler(llama_dir, tmp_path):
         assert http_get(f"{stack.base_url}/health")[0] == 503
         # A restarted worker is picked up: the scheduler builds a new engine on it and serves again.
         stack.start_worker()
-        deadline = time.monotonic() + 90
+        deadline = time.monotonic() + START_LIMIT_S
         while httpx.post(url, json={"prompt": "Hi", "max_tokens": 2}, timeout=30).status_code != 200:
             assert time.monotonic() < deadline, stack.log_tail("scheduler")
             time.sleep(0.5)
@@ -1113,7 +1113,7 @@ def test_a_worker_restarted_while_idle_serves_the_very_next_request(llama_dir, t
                 messages = [_error(reply, 503)["message"] for reply in replies]
                 assert all("worker" in m for m in messages), messages  # not "Internal error from Core"
             stack.start_worker()  # on the same address (the second time at once)
-            deadline = time.monotonic() + 60
+            deadline = time.monotonic() + START_LIMIT_S
             while "engine restarted" not in (stack.log_dir / "scheduler.log").read_text():
                 assert time.monotonic() < deadline, stack.log_tail("scheduler")
                 time.sleep(0.1)
@@ -1145,7 +1145,7 @@ def test_a_stopping_scheduler_finishes_its_requests_and_refuses_new_ones(llama_d
 def test_a_scheduler_without_a_worker_exits_saying_why(tmp_path):
     done = subprocess.run([sys.executable, "-m", "pagedserve", "scheduler", "--listen", f"127.0.0.1:{free_port()}",
                            "--worker", f"127.0.0.1:{free_port()}", "--connect-timeout", "1"],
-                          capture_output=True, text=True, timeout=60)
+                          capture_output=True, text=True, timeout=START_LIMIT_S)
     assert done.returncode == 1 and "Traceback" not in done.stderr
     assert "is not reachable (no connection within 1 s)" in done.stderr, done.stderr
 

@@ -19,7 +19,7 @@ from pagedserve import LLM, SamplingParams
 from services.gateway.scheduler_pool import BALANCE_SLACK, SchedulerPool, _affinity_key, _score
 from shared.grpc_errors import ServiceUnavailable
 from shared.proto import pagedserve_internal_pb2 as wire
-from tests.services_harness import Stack, http_get
+from tests.services_harness import START_LIMIT_S, Stack, http_get
 
 
 class StandIn:
@@ -159,7 +159,7 @@ def per_scheduler(stack, stat: str) -> dict[str, float]:
     return per_metric(stack, f"pagedserve_engine_{stat}")
 
 
-def wait_routable(stack, addresses: set[str], timeout_s: float = 60) -> None:
+def wait_routable(stack, addresses: set[str], timeout_s: float = START_LIMIT_S) -> None:
     """Until the gateway's health poll sends new requests to exactly these schedulers."""
     deadline = time.monotonic() + timeout_s
     while {a for a, up in per_metric(stack, "pagedserve_scheduler_routable").items() if up} != addresses:
@@ -208,7 +208,7 @@ def test_a_dead_worker_s_scheduler_is_routed_around_then_used_again(stacks):
     assert http_get(f"{first.base_url}/health")[0] == 200
     second.start_worker()  # the scheduler rebuilds its engine on it; the gateway's poll sees it serve
     wait_routable(first, {first.scheduler_address, second.scheduler_address})
-    deadline = time.monotonic() + 60
+    deadline = time.monotonic() + START_LIMIT_S
     while time.monotonic() < deadline and not per_scheduler(first, "num_steps").get(second.scheduler_address):
         assert complete(first, " ".join(str(rng.randrange(1000)) for _ in range(8))).status_code == 200
         time.sleep(0.1)

@@ -10,13 +10,16 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+import time
 
 import pytest
 
 from tests.services_harness import REPO
 
-# The fixture compiles for two GPUs at once; beside another test process that takes up to two minutes here.
-pytestmark = pytest.mark.timeout(600)
+# The fixture compiles for two GPUs at once; beside another test process that takes up to two minutes
+# here, and several on a machine that other work shares. COMPILE_LIMIT_S only bounds a hung compile.
+COMPILE_LIMIT_S = 840.0
+pytestmark = pytest.mark.timeout(COMPILE_LIMIT_S + 60)
 
 KERNELS = {"_paged_attention_kernel", "_reduce_splits_kernel", "_write_kv_kernel", "_copy_blocks_kernel",
            "_grouped_matmul_kernel"}
@@ -31,10 +34,10 @@ def reports(tmp_path_factory):
     runs = {arch: subprocess.Popen([sys.executable, script, "--quick", "--arch", str(arch), "--out",
                                     str(out / f"sm{arch}.json")], cwd=REPO, stdout=subprocess.PIPE,
                                    stderr=subprocess.STDOUT, text=True) for arch in ARCHS}
-    results = {}
+    results, deadline = {}, time.monotonic() + COMPILE_LIMIT_S
     try:
         for arch, run in runs.items():
-            output, _ = run.communicate(timeout=400)
+            output, _ = run.communicate(timeout=max(1.0, deadline - time.monotonic()))
             assert run.returncode == 0, f"sm_{arch}:\n{output[-6000:]}"
             results[arch] = json.loads((out / f"sm{arch}.json").read_text())
     finally:

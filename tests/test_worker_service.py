@@ -12,20 +12,21 @@ from services.scheduler.grpc_executor import GrpcExecutor
 from shared.grpc_errors import ServiceUnavailable
 from shared.sampling_params import SamplingParams
 from shared.step_protocol import NewSequence, RunningSequence, StepPlan
-from tests.services_harness import REPO, free_port
+from tests.services_harness import REPO, free_port, grpc_serving, wait_until_ready
 
 PROMPT = [5, 9, 13, 2, 8, 11]
 
 
 @pytest.fixture(scope="module")
 def worker_address(llama_dir, tmp_path_factory):
-    address = f"127.0.0.1:{free_port()}"
-    log = open(tmp_path_factory.mktemp("worker-service") / "worker.log", "wb")
+    address, log_dir = f"127.0.0.1:{free_port()}", tmp_path_factory.mktemp("worker-service")
+    log = open(log_dir / "worker.log", "wb")
     proc = subprocess.Popen([sys.executable, "-m", "pagedserve", "worker", "--model", str(llama_dir), "--listen",
                              address, "--block-size", "4", "--num-gpu-blocks-override", "64"],
                             cwd=REPO, stdout=log, stderr=subprocess.STDOUT)
     log.close()
     try:
+        wait_until_ready(lambda: grpc_serving(address), {"worker": proc}, log_dir, "the worker to serve")
         yield address
     finally:
         proc.terminate()
