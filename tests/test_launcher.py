@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.services_harness import free_port, http_get
+from tests.services_harness import START_LIMIT_S, free_port, http_get
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -38,7 +38,7 @@ def start_serve(model_dir: Path, tmp_path: Path, *extra: str, num_children: int 
                             cwd=REPO, stdout=log, stderr=subprocess.STDOUT)
     # Seconds when idle; CI's other test process may be compiling kernels on both cores meanwhile (a
     # two-backend start once took over 120 s there).
-    deadline = time.monotonic() + 300
+    deadline = time.monotonic() + START_LIMIT_S
     while time.monotonic() < deadline:
         assert proc.poll() is None, (tmp_path / "serve.log").read_text()[-3000:]
         try:
@@ -131,7 +131,7 @@ def test_data_parallel_backends_serve_and_a_crashed_worker_is_started_again(llam
             threads = Path(f"/proc/{worker}/environ").read_bytes().split(b"\0")
             assert f"OMP_NUM_THREADS={max(1, (os.cpu_count() or 1) // 2)}".encode() in threads
         os.kill(workers[0], signal.SIGKILL)
-        deadline = time.monotonic() + 90
+        deadline = time.monotonic() + START_LIMIT_S
         while len(children_of(proc.pid)) < 5 or workers[0] in children_of(proc.pid):
             assert time.monotonic() < deadline and proc.poll() is None, (tmp_path / "serve.log").read_text()[-3000:]
             time.sleep(0.2)
@@ -176,7 +176,7 @@ def test_a_tensor_parallel_group_serves_and_a_crashed_rank_restarts_its_group(ll
         ranks = sorted((p for p in children if "--tensor-parallel-rank" in command_of(p)), key=command_of)
         assert len(ranks) == 2
         os.kill(ranks[1], signal.SIGKILL)
-        deadline = time.monotonic() + 90
+        deadline = time.monotonic() + START_LIMIT_S
         while any(alive(p) for p in ranks) or "with the rest of worker" not in (tmp_path / "serve.log").read_text():
             assert time.monotonic() < deadline and proc.poll() is None, (tmp_path / "serve.log").read_text()[-3000:]
             time.sleep(0.2)  # rank 0 leaves too (or is stopped): the group starts again as one
