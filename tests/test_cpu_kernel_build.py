@@ -129,20 +129,19 @@ def test_a_live_builder_that_never_finishes_times_out_naming_the_lock(tmp_path, 
 
 
 def test_a_worker_whose_kernel_build_never_finishes_falls_back_to_torch(tmp_path, holder, monkeypatch, recorded):
-    from structlog.testing import capture_logs
-
-    from services.worker.attention.selector import select_attention_backend
+    from services.worker.attention import selector
     from services.worker.attention.torch_ref import TorchAttentionBackend
 
     if shutil.which(cpu_kernels._compiler()) is None:
         pytest.skip("no C++ compiler: the fallback has another reason here")
     holder(name=cpu_kernels.build_name())
     monkeypatch.setattr(cpu_kernels, "_build", lambda: cpu_kernels.load_cpu_kernels(tmp_path, wait_s=0.5))
-    with capture_logs() as logs:
-        assert select_attention_backend("auto", torch.device("cpu")) is TorchAttentionBackend
+    selector_log = RecordedLog()  # (structlog's capture_logs misses a logger cached by an earlier test)
+    monkeypatch.setattr(selector, "log", selector_log)
+    assert selector.select_attention_backend("auto", torch.device("cpu")) is TorchAttentionBackend
+    (event, fields), = selector_log.events
     lock = tmp_path / f"{cpu_kernels.build_name()}.lock"
-    fallback, = [entry for entry in logs if entry["event"] == "cpu_kernels_unavailable"]
-    assert str(lock) in fallback["reason"] and fallback["fallback"] == "torch", fallback
+    assert event == "cpu_kernels_unavailable" and str(lock) in fields["reason"] and fields["fallback"] == "torch"
     assert not (tmp_path / cpu_kernels.build_name()).exists()
 
 
