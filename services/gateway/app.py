@@ -91,7 +91,9 @@ def _validation_error(request: Request, exc: RequestValidationError) -> JSONResp
         hint = "" if "json" in content_type else f" (it was sent as {content_type or 'no content type'!r})"
         return error_response(InvalidParameter(f"the request body must be a JSON object with Content-Type: "
                                                f"application/json{hint}"))
-    return error_response(InvalidParameter(f"{'.'.join(where)}: {first.get('msg')}", where[0] if where else None))
+    # With pydantic's error type, as pydantic words it (vLLM's clients match it, e.g. greater_than_equal).
+    return error_response(InvalidParameter(f"{'.'.join(where)}: {first.get('msg')} [type={first.get('type')}]",
+                                           where[0] if where else None))
 
 
 def _internal_error(request: Request, exc: Exception) -> JSONResponse:
@@ -257,7 +259,7 @@ def create_app(gen: Generator, allowed_origins: tuple[str, ...] = ("*",), auth: 
         """The model's card (under ``name``, one of its names), or an adapter's (vLLM's fields: its directory
         as root, its base model as parent)."""
         card = {"id": name or model.name, "object": "model", "created": int(time.time()), "owned_by": "pagedserve",
-                "max_model_len": model.max_model_len, "parent": None}
+                "root": model.path, "max_model_len": model.max_model_len, "parent": None}
         if adapter is not None:
             card.update(id=adapter.lora.name, root=adapter.lora.path, parent=adapter.base_model_name or model.name)
         return card

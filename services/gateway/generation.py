@@ -118,6 +118,8 @@ class Model:
     pooler: PoolerConfig | None = None  # set: the engine runs a pooling model (embeddings, no generation)
     reasoning_parser: ReasoningParser | None = None  # how its reasoning is told from its answer (--reasoning-parser)
     aliases: tuple[str, ...] = ()  # other names it answers to (--served-model-name's after the first)
+    path: str | None = None  # where the scheduler's model comes from (its card's root, as vLLM's)
+    return_tokens_as_token_ids: bool = False  # logprobs name tokens "token_id:<id>" unless a request says
     _token_strings: dict[int, str] = field(default_factory=dict)
 
     def resolve(self, requested: str | None) -> LoRARequest | None:
@@ -167,6 +169,10 @@ class Model:
 
     def decode(self, token_ids: list[int]) -> str:
         return self.tokenizer.decode(token_ids)
+
+    def vocabulary_strings(self, token_ids: list[int]) -> list[str]:
+        """The tokens as the vocabulary spells them ("Ġthe" for " the" in byte-level BPE), as vLLM's /tokenize."""
+        return list(self.tokenizer.convert_ids_to_tokens(token_ids))
 
     def token_string(self, token_id: int) -> str:
         text = self._token_strings.get(token_id)
@@ -514,9 +520,10 @@ class Generator:
                  limiter: RateLimiter | None = None, resume_policy: ResumePolicy | None = ResumePolicy(),
                  tool_parser: ToolCallParser | None = None,
                  lora_modules: list[LoRAModule] | None = None, trust_request_chat_template: bool = False,
-                 reasoning_parser: ReasoningParser | None = None):
+                 reasoning_parser: ReasoningParser | None = None, return_tokens_as_token_ids: bool = False):
         """``lora_modules``: parse_lora_modules' adapters (--lora-modules)."""
         self.client = client
+        self.return_tokens_as_token_ids = return_tokens_as_token_ids  # --return-tokens-as-token-ids
         self.reasoning_parser = reasoning_parser  # None: outputs are not split into reasoning and content
         self.trust_request_chat_template = trust_request_chat_template
         self.lora_modules = lora_modules or []
@@ -563,7 +570,7 @@ class Generator:
         return Model(name, info.max_model_len, info.vocab_size, info.max_logprobs, tokenizer, info.max_num_seqs,
                      self.tool_parser, tuple(info.eos_token_ids), adapters, self.trust_request_chat_template,
                      PoolerConfig.from_proto(info.pooler) if info.HasField("pooler") else None, self.reasoning_parser,
-                     self.model_aliases)
+                     self.model_aliases, path=info.model, return_tokens_as_token_ids=self.return_tokens_as_token_ids)
 
     @contextlib.asynccontextmanager
     async def admitted(self, api_key: ApiKey | None = None):

@@ -16,10 +16,11 @@ from contextlib import AsyncExitStack
 
 from services.gateway.api_keys import ApiKey
 from services.gateway.generation import Generator, InvalidParameter, Model, Run, SeqDelta, TokenLogprob, merge
-from services.gateway.protocol import ChatCompletionRequest, CompletionRequest
+from services.gateway.logprob_format import chat_logprobs, completion_logprobs
+from services.gateway.protocol import ChatCompletionRequest, CompletionRequest, template_messages
 from services.gateway.tool_calls import tool_call
 from services.gateway.tool_parsers import ToolCallStream
-from shared.sampling_params import SamplingParams, keep_last_tokens
+from shared.sampling_params import SamplingParams
 from shared.detokenizer import IncrementalDetokenizer
 
 
@@ -105,14 +106,21 @@ class _Reply:
         # (with vLLM's continuous_usage_stats too, the usage so far).
         self._chunk_tail = ', "usage": null}' if body.include_usage else "}"
         self.continuous_usage = body.continuous_usage
+        # vLLM's: logprobs name tokens by id (the request says, else the gateway's flag), and answers carry the
+        # prompt's and the choices' token ids.
+        self.as_ids = model.return_tokens_as_token_ids if body.return_tokens_as_token_ids is None \
+            else body.return_tokens_as_token_ids
+        self.token_ids = bool(body.return_token_ids)
 
     def envelope(self, kind: str, choices: list[dict], **extra) -> dict:
         return {"id": self.id, "object": kind, "created": self.created, "model": self.model_name,
                 "choices": choices, **extra}
 
-    def chunk_json(self, choices: list[dict], usage: dict | None = None) -> str:
-        """One stream chunk as JSON: the envelope, these choices and, on the last one, usage."""
-        return self._chunk_head + self._json(choices) + self.chunk_tail(usage)
+    def chunk_json(self, choices: list[dict], usage: dict | None = None, **fields) -> str:
+        """One stream chunk as JSON: the envelope, these choices, other top-level ``fields`` and, on the last one,
+        usage."""
+        more = "".join(f', "{name}": {self._json(value)}' for name, value in fields.items())
+        return self._chunk_head + self._json(choices) + more + self.chunk_tail(usage)
 
     def chunk_tail(self, usage: dict | None = None) -> str:
         if usage is None and self.continuous_usage:
@@ -126,8 +134,8 @@ class _Reply:
 
     async def events(self) -> AsyncIterator[str]:
         """The stream's chunks, as JSON text."""
-        for choices in self.opening_choices():
-            yield self.chunk_json(choices)
+        for event in self.opening_events():
+            yield event
         n = self.n
         async for delta in self.deltas():
             event = self.chunk_event(delta.position * n + delta.index, delta.position, delta)
@@ -146,16 +154,27 @@ class _Reply:
     async def whole(self) -> dict:
         texts: dict[int, str] = defaultdict(str)
         logprobs: dict[int, list[TokenLogprob]] = defaultdict(list)
+        token_ids: dict[int, list[int]] = defaultdict(list)
         ends: dict[int, SeqDelta] = {}
         async for delta in self.deltas():
             k = delta.position * self.n + delta.index
             texts[k] += delta.text
             logprobs[k] += delta.logprobs or []
+            token_ids[k] += delta.token_ids
             if delta.finish_reason:
                 ends[k] = delta
-        choices = [self.whole_choice(k, k // self.n, texts[k], logprobs[k], ends.get(k))
-                   for k in range(len(self.runs) * self.n)]
-        return self.envelope(self.object_whole, choices, usage=self.usage())
+        choices = []
+        for k in range(len(self.runs) * self.n):
+            choice = self.whole_choice(k, k // self.n, texts[k], logprobs[k], ends.get(k))
+            choice["token_ids"] = token_ids[k] if self.token_ids else None
+            choices.append(choice)
+        # vLLM's answers carry all their fields, null where unused.
+        return self.envelope(self.object_whole, choices, usage=self.usage(), system_fingerprint=None,
+                             service_tier=None, kv_transfer_params=None, **self.whole_fields())
+
+    def whole_fields(self) -> dict:
+        """A whole answer's top-level fields of its own kind."""
+        return {}
 
     def deltas(self) -> AsyncIterator[SeqDelta]:
         return merge(self.runs)
@@ -163,11 +182,14 @@ class _Reply:
     def usage(self) -> dict:
         return usage(self.runs)
 
-    def opening_choices(self) -> list[list[dict]]:
+    def opening_events(self) -> list[str]:
+        """The chunks a stream starts with, before any output."""
         return []
 
     @staticmethod
     def checked_params(model: Model, body) -> SamplingParams:
+        body.check_text()
+        body.count_whole_vocabulary(model.vocab_size, model.max_logprobs)
         return body.checked_params()
 
 
@@ -185,6 +207,7 @@ class _Completion(_Reply):
     def __init__(self, *args):
         super().__init__(*args)
         self.echoed: set[int] = set()
+        self._ids_sent: set[int] = set()  # the choices whose prompt_token_ids a chunk carried (return_token_ids)
 
     @staticmethod
     def prompts(model: Model, body: CompletionRequest) -> tuple[list[list[int]], list[str]]:
@@ -193,7 +216,7 @@ class _Completion(_Reply):
         ids, texts = [], []
         for prompt in body.prompts():
             given = model.encode(prompt) if isinstance(prompt, str) else list(prompt)
-            kept = keep_last_tokens(given, body.truncate_prompt_tokens, model.max_model_len)
+            kept = body.truncated(given, model.max_model_len)
             ids.append(kept)
             if not body.echo:
                 texts.append(prompt if isinstance(prompt, str) else "")
@@ -235,11 +258,12 @@ class _Completion(_Reply):
         if self.body.logprobs is None:
             return None
         base = len(self.prompt_texts[position]) if self.body.echo else 0
-        head, tail = completion_logprobs(prompt_entries, 0), completion_logprobs(entries, base)
+        head = completion_logprobs(prompt_entries, 0, self.as_ids)
+        tail = completion_logprobs(entries, base, self.as_ids)
         return {key: head[key] + tail[key] for key in tail}
 
     def chunk_event(self, k: int, position: int, delta: SeqDelta) -> str | None:
-        if self.body.logprobs is not None or (self.body.echo and k not in self.echoed):
+        if self.body.logprobs is not None or self.token_ids or (self.body.echo and k not in self.echoed):
             return super().chunk_event(k, position, delta)
         if not (delta.text or delta.token_ids or delta.finish_reason):
             return None
@@ -253,18 +277,23 @@ class _Completion(_Reply):
         prefix, prompt_entries = self._prefix(k, position)
         if not (prefix or delta.text or delta.token_ids or delta.finish_reason):
             return None
-        return {"index": k, "text": prefix + delta.text, "finish_reason": delta.finish_reason,
-                "stop_reason": delta.stop_reason, "logprobs": self._logprobs(position, prompt_entries,
-                                                                             delta.logprobs or [])}
+        choice = {"index": k, "text": prefix + delta.text, "finish_reason": delta.finish_reason,
+                  "stop_reason": delta.stop_reason, "logprobs": self._logprobs(position, prompt_entries,
+                                                                               delta.logprobs or [])}
+        if self.token_ids:  # as vLLM's: each chunk's new tokens, and a choice's first chunk its prompt's
+            choice["token_ids"] = delta.token_ids
+            if k not in self._ids_sent:
+                self._ids_sent.add(k)
+                choice["prompt_token_ids"] = self.runs[position].prompt
+        return choice
 
     def whole_choice(self, k, position, text, logprobs, end) -> dict:
         prefix, prompt_entries = self._prefix(k, position)
-        choice = {"index": k, "text": prefix + text, "finish_reason": end and end.finish_reason,
-                  "stop_reason": end and end.stop_reason,
-                  "logprobs": self._logprobs(position, prompt_entries, logprobs)}
-        if self.body.prompt_logprobs is not None:
-            choice["prompt_logprobs"] = vllm_prompt_logprobs(self.runs[position], self.body.prompt_logprobs)
-        return choice
+        asked = self.body.prompt_logprobs
+        return {"index": k, "text": prefix + text, "finish_reason": end and end.finish_reason,
+                "stop_reason": end and end.stop_reason, "logprobs": self._logprobs(position, prompt_entries, logprobs),
+                "prompt_logprobs": None if asked is None else vllm_prompt_logprobs(self.runs[position], asked),
+                "prompt_token_ids": self.runs[position].prompt if self.token_ids else None}
 
 
 async def _nothing_generated(deltas: AsyncIterator[SeqDelta]) -> AsyncIterator[SeqDelta]:
@@ -291,31 +320,22 @@ def vllm_prompt_logprobs(run: Run, num_top: int) -> list[dict | None]:
     return out
 
 
-def completion_logprobs(entries: list[TokenLogprob], base_offset: int) -> dict:
-    """OpenAI's completions logprobs; the top dict holds the top-k and the sampled token (as vLLM's)."""
-    return {"tokens": [e.token for e in entries],
-            "token_logprobs": [e.logprob for e in entries],
-            "top_logprobs": [None if e.logprob is None else {**{t.token: t.logprob for t in e.top}, e.token: e.logprob}
-                             for e in entries],
-            "text_offset": [base_offset + e.text_offset for e in entries]}
-
-
 class _Chat(_Reply):
     object_whole, object_chunk = "chat.completion", "chat.completion.chunk"
     id_prefix = "chatcmpl"
 
     @staticmethod
     def prompts(model: Model, body: ChatCompletionRequest) -> tuple[list[list[int]], list[str]]:
-        text, ids = model.encode_chat([m.as_dict() for m in body.messages],
+        text, ids = model.encode_chat(template_messages(body.messages),
                                       add_generation_prompt=body.add_generation_prompt,
                                       continue_final_message=body.continue_final_message,
                                       template_kwargs=body.chat_template_kwargs,
                                       tools=body.tools or None, chat_template=body.chat_template)
-        return [ids], [text]
+        return [body.truncated(ids, model.max_model_len)], [text]
 
     @staticmethod
     def checked_params(model: Model, body: ChatCompletionRequest) -> SamplingParams:
-        params = body.checked_params()
+        params = _Reply.checked_params(model, body)
         body.check_tool_parser(model.tool_parser)
         return params
 
@@ -335,19 +355,22 @@ class _Chat(_Reply):
         self._thinking = defaultdict(self.reasoning_stream) if self._reasoning else {}
         self._counters = defaultdict(self.reasoning_stream) if self._reasoning else {}  # which tokens are thinking
         self._reasoning_tokens: dict[int, int] = defaultdict(int)
+        # No parser between the text and the answer: every delta carries its content ("" while held back).
+        self._plain = self.forced is None and self._auto is None and self._reasoning is None
 
-    def opening_choices(self) -> list[list[dict]]:
-        # OpenAI's first delta of each choice carries the role.
-        return [[{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}]
-                for i in range(self.n)]
+    def opening_events(self) -> list[str]:
+        # OpenAI's first delta of each choice carries the role; with return_token_ids, its chunk the prompt's
+        # token ids (vLLM's). With echo, each choice's next chunk the text it continues (vLLM's).
+        role, prompt = self.body.response_role, {"prompt_token_ids": self.runs[0].prompt} if self.token_ids else {}
+        events = [self.chunk_json([_chunk_choice(i, {"role": role, "content": ""})], **prompt) for i in range(self.n)]
+        if echoed := self.body.echoed_text:
+            events += [self.chunk_json([_chunk_choice(i, {"content": echoed})]) for i in range(self.n)]
+        return events
 
     def _logprobs(self, entries: list[TokenLogprob]) -> dict | None:
         if not self.body.logprobs:
             return None
-        top = self.body.top_logprobs or 0
-        return {"content": [{**_chat_token(e.token, e.logprob),
-                             "top_logprobs": [_chat_token(t.token, t.logprob) for t in e.top[:top]]}
-                            for e in entries]}
+        return chat_logprobs(entries, self.body.top_logprobs or 0, self.as_ids)
 
     def chunk_choice(self, k: int, position: int, delta: SeqDelta) -> dict | None:
         if not (delta.text or delta.token_ids or delta.finish_reason):
@@ -356,17 +379,18 @@ class _Chat(_Reply):
         if self._reasoning is not None:  # the answer's part of the text goes on to the tool-call parser
             reasoning, text = self._split_delta(k, delta)
             delta = dataclasses.replace(delta, text=text)
-        message, finish = {"content": delta.text} if delta.text else {}, delta.finish_reason
+        message, finish = {"content": delta.text} if delta.text or self._plain else {}, delta.finish_reason
         if self.forced is not None:
             message, finish = self._tool_call_delta(k, delta)
         elif self._auto is not None:
             message, finish = self._auto_delta(k, delta)
         if reasoning and self.body.include_reasoning:
             message = {"reasoning": reasoning, "reasoning_content": reasoning, **message}  # vLLM's two names
-        if (self._auto or self._reasoning) is not None and not (message or finish or delta.logprobs):
+        ids = {"token_ids": delta.token_ids} if self.token_ids else {}
+        if not (message or finish or delta.logprobs or ids.get("token_ids")):
             return None  # all held back (a possible call or tag), or reasoning left out
         return {"index": k, "delta": message, "logprobs": self._logprobs(delta.logprobs or []),
-                "finish_reason": finish, "stop_reason": delta.stop_reason}
+                "finish_reason": finish, "stop_reason": delta.stop_reason, **ids}
 
     def deltas(self) -> AsyncIterator[SeqDelta]:
         return self._counting_reasoning(super().deltas()) if self._reasoning is not None else super().deltas()
@@ -438,11 +462,10 @@ class _Chat(_Reply):
                                      for i, c in enumerate(calls)]
         return message, _auto_finish(delta.finish_reason, self._calls_made[k] > 0)
 
-    async def whole(self) -> dict:
-        answer = await super().whole()
-        if self.body.prompt_logprobs is not None:  # vLLM's place for them in a chat answer
-            answer["prompt_logprobs"] = vllm_prompt_logprobs(self.runs[0], self.body.prompt_logprobs)
-        return answer
+    def whole_fields(self) -> dict:
+        asked = self.body.prompt_logprobs  # vLLM's place for them in a chat answer
+        return {"prompt_logprobs": None if asked is None else vllm_prompt_logprobs(self.runs[0], asked),
+                "prompt_token_ids": self.runs[0].prompt if self.token_ids else None}
 
     def whole_choice(self, k, position, text, logprobs, end) -> dict:
         reasoning = None
@@ -450,28 +473,36 @@ class _Chat(_Reply):
             reasoning, content = self._reasoning.split(text, self.prompt_texts[0] if self.prompt_texts else "",
                                                        self._constrained)
             text = content if content is not None else ("" if reasoning is None else None)  # all reasoning: null
-        message, finish = {"role": "assistant", "content": text}, end and end.finish_reason
+        message, finish = _message(self.body.response_role, text), end and end.finish_reason
         calls = self.forced.calls(text) if self.forced is not None else None
         if calls is not None:
-            message, finish = {"role": "assistant", "content": None, "tool_calls": calls}, \
-                self.forced.finish_reason(finish)
+            message, finish = _message(message["role"], None, tool_calls=calls), self.forced.finish_reason(finish)
         elif self._auto is not None and text:
             parsed = self._auto.stream().parse(text)
             if parsed.calls:
-                message = {"role": "assistant", "content": parsed.content or None,
-                           "tool_calls": [tool_call(c.name, c.arguments) for c in parsed.calls[:self._max_calls]]}
+                message = _message(message["role"], parsed.content or None,
+                                   tool_calls=[tool_call(c.name, c.arguments) for c in parsed.calls[:self._max_calls]])
                 finish = _auto_finish(finish, True)
         if self.model.reasoning_parser is not None:  # (a forced call's answer too: it has none)
             shown = reasoning if self.body.include_reasoning else None
             message.update(reasoning=shown, reasoning_content=shown)  # vLLM's two names for it
+        if echoed := self.body.echoed_text:  # vLLM's echo: the continued message's text, then the answer's
+            message["content"] = echoed + (message["content"] or "")
         return {"index": k, "message": message, "logprobs": self._logprobs(logprobs), "finish_reason": finish,
                 "stop_reason": end and end.stop_reason}
+
+
+def _message(role: str, content: str | None, **fields) -> dict:
+    """A whole answer's message with every field vLLM's has (null where unused; tool_calls only when made)."""
+    return {"role": role, "content": content, "refusal": None, "annotations": None, "audio": None,
+            "function_call": None, "reasoning": None, **fields}
+
+
+def _chunk_choice(i: int, delta: dict) -> dict:
+    return {"index": i, "delta": delta, "logprobs": None, "finish_reason": None}
 
 
 def _auto_finish(reason: str | None, called: bool) -> str | None:
     """As OpenAI's: an answer that ends in calls ends as "tool_calls"."""
     return "tool_calls" if called and reason == "stop" else reason
 
-
-def _chat_token(token: str, logprob: float) -> dict:
-    return {"token": token, "logprob": logprob, "bytes": list(token.encode("utf-8"))}

@@ -18,11 +18,14 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from services.gateway.generation import InvalidParameter
-from shared.sampling_params import SamplingParams
+from services.gateway.strict_input import Flag, check_message, check_text
+from shared.sampling_params import SamplingParams, keep_last_tokens
 from services.gateway.tool_calls import ForcedToolCall, chosen
 from services.gateway.tool_parsers import ToolCallParser
 from shared.structured_outputs import StructuredOutputs
 from shared.tokenizer import message_text
+
+INT64_MIN, INT64_MAX = -(1 << 63), (1 << 63) - 1
 
 
 def _null_is_default(cls, value: Any, info) -> Any:
@@ -31,8 +34,8 @@ def _null_is_default(cls, value: Any, info) -> Any:
 
 
 class StreamOptions(BaseModel):
-    include_usage: bool = False
-    continuous_usage_stats: bool = False  # vLLM's: with include_usage, every chunk carries the usage so far
+    include_usage: Flag = False
+    continuous_usage_stats: Flag = False  # vLLM's: with include_usage, every chunk carries the usage so far
 
     _null = field_validator("include_usage", "continuous_usage_stats", mode="before")(classmethod(_null_is_default))
 
@@ -40,7 +43,6 @@ class StreamOptions(BaseModel):
 # vLLM's and OpenAI's fields that change what comes back, which this engine does not do: refused
 # when given (not null), rather than answered with plain text.
 UNSUPPORTED = {
-    "return_tokens_as_token_ids": "token ids as tokens",
     "logits_processors": "logits processors", "chat_template": "chat template for a completion (a chat's only)",
     "functions": "function calling", "function_call": "function calling",
 }
@@ -57,9 +59,9 @@ class _Sampling(BaseModel):
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
     logit_bias: dict[str, float] | None = None
-    seed: int | None = None
+    seed: int | None = Field(None, ge=INT64_MIN, le=INT64_MAX)
     stop: str | list[str] | None = None
-    stream: bool = False
+    stream: Flag = False
     stream_options: StreamOptions | None = None
     max_tokens: int | None = Field(None, description="None: up to the context length")
     # vLLM's extensions
@@ -67,20 +69,26 @@ class _Sampling(BaseModel):
     min_p: float | None = None
     repetition_penalty: float | None = None
     min_tokens: int | None = None
-    ignore_eos: bool | None = None
+    ignore_eos: Flag | None = None
     stop_token_ids: list[int] | None = None
     allowed_token_ids: list[int] | None = None
     bad_words: list[str] | None = None  # words never generated (tokenized when the request starts)
-    truncate_prompt_tokens: int | None = None  # keep the prompt's last k tokens (-1: the context length)
-    prompt_logprobs: int | None = None  # each prompt token's logprob and the top k (whole responses only)
-    skip_special_tokens: bool | None = None
-    include_stop_str_in_output: bool | None = None
+    # keep the prompt's last k tokens (-1: the context length), or its first k with truncation_side "right"
+    truncate_prompt_tokens: int | None = Field(None, ge=-1)
+    truncation_side: Literal["left", "right"] | None = None
+    # each prompt token's logprob and the top k (-1: the whole vocabulary; whole responses only)
+    prompt_logprobs: int | None = Field(None, ge=-1)
+    skip_special_tokens: Flag | None = None
+    include_stop_str_in_output: Flag | None = None
     # Beam search in the engine (an extension): the n best of beam_width beams, best first.
-    use_beam_search: bool | None = None
+    use_beam_search: Flag | None = None
     beam_width: int | None = None
     length_penalty: float | None = None
-    early_stopping: bool | Literal["never"] | None = None
-    spaces_between_special_tokens: bool | None = None
+    early_stopping: Flag | Literal["never"] | None = None
+    spaces_between_special_tokens: Flag | None = None
+    # vLLM's: logprobs name tokens "token_id:<id>" (None: as the gateway's --return-tokens-as-token-ids says)
+    return_tokens_as_token_ids: Flag | None = None
+    return_token_ids: Flag | None = None  # vLLM's: the prompt's and each choice's token ids in the answer
     cache_salt: str | None = Field(None, min_length=1, description="only requests with the same salt share "
                                                                     "prefix-cache blocks")
     # Structured outputs: OpenAI's response_format, vLLM's structured_outputs, or vLLM's older guided_* fields.
@@ -100,6 +108,13 @@ class _Sampling(BaseModel):
     _nulls = field_validator("n", "stream", "echo", "logprobs", "add_generation_prompt", "continue_final_message",
                              "include_reasoning", mode="before", check_fields=False)(classmethod(_null_is_default))
 
+    # The fields that count logprobs per position, where -1 asks for the whole vocabulary (declared below).
+    _LOGPROB_COUNTS = ("prompt_logprobs",)
+
+    def check_text(self) -> None:
+        """Every string is text (before anything parses or tokenizes one)."""
+        check_text(self)
+
     def check_supported(self, unsupported: dict[str, str] = UNSUPPORTED) -> None:
         for name, value in (self.model_extra or {}).items():
             if name in unsupported and value is not None and not (name == "function_call" and value == "none"):
@@ -112,6 +127,25 @@ class _Sampling(BaseModel):
     def public_error(self, exc: InvalidParameter) -> InvalidParameter:
         """An error about an engine parameter, under the name this request's client gave the field."""
         return exc
+
+    def count_whole_vocabulary(self, vocab_size: int, max_logprobs: int) -> None:
+        """vLLM's -1 for a count of logprobs: the whole vocabulary, where the server's --max-logprobs allows
+        that many (the field then holds the vocabulary's size)."""
+        for name in self._LOGPROB_COUNTS:
+            if getattr(self, name) != -1:
+                continue
+            if vocab_size > max_logprobs:
+                raise InvalidParameter(f"{name}=-1 asks for the whole vocabulary ({vocab_size} tokens), more than this "
+                                       f"server returns (at most {max_logprobs} per position: --max-logprobs)", name)
+            setattr(self, name, vocab_size)
+
+    def truncated(self, token_ids: list[int], max_model_len: int) -> list[int]:
+        """The prompt as the engine takes it: truncate_prompt_tokens of its tokens (-1: as many as the context
+        holds), its last ones, or with vLLM's truncation_side "right" its first ones."""
+        keep = max_model_len if self.truncate_prompt_tokens == -1 else self.truncate_prompt_tokens
+        if self.truncation_side != "right" or keep is None or len(token_ids) <= keep:
+            return keep_last_tokens(token_ids, self.truncate_prompt_tokens, max_model_len)
+        return token_ids[:keep]
 
     def sampling_params(self, max_tokens: int | None, logprobs: int | None, prompt_logprobs: int | None = None,
                         structured: StructuredOutputs | None = None) -> SamplingParams:
@@ -166,12 +200,14 @@ class _Sampling(BaseModel):
 
 class CompletionRequest(_Sampling):
     prompt: str | list[int] | list[str] | list[list[int]]
-    echo: bool = False
-    logprobs: int | None = None
+    echo: Flag = False
+    logprobs: int | None = Field(None, ge=-1)  # -1: the whole vocabulary (vLLM's)
     best_of: int | None = None
     suffix: str | None = None
     # OpenAI's and vLLM's default for completions; an explicit null runs up to the context length.
     max_tokens: int | None = Field(16, description="null: up to the context length")
+
+    _LOGPROB_COUNTS = ("logprobs", "prompt_logprobs")
 
     def checked_params(self) -> SamplingParams:
         if self.best_of is not None and self.best_of < self.n:
@@ -215,7 +251,9 @@ class ChatMessage(BaseModel):
     role: str
     content: str | list[TextPart | dict] | None = None
 
-    def as_dict(self) -> dict:
+    def as_dict(self, i: int) -> dict:
+        """The message as a chat template reads it (the i-th of its request: errors say which)."""
+        check_message(i, self.role, self.content, self.model_extra or {})
         content = self.content
         if isinstance(content, list):
             content = [part.model_dump() if isinstance(part, TextPart) else part for part in content]
@@ -243,22 +281,30 @@ def _template_tool_call(call: Any) -> Any:
     return {**call, "function": {**function, "arguments": arguments}}
 
 
+def template_messages(messages: list[ChatMessage]) -> list[dict]:
+    """A request's messages as a chat template reads them."""
+    return [message.as_dict(i) for i, message in enumerate(messages)]
+
+
 class ChatCompletionRequest(_Sampling):
     messages: list[ChatMessage]
     max_completion_tokens: int | None = None
-    logprobs: bool = False
-    top_logprobs: int | None = None
+    logprobs: Flag = False
+    top_logprobs: int | None = Field(None, ge=-1)  # -1: the whole vocabulary (vLLM's)
     # Forced tool calls (tool_choice "required" or a named function) are made with structured outputs
     # (tool_calls.py); "auto" calls are read from the text with the gateway's parser (tool_parsers.py).
     tools: list[dict] | None = None
     tool_choice: str | dict | None = None
-    parallel_tool_calls: bool | None = None  # false: "required" makes exactly one call
+    parallel_tool_calls: Flag | None = None  # false: "required" makes exactly one call
     # vLLM's chat template extensions
-    add_generation_prompt: bool = True
-    continue_final_message: bool = False
+    add_generation_prompt: Flag = True
+    continue_final_message: Flag = False
     chat_template_kwargs: dict[str, Any] | None = None
     chat_template: str | None = None  # a Jinja template for this request (--trust-request-chat-template)
-    include_reasoning: bool = True  # vLLM's: false leaves the reasoning out of the answer (--reasoning-parser)
+    include_reasoning: Flag = True  # vLLM's: false leaves the reasoning out of the answer (--reasoning-parser)
+    echo: Flag = False  # vLLM's: the answer starts with the last message's text, when it continues that message
+
+    _LOGPROB_COUNTS = ("top_logprobs", "prompt_logprobs")
 
     def checked_params(self) -> SamplingParams:
         if self.top_logprobs is not None and not self.logprobs:
@@ -267,8 +313,6 @@ class ChatCompletionRequest(_Sampling):
         if forced is not None and self.structured_outputs_asked() is not None:
             raise InvalidParameter("tool_choice forces a tool call, whose output format is given: send no "
                                    "response_format or structured_outputs with it", "tool_choice")
-        if (self.model_extra or {}).get("echo"):
-            raise InvalidParameter("echo is not supported for chat completions", "echo")
         if self.continue_final_message and self.add_generation_prompt:
             raise InvalidParameter("continue_final_message needs add_generation_prompt=false",
                                    "continue_final_message")
@@ -278,6 +322,21 @@ class ChatCompletionRequest(_Sampling):
         return self.sampling_params(max_tokens, (self.top_logprobs or 0) if self.logprobs else None,
                                     self.prompt_logprobs,
                                     structured=forced.constraint() if forced is not None else None)
+
+    @property
+    def response_role(self) -> str:
+        """The answer's role (vLLM's): the assistant's, or without a generation prompt the last message's, which
+        the answer continues."""
+        return "assistant" if self.add_generation_prompt or not self.messages else self.messages[-1].role
+
+    @property
+    def echoed_text(self) -> str:
+        """vLLM's echo: the last message's text, which the answer starts with when it continues that message
+        (the same role); "" otherwise."""
+        last = self.messages[-1] if self.echo and self.messages else None
+        if last is None or last.role != self.response_role:
+            return ""
+        return message_text(last.content)
 
     @functools.cached_property
     def forced_tool_call(self) -> ForcedToolCall | None:

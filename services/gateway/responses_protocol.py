@@ -22,12 +22,13 @@ from pydantic import BaseModel, ConfigDict, ValidationError
 
 from services.gateway.generation import InvalidParameter
 from services.gateway.protocol import ChatCompletionRequest
+from services.gateway.strict_input import Flag
 
 # The engine's sampling fields (vLLM's extensions) a Responses request may carry, passed as they are.
 _PASSED = ("seed", "top_k", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty", "stop",
            "ignore_eos", "min_tokens", "stop_token_ids", "allowed_token_ids", "bad_words", "logit_bias", "skip_special_tokens",
            "include_stop_str_in_output", "structured_outputs", "cache_salt", "chat_template_kwargs",
-           "truncate_prompt_tokens")
+           "truncate_prompt_tokens", "truncation_side")
 _STATEFUL = {"previous_response_id": "continuing a stored response (send the whole conversation as input)",
              "conversation": "stored conversations (send the whole conversation as input)",
              "prompt": "stored prompt templates"}
@@ -50,12 +51,12 @@ class ResponsesRequest(BaseModel):
     include: list[str] | None = None
     tools: list[dict] | None = None
     tool_choice: str | dict | None = None
-    parallel_tool_calls: bool | None = None
+    parallel_tool_calls: Flag | None = None
     text: dict | None = None
-    stream: bool = False
-    store: bool | None = None  # accepted; the gateway keeps nothing (GET /v1/responses/{id} finds nothing)
+    stream: Flag = False
+    store: Flag | None = None  # accepted; the gateway keeps nothing (GET /v1/responses/{id} finds nothing)
     metadata: dict[str, str] | None = None
-    background: bool | None = None
+    background: Flag | None = None
     truncation: str | None = None
     reasoning: dict | None = None
     user: str | None = None

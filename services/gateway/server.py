@@ -111,7 +111,8 @@ async def serve(args: argparse.Namespace) -> None:
     tool_parser = ToolCallParser(args.tool_call_parser) if args.enable_auto_tool_choice else None
     gen = Generator(client, metrics, args.served_model_name, args.tokenizer, args.max_concurrent_requests, limiter,
                     resume_policy, tool_parser, args.lora_modules, args.trust_request_chat_template,
-                    REASONING_PARSERS[args.reasoning_parser] if args.reasoning_parser else None)
+                    REASONING_PARSERS[args.reasoning_parser] if args.reasoning_parser else None,
+                    return_tokens_as_token_ids=args.return_tokens_as_token_ids)
     grpc_server, grpc_health = create_grpc_server(gen, f"{args.host}:{args.grpc_port}", auth)
     origins = tuple(o.strip() for o in args.allowed_origins.split(",") if o.strip())
     http = _Uvicorn(uvicorn.Config(create_app(gen, origins, auth, args.allow_runtime_lora_updating), host=args.host, port=args.port, log_config=None,
@@ -223,6 +224,10 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--trust-request-chat-template", action=argparse.BooleanOptionalAction, default=False,
                         help="let a chat request (and /tokenize) bring its own chat_template, as vLLM's flag; "
                              "without it such requests get a 400")
+    parser.add_argument("--return-tokens-as-token-ids", action=argparse.BooleanOptionalAction, default=False,
+                        help="logprobs name each token 'token_id:<id>' (vLLM's flag; a request's "
+                             "return_tokens_as_token_ids overrides it): a token whose text is part of a character "
+                             "stays identifiable")
     parser.add_argument("--allow-runtime-lora-updating", action=argparse.BooleanOptionalAction, default=False,
                         help="serve POST /v1/load_lora_adapter and /v1/unload_lora_adapter (vLLM's "
                              "VLLM_ALLOW_RUNTIME_LORA_UPDATING): adapters added and removed while serving, at this "
