@@ -11,10 +11,10 @@ they do without a compiler). ``python -m services.worker.attention.cpu_kernels``
 any start.
 
 Why not at ``pip install`` time, as vLLM ships compiled kernels: an extension must be compiled against
-the torch it will run with, and pip's build isolation builds in a throwaway environment with a torch
-of its own (unpinned: a CUDA wheel of gigabytes on Linux, and possibly not the version a GPU user
-installed), while ``pip install torch==2.13.0 -e .`` builds the project before it installs any torch
-at all. Turning isolation off would make the README's one-line install two steps, and forgetting
+the torch it will run with, and pip's build isolation runs setup.py (or any build-backend hook) in a
+throwaway environment with a torch of its own (unpinned: a CUDA wheel of gigabytes on Linux, and
+possibly not the version a GPU user installed), while ``pip install torch==2.13.0 -e .`` builds the
+project before it installs any torch at all. Turning isolation off would make the README's one-line install two steps, and forgetting
 the flag would bring that back silently; ``-march=native`` code built into an image would also bind
 it to the CPU that built the image. A build on the machine that runs, against the torch that is
 loaded, is right for a CPU user and a GPU user with their own torch alike; the tests build once per
