@@ -20,7 +20,8 @@ from shared.grpc_errors import ServiceUnavailable
 # 9: embedding requests (pooling parameters in, an embedding out) and the pooler in WorkerInfo and EngineInfo.
 # 10: classifiers: a pooler's labels and activation, and a pooling request's task and use_activation.
 # 11: WorkerInfo's kv_window; block tables may hold 0 for blocks freed behind it (never read).
-INTERNAL_PROTOCOL_VERSION = 11
+# 12: EngineStats carries histograms (vLLM's per-request times, tokens per step) and text labels (LoRA adapters).
+INTERNAL_PROTOCOL_VERSION = 12
 
 
 class IncompatiblePeer(ServiceUnavailable):

@@ -1,5 +1,5 @@
-"""Prometheus metrics of the gateway, plus the engine's own stats (GetStats) as gauges; and the same again
-under vLLM's names (vllm_metrics.py).
+"""Prometheus metrics of the gateway, plus the engine's own stats (GetStats) as gauges and histograms; and
+the same again under vLLM's names (vllm_metrics.py).
 
 Each gateway gets its own registry, so several can live in one process (tests).
 """
@@ -8,7 +8,9 @@ from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
+from services.gateway.engine_histograms import EngineHistograms
 from services.gateway.vllm_metrics import VllmMetrics
+from shared.proto import pagedserve_internal_pb2 as wire
 
 LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
 TOKEN_BUCKETS = (0.005, 0.01, 0.02, 0.03, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 1, 2.5)
@@ -56,6 +58,8 @@ class GatewayMetrics:
         self.vllm = VllmMetrics([self.prompt_tokens, self.generation_tokens, self.ttft, self.e2e, self.tpot,
                                  self.request_prompt_tokens, self.request_generation_tokens, self.request_success])
         r.register(self.vllm)
+        self.engine_histograms = EngineHistograms()
+        r.register(self.engine_histograms)
 
     def finish(self, prompt_tokens: int, generation_tokens: int, seconds: float,
                first_output_s: float | None = None, num_sequences: int = 1, finish_reasons=()) -> None:
@@ -70,16 +74,17 @@ class GatewayMetrics:
         if first_output_s is not None and per_sequence > 1:
             self.tpot.observe((seconds - first_output_s) / (per_sequence - 1))
 
-    def render(self, engine_stats: dict[str, dict[str, float] | None], routable: dict[str, bool],
+    def render(self, engine_stats: dict[str, wire.EngineStats | None], routable: dict[str, bool],
                model_name: str | None = None) -> bytes:
         """engine_stats: each scheduler's GetStats by address (None: it did not answer); routable:
         whether new requests go to it (the gateway's health poll found it serving its model);
         model_name: the served model's (vLLM's names' label), once known."""
         self.vllm.update(engine_stats, model_name)
+        self.engine_histograms.update(engine_stats)
         for address, stats in engine_stats.items():
             self.scheduler_up.labels(scheduler=address).set(0 if stats is None else 1)
             self.scheduler_routable.labels(scheduler=address).set(1 if routable.get(address) else 0)
-            for name, value in (stats or {}).items():
+            for name, value in (stats.values.items() if stats is not None else ()):
                 if name not in self._engine:
                     self._engine[name] = Gauge(f"pagedserve_engine_{name}", f"engine stat {name} (GetStats)",
                                                ["scheduler"], registry=self.registry)

@@ -341,8 +341,8 @@ class SchedulerClient:
     async def info(self) -> wire.EngineInfo:
         return await self._unary(self._stub.GetInfo, wire.Empty())
 
-    async def stats(self) -> dict[str, float]:
-        return dict((await self._unary(self._stub.GetStats, wire.Empty())).values)
+    async def stats(self) -> wire.EngineStats:
+        return await self._unary(self._stub.GetStats, wire.Empty())
 
     async def healthy(self) -> bool:
         """The scheduler's grpc.health.v1 status (it turns NOT_SERVING when its worker fails)."""

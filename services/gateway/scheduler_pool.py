@@ -132,7 +132,7 @@ class SchedulerPool:
             raise errors[0]
         return any(r is True for r in results)
 
-    async def stats(self) -> dict[str, dict[str, float] | None]:
+    async def stats(self) -> dict[str, wire.EngineStats | None]:
         """Each scheduler's engine stats by address; None for one that did not answer within
         STATS_TIMEOUT_S (a scheduler whose step hangs on its worker answers only after it)."""
         results = await asyncio.gather(*(asyncio.wait_for(c.stats(), STATS_TIMEOUT_S) for c in self.clients),

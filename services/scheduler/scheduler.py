@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import bisect
+import time
 from collections import deque
 from dataclasses import dataclass
 
 from services.scheduler.beam_search import BeamStep
 from services.scheduler.block_manager import NO_HIT, BlockManager, CacheHit
 from services.scheduler.preemption import choose_preemption
+from services.scheduler.request_stats import RequestStats
 from services.scheduler.sequence import Sequence, SequenceStatus, SequenceUpdate
 from shared.step_protocol import Fork, NewSequence, RunningSequence, SequenceOutput, StepPlan, StepResult
 
@@ -51,10 +53,13 @@ class Scheduler:
         self.num_spec_drafts = 0  # sequence-steps that verified drafts (speculative decoding)
         self.num_spec_draft_tokens = 0  # draft tokens verified
         self.num_spec_accepted_tokens = 0  # of those, the ones the worker accepted
+        self.num_spec_accepted_per_pos: list[int] = []  # accepted drafts by their place in the draft (vLLM's)
+        self.request_stats = RequestStats(max_model_len)  # vLLM's per-request histograms
 
     # --- requests in and out ----------------------------------------------------------------------
 
     def add(self, seq: Sequence) -> None:
+        self.request_stats.queued(seq)
         self.waiting.append(seq)
 
     def abort(self, seqs: list[Sequence]) -> None:
@@ -259,6 +264,8 @@ class Scheduler:
             seq.num_computed_tokens = num_cached
             if seq.num_cached_tokens is None:  # a recomputed sequence's own earlier blocks are no cache hit
                 seq.num_cached_tokens = num_cached
+                if self.request_stats.is_first_prefill(seq):
+                    self.request_stats.first_admitted(seq, num_cached)
             self.waiting.remove(seq)
             seq.status = SequenceStatus.RUNNING
             bisect.insort(self.running, seq, key=_by_arrival)
@@ -275,6 +282,13 @@ class Scheduler:
     def _adapter_fits(self, seq: Sequence, adapters: set) -> bool:
         """Rule 2 and 4's adapter limit: a step runs at most max_loras distinct adapters."""
         return seq.lora is None or seq.lora in adapters or len(adapters) < self.max_loras
+
+    def num_deferred(self) -> int:
+        """Waiting sequences held back by a passing limit rather than a lack of room (vLLM's "deferred"):
+        a LoRA adapter beyond max_loras, or a recomputed beam whose group has yet to decide."""
+        adapters = self._running_adapters()
+        return sum(1 for seq in self.waiting if not self._adapter_fits(seq, adapters)
+                   or seq.beam_group is not None and seq.beam_group.has_reported(seq.seq_id))
 
     def _victim(self) -> Sequence:
         """The newest parked beam (it has reported; only its blocks are at stake), else the newest
@@ -303,6 +317,7 @@ class Scheduler:
     def _preempt(self, seq: Sequence, plan: StepPlan) -> None:
         self.running.remove(seq)
         self.num_preemptions += 1
+        self.request_stats.preempted(seq)
         live_siblings = sum(1 for s in seq.siblings if s is not seq and not s.status.is_finished)
         mode = choose_preemption(self.limits.preemption_mode, seq, live_siblings,
                                  self.limits.max_num_batched_tokens, self.blocks.can_swap_out(seq.seq_id))
@@ -364,6 +379,8 @@ class Scheduler:
     def update(self, scheduled: dict[int, int], result: StepResult, seqs: dict[int, Sequence]) -> list[SequenceUpdate]:
         """Advance the scheduled sequences by the step's result; the updates for the front end."""
         cache_full_blocks, release_behind_window = self.blocks.cache_full_blocks, self.blocks.release_blocks_behind_window
+        # When its tokens came, for the request's times (found inline: this runs for every token).
+        now, times_of, times_get = time.monotonic(), self.request_stats.times_of, self.request_stats.times.get
         # A sequence the worker failed (its adapter would not load) computed nothing: cache none of its blocks.
         failed = {out.seq_id for out in result.outputs if out.error} if self.max_loras else ()
         # A pooling engine's mean or cls prompts never take hits: indexing their blocks would only evict others.
@@ -388,6 +405,10 @@ class Scheduler:
                 continue
             if out.token_id is not None:
                 self._resolve_placeholder(seq)
+                times = times_get(out.seq_id) or times_of(out.seq_id)
+                if times.first_token is None:
+                    times.first_token = now
+                times.last_token = now
             if out.error:
                 updates.append(self._fail_request(seq, out.error))
                 continue
@@ -437,6 +458,7 @@ class Scheduler:
             self.num_spec_drafts += 1
             self.num_spec_draft_tokens += len(drafts)
             self.num_spec_accepted_tokens += len(accepted)
+            self._count_accepted_positions(len(drafts), len(accepted))
         logprobs = out.accepted_logprobs or [None] * len(accepted)
         for token_id, position in zip(accepted, logprobs):
             self._push_token(seq, token_id, position, update)
@@ -451,6 +473,13 @@ class Scheduler:
             self._release_rejected_slots(seq)
         # Drafts continue the sequence as the worker knew it; with another step of it in flight they would not.
         seq.draft_token_ids = out.draft_token_ids if not seq.num_placeholders else []
+
+    def _count_accepted_positions(self, num_drafts: int, num_accepted: int) -> None:
+        per_pos = self.num_spec_accepted_per_pos
+        if len(per_pos) < num_drafts:
+            per_pos.extend([0] * (num_drafts - len(per_pos)))
+        for position in range(num_accepted):  # accepted drafts are a prefix: positions 0 .. num_accepted - 1
+            per_pos[position] += 1
 
     def _release_rejected_slots(self, seq: Sequence) -> None:
         """Blocks past the sequence's computed tokens held only rejected drafts: free them now. The
@@ -605,3 +634,5 @@ class Scheduler:
             self._plan.finished_seq_ids.append(seq.seq_id)
             seq.known_to_worker = False
         seq.finish(status, stop_reason)
+        if all(s.status.is_finished for s in reversed(seq.siblings)):  # (live beams are the last ones)
+            self.request_stats.observe_finished(seq.siblings)

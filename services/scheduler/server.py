@@ -20,6 +20,7 @@ from services.scheduler.engine_loop import EngineLoop
 from services.scheduler.grpc_executor import GRPC_OPTIONS, GrpcExecutor
 from services.scheduler.scheduler import SchedulerLimits
 from services.scheduler.session import Session, SessionBatch
+from services.scheduler.stats import stats_to_proto
 from services.scheduler.tensor_parallel_executor import TensorParallelExecutor, group_info
 from shared.config import token_budget
 from shared.gc_heap import freeze_startup_objects, unfreeze_startup_objects
@@ -119,7 +120,7 @@ class SchedulerServicer(wire_grpc.SchedulerServicer):
 
     def GetStats(self, request, context):
         with grpc_errors(context):
-            return wire.EngineStats(values={k: float(v) for k, v in self.loop.stats().items()})
+            return stats_to_proto(self.loop.stats())
 
 
 def _read_for_a_moment(request_iterator, seconds: float = 0.2) -> None:

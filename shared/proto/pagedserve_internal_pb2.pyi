@@ -196,7 +196,7 @@ class EngineInfo(_message.Message):
     def __init__(self, model: _Optional[str] = ..., max_model_len: _Optional[int] = ..., vocab_size: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., num_kv_blocks: _Optional[int] = ..., block_size: _Optional[int] = ..., max_logprobs: _Optional[int] = ..., protocol_version: _Optional[int] = ..., max_num_seqs: _Optional[int] = ..., max_loras: _Optional[int] = ..., pooler: _Optional[_Union[PoolerInfo, _Mapping]] = ...) -> None: ...
 
 class EngineStats(_message.Message):
-    __slots__ = ("values",)
+    __slots__ = ("values", "histograms", "labels")
     class ValuesEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -204,9 +204,39 @@ class EngineStats(_message.Message):
         key: str
         value: float
         def __init__(self, key: _Optional[str] = ..., value: _Optional[float] = ...) -> None: ...
+    class HistogramsEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: Histogram
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[_Union[Histogram, _Mapping]] = ...) -> None: ...
+    class LabelsEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: str
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[str] = ...) -> None: ...
     VALUES_FIELD_NUMBER: _ClassVar[int]
+    HISTOGRAMS_FIELD_NUMBER: _ClassVar[int]
+    LABELS_FIELD_NUMBER: _ClassVar[int]
     values: _containers.ScalarMap[str, float]
-    def __init__(self, values: _Optional[_Mapping[str, float]] = ...) -> None: ...
+    histograms: _containers.MessageMap[str, Histogram]
+    labels: _containers.ScalarMap[str, str]
+    def __init__(self, values: _Optional[_Mapping[str, float]] = ..., histograms: _Optional[_Mapping[str, Histogram]] = ..., labels: _Optional[_Mapping[str, str]] = ...) -> None: ...
+
+class Histogram(_message.Message):
+    __slots__ = ("bounds", "cumulative_counts", "count", "sum")
+    BOUNDS_FIELD_NUMBER: _ClassVar[int]
+    CUMULATIVE_COUNTS_FIELD_NUMBER: _ClassVar[int]
+    COUNT_FIELD_NUMBER: _ClassVar[int]
+    SUM_FIELD_NUMBER: _ClassVar[int]
+    bounds: _containers.RepeatedScalarFieldContainer[float]
+    cumulative_counts: _containers.RepeatedScalarFieldContainer[int]
+    count: int
+    sum: float
+    def __init__(self, bounds: _Optional[_Iterable[float]] = ..., cumulative_counts: _Optional[_Iterable[int]] = ..., count: _Optional[int] = ..., sum: _Optional[float] = ...) -> None: ...
 
 class WorkerInfo(_message.Message):
     __slots__ = ("model", "num_kv_blocks", "block_size", "max_model_len", "vocab_size", "eos_token_ids", "device", "dtype", "num_cpu_blocks", "protocol_version", "num_speculative_tokens", "tensor_parallel_rank", "tensor_parallel_size", "max_loras", "max_lora_rank", "pooler", "kv_window")
