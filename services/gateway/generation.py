@@ -601,7 +601,7 @@ class Generator:
         try:
             return await check
         except ResourceExhausted:
-            self.metrics.rate_limited.labels(api_key=api_key.name).inc()
+            self.metrics.count_rate_limited(api_key)
             raise
         except Exception as exc:  # redis' errors: the limits cannot be checked, so nothing is let through
             log.warning("rate limit store unreachable", error=str(exc))

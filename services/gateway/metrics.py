@@ -1,6 +1,9 @@
 """Prometheus metrics of the gateway, plus the engine's own stats (GetStats) as gauges and histograms; and
 the same again under vLLM's names (vllm_metrics.py).
 
+Nothing here names an API key: /metrics is open to scrapers, so a key is labelled by its SHA-256's first
+16 hex digits (what `pagedserve api-keys list` shows beside its name), never by its name.
+
 Each gateway gets its own registry, so several can live in one process (tests).
 """
 
@@ -8,6 +11,7 @@ from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
+from services.gateway.api_keys import ApiKey
 from services.gateway.engine_histograms import EngineHistograms
 from services.gateway.vllm_metrics import VllmMetrics
 from shared.proto import pagedserve_internal_pb2 as wire
@@ -39,7 +43,8 @@ class GatewayMetrics:
                                        "engine requests whose scheduler was lost and that no scheduler took again "
                                        "within the resume timeout (503)", registry=r)
         self.rate_limited = Counter("pagedserve_rate_limited_requests",
-                                    "requests refused with 429 for an API key's rate limit", ["api_key"], registry=r)
+                                    "requests refused with 429 for an API key's rate limit, by the key's SHA-256 "
+                                    "prefix (pagedserve api-keys list)", ["api_key_sha256"], registry=r)
         self.unauthenticated = Counter("pagedserve_unauthenticated_requests",
                                        "requests refused for a missing or unknown API key", registry=r)
         self.scheduler_up = Gauge("pagedserve_scheduler_up", "1 when the last GetStats succeeded", ["scheduler"],
@@ -60,6 +65,9 @@ class GatewayMetrics:
         r.register(self.vllm)
         self.engine_histograms = EngineHistograms()
         r.register(self.engine_histograms)
+
+    def count_rate_limited(self, api_key: ApiKey) -> None:
+        self.rate_limited.labels(api_key_sha256=api_key.key_id[:16]).inc()
 
     def finish(self, prompt_tokens: int, generation_tokens: int, seconds: float,
                first_output_s: float | None = None, num_sequences: int = 1, finish_reasons=()) -> None:
