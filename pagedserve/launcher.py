@@ -14,86 +14,25 @@ import subprocess
 import sys
 import tempfile
 import time
-import urllib.request
 from dataclasses import dataclass, field
 
-from pagedserve.cli import ENGINE_KEYS, add_engine_args, apply_env_defaults
-from services.gateway.lora_modules import parse_lora_modules
-from services.gateway.reasoning_parsers import REASONING_PARSERS, reasoning_flag_error
-from services.gateway.tool_parsers import TOOL_CALL_PARSERS, flag_error
-from services.scheduler.local_workers import (free_tcp_port, process_environments, terminate_with_parent,
-                                              wait_grpc_serving)
-from shared.lora import read_adapter_config
-
-SCHEDULER_FLAGS = ("max_num_seqs", "max_num_batched_tokens", "enable_chunked_prefill", "enable_prefix_caching",
-                   "preemption_mode", "async_scheduling")
-GATEWAY_FLAGS = ("host", "port", "grpc_port", "served_model_name", "tokenizer", "max_resumes", "resume_timeout",
-                 "enable_auto_tool_choice", "tool_call_parser", "reasoning_parser", "lora_modules",
-                 "allow_runtime_lora_updating", "trust_request_chat_template")
+from pagedserve.cli import engine_options
+from pagedserve.preflight import lora_modules_error, model_error, port_taken_error
+from pagedserve.serve_flags import ServeParser
+from services.gateway.server import arguments_error as gateway_arguments_error
+from services.scheduler.local_workers import free_tcp_port, process_environments, terminate_with_parent
+from shared.config import EngineConfig
+from shared.healthcheck import grpc_healthy, http_healthy
 
 
-def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="pagedserve serve", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
-    add_engine_args(parser)
-    parser.add_argument("--host", default="127.0.0.1", help="HTTP (OpenAI API) host")
-    parser.add_argument("--port", type=int, default=8000, help="HTTP (OpenAI API) port")
-    parser.add_argument("--grpc-port", type=int, default=50050, help="public gRPC API port")
-    parser.add_argument("--served-model-name", nargs="+", action="extend", default=None,
-                        help="model ids clients use (see pagedserve gateway --help)")
-    parser.add_argument("--api-key", action="append", default=None,
-                        help="a key every request must carry (see pagedserve gateway --help); repeatable")
-    parser.add_argument("--api-key-store", default=None, help="Redis URL of the keys made with 'pagedserve api-keys'")
-    parser.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=True,
-                        help="the scheduler plans each step while the worker computes the one before")
-    parser.add_argument("--max-resumes", type=int, default=None,
-                        help="times the gateway resumes a request whose worker or scheduler crashed (default 3; "
-                             "0: such requests fail with 503)")
-    parser.add_argument("--resume-timeout", type=float, default=None,
-                        help="seconds a resumption waits for the restarted process (default 30)")
-    parser.add_argument("--enable-auto-tool-choice", action=argparse.BooleanOptionalAction, default=None,
-                        help="answer tool_choice 'auto': the model's calls are read with --tool-call-parser")
-    parser.add_argument("--tool-call-parser", choices=sorted(TOOL_CALL_PARSERS), default=None,
-                        help="the model's tool-call format (see pagedserve gateway --help)")
-    parser.add_argument("--reasoning-parser", choices=sorted(REASONING_PARSERS), default=None,
-                        help="the model's reasoning format (see pagedserve gateway --help)")
-    parser.add_argument("--lora-modules", nargs="+", action="extend", default=None,
-                        help="LoRA adapters served beside the model, each as name=path (see pagedserve gateway "
-                             "--help); turns on --enable-lora")
-    parser.add_argument("--trust-request-chat-template", action=argparse.BooleanOptionalAction, default=None,
-                        help="a chat request may bring its own chat_template (see pagedserve gateway --help)")
-    parser.add_argument("--allow-runtime-lora-updating", action=argparse.BooleanOptionalAction, default=None,
-                        help="adapters loaded and unloaded while serving (vLLM's /v1/load_lora_adapter); turns on "
-                             "--enable-lora")
-    parser.add_argument("--data-parallel-size", "-dp", type=int, default=1,
-                        help="schedulers, each with a worker (a GPU of its own, or a share of the CPU cores), "
-                             "behind the one gateway")
-    parser.add_argument("--startup-timeout", type=float, default=300.0, help="seconds to wait for health")
-    apply_env_defaults(parser)
-    return parser
+def build_parser() -> ServeParser:
+    return ServeParser(__doc__)
 
 
-def flags(args: argparse.Namespace, names) -> list[str]:
-    out = []
-    for name in names:
-        value = getattr(args, name)
-        flag = "--" + name.replace("_", "-")
-        if value is None or value == "":  # an empty variable (compose's default) is no value, not an empty one
-            continue
-        if isinstance(value, bool):  # every boolean flag here is a --x / --no-x pair
-            out.append(flag if value else "--no-" + flag[2:])
-            continue
-        if isinstance(value, list):  # a repeatable flag
-            out += [part for item in value for part in (flag, item)]
-            continue
-        out += [flag, str(value)]
-    return out
-
-
-def worker_argv(args: argparse.Namespace, address: str) -> list[str]:
+def worker_argv(parser: ServeParser, args: argparse.Namespace, address: str) -> list[str]:
     """Every engine option, the scheduler's limits too: the worker sizes activations, its KV pool and its
     CUDA graphs for the largest batch the scheduler may send."""
-    return ["--listen", address] + flags(args, ENGINE_KEYS)
+    return ["--listen", address] + parser.argv_for("worker", args)
 
 
 def gateway_secrets(args: argparse.Namespace) -> dict[str, str]:
@@ -111,19 +50,33 @@ def gateway_secrets(args: argparse.Namespace) -> dict[str, str]:
 
 # A child that crashes is started again (the scheduler rebuilds its engine on a restarted worker,
 # the gateway reconnects to a restarted scheduler), unless it crashed this often within a minute.
+# One that is not healthy within --startup-timeout of its start counts as a crash.
 MAX_RESTARTS_PER_MINUTE = 3
 
 
 @dataclass
 class Child:
-    """One process of the stack: what to run again should it crash."""
+    """One process of the stack: what to run again should it crash, and how to tell it is up."""
     label: str  # "worker", or "worker 1" with several backends, "worker 1 rank 0" with tensor parallelism
     command: str  # the pagedserve subcommand
     argv: list[str]
     env: dict[str, str]
+    health: tuple[str, str]  # as shared.healthcheck takes it: ("grpc", address) or ("http", url)
     proc: subprocess.Popen | None = None
     crashes: list[float] = field(default_factory=list)  # monotonic times
     group: str | None = None  # a tensor-parallel group: its ranks stop and start together
+    started: float = 0.0  # monotonic time of its latest start
+    healthy: bool = False  # has been healthy since its latest start
+
+    def is_healthy(self) -> bool:
+        kind, where = self.health
+        return grpc_healthy(where) if kind == "grpc" else http_healthy(where)
+
+
+def local_url(host: str, port: int, path: str) -> str:
+    """A URL to reach, from this machine, a server listening on host (a wildcard address included)."""
+    host = {"": "127.0.0.1", "0.0.0.0": "127.0.0.1", "::": "::1"}.get(host, host)
+    return f"http://{f'[{host}]' if ':' in host else host}:{port}{path}"
 
 
 def worker_envs(args: argparse.Namespace) -> list[dict[str, str]]:
@@ -139,8 +92,10 @@ class Stack:
     """The processes (one gateway; a scheduler and a worker per backend); always stopped, in order,
     whatever happens."""
 
-    def __init__(self, args: argparse.Namespace):
+    def __init__(self, args: argparse.Namespace, parser: ServeParser):
         self.args = args
+        self.parser = parser
+        self.program = [sys.executable, "-m", "pagedserve"]  # then a child's subcommand and flags
         self.socket_dir = tempfile.mkdtemp(prefix="pagedserve-")
         self.children: dict[str, Child] = {}
 
@@ -153,61 +108,62 @@ class Stack:
         backends = [self._spawn_workers("worker" + self._suffix(i), i, envs[i * tp:(i + 1) * tp])
                     for i in range(args.data_parallel_size)]
         for ranks in backends:
-            for label, address in ranks:
-                self._wait_grpc_healthy(label, address)
+            for child in ranks:
+                self._wait_healthy(child)
         schedulers = []
         for i, ranks in enumerate(backends):
-            scheduler = f"unix:{self.socket_dir}/scheduler{i}.sock"
-            workers = [flag for _, address in ranks for flag in ("--worker", address)]
-            self._spawn(Child("scheduler" + self._suffix(i), "scheduler",
-                              ["--listen", scheduler, *workers] + flags(args, SCHEDULER_FLAGS), {}))
-            schedulers.append(scheduler)
-        self._spawn(Child("gateway", "gateway", [flag for address in schedulers for flag in ("--scheduler", address)]
-                          + flags(args, GATEWAY_FLAGS), gateway_secrets(args)))
-        for i, scheduler in enumerate(schedulers):
-            self._wait_grpc_healthy("scheduler" + self._suffix(i), scheduler)
-        self._wait_http_healthy("gateway", f"http://{args.host}:{args.port}/health")
+            address = f"unix:{self.socket_dir}/scheduler{i}.sock"
+            workers = [flag for child in ranks for flag in ("--worker", child.health[1])]
+            schedulers.append(self._spawn(Child("scheduler" + self._suffix(i), "scheduler",
+                                                ["--listen", address, *workers] + self.parser.argv_for("scheduler", args),
+                                                {}, ("grpc", address))))
+        gateway = self._spawn(Child("gateway", "gateway",
+                                    [flag for s in schedulers for flag in ("--scheduler", s.health[1])]
+                                    + self.parser.argv_for("gateway", args), gateway_secrets(args),
+                                    ("http", local_url(args.host, args.port, "/health"))))
+        for child in [*schedulers, gateway]:
+            self._wait_healthy(child)
 
     def _suffix(self, backend: int) -> str:
         return f" {backend}" if self.args.data_parallel_size > 1 else ""
 
-    def _spawn_workers(self, label: str, backend: int, envs: list[dict[str, str]]) -> list[tuple[str, str]]:
-        """A backend's worker, or its tensor-parallel group (meeting at a TCP port of its own): each
-        rank's label and address, in rank order."""
+    def _spawn_workers(self, label: str, backend: int, envs: list[dict[str, str]]) -> list[Child]:
+        """A backend's worker, or its tensor-parallel group (meeting at a TCP port of its own), in rank order."""
         if len(envs) == 1:
             address = f"unix:{self.socket_dir}/worker{backend}.sock"
-            self._spawn(Child(label, "worker", worker_argv(self.args, address), envs[0]))
-            return [(label, address)]
+            return [self._spawn(Child(label, "worker", worker_argv(self.parser, self.args, address), envs[0],
+                                      ("grpc", address)))]
         meeting = f"tcp://127.0.0.1:{free_tcp_port()}"
         ranks = []
         for rank, env in enumerate(envs):
             address = f"unix:{self.socket_dir}/worker{backend}-rank{rank}.sock"
-            argv = worker_argv(self.args, address) + ["--tensor-parallel-rank", str(rank),
-                                                      "--distributed-init-method", meeting]
-            self._spawn(Child(f"{label} rank {rank}", "worker", argv, env, group=label))
-            ranks.append((f"{label} rank {rank}", address))
+            argv = worker_argv(self.parser, self.args, address) + ["--tensor-parallel-rank", str(rank),
+                                                                   "--distributed-init-method", meeting]
+            ranks.append(self._spawn(Child(f"{label} rank {rank}", "worker", argv, env, ("grpc", address),
+                                           group=label)))
         return ranks
 
-    def _restart_group(self, group: str) -> None:
-        """A tensor-parallel group's ranks cannot go on without one of them: all start again, meeting
-        at a new port."""
-        members = [c for c in self.children.values() if c.group == group]
-        for child in members:
-            if child.proc.poll() is None:
-                child.proc.terminate()
-        for child in members:
+    def _restart(self, child: Child) -> None:
+        """A child starts again; a tensor-parallel group's ranks cannot go on without one of them: all start
+        again, meeting at a new port."""
+        members = [c for c in self.children.values() if c.group == child.group] if child.group else [child]
+        for member in members:
+            if member.proc.poll() is None:
+                member.proc.terminate()
+        for member in members:
             try:
-                child.proc.wait(timeout=30)
+                member.proc.wait(timeout=30)
             except subprocess.TimeoutExpired:
-                child.proc.kill()
-                child.proc.wait()
+                member.proc.kill()
+                member.proc.wait()
         meeting = f"tcp://127.0.0.1:{free_tcp_port()}"
-        for child in members:
-            child.argv[child.argv.index("--distributed-init-method") + 1] = meeting
-            self._spawn(child)
+        for member in members:
+            if member.group:
+                member.argv[member.argv.index("--distributed-init-method") + 1] = meeting
+            self._spawn(member)
 
-    def _spawn(self, child: Child) -> None:
-        cmd = [sys.executable, "-m", "pagedserve", child.command, *child.argv]
+    def _spawn(self, child: Child) -> Child:
+        cmd = [*self.program, child.command, *child.argv]
         # A session of its own: Ctrl-C reaches only the launcher, which stops the children in order.
         # Should the launcher itself die (SIGKILL), the kernel sends the children SIGTERM: no orphans.
         # A flag passed here is not read again from the environment: a list flag (--served-model-name,
@@ -215,52 +171,55 @@ class Stack:
         passed = {"PAGEDSERVE_" + arg[2:].replace("-", "_").upper() for arg in child.argv if arg.startswith("--")}
         env = {**{k: v for k, v in os.environ.items() if k not in passed}, "PYTHONUNBUFFERED": "1", **child.env}
         child.proc = subprocess.Popen(cmd, env=env, start_new_session=True, preexec_fn=terminate_with_parent)
+        child.started, child.healthy = time.monotonic(), False
         self.children[child.label] = child
+        return child
 
-    def _check_alive(self, name: str) -> None:
-        code = self.children[name].proc.poll()
-        if code is not None:
-            raise RuntimeError(f"the {name} exited with code {code} while starting; see its log above")
-
-    def _deadline(self) -> float:
-        return time.monotonic() + self.args.startup_timeout
-
-    def _wait_grpc_healthy(self, name: str, address: str) -> None:
-        if not wait_grpc_serving(address, self._deadline(), lambda: self._check_alive(name)):
-            raise TimeoutError(f"the {name} was not healthy within {self.args.startup_timeout:.0f} s")
-
-    def _wait_http_healthy(self, name: str, url: str) -> None:
-        deadline = self._deadline()
+    def _wait_healthy(self, child: Child) -> None:
+        deadline = time.monotonic() + self.args.startup_timeout
         while time.monotonic() < deadline:
-            self._check_alive(name)
-            try:
-                with urllib.request.urlopen(url, timeout=1) as response:
-                    if response.status == 200:
-                        return
-            except OSError:
-                pass
+            code = child.proc.poll()
+            if code is not None:
+                raise RuntimeError(f"the {child.label} exited with code {code} while starting; see its log above")
+            if child.is_healthy():
+                child.healthy = True
+                return
             time.sleep(0.2)
-        raise TimeoutError(f"the {name} was not healthy within {self.args.startup_timeout:.0f} s")
+        raise TimeoutError(f"the {child.label} was not healthy within {self.args.startup_timeout:g} s")
 
     def wait(self) -> str:
-        """Block until a signal arrives or a child crash-loops (its name then); a child that crashes
-        now and then is started again."""
-        while True:
-            for child in self.children.values():
-                code = child.proc.poll()
-                if code is None:
-                    continue
-                now = time.monotonic()
-                child.crashes = [t for t in child.crashes if now - t < 60] + [now]
-                if len(child.crashes) > MAX_RESTARTS_PER_MINUTE:
-                    return child.label
-                print(f"pagedserve: the {child.label} exited with code {code}; starting it again"
-                      + (f" with the rest of {child.group}" if child.group else ""), file=sys.stderr, flush=True)
-                if child.group:
-                    self._restart_group(child.group)
-                else:
-                    self._spawn(child)
+        """Block until a signal arrives or a child crash-loops (its name then)."""
+        while (label := self.watch()) is None:
             time.sleep(0.5)
+        return label
+
+    def watch(self) -> str | None:
+        """One look at every child: one that failed is started again, unless it keeps failing (its label
+        then)."""
+        for child in list(self.children.values()):
+            failure = self._failure(child)
+            if failure is None:
+                continue
+            now = time.monotonic()
+            child.crashes = [t for t in child.crashes if now - t < 60] + [now]
+            if len(child.crashes) > MAX_RESTARTS_PER_MINUTE:
+                return child.label
+            print(f"pagedserve: the {child.label} {failure}; starting it again"
+                  + (f" with the rest of {child.group}" if child.group else ""), file=sys.stderr, flush=True)
+            self._restart(child)
+        return None
+
+    def _failure(self, child: Child) -> str | None:
+        """How the child failed: it exited, or it has not been healthy within --startup-timeout of its start
+        (a worker stuck loading would otherwise keep the stack at 503 for good). None: it is fine."""
+        code = child.proc.poll()
+        if code is not None:
+            return f"exited with code {code}"
+        if not child.healthy and child.is_healthy():
+            child.healthy = True
+        if child.healthy or time.monotonic() - child.started <= self.args.startup_timeout:
+            return None
+        return f"was not healthy within {self.args.startup_timeout:g} s of its start"
 
     def stop(self) -> None:
         # A second Ctrl-C must not cut the ordered shutdown short and leave children behind.
@@ -281,32 +240,42 @@ class Stack:
         os.rmdir(self.socket_dir)
 
 
-def lora_modules_error(entries: list[str], max_lora_rank: int) -> str | None:
-    """What is wrong with the adapters (every process here sees their directories: read them now)."""
+def flags_error(args: argparse.Namespace) -> str | None:
+    """What a child would refuse in its flags (None: nothing), found before any child starts."""
+    if (error := gateway_arguments_error(args)) is not None:
+        return error
     try:
-        for module in parse_lora_modules(entries):
-            lora = module.lora
-            rank = read_adapter_config(lora.path).rank
-            if rank > max_lora_rank:
-                return f"LoRA adapter {lora.name!r} has rank {rank}, above --max-lora-rank {max_lora_rank}"
+        EngineConfig(**engine_options(args))
+    except ValueError as exc:  # it names the option as Python does: "block_size must be ..."
+        return "--" + str(exc).replace("_", "-")
+    try:
+        worker_envs(args)
     except ValueError as exc:
         return str(exc)
+    if args.lora_modules:
+        return lora_modules_error(args.lora_modules, args.max_lora_rank)
     return None
+
+
+def machine_error(args: argparse.Namespace) -> str | None:
+    """What on this machine would stop a child (None: nothing found): the model directory, a port in use."""
+    if args.port == args.grpc_port:
+        return f"--port and --grpc-port are both {args.port}"
+    return (model_error(args.model) or port_taken_error(args.host, args.port, "--port (HTTP)")
+            or port_taken_error(args.host, args.grpc_port, "--grpc-port"))
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
-    if (error := flag_error(args.enable_auto_tool_choice, args.tool_call_parser)) is not None:  # before any child
-        parser.error(error)
-    if (error := reasoning_flag_error(args.reasoning_parser)) is not None:
-        parser.error(error)
     if args.lora_modules or args.allow_runtime_lora_updating:
         args.enable_lora = True
-    if args.lora_modules:
-        if (error := lora_modules_error(args.lora_modules, args.max_lora_rank)) is not None:
-            parser.error(error)
-    stack = Stack(args)
+    if (error := flags_error(args)) is not None:
+        parser.error(error)
+    if (error := machine_error(args)) is not None:
+        print(f"{parser.prog}: error: {error}", file=sys.stderr)
+        return 1
+    stack = Stack(args, parser)
 
     def on_signal(signum, frame):
         raise KeyboardInterrupt

@@ -88,25 +88,101 @@ def test_the_worker_gets_every_engine_option():
     from pagedserve.launcher import build_parser, worker_argv
     from services.worker import server as worker_server
 
-    args = build_parser().parse_args(["--max-num-seqs", "7", "--max-num-batched-tokens", "300", "--enforce-eager",
-                                      "--no-enable-chunked-prefill", "--block-size", "8", "--max-model-len", "300"])
-    argv = worker_argv(args, "unix:/tmp/w.sock")
+    serve = build_parser()
+    args = serve.parse_args(["--max-num-seqs", "7", "--max-num-batched-tokens", "300", "--enforce-eager",
+                             "--no-enable-chunked-prefill", "--block-size", "8", "--max-model-len", "300"])
+    argv = worker_argv(serve, args, "unix:/tmp/w.sock")
     worker_args = worker_server.build_parser().parse_args(argv)
     assert worker_args.listen == "unix:/tmp/w.sock"
     assert engine_options(worker_args) == engine_options(args)
     assert (worker_args.max_num_seqs, worker_args.enforce_eager, worker_args.enable_chunked_prefill) == (7, True, False)
 
 
-def test_the_gateway_gets_its_options():
-    from pagedserve.launcher import GATEWAY_FLAGS, build_parser, flags
-    from services.gateway import server as gateway_server
+def test_the_gateway_and_the_scheduler_get_every_flag_of_theirs():
+    """serve takes every flag of the services' own parsers (a flag added to one needs no change to the
+    launcher), and each child parses what it is given back into the values serve read."""
+    from pagedserve.launcher import build_parser
+    from pagedserve.serve_flags import PASSED_IN_ENVIRONMENT, SET_BY_LAUNCHER, service_parsers
 
-    args = build_parser().parse_args(["--enable-auto-tool-choice", "--tool-call-parser", "hermes", "--max-resumes", "1"])
-    gateway_args = gateway_server.build_parser().parse_args(flags(args, GATEWAY_FLAGS))
-    assert (gateway_args.enable_auto_tool_choice, gateway_args.tool_call_parser, gateway_args.max_resumes) == \
-        (True, "hermes", 1)
-    assert not gateway_server.build_parser().parse_args(flags(build_parser().parse_args([]), GATEWAY_FLAGS)) \
+    serve = build_parser()
+    given = ["--enable-auto-tool-choice", "--tool-call-parser", "hermes", "--max-resumes", "1",
+             "--max-concurrent-requests", "5", "--drain-timeout", "3", "--allowed-origins", "", "--backend-timeout",
+             "30", "--served-model-name", "a", "b", "--max-logprobs", "7", "--watermark", "0.1",
+             "--no-async-scheduling", "--max-num-seqs", "9", "--tokenizer", "/t"]
+    args = serve.parse_args(given)
+    for name, parser in service_parsers().items():
+        if name == "worker":
+            continue  # the test above
+        child = parser.parse_args(serve.argv_for(name, args))
+        for action in parser._actions:
+            if action.option_strings and action.dest not in {"help", *SET_BY_LAUNCHER, *PASSED_IN_ENVIRONMENT}:
+                theirs = serve.owner[action.dest] in (name, "worker")
+                expected = getattr(args, action.dest) if theirs else parser.get_default(action.dest)
+                assert getattr(child, action.dest) == expected, (name, action.dest)
+    gateway = service_parsers()["gateway"].parse_args(serve.argv_for("gateway", args))
+    assert (gateway.max_concurrent_requests, gateway.drain_timeout, gateway.allowed_origins,
+            gateway.backend_timeout, gateway.served_model_name) == (5, 3.0, "", 30.0, ["a", "b"])
+    assert service_parsers()["scheduler"].parse_args(serve.argv_for("scheduler", args)).drain_timeout == 30.0
+    assert not service_parsers()["gateway"].parse_args(serve.argv_for("gateway", serve.parse_args([]))) \
         .enable_auto_tool_choice
+
+
+def test_serve_help_gives_every_flag_a_text_and_its_default():
+    from pagedserve.cli import HelpFormatter
+    from pagedserve.launcher import build_parser
+
+    serve = build_parser()
+    formatter = HelpFormatter("pagedserve serve")
+    for action in serve._actions:
+        if action.dest != "help":
+            assert action.help, f"{action.option_strings[0]} has no help text"
+            assert "default" in formatter._get_help_string(action), action.option_strings[0]
+    text = serve.format_help()
+    for flag in ("--port", "--grpc-port", "--dtype", "--max-model-len", "--max-num-seqs", "--drain-timeout",
+                 "--max-concurrent-requests", "--allowed-origins", "--backend-timeout", "--watermark"):
+        assert f"\n  {flag} " in text, flag
+    assert "(default: 8000)" in text and "(default: 256)" in text
+
+
+def test_a_child_not_healthy_within_its_start_up_limit_counts_as_a_crash(capsys):
+    """A restarted worker stuck at start would keep the stack at 503 for good: past --startup-timeout it
+    is stopped and started again, and one that never gets healthy ends the stack as a crash loop does.
+    A healthy one is left alone."""
+    from concurrent import futures
+
+    import grpc
+    from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+
+    from pagedserve.launcher import MAX_RESTARTS_PER_MINUTE, Child, Stack, build_parser
+
+    serve = build_parser()
+    stack = Stack(serve.parse_args(["--startup-timeout", "0"]), serve)
+    stack.program = [sys.executable, "-c", "import time; time.sleep(600)"]  # then the child's subcommand: ignored
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=2))
+    servicer = health.HealthServicer()
+    servicer.set("", health_pb2.HealthCheckResponse.SERVING)
+    health_pb2_grpc.add_HealthServicer_to_server(servicer, server)
+    server.add_insecure_port(f"unix:{stack.socket_dir}/healthy.sock")
+    server.start()
+    handlers = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM)}  # stop() ignores them
+    try:
+        well = stack._spawn(Child("scheduler", "scheduler", [], {}, ("grpc", f"unix:{stack.socket_dir}/healthy.sock")))
+        stuck = stack._spawn(Child("worker", "worker", [], {}, ("grpc", f"unix:{stack.socket_dir}/silent.sock")))
+        pids = [stuck.proc.pid]
+        for _ in range(MAX_RESTARTS_PER_MINUTE):
+            assert stack.watch() is None
+            pids.append(stuck.proc.pid)
+        assert stack.watch() == "worker"
+        assert len(set(pids)) == len(pids) and not any(alive(pid) for pid in pids[:-1])
+        assert capsys.readouterr().err.count("the worker was not healthy within 0 s of its start; starting it "
+                                             "again") == MAX_RESTARTS_PER_MINUTE
+        assert well.healthy and well.crashes == [] and alive(well.proc.pid)
+    finally:
+        stack.stop()
+        server.stop(None)
+        for sig, handler in handlers.items():
+            signal.signal(sig, handler)
+    assert not alive(pids[-1]) and not alive(well.proc.pid)
 
 
 def command_of(pid: int) -> str:

@@ -266,7 +266,8 @@ def test_no_step_runs_more_adapters_than_max_loras_and_every_request_ends(host_b
 
 
 def test_lora_modules_flag_entries_and_their_errors(tmp_path, monkeypatch):
-    from pagedserve.launcher import flags, lora_modules_error
+    from pagedserve.launcher import build_parser as serve_parser
+    from pagedserve.launcher import lora_modules_error
     from services.gateway.lora_modules import LoRAModule, adapters_for, parse_lora_modules
 
     parsed = parse_lora_modules(["sql=/a/sql", ' {"name": "chat", "path": "/a/chat", "base_model_name": "hub/base"} '])
@@ -279,10 +280,10 @@ def test_lora_modules_flag_entries_and_their_errors(tmp_path, monkeypatch):
         with pytest.raises(ValueError, match=reason):
             parse_lora_modules(entries)
     assert adapters_for(("base", "sql"), parsed, max_loras=1) == {"chat": parsed[1]}  # unreachable: left out, logged
-    import argparse
-    args = argparse.Namespace(lora_modules=["a=/1", "b=/2"], enable_lora=True)
-    assert flags(args, ["lora_modules", "enable_lora"]) == ["--lora-modules", "a=/1", "--lora-modules", "b=/2",
-                                                            "--enable-lora"]
+    serve = serve_parser()
+    args = serve.parse_args(["--lora-modules", "a=/1", "b=/2", "--enable-lora"])
+    assert "--lora-modules a=/1 --lora-modules b=/2" in " ".join(serve.argv_for("gateway", args))
+    assert "--enable-lora" in serve.argv_for("worker", args)
     assert "has no adapter_config.json" in lora_modules_error([f"a={tmp_path}"], 16)
     # From the environment: comma-separated, or a JSON list (whose entries may hold commas).
     from services.gateway.server import build_parser

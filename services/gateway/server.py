@@ -235,22 +235,31 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def arguments_error(args: argparse.Namespace) -> str | None:
+    """What is wrong with the flags beyond what argparse checks (None: nothing). `pagedserve serve` asks
+    too, before it starts any process: a check added here covers it."""
+    if (error := flag_error(args.enable_auto_tool_choice, args.tool_call_parser)) is not None:
+        return error
+    if (error := reasoning_flag_error(args.reasoning_parser)) is not None:
+        return error
+    if args.max_resumes < 0 or not args.resume_timeout > 0:
+        return "--max-resumes must be 0 or more and --resume-timeout positive"
+    try:
+        parse_lora_modules(args.lora_modules)
+    except ValueError as exc:
+        return str(exc)
+    return None
+
+
 def main(argv: list[str] | None = None) -> int:
     from pagedserve.cli import apply_env_defaults
 
     parser = build_parser()
     apply_env_defaults(parser)
     args = parser.parse_args(argv)
-    if (error := flag_error(args.enable_auto_tool_choice, args.tool_call_parser)) is not None:
+    if (error := arguments_error(args)) is not None:
         parser.error(error)
-    if (error := reasoning_flag_error(args.reasoning_parser)) is not None:
-        parser.error(error)
-    if args.max_resumes < 0 or not args.resume_timeout > 0:
-        parser.error("--max-resumes must be 0 or more and --resume-timeout positive")
-    try:
-        args.lora_modules = parse_lora_modules(args.lora_modules)
-    except ValueError as exc:
-        parser.error(str(exc))
+    args.lora_modules = parse_lora_modules(args.lora_modules)
     args.scheduler = [a.strip() for item in args.scheduler or ["127.0.0.1:50051"] for a in item.split(",") if a.strip()]
     run_event_loop(serve(args))
     return 0

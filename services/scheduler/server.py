@@ -229,9 +229,8 @@ def drain(loop: EngineLoop, health_servicer, timeout_s: float) -> None:
     log.info("drained", still_running=loop.num_in_flight())
 
 
-def main(argv: list[str] | None = None) -> int:
-    from pagedserve.cli import apply_env_defaults
-
+def build_parser() -> argparse.ArgumentParser:
+    """The scheduler's flags (`pagedserve serve` takes them too, from here)."""
     parser = argparse.ArgumentParser(prog="pagedserve scheduler", description="the pagedserve scheduler (gRPC)")
     parser.add_argument("--listen", default="127.0.0.1:50051", help="address to serve the scheduler API on")
     parser.add_argument("--worker", action="append", default=None,
@@ -241,14 +240,22 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--enable-chunked-prefill", action=argparse.BooleanOptionalAction, default=True)
     parser.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True)
     parser.add_argument("--preemption-mode", choices=["swap", "recompute"], default=None)
-    parser.add_argument("--max-logprobs", type=int, default=20)
-    parser.add_argument("--watermark", type=float, default=0.01)
+    parser.add_argument("--max-logprobs", type=int, default=20, help="most logprobs a request may ask for")
+    parser.add_argument("--watermark", type=float, default=0.01,
+                        help="share of the KV blocks that admitting new requests leaves free")
     parser.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=True,
                         help="plan each step while the worker computes the one before")
     parser.add_argument("--connect-timeout", type=float, default=60.0,
                         help="seconds to wait at start for the worker to answer")
     parser.add_argument("--max-streams", type=int, default=1024, help="concurrent gateway streams")
     parser.add_argument("--drain-timeout", type=float, default=30.0, help="seconds to let requests finish on stop")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    from pagedserve.cli import apply_env_defaults
+
+    parser = build_parser()
     apply_env_defaults(parser)
     args = parser.parse_args(argv)
     args.worker = args.worker or ["127.0.0.1:50061"]

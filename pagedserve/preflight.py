@@ -1,0 +1,54 @@
+"""What `pagedserve serve` and `pagedserve generate` check before they start anything: a mistake
+found here costs a second and one line, where a child would find it after building its kernels and
+loading a model (tens of seconds) and say it in a traceback."""
+
+from __future__ import annotations
+
+import socket
+
+from services.gateway.lora_modules import parse_lora_modules
+from shared.lora import read_adapter_config
+from shared.model_config import ModelConfig
+
+
+def model_error(model: str | None) -> str | None:
+    """What is wrong with the model directory (None: nothing found; no --model: the built-in one, made
+    by the worker). Its config.json is read as the worker reads it, so an architecture the worker cannot
+    run is refused here, naming the file."""
+    if model is None or model == "":
+        return None
+    try:
+        ModelConfig.from_model_dir(model)
+    except (FileNotFoundError, ValueError) as exc:
+        return str(exc)
+    return None
+
+
+def port_taken_error(host: str, port: int, what: str) -> str | None:
+    """Whether something on this machine already listens where a child is to listen (None: free).
+    Bound as the servers bind (SO_REUSEADDR, so a socket still in TIME_WAIT counts as free), then let go."""
+    try:
+        family, kind, proto, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM,
+                                                             flags=socket.AI_PASSIVE)[0]
+    except socket.gaierror as exc:
+        return f"--host {host!r} is not an address of this machine: {exc.strerror}"
+    with socket.socket(family, kind, proto) as probe:
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            probe.bind(address)
+        except OSError as exc:
+            return f"{what} {port} on {host} cannot be used: {exc.strerror.lower()}"
+    return None
+
+
+def lora_modules_error(entries: list[str], max_lora_rank: int) -> str | None:
+    """What is wrong with the adapters (every process here sees their directories: read them now)."""
+    try:
+        for module in parse_lora_modules(entries):
+            lora = module.lora
+            rank = read_adapter_config(lora.path).rank
+            if rank > max_lora_rank:
+                return f"LoRA adapter {lora.name!r} has rank {rank}, above --max-lora-rank {max_lora_rank}"
+    except ValueError as exc:
+        return str(exc)
+    return None
