@@ -87,9 +87,79 @@ def test_services_run_from_compose_environment(llama_dir, tmp_path):
                 proc.wait()
 
 
+def load(name: str) -> dict:
+    return yaml.safe_load((REPO / name).read_text())
+
+
+def test_only_the_gateway_is_published_and_on_loopback_unless_told():
+    """The scheduler, the worker and Redis have no authentication: they are on the internal network
+    alone; the gateway's ports are this host's loopback unless PAGEDSERVE_PUBLISH_ADDRESS opens them."""
+    spec = load("compose.yaml")
+    assert spec["networks"]["backend"]["internal"] is True
+    for name, svc in spec["services"].items():
+        if name == "gateway":
+            assert svc["networks"] == ["backend", "frontend"]
+            assert [interpolate(port, {}) for port in svc["ports"]] == ["127.0.0.1:8000:8000", "127.0.0.1:50050:50050"]
+            assert interpolate(svc["ports"][0], {"PAGEDSERVE_PUBLISH_ADDRESS": "0.0.0.0"}) == "0.0.0.0:8000:8000"
+        else:
+            assert svc["networks"] == ["backend"] and "ports" not in svc, name
+
+
+def test_the_gpu_and_model_overrides():
+    gpu = load("compose.gpu.yaml")["services"]
+    worker = gpu["worker"]
+    assert worker["deploy"]["resources"]["reservations"]["devices"] == [
+        {"driver": "nvidia", "count": 1, "capabilities": ["gpu"]}]
+    declared = set(re.findall(r"^ARG (\w+)", (REPO / "Dockerfile").read_text(), re.MULTILINE))
+    for name in ("worker", "scheduler", "gateway"):  # one CUDA build serves all three
+        assert gpu[name]["image"] == "pagedserve:gpu" and set(gpu[name]["build"]["args"]) <= declared, name
+    assert interpolate(worker["environment"]["PAGEDSERVE_KV_CACHE_MEMORY_BYTES"], {}) == ""  # the GPU's share
+    model = load("compose.model.yaml")["services"]
+    for name in ("worker", "gateway"):  # the weights, and the tokenizer from the path the worker reports
+        (volume,) = model[name]["volumes"]
+        host, inside, mode = re.sub(r"\$\{PAGEDSERVE_MODEL(:\?[^}]*)?\}", "/srv/m", volume).split(":")
+        assert (host, inside, mode) == ("/srv/m", "/srv/m", "ro"), name
+
+
+def excluded(path: str, rules: list[tuple[bool, str]]) -> bool:
+    """Docker's .dockerignore rule: the last pattern matching the path or a folder above it decides."""
+    def matches(pattern: str, candidate: str) -> bool:
+        regex = re.escape(pattern).replace(r"\*\*/", "(.*/)?").replace(r"\*", "[^/]*").replace(r"\?", "[^/]")
+        return re.fullmatch(regex, candidate) is not None
+
+    parts, verdict = path.split("/"), False
+    for negated, pattern in rules:
+        if any(matches(pattern, "/".join(parts[:i])) for i in range(1, len(parts) + 1)):
+            verdict = not negated
+    return verdict
+
+
+def test_the_build_context_is_what_the_image_copies():
+    rules = [(line.startswith("!"), line.lstrip("!").rstrip("/"))
+             for line in (REPO / ".dockerignore").read_text().splitlines() if line.strip() and not line.startswith("#")]
+    copied = [word for line in (REPO / "Dockerfile").read_text().splitlines() if line.startswith("COPY ")
+              for word in line.split()[1:-1]]
+    assert copied and not [path for path in copied if excluded(path, rules)]
+    for path in ("pagedserve/cli.py", "services/worker/attention/csrc/cpu_attention.cpp", "protos/x.proto"):
+        assert not excluded(path, rules), path
+    for path in (".venv/lib/torch/x.so", ".git/HEAD", "tests/test_x.py", "shared/__pycache__/x.pyc",
+                 "benchmarks/results/a.json"):
+        assert excluded(path, rules), path
+
+
 @pytest.mark.skipif(subprocess.run(["which", "docker-compose"], capture_output=True).returncode != 0,
                     reason="docker-compose is not installed")
-def test_compose_file_is_valid():
-    done = subprocess.run(["docker-compose", "-f", str(REPO / "compose.yaml"), "config", "-q"], capture_output=True,
-                          text=True)
-    assert done.returncode == 0, done.stderr
+def test_compose_files_are_valid_and_merge():
+    def config(*files: str, **env: str) -> dict:
+        done = subprocess.run(["docker-compose", *(arg for f in files for arg in ("-f", str(REPO / f))), "config"],
+                              capture_output=True, text=True, env={**os.environ, **env})
+        assert done.returncode == 0, done.stderr
+        return yaml.safe_load(done.stdout)["services"]
+
+    config("compose.yaml")
+    merged = config("compose.yaml", "compose.gpu.yaml", "compose.model.yaml", PAGEDSERVE_MODEL="/srv/m")
+    for name in ("worker", "gateway"):
+        assert sorted(merged[name]["volumes"]) == ["/srv/m:/srv/m:ro", "models:/models:rw"], name
+    assert merged["worker"]["environment"]["PAGEDSERVE_MODEL"] == "/srv/m"
+    assert merged["worker"]["build"]["args"]["BASE_IMAGE"].startswith("nvidia/cuda:")
+    assert merged["worker"]["deploy"]["resources"]["reservations"]["devices"][0]["driver"] == "nvidia"
