@@ -133,7 +133,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
         outputs = llm.chat([[{"role": "user", "content": p}] for p in prompts], params, use_tqdm=show_bar)
     else:
         outputs = llm.generate(prompts, params, use_tqdm=show_bar)
-    progress(f"generated in {time.monotonic() - started:.1f} s")
+    progress(f"generated in {time.monotonic() - started:.2f} s")
     for prompt, out in zip(prompts, outputs):
         print(json.dumps({"prompt": prompt, "text": out.outputs[0].text, "token_ids": out.outputs[0].token_ids,
                           "finish_reason": out.outputs[0].finish_reason}, ensure_ascii=False))
