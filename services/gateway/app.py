@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import asyncio
+import functools
+import json
 import time
 import uuid
 
@@ -14,19 +16,27 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException
 
 from pagedserve import __version__
-from services.gateway.auth import OPEN_PATHS, Authenticator
+from services.gateway.auth import OPEN_PATHS, Authenticator, DuplicateCredentials, single_authorization
+from services.gateway.body_limit import BodySizeLimit
 from services.gateway.classify_api import ClassificationRequest, create_classification
 from services.gateway.embeddings_api import EmbeddingRequest, create_embeddings
 from services.gateway.generation import Generator, InvalidParameter
+from services.gateway.health import serving_problem
+from services.gateway.http_limits import HttpLimits
+from services.gateway.invocations import OPENAPI_BODY, invocation
 from services.gateway.lora_api import (LoadLoRAAdapterRequest, UnloadLoRAAdapterRequest, load_lora_adapter,
                                        unload_lora_adapter)
 from services.gateway.openai_api import create_chat_completion, create_completion
+from services.gateway.openapi import PLAIN_TEXT, STREAMED, documented, errors_as_json
+from services.gateway.prompt_bound import check_prompt_bound
 from services.gateway.protocol import ChatCompletionRequest, CompletionRequest
 from services.gateway.rate_limits import RateLimited
 from services.gateway.responses_api import create_response
 from services.gateway.responses_protocol import ResponsesRequest
 from services.gateway.score_api import RerankRequest, ScoreRequest, create_rerank, create_score
+from services.gateway.server_load import LoadTracking, ServerLoad
 from services.gateway.tokenizer_api import DetokenizeRequest, TokenizeRequest, detokenize, tokenize
+from services.gateway.tokenizer_info import tokenizer_info
 from shared.grpc_errors import NotFound, ResourceExhausted, ServiceUnavailable, Unauthenticated
 from shared.logging import bind_request_id, clear_request_id, setup_logging
 
@@ -35,11 +45,17 @@ log = setup_logging("gateway")
 REQUEST_ID = "pagedserve.request_id"  # where the middleware leaves the request id in the ASGI scope
 ENDPOINTS = {"/v1/completions", "/v1/chat/completions", "/v1/responses", "/v1/embeddings", "/classify",
              "/v1/classify", "/score", "/v1/score", "/rerank", "/v1/rerank", "/v2/rerank", "/v1/models", "/tokenize", "/detokenize", "/version", "/health",
-             "/metrics"}
+             "/metrics", "/invocations", "/ping", "/load", "/tokenizer_info"}
 API_KEY = "pagedserve.api_key"  # where the auth middleware leaves the caller's ApiKey in the ASGI scope
 
 
 # --- errors ------------------------------------------------------------------------------------------
+
+HTTP_KINDS = {404: ("NotFoundError", "not_found"), 405: ("MethodNotAllowedError", "method_not_allowed"),
+              408: ("RequestTimeoutError", "request_timeout"), 413: ("RequestTooLargeError", "request_too_large"),
+              431: ("RequestHeaderFieldsTooLargeError", "request_header_fields_too_large"),
+              503: ("ServiceUnavailableError", "service_unavailable")}
+
 
 def error_body(exc: BaseException) -> tuple[int, dict]:
     """The status and OpenAI error object for a domain error."""
@@ -55,6 +71,11 @@ def error_body(exc: BaseException) -> tuple[int, dict]:
         status, kind, code = 400, "BadRequestError", "invalid_request"
     elif isinstance(exc, (ServiceUnavailable, TimeoutError)):
         status, kind, code = 503, "ServiceUnavailableError", "service_unavailable"
+    elif isinstance(exc, HTTPException):  # the router's and the HTTP layer's (http_protocol.py, body_limit.py)
+        status = exc.status_code
+        kind, code = HTTP_KINDS.get(status, ("BadRequestError", "invalid_request") if status < 500 else
+                                    ("InternalServerError", "internal_error"))
+        return status, {"error": {"message": str(exc.detail), "type": kind, "param": None, "code": code}}
     else:
         status, kind, code = 500, "InternalServerError", "internal_error"
     message = str(exc) or type(exc).__name__
@@ -102,10 +123,8 @@ def _internal_error(request: Request, exc: Exception) -> JSONResponse:
 
 
 def _http_error(request: Request, exc: HTTPException) -> JSONResponse:
-    kind, code = {404: ("NotFoundError", "not_found"), 405: ("MethodNotAllowedError", "method_not_allowed")}.get(
-        exc.status_code, ("BadRequestError", "invalid_request"))
-    return JSONResponse({"error": {"message": str(exc.detail), "type": kind, "param": None, "code": code}},
-                        status_code=exc.status_code, headers=exc.headers)
+    status, body = error_body(exc)
+    return JSONResponse(body, status_code=status, headers=exc.headers)
 
 
 # --- request ids and counts ------------------------------------------------------------------------
@@ -151,11 +170,11 @@ class ApiKeyAuth:
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http" or scope.get("path") in OPEN_PATHS or scope.get("method") == "OPTIONS":
             return await self.app(scope, receive, send)
-        headers = dict(scope.get("headers") or [])
-        authorization = headers.get(b"authorization")
         try:
-            scope[API_KEY] = await self.auth.authenticate(authorization.decode("latin-1") if authorization else None)
-        except (Unauthenticated, ServiceUnavailable) as exc:
+            authorization = single_authorization([value.decode("latin-1") for name, value in scope.get("headers") or ()
+                                                  if name == b"authorization"])
+            scope[API_KEY] = await self.auth.authenticate(authorization)
+        except (Unauthenticated, ServiceUnavailable, DuplicateCredentials) as exc:
             if isinstance(exc, Unauthenticated):
                 self.metrics.unauthenticated.inc()
             return await error_response(exc)(scope, receive, send)
@@ -217,14 +236,34 @@ class EventStream(StreamingResponse):
             await self.reply.aclose()
 
 
+async def json_body(request: Request):
+    """The request's body as JSON, for a route that parses it itself."""
+    content_type = request.headers.get("content-type", "")
+    if "json" not in content_type:
+        raise InvalidParameter(f"the request body must be a JSON object with Content-Type: application/json (it was "
+                               f"sent as {content_type or 'no content type'!r})")
+    try:
+        return json.loads(await request.body())
+    except (ValueError, UnicodeDecodeError) as exc:
+        raise InvalidParameter(f"malformed JSON: {exc}") from None
+
+
 def create_app(gen: Generator, allowed_origins: tuple[str, ...] = ("*",), auth: Authenticator | None = None,
-               runtime_lora_updating: bool = False) -> FastAPI:
+               runtime_lora_updating: bool = False, limits: HttpLimits = HttpLimits(),
+               server_load_tracking: bool = False, tokenizer_info_endpoint: bool = False) -> FastAPI:
     """allowed_origins: the browser origins CORS lets call the API (as vLLM: any, by default; none: no CORS).
     auth: the API keys a request must carry (None or none configured: the gateway is open);
-    runtime_lora_updating: serve vLLM's load/unload LoRA adapter endpoints (lora_api.py)."""
+    runtime_lora_updating: serve vLLM's load/unload LoRA adapter endpoints (lora_api.py);
+    limits: the HTTP server's (the app keeps the body size; http_protocol.py the rest);
+    server_load_tracking, tokenizer_info_endpoint: serve vLLM's /load and /tokenizer_info."""
     app = FastAPI(title="pagedserve gateway", description="OpenAI-compatible API of pagedserve")
-    if auth is not None and auth.enabled:  # inside CORS, so that a 401 carries CORS headers too
+    load = ServerLoad() if server_load_tracking else None
+    if load is not None:  # innermost: counts the requests that got through
+        app.add_middleware(LoadTracking, load=load)
+    keyed = auth is not None and auth.enabled
+    if keyed:  # inside CORS, so that a 401 carries CORS headers too
         app.add_middleware(ApiKeyAuth, auth=auth, metrics=gen.metrics)
+    app.add_middleware(BodySizeLimit, max_bytes=limits.max_body_bytes, refuse=error_response)
     if allowed_origins:
         app.add_middleware(CORSMiddleware, allow_origins=list(allowed_origins), allow_methods=["*"],
                            allow_headers=["*"], expose_headers=["x-request-id"])
@@ -234,9 +273,12 @@ def create_app(gen: Generator, allowed_origins: tuple[str, ...] = ("*",), auth: 
     for kind in (ValueError, TypeError, NotFound, ServiceUnavailable, ResourceExhausted, Unauthenticated, TimeoutError):
         app.add_exception_handler(kind, lambda request, exc: error_response(exc))
     app.add_exception_handler(Exception, _internal_error)  # still an OpenAI error object, never a bare 500
+    doc = functools.partial(documented, keyed=keyed)  # what /openapi.json says a route answers (openapi.py)
+    open_doc = functools.partial(documented, keyed=False)  # (a route of OPEN_PATHS)
 
     async def respond(request: Request, create, body):
         try:
+            await check_prompt_bound(gen, body)
             result = await _unless_disconnected(request, create(gen, body, request.scope[REQUEST_ID],
                                                                 request.scope.get(API_KEY)))
         except (ValueError, TypeError, NotFound, ServiceUnavailable, ResourceExhausted, TimeoutError) as exc:
@@ -247,11 +289,11 @@ def create_app(gen: Generator, allowed_origins: tuple[str, ...] = ("*",), auth: 
             return JSONResponse(result)
         return EventStream(result)
 
-    @app.post("/v1/completions")
+    @app.post("/v1/completions", responses=doc(400, 404, 429, 503, extra=STREAMED))
     async def completions(body: CompletionRequest, request: Request):
         return await respond(request, create_completion, body)
 
-    @app.post("/v1/chat/completions")
+    @app.post("/v1/chat/completions", responses=doc(400, 404, 429, 503, extra=STREAMED))
     async def chat_completions(body: ChatCompletionRequest, request: Request):
         return await respond(request, create_chat_completion, body)
 
@@ -264,37 +306,43 @@ def create_app(gen: Generator, allowed_origins: tuple[str, ...] = ("*",), auth: 
             card.update(id=adapter.lora.name, root=adapter.lora.path, parent=adapter.base_model_name or model.name)
         return card
 
-    @app.post("/v1/embeddings")
+    @app.post("/v1/embeddings", responses=doc(400, 404, 429, 503))
     async def embeddings(body: EmbeddingRequest, request: Request):
         return await respond(request, create_embeddings, body)
 
     for path in ("/classify", "/v1/classify"):  # vLLM's path, and SGLang's
-        @app.post(path)
+        @app.post(path, responses=doc(400, 404, 429, 503))
         async def classify(body: ClassificationRequest, request: Request):
             return await respond(request, create_classification, body)
 
     # vLLM's paths: scores at /score and /v1/score; reranking also at Jina's /v1 and Cohere's /v2.
     for path in ("/score", "/v1/score"):
-        @app.post(path)
+        @app.post(path, responses=doc(400, 404, 429, 503))
         async def score(body: ScoreRequest, request: Request):
             return await respond(request, create_score, body)
 
     for path in ("/rerank", "/v1/rerank", "/v2/rerank"):
-        @app.post(path)
+        @app.post(path, responses=doc(400, 404, 429, 503))
         async def rerank(body: RerankRequest, request: Request):
             return await respond(request, create_rerank, body)
 
-    @app.post("/v1/responses")
+    @app.post("/v1/responses", responses=doc(400, 404, 429, 503, extra=STREAMED))
     async def responses(body: ResponsesRequest, request: Request):
         return await respond(request, create_response, body)
 
-    @app.get("/v1/models")
+    @app.post("/invocations", responses=doc(400, 404, 429, 503, extra=STREAMED), openapi_extra=OPENAPI_BODY)
+    async def invocations(request: Request):
+        """SageMaker's: the body's shape says which API it is for (invocations.py)."""
+        body, create = invocation(await gen.model(), await json_body(request))
+        return await respond(request, create, body)
+
+    @app.get("/v1/models", responses=doc(503))
     async def models():
         served = await gen.model()
         return {"object": "list", "data": [model_card(served, name=name) for name in served.names] +
                 [model_card(served, adapter) for adapter in served.adapters.values()]}
 
-    @app.get("/v1/models/{model_id:path}")
+    @app.get("/v1/models/{model_id:path}", responses=doc(404, 503))
     async def model(model_id: str):
         served = await gen.model()
         try:
@@ -313,37 +361,50 @@ def create_app(gen: Generator, allowed_origins: tuple[str, ...] = ("*",), auth: 
             return error_response(exc)
 
     if runtime_lora_updating:
-        @app.post("/v1/load_lora_adapter")
+        @app.post("/v1/load_lora_adapter", response_class=PlainTextResponse,
+                  responses=doc(400, 404, 503, extra=PLAIN_TEXT))
         async def load_adapter(body: LoadLoRAAdapterRequest):
             return await plain_text(load_lora_adapter, body)
 
-        @app.post("/v1/unload_lora_adapter")
+        @app.post("/v1/unload_lora_adapter", response_class=PlainTextResponse,
+                  responses=doc(400, 404, 503, extra=PLAIN_TEXT))
         async def unload_adapter(body: UnloadLoRAAdapterRequest):
             return await plain_text(unload_lora_adapter, body)
 
-    @app.post("/tokenize")
+    @app.post("/tokenize", responses=doc(400, 404, 503))
     async def tokenize_prompt(body: TokenizeRequest):
         return await tokenize(gen, body)
 
-    @app.post("/detokenize")
+    @app.post("/detokenize", responses=doc(400, 404, 503))
     async def detokenize_tokens(body: DetokenizeRequest):
         return await detokenize(gen, body)
 
-    @app.get("/version")
+    @app.get("/version", responses=open_doc())
     async def version():
         return {"version": __version__}
 
-    @app.get("/health")
+    @app.get("/health", responses=open_doc(503))
+    @app.get("/ping", responses=open_doc(503), operation_id="ping_get")  # SageMaker's (as vLLM's: /health)
+    @app.post("/ping", responses=open_doc(503), operation_id="ping_post")
     async def health():
-        if await gen.client.healthy():
-            return {"status": "ok"}
-        return error_response(ServiceUnavailable(f"the scheduler at {gen.client.address} is not reachable or "
-                                                 "not serving"))
+        problem = await serving_problem(gen, auth)
+        return {"status": "ok"} if problem is None else error_response(ServiceUnavailable(problem))
 
-    @app.get("/metrics")
+    if load is not None:
+        @app.get("/load", responses=open_doc())
+        async def server_load():
+            return {"server_load": load.in_flight}
+
+    if tokenizer_info_endpoint:
+        @app.get("/tokenizer_info", responses=doc(503))
+        async def get_tokenizer_info():
+            return tokenizer_info(await gen.model())
+
+    @app.get("/metrics", response_class=PlainTextResponse, responses=open_doc())
     async def metrics():
         stats = await gen.client.stats()
         return Response(gen.metrics.render(stats, gen.client.routable(), gen.known_model_name()),
                         media_type=CONTENT_TYPE_LATEST)
 
+    errors_as_json(app)
     return app

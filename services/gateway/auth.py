@@ -2,9 +2,9 @@
 `authorization` metadata, checked against the gateway's keys (--api-key) and the Redis key store
 (--api-key-store). Without either, the gateway is open, as vLLM's is without --api-key.
 
-Open to everyone whatever the setting: /health, /metrics, /version, the OpenAPI docs and the gRPC
-health service (probes and scrapers carry no keys), and CORS preflights (browsers send them
-without credentials).
+Open to everyone whatever the setting: /health (and /ping), /metrics, /load, /version, the OpenAPI docs
+and the gRPC health service (probes, scrapers and load-aware routers carry no keys), and CORS preflights
+(browsers send them without credentials).
 """
 
 from __future__ import annotations
@@ -15,14 +15,27 @@ from shared.logging import setup_logging
 
 log = setup_logging("gateway")
 
-OPEN_PATHS = frozenset({"/health", "/metrics", "/version", "/ping",
+OPEN_PATHS = frozenset({"/health", "/metrics", "/version", "/ping", "/load",
                         "/openapi.json", "/docs", "/docs/oauth2-redirect", "/redoc"})  # (the API's own description)
+
+
+class DuplicateCredentials(ValueError):
+    """A request with more than one Authorization header (or gRPC authorization entry): which one counts would
+    be a guess (a proxy may have added one), so neither does. A 400, or INVALID_ARGUMENT."""
+
+
+def single_authorization(values: list[str]) -> str | None:
+    """The request's one Authorization value (None: none)."""
+    if len(values) > 1:
+        raise DuplicateCredentials(f"the request carries {len(values)} Authorization headers: send one")
+    return values[0] if values else None
 
 
 class Authenticator:
     def __init__(self, static: StaticKeys | None = None, store: RedisKeyStore | None = None):
         self.static = static
         self.store = store
+        self._store_down = False  # the last health check found it unreachable
 
     @property
     def enabled(self) -> bool:
@@ -43,6 +56,23 @@ class Authenticator:
         if found is None:
             raise Unauthenticated(f"incorrect API key provided: {_masked(key)}")
         return found
+
+    async def store_reachable(self) -> bool:
+        """Whether the key store answers (True without one): /health says so. Logged when that changes (the
+        health checks ask every second)."""
+        if self.store is None:
+            return True
+        try:
+            await self.store.redis.ping()
+        except Exception as exc:  # redis' errors
+            if not self._store_down:
+                log.warning("API key store unreachable: /health says degraded", store=self.store.url, error=str(exc))
+            self._store_down = True
+            return False
+        if self._store_down:
+            log.info("API key store reachable again", store=self.store.url)
+        self._store_down = False
+        return True
 
     async def close(self) -> None:
         if self.store is not None:

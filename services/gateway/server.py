@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import functools
 import itertools
 import signal
 
@@ -20,6 +21,9 @@ from services.gateway.app import create_app
 from services.gateway.auth import Authenticator
 from services.gateway.generation import Generator
 from services.gateway.grpc_api import HEALTH_SERVICES, NOT_SERVING, SERVING, create_grpc_server
+from services.gateway.health import serving_problem
+from services.gateway.http_limits import HttpLimits, make_room_for_connections
+from services.gateway.http_protocol import LimitedHttpProtocol
 from services.gateway.lora_modules import parse_lora_modules
 from services.gateway.metrics import GatewayMetrics
 from services.gateway.resumption import ResumePolicy
@@ -85,12 +89,12 @@ async def _check_store(auth: Authenticator) -> None:
                     error=str(exc))
 
 
-async def _report_health(gen: Generator, grpc_health) -> None:
-    """The gRPC health service says what HTTP /health says: SERVING while a scheduler serves (a
-    gRPC-only probe must not keep sending traffic to a gateway without a backend)."""
+async def _report_health(gen: Generator, grpc_health, auth: Authenticator) -> None:
+    """The gRPC health service says what HTTP /health says: SERVING while a scheduler serves and the key
+    store answers (a gRPC-only probe must not keep sending traffic to a gateway that cannot serve)."""
     while True:
         try:
-            status = SERVING if await gen.client.healthy() else NOT_SERVING
+            status = SERVING if await serving_problem(gen, auth) is None else NOT_SERVING
         except Exception:  # (healthy() catches what it expects; nothing may end this loop)
             log.exception("health check failed")
             status = NOT_SERVING
@@ -115,7 +119,12 @@ async def serve(args: argparse.Namespace) -> None:
                     return_tokens_as_token_ids=args.return_tokens_as_token_ids)
     grpc_server, grpc_health = create_grpc_server(gen, f"{args.host}:{args.grpc_port}", auth)
     origins = tuple(o.strip() for o in args.allowed_origins.split(",") if o.strip())
-    http = _Uvicorn(uvicorn.Config(create_app(gen, origins, auth, args.allow_runtime_lora_updating), host=args.host, port=args.port, log_config=None,
+    limits = HttpLimits.from_args(args)
+    make_room_for_connections(limits)
+    app = create_app(gen, origins, auth, args.allow_runtime_lora_updating, limits, args.enable_server_load_tracking,
+                     args.enable_tokenizer_info_endpoint)
+    http = _Uvicorn(uvicorn.Config(app, http=functools.partial(LimitedHttpProtocol, limits=limits),
+                                   host=args.host, port=args.port, log_config=None,
                                    log_level="warning", access_log=False, lifespan="off",
                                    timeout_graceful_shutdown=args.drain_timeout + FAREWELL_S))
     stop = asyncio.Event()
@@ -127,7 +136,7 @@ async def serve(args: argparse.Namespace) -> None:
         await grpc_health.set(service, NOT_SERVING)
     await grpc_server.start()
     learn = asyncio.create_task(_learn_model(gen))
-    health_task = asyncio.create_task(_report_health(gen, grpc_health))
+    health_task = asyncio.create_task(_report_health(gen, grpc_health, auth))
     http_task = asyncio.create_task(http.serve())
     log.info("gateway serving", http=f"{args.host}:{args.port}", grpc=f"{args.host}:{args.grpc_port}",
              scheduler=args.scheduler)
@@ -232,7 +241,32 @@ def build_parser() -> argparse.ArgumentParser:
                         help="serve POST /v1/load_lora_adapter and /v1/unload_lora_adapter (vLLM's "
                              "VLLM_ALLOW_RUNTIME_LORA_UPDATING): adapters added and removed while serving, at this "
                              "gateway")
+    add_http_server_args(parser)
     return parser
+
+
+def add_http_server_args(parser: argparse.ArgumentParser) -> None:
+    """The HTTP server's limits on what a client may send and hold (http_limits.py), and vLLM's extra endpoints."""
+    defaults = HttpLimits()
+    parser.add_argument("--http-max-body-size", type=int, default=defaults.max_body_bytes,
+                        help="bytes a request body may have: a larger one gets 413 before any of it is parsed")
+    parser.add_argument("--http-max-header-size", type=int, default=defaults.max_header_bytes,
+                        help="bytes a request's line and headers may have: more get 431 and the connection closes")
+    parser.add_argument("--http-header-timeout", type=float, default=defaults.header_timeout_s,
+                        help="seconds a request's line and headers may take to arrive (from its first byte, or the "
+                             "connection's opening): then 408 and the connection closes")
+    parser.add_argument("--http-body-timeout", type=float, default=defaults.body_timeout_s,
+                        help="seconds a request's body may take to arrive after its headers: then 408 and the "
+                             "connection closes")
+    parser.add_argument("--http-max-connections", type=int, default=defaults.max_connections,
+                        help="client connections the HTTP server keeps open: a request on one beyond them gets 503 "
+                             "(with Retry-After) and the connection closes")
+    parser.add_argument("--enable-server-load-tracking", action=argparse.BooleanOptionalAction, default=False,
+                        help="count the requests in flight at the endpoints that run the engine and serve the count "
+                             "at GET /load ({\"server_load\": N}), as vLLM's flag")
+    parser.add_argument("--enable-tokenizer-info-endpoint", action=argparse.BooleanOptionalAction, default=False,
+                        help="serve GET /tokenizer_info (the tokenizer's configuration and chat template), as "
+                             "vLLM's flag")
 
 
 def arguments_error(args: argparse.Namespace) -> str | None:
@@ -246,6 +280,7 @@ def arguments_error(args: argparse.Namespace) -> str | None:
         return "--max-resumes must be 0 or more and --resume-timeout positive"
     try:
         parse_lora_modules(args.lora_modules)
+        HttpLimits.from_args(args)
     except ValueError as exc:
         return str(exc)
     return None
