@@ -12,6 +12,7 @@ import subprocess
 import sys
 import time
 
+import grpc
 import httpx2 as httpx
 import pytest
 
@@ -19,6 +20,8 @@ from services.gateway.generation import InvalidParameter
 from services.gateway.http_limits import HttpLimits
 from services.gateway.prompt_bound import bounded_texts, counted_prefix
 from services.gateway.protocol import ChatCompletionRequest, CompletionRequest
+from shared.proto import pagedserve_api_pb2 as api
+from shared.proto import pagedserve_api_pb2_grpc as api_grpc
 from tests.services_harness import REPO, Stack, free_port, http_get
 
 KEY = "hardening-key"
@@ -203,11 +206,17 @@ def test_a_header_flood_gets_431_and_malformed_http_an_error_object(stack):
     assert body["error"]["type"] == "BadRequestError" and "malformed HTTP" in body["error"]["message"]
 
 
-def test_two_authorization_headers_are_refused(stack):
+def test_two_authorization_headers_or_grpc_entries_are_refused(stack):
     reply = httpx.get(f"{stack.base_url}/v1/models", headers=[("Authorization", f"Bearer {KEY}"),
                                                              ("Authorization", "Bearer someone-else")])
     assert "2 Authorization headers" in _error(reply, 400)["message"]
     assert httpx.get(f"{stack.base_url}/v1/models", headers=AUTH).status_code == 200
+    with grpc.insecure_channel(f"127.0.0.1:{stack.grpc_port}") as channel:  # and over gRPC, INVALID_ARGUMENT
+        request = api.GenerateRequest(text="Hi", params=api.SamplingParameters(max_tokens=1))
+        with pytest.raises(grpc.RpcError) as refused:
+            list(api_grpc.GenerationStub(channel).Generate(request, timeout=30, metadata=[
+                ("authorization", f"Bearer {KEY}"), ("authorization", "Bearer someone-else")]))
+    assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "2 authorization" in refused.value.details()
 
 
 def test_connections_beyond_the_cap_get_503_and_the_gateway_serves_on(stack):

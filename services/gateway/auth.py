@@ -24,10 +24,10 @@ class DuplicateCredentials(ValueError):
     be a guess (a proxy may have added one), so neither does. A 400, or INVALID_ARGUMENT."""
 
 
-def single_authorization(values: list[str]) -> str | None:
+def single_authorization(values: list[str], what: str = "Authorization headers") -> str | None:
     """The request's one Authorization value (None: none)."""
     if len(values) > 1:
-        raise DuplicateCredentials(f"the request carries {len(values)} Authorization headers: send one")
+        raise DuplicateCredentials(f"the request carries {len(values)} {what}: send one")
     return values[0] if values else None
 
 

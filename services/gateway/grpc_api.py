@@ -13,7 +13,7 @@ from grpc_reflection.v1alpha import reflection
 from services.gateway.call_ids import CallIds
 from services.gateway.classify_api import best_label
 from services.gateway.api_keys import ApiKey
-from services.gateway.auth import Authenticator
+from services.gateway.auth import Authenticator, single_authorization
 from services.gateway.generation import Generator, InvalidParameter, SeqDelta, TokenLogprob, new_request_id
 from shared.grpc_errors import ResourceExhausted, Unauthenticated, status_for
 from shared.logging import bind_request_id, clear_request_id, setup_logging
@@ -57,7 +57,8 @@ class GenerationServicer(api_grpc.GenerationServicer):
         """The call's API key, from its `authorization: Bearer <key>` metadata (None: the gateway is open)."""
         if not self.auth.enabled:  # nothing to read
             return None
-        authorization = dict(context.invocation_metadata() or ()).get("authorization")
+        authorization = single_authorization([value for key, value in context.invocation_metadata() or ()
+                                              if key == "authorization"], "authorization metadata entries")
         try:
             return await self.auth.authenticate(authorization)
         except Unauthenticated:
