@@ -1050,10 +1050,11 @@ def test_overload_then_dead_worker_then_dead_scheduler(llama_dir, tmp_path):
             time.sleep(0.05)
         stack.kill("worker")
         started = time.monotonic()
-        error = _error(httpx.post(url, json={"prompt": "Hi", "max_tokens": 2}, timeout=30), 503)
+        error = _error(httpx.post(url, json={"prompt": "Hi", "max_tokens": 2}, timeout=90), 503)
         # The engine failing on the lost worker (then no scheduler taking the request again), or (once
-        # the health poll has seen it) the refusal it sets.
-        assert time.monotonic() - started < 10
+        # the health poll has seen it) the refusal it sets: an answer, not a hang (the bound is generous:
+        # a loaded machine may take seconds; a hang would take the 120 s backend timeout).
+        assert time.monotonic() - started < 60
         assert "unavailable" in error["message"] or "worker" in error["message"], error
         assert error["type"] == "ServiceUnavailableError"
         deadline = time.monotonic() + 5  # the scheduler notices within its health poll
@@ -1072,8 +1073,8 @@ def test_overload_then_dead_worker_then_dead_scheduler(llama_dir, tmp_path):
 
         stack.kill("scheduler")
         started = time.monotonic()
-        error = _error(httpx.post(url, json={"prompt": "Hi", "max_tokens": 2, "stream": True}, timeout=30), 503)
-        assert time.monotonic() - started < 10 and "scheduler" in error["message"]
+        error = _error(httpx.post(url, json={"prompt": "Hi", "max_tokens": 2, "stream": True}, timeout=90), 503)
+        assert time.monotonic() - started < 60 and "scheduler" in error["message"]  # not the 120 s backend timeout
         status, body = http_get(f"{stack.base_url}/health")
         assert status == 503 and body["error"]["type"] == "ServiceUnavailableError"
         with grpc.insecure_channel(f"127.0.0.1:{stack.grpc_port}") as channel:
@@ -1197,6 +1198,19 @@ def test_every_hop_logs_the_request_id(stack):
         assert any(str(line.get("request_id", "")).startswith("trace-4711") for line in lines), service
 
 
+def _wait_for_engine_requests(stack: Stack, count: int) -> None:
+    """Until the schedulers hold at least ``count`` requests, running or waiting (their GetStats, on /metrics)."""
+    deadline = time.monotonic() + START_LIMIT_S
+    while True:
+        text = httpx.get(f"{stack.base_url}/metrics", timeout=30).text
+        held = sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+                   if line.startswith(("vllm:num_requests_running{", "vllm:num_requests_waiting{")))
+        if held >= count:
+            return
+        assert time.monotonic() < deadline, f"the engines never held {count} requests: {held}"
+        time.sleep(0.05)
+
+
 def _wait_until_answered(url: str, timeout_s: float = 15) -> None:
     deadline = time.monotonic() + timeout_s
     while (reply := httpx.post(url, json={"prompt": "Hi", "max_tokens": 2}, timeout=30)).status_code != 200:
@@ -1214,8 +1228,9 @@ def test_a_hung_scheduler_or_worker_fails_requests_and_serving_resumes(llama_dir
         stack.procs["scheduler"].send_signal(signal.SIGSTOP)  # alive, connected, silent
         try:
             started = time.monotonic()
-            error = _error(httpx.post(url, json={"prompt": "Hi", "max_tokens": 2}, timeout=30), 503)
-            assert 2 <= time.monotonic() - started < 8, "abandoned after the backend timeout, not before"
+            error = _error(httpx.post(url, json={"prompt": "Hi", "max_tokens": 2}, timeout=90), 503)
+            # After the 2 s backend timeout, never before; the upper bound only tells a hang from an answer.
+            assert 2 <= time.monotonic() - started < 60, "abandoned after the backend timeout, not before"
             assert "sent nothing" in error["message"]
         finally:
             stack.procs["scheduler"].send_signal(signal.SIGCONT)
@@ -1265,12 +1280,11 @@ def test_requests_still_running_at_the_end_of_the_drain_get_a_503_not_a_cut_conn
                 # Eight sequences of 480 tokens: still running when the 0.5 s drain ends, however idle the
                 # machine (four of them once finished in time and failed the test).
                 whole = pool.submit(httpx.post, url, json={**long, "n": 8}, timeout=60)
-                time.sleep(0.3)  # under way
-                started = time.monotonic()
+                _wait_for_engine_requests(stack, 2)  # both under way (a loaded machine may take a while)
                 stack.procs["gateway"].send_signal(signal.SIGTERM)
                 rest = [line[6:] for line in events if line.startswith("data: ")]
                 error = _error(whole.result(), 503)
-        assert stack.procs["gateway"].wait(15) == 0 and time.monotonic() - started < 10
+        assert stack.procs["gateway"].wait(60) == 0  # the 0.5 s drain, then its farewell: an exit, not a hang
         assert "shutting down" in error["message"]
         assert rest[-1] == "[DONE]" and "shutting down" in json.loads(rest[-2])["error"]["message"], rest[-3:]
     finally:
