@@ -67,11 +67,11 @@ class Worker:
         self.device = resolve_device(config.device)
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)  # Triton launches and timing events use the current device's stream
+        self.model_dir = Path(config.model) if config.model else default_model_dir()
+        self.model_config = ModelConfig.from_model_dir(self.model_dir)  # a bad directory fails before any build
         if self.device.type == "cpu":
             keep_large_allocations_in_heap()
             cpu_kernels_unavailable_reason()  # build (or load) the C++ kernels now, not inside the first step
-        self.model_dir = Path(config.model) if config.model else default_model_dir()
-        self.model_config = ModelConfig.from_model_dir(self.model_dir)
         # A pooling model returns embeddings (or a classifier's class scores) instead of tokens
         # (shared/pooling.py): no logits head, no sampling.
         pooling = resolve_runner(config.runner, self.model_dir) == "pooling"
