@@ -49,9 +49,11 @@ def gateway_secrets(args: argparse.Namespace) -> dict[str, str]:
 
 
 # A child that crashes is started again (the scheduler rebuilds its engine on a restarted worker,
-# the gateway reconnects to a restarted scheduler), unless it crashed this often within a minute.
-# One that is not healthy within --startup-timeout of its start counts as a crash.
+# the gateway reconnects to a restarted scheduler), unless it crashed this often within a minute, or
+# failed this many starts in a row (one that hangs at start fails once per --startup-timeout, never
+# four times a minute). One that is not healthy within --startup-timeout of its start counts as a crash.
 MAX_RESTARTS_PER_MINUTE = 3
+MAX_FAILED_STARTS = 3
 
 
 @dataclass
@@ -64,6 +66,7 @@ class Child:
     health: tuple[str, str]  # as shared.healthcheck takes it: ("grpc", address) or ("http", url)
     proc: subprocess.Popen | None = None
     crashes: list[float] = field(default_factory=list)  # monotonic times
+    failed_starts: int = 0  # failures in a row, each before it was healthy
     group: str | None = None  # a tensor-parallel group: its ranks stop and start together
     started: float = 0.0  # monotonic time of its latest start
     healthy: bool = False  # has been healthy since its latest start
@@ -202,7 +205,8 @@ class Stack:
                 continue
             now = time.monotonic()
             child.crashes = [t for t in child.crashes if now - t < 60] + [now]
-            if len(child.crashes) > MAX_RESTARTS_PER_MINUTE:
+            child.failed_starts = 0 if child.healthy else child.failed_starts + 1
+            if len(child.crashes) > MAX_RESTARTS_PER_MINUTE or child.failed_starts > MAX_FAILED_STARTS:
                 return child.label
             print(f"pagedserve: the {child.label} {failure}; starting it again"
                   + (f" with the rest of {child.group}" if child.group else ""), file=sys.stderr, flush=True)
@@ -291,8 +295,8 @@ def main(argv: list[str] | None = None) -> int:
               f"  metrics     http://{args.host}:{args.port}/metrics\n"
               "Ctrl-C to stop.", flush=True)
         dead = stack.wait()
-        print(f"pagedserve: the {dead} keeps crashing ({MAX_RESTARTS_PER_MINUTE + 1} times within a minute); "
-              "shutting down", file=sys.stderr)
+        print(f"pagedserve: the {dead} keeps failing ({MAX_RESTARTS_PER_MINUTE + 1} times within a minute, or "
+              f"{MAX_FAILED_STARTS + 1} starts in a row); shutting down", file=sys.stderr)
         return 1
     except KeyboardInterrupt:
         print("pagedserve: stopping (draining requests)", file=sys.stderr, flush=True)

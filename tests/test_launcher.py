@@ -153,7 +153,7 @@ def test_a_child_not_healthy_within_its_start_up_limit_counts_as_a_crash(capsys)
     import grpc
     from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
-    from pagedserve.launcher import MAX_RESTARTS_PER_MINUTE, Child, Stack, build_parser
+    from pagedserve.launcher import MAX_FAILED_STARTS, Child, Stack, build_parser
 
     serve = build_parser()
     stack = Stack(serve.parse_args(["--startup-timeout", "0"]), serve)
@@ -169,13 +169,14 @@ def test_a_child_not_healthy_within_its_start_up_limit_counts_as_a_crash(capsys)
         well = stack._spawn(Child("scheduler", "scheduler", [], {}, ("grpc", f"unix:{stack.socket_dir}/healthy.sock")))
         stuck = stack._spawn(Child("worker", "worker", [], {}, ("grpc", f"unix:{stack.socket_dir}/silent.sock")))
         pids = [stuck.proc.pid]
-        for _ in range(MAX_RESTARTS_PER_MINUTE):
+        for _ in range(MAX_FAILED_STARTS):
             assert stack.watch() is None
             pids.append(stuck.proc.pid)
+            stuck.crashes.clear()  # as if a minute passed: starts that fail in a row end the stack all the same
         assert stack.watch() == "worker"
         assert len(set(pids)) == len(pids) and not any(alive(pid) for pid in pids[:-1])
         assert capsys.readouterr().err.count("the worker was not healthy within 0 s of its start; starting it "
-                                             "again") == MAX_RESTARTS_PER_MINUTE
+                                             "again") == MAX_FAILED_STARTS
         assert well.healthy and well.crashes == [] and alive(well.proc.pid)
     finally:
         stack.stop()
@@ -183,6 +184,29 @@ def test_a_child_not_healthy_within_its_start_up_limit_counts_as_a_crash(capsys)
         for sig, handler in handlers.items():
             signal.signal(sig, handler)
     assert not alive(pids[-1]) and not alive(well.proc.pid)
+
+
+def test_a_child_that_keeps_crashing_after_getting_healthy_ends_the_stack_within_a_minute():
+    """Crashes after a healthy start are not failed starts: the per-minute count ends the stack."""
+    from pagedserve.launcher import MAX_RESTARTS_PER_MINUTE, Child, Stack, build_parser
+
+    serve = build_parser()
+    stack = Stack(serve.parse_args([]), serve)
+    stack.program = [sys.executable, "-c", "import sys; sys.exit(3)"]  # then the child's subcommand: ignored
+    handlers = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM)}  # stop() ignores them
+    try:
+        child = stack._spawn(Child("worker", "worker", [], {}, ("grpc", f"unix:{stack.socket_dir}/none.sock")))
+        for _ in range(MAX_RESTARTS_PER_MINUTE):
+            child.healthy = True  # as if it had served before it crashed
+            child.proc.wait(timeout=60)
+            assert stack.watch() is None and child.failed_starts == 0
+        child.healthy = True
+        child.proc.wait(timeout=60)
+        assert stack.watch() == "worker"
+    finally:
+        stack.stop()
+        for sig, handler in handlers.items():
+            signal.signal(sig, handler)
 
 
 def command_of(pid: int) -> str:
