@@ -185,6 +185,18 @@ def test_a_prompt_far_over_the_context_is_refused_before_it_is_all_tokenized(sta
     assert kept.status_code == 200 and kept.json()["usage"]["prompt_tokens"] == 100
     # A prompt just over the context is refused by the ordinary check, with its count.
     assert "the prompt has" in _error(_completion(stack, prompt="hello " * 600), 400)["message"]
+    # Over gRPC alike: INVALID_ARGUMENT naming the field, for a generation and for an embedding's input.
+    with grpc.insecure_channel(f"127.0.0.1:{stack.grpc_port}") as channel:
+        metadata = [("authorization", f"Bearer {KEY}")]
+        with pytest.raises(grpc.RpcError) as refused:
+            list(api_grpc.GenerationStub(channel).Generate(api.GenerateRequest(
+                text=long, params=api.SamplingParameters(max_tokens=1)), timeout=60, metadata=metadata))
+        assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "text is far longer" in \
+            refused.value.details()
+        kept = list(api_grpc.GenerationStub(channel).Generate(api.GenerateRequest(
+            text=long, params=api.SamplingParameters(max_tokens=1, truncate_prompt_tokens=100)), timeout=60,
+            metadata=metadata))
+        assert kept[-1].usage.prompt_tokens == 100
 
 
 def test_a_header_flood_gets_431_and_malformed_http_an_error_object(stack):

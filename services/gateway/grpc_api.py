@@ -15,6 +15,7 @@ from services.gateway.classify_api import best_label
 from services.gateway.api_keys import ApiKey
 from services.gateway.auth import Authenticator, single_authorization
 from services.gateway.generation import Generator, InvalidParameter, SeqDelta, TokenLogprob, new_request_id
+from services.gateway.prompt_bound import refuse_texts_too_long
 from shared.grpc_errors import ResourceExhausted, Unauthenticated, status_for
 from shared.logging import bind_request_id, clear_request_id, setup_logging
 from shared.proto import pagedserve_api_pb2 as api
@@ -79,7 +80,7 @@ class GenerationServicer(api_grpc.GenerationServicer):
                 except ValueError as exc:  # its messages name the field, as over HTTP
                     raise InvalidParameter.from_params_error(exc) from None
                 # Off the event loop, as over HTTP: a huge prompt must not stall the other streams.
-                prompt = await asyncio.to_thread(model.encode, request.text) \
+                prompt = await asyncio.to_thread(_encoded_text, model, request.text, params) \
                     if request.WhichOneof("prompt") == "text" else list(request.token_ids.ids)
                 # The engine request keeps the client's id, so Abort(request_id) reaches it.
                 salt = request.cache_salt if request.HasField("cache_salt") else None
@@ -207,9 +208,19 @@ def _pooling_params(request: api.EmbedRequest | api.ClassifyRequest, task: str) 
         raise InvalidParameter.from_params_error(exc) from None
 
 
+def _encoded_text(model, text: str, params: SamplingParams) -> list[int]:
+    """The prompt's tokens; one that certainly cannot fit the context is refused before it is all tokenized."""
+    if params.truncate_prompt_tokens is None:
+        refuse_texts_too_long(model, [("text", text)])
+    return model.encode(text)
+
+
 def _pooling_inputs(model, request: api.EmbedRequest | api.ClassifyRequest) -> list[list[int]]:
     if not request.inputs:
         raise InvalidParameter("inputs is empty: give at least one text or token ids", "inputs")
+    if not request.HasField("truncate_prompt_tokens"):
+        refuse_texts_too_long(model, [("inputs", item.text) for item in request.inputs
+                                      if item.WhichOneof("input") == "text"])
     prompts = []
     for item in request.inputs:
         if item.WhichOneof("input") == "text":

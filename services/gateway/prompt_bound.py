@@ -32,17 +32,17 @@ MARGIN = 2
 async def check_prompt_bound(gen: Generator, body) -> None:
     """InvalidParameter when one of the request's texts certainly has more tokens than the model's context."""
     texts = bounded_texts(body)
-    if not texts:
-        return
-    model = await gen.model()
-    long = [(param, text) for param, text in texts if len(text) > CHARS_PER_TOKEN * model.max_model_len]
-    if long:
-        await asyncio.to_thread(_refuse_too_long, model, long)  # off the event loop: it tokenizes
+    if texts:
+        await asyncio.to_thread(refuse_texts_too_long, await gen.model(), texts)  # off the event loop: it tokenizes
 
 
-def _refuse_too_long(model: Model, texts: list[tuple[str, str]]) -> None:
+def refuse_texts_too_long(model: Model, texts: list[tuple[str, str]]) -> None:
+    """InvalidParameter naming the field of the first text that certainly has more tokens than the context
+    (texts are (field, text) pairs; the public gRPC API calls this too)."""
     at_least = MARGIN * model.max_model_len + 64
     for param, text in texts:
+        if len(text) <= CHARS_PER_TOKEN * model.max_model_len:
+            continue
         counted = counted_prefix(lambda piece: len(model.encode(piece, add_special_tokens=False)), text, at_least)
         if counted is not None:
             chars, tokens = counted
