@@ -402,6 +402,10 @@ def test_latency_histograms_count_each_request(stack, client, llama_dir):
     for name, new in (("time_to_first_token", 2), ("e2e_request_latency", 2), ("time_per_output_token", 1)):
         key = f"pagedserve_{name}_seconds_count"
         assert after[key] - before.get(key, 0) == new, name  # one token has no time per output token
+    # A gap between each two of the six tokens' arrivals (fewer where steps arrive together); none for one token.
+    gaps = after["pagedserve_inter_token_latency_seconds_count"] - before.get(
+        "pagedserve_inter_token_latency_seconds_count", 0)
+    assert 1 <= gaps <= 5, gaps
     # vLLM's names for the same series (and the engine's), labelled with the served model, for dashboards,
     # autoscalers and routers made for vLLM.
     label = f'{{model_name="{llama_dir.name}"}}'
@@ -411,8 +415,10 @@ def test_latency_histograms_count_each_request(stack, client, llama_dir):
                          ("pagedserve_generation_tokens_total", "vllm:generation_tokens_total" + label),
                          ("pagedserve_time_to_first_token_seconds_count",
                           "vllm:time_to_first_token_seconds_count" + label),
-                         ("pagedserve_time_per_output_token_seconds_count",
+                         ("pagedserve_inter_token_latency_seconds_count",
                           "vllm:inter_token_latency_seconds_count" + label),
+                         ("pagedserve_inter_token_latency_seconds_count",
+                          "vllm:time_per_output_token_seconds_count" + label),
                          ("pagedserve_engine_num_requests_waiting" + scheduler, "vllm:num_requests_waiting" + engine),
                          ("pagedserve_engine_prefix_cache_hits" + scheduler, "vllm:prefix_cache_hits_total" + engine)):
         assert samples[theirs] == samples[ours], (ours, theirs)

@@ -297,6 +297,7 @@ class Run:
                                                min_tokens=params.min_tokens)
                         for _ in range(params.n)]
         self._done = [False] * params.n
+        self._last_tokens_at: list[float | None] = [None] * params.n  # each sequence's latest tokens' arrival
         self.completion_tokens = 0
         self.cached_tokens = 0  # prompt tokens the prefix cache held (known from the first output on)
         self.prompt_logprobs: list[TokenLogprob | None] | None = None
@@ -348,6 +349,8 @@ class Run:
             message = self._first
             while message is not None:
                 delta = self._apply(message)
+                if delta is not None and delta.token_ids:
+                    self._observe_inter_token_latency(delta.index)
                 # A prefill chunk's output brings only prompt logprobs (kept in the run): no delta.
                 if delta is not None and (delta.token_ids or delta.text or delta.finish_reason):
                     yield delta
@@ -369,6 +372,14 @@ class Run:
             self._recorded = True
             self._metrics.finish(len(self.prompt), self.completion_tokens, time.perf_counter() - self._started,
                                  first, self.params.n, reasons)
+
+    def _observe_inter_token_latency(self, index: int) -> None:
+        """The time since the sequence's previous tokens came (vLLM's inter-token latency; beam search reports
+        its beams once, at the end: nothing to time)."""
+        now, last = time.perf_counter(), self._last_tokens_at[index]
+        self._last_tokens_at[index] = now
+        if last is not None and not self.params.use_beam_search:
+            self._metrics.inter_token.observe(now - last)
 
     def record_abandoned(self) -> None:
         """A run given up before it was read (its request failed, or its client left, first): its

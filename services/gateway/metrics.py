@@ -37,6 +37,10 @@ class GatewayMetrics:
                               "first output to last over the tokens after the first, per sequence of an engine "
                               "request (n > 1: their mean length; beam search: not observed)",
                               buckets=TOKEN_BUCKETS, registry=r)
+        self.inter_token = Histogram("pagedserve_inter_token_latency_seconds",
+                                     "between a sequence's outputs that bring tokens, as they reach the gateway "
+                                     "(one per engine step, or per message when steps arrive together)",
+                                     buckets=TOKEN_BUCKETS, registry=r)
         self.resumed = Counter("pagedserve_resumed_requests",
                                "engine requests submitted again, and taken, after their scheduler was lost", registry=r)
         self.resume_failures = Counter("pagedserve_resume_failures",
@@ -60,7 +64,7 @@ class GatewayMetrics:
         self.request_success = Counter("pagedserve_request_success", "sequences ended, by why (stop, length, abort)",
                                        ["finished_reason"], registry=r)
         self._engine: dict[str, Gauge] = {}  # pagedserve_engine_<stat>, made as the scheduler reports them
-        self.vllm = VllmMetrics([self.prompt_tokens, self.generation_tokens, self.ttft, self.e2e, self.tpot,
+        self.vllm = VllmMetrics([self.prompt_tokens, self.generation_tokens, self.ttft, self.e2e, self.inter_token,
                                  self.request_prompt_tokens, self.request_generation_tokens, self.request_success])
         r.register(self.vllm)
         self.engine_histograms = EngineHistograms()

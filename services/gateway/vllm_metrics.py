@@ -73,9 +73,9 @@ _RENAMED = {"pagedserve_prompt_tokens": ("vllm:prompt_tokens",),
             "pagedserve_generation_tokens": ("vllm:generation_tokens",),
             "pagedserve_time_to_first_token_seconds": ("vllm:time_to_first_token_seconds",),
             "pagedserve_e2e_request_latency_seconds": ("vllm:e2e_request_latency_seconds",),
-            # V1's name, and the older one dashboards still read
-            "pagedserve_time_per_output_token_seconds": ("vllm:inter_token_latency_seconds",
-                                                         "vllm:time_per_output_token_seconds"),
+            # Each gap between a sequence's outputs, as V1's; under V1's name and the older one dashboards read
+            "pagedserve_inter_token_latency_seconds": ("vllm:inter_token_latency_seconds",
+                                                       "vllm:time_per_output_token_seconds"),
             "pagedserve_request_prompt_tokens": ("vllm:request_prompt_tokens",),
             "pagedserve_request_generation_tokens": ("vllm:request_generation_tokens",),
             "pagedserve_request_success": ("vllm:request_success",)}
