@@ -16,13 +16,14 @@ import tempfile
 import time
 from dataclasses import dataclass, field
 
-from pagedserve.cli import engine_options
 from pagedserve.preflight import lora_modules_error, model_error, port_taken_error
 from pagedserve.serve_flags import ServeParser
+from services.gateway.options import gateway_options
 from services.gateway.server import arguments_error as gateway_arguments_error
 from services.scheduler.local_workers import free_tcp_port, process_environments, terminate_with_parent
 from shared.config import EngineConfig
 from shared.healthcheck import grpc_healthy, http_healthy
+from shared.options import env_name, refusal
 
 
 def build_parser() -> ServeParser:
@@ -36,15 +37,17 @@ def worker_argv(parser: ServeParser, args: argparse.Namespace, address: str) -> 
 
 
 def gateway_secrets(args: argparse.Namespace) -> dict[str, str]:
-    """API keys (and a key store URL, which may hold a password) go to the gateway in its environment:
-    a command line is readable by anyone on the machine (ps)."""
+    """The gateway's secrets (API keys, and a key store URL, which may hold a password) go to it in its
+    environment, as its variables: a command line is readable by anyone on the machine (ps)."""
     secrets = {}
-    if args.api_key:
-        if any("," in key for key in args.api_key):
-            raise ValueError("an --api-key may not contain a comma")
-        secrets["PAGEDSERVE_API_KEY"] = ",".join(args.api_key)
-    if args.api_key_store:
-        secrets["PAGEDSERVE_API_KEY_STORE"] = args.api_key_store
+    for option in gateway_options():
+        if not option.secret or not (value := getattr(args, option.name)):
+            continue
+        if option.kind is list:  # the variable holds them comma-separated
+            if any("," in item for item in value):
+                raise ValueError(f"an {option.flag} may not contain a comma")
+            value = ",".join(value)
+        secrets[option.env] = value
     return secrets
 
 
@@ -171,7 +174,7 @@ class Stack:
         # Should the launcher itself die (SIGKILL), the kernel sends the children SIGTERM: no orphans.
         # A flag passed here is not read again from the environment: a list flag (--served-model-name,
         # --lora-modules) would take the variable's values and then the flag's.
-        passed = {"PAGEDSERVE_" + arg[2:].replace("-", "_").upper() for arg in child.argv if arg.startswith("--")}
+        passed = {env_name(arg[2:].replace("-", "_")) for arg in child.argv if arg.startswith("--")}
         env = {**{k: v for k, v in os.environ.items() if k not in passed}, "PYTHONUNBUFFERED": "1", **child.env}
         child.proc = subprocess.Popen(cmd, env=env, start_new_session=True, preexec_fn=terminate_with_parent)
         child.started, child.healthy = time.monotonic(), False
@@ -248,10 +251,8 @@ def flags_error(args: argparse.Namespace) -> str | None:
     """What a child would refuse in its flags (None: nothing), found before any child starts."""
     if (error := gateway_arguments_error(args)) is not None:
         return error
-    try:
-        EngineConfig(**engine_options(args))
-    except ValueError as exc:  # it names the option as Python does: "block_size must be ..."
-        return "--" + str(exc).replace("_", "-")
+    if (error := refusal(EngineConfig, args)) is not None:
+        return error
     try:
         worker_envs(args)
     except ValueError as exc:

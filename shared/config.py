@@ -1,50 +1,86 @@
 """Engine configuration: what the user chose, validated once. Values found at run time
-(the number of KV blocks, the EOS ids, the resolved context length) live elsewhere."""
+(the number of KV blocks, the EOS ids, the resolved context length) live elsewhere.
+
+Each field is also an option (shared/options.py), with vLLM's name where it means the same thing: every
+worker takes all of them (`pagedserve worker`, `pagedserve generate`, the engine group of `pagedserve
+serve`), and the scheduler and the gateway those that say so in read_by."""
 
 from __future__ import annotations
 
+import argparse
 import re
 from dataclasses import dataclass, fields
 
+from shared.options import option
 from shared.pooling import RUNNERS
 from shared.speculative_config import SpeculativeConfig
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 ATTENTION_BACKENDS = ("auto", "torch", "cpu", "triton")
+PREEMPTION_MODES = ("swap", "recompute")
 DEVICE_PATTERN = re.compile(r"auto|cpu|cuda(:\d+)?")
+# The scheduler's limits: it plans steps within them, and the worker sizes its memory for the largest step
+# they allow (activations, the sampler's logprobs, CUDA graphs), so both must be given the same values.
+LIMIT = ("scheduler",)
+
+
+def speculative_config_text(raw: "str | SpeculativeConfig") -> str | None:
+    """--speculative-config checked when the flags are read (a clear usage error), kept as JSON; empty: off
+    (compose passes an unset variable as the empty string)."""
+    if isinstance(raw, str) and not raw.strip():
+        return None
+    try:
+        return SpeculativeConfig.parse(raw).to_json()
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
 
 
 @dataclass(frozen=True)
 class EngineConfig:
-    model: str | None = None  # a Hugging Face model directory; None: the built-in default model
-    tokenizer: str | None = None  # defaults to the model directory
-    runner: str = "auto"  # "generate" tokens, or "pooling": embeddings; "auto": as the directory looks (shared/pooling.py)
-    dtype: str = "auto"  # "auto" takes the checkpoint's dtype
-    seed: int = 0  # for requests without a seed of their own
-    device: str = "auto"  # "auto": CUDA when available, else CPU
-    max_model_len: int | None = None  # None: the model's max_position_embeddings
-    block_size: int = 16  # tokens per KV block
-    max_num_seqs: int = 256  # sequences running at once
-    max_num_batched_tokens: int | None = None  # None: 4096 with chunked prefill, else max_model_len
-    enable_chunked_prefill: bool = True
-    gpu_memory_utilization: float = 0.9  # fraction of device memory the worker may use (CUDA)
-    kv_cache_memory_bytes: int | None = None  # explicit KV budget; default on CPU: 4 GiB
-    num_gpu_blocks_override: int | None = None  # exact block count, for tests and experiments
-    max_logprobs: int = 20  # most logprobs a request may ask for
-    watermark: float = 0.01  # fraction of blocks new admissions leave free
-    enable_prefix_caching: bool = True  # reuse the KV of full blocks whose prefix was computed before
-    swap_space: float = 4.0  # GiB of host memory for swapped-out KV blocks (0: no swapping)
-    preemption_mode: str | None = None  # "swap", "recompute", or None: chosen per victim
-    attention_backend: str = "auto"  # "auto": Triton on CUDA, the C++ kernels on CPU (torch if they cannot build)
-    enforce_eager: bool = False  # True: no CUDA graphs (a CUDA worker with the Triton backend replays decodes from them)
-    # Speculative decoding (a dict or its JSON is parsed into a SpeculativeConfig); None: off.
-    speculative_config: SpeculativeConfig | None = None
-    tensor_parallel_size: int = 1  # workers holding one model between them (its heads and MLP columns split)
-    # LoRA adapters (shared/lora.py): requests may name one; each step runs at most max_loras distinct ones,
-    # each of rank at most max_lora_rank (the worker sets aside that much room for them).
-    enable_lora: bool = False
-    max_loras: int = 1
-    max_lora_rank: int = 16
+    model: str | None = option(None, "Hugging Face model directory (default: the built-in model, made on first "
+                                     "use; its weights are random)")
+    tokenizer: str | None = option(None, "tokenizer directory (default: the model directory)", read_by=("gateway",))
+    runner: str = option("auto", "generate tokens, or pool prompts into embeddings (/v1/embeddings); auto: pooling "
+                                 "for a sentence-transformers directory or a bare *Model architecture",
+                         choices=RUNNERS)
+    dtype: str = option("auto", "weights' and activations' type; auto: the checkpoint's", choices=DTYPES)
+    seed: int = option(0, "sampling seed of requests that bring none")
+    device: str = option("auto", "auto (CUDA when available, else CPU), cpu, cuda or cuda:N")
+    max_model_len: int | None = option(None, "longest context, prompt and output together (default: the model's "
+                                             "max_position_embeddings)")
+    block_size: int = option(16, "tokens per KV-cache block (a power of two)")
+    max_num_seqs: int = option(256, "most sequences one step runs", read_by=LIMIT)
+    max_num_batched_tokens: int | None = option(None, "most tokens one step computes (default: 4096; without "
+                                                      "chunked prefill at least --max-model-len)", read_by=LIMIT)
+    enable_chunked_prefill: bool = option(True, "split long prompts over several steps, beside running decodes",
+                                          read_by=LIMIT)
+    gpu_memory_utilization: float = option(0.9, "share of the GPU's memory the worker may use, KV cache included "
+                                                "(CUDA)")
+    kv_cache_memory_bytes: int | None = option(None, "bytes for the KV cache (default: on CPU 4 GiB; on CUDA what "
+                                                     "--gpu-memory-utilization leaves)")
+    num_gpu_blocks_override: int | None = option(None, "exact KV-cache block count, for tests and experiments "
+                                                       "(default: from the memory budget)")
+    max_logprobs: int = option(20, "most logprobs a request may ask for", read_by=LIMIT)
+    watermark: float = option(0.01, "share of the KV blocks that admitting new requests leaves free", read_by=LIMIT)
+    enable_prefix_caching: bool = option(True, "reuse the KV of full blocks whose prefix was computed before",
+                                         read_by=LIMIT)
+    swap_space: float = option(4.0, "GiB of host memory for swapped-out KV")
+    preemption_mode: str | None = option(None, "how preempted sequences give back their blocks (default: chosen "
+                                               "per victim)", choices=PREEMPTION_MODES, read_by=LIMIT)
+    attention_backend: str = option("auto", "auto: Triton on CUDA, the C++ kernels on CPU (torch where they cannot "
+                                            "build)", choices=ATTENTION_BACKENDS)
+    enforce_eager: bool = option(False, "never replay decode steps from CUDA graphs (they are captured at a CUDA "
+                                        "worker's start)")
+    # A dict or its JSON, parsed into a SpeculativeConfig.
+    speculative_config: SpeculativeConfig | None = option(
+        None, 'speculative decoding, as JSON: {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": '
+              '4, "prompt_lookup_min": 2} (default: off)', parse=speculative_config_text, render=speculative_config_text)
+    tensor_parallel_size: int = option(1, "workers that hold the model between them (its heads and MLP columns "
+                                          "split)", short="-tp")
+    # LoRA adapters (shared/lora.py): the worker sets aside room for max_loras of rank max_lora_rank.
+    enable_lora: bool = option(False, "serve LoRA adapters: requests may name one (the gateway's --lora-modules)")
+    max_loras: int = option(1, "distinct LoRA adapters one step may run")
+    max_lora_rank: int = option(16, "the largest LoRA rank taken")
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "speculative_config", SpeculativeConfig.parse(self.speculative_config))
@@ -67,7 +103,7 @@ class EngineConfig:
                  "num_gpu_blocks_override", f"must be >= 1, got {self.num_gpu_blocks_override}")
         _require(0 <= self.watermark < 1, "watermark", f"must be in [0, 1), got {self.watermark}")
         _require(self.swap_space >= 0, "swap_space", f"must be >= 0 GiB, got {self.swap_space}")
-        _require(self.preemption_mode in (None, "swap", "recompute"), "preemption_mode",
+        _require(self.preemption_mode in (None, *PREEMPTION_MODES), "preemption_mode",
                  f"must be 'swap', 'recompute' or None, got {self.preemption_mode!r}")
         _require(0 <= self.max_logprobs, "max_logprobs", f"must be >= 0, got {self.max_logprobs}")
         _require(self.attention_backend in ATTENTION_BACKENDS, "attention_backend",

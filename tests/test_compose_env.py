@@ -121,6 +121,64 @@ def test_the_gpu_and_model_overrides():
         assert (host, inside, mode) == ("/srv/m", "/srv/m", "ro"), name
 
 
+# Variables compose itself reads, not the services.
+COMPOSE_ONLY = {"PAGEDSERVE_PUBLISH_ADDRESS": "the host address the gateway's ports are published on",
+                "PAGEDSERVE_TORCH_INDEX_URL": "where the CUDA image's torch comes from (a build argument)"}
+COMPOSE_FILES = ("compose.yaml", "compose.gpu.yaml", "compose.model.yaml")
+
+
+def options_by_service() -> dict:
+    from pagedserve.serve_flags import service_options
+
+    return service_options()
+
+
+def test_every_variable_compose_names_is_an_option_of_its_service():
+    """A variable no option has would be ignored without a word (a typo, or a flag renamed since)."""
+    options = options_by_service()
+    every = {option.env for service in options.values() for option in service} | set(COMPOSE_ONLY)
+    for file in COMPOSE_FILES:
+        for name, svc in load(file)["services"].items():
+            known = {option.env for option in options.get(name, ())}
+            for key, value in (svc.get("environment") or {}).items():
+                assert key in known, f"{file}: the {name} has no option for {key}"
+                assert set(re.findall(r"\$\{(PAGEDSERVE_\w+)", str(value))) <= {key}, f"{file}: {key} reads another"
+        unknown = set(re.findall(r"\$\{(PAGEDSERVE_\w+)", (REPO / file).read_text())) - every
+        assert unknown == set(), f"{file} names variables no option has"
+
+
+def test_the_worker_and_the_scheduler_read_the_same_limits():
+    """The worker sizes its memory for the largest step the scheduler's limits allow: compose gives both
+    every limit, alike."""
+    from shared.config import EngineConfig
+    from shared.options import read_by
+
+    spec = load("compose.yaml")["services"]
+    limits = {option.env for option in read_by(EngineConfig, "scheduler")}
+    worker, scheduler = ({key: value for key, value in spec[name]["environment"].items() if key in limits}
+                         for name in ("worker", "scheduler"))
+    assert set(worker) == limits and worker == scheduler
+
+
+def test_compose_defaults_are_values_the_services_take(monkeypatch):
+    from services.gateway.server import build_parser as gateway
+    from services.scheduler.server import build_parser as scheduler
+    from services.worker.server import build_parser as worker
+    from shared.option_env import apply_env_defaults
+
+    gpu = {key: interpolate(value, {}) for key, value in load("compose.gpu.yaml")["services"]["worker"]
+           ["environment"].items()}
+    parsers = {"worker": worker, "scheduler": scheduler, "gateway": gateway}
+    for name, svc in compose_services({}).items():
+        for env in (svc["env"], {**svc["env"], **gpu} if name == "worker" else svc["env"]):
+            with monkeypatch.context() as patch:
+                for key, value in env.items():
+                    patch.setenv(key, value)
+                parser = parsers[name]()
+                apply_env_defaults(parser)  # a value it cannot take ends the program
+                parser.parse_args([])
+
+
 def excluded(path: str, rules: list[tuple[bool, str]]) -> bool:
     """Docker's .dockerignore rule: the last pattern matching the path or a folder above it decides."""
     def matches(pattern: str, candidate: str) -> bool:

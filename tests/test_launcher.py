@@ -3,6 +3,7 @@ after a stop or a crash of the launcher."""
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import signal
 import subprocess
@@ -82,54 +83,63 @@ def test_serve_starts_and_leaves_nothing_behind(llama_dir, tmp_path, how):
 
 
 def test_the_worker_gets_every_engine_option():
-    # The worker sizes activations, its KV pool and its CUDA graphs for the scheduler's limits: a worker
-    # that kept the defaults while the scheduler ran 512 sequences would under-count its memory.
-    from pagedserve.cli import engine_options
+    # The worker sizes activations, its KV pool, the sampler's logprobs and its CUDA graphs for the
+    # scheduler's limits: a worker that kept the defaults while the scheduler ran 512 sequences (or allowed
+    # 100 logprobs) would under-count its memory.
     from pagedserve.launcher import build_parser, worker_argv
     from services.worker import server as worker_server
+    from shared.config import EngineConfig
+    from shared.options import values
 
     serve = build_parser()
     args = serve.parse_args(["--max-num-seqs", "7", "--max-num-batched-tokens", "300", "--enforce-eager",
-                             "--no-enable-chunked-prefill", "--block-size", "8", "--max-model-len", "300"])
+                             "--no-enable-chunked-prefill", "--block-size", "8", "--max-model-len", "300",
+                             "--max-logprobs", "50", "--watermark", "0.2", "-tp", "1",
+                             "--speculative-config", '{"num_speculative_tokens": 2}'])
     argv = worker_argv(serve, args, "unix:/tmp/w.sock")
     worker_args = worker_server.build_parser().parse_args(argv)
     assert worker_args.listen == "unix:/tmp/w.sock"
-    assert engine_options(worker_args) == engine_options(args)
-    assert (worker_args.max_num_seqs, worker_args.enforce_eager, worker_args.enable_chunked_prefill) == (7, True, False)
+    assert values(EngineConfig, worker_args) == values(EngineConfig, args)
+    assert len(values(EngineConfig, args)) == len(dataclasses.fields(EngineConfig))
+    assert (worker_args.max_num_seqs, worker_args.enforce_eager, worker_args.enable_chunked_prefill,
+            worker_args.max_logprobs, worker_args.watermark) == (7, True, False, 50, 0.2)
 
 
 def test_the_gateway_and_the_scheduler_get_every_flag_of_theirs():
-    """serve takes every flag of the services' own parsers (a flag added to one needs no change to the
-    launcher), and each child parses what it is given back into the values serve read."""
+    """serve takes every option the services declare (one added to a service needs no change to the
+    launcher), and each child parses what it is given back into the values serve read; an option of
+    another service with the same name (the gateway's --drain-timeout) leaves the child's default."""
     from pagedserve.launcher import build_parser
-    from pagedserve.serve_flags import PASSED_IN_ENVIRONMENT, SET_BY_LAUNCHER, service_parsers
+    from pagedserve.serve_flags import SET_BY_LAUNCHER, service_options
+    from services.gateway.server import build_parser as gateway_parser
+    from services.scheduler.server import build_parser as scheduler_parser
 
     serve = build_parser()
     given = ["--enable-auto-tool-choice", "--tool-call-parser", "hermes", "--max-resumes", "1",
              "--max-concurrent-requests", "5", "--drain-timeout", "3", "--allowed-origins", "", "--backend-timeout",
              "30", "--served-model-name", "a", "b", "--max-logprobs", "7", "--watermark", "0.1",
-             "--no-async-scheduling", "--max-num-seqs", "9", "--tokenizer", "/t"]
+             "--no-async-scheduling", "--max-num-seqs", "9", "--tokenizer", "/t", "--api-key", "k"]
     args = serve.parse_args(given)
-    for name, parser in service_parsers().items():
-        if name == "worker":
-            continue  # the test above
+    for name, parser in {"gateway": gateway_parser(), "scheduler": scheduler_parser()}.items():
         child = parser.parse_args(serve.argv_for(name, args))
-        for action in parser._actions:
-            if action.option_strings and action.dest not in {"help", *SET_BY_LAUNCHER, *PASSED_IN_ENVIRONMENT}:
-                theirs = serve.owner[action.dest] in (name, "worker")
-                expected = getattr(args, action.dest) if theirs else parser.get_default(action.dest)
-                assert getattr(child, action.dest) == expected, (name, action.dest)
-    gateway = service_parsers()["gateway"].parse_args(serve.argv_for("gateway", args))
+        for option in service_options()[name]:
+            if option.name in SET_BY_LAUNCHER or option.secret:
+                continue
+            theirs = serve.declared[option.name] == option
+            expected = getattr(args, option.name) if theirs else option.default
+            assert getattr(child, option.name) == expected, (name, option.name)
+    gateway = gateway_parser().parse_args(serve.argv_for("gateway", args))
     assert (gateway.max_concurrent_requests, gateway.drain_timeout, gateway.allowed_origins,
-            gateway.backend_timeout, gateway.served_model_name) == (5, 3.0, "", 30.0, ["a", "b"])
-    assert service_parsers()["scheduler"].parse_args(serve.argv_for("scheduler", args)).drain_timeout == 30.0
-    assert not service_parsers()["gateway"].parse_args(serve.argv_for("gateway", serve.parse_args([]))) \
-        .enable_auto_tool_choice
+            gateway.backend_timeout, gateway.served_model_name, gateway.tokenizer, gateway.api_key) == \
+        (5, 3.0, "", 30.0, ["a", "b"], "/t", None)  # the key reaches it in its environment
+    scheduler = scheduler_parser().parse_args(serve.argv_for("scheduler", args))
+    assert (scheduler.drain_timeout, scheduler.max_logprobs, scheduler.async_scheduling) == (30.0, 7, False)
+    assert not gateway_parser().parse_args(serve.argv_for("gateway", serve.parse_args([]))).enable_auto_tool_choice
 
 
-def test_serve_help_gives_every_flag_a_text_and_its_default():
-    from pagedserve.cli import HelpFormatter
+def test_serve_help_gives_every_flag_a_text_and_its_default_grouped_by_service():
     from pagedserve.launcher import build_parser
+    from shared.option_flags import HelpFormatter
 
     serve = build_parser()
     formatter = HelpFormatter("pagedserve serve")
@@ -142,6 +152,10 @@ def test_serve_help_gives_every_flag_a_text_and_its_default():
                  "--max-concurrent-requests", "--allowed-origins", "--backend-timeout", "--watermark"):
         assert f"\n  {flag} " in text, flag
     assert "(default: 8000)" in text and "(default: 256)" in text
+    groups = [line for line in text.splitlines() if line and not line[0].isspace() and line.endswith(":")]
+    assert [group.split()[0].rstrip(":") for group in groups[-4:]] == ["engine", "gateway", "scheduler", "launcher"]
+    assert "--connect-timeout and --drain-timeout above are the gateway's" in groups[-2]
+    assert text.index("--max-streams") > text.index("\nscheduler") > text.index("--drain-timeout")
 
 
 def test_a_child_not_healthy_within_its_start_up_limit_counts_as_a_crash(capsys):

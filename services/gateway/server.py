@@ -16,7 +16,7 @@ import signal
 
 import uvicorn
 
-from services.gateway.api_keys import DEFAULT_PREFIX, RedisKeyStore, StaticKeys
+from services.gateway.api_keys import RedisKeyStore, StaticKeys
 from services.gateway.app import create_app
 from services.gateway.auth import Authenticator
 from services.gateway.generation import Generator
@@ -26,14 +26,17 @@ from services.gateway.http_limits import HttpLimits, make_room_for_connections
 from services.gateway.http_protocol import LimitedHttpProtocol
 from services.gateway.lora_modules import parse_lora_modules
 from services.gateway.metrics import GatewayMetrics
+from services.gateway.options import gateway_options
 from services.gateway.resumption import ResumePolicy
 from services.gateway.rate_limits import RateLimiter
 from services.gateway.reasoning_parsers import REASONING_PARSERS, reasoning_flag_error
 from services.gateway.scheduler_pool import HEALTH_POLL_S, SchedulerPool
-from services.gateway.tool_parsers import TOOL_CALL_PARSERS, ToolCallParser, flag_error
+from services.gateway.tool_parsers import ToolCallParser, flag_error
 from shared.gc_heap import freeze_startup_objects, unfreeze_startup_objects
 from shared.grpc_errors import ServiceUnavailable
 from shared.logging import setup_logging
+from shared.option_env import apply_env_defaults
+from shared.option_flags import ArgumentParser, add_options
 from shared.tokenizer import import_tokenizer_library
 
 log = setup_logging("gateway")
@@ -171,102 +174,11 @@ async def _drain(gen: Generator, timeout_s: float) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="pagedserve gateway",
-                                     description="the pagedserve gateway: OpenAI HTTP API and public gRPC API")
-    parser.add_argument("--host", default="127.0.0.1", help="address to listen on (HTTP and gRPC)")
-    parser.add_argument("--port", type=int, default=8000, help="HTTP (OpenAI API) port")
-    parser.add_argument("--grpc-port", type=int, default=50050, help="public gRPC API port")
-    parser.add_argument("--scheduler", action="append", default=None,
-                        help="scheduler address (host:port; default 127.0.0.1:50051); repeat (or comma-separate "
-                             "in PAGEDSERVE_SCHEDULER) for several, each with its own worker: requests are spread "
-                             "over them (services/gateway/scheduler_pool.py)")
-    parser.add_argument("--served-model-name", nargs="+", action="extend", default=None,
-                        help="model ids clients use (default: the model directory's name); with several, as "
-                             "vLLM's, requests may name any and answers carry the first")
-    parser.add_argument("--tokenizer", default=None, help="tokenizer directory (default: the model directory "
-                                                          "the scheduler reports)")
-    parser.add_argument("--max-concurrent-requests", type=int, default=None,
-                        help="requests in flight beyond this get 429 (default: no limit)")
-    parser.add_argument("--connect-timeout", type=float, default=2.0,
-                        help="seconds to wait for a connection to the scheduler before answering 503")
-    parser.add_argument("--backend-timeout", type=float, default=120.0,
-                        help="seconds the scheduler may stay silent while requests are in flight before they "
-                             "are abandoned with 503 (while its engine steps it speaks at least once a second, "
-                             "so keep this well above 1)")
-    parser.add_argument("--max-resumes", type=int, default=3,
-                        help="times a request whose scheduler is lost (it died, hung or stopped, or its worker "
-                             "died) is submitted again to a scheduler that serves, carrying on after the tokens "
-                             "it had produced; 0: such requests fail with 503")
-    parser.add_argument("--resume-timeout", type=float, default=30.0,
-                        help="seconds one resumption waits for a scheduler to take the request (a restarted "
-                             "one, or another) before the request fails with 503")
-    parser.add_argument("--enable-auto-tool-choice", action=argparse.BooleanOptionalAction, default=False,
-                        help="answer tool_choice 'auto' (the default with tools): the model's own tool calls are "
-                             "read from its text with --tool-call-parser and returned as tool_calls")
-    parser.add_argument("--tool-call-parser", choices=sorted(TOOL_CALL_PARSERS), default=None,
-                        help="the model's tool-call format: hermes (Hermes, Qwen 2.5/3, the built-in model), "
-                             "llama3_json (Llama 3.1-3.3)")
-    parser.add_argument("--reasoning-parser", choices=sorted(REASONING_PARSERS), default=None,
-                        help="the model's reasoning format: chat answers carry the text between <think> and "
-                             "</think> as reasoning (and reasoning_content), apart from the content: deepseek_r1 "
-                             "(R1 and its distills, QwQ), qwen3")
-    parser.add_argument("--allowed-origins", default="*",
-                        help="comma-separated origins browsers may call the HTTP API from (CORS); '' turns CORS off")
-    parser.add_argument("--api-key", action="append", default=None,
-                        help="a key every request must carry as 'Authorization: Bearer <key>' (HTTP) or "
-                             "'authorization' metadata (gRPC); repeat for several, or comma-separate them in "
-                             "PAGEDSERVE_API_KEY")
-    parser.add_argument("--api-key-store", default=None,
-                        help="Redis URL (redis://host:6379/0) of the API keys made with 'pagedserve api-keys', "
-                             "with their per-minute request and token limits; requests must carry one of them "
-                             "(or an --api-key)")
-    parser.add_argument("--api-key-store-prefix", default=DEFAULT_PREFIX,
-                        help="where in Redis the keys and their rate counters live (deployments sharing one "
-                             "Redis keep apart with their own)")
-    parser.add_argument("--drain-timeout", type=float, default=10.0,
-                        help="seconds in-flight requests get to finish on shutdown")
-    parser.add_argument("--lora-modules", nargs="+", action="extend", default=None,
-                        help="LoRA adapters served beside the model, each as name=path (or JSON with name, path and "
-                             "base_model_name): requests whose model is the name run with it; several, or the flag "
-                             "repeated (PAGEDSERVE_LORA_MODULES: comma-separated, or a JSON list); the workers need "
-                             "--enable-lora")
-    parser.add_argument("--trust-request-chat-template", action=argparse.BooleanOptionalAction, default=False,
-                        help="let a chat request (and /tokenize) bring its own chat_template, as vLLM's flag; "
-                             "without it such requests get a 400")
-    parser.add_argument("--return-tokens-as-token-ids", action=argparse.BooleanOptionalAction, default=False,
-                        help="logprobs name each token 'token_id:<id>' (vLLM's flag; a request's "
-                             "return_tokens_as_token_ids overrides it): a token whose text is part of a character "
-                             "stays identifiable")
-    parser.add_argument("--allow-runtime-lora-updating", action=argparse.BooleanOptionalAction, default=False,
-                        help="serve POST /v1/load_lora_adapter and /v1/unload_lora_adapter (vLLM's "
-                             "VLLM_ALLOW_RUNTIME_LORA_UPDATING): adapters added and removed while serving, at this "
-                             "gateway")
-    add_http_server_args(parser)
+    """The gateway's flags (services/gateway/options.py; `pagedserve serve` takes them too)."""
+    parser = ArgumentParser(prog="pagedserve gateway",
+                            description="the pagedserve gateway: OpenAI HTTP API and public gRPC API")
+    add_options(parser, gateway_options())
     return parser
-
-
-def add_http_server_args(parser: argparse.ArgumentParser) -> None:
-    """The HTTP server's limits on what a client may send and hold (http_limits.py), and vLLM's extra endpoints."""
-    defaults = HttpLimits()
-    parser.add_argument("--http-max-body-size", type=int, default=defaults.max_body_bytes,
-                        help="bytes a request body may have: a larger one gets 413 before any of it is parsed")
-    parser.add_argument("--http-max-header-size", type=int, default=defaults.max_header_bytes,
-                        help="bytes a request's line and headers may have: more get 431 and the connection closes")
-    parser.add_argument("--http-header-timeout", type=float, default=defaults.header_timeout_s,
-                        help="seconds a request's line and headers may take to arrive (from its first byte, or the "
-                             "connection's opening): then 408 and the connection closes")
-    parser.add_argument("--http-body-timeout", type=float, default=defaults.body_timeout_s,
-                        help="seconds a request's body may take to arrive after its headers: then 408 and the "
-                             "connection closes")
-    parser.add_argument("--http-max-connections", type=int, default=defaults.max_connections,
-                        help="client connections the HTTP server keeps open: a request on one beyond them gets 503 "
-                             "(with Retry-After) and the connection closes")
-    parser.add_argument("--enable-server-load-tracking", action=argparse.BooleanOptionalAction, default=False,
-                        help="count the requests in flight at the endpoints that run the engine and serve the count "
-                             "at GET /load ({\"server_load\": N}), as vLLM's flag")
-    parser.add_argument("--enable-tokenizer-info-endpoint", action=argparse.BooleanOptionalAction, default=False,
-                        help="serve GET /tokenizer_info (the tokenizer's configuration and chat template), as "
-                             "vLLM's flag")
 
 
 def arguments_error(args: argparse.Namespace) -> str | None:
@@ -287,8 +199,6 @@ def arguments_error(args: argparse.Namespace) -> str | None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from pagedserve.cli import apply_env_defaults
-
     parser = build_parser()
     apply_env_defaults(parser)
     args = parser.parse_args(argv)

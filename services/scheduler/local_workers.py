@@ -27,6 +27,7 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from shared.config import EngineConfig
+from shared.options import command_line, options_of
 
 
 def process_environments(count: int, device: str) -> list[dict[str, str]]:
@@ -52,18 +53,7 @@ def process_environments(count: int, device: str) -> list[dict[str, str]]:
 
 def engine_flags(config: EngineConfig) -> list[str]:
     """The worker command line that gives a worker this config."""
-    from pagedserve.cli import ENGINE_KEYS
-
-    out = []
-    for key in ENGINE_KEYS:
-        value, flag = getattr(config, key), "--" + key.replace("_", "-")
-        if value is None:
-            continue
-        if isinstance(value, bool):
-            out.append(flag if value else "--no-" + flag[2:])
-        else:
-            out += [flag, value.to_json() if key == "speculative_config" else str(value)]
-    return out
+    return command_line(options_of(EngineConfig), config)
 
 
 def wait_grpc_serving(address: str, deadline: float, check_alive: Callable[[], None]) -> bool:

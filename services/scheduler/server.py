@@ -18,21 +18,22 @@ from grpc_reflection.v1alpha import reflection
 from services.scheduler.engine_core import EngineCore
 from services.scheduler.engine_loop import EngineLoop
 from services.scheduler.grpc_executor import GRPC_OPTIONS, GrpcExecutor
+from services.scheduler.options import scheduler_options
 from services.scheduler.scheduler import SchedulerLimits
 from services.scheduler.session import Session, SessionBatch
 from services.scheduler.stats import stats_to_proto
 from services.scheduler.tensor_parallel_executor import TensorParallelExecutor, group_info
-from shared.config import token_budget
+from shared.config import EngineConfig, token_budget
 from shared.gc_heap import freeze_startup_objects, unfreeze_startup_objects
 from shared.grpc_errors import ServiceUnavailable, grpc_errors
 from shared.logging import setup_logging
+from shared.option_env import apply_env_defaults
+from shared.option_flags import ArgumentParser, add_options
+from shared.options import refusal
 from shared.proto import pagedserve_api_pb2 as api
 from shared.proto import pagedserve_internal_pb2 as wire
 from shared.proto import pagedserve_internal_pb2_grpc as wire_grpc
-from shared.lora import LoRARequest
-from shared.pooling import PoolingParams
-from shared.resumption import Resumption
-from shared.sampling_params import SamplingParams
+from shared.request import EngineRequest
 from shared.wire_version import INTERNAL_PROTOCOL_VERSION
 
 log = setup_logging("scheduler")
@@ -91,18 +92,12 @@ class SchedulerServicer(wire_grpc.SchedulerServicer):
 
     @staticmethod
     def _submit(session: Session, submit: wire.SessionSubmit, loop: EngineLoop) -> None:
-        request = submit.request
         try:
-            params = SamplingParams.from_proto(request.params, grammar_checked=True)  # by the gateway
-            resumption = Resumption.from_proto(request.resumed)
-            lora = LoRARequest.from_proto(request.lora) if request.HasField("lora") else None
-            pooling = PoolingParams.from_proto(request.pooling) if request.HasField("pooling") else None
+            request = EngineRequest.from_proto(submit.request)
         except (ValueError, TypeError) as exc:
             session.refuse(submit.key, exc)
             return
-        salt = request.cache_salt if request.HasField("cache_salt") else None
-        loop.submit(session, submit.key, request.request_id, list(request.prompt_token_ids), params, salt, resumption,
-                    lora, pooling)
+        loop.submit(session, submit.key, request)
 
     def Abort(self, request, context):
         with grpc_errors(context):
@@ -230,34 +225,18 @@ def drain(loop: EngineLoop, health_servicer, timeout_s: float) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    """The scheduler's flags (`pagedserve serve` takes them too, from here)."""
-    parser = argparse.ArgumentParser(prog="pagedserve scheduler", description="the pagedserve scheduler (gRPC)")
-    parser.add_argument("--listen", default="127.0.0.1:50051", help="address to serve the scheduler API on")
-    parser.add_argument("--worker", action="append", default=None,
-                        help="worker address (host:port); repeated: the ranks of a tensor-parallel group, in order")
-    parser.add_argument("--max-num-seqs", type=int, default=256)
-    parser.add_argument("--max-num-batched-tokens", type=int, default=None)
-    parser.add_argument("--enable-chunked-prefill", action=argparse.BooleanOptionalAction, default=True)
-    parser.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True)
-    parser.add_argument("--preemption-mode", choices=["swap", "recompute"], default=None)
-    parser.add_argument("--max-logprobs", type=int, default=20, help="most logprobs a request may ask for")
-    parser.add_argument("--watermark", type=float, default=0.01,
-                        help="share of the KV blocks that admitting new requests leaves free")
-    parser.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=True,
-                        help="plan each step while the worker computes the one before")
-    parser.add_argument("--connect-timeout", type=float, default=60.0,
-                        help="seconds to wait at start for the worker to answer")
-    parser.add_argument("--max-streams", type=int, default=1024, help="concurrent gateway streams")
-    parser.add_argument("--drain-timeout", type=float, default=30.0, help="seconds to let requests finish on stop")
+    """The scheduler's flags (services/scheduler/options.py; `pagedserve serve` takes them too)."""
+    parser = ArgumentParser(prog="pagedserve scheduler", description="the pagedserve scheduler (gRPC)")
+    add_options(parser, scheduler_options())
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
-    from pagedserve.cli import apply_env_defaults
-
     parser = build_parser()
     apply_env_defaults(parser)
     args = parser.parse_args(argv)
+    if (error := refusal(EngineConfig, args)) is not None:  # its limits, checked as the worker checks them
+        parser.error(error)
     args.worker = args.worker or ["127.0.0.1:50061"]
     try:
         serve(args)

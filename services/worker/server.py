@@ -17,10 +17,14 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
+from services.worker.options import worker_options
 from shared.config import EngineConfig
 from shared.gc_heap import freeze_startup_objects, unfreeze_startup_objects
 from shared.grpc_errors import ServiceUnavailable, grpc_errors
 from shared.logging import setup_logging
+from shared.option_env import apply_env_defaults
+from shared.option_flags import ArgumentParser, add_options
+from shared.options import from_args, refusal
 from shared.proto import pagedserve_internal_pb2 as wire
 from shared.proto import pagedserve_internal_pb2_grpc as wire_grpc
 from shared.step_protocol import StepPlan
@@ -218,23 +222,17 @@ GRPC_OPTIONS = [("grpc.max_send_message_length", 256 << 20), ("grpc.max_receive_
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from pagedserve.cli import add_engine_args, apply_env_defaults
-
-    parser = argparse.ArgumentParser(prog="pagedserve worker", description="a pagedserve worker (gRPC)")
-    add_engine_args(parser)
-    parser.add_argument("--listen", default="127.0.0.1:50061", help="address to serve the worker API on")
-    parser.add_argument("--tensor-parallel-rank", type=int, default=0,
-                        help="this worker's rank among the --tensor-parallel-size workers sharing the model")
-    parser.add_argument("--distributed-init-method", default=None,
-                        help="where the tensor-parallel ranks meet, the same for all: tcp://host:port (rank 0 "
-                             "listens there)")
-    apply_env_defaults(parser)
+    """The worker's flags (services/worker/options.py; `pagedserve serve` takes them too)."""
+    parser = ArgumentParser(prog="pagedserve worker", description="a pagedserve worker (gRPC)")
+    add_options(parser, worker_options())
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
-    from pagedserve.cli import engine_options
-
-    args = build_parser().parse_args(argv)
-    serve(EngineConfig(**engine_options(args)), args.listen, args.tensor_parallel_rank, args.distributed_init_method)
+    parser = build_parser()
+    apply_env_defaults(parser)
+    args = parser.parse_args(argv)
+    if (error := refusal(EngineConfig, args)) is not None:
+        parser.error(error)
+    serve(from_args(EngineConfig, args), args.listen, args.tensor_parallel_rank, args.distributed_init_method)
     return 0
