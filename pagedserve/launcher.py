@@ -23,7 +23,7 @@ from services.gateway.server import arguments_error as gateway_arguments_error
 from services.scheduler.local_workers import free_tcp_port, process_environments, terminate_with_parent
 from shared.config import EngineConfig
 from shared.healthcheck import grpc_healthy, http_healthy
-from shared.options import env_name, refusal
+from shared.options import refusal
 
 
 def build_parser() -> ServeParser:
@@ -172,10 +172,9 @@ class Stack:
         cmd = [*self.program, child.command, *child.argv]
         # A session of its own: Ctrl-C reaches only the launcher, which stops the children in order.
         # Should the launcher itself die (SIGKILL), the kernel sends the children SIGTERM: no orphans.
-        # A flag passed here is not read again from the environment: a list flag (--served-model-name,
-        # --lora-modules) would take the variable's values and then the flag's.
-        passed = {env_name(arg[2:].replace("-", "_")) for arg in child.argv if arg.startswith("--")}
-        env = {**{k: v for k, v in os.environ.items() if k not in passed}, "PYTHONUNBUFFERED": "1", **child.env}
+        # The child reads the PAGEDSERVE_* variables too, but a flag passed here wins over its variable
+        # (a list flag's values replace the variable's: shared/option_flags.py).
+        env = {**os.environ, "PYTHONUNBUFFERED": "1", **child.env}
         child.proc = subprocess.Popen(cmd, env=env, start_new_session=True, preexec_fn=terminate_with_parent)
         child.started, child.healthy = time.monotonic(), False
         self.children[child.label] = child
