@@ -8,9 +8,11 @@ admission, in the engine; everything checkable alone is checked here.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import numbers
 from dataclasses import dataclass, field
 
+from shared.invalid_parameter import require
 from shared.structured_outputs import StructuredOutputs
 
 # OpenAI caps top logprobs at 20; so do we (per position, sampled token excluded).
@@ -322,6 +324,5 @@ def _is_number(value: object) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool) and value == value
 
 
-def _check(ok: bool, name: str, why: str) -> None:
-    if not ok:
-        raise ValueError(f"SamplingParams.{name} {why}")
+# Its errors say which object refused: "SamplingParams.<name> ..." (InvalidParameter names the field too).
+_check = functools.partial(require, owner="SamplingParams")

@@ -16,6 +16,11 @@ import re
 from dataclasses import InitVar, dataclass
 from typing import Any
 
+from shared.invalid_parameter import require
+
+# Its errors read as SamplingParams' (it is one of their fields), naming the field.
+_check = functools.partial(require, owner="SamplingParams")
+
 KINDS = ("json", "regex", "choice", "grammar", "json_object")
 ANY_OBJECT = '{"type": "object"}'  # json_object: OpenAI's JSON mode means an object, not any JSON value
 
@@ -167,8 +172,3 @@ def engine_message(exc: BaseException) -> str:
     text = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
     text = re.sub(r"^\[[\d:]+\]\s+\S+:\d+:\s*", "", text)
     return re.sub(r"^Check failed: \(.*?\) is false:\s*", "", text)
-
-
-def _check(ok: bool, name: str, why: str) -> None:
-    if not ok:
-        raise ValueError(f"SamplingParams.{name} {why}")
