@@ -72,11 +72,13 @@ class NewSequence:
 
     @classmethod
     def from_proto(cls, m: wire.NewSequence) -> "NewSequence":
-        return cls(m.request_id, m.seq_id, m.index, list(m.prompt_token_ids), list(m.output_token_ids),
-                   SamplingParams.from_proto(m.sampling_params, grammar_checked=True), list(m.block_table), m.num_computed_tokens,
-                   m.num_scheduled_tokens, m.num_siblings,
-                   LoRARequest.from_proto(m.lora) if m.HasField("lora") else None,
-                   PoolingParams.from_proto(m.pooling) if m.HasField("pooling") else None)
+        return cls(request_id=m.request_id, seq_id=m.seq_id, index=m.index, prompt_token_ids=list(m.prompt_token_ids),
+                   output_token_ids=list(m.output_token_ids),
+                   sampling_params=SamplingParams.from_proto(m.sampling_params, grammar_checked=True),
+                   block_table=list(m.block_table), num_computed_tokens=m.num_computed_tokens,
+                   num_scheduled_tokens=m.num_scheduled_tokens, num_siblings=m.num_siblings,
+                   lora=LoRARequest.from_proto(m.lora) if m.HasField("lora") else None,
+                   pooling=PoolingParams.from_proto(m.pooling) if m.HasField("pooling") else None)
 
 
 @dataclass(slots=True)
@@ -97,6 +99,16 @@ class RunningSequence:
     # Speculative decoding: draft tokens to compute after the sequence's own tokens (they count in
     # num_scheduled_tokens); the worker keeps the longest prefix its own samples confirm.
     draft_token_ids: list[int] = field(default_factory=list)
+
+
+def running_sequence(*, seq_id: int, new_token_ids: list[int], new_block_ids: list[int], num_computed_tokens: int,
+                     num_scheduled_tokens: int, new_block_table: list[int] | None = None,
+                     append_last_sample: bool = False, draft_token_ids: list[int] | None = None) -> RunningSequence:
+    """A RunningSequence from its fields by name, at the cost of a positional call: the scheduler makes one per
+    running sequence per step, and CPython builds a dict for every keyword call of a class (5% of a step at
+    256 sequences). Its parameters are the fields in their order (tests/test_step_protocol.py checks)."""
+    return RunningSequence(seq_id, new_token_ids, new_block_ids, num_computed_tokens, num_scheduled_tokens,
+                           new_block_table, append_last_sample, [] if draft_token_ids is None else draft_token_ids)
 
 
 def running_to_proto(deltas: list[RunningSequence]) -> wire.RunningDeltas:
@@ -132,8 +144,10 @@ def running_from_proto(m: wire.RunningDeltas) -> list[RunningSequence]:
     tables = {i: list(table.ids) for i, table in m.new_block_tables.items()}
     deltas, t, b, d = [], 0, 0, 0
     for i, (seq_id, computed, scheduled, append, num_tokens, num_blocks) in enumerate(zip(*columns)):
-        deltas.append(RunningSequence(seq_id, tokens[t:t + num_tokens], blocks[b:b + num_blocks], computed,
-                                      scheduled, tables.get(i), append, drafts[d:d + num_drafts[i]]))
+        deltas.append(running_sequence(seq_id=seq_id, new_token_ids=tokens[t:t + num_tokens],
+                                       new_block_ids=blocks[b:b + num_blocks], num_computed_tokens=computed,
+                                       num_scheduled_tokens=scheduled, new_block_table=tables.get(i),
+                                       append_last_sample=append, draft_token_ids=drafts[d:d + num_drafts[i]]))
         t += num_tokens
         b += num_blocks
         d += num_drafts[i]
@@ -154,7 +168,7 @@ class Fork:
 
     @classmethod
     def from_proto(cls, m: wire.Fork) -> "Fork":
-        return cls(m.parent_seq_id, m.child_seq_id, m.child_index)
+        return cls(parent_seq_id=m.parent_seq_id, child_seq_id=m.child_seq_id, child_index=m.child_index)
 
 
 BlockMove = tuple[int, int]  # (source block, destination block)
@@ -200,10 +214,10 @@ class StepPlan:
 
     @classmethod
     def from_proto(cls, m: wire.StepPlan) -> "StepPlan":
-        return cls(m.step_id, [NewSequence.from_proto(s) for s in m.new],
-                   running_from_proto(m.running), list(m.finished_seq_ids),
-                   [Fork.from_proto(f) for f in m.forks], moves_from_proto(m.swap_out),
-                   moves_from_proto(m.swap_in), moves_from_proto(m.copies))
+        return cls(step_id=m.step_id, new=[NewSequence.from_proto(s) for s in m.new],
+                   running=running_from_proto(m.running), finished_seq_ids=list(m.finished_seq_ids),
+                   forks=[Fork.from_proto(f) for f in m.forks], swap_out=moves_from_proto(m.swap_out),
+                   swap_in=moves_from_proto(m.swap_in), copies=moves_from_proto(m.copies))
 
 
 @dataclass(slots=True)
@@ -222,7 +236,8 @@ class PositionLogprobs:
 
     @classmethod
     def from_proto(cls, m: wire.PositionLogprobs) -> "PositionLogprobs":
-        return cls(m.token_id, m.logprob, m.rank, list(m.top_token_ids), list(m.top_logprobs))
+        return cls(token_id=m.token_id, logprob=m.logprob, rank=m.rank, top_token_ids=list(m.top_token_ids),
+                   top_logprobs=list(m.top_logprobs))
 
 
 @dataclass(slots=True)
@@ -240,7 +255,8 @@ class Sample:
 
     @classmethod
     def from_proto(cls, m: wire.Sample) -> "Sample":
-        return cls(m.token_id, PositionLogprobs.from_proto(m.logprobs) if m.HasField("logprobs") else None)
+        return cls(token_id=m.token_id,
+                   logprobs=PositionLogprobs.from_proto(m.logprobs) if m.HasField("logprobs") else None)
 
 
 @dataclass(slots=True)
@@ -291,12 +307,14 @@ class SequenceOutput:
 
     @classmethod
     def from_proto(cls, m: wire.SequenceOutput) -> "SequenceOutput":
-        return cls(m.seq_id, m.token_id if m.HasField("token_id") else None,
-                   PositionLogprobs.from_proto(m.logprobs) if m.HasField("logprobs") else None,
-                   [PositionLogprobs.from_proto(p) for p in m.prompt_logprobs] or None, m.prompt_logprobs_start,
-                   [Sample.from_proto(s) for s in m.siblings], list(m.accepted_token_ids),
-                   [PositionLogprobs.from_proto(p) for p in m.accepted_logprobs], list(m.draft_token_ids), m.error,
-                   list(m.embedding) if m.embedding else None)
+        return cls(seq_id=m.seq_id, token_id=m.token_id if m.HasField("token_id") else None,
+                   logprobs=PositionLogprobs.from_proto(m.logprobs) if m.HasField("logprobs") else None,
+                   prompt_logprobs=[PositionLogprobs.from_proto(p) for p in m.prompt_logprobs] or None,
+                   prompt_logprobs_start=m.prompt_logprobs_start, siblings=[Sample.from_proto(s) for s in m.siblings],
+                   accepted_token_ids=list(m.accepted_token_ids),
+                   accepted_logprobs=[PositionLogprobs.from_proto(p) for p in m.accepted_logprobs],
+                   draft_token_ids=list(m.draft_token_ids), error=m.error,
+                   embedding=list(m.embedding) if m.embedding else None)
 
 
 def outputs_to_proto(outputs: list[SequenceOutput]) -> wire.StepOutputs:
@@ -326,6 +344,7 @@ def outputs_from_proto(m: wire.StepOutputs) -> list[SequenceOutput]:
     if len(m.token_ids) != count or len(m.num_accepted) not in (0, count) or len(m.num_drafts) not in (0, count) \
             or sum(m.num_accepted) != len(m.accepted_token_ids) or sum(m.num_drafts) != len(m.draft_token_ids):
         raise ValueError("malformed result: the output columns do not line up")
+    # (Its first two fields by position: one per sequence per step, and a keyword call of a class costs a dict.)
     plain = [SequenceOutput(seq_id, token_id) for seq_id, token_id in zip(m.seq_ids, m.token_ids)]
     _split_column(plain, m.num_accepted, m.accepted_token_ids, "accepted_token_ids")
     _split_column(plain, m.num_drafts, m.draft_token_ids, "draft_token_ids")
@@ -358,7 +377,8 @@ class StepResult:
 
     @classmethod
     def from_proto(cls, m: wire.StepResult) -> "StepResult":
-        return cls(m.step_id, outputs_from_proto(m.outputs), m.forward_time_s, m.sample_time_s, m.propose_time_s)
+        return cls(step_id=m.step_id, outputs=outputs_from_proto(m.outputs), forward_time_s=m.forward_time_s,
+                   sample_time_s=m.sample_time_s, propose_time_s=m.propose_time_s)
 
 
 @dataclass(frozen=True, slots=True)
@@ -399,8 +419,11 @@ class WorkerInfo:
 
     @classmethod
     def from_proto(cls, m: wire.WorkerInfo) -> "WorkerInfo":
-        return cls(m.model, m.num_kv_blocks, m.block_size, m.max_model_len, m.vocab_size, tuple(m.eos_token_ids),
-                   m.device, m.dtype, m.num_cpu_blocks, m.protocol_version, m.num_speculative_tokens,
-                   m.tensor_parallel_rank, m.tensor_parallel_size or 1, m.max_loras, m.max_lora_rank,
-                   PoolerConfig.from_proto(m.pooler) if m.HasField("pooler") else None,
-                   m.kv_window if m.HasField("kv_window") else None)
+        return cls(model=m.model, num_kv_blocks=m.num_kv_blocks, block_size=m.block_size,
+                   max_model_len=m.max_model_len, vocab_size=m.vocab_size, eos_token_ids=tuple(m.eos_token_ids),
+                   device=m.device, dtype=m.dtype, num_cpu_blocks=m.num_cpu_blocks,
+                   protocol_version=m.protocol_version, num_speculative_tokens=m.num_speculative_tokens,
+                   tensor_parallel_rank=m.tensor_parallel_rank, tensor_parallel_size=m.tensor_parallel_size or 1,
+                   max_loras=m.max_loras, max_lora_rank=m.max_lora_rank,
+                   pooler=PoolerConfig.from_proto(m.pooler) if m.HasField("pooler") else None,
+                   kv_window=m.kv_window if m.HasField("kv_window") else None)

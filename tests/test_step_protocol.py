@@ -3,6 +3,8 @@ and a malformed message is refused with a clear error."""
 
 from __future__ import annotations
 
+import dataclasses
+import inspect
 import random
 
 import pytest
@@ -10,7 +12,7 @@ import pytest
 from shared.proto import pagedserve_internal_pb2 as wire
 from shared.sampling_params import SamplingParams
 from shared.step_protocol import (Fork, NewSequence, PositionLogprobs, RunningSequence, Sample, SequenceOutput,
-                                  StepPlan, StepResult)
+                                  StepPlan, StepResult, running_sequence)
 
 
 def random_delta(rng: random.Random, seq_id: int) -> RunningSequence:
@@ -82,6 +84,14 @@ def test_plain_outputs_travel_as_columns():
     message = StepResult(1, speculative).to_proto()
     assert not message.outputs.detailed and list(message.outputs.num_accepted) == [2, 0]
     assert StepResult.from_proto(message).outputs == speculative
+
+
+def test_the_keyword_constructor_of_running_deltas_follows_their_fields():
+    """running_sequence passes its parameters on by position: a field moved in RunningSequence must move there."""
+    fields = [f.name for f in dataclasses.fields(RunningSequence)]
+    assert list(inspect.signature(running_sequence).parameters) == fields
+    values = {name: [i] for i, name in enumerate(fields)}
+    assert dataclasses.asdict(running_sequence(**values)) == values
 
 
 def test_malformed_columns_are_refused():

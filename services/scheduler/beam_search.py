@@ -138,7 +138,8 @@ class BeamGroup:
         candidates = self._pending[seq_id]
         token, logprob = candidates[rank - 1]
         top = candidates[:self.num_logprobs]
-        return PositionLogprobs(token, logprob, rank, [t for t, _ in top], [lp for _, lp in top])
+        return PositionLogprobs(token_id=token, logprob=logprob, rank=rank, top_token_ids=[t for t, _ in top],
+                                top_logprobs=[lp for _, lp in top])
 
     def _still_improvable(self, continuations: list[Continuation], length: int) -> bool:
         if not self.improvable or len(self.finished) < self.width or not continuations:
