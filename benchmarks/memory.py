@@ -29,6 +29,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from benchmarks.workload import bench_model_dir, bench_workload, write_report  # noqa: E402
 from pagedserve import LLM, SamplingParams  # noqa: E402
+from shared.request import EngineRequest  # noqa: E402
 
 
 def greedy(max_tokens: int, **kw) -> SamplingParams:
@@ -75,7 +76,7 @@ def capacity(model: str, num_requests: int, budget_tokens: int, max_steps: int =
               enable_prefix_caching=False, watermark=0.0)
     engine = llm.engine
     for i, r in enumerate(bench_workload(num_requests, seed=1)):
-        engine.add_request(str(i), r.prompt_token_ids, greedy(r.output_len))
+        engine.add_request(EngineRequest(str(i), r.prompt_token_ids, greedy(r.output_len)))
     peak = 0
     for _ in range(max_steps):  # every prompt is prefilled or blocked well within these steps
         engine.step()

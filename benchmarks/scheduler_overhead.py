@@ -107,12 +107,22 @@ def decoding_engine(requests: int, n: int, max_tokens: int, block_size: int) -> 
     rng = random.Random(0)
     params = SamplingParams(n=n, temperature=1.0 if n > 1 else 0.0, max_tokens=max_tokens, ignore_eos=True)
     for i in range(requests):
-        engine.add_request(str(i), [rng.randrange(3, VOCAB) for _ in range(rng.randint(16, 256))], params)
+        add_request(engine, str(i), [rng.randrange(3, VOCAB) for _ in range(rng.randint(16, 256))], params)
     for _ in range(1000):
         if len(engine.scheduler.running) == requests * n and not engine.scheduler.waiting:
             return engine, worker
         engine.step()
     raise RuntimeError(f"{len(engine.scheduler.running)} of {requests * n} sequences running after 1000 steps")
+
+
+def add_request(engine: EngineCore, request_id: str, prompt: list[int], params: SamplingParams) -> None:
+    """The engine takes an EngineRequest; a tree from before there was one (--against) took its fields."""
+    if not (TREE / "shared" / "request.py").exists():
+        engine.add_request(request_id, prompt, params)
+        return
+    from shared.request import EngineRequest
+
+    engine.add_request(EngineRequest(request_id, prompt, params))
 
 
 class Stepper:

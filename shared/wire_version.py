@@ -21,7 +21,8 @@ from shared.grpc_errors import ServiceUnavailable
 # 10: classifiers: a pooler's labels and activation, and a pooling request's task and use_activation.
 # 11: WorkerInfo's kv_window; block tables may hold 0 for blocks freed behind it (never read).
 # 12: EngineStats carries histograms (vLLM's per-request times, tokens per step) and text labels (LoRA adapters).
-INTERNAL_PROTOCOL_VERSION = 12
+# 13: EngineRequest carries a priority and its arrival time.
+INTERNAL_PROTOCOL_VERSION = 13
 
 
 class IncompatiblePeer(ServiceUnavailable):

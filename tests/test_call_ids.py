@@ -94,6 +94,8 @@ class Stream:
 
 
 class Gen:
+    max_model_len = 512  # (the huge-prompt bound reads it)
+
     def __init__(self):
         self.log: list[str] = []
 
@@ -109,10 +111,10 @@ class Gen:
     def admitted(self, api_key=None):
         return contextlib.nullcontext(Admission())  # async-capable
 
-    async def start(self, model, request_id, prompts, params, suffix_ids, cache_salt=None, on_submit=None,
-                    admission=None, lora=None):
-        self.log.append(f"submit {request_id}")
-        stream = Stream(request_id, self.log)
+    async def start(self, model, requests, on_submit=None, admission=None):
+        (request,) = requests
+        self.log.append(f"submit {request.request_id}")
+        stream = Stream(request.request_id, self.log)
         if on_submit is not None:
             on_submit(stream)
         return [stream]

@@ -11,6 +11,7 @@ from pagedserve import LLM, SamplingParams
 from tests.kv_release import count_releases, preempted_or_released
 from tests.oracle import assert_greedy_equal, hf_greedy
 from tests.pipeline import Pipeline
+from shared.request import EngineRequest
 
 PROMPT_LENS = [1, 3, 17, 64, 150]
 MAX_TOKENS = 20
@@ -126,7 +127,7 @@ def test_async_scheduling_keeps_greedy_equal_to_transformers_and_seeded_samples_
 
     def run(params: SamplingParams, pipelined: bool) -> dict[str, list[int]]:
         for i, prompt in enumerate(prompts):
-            engine.add_request(f"{pipelined}-{i}", prompt, params)
+            engine.add_request(EngineRequest(f"{pipelined}-{i}", prompt, params))
         driver = Pipeline(engine) if pipelined else engine
         outputs: dict[str, list[int]] = {}
         while driver.has_unfinished():

@@ -14,6 +14,7 @@ from services.gateway.resumption import ResumePolicy
 from services.gateway.scheduler_client import SessionLost
 from shared.grpc_errors import AlreadyExists, ServiceUnavailable
 from shared.proto import pagedserve_internal_pb2 as wire
+from shared.request import EngineRequest
 from shared.resumption import Resumption
 from shared.sampling_params import SamplingParams
 from shared.tokenizer import load_tokenizer
@@ -66,9 +67,9 @@ class ScriptedPool:
         self.submissions: list[tuple[SamplingParams, Resumption | None, str | None]] = []
         self.avoided: list[str | None] = []
 
-    async def submit(self, request_id, prompt, params, cache_salt=None, resumption=None, avoid=None, lora=None, pooling=None):
-        assert prompt == PROMPT
-        self.submissions.append((params, resumption, cache_salt))
+    async def submit(self, request: EngineRequest, avoid=None):
+        assert request.prompt_token_ids == PROMPT
+        self.submissions.append((request.params, request.resumption, request.cache_salt))
         self.avoided.append(avoid)
         script = self.scripts.pop(0) if self.scripts else ServiceUnavailable("no scheduler serves")
         if isinstance(script, BaseException):
@@ -87,7 +88,7 @@ def generate(model, pool, params, policy=ResumePolicy(max_resumes=2, timeout_s=5
     gen = Generator(pool, metrics, resume_policy=policy)
 
     async def main():
-        run, = await gen.start(model, "r", [PROMPT], params, cache_salt="salt")
+        run, = await gen.start(model, [EngineRequest("r", PROMPT, params, cache_salt="salt")])
         deltas = {}
         async for delta in run:
             deltas.setdefault(delta.index, []).append(delta)

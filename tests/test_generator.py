@@ -11,7 +11,7 @@ import types
 import pytest
 
 from services.gateway import generation
-from services.gateway.generation import Generator
+from services.gateway.generation import Generator, engine_requests
 from services.gateway.metrics import GatewayMetrics
 from shared.sampling_params import SamplingParams
 
@@ -32,20 +32,17 @@ class RecordingClient:
         self.submitted: list[str] = []
         self.cancelled: list[str] = []
 
-    async def submit(self, request_id, prompt, params, cache_salt=None, lora=None, pooling=None):
-        self.submitted.append(request_id)
-        return RecordingStream(request_id, self.cancelled)
+    async def submit(self, request):
+        self.submitted.append(request.request_id)
+        return RecordingStream(request.request_id, self.cancelled)
 
 
 class AnyPrompt:
     tokenizer = None
     max_model_len = 512
 
-    def check_prompt(self, prompt, params) -> None:
-        pass
-
-    def check_runner(self, pooling) -> None:
-        pass
+    def checked(self, request):
+        return request
 
 
 def test_a_run_that_fails_to_start_aborts_every_submitted_request(monkeypatch):
@@ -62,7 +59,8 @@ def test_a_run_that_fails_to_start_aborts_every_submitted_request(monkeypatch):
     client = RecordingClient()
     gen = Generator(client, GatewayMetrics())
     with pytest.raises(RuntimeError, match="refused"):
-        asyncio.run(gen.start(AnyPrompt(), "req-1", [[1, 2], [3, 4], [5]], SamplingParams(max_tokens=4)))
+        asyncio.run(gen.start(AnyPrompt(), engine_requests("req-1", [[1, 2], [3, 4], [5]],
+                                                           params=SamplingParams(max_tokens=4))))
     first, second = client.submitted
     assert re.fullmatch(r"req-1-[0-9a-f]{8}-0", first) and second == first[:-1] + "1"
     assert sorted(client.cancelled) == client.submitted
@@ -73,7 +71,7 @@ def test_a_client_request_id_that_repeats_gives_distinct_engine_ids(monkeypatch)
     client = RecordingClient()
     gen = Generator(client, GatewayMetrics())
     for _ in range(2):  # X-Request-Id is a tracing header: a retry or a proxy may send it again
-        asyncio.run(gen.start(AnyPrompt(), "same", [[1, 2]], SamplingParams(max_tokens=4)))
+        asyncio.run(gen.start(AnyPrompt(), engine_requests("same", [[1, 2]], params=SamplingParams(max_tokens=4))))
     assert len(set(client.submitted)) == 2 and all(i.startswith("same-") for i in client.submitted)
 
 

@@ -15,6 +15,7 @@ from shared.config import EngineConfig
 from shared.lora import read_adapter_config
 from tests.lora_adapters import ATTENTION, make_adapter, merged_model
 from tests.oracle import assert_greedy_equal, hf_greedy
+from shared.request import EngineRequest
 
 MAX_TOKENS = 16
 GREEDY = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
@@ -188,8 +189,9 @@ def test_adapter_config_defaults_and_engine_limits(llama_dir, tmp_path):
     assert (vllm_style.lora_name, vllm_style.lora_int_id, vllm_style.lora_path) == ("a", 7, str(adapter))
     # Keys cannot run into one another: a salt that spells an adapter's key is another key.
     from services.scheduler.sequence import Sequence
-    salted = Sequence(0, "r", 0, [1], GREEDY, 4, 0, cache_salt=LoRARequest("a", "/p").cache_key.decode())
-    assert salted.cache_extra != Sequence(0, "r", 0, [1], GREEDY, 4, 0, lora=LoRARequest("a", "/p")).cache_extra
+    salted = Sequence(0, EngineRequest("r", [1], GREEDY, cache_salt=LoRARequest("a", "/p").cache_key.decode()), 0, 4, 0)
+    adapted = Sequence(0, EngineRequest("r", [1], GREEDY, lora=LoRARequest("a", "/p")), 0, 4, 0)
+    assert salted.cache_extra != adapted.cache_extra
 
 
 def test_lora_layers_equal_the_merged_matmul_in_bfloat16_to_rounding(llama_dir, adapters):
@@ -247,9 +249,9 @@ def test_no_step_runs_more_adapters_than_max_loras_and_every_request_ends(host_b
     loras = [None] + [LoRARequest(f"a{i}", f"/adapters/{i}") for i in range(4)]
     rng = random.Random(9)
     for i in range(40):
-        engine.add_request(f"r{i}", [rng.randrange(1, 50) for _ in range(rng.randrange(1, 20))],
-                           SamplingParams(max_tokens=rng.randrange(1, 12), n=rng.choice([1, 1, 2])),
-                           lora=rng.choice(loras))
+        engine.add_request(EngineRequest(f"r{i}", [rng.randrange(1, 50) for _ in range(rng.randrange(1, 20))],
+                                         SamplingParams(max_tokens=rng.randrange(1, 12), n=rng.choice([1, 1, 2])),
+                                         lora=rng.choice(loras)))
     pipeline, finished = Pipeline(engine), set()
     while pipeline.has_unfinished():
         finished |= {u.request_id for u in pipeline.step() if u.finish_reason}
@@ -287,7 +289,7 @@ def test_lora_modules_flag_entries_and_their_errors(tmp_path, monkeypatch):
     assert "has no adapter_config.json" in lora_modules_error([f"a={tmp_path}"], 16)
     # From the environment: comma-separated, or a JSON list (whose entries may hold commas).
     from services.gateway.server import build_parser
-    from pagedserve.cli import apply_env_defaults
+    from shared.option_env import apply_env_defaults
     for raw, expected in [("a=/1, b=/2", ["a=/1", "b=/2"]),
                           ('["a=/1,x", {"name": "b", "path": "/2"}]', ["a=/1,x", '{"name": "b", "path": "/2"}'])]:
         parser = build_parser()

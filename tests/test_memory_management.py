@@ -46,8 +46,9 @@ def test_automatic_mode_under_pressure_with_parallel_samples(llama_dir):
 def test_the_automatic_rule():
     from services.scheduler.preemption import choose_preemption
     from services.scheduler.sequence import Sequence
+    from shared.request import EngineRequest
 
-    seq = Sequence(0, "r", 0, [1] * 10, SamplingParams(), 10, 0)
+    seq = Sequence(0, EngineRequest("r", [1] * 10, SamplingParams()), 0, 10, 0)
     seq.num_computed_tokens = 10
     assert choose_preemption(None, seq, num_live_siblings=0, token_budget=64, can_swap=True) == "recompute"
     assert choose_preemption(None, seq, num_live_siblings=1, token_budget=64, can_swap=True) == "swap"

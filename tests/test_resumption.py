@@ -10,6 +10,7 @@ from pagedserve import LLM, SamplingParams
 from shared.proto import pagedserve_internal_pb2 as wire
 from shared.resumption import Resumption
 from tests.oracle import assert_greedy_equal, hf_greedy
+from shared.request import EngineRequest
 
 MAX_TOKENS = 24
 
@@ -17,7 +18,7 @@ MAX_TOKENS = 24
 def run_to_the_end(engine, request_id: str, prompt: list[int], params: SamplingParams,
                    resumption: Resumption | None = None) -> dict[int, tuple[list[int], list, str]]:
     """By sequence index: the tokens generated in this run, their logprobs and the finish reason."""
-    num_seqs = engine.add_request(request_id, prompt, params, resumption=resumption)
+    num_seqs = engine.add_request(EngineRequest(request_id, prompt, params, resumption=resumption))
     out: dict[int, tuple[list[int], list, str]] = {}
     while engine.has_unfinished():
         for update in engine.step():
@@ -70,14 +71,17 @@ def test_resumed_seeded_samples_with_penalties_continue_each_sequence_s_own_stre
 def test_what_cannot_be_resumed_is_refused(engine):
     prompt = [3, 4, 5]
     with pytest.raises(ValueError, match="beam search cannot be resumed"):
-        engine.add_request("beams", prompt, SamplingParams(use_beam_search=True, n=2, max_tokens=4),
-                           resumption=Resumption({0: [1]}))
+        engine.add_request(EngineRequest("beams", prompt, SamplingParams(use_beam_search=True, n=2, max_tokens=4),
+                                         resumption=Resumption({0: [1]})))
     with pytest.raises(ValueError, match="not one of the request's n=2"):
-        engine.add_request("index", prompt, SamplingParams(n=2, max_tokens=4), resumption=Resumption({2: [1]}))
+        engine.add_request(EngineRequest("index", prompt, SamplingParams(n=2, max_tokens=4),
+                                         resumption=Resumption({2: [1]})))
     with pytest.raises(ValueError, match="outside the vocabulary"):
-        engine.add_request("vocab", prompt, SamplingParams(max_tokens=4), resumption=Resumption({0: [1, 10 ** 6]}))
+        engine.add_request(EngineRequest("vocab", prompt, SamplingParams(max_tokens=4),
+                                         resumption=Resumption({0: [1, 10 ** 6]})))
     with pytest.raises(ValueError, match="it had finished"):
-        engine.add_request("done", prompt, SamplingParams(max_tokens=2), resumption=Resumption({0: [1, 2]}))
+        engine.add_request(EngineRequest("done", prompt, SamplingParams(max_tokens=2),
+                                         resumption=Resumption({0: [1, 2]})))
     assert not engine.has_unfinished()  # nothing refused was left behind
     with pytest.raises(ValueError, match="at least one sequence"):
         Resumption({})
@@ -93,7 +97,7 @@ def test_a_stop_string_ends_the_resumed_sequence_it_names(engine):
     second sequence the request holds)."""
     prompt = [random.Random(3).randrange(1, 500) for _ in range(11)]
     params = SamplingParams(n=3, temperature=0.9, seed=7, max_tokens=12, ignore_eos=True)
-    engine.add_request("stopped", prompt, params, resumption=Resumption({1: [11, 12], 2: [13, 14]}))
+    engine.add_request(EngineRequest("stopped", prompt, params, resumption=Resumption({1: [11, 12], 2: [13, 14]})))
     engine.step()
     assert engine.finish_by_stop_string("stopped", 1, "xyz") and not engine.finish_by_stop_string("stopped", 0, "x")
     after = []

@@ -15,6 +15,7 @@ from services.scheduler.sequence import SequenceStatus
 from shared.sampling_params import SamplingParams
 from tests.fake_worker import FakeWorker
 from tests.pipeline import Pipeline
+from shared.request import EngineRequest
 
 
 def make_engine(num_blocks=16, block_size=4, max_num_seqs=8, budget=32, chunked=True, max_model_len=512,
@@ -50,7 +51,8 @@ def add_numbered_request(engine: EngineCore, i: int, prompt_len: int, max_tokens
     """Request f"r{i}" with a prompt made from i; False if admission refused it."""
     prompt = [1 + (i * 7 + j) % 40 for j in range(prompt_len)]
     try:
-        engine.add_request(f"r{i}", prompt, SamplingParams(n=n, max_tokens=max_tokens, stop_token_ids=stop_token_ids))
+        params = SamplingParams(n=n, max_tokens=max_tokens, stop_token_ids=stop_token_ids)
+        engine.add_request(EngineRequest(f"r{i}", prompt, params))
     except ValueError:
         return False
     return True
@@ -110,8 +112,8 @@ def test_append_slots_grows_one_block_at_a_time_and_accounts_waste():
 
 def test_decodes_and_chunked_prefill_share_the_token_budget():
     engine, worker = make_engine(num_blocks=64, budget=10)
-    engine.add_request("a", list(range(1, 4)), SamplingParams(max_tokens=3, ignore_eos=True))
-    engine.add_request("b", list(range(1, 26)), SamplingParams(max_tokens=2, ignore_eos=True))
+    engine.add_request(EngineRequest("a", list(range(1, 4)), SamplingParams(max_tokens=3, ignore_eos=True)))
+    engine.add_request(EngineRequest("b", list(range(1, 26)), SamplingParams(max_tokens=2, ignore_eos=True)))
     engine.step()
     first = worker.plans[-1]
     assert [(s.seq_id, s.num_scheduled_tokens) for s in first.new] == [(0, 3), (1, 7)]
@@ -125,8 +127,8 @@ def test_decodes_and_chunked_prefill_share_the_token_budget():
 
 def test_without_chunked_prefill_a_prompt_waits_for_a_step_with_room():
     engine, worker = make_engine(num_blocks=64, budget=20, chunked=False, max_model_len=20)
-    engine.add_request("a", list(range(1, 16)), SamplingParams(max_tokens=2, ignore_eos=True))
-    engine.add_request("b", list(range(1, 11)), SamplingParams(max_tokens=2, ignore_eos=True))
+    engine.add_request(EngineRequest("a", list(range(1, 16)), SamplingParams(max_tokens=2, ignore_eos=True)))
+    engine.add_request(EngineRequest("b", list(range(1, 11)), SamplingParams(max_tokens=2, ignore_eos=True)))
     engine.step()
     assert [s.num_scheduled_tokens for s in worker.plans[-1].new] == [15]
     run_to_completion(engine)
@@ -137,8 +139,8 @@ def test_a_prompt_needing_the_watermarked_blocks_runs_once_nothing_else_does(chu
     # 10 blocks, 2 of them watermark: the 37-token prompt needs all 10 (the request fits, 39 tokens).
     engine, worker = make_engine(num_blocks=10, block_size=4, budget=40, chunked=chunked, max_model_len=40,
                                  watermark=0.2)
-    engine.add_request("small", [1, 2, 3], SamplingParams(max_tokens=3, ignore_eos=True))
-    engine.add_request("big", list(range(1, 38)), SamplingParams(max_tokens=2, ignore_eos=True))
+    engine.add_request(EngineRequest("small", [1, 2, 3], SamplingParams(max_tokens=3, ignore_eos=True)))
+    engine.add_request(EngineRequest("big", list(range(1, 38)), SamplingParams(max_tokens=2, ignore_eos=True)))
     first = engine.step()
     assert [s.seq_id for s in worker.plans[-1].new] == [0]  # big waits: small runs and may grow
     outputs = run_to_completion(engine, max_steps=20)
@@ -148,8 +150,8 @@ def test_a_prompt_needing_the_watermarked_blocks_runs_once_nothing_else_does(chu
 
 def test_preemption_takes_the_newest_and_it_resumes_first():
     engine, worker = make_engine(num_blocks=6, block_size=4, budget=64)
-    engine.add_request("old", list(range(1, 9)), SamplingParams(max_tokens=12, ignore_eos=True))
-    engine.add_request("new", list(range(1, 9)), SamplingParams(max_tokens=12, ignore_eos=True))
+    engine.add_request(EngineRequest("old", list(range(1, 9)), SamplingParams(max_tokens=12, ignore_eos=True)))
+    engine.add_request(EngineRequest("new", list(range(1, 9)), SamplingParams(max_tokens=12, ignore_eos=True)))
     outputs = run_to_completion(engine)
     assert engine.scheduler.num_preemptions >= 1
     assert len(outputs["old"]) == len(outputs["new"]) == 12
@@ -164,7 +166,8 @@ def test_outputs_do_not_depend_on_memory_pressure():
     def run(num_blocks):
         engine, _ = make_engine(num_blocks=num_blocks, block_size=4, budget=16)
         for i in range(6):
-            engine.add_request(f"r{i}", list(range(1, 3 + 5 * i)), SamplingParams(max_tokens=10, ignore_eos=True))
+            engine.add_request(EngineRequest(f"r{i}", list(range(1, 3 + 5 * i)),
+                                             SamplingParams(max_tokens=10, ignore_eos=True)))
         return run_to_completion(engine), engine.scheduler.num_preemptions
 
     relaxed, none = run(200)
@@ -175,11 +178,11 @@ def test_outputs_do_not_depend_on_memory_pressure():
 
 def test_stop_conditions():
     engine, worker = make_engine(num_blocks=64)
-    engine.add_request("len", [5, 6], SamplingParams(max_tokens=4, ignore_eos=True))
+    engine.add_request(EngineRequest("len", [5, 6], SamplingParams(max_tokens=4, ignore_eos=True)))
     run_to_completion(engine)
     # A stop token id: the fake worker's first token for seq 1 with 2 tokens.
     token = worker.token_for({"seq_id": 1, "tokens": [5, 6]})
-    engine.add_request("stop", [5, 6], SamplingParams(max_tokens=8, stop_token_ids=[token]))
+    engine.add_request(EngineRequest("stop", [5, 6], SamplingParams(max_tokens=8, stop_token_ids=[token])))
     updates = []
     while engine.has_unfinished():
         updates += engine.step()
@@ -188,7 +191,7 @@ def test_stop_conditions():
 
 def test_abort_frees_blocks_and_tells_the_worker():
     engine, worker = make_engine(num_blocks=64)
-    engine.add_request("a", list(range(1, 20)), SamplingParams(max_tokens=50, ignore_eos=True))
+    engine.add_request(EngineRequest("a", list(range(1, 20)), SamplingParams(max_tokens=50, ignore_eos=True)))
     engine.step()
     assert engine.scheduler.blocks.num_used_blocks > 0
     engine.abort_request("a")
@@ -211,10 +214,10 @@ def test_abort_frees_blocks_and_tells_the_worker():
 def test_admission_refuses_what_could_never_run(prompt, params, match):
     engine, _ = make_engine(num_blocks=16, block_size=4)
     if match is None:
-        engine.add_request("ok", prompt, params)
+        engine.add_request(EngineRequest("ok", prompt, params))
         return
     with pytest.raises(ValueError, match=match):
-        engine.add_request("bad", prompt, params)
+        engine.add_request(EngineRequest("bad", prompt, params))
     assert not engine.has_unfinished()
 
 
@@ -231,22 +234,22 @@ def test_a_pool_of_the_windowed_admission_bound_runs_a_sequence_longer_than_it(b
     assert num_blocks < probe.scheduler.blocks.blocks_for(200)
     engine, worker = make_engine(num_blocks, block_size, budget=budget, max_model_len=256, window=window, caching=True,
                                  host_blocks=num_blocks)
-    engine.add_request("long", [1 + i % 50 for i in range(150)], SamplingParams(n=n, max_tokens=50))
-    engine.add_request("other", [1 + i % 7 for i in range(60)], SamplingParams(max_tokens=20))
+    engine.add_request(EngineRequest("long", [1 + i % 50 for i in range(150)], SamplingParams(n=n, max_tokens=50)))
+    engine.add_request(EngineRequest("other", [1 + i % 7 for i in range(60)], SamplingParams(max_tokens=20)))
     outputs = run_to_completion(engine, pipeline=Pipeline(engine) if pipelined else None)
     assert len(outputs["long"]) == 50 * n and len(outputs["other"]) == 20
     engine.step()  # tells the worker to drop the last finished sequence
     assert engine.scheduler.blocks.num_used_blocks == 0 and not worker.seqs
     with pytest.raises(ValueError, match="could never run"):  # one block fewer is refused
         make_engine(num_blocks - 1, block_size, budget=budget, max_model_len=256, window=window)[0].add_request(
-            "long", [1] * 150, SamplingParams(max_tokens=50))
+            EngineRequest("long", [1] * 150, SamplingParams(max_tokens=50)))
 
 
 def test_duplicate_request_id_is_refused():
     engine, _ = make_engine()
-    engine.add_request("a", [1], SamplingParams())
+    engine.add_request(EngineRequest("a", [1], SamplingParams()))
     with pytest.raises(ValueError, match="already in use"):
-        engine.add_request("a", [1], SamplingParams())
+        engine.add_request(EngineRequest("a", [1], SamplingParams()))
 
 
 # --- property tests ---------------------------------------------------------------------------------
@@ -287,7 +290,7 @@ def test_random_interleavings_keep_every_invariant(first, ops, block_size, num_b
             params = SamplingParams(n=n, max_tokens=max_tokens) if kind == "add" else SamplingParams(
                 use_beam_search=True, beam_width=n, n=1 + n // 2, max_tokens=max_tokens, stop_token_ids=[prompt[-1]])
             try:
-                engine.add_request(f"r{len(added)}", prompt, params)
+                engine.add_request(EngineRequest(f"r{len(added)}", prompt, params))
                 added.append(f"r{len(added)}")
             except ValueError:
                 pass  # refused at admission: too long for the context or the cache
@@ -410,7 +413,7 @@ def test_the_speculation_property_test_accepted_drafts():
 
 def test_rejected_drafts_give_their_blocks_back():
     engine, worker = make_engine(num_blocks=32, block_size=2, budget=64, speculate=4)
-    engine.add_request("a", [5, 6, 7], SamplingParams(max_tokens=30))
+    engine.add_request(EngineRequest("a", [5, 6, 7], SamplingParams(max_tokens=30)))
     blocks, released = engine.scheduler.blocks, []
     trim = blocks.trim_slots
     blocks.trim_slots = lambda seq_id, num_tokens: released.append(trim(seq_id, num_tokens)) or released[-1]
@@ -429,15 +432,15 @@ def test_drafts_never_displace_a_running_sequence_s_token_nor_preempt():
     for k in (0, 4):
         engine, worker = make_engine(num_blocks=64, block_size=4, budget=4, speculate=k)
         for request_id, prompt in (("a", [1, 2, 3]), ("b", [4, 5, 6])):
-            engine.add_request(request_id, prompt, SamplingParams(max_tokens=40, ignore_eos=True))
+            engine.add_request(EngineRequest(request_id, prompt, SamplingParams(max_tokens=40, ignore_eos=True)))
         while engine.has_unfinished():
             decoding = sum(1 for s in engine.scheduler.running if s.output_token_ids)
             engine.step()
             check_invariants(engine)
             assert decoding < 2 or len(worker.plans[-1].running) == 2, f"k={k}: a decoding sequence got no token"
         tight, _ = make_engine(num_blocks=4, block_size=4, budget=32, speculate=k)
-        tight.add_request("a", [1, 2, 3], SamplingParams(max_tokens=12, ignore_eos=True))
-        tight.add_request("b", [4, 5, 6], SamplingParams(max_tokens=4, ignore_eos=True))
+        tight.add_request(EngineRequest("a", [1, 2, 3], SamplingParams(max_tokens=12, ignore_eos=True)))
+        tight.add_request(EngineRequest("b", [4, 5, 6], SamplingParams(max_tokens=4, ignore_eos=True)))
         run_to_completion(tight)
         assert tight.get_stats()["num_preemptions"] == 0, f"k={k}: drafts preempted a sequence"
 
@@ -448,10 +451,10 @@ def test_blocks_filled_by_accepted_drafts_are_cached_even_when_the_sequence_stop
     hits = []
     for k in (0, 4):
         engine, worker = make_engine(num_blocks=64, block_size=4, caching=True, speculate=k)
-        engine.add_request("first", [1, 2, 3, 4, 5], SamplingParams(max_tokens=20, ignore_eos=True))
+        engine.add_request(EngineRequest("first", [1, 2, 3, 4, 5], SamplingParams(max_tokens=20, ignore_eos=True)))
         output = run_to_completion(engine)["first"]
         before = engine.get_stats()["prefix_cache_hits"]
-        engine.add_request("next", [1, 2, 3, 4, 5] + output + [7], SamplingParams(max_tokens=1))
+        engine.add_request(EngineRequest("next", [1, 2, 3, 4, 5] + output + [7], SamplingParams(max_tokens=1)))
         run_to_completion(engine)
         hits.append(engine.get_stats()["prefix_cache_hits"] - before)
         assert k == 0 or worker.num_accepted > 0
@@ -479,9 +482,9 @@ def test_cached_free_blocks_are_evicted_deepest_first_and_revived_by_hits():
 def test_a_prompt_extending_a_cached_one_computes_only_the_new_part():
     engine, worker = make_engine(num_blocks=64, block_size=4, budget=64, caching=True)
     base = list(range(1, 18))  # 17 tokens: 4 full blocks
-    engine.add_request("a", base, SamplingParams(max_tokens=2, ignore_eos=True))
+    engine.add_request(EngineRequest("a", base, SamplingParams(max_tokens=2, ignore_eos=True)))
     run_to_completion(engine)
-    engine.add_request("b", base + [30, 31, 32], SamplingParams(max_tokens=2, ignore_eos=True))
+    engine.add_request(EngineRequest("b", base + [30, 31, 32], SamplingParams(max_tokens=2, ignore_eos=True)))
     engine.step()
     (new,) = worker.plans[-1].new
     assert new.num_computed_tokens == 16 and new.num_scheduled_tokens == 4
@@ -493,9 +496,9 @@ def test_a_prompt_extending_a_cached_one_computes_only_the_new_part():
 def test_at_least_one_token_is_always_computed():
     engine, worker = make_engine(num_blocks=64, block_size=4, budget=64, caching=True)
     prompt = list(range(1, 17))  # exactly 4 blocks
-    engine.add_request("a", prompt, SamplingParams(max_tokens=1, ignore_eos=True))
+    engine.add_request(EngineRequest("a", prompt, SamplingParams(max_tokens=1, ignore_eos=True)))
     run_to_completion(engine)
-    engine.add_request("b", prompt, SamplingParams(max_tokens=1, ignore_eos=True))
+    engine.add_request(EngineRequest("b", prompt, SamplingParams(max_tokens=1, ignore_eos=True)))
     engine.step()
     (new,) = worker.plans[-1].new
     assert new.num_computed_tokens == 12 and new.num_scheduled_tokens == 4
@@ -504,9 +507,9 @@ def test_at_least_one_token_is_always_computed():
 def test_cache_salt_separates_requests():
     engine, worker = make_engine(num_blocks=64, block_size=4, budget=64, caching=True)
     prompt = list(range(1, 18))
-    engine.add_request("a", prompt, SamplingParams(max_tokens=1), cache_salt="tenant-1")
+    engine.add_request(EngineRequest("a", prompt, SamplingParams(max_tokens=1), cache_salt="tenant-1"))
     run_to_completion(engine)
-    engine.add_request("b", prompt, SamplingParams(max_tokens=1), cache_salt="tenant-2")
+    engine.add_request(EngineRequest("b", prompt, SamplingParams(max_tokens=1), cache_salt="tenant-2"))
     engine.step()
     assert worker.plans[-1].new[0].num_computed_tokens == 0
 
@@ -515,7 +518,7 @@ def test_cache_salt_separates_requests():
 
 def test_siblings_fork_from_the_prompt_and_copy_the_shared_last_block_on_write():
     engine, worker = make_engine(num_blocks=16, block_size=4, budget=64)
-    engine.add_request("r", [5, 6, 7, 8, 9, 10], SamplingParams(n=3, max_tokens=4, ignore_eos=True))
+    engine.add_request(EngineRequest("r", [5, 6, 7, 8, 9, 10], SamplingParams(n=3, max_tokens=4, ignore_eos=True)))
     engine.step()  # the prompt, once; three first tokens
     assert len(worker.plans[-1].new) == 1 and worker.plans[-1].new[0].num_siblings == 2
     assert engine.scheduler.blocks.num_used_blocks == 2  # shared by all three
@@ -532,7 +535,8 @@ def test_siblings_fork_from_the_prompt_and_copy_the_shared_last_block_on_write()
 def test_swapped_sequences_resume_with_their_kv_intact():
     engine, worker = make_engine(num_blocks=8, block_size=4, budget=64, host_blocks=16, preemption_mode="swap")
     for i in range(3):
-        engine.add_request(f"r{i}", list(range(1 + i, 9 + i)), SamplingParams(max_tokens=10, ignore_eos=True))
+        engine.add_request(EngineRequest(f"r{i}", list(range(1 + i, 9 + i)),
+                                         SamplingParams(max_tokens=10, ignore_eos=True)))
     outputs = run_to_completion(engine)  # the fake worker checks every context token after each move
     stats = engine.get_stats()
     assert stats["num_preemptions_swap"] > 0 and stats["num_swaps_in"] == stats["num_swaps_out"]
@@ -544,7 +548,8 @@ def test_swapped_sequences_resume_with_their_kv_intact():
 def test_aborting_a_swapped_request_frees_its_host_blocks():
     engine, worker = make_engine(num_blocks=8, block_size=4, budget=64, host_blocks=16, preemption_mode="swap")
     for i in range(3):
-        engine.add_request(f"r{i}", list(range(1 + i, 9 + i)), SamplingParams(max_tokens=10, ignore_eos=True))
+        engine.add_request(EngineRequest(f"r{i}", list(range(1 + i, 9 + i)),
+                                         SamplingParams(max_tokens=10, ignore_eos=True)))
     while not engine.scheduler.swapped:
         engine.step()
     victim = engine.scheduler.swapped[0]
@@ -557,8 +562,8 @@ def test_aborting_a_swapped_request_frees_its_host_blocks():
 
 def test_beam_search_forks_beams_and_frees_dead_ones():
     engine, worker = make_engine(num_blocks=32, block_size=4, budget=64)
-    engine.add_request("b", [5, 6, 7, 8, 9, 10], SamplingParams(use_beam_search=True, beam_width=3, n=2,
-                                                                max_tokens=6, ignore_eos=True))
+    engine.add_request(EngineRequest("b", [5, 6, 7, 8, 9, 10], SamplingParams(use_beam_search=True, beam_width=3, n=2,
+                                                                              max_tokens=6, ignore_eos=True)))
     updates = []
     for _ in range(50):
         if not engine.has_unfinished():

@@ -19,6 +19,7 @@ from pagedserve import LLM, SamplingParams
 from services.gateway.scheduler_pool import BALANCE_SLACK, SchedulerPool, _affinity_key, _score
 from shared.grpc_errors import ServiceUnavailable
 from shared.proto import pagedserve_internal_pb2 as wire
+from shared.request import EngineRequest
 from tests.services_harness import START_LIMIT_S, Stack, http_get
 
 
@@ -29,10 +30,10 @@ class StandIn:
         self.address, self.num_in_flight, self.reachable, self.submitted = address, 0, reachable, []
         self.model, self.health_error = model, None
 
-    async def submit(self, request_id, prompt_token_ids, params, cache_salt=None, resumption=None, lora=None, pooling=None):
+    async def submit(self, request: EngineRequest):
         if not self.reachable:
             raise ServiceUnavailable(f"{self.address} is down")
-        self.submitted.append(request_id)
+        self.submitted.append(request.request_id)
         return self.address
 
     async def healthy(self) -> bool:
@@ -56,6 +57,10 @@ def polled(*clients: StandIn) -> SchedulerPool:
     return pool
 
 
+def request(prompt: list[int], cache_salt: str | None = None, request_id: str = "r") -> EngineRequest:
+    return EngineRequest(request_id, prompt, cache_salt=cache_salt)
+
+
 def prompt(rng: random.Random) -> list[int]:
     return [rng.randrange(1, 500) for _ in range(rng.randrange(1, 80))]
 
@@ -65,49 +70,51 @@ def test_prompts_sharing_a_head_meet_on_one_scheduler_and_the_rest_spread():
     pool = polled(*clients)
     rng = random.Random(0)
     head = prompt(rng)[:10] * 4  # 40 tokens: longer than what the hash reads
-    first = pool.candidates(head + [1, 2], None)[0]
-    assert all(pool.candidates(head + prompt(rng), None)[0] is first for _ in range(20))
-    assert pool.candidates(head, "salt")[0] is not first or pool.candidates(head, "other")[0] is not first
+    first = pool.candidates(request(head + [1, 2]))[0]
+    assert all(pool.candidates(request(head + prompt(rng)))[0] is first for _ in range(20))
+    salted = (pool.candidates(request(head, salt))[0] for salt in ("salt", "other"))
+    assert any(chosen is not first for chosen in salted)
     counts = {c.address: 0 for c in clients}
     for _ in range(600):
-        counts[pool.candidates(prompt(rng), None)[0].address] += 1
+        counts[pool.candidates(request(prompt(rng)))[0].address] += 1
     assert all(150 < n < 250 for n in counts.values()), counts
 
 
 def test_an_overloaded_preferred_scheduler_yields_to_the_least_loaded_and_down_ones_go_last():
     a, b, c = StandIn("a:1"), StandIn("b:1"), StandIn("c:1")
     pool = polled(a, b, c)
-    tokens = next(p for p in ([i] * 5 for i in range(100)) if pool.candidates(p, None)[0] is a)
+    tokens = next(p for p in ([i] * 5 for i in range(100)) if pool.candidates(request(p))[0] is a)
     a.num_in_flight, b.num_in_flight, c.num_in_flight = BALANCE_SLACK + 1, 1, 1
-    assert pool.candidates(tokens, None)[0] is a  # within the slack: the prefix cache wins
+    assert pool.candidates(request(tokens))[0] is a  # within the slack: the prefix cache wins
     a.num_in_flight = BALANCE_SLACK + 2
-    assert pool.candidates(tokens, None)[0] in (b, c) and pool.candidates(tokens, None)[2] is a
+    assert pool.candidates(request(tokens))[0] in (b, c) and pool.candidates(request(tokens))[2] is a
     c.num_in_flight = 0
-    assert pool.candidates(tokens, None) == [c, b, a]
+    assert pool.candidates(request(tokens)) == [c, b, a]
     a.num_in_flight, b.num_in_flight, c.num_in_flight = 100, 80, 81  # the slack grows with the load
-    assert pool.candidates(tokens, None)[0] is a
+    assert pool.candidates(request(tokens))[0] is a
     pool._serving["c:1"] = False
-    assert pool.candidates(tokens, None)[-1] is c
+    assert pool.candidates(request(tokens))[-1] is c
     pool._excluded["b:1"] = "another model"
-    assert pool.candidates(tokens, None) == [a, c]
+    assert pool.candidates(request(tokens)) == [a, c]
 
 
 def test_a_request_goes_to_the_next_scheduler_when_one_cannot_be_reached():
     down, up = StandIn("down:1"), StandIn("up:1")
     pool = polled(down, up)
-    tokens = next(p for p in ([i] * 5 for i in range(100)) if pool.candidates(p, None)[0] is down)
+    tokens = next(p for p in ([i] * 5 for i in range(100)) if pool.candidates(request(p))[0] is down)
     down.reachable = False  # since the poll
-    assert asyncio.run(pool.submit("r1", tokens, SamplingParams())) == "up:1"
-    assert not pool._serving["down:1"] and pool.candidates(tokens, None)[0] is up  # marked until a poll says otherwise
+    assert asyncio.run(pool.submit(request(tokens, request_id="r1"))) == "up:1"
+    # Marked until a poll says otherwise.
+    assert not pool._serving["down:1"] and pool.candidates(request(tokens))[0] is up
     up.reachable = False
     with pytest.raises(ServiceUnavailable, match="down"):
-        asyncio.run(pool.submit("r2", tokens, SamplingParams()))
+        asyncio.run(pool.submit(request(tokens, request_id="r2")))
     # A resumed request tries the scheduler it was lost at last (it may be hung, unknown to the poll).
     down.reachable = up.reachable = True
     pool = polled(down, up)
-    assert asyncio.run(pool.submit("r3", tokens, SamplingParams(), avoid="down:1")) == "up:1"
+    assert asyncio.run(pool.submit(request(tokens, request_id="r3"), avoid="down:1")) == "up:1"
     up.reachable = False  # last, not never
-    assert asyncio.run(pool.submit("r4", tokens, SamplingParams(), avoid="down:1")) == "down:1"
+    assert asyncio.run(pool.submit(request(tokens, request_id="r4"), avoid="down:1")) == "down:1"
     with pytest.raises(ValueError, match="distinct"):
         SchedulerPool([StandIn("a:1"), StandIn("a:1")])
 
@@ -115,16 +122,16 @@ def test_a_request_goes_to_the_next_scheduler_when_one_cannot_be_reached():
 def test_a_scheduler_serving_another_model_is_never_used_and_a_failing_poll_means_not_serving():
     a, b, c = StandIn("a:1"), StandIn("b:1", model="/m/two"), StandIn("c:1")
     pool = polled(a, b, c)  # all healthy from the start: b is still compared
-    assert "b:1" in pool._excluded and [x.address for x in pool.candidates([1], None)] in (["a:1", "c:1"],
+    assert "b:1" in pool._excluded and [x.address for x in pool.candidates(request([1]))] in (["a:1", "c:1"],
                                                                                           ["c:1", "a:1"])
     c.health_error = RuntimeError("UNIMPLEMENTED: no health service there")
     asyncio.run(pool._poll_one(c))
-    assert not pool._serving["c:1"] and pool.candidates([1], None)[0] is a
+    assert not pool._serving["c:1"] and pool.candidates(request([1]))[0] is a
     c.health_error, c.model = None, "/m/three"  # back, on another model
     asyncio.run(pool._poll_one(c))
-    assert "c:1" in pool._excluded and pool.candidates([1], None) == [a]
+    assert "c:1" in pool._excluded and pool.candidates(request([1])) == [a]
     fresh = SchedulerPool([StandIn("x:1"), StandIn("y:1")])  # before any poll: every one, least loaded first
-    assert len(fresh.candidates([1], None)) == 2
+    assert len(fresh.candidates(request([1]))) == 2
 
 
 # --- two real schedulers ------------------------------------------------------------------------------
@@ -222,7 +229,7 @@ def test_a_stream_whose_scheduler_dies_goes_on_at_the_other(stacks, llama_dir):
     offline = LLM(str(llama_dir)).generate({"prompt_token_ids": prompt}, SamplingParams(
         max_tokens=300, temperature=0, ignore_eos=True), use_tqdm=False)[0].outputs[0].text
     # The scheduler the prompt hashes to (nothing else is running: the balance rule does not apply).
-    key = _affinity_key(prompt, None)
+    key = _affinity_key(request(prompt))
     victim, survivor = sorted(stacks, key=lambda s: _score(s.scheduler_address, key), reverse=True)
     steps_before = per_scheduler(first, "num_steps")[survivor.scheduler_address]
     body = {"model": first.model_name, "prompt": prompt, "max_tokens": 300, "temperature": 0, "ignore_eos": True,

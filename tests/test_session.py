@@ -13,6 +13,7 @@ from services.scheduler.engine_loop import EngineLoop
 from services.scheduler.sequence import SequenceStatus, SequenceUpdate
 from services.scheduler.session import RequestError, Session, SessionBatch
 from shared.grpc_errors import ServiceUnavailable, error_for_code, status_from_int
+from shared.request import EngineRequest
 from shared.sampling_params import SamplingParams
 from tests.test_scheduler import make_engine
 
@@ -60,10 +61,11 @@ def test_each_session_gets_only_its_own_requests():
     try:
         first, second = opened(loop), opened(loop)
         params = SamplingParams(temperature=0, max_tokens=5, ignore_eos=True)
-        loop.submit(first, 1, "a", [1, 2, 3], params)
-        loop.submit(second, 1, "b", [4, 5], SamplingParams(temperature=0, max_tokens=3, ignore_eos=True, n=2))
-        loop.submit(second, 2, "bad", [], params)  # refused at admission, on its own session
-        loop.submit(second, 3, "a", [1], params)  # an id in use elsewhere: refused, the other unharmed
+        loop.submit(first, 1, EngineRequest("a", [1, 2, 3], params))
+        loop.submit(second, 1, EngineRequest("b", [4, 5], SamplingParams(temperature=0, max_tokens=3, ignore_eos=True,
+                                                                          n=2)))
+        loop.submit(second, 2, EngineRequest("bad", [], params))  # refused at admission, on its own session
+        loop.submit(second, 3, EngineRequest("a", [1], params))  # an id in use elsewhere: refused, the other unharmed
         got_first, got_second = drain(first, {1}), drain(second, {1, 2, 3})
         assert {key for key, _ in got_first.outputs} == {1} and got_first.finished == [1]
         assert sum(len(u.new_token_ids) for _, u in got_first.outputs) == 5
@@ -83,14 +85,14 @@ def test_closing_a_session_aborts_its_requests_and_frees_their_blocks():
     try:
         session, other = opened(loop), opened(loop)
         long = SamplingParams(temperature=0, max_tokens=900, ignore_eos=True)
-        loop.submit(session, 1, "x", list(range(1, 20)), long)
-        loop.submit(session, 2, "y", list(range(1, 9)), long)
+        loop.submit(session, 1, EngineRequest("x", list(range(1, 20)), long))
+        loop.submit(session, 2, EngineRequest("y", list(range(1, 9)), long))
         loop.close_session(session)  # queued behind the submissions: both are admitted, then aborted
         received = SessionBatch()
         for batch in session:  # the stream ends; whatever a step produced before the close may come first
             received.merge(batch)
         assert not received.errors and not received.finished
-        loop.submit(other, 1, "z", [1, 2], SamplingParams(temperature=0, max_tokens=2, ignore_eos=True))
+        loop.submit(other, 1, EngineRequest("z", [1, 2], SamplingParams(temperature=0, max_tokens=2, ignore_eos=True)))
         drain(other, {1})
         assert loop.num_in_flight() == 0 and loop.stats()["kv_blocks_used"] == 0
         assert loop.abort("x") is False  # already gone
@@ -104,7 +106,7 @@ def test_aborts_end_the_request_on_its_session_and_only_the_owner_can_abort_by_k
     try:
         session, stranger = opened(loop), opened(loop)
         long = SamplingParams(temperature=0, max_tokens=900, ignore_eos=True)
-        loop.submit(session, 1, "x", [1, 2, 3], long)
+        loop.submit(session, 1, EngineRequest("x", [1, 2, 3], long))
         loop.abort_soon(stranger, 1)  # key 1 means nothing on another session
         first = next(iter(session))  # a step ran after both messages
         assert {key for key, _ in first.outputs} == {1} and not first.finished  # (batches may have merged)
@@ -112,7 +114,7 @@ def test_aborts_end_the_request_on_its_session_and_only_the_owner_can_abort_by_k
         assert loop.abort("x") is True  # the Abort RPC, by request id
         assert drain(session, {1}).finished == [1]
         # The same request id again, on the same session: a new key, a new request.
-        loop.submit(session, 2, "x", [4, 5, 6], long)
+        loop.submit(session, 2, EngineRequest("x", [4, 5, 6], long))
         loop.abort_soon(session, 2)
         received = drain(session, {2})
         assert received.finished == [2] and not received.errors
@@ -127,7 +129,7 @@ def test_a_sequence_stopped_by_its_session_ends_alone_and_the_request_with_its_l
     try:
         session = opened(loop)
         params = SamplingParams(temperature=0, max_tokens=900, ignore_eos=True, n=3)
-        loop.submit(session, 1, "x", [1, 2, 3], params)
+        loop.submit(session, 1, EngineRequest("x", [1, 2, 3], params))
         received = SessionBatch()
         while {u.seq_index for _, u in received.outputs} != {0, 1, 2}:  # every sequence has forked and run
             received.merge(next(iter(session)))
@@ -146,7 +148,8 @@ def test_a_sequence_stopped_by_its_session_ends_alone_and_the_request_with_its_l
         assert not any(u.seq_index == 1 and u.finish_reason for _, u in received.outputs)  # the gateway reports it
         assert loop.num_in_flight() == 0 and loop.stats()["kv_blocks_used"] == 0
         # Stopping the last running sequence ends the request (no step output says so).
-        loop.submit(session, 2, "y", [4, 5], SamplingParams(temperature=0, max_tokens=900, ignore_eos=True))
+        loop.submit(session, 2, EngineRequest("y", [4, 5], SamplingParams(temperature=0, max_tokens=900,
+                                                                          ignore_eos=True)))
         assert {key for key, _ in next(iter(session)).outputs} == {2}
         loop.stop_sequence_soon(session, 2, 0, "stop!")
         assert drain(session, {2}).finished == [2]
@@ -179,9 +182,9 @@ class ScriptedEngine:
             self.on_step(len(self.steps))
         return self.steps.pop(0)
 
-    def add_request(self, request_id, prompt, params, *args, **kwargs) -> int:
+    def add_request(self, request: EngineRequest) -> int:
         self.admitted = True
-        return params.n
+        return request.params.n
 
     def abort_request(self, request_id: str) -> None:
         pass
@@ -199,7 +202,8 @@ class ScriptedEngine:
 
 
 def update(index: int, tokens: list[int], finish_reason: str | None = None) -> SequenceUpdate:
-    out = SequenceUpdate(types.SimpleNamespace(request_id="x", index=index, output_token_ids=[], num_cached_tokens=None))
+    request = types.SimpleNamespace(request_id="x")
+    out = SequenceUpdate(types.SimpleNamespace(request=request, index=index, output_token_ids=[], num_cached_tokens=None))
     out.new_token_ids, out.finish_reason = tokens, finish_reason
     return out
 
@@ -212,7 +216,7 @@ def test_a_request_ended_by_an_inbox_message_ends_after_the_outputs_of_the_same_
     try:
         session = opened(loop)
         engine.on_step = lambda left: left == 1 and loop.stop_sequence_soon(session, 1, 0, "stop!")
-        loop.submit(session, 1, "x", [1, 2], SamplingParams(max_tokens=4, n=2))
+        loop.submit(session, 1, EngineRequest("x", [1, 2], SamplingParams(max_tokens=4, n=2)))
         received = []
         while not received or received[-1][0] != "end":  # batch by batch as put (reading would merge them)
             batch = session._queue.get(timeout=10)
@@ -231,7 +235,7 @@ def test_sessions_with_requests_in_flight_hear_from_the_loop_while_it_steps_with
     loop = EngineLoop(engine)
     try:
         session, idle = opened(loop), opened(loop)
-        loop.submit(session, 1, "x", [1, 2], SamplingParams(max_tokens=4))
+        loop.submit(session, 1, EngineRequest("x", [1, 2], SamplingParams(max_tokens=4)))
         arrivals = []
         while True:
             batch = session._queue.get(timeout=10)
@@ -269,7 +273,7 @@ def test_a_stalled_engine_does_not_spin_and_still_answers_its_inbox():
     loop = EngineLoop(engine, idle_wait_s=0.05)
     try:
         session = opened(loop)
-        loop.submit(session, 1, "x", [1, 2], SamplingParams(max_tokens=4))
+        loop.submit(session, 1, EngineRequest("x", [1, 2], SamplingParams(max_tokens=4)))
         time.sleep(0.5)
         assert engine.attempts < 30, engine.attempts  # spinning made over half a million
         started = time.monotonic()
@@ -300,7 +304,7 @@ def test_session_events_keep_every_output_in_order_through_the_wire():
     from shared.step_protocol import PositionLogprobs
 
     class Seq:
-        request_id, index, output_token_ids, num_cached_tokens = "r", 0, (), None
+        request, index, output_token_ids, num_cached_tokens = types.SimpleNamespace(request_id="r"), 0, (), None
 
     rng = random.Random()
     for _ in range(50):
@@ -393,11 +397,11 @@ def test_a_submission_queued_when_the_engine_fails_is_lost_with_its_session_not_
     session = Session()
     loop.open_session(session)
     params = SamplingParams(temperature=0, max_tokens=200, ignore_eos=True)
-    loop.submit(session, 1, "running", [1, 2, 3], params)
+    loop.submit(session, 1, EngineRequest("running", [1, 2, 3], params))
     batches = iter(session)
     next(batches)  # it runs
     assert in_step.wait(5)
-    loop.submit(session, 2, "arrived-during-the-step", [4, 5, 6], params)
+    loop.submit(session, 2, EngineRequest("arrived-during-the-step", [4, 5, 6], params))
     die.set()
     seen: list = []
     with pytest.raises(ServiceUnavailable, match="the worker died"):

@@ -18,6 +18,7 @@ from shared.structured_outputs import StructuredOutputs
 from shared.tokenizer import load_tokenizer
 from tests.oracle import assert_greedy_equal, hf_model
 from tests.pipeline import Pipeline
+from shared.request import EngineRequest
 
 SCHEMA = {"type": "object", "properties": {"kind": {"enum": ["cat", "dog", "bird"]}, "legs": {"type": "integer"},
                                            "tame": {"type": "boolean"}},
@@ -127,10 +128,11 @@ def test_seeded_constrained_samples_follow_their_grammar_whatever_shares_the_bat
     # Planned ahead (the worker appends its own samples; a step may be planned past an EOS), in a
     # batch with unconstrained and other constrained requests.
     engine = LLM(str(llama_dir), block_size=8, max_num_batched_tokens=48).engine
-    engine.add_request("seeded", prompt, params)
+    engine.add_request(EngineRequest("seeded", prompt, params))
     for i, other in enumerate(prompts(seed=3)):
-        engine.add_request(f"other-{i}", other, SamplingParams(max_tokens=30, ignore_eos=True) if i % 2 else
-                           SamplingParams(max_tokens=30, structured_outputs=CONSTRAINTS["regex"]))
+        other_params = SamplingParams(max_tokens=30, ignore_eos=True) if i % 2 else \
+            SamplingParams(max_tokens=30, structured_outputs=CONSTRAINTS["regex"])
+        engine.add_request(EngineRequest(f"other-{i}", other, other_params))
     driver, outputs = Pipeline(engine), {}
     while driver.has_unfinished():
         for update in driver.step():
@@ -191,7 +193,7 @@ def test_a_grammar_that_cannot_go_on_fails_its_request_and_no_other(llama_dir):
     alone = {name: llm.generate({"prompt_token_ids": prompt}, params, use_tqdm=False)[0].outputs[0].token_ids
              for name, params in good.items()}
     for name, params in {**good, **bad}.items():
-        engine.add_request(name, prompt, params)
+        engine.add_request(EngineRequest(name, prompt, params))
     tokens, errors = {}, {}
     while engine.has_unfinished():
         for update in engine.step():

@@ -25,6 +25,7 @@ from shared.structured_outputs import xgrammar_schema
 from shared.tokenizer import load_tokenizer
 from tests.pipeline import Pipeline
 from tests.test_structured_outputs import reference_compiler
+from shared.request import EngineRequest
 
 WORDS = ("name", "age", "skills", "work_history", "company", "years", "id", "tags", "active", "score", "notes")
 
@@ -83,7 +84,7 @@ def test_random_schemas_sampled_with_random_seeds_give_valid_json(llama_dir, any
         params = SamplingParams(temperature=rng.choice([0.7, 1.0, 1.5]), seed=rng.randrange(1 << 31),
                                 top_k=rng.choice([None, 40]), max_tokens=max_tokens,
                                 structured_outputs={"json": schema, "disable_any_whitespace": not any_whitespace})
-        engine.add_request(str(i), prompt, params)
+        engine.add_request(EngineRequest(str(i), prompt, params))
     driver, tokens, finish = Pipeline(engine), {}, {}
     while driver.has_unfinished():
         for update in driver.step():

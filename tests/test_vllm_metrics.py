@@ -20,6 +20,7 @@ from shared.sampling_params import SamplingParams
 from tests.fake_worker import FakeWorker
 from tests.services_harness import Stack, http_get
 from tests.test_scheduler import make_engine
+from shared.request import EngineRequest
 
 PHASES = ("queue", "prefill", "decode", "inference")
 
@@ -43,7 +44,7 @@ def phase_counts(stats: dict) -> list[int]:
 def test_a_request_is_observed_once_as_it_ends_with_its_preemptions():
     # Two sequences of 8 + 16 tokens need 2 shared blocks and 4 each: 10 of 4 tokens, and the pool has 8.
     engine, _ = make_engine(num_blocks=8, block_size=4)
-    engine.add_request("r", list(range(1, 9)), SamplingParams(n=2, max_tokens=16, ignore_eos=True))
+    engine.add_request(EngineRequest("r", list(range(1, 9)), SamplingParams(n=2, max_tokens=16, ignore_eos=True)))
     run(engine)
     stats = engine.get_stats()
     assert stats["num_preemptions"] >= 1, "the pool was meant to force preemption"
@@ -65,9 +66,9 @@ def test_a_request_is_observed_once_as_it_ends_with_its_preemptions():
 
 def test_a_request_that_never_ran_has_no_times_and_one_without_a_token_only_its_queue_time():
     engine, _ = make_engine(max_num_seqs=1, budget=4)  # a 12-token prompt takes three steps
-    engine.add_request("started", list(range(1, 13)), SamplingParams(max_tokens=4))
+    engine.add_request(EngineRequest("started", list(range(1, 13)), SamplingParams(max_tokens=4)))
     engine.step()
-    engine.add_request("queued", [1, 2, 3], SamplingParams(max_tokens=4))
+    engine.add_request(EngineRequest("queued", [1, 2, 3], SamplingParams(max_tokens=4)))
     engine.step()  # the only place is taken
     stats = engine.get_stats()
     assert stats["num_requests_waiting"] == 1 and stats["num_requests_waiting_deferred"] == 0  # room, not a limit
@@ -84,7 +85,7 @@ def test_a_cached_prompt_counts_as_a_cache_hit_and_a_lone_token_has_no_time_per_
     engine, _ = make_engine(caching=True)
     prompt = list(range(1, 10))  # two full blocks of 4, and one token
     for request_id in ("cold", "warm"):
-        engine.add_request(request_id, prompt, SamplingParams(max_tokens=1))
+        engine.add_request(EngineRequest(request_id, prompt, SamplingParams(max_tokens=1)))
         run(engine)
     stats = engine.get_stats()
     assert stats["prompt_tokens_cached"] == stats["prefix_cache_hits"] == 8
@@ -97,9 +98,11 @@ def test_waiting_behind_a_lora_adapter_is_deferred_and_the_adapters_are_named():
     worker = FakeWorker(16, 4)
     worker.info = dataclasses.replace(worker.info, max_loras=1)
     engine = EngineCore(InProcessExecutor(worker), SchedulerLimits(8, 32, True), watermark=0.0)
-    engine.add_request("sql", [1, 2, 3], SamplingParams(max_tokens=8), lora=LoRARequest("sql", "/adapters/sql"))
+    engine.add_request(EngineRequest("sql", [1, 2, 3], SamplingParams(max_tokens=8),
+                                     lora=LoRARequest("sql", "/adapters/sql")))
     engine.step()
-    engine.add_request("chat", [1, 2, 3], SamplingParams(max_tokens=8), lora=LoRARequest("chat", "/adapters/chat"))
+    engine.add_request(EngineRequest("chat", [1, 2, 3], SamplingParams(max_tokens=8),
+                                     lora=LoRARequest("chat", "/adapters/chat")))
     engine.step()  # one adapter per step: chat waits for sql to finish
     stats = engine.get_stats()
     assert stats["num_requests_waiting"] == 1 == stats["num_requests_waiting_deferred"]
@@ -114,7 +117,7 @@ def test_waiting_behind_a_lora_adapter_is_deferred_and_the_adapters_are_named():
 def test_accepted_drafts_are_counted_by_position():
     engine, worker = make_engine(num_blocks=64, speculate=3)
     for i in range(4):
-        engine.add_request(f"r{i}", [1 + i, 2, 3, 4, 5], SamplingParams(max_tokens=24, ignore_eos=True))
+        engine.add_request(EngineRequest(f"r{i}", [1 + i, 2, 3, 4, 5], SamplingParams(max_tokens=24, ignore_eos=True)))
     run(engine)
     stats = engine.get_stats()
     per_pos = [stats.get(f"spec_decode_num_accepted_tokens_per_pos_{i}", 0) for i in range(4)]

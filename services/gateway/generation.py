@@ -23,16 +23,18 @@ from services.gateway.api_keys import ApiKey
 from services.gateway.lora_modules import LoRAModule, adapters_for
 from services.gateway.metrics import GatewayMetrics
 from services.gateway.rate_limits import RateLimiter, Reservation
-from services.gateway.resumption import Resubmission, ResumePolicy, Resumer
+from services.gateway.resumption import ResumePolicy, Resumer
 from services.gateway.scheduler_client import SessionLost, SubmitStream
 from services.gateway.scheduler_pool import SchedulerPool
 from services.gateway.reasoning_parsers import ReasoningParser
 from services.gateway.tool_parsers import ToolCallParser
 from shared.detokenizer import IncrementalDetokenizer
 from shared.grpc_errors import NotFound, ResourceExhausted, ServiceUnavailable
+from shared.invalid_parameter import InvalidParameter
 from shared.logging import setup_logging
 from shared.lora import LoRARequest
-from shared.pooling import PoolerConfig, PoolingParams
+from shared.pooling import PoolerConfig
+from shared.request import EngineRequest, RequestLimits, check_token_ids, validate
 from shared.resumption import Resumption
 from shared.sampling_params import SamplingParams
 from shared.tokenizer import load_tokenizer, render_chat
@@ -41,31 +43,23 @@ from shared.wire_version import check_peer_version
 log = setup_logging("gateway")
 
 
-class InvalidParameter(ValueError):
-    """A request error that names the offending parameter (the OpenAI error's `param`)."""
-
-    def __init__(self, message: str, param: str | None = None):
-        super().__init__(message)
-        self.param = param
-
-    @classmethod
-    def from_params_error(cls, exc: ValueError, param: str | None = None) -> "InvalidParameter":
-        """SamplingParams' and PoolingParams' "<class>.<name> must ..." errors name the parameter (unless
-        ``param`` says which)."""
-        text = str(exc)
-        for prefix in ("SamplingParams.", "PoolingParams."):
-            if text.startswith(prefix):
-                message = text.removeprefix(prefix)
-                return cls(message, param or message.split(" ", 1)[0])
-        return cls(text, param)
-
-
 class Overloaded(ResourceExhausted):
     """More requests in flight than --max-concurrent-requests allows."""
 
 
 def new_request_id(prefix: str = "req") -> str:
     return f"{prefix}-{uuid.uuid4().hex}"
+
+
+def engine_requests(request_id: str, prompts: list[list[int]], unique: bool = True, **fields) -> list[EngineRequest]:
+    """One engine request per prompt, each with ``fields`` (EngineRequest's). Their ids are
+    request_id-<8 random hex digits>-<i>: a client's X-Request-Id may repeat (a tracing header), engine
+    ids must not; with ``unique`` false, request_id itself (one prompt: the gRPC API aborts by the
+    client's id)."""
+    if not unique:
+        return [EngineRequest(request_id, prompt, **fields) for prompt in prompts]
+    ids = f"{request_id}-{uuid.uuid4().hex[:8]}"
+    return [EngineRequest(f"{ids}-{i}", prompt, **fields) for i, prompt in enumerate(prompts)]
 
 
 # --- what a run yields --------------------------------------------------------------------------
@@ -120,7 +114,16 @@ class Model:
     aliases: tuple[str, ...] = ()  # other names it answers to (--served-model-name's after the first)
     path: str | None = None  # where the scheduler's model comes from (its card's root, as vLLM's)
     return_tokens_as_token_ids: bool = False  # logprobs name tokens "token_id:<id>" unless a request says
+    max_loras: int = 0  # distinct LoRA adapters the engine runs in one step; 0: LoRA is not enabled
     _token_strings: dict[int, str] = field(default_factory=dict)
+
+    @property
+    def limits(self) -> RequestLimits:
+        """What the engine allows a request, as the scheduler reported it: what validate checks here."""
+        return RequestLimits(max_model_len=self.max_model_len, vocab_size=self.vocab_size,
+                             max_logprobs=self.max_logprobs, max_num_seqs=self.max_num_seqs,
+                             eos_token_ids=self.eos_token_ids, max_loras=self.max_loras, pooler=self.pooler,
+                             model_name=self.name)
 
     def resolve(self, requested: str | None) -> LoRARequest | None:
         """The adapter a request's ``model`` names (None: the model itself, also when it names none)."""
@@ -182,75 +185,30 @@ class Model:
 
     def check_token_ids(self, token_ids: list[int]) -> None:
         """A prompt given as token ids must stay inside the vocabulary (before anything decodes it)."""
-        bad = next((t for t in token_ids if not 0 <= t < self.vocab_size), None)
-        if bad is not None:
-            raise InvalidParameter(f"token id {bad} is outside the vocabulary [0, {self.vocab_size})", "prompt")
+        check_token_ids(token_ids, self.vocab_size)
 
-    def check_prompt(self, prompt: list[int], params: SamplingParams) -> None:
-        """What the scheduler would refuse, checked here so a multi-prompt request is all or nothing
-        (and before a run builds a detokenizer per sequence)."""
+    def prepared(self, request: EngineRequest) -> EngineRequest:
+        """The request as the engine takes it: its prompt truncated as it asks, its bad words as token ids."""
+        if request.pooling is not None:
+            return replace(request, prompt_token_ids=request.pooling.truncated(request.prompt_token_ids,
+                                                                               self.max_model_len))
+        params = request.params
+        return replace(request, prompt_token_ids=params.truncated(request.prompt_token_ids, self.max_model_len),
+                       params=params.with_bad_words_tokenized(lambda word: self.encode(word, add_special_tokens=False)))
+
+    def checked(self, request: EngineRequest) -> EngineRequest:
+        """The request prepared, if the engine would take it (what it would refuse is refused here, so a
+        request of several prompts is all or nothing, before a run builds a detokenizer per sequence).
+        Its errors name the fields as the APIs do (an embedding input is the prompt's ``input``)."""
+        request = self.prepared(request)
         try:
-            if self.max_num_seqs:
-                params.check_sequences_fit(self.max_num_seqs)
-            params.check_truncation_fits(self.max_model_len)
-            params.check_a_token_allowed(self.eos_token_ids)
+            validate(request, self.limits)
         except ValueError as exc:
-            raise InvalidParameter.from_params_error(exc) from None
-        if not prompt:
-            raise InvalidParameter("the prompt is empty: give at least one token", "prompt")
-        self.check_token_ids(prompt)
-        if len(prompt) >= self.max_model_len:
-            raise InvalidParameter(f"This model's maximum context length is {self.max_model_len} tokens, "
-                                   f"but the prompt has {len(prompt)} tokens; it must leave room for at least "
-                                   "one output token.", "prompt")
-        if params.max_tokens is not None and len(prompt) + params.max_tokens > self.max_model_len:
-            raise InvalidParameter(
-                f"This model's maximum context length is {self.max_model_len} tokens. However, you requested "
-                f"{len(prompt) + params.max_tokens} tokens ({len(prompt)} in the prompt, {params.max_tokens} "
-                "for the completion). Please reduce the prompt or max_tokens.", "max_tokens")
-        if len(prompt) + params.min_tokens > self.max_model_len:
-            raise InvalidParameter(f"This model's maximum context length is {self.max_model_len} tokens, but the "
-                                   f"prompt ({len(prompt)} tokens) + min_tokens ({params.min_tokens}) exceed it.",
-                                   "min_tokens")
-        for name in ("logprobs", "prompt_logprobs"):
-            value = getattr(params, name)
-            if value is not None and value > self.max_logprobs:
-                raise InvalidParameter(f"{name}={value} exceeds the maximum of {self.max_logprobs}", name)
-        if (outside := params.token_id_outside(self.vocab_size)) is not None:
-            name, bad = outside
-            raise InvalidParameter(f"token id {bad} in {name} is outside the vocabulary [0, {self.vocab_size})", name)
-
-    def check_runner(self, pooling: PoolingParams | None) -> None:
-        """Embeddings only from a pooling model, generation only from the others; ``dimensions`` as it allows."""
-        if pooling is None and self.pooler is not None:
-            raise InvalidParameter(f"The model `{self.name}` is {'a classifier' if self.pooler.classifies else 'an embedding'} "
-                                   f"(pooling) model: it serves {'/classify' if self.pooler.classifies else '/v1/embeddings'}"
-                                   ", /score and /rerank, not generation.", "model")
-        if pooling is not None and self.pooler is None:
-            kind = "class scores" if pooling.task == "classify" else "embeddings"
-            raise InvalidParameter(f"The model `{self.name}` generates text and serves no {kind}: run its worker "
-                                   "with --runner pooling for a pooling model.", "model")
-        if pooling is not None and pooling.task != self.pooler.task:
-            raise InvalidParameter(
-                f"The model `{self.name}` is a classifier: it serves /classify, /score and /rerank, not embeddings."
-                if self.pooler.classifies else
-                f"The model `{self.name}` is an embedding model: it serves /v1/embeddings, /score and /rerank, "
-                "not classification.", "model")
-        if pooling is not None:
-            try:
-                pooling.check_fits(self.pooler)
-            except ValueError as exc:
-                raise InvalidParameter.from_params_error(exc, "dimensions") from None
-
-    def check_embedding_prompt(self, prompt: list[int]) -> None:
-        """What the scheduler would refuse of an embedding input (it needs no room for output tokens)."""
-        if not prompt:
-            raise InvalidParameter("an input is empty: give at least one token", "input")
-        self.check_token_ids(prompt)
-        if len(prompt) > self.max_model_len:
-            raise InvalidParameter(f"This model's maximum context length is {self.max_model_len} tokens, but an "
-                                   f"input has {len(prompt)} tokens; shorten it, or set truncate_prompt_tokens.",
-                                   "input")
+            error = InvalidParameter.from_params_error(exc)
+            if request.pooling is not None and error.param == "prompt":
+                error = error.renamed("input")
+            raise error from None
+        return request
 
     def logprob(self, position, text_offset: int = 0) -> TokenLogprob:
         top = [TopToken(t, self.token_string(t), _finite(lp))
@@ -271,18 +229,15 @@ class Run:
     """One prompt's engine request: iterate it for SeqDeltas; leaving early aborts it. With a
     resumer, a run whose scheduler is lost goes on at another (or the same one, back)."""
 
-    def __init__(self, model: Model, stream: SubmitStream, request_id: str, prompt: list[int],
-                 params: SamplingParams, metrics: GatewayMetrics, position: int = 0,
-                 resumer: Resumer | None = None, cache_salt: str | None = None, lora: LoRARequest | None = None,
-                 pooling: PoolingParams | None = None):
-        self.model, self.request_id, self.prompt, self.params = model, request_id, prompt, params
-        self.lora = lora  # the adapter it runs with; None: the model itself
-        # An embedding request's: its one output (start() waits for it) carries the embedding.
-        self.pooling = pooling
+    def __init__(self, model: Model, stream: SubmitStream, request: EngineRequest, metrics: GatewayMetrics,
+                 position: int = 0, resumer: Resumer | None = None):
+        self.model, self.request = model, request
+        params = request.params
+        # An embedding request's (``pooling``): its one output (start() waits for it) carries the embedding.
         self.embedding: list[float] | None = None
         self.position = position  # which of the request's prompts this is
         self._stream, self._metrics = stream, metrics
-        self._resumer, self._cache_salt = resumer, cache_salt
+        self._resumer = resumer
         self.resumes = 0  # times this run was submitted again after losing its scheduler
         self.finish_reasons: list[str] = []  # its sequences' as they end ("stop", "length", "abort")
         self._recorded = False  # its end is in the metrics (by __aiter__'s end, once it was read)
@@ -291,7 +246,7 @@ class Run:
         self._outputs: list[list[int]] = [[] for _ in range(params.n)]  # each sequence's tokens so far
         self._skip_prompt_logprobs = 0  # a run started over sends the prompt logprobs already passed on again
         self._first = None
-        self._detoks = [IncrementalDetokenizer(model.tokenizer, prompt, stop=params.stop,
+        self._detoks = [IncrementalDetokenizer(model.tokenizer, request.prompt_token_ids, stop=params.stop,
                                                skip_special_tokens=params.skip_special_tokens,
                                                include_stop_str_in_output=params.include_stop_str_in_output,
                                                min_tokens=params.min_tokens)
@@ -301,8 +256,23 @@ class Run:
         self.completion_tokens = 0
         self.cached_tokens = 0  # prompt tokens the prefix cache held (known from the first output on)
         self.prompt_logprobs: list[TokenLogprob | None] | None = None
-        self._started = time.perf_counter()
-        self._first_output_s: float | None = None  # submit to first output (start())
+        self._first_output_s: float | None = None  # arrival to first output (start())
+
+    @property
+    def request_id(self) -> str:
+        return self.request.request_id
+
+    @property
+    def prompt(self) -> list[int]:
+        return self.request.prompt_token_ids
+
+    @property
+    def params(self) -> SamplingParams:
+        return self.request.params
+
+    def _since_arrival(self) -> float:
+        """Seconds since the request arrived (vLLM's latencies count from there; a resumption keeps it)."""
+        return time.time() - self.request.arrival_time
 
     @property
     def finished(self) -> bool:
@@ -323,8 +293,8 @@ class Run:
         except BaseException:
             self.cancel()
             raise
-        self._first_output_s = time.perf_counter() - self._started
-        if self.pooling is not None:  # its whole latency: no first token to time
+        self._first_output_s = self._since_arrival()
+        if self.request.pooling is not None:  # its whole latency: no first token to time
             await self._take_embedding(self._first)
             return
         self._metrics.ttft.observe(self._first_output_s)
@@ -332,7 +302,7 @@ class Run:
     async def _take_embedding(self, message) -> None:
         """An embedding request is done with its first output."""
         self._done, self._recorded = [True], True
-        self._metrics.finish(len(self.prompt), 0, time.perf_counter() - self._started, None, 1,
+        self._metrics.finish(len(self.prompt), 0, self._since_arrival(), None, 1,
                              ["stop" if message is not None and message.embedding else "abort"])
         if message is not None and message.num_cached_tokens:
             self.cached_tokens = min(message.num_cached_tokens, len(self.prompt))
@@ -370,8 +340,8 @@ class Run:
             # A sequence that did not end (the client went away) was aborted.
             reasons = self.finish_reasons + ["abort"] * (len(self._done) - len(self.finish_reasons))
             self._recorded = True
-            self._metrics.finish(len(self.prompt), self.completion_tokens, time.perf_counter() - self._started,
-                                 first, self.params.n, reasons)
+            self._metrics.finish(len(self.prompt), self.completion_tokens, self._since_arrival(), first,
+                                 self.params.n, reasons)
 
     def _observe_inter_token_latency(self, index: int) -> None:
         """The time since the sequence's previous tokens came (vLLM's inter-token latency; beam search reports
@@ -410,19 +380,18 @@ class Run:
     def _take_stream(self, stream: SubmitStream) -> None:
         self._stream = stream
 
-    def _resubmission(self) -> Resubmission:
-        """Once any token came, the unfinished sequences carry on after theirs (the prompt's logprobs
-        came before them); until then the request starts over."""
-        resumption, params = None, self.params
-        if any(self._outputs):
-            resumption = Resumption({i: list(out) for i, out in enumerate(self._outputs) if not self._done[i]})
-            params = replace(params, prompt_logprobs=None)
-        return Resubmission(self.request_id, self.prompt, params, self._cache_salt, resumption, self.lora, self.pooling)
+    def _resubmission(self) -> EngineRequest:
+        """The request again: once any token came, its unfinished sequences carry on after theirs (the
+        prompt's logprobs came before them); until then it starts over."""
+        if not any(self._outputs):
+            return self.request
+        resumption = Resumption({i: list(out) for i, out in enumerate(self._outputs) if not self._done[i]})
+        return replace(self.request, resumption=resumption, params=replace(self.params, prompt_logprobs=None))
 
     def _apply(self, message) -> SeqDelta | None:
         # Every streamed token comes through here: each protobuf field is read once.
         index = message.seq_index
-        params = self.params
+        params = self.request.params
         if params.prompt_logprobs is not None and message.prompt_logprobs:
             positions = message.prompt_logprobs
             if self._skip_prompt_logprobs:
@@ -578,10 +547,13 @@ class Generator:
         adapters = adapters_for((name, *self.model_aliases), self.lora_modules, info.max_loras)
         log.info("model ready", model=name, path=info.model, max_model_len=info.max_model_len,
                  lora_adapters=sorted(adapters))
-        return Model(name, info.max_model_len, info.vocab_size, info.max_logprobs, tokenizer, info.max_num_seqs,
-                     self.tool_parser, tuple(info.eos_token_ids), adapters, self.trust_request_chat_template,
-                     PoolerConfig.from_proto(info.pooler) if info.HasField("pooler") else None, self.reasoning_parser,
-                     self.model_aliases, path=info.model, return_tokens_as_token_ids=self.return_tokens_as_token_ids)
+        return Model(name=name, max_model_len=info.max_model_len, vocab_size=info.vocab_size,
+                     max_logprobs=info.max_logprobs, tokenizer=tokenizer, max_num_seqs=info.max_num_seqs,
+                     tool_parser=self.tool_parser, eos_token_ids=tuple(info.eos_token_ids), adapters=adapters,
+                     trust_request_chat_template=self.trust_request_chat_template,
+                     pooler=PoolerConfig.from_proto(info.pooler) if info.HasField("pooler") else None,
+                     reasoning_parser=self.reasoning_parser, aliases=self.model_aliases, path=info.model,
+                     return_tokens_as_token_ids=self.return_tokens_as_token_ids, max_loras=info.max_loras)
 
     @contextlib.asynccontextmanager
     async def admitted(self, api_key: ApiKey | None = None):
@@ -618,14 +590,16 @@ class Generator:
             log.warning("rate limit store unreachable", error=str(exc))
             raise ServiceUnavailable("the rate limit store is unreachable; retry later") from exc
 
-    async def _reserve(self, admission: Admission, model: Model, prompts: list[list[int]],
-                       params: SamplingParams | None) -> None:
-        """The most the runs can use, against the key's tokens per minute (before they are submitted);
-        ``params`` None: embeddings, which use their prompts only."""
-        most = sum(map(len, prompts))
-        if params is not None:
-            most += sum(params.n * (model.max_model_len - len(p) if params.max_tokens is None else params.max_tokens)
-                        for p in prompts)
+    async def _reserve(self, admission: Admission, model: Model, requests: list[EngineRequest]) -> None:
+        """The most the runs can use, against the key's tokens per minute (before they are submitted):
+        an embedding uses its prompt only."""
+        most = 0
+        for request in requests:
+            prompt_len, params = len(request.prompt_token_ids), request.params
+            most += prompt_len
+            if request.pooling is None:
+                per_sequence = model.max_model_len - prompt_len if params.max_tokens is None else params.max_tokens
+                most += params.n * per_sequence
         admission.reservation = await self._within_limits(
             self.limiter.reserve_tokens(admission.api_key, most), admission.api_key)
 
@@ -648,40 +622,22 @@ class Generator:
         if self._charges:
             await asyncio.wait(list(self._charges), timeout=5)
 
-    async def start(self, model: Model, request_id: str, prompts: list[list[int]], params: SamplingParams,
-                    suffix_ids: bool = True, cache_salt: str | None = None,
-                    on_submit: Callable[[Run], None] | None = None, admission: Admission | None = None,
-                    lora: LoRARequest | None = None, pooling: PoolingParams | None = None) -> list[Run]:
-        """Validate every prompt, then submit them all and wait for each one's first output.
-
-        One engine request per prompt; their ids are request_id-<8 random hex digits>-<i> (or
-        request_id itself when suffix_ids is false, as the gRPC API needs to abort by the client's id).
-        on_submit gets each run as soon as it is submitted, before its first output.
-        ``pooling``: embedding requests (``params`` unused); each run's embedding is there when this returns.
-        """
-        model.check_runner(pooling)
-        if pooling is None:
-            prompts = [params.truncated(prompt, model.max_model_len) for prompt in prompts]
-            params = params.with_bad_words_tokenized(lambda word: model.encode(word, add_special_tokens=False))
-            for prompt in prompts:
-                model.check_prompt(prompt, params)
-        else:
-            prompts = [pooling.truncated(prompt, model.max_model_len) for prompt in prompts]
-            for prompt in prompts:
-                model.check_embedding_prompt(prompt)
+    async def start(self, model: Model, requests: list[EngineRequest],
+                    on_submit: Callable[[Run], None] | None = None,
+                    admission: Admission | None = None) -> list[Run]:
+        """Validate every request (one per prompt of the client's: engine_requests), then submit them all
+        and wait for each one's first output. on_submit gets each run as soon as it is submitted, before
+        its first output. An embedding request's run has its embedding when this returns."""
+        requests = [model.checked(request) for request in requests]
         if admission is not None and admission.api_key is not None:
-            await self._reserve(admission, model, prompts, params if pooling is None else None)
+            await self._reserve(admission, model, requests)
         runs: list[Run] = []
         starts: list[asyncio.Future] = []
-        # A client's X-Request-Id may repeat (a tracing header); engine ids must not.
-        unique = f"{request_id}-{uuid.uuid4().hex[:8]}" if suffix_ids else request_id
         try:
-            for i, prompt in enumerate(prompts):
-                engine_id = f"{unique}-{i}" if suffix_ids else unique
-                stream = await self.client.submit(engine_id, prompt, params, cache_salt, lora=lora, pooling=pooling)
+            for position, request in enumerate(requests):
+                stream = await self.client.submit(request)
                 try:
-                    runs.append(Run(model, stream, engine_id, prompt, params, self.metrics, position=i,
-                                    resumer=self.resumer, cache_salt=cache_salt, lora=lora, pooling=pooling))
+                    runs.append(Run(model, stream, request, self.metrics, position=position, resumer=self.resumer))
                     if on_submit is not None:
                         on_submit(runs[-1])
                 except BaseException:
@@ -696,12 +652,19 @@ class Generator:
                 if started is not None:
                     started.cancel()
             raise
-        if pooling is not None:
-            log.info("embeddings done", inputs=len(prompts), lora=lora.name if lora is not None else None,
-                     prompt_tokens=sum(map(len, prompts)))
-        else:
-            log.info("request started", prompts=len(prompts), n=params.n, max_tokens=params.max_tokens,
-                     lora=lora.name if lora is not None else None, prompt_tokens=sum(map(len, prompts)))
+        if requests:
+            _log_started(requests)
         if admission is not None:
             admission.runs = runs
         return runs
+
+
+def _log_started(requests: list[EngineRequest]) -> None:
+    """One line per client request (its engine requests differ only in their prompts)."""
+    first, prompt_tokens = requests[0], sum(len(request.prompt_token_ids) for request in requests)
+    lora = first.lora.name if first.lora is not None else None
+    if first.pooling is not None:
+        log.info("embeddings done", inputs=len(requests), lora=lora, prompt_tokens=prompt_tokens)
+    else:
+        log.info("request started", prompts=len(requests), n=first.params.n, max_tokens=first.params.max_tokens,
+                 lora=lora, prompt_tokens=prompt_tokens)

@@ -14,13 +14,15 @@ from services.gateway.call_ids import CallIds
 from services.gateway.classify_api import best_label
 from services.gateway.api_keys import ApiKey
 from services.gateway.auth import Authenticator, single_authorization
-from services.gateway.generation import Generator, InvalidParameter, SeqDelta, TokenLogprob, new_request_id
+from services.gateway.generation import (Generator, InvalidParameter, SeqDelta, TokenLogprob, engine_requests,
+                                        new_request_id)
 from services.gateway.prompt_bound import refuse_texts_too_long
 from shared.grpc_errors import ResourceExhausted, Unauthenticated, status_for
 from shared.logging import bind_request_id, clear_request_id, setup_logging
 from shared.proto import pagedserve_api_pb2 as api
 from shared.proto import pagedserve_api_pb2_grpc as api_grpc
 from shared.pooling import PoolingParams
+from shared.request import check_runner
 from shared.sampling_params import SamplingParams
 
 log = setup_logging("gateway")
@@ -84,8 +86,8 @@ class GenerationServicer(api_grpc.GenerationServicer):
                     if request.WhichOneof("prompt") == "text" else list(request.token_ids.ids)
                 # The engine request keeps the client's id, so Abort(request_id) reaches it.
                 salt = request.cache_salt if request.HasField("cache_salt") else None
-                (run,) = await self.gen.start(model, engine_id, [prompt], params, suffix_ids=False, cache_salt=salt,
-                                              on_submit=call.attach, admission=admission, lora=lora)
+                requests = engine_requests(engine_id, [prompt], unique=False, params=params, cache_salt=salt, lora=lora)
+                (run,) = await self.gen.start(model, requests, on_submit=call.attach, admission=admission)
                 try:
                     await self._stream(context, request_id, run)
                 finally:
@@ -168,11 +170,12 @@ class GenerationServicer(api_grpc.GenerationServicer):
                 model = await self.gen.model()
                 lora = model.resolve(request.model)
                 pooling = _pooling_params(request, task)
-                model.check_runner(pooling)
+                check_runner(pooling, model.limits)
                 prompts = await asyncio.to_thread(_pooling_inputs, model, request)
-                runs = await self.gen.start(model, _engine_id(api_key, request_id), prompts, SamplingParams(),
-                                            cache_salt=request.cache_salt if request.HasField("cache_salt") else None,
-                                            admission=admission, lora=lora, pooling=pooling)
+                salt = request.cache_salt if request.HasField("cache_salt") else None
+                requests = engine_requests(_engine_id(api_key, request_id), prompts, cache_salt=salt, lora=lora,
+                                           pooling=pooling)
+                runs = await self.gen.start(model, requests, admission=admission)
             usage = api.Usage(prompt_tokens=sum(len(run.prompt) for run in runs),
                               cached_prompt_tokens=sum(run.cached_tokens for run in runs))
             return answer(request_id, model, lora, runs, usage)

@@ -15,7 +15,8 @@ from collections.abc import AsyncIterator
 from contextlib import AsyncExitStack
 
 from services.gateway.api_keys import ApiKey
-from services.gateway.generation import Generator, InvalidParameter, Model, Run, SeqDelta, TokenLogprob, merge
+from services.gateway.generation import (Generator, InvalidParameter, Model, Run, SeqDelta, TokenLogprob,
+                                        engine_requests, merge)
 from services.gateway.logprob_format import chat_logprobs, completion_logprobs
 from services.gateway.protocol import ChatCompletionRequest, CompletionRequest, template_messages
 from services.gateway.tool_calls import tool_call
@@ -45,8 +46,8 @@ async def _answer(gen: Generator, body, request_id: str, api_key: ApiKey | None,
             # Off the event loop: a megabyte prompt takes seconds to tokenize (or render and tokenize),
             # and every other stream would wait that long (the tokenizer lets go of the GIL).
             prompts, texts = await asyncio.to_thread(reply_class.prompts, model, body)
-            runs = await gen.start(model, request_id, prompts, params, cache_salt=body.cache_salt, admission=admission,
-                                   lora=lora)
+            runs = await gen.start(model, engine_requests(request_id, prompts, params=params,
+                                                          cache_salt=body.cache_salt, lora=lora), admission=admission)
         except InvalidParameter as exc:
             raise body.public_error(exc) from None
         reply = reply_class(model, body, reply_class.response_id(request_id), runs, texts)
@@ -94,7 +95,7 @@ class _Reply:
     def __init__(self, model: Model, body, response_id: str, runs: list[Run], prompt_texts: list[str]):
         self.model, self.body, self.id, self.runs, self.prompt_texts = model, body, response_id, runs, prompt_texts
         # The name the client asked for: the model's, or the adapter's it runs with.
-        self.model_name = runs[0].lora.name if runs and runs[0].lora is not None else model.name
+        self.model_name = runs[0].request.lora.name if runs and runs[0].request.lora is not None else model.name
         self.n = body.n
         self.created = int(time.time())
         self.slot = AsyncExitStack()

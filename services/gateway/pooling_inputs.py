@@ -10,12 +10,12 @@ import asyncio
 from pydantic import BaseModel, ConfigDict, field_validator
 
 from services.gateway.api_keys import ApiKey
-from services.gateway.generation import Generator, InvalidParameter, Model, Run
+from services.gateway.generation import Generator, InvalidParameter, Model, Run, engine_requests
 from services.gateway.protocol import ChatMessage
 from services.gateway.tokenizer_api import encode_chat_body
 from shared.lora import LoRARequest
 from shared.pooling import PoolingParams
-from shared.sampling_params import SamplingParams
+from shared.request import check_runner
 
 
 class PoolingRequest(BaseModel):
@@ -74,10 +74,11 @@ async def pool_inputs(gen: Generator, body: PoolingRequest, pooling: PoolingPara
     async with gen.admitted(api_key) as admission:
         model = await gen.model()
         lora = model.resolve(body.model)
-        model.check_runner(pooling)  # before tokenizing: a model of the other task would tokenize for nothing
+        # Before tokenizing: a model of the other task would tokenize for nothing.
+        check_runner(pooling, model.limits)
         prompts = await asyncio.to_thread(body.encode, model)  # off the event loop, as for generation
-        runs = await gen.start(model, request_id, prompts, SamplingParams(), cache_salt=body.cache_salt,
-                               admission=admission, lora=lora, pooling=pooling)
+        runs = await gen.start(model, engine_requests(request_id, prompts, cache_salt=body.cache_salt, lora=lora,
+                                                      pooling=pooling), admission=admission)
     return model, lora, runs
 
 

@@ -27,11 +27,8 @@ from services.gateway.metrics import GatewayMetrics
 from services.gateway.scheduler_client import SessionLost, SubmitStream
 from services.gateway.scheduler_pool import SchedulerPool
 from shared.grpc_errors import AlreadyExists, ServiceUnavailable
-from shared.lora import LoRARequest
-from shared.pooling import PoolingParams
 from shared.logging import setup_logging
-from shared.resumption import Resumption
-from shared.sampling_params import SamplingParams
+from shared.request import EngineRequest
 
 log = setup_logging("gateway")
 
@@ -52,18 +49,6 @@ class ResumePolicy:
             raise ValueError(f"the resume timeout must be positive, got {self.timeout_s!r}")
 
 
-@dataclass
-class Resubmission:
-    """What a run sends again: its request as first submitted, and its sequences' outputs so far."""
-    request_id: str
-    prompt: list[int]
-    params: SamplingParams
-    cache_salt: str | None
-    resumption: Resumption | None  # None: nothing was generated yet, the request starts over
-    lora: LoRARequest | None = None  # the adapter it runs with
-    pooling: PoolingParams | None = None  # an embedding request's (it always starts over: it has one output)
-
-
 class Resumer:
     def __init__(self, pool: SchedulerPool, policy: ResumePolicy, metrics: GatewayMetrics):
         self.pool, self.policy, self.metrics = pool, policy, metrics
@@ -72,9 +57,10 @@ class Resumer:
     def may_resume(self, error: BaseException, resumes_so_far: int) -> bool:
         return isinstance(error, SessionLost) and not self.stopping and resumes_so_far < self.policy.max_resumes
 
-    async def resubmit(self, request: Resubmission, lost: SessionLost, resumes_left: int,
+    async def resubmit(self, request: EngineRequest, lost: SessionLost, resumes_left: int,
                        on_stream: Callable[[SubmitStream], None], aborted: Callable[[], bool]):
-        """Submit the request again until a scheduler answers it: (its first output, or None if it
+        """Submit the request again (its resumption: its sequences' outputs so far; none, while nothing
+        was generated: it starts over) until a scheduler answers it: (its first output, or None if it
         ended at once or was aborted meanwhile; the resumes this took). Each submission a scheduler
         took and then lost again counts as one more (at most resumes_left in all); one that was not
         reachable or refused is only tried again. on_stream gets each new stream as soon as it is
@@ -89,10 +75,7 @@ class Resumer:
             attempts += 1
             try:
                 # First elsewhere, if there is an elsewhere; then wherever the pool's health poll says.
-                stream = await self.pool.submit(request.request_id, request.prompt, request.params,
-                                                request.cache_salt, request.resumption,
-                                                avoid=lost.address if attempts == 1 else None, lora=request.lora,
-                                                pooling=request.pooling)
+                stream = await self.pool.submit(request, avoid=lost.address if attempts == 1 else None)
                 on_stream(stream)
                 if aborted():
                     stream.abort()  # the client's Abort came while this was being submitted

@@ -21,14 +21,11 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from shared.columns import merge_by_position
 from shared.grpc_errors import ServiceUnavailable, error_for_code, error_from_status, status_from_int
-from shared.lora import LoRARequest
-from shared.pooling import PoolingParams
 from shared.logging import setup_logging
 from shared.proto import pagedserve_api_pb2 as api
 from shared.proto import pagedserve_internal_pb2 as wire
 from shared.proto import pagedserve_internal_pb2_grpc as wire_grpc
-from shared.resumption import Resumption
-from shared.sampling_params import SamplingParams
+from shared.request import EngineRequest
 
 CHANNEL_OPTIONS = [
     ("grpc.max_receive_message_length", 64 << 20),
@@ -313,21 +310,14 @@ class SchedulerClient:
         except grpc.aio.AioRpcError as exc:
             raise _domain_error(exc, self.address) from None
 
-    async def submit(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-                     cache_salt: str | None = None, resumption: Resumption | None = None,
-                     lora: LoRARequest | None = None, pooling: PoolingParams | None = None) -> SubmitStream:
-        """``pooling``: an embedding request (its one output carries the embedding)."""
+    async def submit(self, request: EngineRequest) -> SubmitStream:
+        """Its outputs as they come (an embedding request's one output carries the embedding)."""
         if self._refusing is not None:
             raise self._refusing
         await self._connected()
         if self._session is None or self._session.closed:  # first use, or the scheduler restarted
             self._session = Session(self._stub, self.address, self.idle_timeout_s)
-        request = wire.EngineRequest(request_id=request_id, prompt_token_ids=prompt_token_ids,
-                                     params=params.to_proto(), cache_salt=cache_salt,
-                                     resumed=resumption.to_proto() if resumption is not None else (),
-                                     lora=lora.to_proto() if lora is not None else None,
-                                     pooling=pooling.to_proto() if pooling is not None else None)
-        return self._session.submit(request)
+        return self._session.submit(request.to_proto())
 
     @property
     def num_in_flight(self) -> int:

@@ -26,12 +26,10 @@ import hashlib
 
 from services.gateway.scheduler_client import SchedulerClient, SubmitStream
 from shared.grpc_errors import ServiceUnavailable
-from shared.lora import LoRARequest, prefix_cache_extra
-from shared.pooling import PoolingParams
+from shared.lora import prefix_cache_extra
 from shared.logging import setup_logging
 from shared.proto import pagedserve_internal_pb2 as wire
-from shared.resumption import Resumption
-from shared.sampling_params import SamplingParams
+from shared.request import EngineRequest
 
 log = setup_logging("gateway")
 
@@ -68,8 +66,7 @@ class SchedulerPool:
 
     # --- choosing ------------------------------------------------------------------------------------
 
-    def candidates(self, prompt_token_ids: list[int], cache_salt: str | None,
-                   lora: LoRARequest | None = None) -> list[SchedulerClient]:
+    def candidates(self, request: EngineRequest) -> list[SchedulerClient]:
         """The schedulers to try for a request, best first (the rule above)."""
         if len(self.clients) == 1:
             return self.clients
@@ -78,7 +75,7 @@ class SchedulerPool:
         resting = sorted((c for c in usable if not self._serving[c.address]), key=lambda c: c.num_in_flight)
         if not serving:
             return resting
-        key = _affinity_key(prompt_token_ids, cache_salt, lora)
+        key = _affinity_key(request)
         by_hash = sorted(serving, key=lambda c: _score(c.address, key), reverse=True)
         least = min(c.num_in_flight for c in serving)
         preferred = by_hash[0]
@@ -87,18 +84,13 @@ class SchedulerPool:
         rest = sorted((c for c in serving if c is not preferred), key=lambda c: c.num_in_flight)
         return [preferred, *rest, *resting]
 
-    async def submit(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-                     cache_salt: str | None = None, resumption: Resumption | None = None,
-                     avoid: str | None = None, lora: LoRARequest | None = None,
-                     pooling: PoolingParams | None = None) -> SubmitStream:
+    async def submit(self, request: EngineRequest, avoid: str | None = None) -> SubmitStream:
         """avoid: a scheduler to try last (the one a resumed request was just lost at: it may be hung
         without the health poll knowing yet)."""
         error: Exception | None = None
-        candidates = self.candidates(prompt_token_ids, cache_salt, lora)
-        for client in sorted(candidates, key=lambda c: c.address == avoid):  # (stable: the order stays)
+        for client in sorted(self.candidates(request), key=lambda c: c.address == avoid):  # (stable: the order stays)
             try:
-                return await client.submit(request_id, prompt_token_ids, params, cache_salt, resumption, lora=lora,
-                                           pooling=pooling)
+                return await client.submit(request)
             except ServiceUnavailable as exc:  # not reachable: nothing was sent, so the next one may take it
                 if len(self.clients) > 1:
                     self._serving[client.address] = False
@@ -198,10 +190,10 @@ class SchedulerPool:
             self._excluded[address] = why
 
 
-def _affinity_key(prompt_token_ids: list[int], cache_salt: str | None, lora: LoRARequest | None = None) -> bytes:
+def _affinity_key(request: EngineRequest) -> bytes:
     """What the scheduler's prefix cache keys blocks by: requests that could share blocks go to one scheduler."""
-    head = array.array("q", prompt_token_ids[:AFFINITY_TOKENS]).tobytes()
-    return head + prefix_cache_extra(cache_salt, lora)
+    head = array.array("q", request.prompt_token_ids[:AFFINITY_TOKENS]).tobytes()
+    return head + prefix_cache_extra(request.cache_salt, request.lora)
 
 
 def _score(address: str, key: bytes) -> bytes:

@@ -15,9 +15,9 @@ import numpy as np
 from pydantic import BaseModel, ConfigDict, field_validator
 
 from services.gateway.api_keys import ApiKey
-from services.gateway.generation import Generator, InvalidParameter
+from services.gateway.generation import Generator, InvalidParameter, engine_requests
 from shared.pooling import PoolingParams, check_cross_encoder, score_pairs, token_limit
-from shared.sampling_params import SamplingParams
+from shared.request import check_runner
 
 
 class ScoreRequest(BaseModel):
@@ -98,14 +98,14 @@ async def _scores(gen: Generator, body: ScoreRequest | RerankRequest, first: lis
                 pooling = PoolingParams(truncate_prompt_tokens=body.truncate_prompt_tokens, task="embed")
         except ValueError as exc:
             raise InvalidParameter.from_params_error(exc) from None
-        model.check_runner(pooling)
+        check_runner(pooling, model.limits)
         if cross_encoder:
             prompts = await asyncio.to_thread(lambda: [model.encode_pair(a, b, limit) for a, b in zip(first, second)])
         else:
             distinct = list(dict.fromkeys(first + second))
             prompts = await asyncio.to_thread(lambda: [model.encode_input(t) for t in distinct])  # off the event loop
-        runs = await gen.start(model, request_id, prompts, SamplingParams(), cache_salt=body.cache_salt,
-                               admission=admission, lora=lora, pooling=pooling)
+        runs = await gen.start(model, engine_requests(request_id, prompts, cache_salt=body.cache_salt, lora=lora,
+                                                      pooling=pooling), admission=admission)
     tokens = sum(len(run.prompt) for run in runs)
     if cross_encoder:
         return model.answer_name(lora), [run.embedding[0] for run in runs], tokens

@@ -18,9 +18,7 @@ from services.scheduler.scheduler import Scheduler, SchedulerLimits
 from services.scheduler.sequence import Sequence, SequenceUpdate
 from services.scheduler.stats import EngineStats
 from shared.grpc_errors import AlreadyExists
-from shared.lora import LoRARequest
-from shared.pooling import PoolingParams
-from shared.resumption import Resumption
+from shared.request import EngineRequest, RequestLimits, max_output_tokens, validate
 from shared.sampling_params import SamplingParams
 from shared.step_protocol import StepPlan, WorkerInfo
 
@@ -55,41 +53,40 @@ class EngineCore:
         self._arrivals = itertools.count()
         self._in_flight: deque[InFlightStep] = deque()  # submitted, results not applied yet; oldest first
         self._last_done = 0.0  # perf_counter when the last result was applied
+        # What validate holds each request to at admission.
+        self.request_limits = RequestLimits(
+            max_model_len=self.info.max_model_len, vocab_size=self.info.vocab_size, max_logprobs=max_logprobs,
+            max_num_seqs=limits.max_num_seqs, eos_token_ids=self.info.eos_token_ids, max_loras=self.info.max_loras,
+            pooler=self.info.pooler)
 
     # --- admission ----------------------------------------------------------------------------------
 
-    def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-                    cache_salt: str | None = None, resumption: Resumption | None = None,
-                    lora: LoRARequest | None = None, pooling: PoolingParams | None = None) -> int:
-        """Admit a request (ValueError if it could never run); returns how many sequences it runs,
-        each of which ends with a finish reason. A resumption runs only the sequences it names, each
-        carrying on after its earlier output (recomputed like a sequence preempted by recompute).
-        ``lora``: the adapter it runs with (its request fails if the worker cannot load it).
-        ``pooling``: an embedding request (a pooling engine's only kind): ``params`` are not used, and its
-        one sequence ends with an update that carries the embedding."""
-        if lora is not None and not self.info.max_loras:
-            raise ValueError(f"LoRA adapter {lora.name!r} was asked for, but LoRA is not enabled: start the "
-                             "worker with --enable-lora (LLM(enable_lora=True))")
-        if pooling is not None or self.info.pooler is not None:
-            self._add_pooling_request(request_id, prompt_token_ids, pooling, cache_salt, lora)
+    def add_request(self, request: EngineRequest) -> int:
+        """Admit a request (ValueError if it could never run; AlreadyExists for an id in flight); returns how
+        many sequences it runs, each of which ends with a finish reason. A resumption runs only the sequences
+        it names, each carrying on after its earlier output (recomputed like a sequence preempted by
+        recompute). An embedding request (``pooling``, a pooling engine's only kind) has one sequence, which
+        ends with an update that carries the embedding."""
+        if request.request_id in self._requests:
+            raise AlreadyExists(f"request id {request.request_id!r} is already in use")
+        validate(request, self.request_limits)
+        if request.pooling is not None:
+            self._add_pooling_request(request)
             return 1
-        self._validate(request_id, prompt_token_ids, params, cache_salt)
-        max_output = self.info.max_model_len - len(prompt_token_ids)
-        if params.max_tokens is not None:
-            max_output = min(max_output, params.max_tokens)
-        if resumption is not None:
-            self._check_resumption(resumption, prompt_token_ids, params, max_output)
+        params, prompt_len = request.params, len(request.prompt_token_ids)
+        self._check_blocks_suffice(prompt_len, params)
+        max_output = max_output_tokens(prompt_len, params, self.info.max_model_len)
         arrival = next(self._arrivals)
         if params.use_beam_search:
-            self._add_beam_request(request_id, prompt_token_ids, params, max_output, arrival, cache_salt, lora)
+            self._add_beam_request(request, max_output, arrival)
             return params.n
+        resumption = request.resumption
         indexes = range(params.n) if resumption is None else sorted(resumption.outputs)
-        seqs = [Sequence(next(self._seq_ids), request_id, i, list(prompt_token_ids), params, max_output, arrival,
-                         cache_salt, lora) for i in indexes]
+        seqs = [Sequence(next(self._seq_ids), request, i, max_output, arrival) for i in indexes]
         for seq in seqs:
             seq.siblings = seqs
             self._seqs[seq.seq_id] = seq
-        self._requests[request_id] = seqs
+        self._requests[request.request_id] = seqs
         if resumption is not None:  # each has its own tokens: no sibling forks from another
             for seq in seqs:
                 seq.output_token_ids = list(resumption.outputs[seq.index])
@@ -100,112 +97,48 @@ class EngineCore:
         self.scheduler.add(seqs[0])
         return len(seqs)
 
-    def _check_resumption(self, resumption: Resumption, prompt: list[int], params: SamplingParams,
-                          max_output: int) -> None:
-        if params.use_beam_search:
-            raise ValueError("a beam search cannot be resumed (its beams are chosen at its end): submit it again")
-        for index, output in resumption.outputs.items():
-            if index >= params.n:
-                raise ValueError(f"resumed sequence {index} is not one of the request's n={params.n}")
-            bad = next((t for t in output if not 0 <= t < self.info.vocab_size), None)
-            if bad is not None:
-                raise ValueError(f"resumed sequence {index}'s token id {bad} is outside the vocabulary "
-                                 f"[0, {self.info.vocab_size})")
-            if len(output) >= max_output:
-                raise ValueError(f"resumed sequence {index} has {len(output)} output tokens already, as many as "
-                                 f"it may have ({max_output}): it had finished")
-
-    def _add_beam_request(self, request_id: str, prompt: list[int], params: SamplingParams, max_output: int,
-                          arrival: int, cache_salt: str | None, lora: LoRARequest | None) -> None:
-        """One sequence to start with; the beams fork from it as the search goes."""
-        stops = set(params.stop_token_ids) | (set() if params.ignore_eos else set(self.info.eos_token_ids))
-        group = BeamGroup(params.num_beams, stops, max_output, params.length_penalty, params.early_stopping,
-                          params.logprobs)
-        seq = Sequence(next(self._seq_ids), request_id, 0, list(prompt), params, max_output, arrival, cache_salt,
-                       lora)
-        # The worker returns the top candidates of the raw distribution; the group chooses.
-        seq.worker_params = SamplingParams(temperature=0, logprobs=max(group.num_candidates, params.logprobs or 0),
-                                           max_tokens=None, ignore_eos=True)
-        seq.beam_group = group
-        group.start(seq.seq_id)
-        self._requests[request_id] = seq.siblings
-        self._seqs[seq.seq_id] = seq
-        self.scheduler.add(seq)
-
-    def _add_pooling_request(self, request_id: str, prompt: list[int], pooling: PoolingParams | None,
-                             cache_salt: str | None, lora: LoRARequest | None) -> None:
-        """One sequence that computes its prompt and ends with its embedding (no output token: the prompt
-        may fill the whole context)."""
-        pooler = self.info.pooler
-        if pooler is None:
-            kind = "class scores" if pooling is not None and pooling.task == "classify" else "embeddings"
-            raise ValueError(f"this model generates text and serves no {kind}: start its worker with "
-                             "--runner pooling (LLM(runner='pooling')) for a pooling model")
-        if pooling is None:
-            served = "class scores only (/classify, LLM.classify)" if pooler.classifies else \
-                "embeddings only (/v1/embeddings, LLM.embed)"
-            raise ValueError(f"this model is a pooling model (runner 'pooling'): it serves {served}, not generation")
-        self._check_request(request_id, prompt, cache_salt)
-        pooling.check_fits(pooler)
-        if len(prompt) > self.info.max_model_len:
-            raise ValueError(f"the prompt has {len(prompt)} tokens, but the context length is "
-                             f"{self.info.max_model_len}")
-        needed = self.scheduler.blocks.blocks_for(len(prompt))
-        if needed > self.info.num_kv_blocks:
-            raise ValueError(f"the prompt needs {needed} KV blocks, but the cache has only {self.info.num_kv_blocks}: "
-                             "it could never run")
-        # One output, the embedding: max_output_tokens 1 makes the step that ends the prompt its last.
-        seq = Sequence(next(self._seq_ids), request_id, 0, list(prompt), _POOLING_PARAMS, 1, next(self._arrivals),
-                       cache_salt, lora, pooling, whole_prompt=pooler.needs_every_token)
-        self._requests[request_id] = seq.siblings
-        self._seqs[seq.seq_id] = seq
-        self.scheduler.add(seq)
-
-    def _check_request(self, request_id: str, prompt: list[int], cache_salt: str | None) -> None:
-        """What every request must be: a new id, a salt that is not empty, a prompt of in-vocabulary ids."""
-        if request_id in self._requests:
-            raise AlreadyExists(f"request id {request_id!r} is already in use")
-        if not prompt:
-            raise ValueError("the prompt is empty: give at least one token")
-        if cache_salt is not None and not cache_salt:
-            raise ValueError("cache_salt must not be empty: leave it out for no salt")
-        vocab_size = self.info.vocab_size
-        bad = [t for t in prompt if not isinstance(t, int) or not 0 <= t < vocab_size]
-        if bad:
-            raise ValueError(f"prompt token id {bad[0]!r} is outside the vocabulary [0, {vocab_size})")
-
-    def _validate(self, request_id: str, prompt: list[int], params: SamplingParams, cache_salt: str | None) -> None:
-        info = self.info
-        params.check_sequences_fit(self.scheduler.limits.max_num_seqs)
-        self._check_request(request_id, prompt, cache_salt)
-        if (outside := params.token_id_outside(info.vocab_size)) is not None:
-            name, bad = outside
-            raise ValueError(f"token id {bad} in {name} is outside the vocabulary [0, {info.vocab_size})")
-        params.check_truncation_fits(info.max_model_len)
-        params.check_a_token_allowed(info.eos_token_ids)
-        if len(prompt) >= info.max_model_len:
-            raise ValueError(f"the prompt has {len(prompt)} tokens, but the context length is "
-                             f"{info.max_model_len}: it must be shorter to leave room for one output token")
-        if params.max_tokens is not None and len(prompt) + params.max_tokens > info.max_model_len:
-            raise ValueError(f"prompt ({len(prompt)} tokens) + max_tokens ({params.max_tokens}) exceeds the "
-                             f"context length of {info.max_model_len} tokens")
-        if len(prompt) + params.min_tokens > info.max_model_len:
-            raise ValueError(f"prompt ({len(prompt)} tokens) + min_tokens ({params.min_tokens}) exceeds the "
-                             f"context length of {info.max_model_len} tokens")
-        for name in ("logprobs", "prompt_logprobs"):
-            value = getattr(params, name)
-            if value is not None and value > self.max_logprobs:
-                raise ValueError(f"{name}={value} exceeds the maximum of {self.max_logprobs}")
-        # One sequence at a time must fit: siblings that do not fit beside it are preempted and
-        # run after it (the oldest sequence always advances), so n does not multiply the need. With a
-        # sliding window on every layer and chunked prefill, a sequence holds only its window's blocks.
-        longest = len(prompt) + (params.max_tokens or info.max_model_len - len(prompt))
-        limits = self.scheduler.limits
+    def _check_blocks_suffice(self, prompt_len: int, params: SamplingParams) -> None:
+        """One sequence at a time must fit: siblings that do not fit beside it are preempted and run after it
+        (the oldest sequence always advances), so n does not multiply the need. With a sliding window on every
+        layer and chunked prefill, a sequence holds only its window's blocks."""
+        info, limits = self.info, self.scheduler.limits
+        longest = prompt_len + (params.max_tokens or info.max_model_len - prompt_len)
         needed = self.scheduler.blocks.most_blocks_held(
             longest, limits.max_num_batched_tokens if limits.enable_chunked_prefill else None)
         if needed > info.num_kv_blocks:
             raise ValueError(f"the request can grow to {longest} tokens, needing {needed} KV blocks at once, but "
                              f"the cache has only {info.num_kv_blocks}: it could never run")
+
+    def _add_beam_request(self, request: EngineRequest, max_output: int, arrival: int) -> None:
+        """One sequence to start with; the beams fork from it as the search goes."""
+        params = request.params
+        stops = set(params.stop_token_ids) | (set() if params.ignore_eos else set(self.info.eos_token_ids))
+        group = BeamGroup(params.num_beams, stops, max_output, params.length_penalty, params.early_stopping,
+                          params.logprobs)
+        seq = Sequence(next(self._seq_ids), request, 0, max_output, arrival)
+        # The worker returns the top candidates of the raw distribution; the group chooses.
+        seq.worker_params = SamplingParams(temperature=0, logprobs=max(group.num_candidates, params.logprobs or 0),
+                                           max_tokens=None, ignore_eos=True)
+        seq.beam_group = group
+        group.start(seq.seq_id)
+        self._requests[request.request_id] = seq.siblings
+        self._seqs[seq.seq_id] = seq
+        self.scheduler.add(seq)
+
+    def _add_pooling_request(self, request: EngineRequest) -> None:
+        """One sequence that computes its prompt and ends with its embedding (no output token: the prompt
+        may fill the whole context)."""
+        prompt_len = len(request.prompt_token_ids)
+        needed = self.scheduler.blocks.blocks_for(prompt_len)
+        if needed > self.info.num_kv_blocks:
+            raise ValueError(f"the prompt needs {needed} KV blocks, but the cache has only {self.info.num_kv_blocks}: "
+                             "it could never run")
+        # One output, the embedding: max_output_tokens 1 makes the step that ends the prompt its last.
+        seq = Sequence(next(self._seq_ids), request, 0, 1, next(self._arrivals), params=_POOLING_PARAMS,
+                       whole_prompt=self.info.pooler.needs_every_token)
+        self._requests[request.request_id] = seq.siblings
+        self._seqs[seq.seq_id] = seq
+        self.scheduler.add(seq)
 
     def abort_request(self, request_id: str) -> None:
         seqs = self._requests.pop(request_id, None)

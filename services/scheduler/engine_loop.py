@@ -22,10 +22,7 @@ from services.scheduler.sequence import SequenceUpdate
 from services.scheduler.session import RequestError, Session, SessionBatch
 from shared.grpc_errors import ServiceUnavailable
 from shared.logging import setup_logging
-from shared.lora import LoRARequest
-from shared.pooling import PoolingParams
-from shared.resumption import Resumption
-from shared.sampling_params import SamplingParams
+from shared.request import EngineRequest
 
 log = setup_logging("scheduler")
 
@@ -34,6 +31,14 @@ log = setup_logging("scheduler")
 # often, outputs or not: a gateway takes a silent scheduler for hung (--backend-timeout), and a
 # request queued behind others, or a beam search (whose beams come at its end), has nothing to say.
 HEARTBEAT_S = 1.0
+
+
+@dataclass(slots=True)
+class _Submission:
+    """A request on its way to admission, from a session's stream (refused on it if the loop stops first)."""
+    session: Session
+    key: int  # the request's key in its session
+    request: EngineRequest
 
 
 @dataclass
@@ -74,15 +79,12 @@ class EngineLoop:
             self._check_open()
             self._sessions.add(session)
 
-    def submit(self, session: Session, key: int, request_id: str, prompt_token_ids: list[int],
-               params: SamplingParams, cache_salt: str | None = None, resumption: Resumption | None = None,
-               lora: LoRARequest | None = None, pooling: PoolingParams | None = None) -> None:
+    def submit(self, session: Session, key: int, request: EngineRequest) -> None:
         """Queue a request for admission; a refusal arrives on the session as a RequestError."""
         if self.refusing is not None:
             session.refuse(key, ServiceUnavailable(self.refusing))
             return
-        self._post(None, self._add, session, key, request_id, prompt_token_ids, params, cache_salt, resumption, lora,
-                   pooling)
+        self._put(_Submission(session, key, request))
 
     def abort_soon(self, session: Session, key: int) -> None:
         """Abort one of the session's own requests, without waiting (a session's abort message)."""
@@ -142,9 +144,13 @@ class EngineLoop:
         return future.result(timeout=60)
 
     def _post(self, future: Future | None, fn, *args) -> None:
+        self._put((future, fn, args))
+
+    def _put(self, item: _Submission | tuple) -> None:
+        """Into the inbox: a submission, or (future or None, a function the loop thread calls, its args)."""
         with self._lock:
             self._check_open()
-            self._inbox.put((future, fn, args))
+            self._inbox.put(item)
 
     def _check_open(self) -> None:
         if self._failed is not None:
@@ -154,24 +160,23 @@ class EngineLoop:
 
     # --- the loop thread ------------------------------------------------------------------------------
 
-    def _add(self, session: Session, key: int, request_id: str, prompt_token_ids: list[int],
-             params: SamplingParams, cache_salt: str | None, resumption: Resumption | None,
-             lora: LoRARequest | None, pooling: PoolingParams | None) -> None:
+    def _add(self, submission: _Submission) -> None:
+        session, key, request = submission.session, submission.key, submission.request
         try:
-            num_seqs = self.engine.add_request(request_id, prompt_token_ids, params, cache_salt, resumption, lora,
-                                               pooling)
+            num_seqs = self.engine.add_request(request)
         except Exception as exc:  # refused at admission: tell the gateway, keep serving
             session.refuse(key, exc)
             return
+        request_id, prompt_tokens = request.request_id, len(request.prompt_token_ids)
         self._requests[request_id] = _InFlight(session, key, num_seqs)
         session.requests[key] = request_id
-        if pooling is not None:
-            log.info("embedding request admitted", request_id=request_id, prompt_tokens=len(prompt_token_ids))
-        elif resumption is None:
-            log.info("request admitted", request_id=request_id, prompt_tokens=len(prompt_token_ids), n=params.n)
+        if request.pooling is not None:
+            log.info("embedding request admitted", request_id=request_id, prompt_tokens=prompt_tokens)
+        elif request.resumption is None:
+            log.info("request admitted", request_id=request_id, prompt_tokens=prompt_tokens, n=request.params.n)
         else:
-            log.info("request resumed", request_id=request_id, prompt_tokens=len(prompt_token_ids),
-                     output_tokens={i: len(t) for i, t in resumption.outputs.items()})
+            log.info("request resumed", request_id=request_id, prompt_tokens=prompt_tokens,
+                     output_tokens={i: len(t) for i, t in request.resumption.outputs.items()})
 
     def _fail_if_idle(self, reason: str) -> None:
         if not self._requests and not self.engine.num_in_flight:
@@ -300,19 +305,25 @@ class EngineLoop:
         except queue.Empty:
             return
         while item is not None:
-            future, fn, args = item
-            try:
-                result = fn(*args)
-                if future is not None:
-                    future.set_result(result)
-            except Exception as exc:  # goes back to the caller
-                if future is None:
-                    raise
-                future.set_exception(exc)
+            if isinstance(item, _Submission):
+                self._add(item)
+            else:
+                self._run_message(*item)
             try:
                 item = self._inbox.get_nowait()
             except queue.Empty:
                 return
+
+    @staticmethod
+    def _run_message(future: Future | None, fn, args) -> None:
+        try:
+            result = fn(*args)
+            if future is not None:
+                future.set_result(result)
+        except Exception as exc:  # goes back to the caller
+            if future is None:
+                raise
+            future.set_exception(exc)
 
     def _fail_inbox(self, error: Exception) -> None:
         while True:
@@ -320,16 +331,13 @@ class EngineLoop:
                 item = self._inbox.get_nowait()
             except queue.Empty:
                 return
-            if item is None:
-                continue
-            future, fn, args = item
-            if future is not None:
-                future.set_exception(error)
-            elif fn == self._add and self._failed is None:  # stopping: refuse it on its session
-                session, key = args[0], args[1]
-                session.refuse(key, error)
-            # (A submission the failed engine never took is lost with its session, which fails: the
-            # gateway then resumes it like the requests the engine held, rather than refusing it.)
+            if isinstance(item, _Submission):
+                if self._failed is None:  # stopping: refuse it on its session
+                    item.session.refuse(item.key, error)
+                # (A submission the failed engine never took is lost with its session, which fails: the
+                # gateway then resumes it like the requests the engine held, rather than refusing it.)
+            elif item is not None and item[0] is not None:
+                item[0].set_exception(error)
 
     def _route(self, updates: list[SequenceUpdate]) -> None:
         """This step's outputs, and the requests that ended, into each session's outgoing batch."""

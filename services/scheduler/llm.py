@@ -33,6 +33,7 @@ from shared.model_factory import default_model_dir
 from shared.outputs import (ClassificationOutput, ClassificationRequestOutput, EmbeddingOutput, EmbeddingRequestOutput,
                             PoolingOutput, PoolingRequestOutput, RequestOutput, ScoringOutput, ScoringRequestOutput)
 from shared.pooling import PoolingParams, check_cross_encoder, score_pairs, token_limit
+from shared.request import EngineRequest, validate
 from shared.sampling_params import SamplingParams
 from shared.tokenizer import load_tokenizer, render_chat
 
@@ -99,8 +100,10 @@ class LLM:
         prompts = self._prompt_list(prompts)
         params = self._params_per_prompt(sampling_params, len(prompts))
         loras = self._loras_per_prompt(lora_request, len(prompts))
-        trackers = [self._tracker(prompt, p) for prompt, p in zip(prompts, params)]
-        self._add_all(trackers, loras)
+        requests = [self._request(prompt, p, lora) for prompt, p, lora in zip(prompts, params, loras)]
+        trackers = [RequestTracker(request.request_id, text, request.prompt_token_ids, request.params, self.tokenizer)
+                    for text, request in requests]
+        self._add_all([request for _, request in requests])
         try:
             self._run(trackers, use_tqdm)
         except BaseException:
@@ -204,25 +207,24 @@ class LLM:
         loras = self._loras_per_prompt(lora_request, len(prompts))
         pooler = self.engine.info.pooler
         requests = []
-        for prompt, p in zip(prompts, params):
+        for prompt, p, lora in zip(prompts, params, loras):
             if pooler is not None:  # sentence-transformers' do_lower_case
                 if isinstance(prompt, str):
                     prompt = pooler.text(prompt)
                 elif isinstance(prompt, dict) and isinstance(prompt.get("prompt"), str):
                     prompt = {**prompt, "prompt": pooler.text(prompt["prompt"])}
             text, token_ids = self._tokenize(prompt)
-            requests.append((str(next(self._request_ids)), text, p.truncated(token_ids, self.engine.info.max_model_len)))
-        added = []
+            token_ids = p.truncated(token_ids, self.engine.info.max_model_len)
+            requests.append((text, EngineRequest(str(next(self._request_ids)), token_ids, lora=lora, pooling=p)))
+        self._add_all([request for _, request in requests])
         try:
-            for (request_id, _, token_ids), lora, p in zip(requests, loras, params):
-                self.engine.add_request(request_id, token_ids, SamplingParams(), lora=lora, pooling=p)
-                added.append(request_id)
-            pooled = self._run_pooling({request_id for request_id, *_ in requests}, use_tqdm)
+            pooled = self._run_pooling({request.request_id for _, request in requests}, use_tqdm)
         except BaseException:
-            for request_id in added:
-                self.engine.abort_request(request_id)
+            for _, request in requests:
+                self.engine.abort_request(request.request_id)
             raise
-        return [(request_id, text, token_ids, *pooled[request_id]) for request_id, text, token_ids in requests]
+        return [(request.request_id, text, request.prompt_token_ids, *pooled[request.request_id])
+                for text, request in requests]
 
     def _run_pooling(self, request_ids: set[str], use_tqdm: bool) -> dict[str, tuple[list[float], int]]:
         """Steps until every request has its pooled output: (vector, cached prompt tokens) by request id."""
@@ -292,14 +294,17 @@ class LLM:
                              f"({count}), got {loras!r:.200}")
         return loras
 
-    def _tracker(self, prompt: PromptType, params: SamplingParams) -> RequestTracker:
+    def _request(self, prompt: PromptType, params: SamplingParams,
+                 lora: LoRARequest | None) -> tuple[str | None, EngineRequest]:
+        """(its text, its engine request) of a prompt, validated before a detokenizer per sequence is built."""
         text, token_ids = self._tokenize(prompt)
         if not isinstance(params, SamplingParams):
             raise ValueError(f"sampling_params must be SamplingParams, got {type(params).__name__}")
-        params.check_sequences_fit(self.engine.scheduler.limits.max_num_seqs)  # before a detokenizer per sequence
         token_ids = params.truncated(token_ids, self.engine.info.max_model_len)
         params = params.with_bad_words_tokenized(lambda word: self.tokenizer(word, add_special_tokens=False).input_ids)
-        return RequestTracker(str(next(self._request_ids)), text, token_ids, params, self.tokenizer)
+        request = EngineRequest(str(next(self._request_ids)), token_ids, params, lora=lora)
+        validate(request, self.engine.request_limits)
+        return text, request
 
     def _tokenize(self, prompt: PromptType) -> tuple[str | None, list[int]]:
         """(its text, its token ids) of a prompt: a string, or a dict with 'prompt' and/or 'prompt_token_ids'."""
@@ -319,16 +324,16 @@ class LLM:
             raise ValueError(f"a prompt must be a string or a dict with 'prompt' or 'prompt_token_ids', got {prompt!r}")
         return text, token_ids
 
-    def _add_all(self, trackers: list[RequestTracker], loras: list[LoRARequest | None]) -> None:
-        """All or nothing: one bad prompt leaves none of the others in the engine."""
+    def _add_all(self, requests: list[EngineRequest]) -> None:
+        """All or nothing: one refused request leaves none of the others in the engine."""
         added = []
         try:
-            for tracker, lora in zip(trackers, loras):
-                self.engine.add_request(tracker.request_id, tracker.prompt_token_ids, tracker.params, lora=lora)
-                added.append(tracker)
+            for request in requests:
+                self.engine.add_request(request)
+                added.append(request.request_id)
         except Exception:
-            for tracker in added:
-                self.engine.abort_request(tracker.request_id)
+            for request_id in added:
+                self.engine.abort_request(request_id)
             raise
 
     def _run(self, trackers: list[RequestTracker], use_tqdm: bool) -> None:

@@ -32,8 +32,7 @@ PREEMPTION_BUCKETS = (0, 1, 2, 3, 4, 5, 10, 20)  # vLLM's from 1; 0 apart, so a 
 class SequenceTimes:
     """A live sequence's times (time.monotonic(); None until they happen) and preemptions.
 
-    Kept here by seq id rather than on Sequence: its instances hold 29 attributes, and past 30
-    CPython stops sharing their dicts' keys, which slows every step by a few percent."""
+    Kept here by seq id rather than on Sequence: they are the stats' business, not the scheduler's."""
 
     __slots__ = ("queued", "scheduled", "first_token", "last_token", "num_preemptions", "num_resumed_tokens")
 
@@ -98,7 +97,7 @@ class RequestStats:
         h = self.histograms
         first = seqs[0]
         h["request_params_n"].observe(first.params.n)
-        if first.params.max_tokens is not None and first.pooling is None:
+        if first.params.max_tokens is not None and first.request.pooling is None:
             h["request_params_max_tokens"].observe(first.params.max_tokens)
         h["request_max_num_generation_tokens"].observe(max(len(s.output_token_ids) for s in seqs))
         h["request_prefill_kv_computed_tokens"].observe(len(first.prompt_token_ids) - (first.num_cached_tokens or 0))

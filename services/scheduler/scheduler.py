@@ -12,7 +12,7 @@ from services.scheduler.block_manager import NO_HIT, BlockManager, CacheHit
 from services.scheduler.preemption import choose_preemption
 from services.scheduler.request_stats import RequestStats
 from services.scheduler.sequence import Sequence, SequenceStatus, SequenceUpdate
-from shared.step_protocol import Fork, NewSequence, RunningSequence, SequenceOutput, StepPlan, StepResult
+from shared.step_protocol import Fork, NewSequence, SequenceOutput, StepPlan, StepResult, running_sequence
 
 
 @dataclass(frozen=True)
@@ -232,8 +232,8 @@ class Scheduler:
             self.swapped.remove(seq)
             seq.status, seq.table_replaced = SequenceStatus.RUNNING, True
             bisect.insort(self.running, seq, key=_by_arrival)
-            if seq.lora is not None:
-                adapters.add(seq.lora)
+            if seq.request.lora is not None:
+                adapters.add(seq.request.lora)
             self.num_swaps_in += 1
             scheduled[seq.seq_id] = num_tokens
             budget -= num_tokens
@@ -269,19 +269,19 @@ class Scheduler:
             self.waiting.remove(seq)
             seq.status = SequenceStatus.RUNNING
             bisect.insort(self.running, seq, key=_by_arrival)
-            if seq.lora is not None:
-                adapters.add(seq.lora)
+            if seq.request.lora is not None:
+                adapters.add(seq.request.lora)
             scheduled[seq.seq_id] = num_tokens
             budget -= num_tokens
         return budget
 
     def _running_adapters(self) -> set:
         """The LoRA adapters of the running sequences (empty without LoRA: nothing to count)."""
-        return {seq.lora for seq in self.running if seq.lora is not None} if self.max_loras else set()
+        return {seq.request.lora for seq in self.running if seq.request.lora is not None} if self.max_loras else set()
 
     def _adapter_fits(self, seq: Sequence, adapters: set) -> bool:
         """Rule 2 and 4's adapter limit: a step runs at most max_loras distinct adapters."""
-        return seq.lora is None or seq.lora in adapters or len(adapters) < self.max_loras
+        return seq.request.lora is None or seq.request.lora in adapters or len(adapters) < self.max_loras
 
     def num_deferred(self) -> int:
         """Waiting sequences held back by a passing limit rather than a lack of room (vLLM's "deferred"):
@@ -350,7 +350,7 @@ class Scheduler:
                     prompt_token_ids=seq.prompt_token_ids, output_token_ids=list(seq.output_token_ids),
                     sampling_params=seq.worker_params, block_table=blocks.block_table(seq.seq_id),
                     num_computed_tokens=seq.num_planned_tokens, num_scheduled_tokens=num_tokens,
-                    num_siblings=len(seq.pending_siblings), lora=seq.lora, pooling=seq.pooling))
+                    num_siblings=len(seq.pending_siblings), lora=seq.request.lora, pooling=seq.request.pooling))
                 seq.known_to_worker = True
             else:
                 # Only the blocks added since the last plan (the whole table only when it was
@@ -359,9 +359,11 @@ class Scheduler:
                 table = blocks.block_table(seq.seq_id) if seq.table_replaced else None
                 added = [] if table is not None or num_blocks == seq.num_blocks_sent else \
                     blocks.block_table(seq.seq_id, seq.num_blocks_sent)
-                plan.running.append(RunningSequence(
-                    seq.seq_id, seq.token_slice(seq.num_tokens_sent, seq_tokens), added, seq.num_planned_tokens,
-                    num_tokens + len(seq.inflight_drafts), table, seq.num_placeholders > 0, seq.inflight_drafts))
+                plan.running.append(running_sequence(
+                    seq_id=seq.seq_id, new_token_ids=seq.token_slice(seq.num_tokens_sent, seq_tokens),
+                    new_block_ids=added, num_computed_tokens=seq.num_planned_tokens,
+                    num_scheduled_tokens=num_tokens + len(seq.inflight_drafts), new_block_table=table,
+                    append_last_sample=seq.num_placeholders > 0, draft_token_ids=seq.inflight_drafts))
             seq.table_replaced = False
             seq.num_tokens_sent = seq_tokens + seq.num_placeholders
             seq.num_blocks_sent = num_blocks
@@ -390,7 +392,7 @@ class Scheduler:
                 seq.num_inflight_tokens -= num_tokens
                 seq.num_computed_tokens += num_tokens
                 # Every computed token is known: the placeholders of earlier steps are resolved.
-                if seq_id not in failed and not (seq.whole_prompt and seq.pooling is not None):
+                if seq_id not in failed and not (seq.whole_prompt and seq.request.pooling is not None):
                     cache_full_blocks(seq_id, seq.num_computed_tokens, seq.token_slice, seq.cache_extra)
                 # Indexed first: a released block stays in the prefix cache. A step already in flight
                 # starts at num_computed_tokens too, so it reads nothing released here.
@@ -429,7 +431,7 @@ class Scheduler:
 
     def _finish_pooling(self, seq: Sequence, embedding: list[float]) -> SequenceUpdate:
         """An embedding request's one output: its prompt is computed, and it is done."""
-        if seq.pooling is None:
+        if seq.request.pooling is None:
             raise ValueError(f"the worker sent an embedding for sequence {seq.seq_id}, which is no embedding request")
         self._resolve_placeholder(seq)
         self._finish(seq, SequenceStatus.FINISHED_STOPPED)
@@ -516,7 +518,7 @@ class Scheduler:
         """The child runs from now on, sharing every block of the parent; the worker copies the
         parent's state (the next plan's forks) before this step's tokens are appended."""
         self.blocks.fork(parent.seq_id, child.seq_id)
-        self._plan.forks.append(Fork(parent.seq_id, child.seq_id, child.index))
+        self._plan.forks.append(Fork(parent_seq_id=parent.seq_id, child_seq_id=child.seq_id, child_index=child.index))
         child.num_computed_tokens = parent.num_computed_tokens
         child.known_to_worker = True
         child.num_tokens_sent = child.num_tokens
@@ -569,12 +571,11 @@ class Scheduler:
         return []
 
     def _fork_beam(self, parent: Sequence) -> Sequence:
-        child = Sequence(self.new_seq_id(), parent.request_id, len(parent.siblings), parent.prompt_token_ids,
-                         parent.params, parent.max_output_tokens, parent.arrival)
+        child = Sequence(self.new_seq_id(), parent.request, len(parent.siblings), parent.max_output_tokens,
+                         parent.arrival)
         child.output_token_ids = list(parent.output_token_ids)
         child.worker_params, child.beam_group, child.siblings = parent.worker_params, parent.beam_group, parent.siblings
         parent.siblings.append(child)
-        child.cache_extra, child.lora = parent.cache_extra, parent.lora
         self.spawned.append(child)
         if parent.status is SequenceStatus.RUNNING and parent.known_to_worker:
             self._fork(parent, child)

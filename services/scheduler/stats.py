@@ -106,7 +106,7 @@ def _lora_adapters(scheduler) -> dict[str, str]:
         return {}
 
     def names(seqs) -> str:
-        return ",".join(sorted({seq.lora.name for seq in seqs if seq.lora is not None}))
+        return ",".join(sorted({seq.request.lora.name for seq in seqs if seq.request.lora is not None}))
 
     return {"running_lora_adapters": names(scheduler.running),
             "waiting_lora_adapters": names([*scheduler.waiting, *scheduler.swapped])}

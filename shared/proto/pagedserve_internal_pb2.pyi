@@ -12,7 +12,7 @@ class Empty(_message.Message):
     def __init__(self) -> None: ...
 
 class EngineRequest(_message.Message):
-    __slots__ = ("request_id", "prompt_token_ids", "params", "cache_salt", "resumed", "lora", "pooling")
+    __slots__ = ("request_id", "prompt_token_ids", "params", "cache_salt", "resumed", "lora", "pooling", "priority", "arrival_time")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     PARAMS_FIELD_NUMBER: _ClassVar[int]
@@ -20,6 +20,8 @@ class EngineRequest(_message.Message):
     RESUMED_FIELD_NUMBER: _ClassVar[int]
     LORA_FIELD_NUMBER: _ClassVar[int]
     POOLING_FIELD_NUMBER: _ClassVar[int]
+    PRIORITY_FIELD_NUMBER: _ClassVar[int]
+    ARRIVAL_TIME_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
     params: _pagedserve_api_pb2.SamplingParameters
@@ -27,7 +29,9 @@ class EngineRequest(_message.Message):
     resumed: _containers.RepeatedCompositeFieldContainer[ResumedSequence]
     lora: LoRAAdapter
     pooling: _pagedserve_api_pb2.PoolingParameters
-    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., params: _Optional[_Union[_pagedserve_api_pb2.SamplingParameters, _Mapping]] = ..., cache_salt: _Optional[str] = ..., resumed: _Optional[_Iterable[_Union[ResumedSequence, _Mapping]]] = ..., lora: _Optional[_Union[LoRAAdapter, _Mapping]] = ..., pooling: _Optional[_Union[_pagedserve_api_pb2.PoolingParameters, _Mapping]] = ...) -> None: ...
+    priority: int
+    arrival_time: float
+    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., params: _Optional[_Union[_pagedserve_api_pb2.SamplingParameters, _Mapping]] = ..., cache_salt: _Optional[str] = ..., resumed: _Optional[_Iterable[_Union[ResumedSequence, _Mapping]]] = ..., lora: _Optional[_Union[LoRAAdapter, _Mapping]] = ..., pooling: _Optional[_Union[_pagedserve_api_pb2.PoolingParameters, _Mapping]] = ..., priority: _Optional[int] = ..., arrival_time: _Optional[float] = ...) -> None: ...
 
 class PoolerInfo(_message.Message):
     __slots__ = ("pooling_type", "normalize", "hidden_size", "matryoshka", "matryoshka_dimensions", "max_seq_length", "lowercase", "labels", "activation")
