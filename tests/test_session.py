@@ -202,8 +202,9 @@ class ScriptedEngine:
 
 
 def update(index: int, tokens: list[int], finish_reason: str | None = None) -> SequenceUpdate:
-    request = types.SimpleNamespace(request_id="x")
-    out = SequenceUpdate(types.SimpleNamespace(request=request, index=index, output_token_ids=[], num_cached_tokens=None))
+    seq = types.SimpleNamespace(request=types.SimpleNamespace(request_id="x"), index=index, output_token_ids=[],
+                                num_cached_tokens=None)
+    out = SequenceUpdate(seq)
     out.new_token_ids, out.finish_reason = tokens, finish_reason
     return out
 
