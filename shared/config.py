@@ -11,6 +11,7 @@ import argparse
 import re
 from dataclasses import dataclass, fields
 
+from shared.invalid_parameter import require as _require
 from shared.options import option
 from shared.pooling import RUNNERS
 from shared.speculative_config import SpeculativeConfig
@@ -138,8 +139,3 @@ def token_budget(max_num_batched_tokens: int | None, enable_chunked_prefill: boo
                 "raise it, lower max_model_len or enable chunked prefill")
         return max_num_batched_tokens
     return 4096 if enable_chunked_prefill else max(4096, max_model_len)
-
-
-def _require(ok: bool, name: str, why: str) -> None:
-    if not ok:
-        raise ValueError(f"{name} {why}")
