@@ -863,7 +863,7 @@ def section_cache(bench: Bench, record: dict) -> None:
 
 def engine_model_dir(bench: Bench) -> Path:
     if bench.smoke:
-        from shared.model_factory import create_model_dir
+        from services.worker.model_factory import create_model_dir
 
         return create_model_dir(Path(tempfile.mkdtemp()) / "tiny", vocab_size=512, hidden_size=64,
                                 intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
@@ -876,7 +876,7 @@ def engine_model_dir(bench: Bench) -> Path:
 def windowed_model_dir(bench: Bench) -> Path:
     """A Gemma 2 model: every other layer in a 64-key window, attention scores capped at 20 and logits at 30
     (the bench workload's prompts run past the window)."""
-    from shared.model_factory import create_model_dir
+    from services.worker.model_factory import create_model_dir
 
     size = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
                 num_key_value_heads=2, head_dim=16) if bench.smoke else dict(

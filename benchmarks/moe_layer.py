@@ -32,7 +32,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from benchmarks.workload import write_report  # noqa: E402
 from services.worker.models.moe import SparseMoeBlock, select_experts  # noqa: E402
 from services.worker.tensor_parallel import TensorParallel  # noqa: E402
-from shared.moe_config import MoEConfig  # noqa: E402
+from services.worker.moe_config import MoEConfig  # noqa: E402
 
 MAX_RELATIVE_ERROR = {"float32": 1e-4, "float16": 1e-2, "bfloat16": 3e-2}
 

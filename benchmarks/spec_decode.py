@@ -54,7 +54,7 @@ def make_pair(root: Path, damping: float) -> None:
     import torch
     from transformers import AutoModelForCausalLM
 
-    from shared.model_factory import create_model_dir
+    from services.worker.model_factory import create_model_dir
 
     tmp = root.parent / f".{root.name}-tmp-{os.getpid()}"
     target = create_model_dir(tmp / "target", **PAIR_SHAPE)

@@ -49,8 +49,8 @@ from triton.runtime.driver import driver  # noqa: E402
 from benchmarks.gpu_kernels import Shape  # noqa: E402
 from benchmarks.triton_binary import (  # noqa: E402
     dot_instructions, readable_constexprs, register_usage, tile_buffers, tile_copies)
+from services.worker.model_factory import BENCH_MODEL, DEFAULT_MODEL  # noqa: E402
 from shared.config import EngineConfig  # noqa: E402
-from shared.model_factory import BENCH_MODEL, DEFAULT_MODEL  # noqa: E402
 
 # Largest dynamic shared memory one program may use (CUDA programming guide, per compute capability).
 SHARED_LIMIT = {80: 163 * 1024, 86: 99 * 1024, 89: 99 * 1024, 90: 227 * 1024, 100: 227 * 1024, 120: 99 * 1024}
@@ -348,7 +348,7 @@ def check_warm_up(recorder: Recorder, case: WarmUpCase, rounds: int) -> dict:
     from services.worker.kernel_warmup import warm_up_kernels
     from services.worker.kv_cache import allocate_kv_pools
     from services.worker.model_loader import load_model
-    from shared.model_factory import create_model_dir, default_model_dir
+    from services.worker.model_factory import create_model_dir, default_model_dir
 
     # The split heuristic sizes splits by the GPU's SM count; the CPU stand-in would cap them at a few.
     sm_count = SM_COUNT.get(recorder.arch, 132)

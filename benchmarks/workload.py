@@ -34,7 +34,7 @@ BENCH_ARCHITECTURES = {"llama": {}, "gemma2": dict(model_type="gemma2", head_dim
 def bench_model_dir(architecture: str = "llama") -> Path:
     """The bench model (Llama shape, 56 M parameters; or that shape in another architecture), created once
     and cached (safe against a concurrent process making it too)."""
-    from shared.model_factory import BENCH_MODEL, cached_model_dir
+    from services.worker.model_factory import BENCH_MODEL, cached_model_dir
 
     if architecture == "llama":
         return cached_model_dir("bench-model-v1", BENCH_MODEL)

@@ -7,8 +7,8 @@ from __future__ import annotations
 import socket
 
 from services.gateway.lora_modules import parse_lora_modules
+from services.worker.model_config import ModelConfig
 from shared.lora import read_adapter_config
-from shared.model_config import ModelConfig
 
 
 def model_error(model: str | None) -> str | None:

@@ -42,7 +42,7 @@ KERNEL_BUILD_WAIT_S = 900.0  # longer than any build takes, even beside another 
 @pytest.fixture(scope="session")
 def tiny_model_factory(tmp_path_factory):
     """``make(model_type, **overrides) -> Path``; the same arguments give the same directory."""
-    from shared.model_factory import create_model_dir
+    from services.worker.model_factory import create_model_dir
 
     made: dict[str, Path] = {}
 

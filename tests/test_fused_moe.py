@@ -19,7 +19,7 @@ from services.worker.models import fused_moe  # noqa: E402
 from services.worker.models.fused_moe import align_by_expert, fused_experts, grouped_matmul  # noqa: E402
 from services.worker.models.moe import SparseMoeBlock, select_experts  # noqa: E402
 from services.worker.tensor_parallel import TensorParallel  # noqa: E402
-from shared.moe_config import MoEConfig  # noqa: E402
+from services.worker.moe_config import MoEConfig  # noqa: E402
 
 if os.environ.get("TRITON_INTERPRET") != "1":
     pytest.skip("these tests run the kernels on the CPU: they need TRITON_INTERPRET=1", allow_module_level=True)

@@ -13,7 +13,7 @@ import torch
 from services.worker.attention.spec import AttentionSpec
 from services.worker.attention.torch_ref import TorchAttentionBackend, paged_attention_reference, write_kv
 from services.worker.model_loader import load_eos_token_ids, load_model
-from shared.model_config import ModelConfig
+from services.worker.model_config import ModelConfig
 from tests.attention_inputs import build_metadata
 from tests.checkpoint_edits import rewrite_weights
 
@@ -448,7 +448,7 @@ def test_eos_token_ids(llama_copy):
 def test_default_model_dir(tmp_path, monkeypatch):
     from transformers import AutoTokenizer
 
-    from shared.model_factory import default_model_dir
+    from services.worker.model_factory import default_model_dir
 
     monkeypatch.setenv("PAGEDSERVE_CACHE", str(tmp_path))
     path = default_model_dir()

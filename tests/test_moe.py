@@ -14,8 +14,8 @@ import torch.nn.functional as F
 from services.worker.model_loader import load_model
 from services.worker.models.moe import SparseMoeBlock, select_experts
 from services.worker.tensor_parallel import TensorParallel
-from shared.model_config import ModelConfig
-from shared.moe_config import MoEConfig, parse_moe
+from services.worker.model_config import ModelConfig
+from services.worker.moe_config import MoEConfig, parse_moe
 from tests.checkpoint_edits import rewrite_weights
 
 CPU = torch.device("cpu")

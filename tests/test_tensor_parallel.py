@@ -10,7 +10,7 @@ import pytest
 from pagedserve import LLM, SamplingParams
 from services.scheduler.tensor_parallel_executor import group_info
 from services.worker.tensor_parallel import TensorParallel
-from shared.model_config import ModelConfig
+from services.worker.model_config import ModelConfig
 from shared.step_protocol import WorkerInfo
 from tests.kv_release import count_releases, preempted_or_released
 from tests.oracle import assert_greedy_equal, hf_greedy

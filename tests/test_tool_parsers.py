@@ -122,7 +122,7 @@ def test_the_gateway_needs_a_parser_for_auto():
 
 
 def test_the_built_in_template_shows_tools_and_writes_calls_as_hermes_reads_them():
-    from shared.model_factory import train_tokenizer
+    from services.worker.model_factory import train_tokenizer
 
     tokenizer = train_tokenizer(512)
     city = {"type": "object", "properties": {"city": {"type": "string"}}}

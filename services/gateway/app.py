@@ -15,7 +15,7 @@ from fastapi.responses import JSONResponse, PlainTextResponse, Response, Streami
 from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException
 
-from pagedserve import __version__
+from shared.version import __version__
 from services.gateway.auth import OPEN_PATHS, Authenticator, DuplicateCredentials, single_authorization
 from services.gateway.body_limit import BodySizeLimit
 from services.gateway.classify_api import ClassificationRequest, create_classification

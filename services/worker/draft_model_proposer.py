@@ -33,7 +33,7 @@ from services.worker.input_batch import ScheduledSequence, build_model_inputs
 from services.worker.kv_cache import allocate_host_pool, allocate_kv_pools
 from services.worker.model_loader import load_model
 from services.worker.models.llama import LlamaForCausalLM
-from shared.model_config import ModelConfig
+from services.worker.model_config import ModelConfig
 
 
 @dataclass

@@ -5,8 +5,8 @@ from __future__ import annotations
 import torch
 
 from services.worker.cpu_tuning import advise_huge_pages
+from services.worker.model_config import ModelConfig
 from shared.config import EngineConfig
-from shared.model_config import ModelConfig
 
 CPU_DEFAULT_KV_BYTES = 4 << 30  # like vLLM's CPU backend: 4 GiB unless told otherwise
 

@@ -22,8 +22,8 @@ from safetensors.torch import load_file
 
 from services.worker.models.lora_linear import LoRALinear, LoRATarget
 from services.worker.tensor_parallel import TensorParallel
+from services.worker.multimodal_config import text_checkpoint_name
 from shared.lora import ADAPTER_WEIGHTS, LoRARequest, read_adapter_config
-from shared.multimodal_config import text_checkpoint_name
 
 # PEFT's saved names: base_model.model.<module>.lora_A.weight (an adapter name may sit before .weight).
 # A checkpoint's fused projection -> the parts it stands for here, in row order.

@@ -18,7 +18,7 @@ from safetensors import safe_open
 from services.worker.models.llama import LlamaForCausalLM
 from services.worker.models.packed_linear import can_pack
 from services.worker.tensor_parallel import TensorParallel
-from shared.model_config import ModelConfig
+from services.worker.model_config import ModelConfig
 
 INDEX_FILE = "model.safetensors.index.json"
 

@@ -18,8 +18,8 @@ from dataclasses import dataclass
 
 import torch
 
-from shared.model_config import ModelConfig
-from shared.moe_config import MoEConfig
+from services.worker.model_config import ModelConfig
+from services.worker.moe_config import MoEConfig
 
 # How long a rank waits in a collective for the others: longer than any step, shorter than forever
 # (a rank that died leaves the others waiting here; then they fail, and the group is restarted).

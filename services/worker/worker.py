@@ -29,9 +29,9 @@ from services.worker.step_timer import StepTimer
 from services.worker.swap_staging import SwapStaging
 from services.worker.tensor_parallel import TensorParallel, join_group
 from services.worker.worker_sequence import WorkerSequence
+from services.worker.model_config import ModelConfig
+from services.worker.model_factory import default_model_dir
 from shared.config import EngineConfig
-from shared.model_config import ModelConfig
-from shared.model_factory import default_model_dir
 from shared.pooling import read_pooler_config, resolve_runner
 from shared.step_protocol import Sample, SequenceOutput, StepPlan, StepResult, WorkerInfo
 
@@ -457,7 +457,7 @@ class Worker:
             if seq.constrained and seq.sampling.grammar.error is not None:  # its request ends, the step goes on
                 outputs[i].error = seq.sampling.grammar.error
         for i, (token_id, logprobs) in zip(owners, sampled[num_own:]):
-            outputs[i].siblings.append(Sample(token_id, logprobs))
+            outputs[i].siblings.append(Sample(token_id=token_id, logprobs=logprobs))
 
     @staticmethod
     def _accept(seq: WorkerSequence, positions: list, out: SequenceOutput) -> None:

@@ -16,7 +16,7 @@ from services.worker.attention.metadata import AttentionMetadata
 from services.worker.models.layers import GATED_ACTIVATIONS, RotaryEmbedding, SplitRMSNorm, rms_norm_class
 from services.worker.models.moe import SparseMoeBlock
 from services.worker.tensor_parallel import TensorParallel
-from shared.model_config import ModelConfig
+from services.worker.model_config import ModelConfig
 
 
 class Attention(nn.Module):

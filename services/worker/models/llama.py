@@ -29,8 +29,8 @@ from services.worker.models.moe import SparseMoeBlock
 from services.worker.models.packed_linear import PackedLinear, pack_linear_layers
 from services.worker.models.weight_targets import HF_MLP_NAMES, MIXTRAL_EXPERT_NAMES, WeightTargets, unfuse_checkpoint
 from services.worker.tensor_parallel import TensorParallel
-from shared.model_config import ModelConfig
-from shared.multimodal_config import text_checkpoint_name
+from services.worker.model_config import ModelConfig
+from services.worker.multimodal_config import text_checkpoint_name
 
 
 class LlamaForCausalLM(nn.Module):

@@ -21,7 +21,7 @@ from torch import nn
 from services.worker.models.layers import silu_and_mul
 from services.worker.models.packed_linear import PackedLinear
 from services.worker.tensor_parallel import TensorParallel
-from shared.moe_config import MoEConfig
+from services.worker.moe_config import MoEConfig
 
 
 def select_experts(router_logits: torch.Tensor, moe: MoEConfig, dtype: torch.dtype

@@ -16,10 +16,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from shared.moe_config import MOE_MODEL_TYPES, MoEConfig, parse_moe
-from shared.multimodal_config import TEXT_MODEL_OF, text_config_of
-from shared.gemma_config import GEMMA_MODEL_TYPES, gemma_fields, gemma_layer_types, gemma_rope
-from shared.rope_config import PHI3_ROPE_ALIASES, parse_rope, partial_rotary_factor
+from services.worker.moe_config import MOE_MODEL_TYPES, MoEConfig, parse_moe
+from services.worker.multimodal_config import TEXT_MODEL_OF, text_config_of
+from services.worker.gemma_config import GEMMA_MODEL_TYPES, gemma_fields, gemma_layer_types, gemma_rope
+from services.worker.rope_config import PHI3_ROPE_ALIASES, parse_rope, partial_rotary_factor
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "phi3", "granite", "olmo2", "smollm3", *MOE_MODEL_TYPES,
                          *GEMMA_MODEL_TYPES,

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from shared.rope_config import complete_scaling, parse_rope, rope_from_params
+from services.worker.rope_config import complete_scaling, parse_rope, rope_from_params
 
 GEMMA_MODEL_TYPES = ("gemma", "gemma2", "gemma3_text")
 _DEFAULT_WINDOW = 4096  # transformers' Gemma2Config / Gemma3TextConfig default
