@@ -65,15 +65,11 @@ def test_shared_imports_neither_a_service_nor_the_front():
     assert crossings(lambda source, target: source != "shared" or target == "shared") == []
 
 
-# The offline LLM builds a worker in its process; it is on its way to pagedserve/llm.py.
-MOVING = {"services.scheduler.llm"}
-
-
 def test_a_service_imports_only_shared_and_its_own_package():
     def allowed(source: str, target: str) -> bool:
         return not source.startswith("services") or target in (source, "shared", "services")
 
-    assert [line for line in crossings(allowed) if line.split()[0] not in MOVING] == []
+    assert crossings(allowed) == []
 
 
 def test_shared_holds_what_services_share():

@@ -2,7 +2,8 @@
 
 Runs the engine core and one worker in this process through the in-process
 executor; tokenization and output processing happen here, as the gateway does
-them for the services.
+them for the services. Part of the public front, not of a service: it brings the
+scheduler and the worker (and torch) together in one process.
 """
 
 from __future__ import annotations
@@ -25,11 +26,11 @@ from services.scheduler.scheduler import SchedulerLimits
 from services.scheduler.tensor_parallel_executor import TensorParallelExecutor
 from services.worker.tensor_parallel import TensorParallel
 from services.worker.worker import Worker
+from services.worker.model_config import ModelConfig
+from services.worker.model_factory import default_model_dir
 from shared.config import EngineConfig
 from shared.grpc_errors import ServiceUnavailable
-from shared.model_config import ModelConfig
 from shared.lora import LoRARequest
-from shared.model_factory import default_model_dir
 from shared.outputs import (ClassificationOutput, ClassificationRequestOutput, EmbeddingOutput, EmbeddingRequestOutput,
                             PoolingOutput, PoolingRequestOutput, RequestOutput, ScoringOutput, ScoringRequestOutput)
 from shared.pooling import PoolingParams, check_cross_encoder, score_pairs, token_limit
