@@ -5,8 +5,13 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-import pytest
-import torch
+# Triton decides interpreted or compiled when a kernel module is first imported: decided here, once for the
+# session, before any test module imports one (the Triton test modules ask for the interpreter too, but a module
+# collected or run before theirs could import the kernels compiled, and the interpreted tests then fail).
+os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
 
 TINY = dict(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
             num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512)
