@@ -22,12 +22,14 @@ from dataclasses import dataclass
 
 from services.scheduler.block_hash import BlockHash, hash_full_blocks
 from services.scheduler.block_pool import BlockPool, KVCacheBlock
+from services.scheduler.sequence_blocks import SequenceBlocks
 
 TokenSlice = Callable[[int, int], list[int]]  # (start, end) -> the sequence's token ids in that range
 FREED_BLOCK_ID = 0  # what a released entry is sent as: any id would do, no kernel reads it
 # A kernel may start reading up to this many keys before a query's window: the Triton kernel rounds its
 # first key down to a multiple of 16 (aligned loads). Blocks are freed only behind that.
 READ_MARGIN = 16
+_NO_TABLE: list[KVCacheBlock | None] = []  # what a sequence without a device table reads as (never written)
 
 
 @dataclass(frozen=True)
@@ -68,13 +70,9 @@ class BlockManager:
         self.enable_caching = enable_caching
         self.pool = BlockPool(num_blocks, enable_caching)
         self.host_pool = BlockPool(num_host_blocks) if num_host_blocks else None  # swap space
-        self._host_tables: dict[int, list[KVCacheBlock | None]] = {}  # swapped-out seq id -> its host blocks
-        self._hashes: dict[int, list[BlockHash]] = {}  # seq id -> hashes of its full, computed blocks
         # Blocks kept back from new admissions so running sequences can grow without preempting at once.
         self.watermark_blocks = int(watermark * num_blocks)
-        self._tables: dict[int, list[KVCacheBlock | None]] = {}  # None: released behind the window
-        self._num_slotted: dict[int, int] = {}  # seq id -> tokens that have a slot
-        self._num_released: dict[int, int] = {}  # seq id -> released entries at its table's start
+        self._seqs: dict[int, SequenceBlocks] = {}  # seq id -> its blocks, on the device or swapped out
 
     # --- queries ---------------------------------------------------------------------------------
 
@@ -95,11 +93,17 @@ class BlockManager:
 
     def block_table(self, seq_id: int, start: int = 0) -> list[int]:
         """The physical block ids of the sequence's table, from logical block ``start`` on."""
-        return [FREED_BLOCK_ID if block is None else block.block_id for block in self._tables.get(seq_id, ())[start:]]
+        return [FREED_BLOCK_ID if block is None else block.block_id for block in self._table(seq_id)[start:]]
+
+    def _table(self, seq_id: int) -> list[KVCacheBlock | None]:
+        """The sequence's device table; empty when it has none (unknown, or swapped out)."""
+        entry = self._seqs.get(seq_id)
+        return _NO_TABLE if entry is None else entry.table
 
     def num_released_blocks(self, seq_id: int) -> int:
         """Entries at the start of the sequence's table whose blocks were freed behind the window."""
-        return self._num_released.get(seq_id, 0)
+        entry = self._seqs.get(seq_id)
+        return 0 if entry is None else entry.num_released
 
     def most_blocks_held(self, num_tokens: int, step_tokens: int | None) -> int:
         """The most blocks a sequence growing to ``num_tokens`` tokens holds at once, computing at most
@@ -116,19 +120,20 @@ class BlockManager:
         return min(whole, self.blocks_for(step_tokens + self.kv_window - 1 + READ_MARGIN) + 2)
 
     def num_table_blocks(self, seq_id: int) -> int:
-        return len(self._tables.get(seq_id, ()))
+        return len(self._table(seq_id))
 
     def num_slotted_tokens(self, seq_id: int) -> int:
-        return self._num_slotted.get(seq_id, 0)
+        entry = self._seqs.get(seq_id)
+        return 0 if entry is None else entry.num_slotted
 
-    def num_new_blocks_needed(self, seq_id: int, num_tokens: int) -> int:
-        """Blocks to add so the sequence has slots for ``num_tokens`` tokens in all."""
-        return max(0, self.blocks_for(num_tokens) - len(self._tables.get(seq_id, ())))
+    def _num_missing(self, table: list[KVCacheBlock | None], num_tokens: int) -> int:
+        """Blocks to add to the table so it has slots for ``num_tokens`` tokens in all."""
+        return max(0, self.blocks_for(num_tokens) - len(table))
 
     def free_slots_after(self, seq_id: int, num_tokens: int, reserve_blocks: int = 0) -> int:
         """Slots the sequence could add past its first ``num_tokens`` (which have slots) without taking
         any other sequence's blocks: the rest of its last block, and the free blocks but ``reserve_blocks``."""
-        in_table = len(self._tables.get(seq_id, ())) * self.block_size - num_tokens
+        in_table = len(self._table(seq_id)) * self.block_size - num_tokens
         return in_table + max(0, self.num_free_blocks - reserve_blocks) * self.block_size
 
     def can_allocate(self, seq_id: int, num_tokens: int, *, keep_watermark: bool = False,
@@ -143,12 +148,12 @@ class BlockManager:
     def num_blocks_to_grow(self, seq_id: int, num_tokens: int, write_from: int | None = None) -> int:
         """Free blocks that append_slots would take: the new ones, and a copy of the block written
         first when it is shared."""
-        copy = 1 if write_from is not None and self._shared_block_at(seq_id, write_from) is not None else 0
-        return self.num_new_blocks_needed(seq_id, num_tokens) + copy
+        table = self._table(seq_id)
+        copy = 1 if write_from is not None and self._shared_block_at(table, write_from) is not None else 0
+        return self._num_missing(table, num_tokens) + copy
 
-    def _shared_block_at(self, seq_id: int, position: int) -> KVCacheBlock | None:
-        """The block holding token ``position``, if it exists and another sequence holds it too."""
-        table = self._tables.get(seq_id, ())
+    def _shared_block_at(self, table: list[KVCacheBlock | None], position: int) -> KVCacheBlock | None:
+        """The table's block holding token ``position``, if it exists and another sequence holds it too."""
         index = position // self.block_size
         block = table[index] if index < len(table) else None
         return block if block is not None and block.ref_cnt > 1 else None
@@ -160,12 +165,12 @@ class BlockManager:
 
     def wasted_slots(self) -> int:
         """Allocated slots that hold no token: the unfilled tail of each sequence's last block."""
-        return sum(len(table) * self.block_size - self._num_slotted[seq_id]
-                   for seq_id, table in self._tables.items())
+        return sum(len(entry.table) * self.block_size - entry.num_slotted
+                   for entry in self._seqs.values() if entry.host_table is None)
 
     def allocated_slots(self) -> int:
-        return sum(len(table) - self._num_released.get(seq_id, 0)
-                   for seq_id, table in self._tables.items()) * self.block_size
+        return sum(len(entry.table) - entry.num_released
+                   for entry in self._seqs.values() if entry.host_table is None) * self.block_size
 
     # --- changes ---------------------------------------------------------------------------------
 
@@ -176,73 +181,74 @@ class BlockManager:
         partly filled last block), the sequence gets its own copy first; a shared block is never
         written in place.
         """
-        shared = self._shared_block_at(seq_id, write_from) if write_from is not None else None
-        table = self._tables.get(seq_id)
-        if shared is None and table is not None and num_tokens <= len(table) * self.block_size:
-            if num_tokens > self._num_slotted[seq_id]:
-                self._num_slotted[seq_id] = num_tokens
+        entry = self._seqs.get(seq_id)
+        table = _NO_TABLE if entry is None else entry.table
+        shared = self._shared_block_at(table, write_from) if write_from is not None else None
+        if shared is None and entry is not None and num_tokens <= len(table) * self.block_size:
+            if num_tokens > entry.num_slotted:
+                entry.num_slotted = num_tokens
             return NO_NEW_BLOCKS  # the common decode step: the hot path does no more than this
-        num_new = self.num_new_blocks_needed(seq_id, num_tokens)
+        num_new = self._num_missing(table, num_tokens)
         if num_new + (shared is not None) > self.num_free_blocks:
             return None
-        copy = self._copy_on_write(seq_id, write_from, shared) if shared is not None else None
+        if entry is None:
+            entry = self._seqs[seq_id] = SequenceBlocks()
+        copy = self._copy_on_write(entry.table, write_from, shared) if shared is not None else None
         new_blocks = self.pool.allocate(num_new)
-        self._tables.setdefault(seq_id, []).extend(new_blocks)
-        self._num_slotted[seq_id] = max(num_tokens, self._num_slotted.get(seq_id, 0))
+        entry.table.extend(new_blocks)
+        entry.num_slotted = max(num_tokens, entry.num_slotted)
         return Allocation(tuple(block.block_id for block in new_blocks), copy)
 
     def trim_slots(self, seq_id: int, num_tokens: int) -> int:
         """Shrink the sequence to ``num_tokens`` slotted tokens (slots given to drafts the worker
         rejected); returns how many blocks came off the table's end, freed last first."""
-        table = self._tables[seq_id]
+        entry = self._seqs[seq_id]
         keep = self.blocks_for(num_tokens)
-        released = table[keep:]
-        del table[keep:]
-        self._num_slotted[seq_id] = min(self._num_slotted[seq_id], num_tokens)
+        released = entry.table[keep:]
+        del entry.table[keep:]
+        entry.num_slotted = min(entry.num_slotted, num_tokens)
         self.pool.free(released[::-1])
         return len(released)
 
-    def _copy_on_write(self, seq_id: int, position: int, shared: KVCacheBlock) -> tuple[int, int]:
+    def _copy_on_write(self, table: list[KVCacheBlock | None], position: int,
+                       shared: KVCacheBlock) -> tuple[int, int]:
         (fresh,) = self.pool.allocate(1)
-        self._tables[seq_id][position // self.block_size] = fresh
+        table[position // self.block_size] = fresh
         self.pool.free([shared])
         return shared.block_id, fresh.block_id
 
     def fork(self, parent_id: int, child_id: int) -> None:
         """The child shares every block of the parent (one more reference each)."""
-        table = self._tables[parent_id]
-        for block in _live(table):
+        parent = self._seqs[parent_id]
+        for block in _live(parent.table):
             block.ref_cnt += 1
-        self._tables[child_id] = list(table)
-        self._num_slotted[child_id] = self._num_slotted[parent_id]
-        self._num_released[child_id] = self._num_released.get(parent_id, 0)
-        self._hashes[child_id] = list(self._hashes.get(parent_id, ()))
+        self._seqs[child_id] = parent.forked()
 
     def free(self, seq_id: int) -> None:
         """Release the sequence's blocks, last block first (see the eviction order in block_pool)."""
-        table = self._tables.pop(seq_id, [])
-        self._num_slotted.pop(seq_id, None)
-        self._hashes.pop(seq_id, None)
-        self._num_released.pop(seq_id, None)
-        self.pool.free(_live(table[::-1]))
-        if seq_id in self._host_tables:
-            self.host_pool.free(_live(self._host_tables.pop(seq_id)))
+        entry = self._seqs.pop(seq_id, None)
+        if entry is None:
+            return
+        self.pool.free(_live(entry.table[::-1]))
+        if entry.host_table is not None:
+            self.host_pool.free(_live(entry.host_table))
 
     def release_blocks_behind_window(self, seq_id: int, num_computed_tokens: int) -> int:
         """Free the blocks no layer will read again: wholly before the window (and READ_MARGIN) of the
         sequence's next token, at position ``num_computed_tokens``. Returns how many were freed."""
         if self.kv_window is None:  # on every step for every sequence: the common case returns first
             return 0
-        table = self._tables.get(seq_id)
-        if table is None:
+        entry = self._seqs.get(seq_id)
+        if entry is None:
             return 0
+        table = entry.table  # (empty while swapped out: nothing to release)
         behind = min(self._first_block_read(num_computed_tokens), len(table))
-        start = self._num_released.get(seq_id, 0)
+        start = entry.num_released
         if behind <= start:
             return 0
         released = table[start:behind]
         table[start:behind] = [None] * len(released)
-        self._num_released[seq_id] = behind
+        entry.num_released = behind
         self.pool.free(released[::-1])  # as free(): the later blocks first, so they are evicted first
         return len(released)
 
@@ -253,37 +259,39 @@ class BlockManager:
         return self.host_pool.num_free_blocks if self.host_pool else 0
 
     def can_swap_out(self, seq_id: int) -> bool:
-        return self.host_pool is not None and len(_live(self._tables.get(seq_id, ()))) <= self.num_free_host_blocks
+        return self.host_pool is not None and len(_live(self._table(seq_id))) <= self.num_free_host_blocks
 
     def swap_out(self, seq_id: int) -> list[tuple[int, int]]:
         """Move the sequence's KV to host blocks; the (device, host) pairs to copy. Its device blocks are
         released (a block another sequence shares stays with it); released entries stay released."""
-        table = self._tables.pop(seq_id)
+        entry = self._seqs[seq_id]
+        table, entry.table, entry.hashes = entry.table, [], []
         live = _live(table)
         host = iter(self.host_pool.allocate(len(live)))
-        self._host_tables[seq_id] = [None if block is None else next(host) for block in table]
-        self._hashes.pop(seq_id, None)
+        entry.host_table = [None if block is None else next(host) for block in table]
         self.pool.free(live[::-1])
         return [(device.block_id, host_block.block_id)
-                for device, host_block in zip(table, self._host_tables[seq_id]) if device is not None]
+                for device, host_block in zip(table, entry.host_table) if device is not None]
 
     def can_swap_in(self, seq_id: int, num_tokens: int) -> bool:
         """Room on the device for the swapped blocks and the ones ``num_tokens`` slotted tokens add."""
-        host = self._host_tables[seq_id]
+        host = self._seqs[seq_id].host_table
         return len(_live(host)) + max(0, self.blocks_for(num_tokens) - len(host)) <= self.num_free_blocks
 
     def swap_in(self, seq_id: int) -> list[tuple[int, int]]:
         """Bring the sequence's KV back into fresh device blocks; the (host, device) pairs to copy."""
-        host = self._host_tables.pop(seq_id)
+        entry = self._seqs[seq_id]
+        host, entry.host_table = entry.host_table, None
         live = _live(host)
         device = iter(self.pool.allocate(len(live)))
-        self._tables[seq_id] = [None if block is None else next(device) for block in host]
+        entry.table = [None if block is None else next(device) for block in host]
         self.host_pool.free(live)
         return [(host_block.block_id, block.block_id)
-                for host_block, block in zip(host, self._tables[seq_id]) if host_block is not None]
+                for host_block, block in zip(host, entry.table) if host_block is not None]
 
     def is_swapped(self, seq_id: int) -> bool:
-        return seq_id in self._host_tables
+        entry = self._seqs.get(seq_id)
+        return entry is not None and entry.host_table is not None
     # --- prefix caching --------------------------------------------------------------------------
 
     def cached_prefix(self, token_ids: list[int], extra: bytes = b"") -> CacheHit:
@@ -319,10 +327,8 @@ class BlockManager:
         """Start a sequence's table with its cache hits, then fresh blocks up to ``num_tokens`` slots."""
         live = _live(hits.blocks)
         self.pool.touch(live)
-        self._tables[seq_id] = list(hits.blocks)
-        self._num_released[seq_id] = hits.num_blocks - len(live)
-        self._num_slotted[seq_id] = hits.num_blocks * self.block_size
-        self._hashes[seq_id] = list(hits.hashes)
+        self._seqs[seq_id] = SequenceBlocks(list(hits.blocks), num_slotted=hits.num_blocks * self.block_size,
+                                            num_released=hits.num_blocks - len(live), hashes=list(hits.hashes))
         self.append_slots(seq_id, num_tokens)
         return self.block_table(seq_id)
 
@@ -330,14 +336,15 @@ class BlockManager:
         """Index the blocks that became full (and computed) since the last call."""
         if not self.enable_caching:
             return
-        hashes = self._hashes.setdefault(seq_id, [])
+        entry = self._seqs[seq_id]
+        hashes = entry.hashes
         num_full = num_computed_tokens // self.block_size
         if num_full <= len(hashes):
             return
         # Hash just the new blocks, chained onto the last known hash.
         new = hash_full_blocks(hashes[-1] if hashes else None,
                                tokens(len(hashes) * self.block_size, num_full * self.block_size), self.block_size, extra)
-        table = self._tables[seq_id]
+        table = entry.table
         for index, block_hash in enumerate(new, start=len(hashes)):
             if table[index] is not None:  # a block released before it was indexed is gone
                 self.pool.cache_block(table[index], block_hash)
@@ -347,7 +354,7 @@ class BlockManager:
 
     def check_invariants(self) -> None:
         if self.host_pool is not None:
-            host_refs = sum(len(_live(t)) for t in self._host_tables.values())
+            host_refs = sum(len(_live(e.host_table)) for e in self._seqs.values() if e.host_table is not None)
             assert host_refs == self.host_pool.num_used_blocks, "host blocks leaked or double-used"
             assert all(b.ref_cnt in (0, 1) for b in self.host_pool.blocks), "a host block is shared"
         cached_free = [b for b in self.pool.blocks if b.ref_cnt == 0 and b.block_hash is not None]
@@ -355,9 +362,13 @@ class BlockManager:
         for block_hash, block in self.pool.cached.items():
             assert block.block_hash == block_hash, f"{block}: index and block disagree"
         refs: dict[int, int] = {}
-        for seq_id, table in self._tables.items():
-            assert len(table) == self.blocks_for(self._num_slotted[seq_id]), f"seq {seq_id}: table size"
-            released = self._num_released.get(seq_id, 0)
+        for seq_id, entry in self._seqs.items():
+            table, released = entry.table, entry.num_released
+            if entry.host_table is not None:
+                assert not table and not entry.hashes, f"seq {seq_id}: swapped out, yet holds device blocks"
+                assert len(entry.host_table) == self.blocks_for(entry.num_slotted), f"seq {seq_id}: host table size"
+                continue
+            assert len(table) == self.blocks_for(entry.num_slotted), f"seq {seq_id}: table size"
             assert all(b is None for b in table[:released]) and None not in table[released:], \
                 f"seq {seq_id}: released entries are not the table's first {released}"
             for block in _live(table):
