@@ -206,9 +206,8 @@ class EngineCore:
         result = self.executor.wait()
         received = time.perf_counter()
         updates = self.scheduler.update(step.scheduled, result, self._seqs)
-        for seq in self.scheduler.spawned:  # beams forked during the update
+        for seq in self.scheduler.take_spawned():  # beams forked during the update
             self._seqs[seq.seq_id] = seq
-        self.scheduler.spawned.clear()
         for update in updates:
             if update.finish_reason is not None:
                 self._forget_if_done(update.request_id)

@@ -1,4 +1,8 @@
-"""The step scheduler: which sequences run this step, how many tokens each, and which blocks they use."""
+"""The step scheduler: which sequences run this step, how many tokens each, and which blocks they use.
+
+It plans and allocates; applying a step's result (tokens, stop checks, drafts, beams, embeddings)
+is output_processor.py's, which ends and forks sequences through finish() and fork() here.
+"""
 
 from __future__ import annotations
 
@@ -7,12 +11,13 @@ import time
 from collections import deque
 from dataclasses import dataclass
 
-from services.scheduler.beam_search import BeamStep
 from services.scheduler.block_manager import NO_HIT, BlockManager, CacheHit
+from services.scheduler.draft_acceptance import DraftAcceptance
+from services.scheduler.output_processor import OutputProcessor
 from services.scheduler.preemption import choose_preemption
 from services.scheduler.request_stats import RequestStats
 from services.scheduler.sequence import Sequence, SequenceStatus, SequenceUpdate
-from shared.step_protocol import Fork, NewSequence, SequenceOutput, StepPlan, StepResult, running_sequence
+from shared.step_protocol import Fork, NewSequence, StepPlan, StepResult, running_sequence
 
 
 @dataclass(frozen=True)
@@ -30,13 +35,11 @@ def _by_arrival(seq: Sequence) -> tuple[int, int]:
 class Scheduler:
     def __init__(self, limits: SchedulerLimits, block_manager: BlockManager, eos_token_ids: tuple[int, ...],
                  max_model_len: int, new_seq_id=None, max_loras: int = 0):
-        """``max_loras``: the distinct LoRA adapters the worker runs in one step (0: none)."""
+        """``max_loras``: the distinct LoRA adapters the worker runs in one step (0: none); ``new_seq_id``
+        allocates ids for beams that fork."""
         self.limits = limits
         self.max_loras = max_loras
-        self.new_seq_id = new_seq_id  # allocates ids for beams that fork
-        self.spawned: list[Sequence] = []  # sequences created here (beam forks); the engine registers them
         self.blocks = block_manager
-        self.eos_token_ids = frozenset(eos_token_ids)
         self.max_model_len = max_model_len
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []  # sorted by arrival: the newest is the preemption victim
@@ -50,11 +53,9 @@ class Scheduler:
         self.num_swaps_in = 0  # sequences moved back
         self.prefix_cache_queries = 0  # prompt tokens looked up in the prefix cache
         self.prefix_cache_hits = 0  # of those, tokens found (their prefill skipped)
-        self.num_spec_drafts = 0  # sequence-steps that verified drafts (speculative decoding)
-        self.num_spec_draft_tokens = 0  # draft tokens verified
-        self.num_spec_accepted_tokens = 0  # of those, the ones the worker accepted
-        self.num_spec_accepted_per_pos: list[int] = []  # accepted drafts by their place in the draft (vLLM's)
         self.request_stats = RequestStats(max_model_len)  # vLLM's per-request histograms
+        self.draft_acceptance = DraftAcceptance()  # speculative decoding's counts
+        self._outputs = OutputProcessor(self, eos_token_ids, max_model_len, self.draft_acceptance, new_seq_id)
 
     # --- requests in and out ----------------------------------------------------------------------
 
@@ -65,7 +66,7 @@ class Scheduler:
     def abort(self, seqs: list[Sequence]) -> None:
         for seq in seqs:
             if not seq.status.is_finished:
-                self._finish(seq, SequenceStatus.FINISHED_ABORTED)
+                self.finish(seq, SequenceStatus.FINISHED_ABORTED)
 
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running or self.swapped)
@@ -379,142 +380,17 @@ class Scheduler:
     # --- results ----------------------------------------------------------------------------------
 
     def update(self, scheduled: dict[int, int], result: StepResult, seqs: dict[int, Sequence]) -> list[SequenceUpdate]:
-        """Advance the scheduled sequences by the step's result; the updates for the front end."""
-        cache_full_blocks, release_behind_window = self.blocks.cache_full_blocks, self.blocks.release_blocks_behind_window
-        # When its tokens came, for the request's times (found inline: this runs for every token).
-        now, times_of, times_get = time.monotonic(), self.request_stats.times_of, self.request_stats.times.get
-        # A sequence the worker failed (its adapter would not load) computed nothing: cache none of its blocks.
-        failed = {out.seq_id for out in result.outputs if out.error} if self.max_loras else ()
-        # A pooling engine's mean or cls prompts never take hits: indexing their blocks would only evict others.
-        for seq_id, num_tokens in scheduled.items():
-            seq = seqs.get(seq_id)
-            if seq is not None and seq.status is SequenceStatus.RUNNING:
-                seq.num_inflight_tokens -= num_tokens
-                seq.num_computed_tokens += num_tokens
-                # Every computed token is known: the placeholders of earlier steps are resolved.
-                if seq_id not in failed and not (seq.whole_prompt and seq.request.pooling is not None):
-                    cache_full_blocks(seq_id, seq.num_computed_tokens, seq.token_slice, seq.cache_extra)
-                # Indexed first: a released block stays in the prefix cache. A step already in flight
-                # starts at num_computed_tokens too, so it reads nothing released here.
-                release_behind_window(seq_id, seq.num_computed_tokens)
-        updates = []
-        for out in result.outputs:
-            seq = seqs.get(out.seq_id)
-            if seq is None or seq.status is not SequenceStatus.RUNNING:
-                continue  # finished or aborted while the step ran
-            if out.embedding is not None:
-                updates.append(self._finish_pooling(seq, out.embedding))
-                continue
-            if out.token_id is not None:
-                self._resolve_placeholder(seq)
-                times = times_get(out.seq_id) or times_of(out.seq_id)
-                if times.first_token is None:
-                    times.first_token = now
-                times.last_token = now
-            if out.error:
-                updates.append(self._fail_request(seq, out.error))
-                continue
-            if seq.beam_group is not None:
-                updates.extend(self._beam_report(seq, out))
-                continue
-            # Siblings fork before the parent's token is appended; their updates go after the
-            # parent's, which carries the prompt logprobs (the front ends send them first).
-            forked = self._fork_siblings(seq, out.siblings) if out.siblings else []
-            update = SequenceUpdate(seq)
-            if out.prompt_logprobs:
-                self._take_prompt_logprobs(seq, out, update)
-            if out.token_id is not None:
-                self._append_output(seq, out, update)
-            updates.append(update)
-            updates.extend(forked)
-        return updates
+        """Advance the scheduled sequences by the step's result (output_processor.py); the updates for the
+        front end."""
+        return self._outputs.update_from_output(scheduled, result, seqs)
 
-    def _finish_pooling(self, seq: Sequence, embedding: list[float]) -> SequenceUpdate:
-        """An embedding request's one output: its prompt is computed, and it is done."""
-        if seq.request.pooling is None:
-            raise ValueError(f"the worker sent an embedding for sequence {seq.seq_id}, which is no embedding request")
-        self._resolve_placeholder(seq)
-        self._finish(seq, SequenceStatus.FINISHED_STOPPED)
-        update = SequenceUpdate(seq)
-        update.embedding, update.finish_reason = embedding, "stop"
-        return update
+    def take_spawned(self) -> list[Sequence]:
+        """Sequences the updates created since the last call (beams that forked): the engine registers them."""
+        return self._outputs.beams.take_spawned()
 
-    def _fail_request(self, seq: Sequence, error: str) -> SequenceUpdate:
-        """The worker cannot go on with this sequence: its request ends, every sequence of it."""
-        for sibling in [*seq.siblings, *seq.pending_siblings]:
-            if not sibling.status.is_finished:
-                self._finish(sibling, SequenceStatus.FINISHED_ABORTED)
-        update = SequenceUpdate(seq)
-        update.finish_reason, update.error = "abort", error
-        return update
+    # --- sequences start and end ------------------------------------------------------------------
 
-    def _append_output(self, seq: Sequence, out: SequenceOutput, update: SequenceUpdate) -> None:
-        """The accepted drafts (each one a computed token more), then the sampled token; a stop among
-        them ends the sequence there. A sequence verifying drafts gives back the blocks of the rejected ones."""
-        drafts, seq.inflight_drafts = seq.inflight_drafts, []
-        accepted = out.accepted_token_ids
-        if accepted != drafts[:len(accepted)]:
-            raise ValueError(f"the worker accepted tokens {accepted} for sequence {seq.seq_id}, not a prefix of the "
-                             f"drafts {drafts} it was sent")
-        if drafts:
-            self.num_spec_drafts += 1
-            self.num_spec_draft_tokens += len(drafts)
-            self.num_spec_accepted_tokens += len(accepted)
-            self._count_accepted_positions(len(drafts), len(accepted))
-        logprobs = out.accepted_logprobs or [None] * len(accepted)
-        for token_id, position in zip(accepted, logprobs):
-            self._push_token(seq, token_id, position, update)
-            seq.num_computed_tokens += 1  # the draft's KV, written in this step, is the token's
-            # Indexed now: a stop at this token frees the blocks, which the prefix cache keeps if indexed.
-            self.blocks.cache_full_blocks(seq.seq_id, seq.num_computed_tokens, seq.token_slice, seq.cache_extra)
-            if self._stops(seq, token_id, update):
-                return
-        if self._append_token(seq, out.token_id, out.logprobs, update):
-            return
-        if drafts:
-            self._release_rejected_slots(seq)
-        # Drafts continue the sequence as the worker knew it; with another step of it in flight they would not.
-        seq.draft_token_ids = out.draft_token_ids if not seq.num_placeholders else []
-
-    def _count_accepted_positions(self, num_drafts: int, num_accepted: int) -> None:
-        per_pos = self.num_spec_accepted_per_pos
-        if len(per_pos) < num_drafts:
-            per_pos.extend([0] * (num_drafts - len(per_pos)))
-        for position in range(num_accepted):  # accepted drafts are a prefix: positions 0 .. num_accepted - 1
-            per_pos[position] += 1
-
-    def _release_rejected_slots(self, seq: Sequence) -> None:
-        """Blocks past the sequence's computed tokens held only rejected drafts: free them now. The
-        worker cuts its copy of the table alike (the step protocol's rule), so nothing is sent."""
-        if self.blocks.trim_slots(seq.seq_id, seq.num_computed_tokens):
-            seq.num_blocks_sent = min(seq.num_blocks_sent, self.blocks.num_table_blocks(seq.seq_id))
-
-    @staticmethod
-    def _resolve_placeholder(seq: Sequence) -> None:
-        if seq.num_placeholders == 0:
-            raise ValueError(f"the worker sampled a token for sequence {seq.seq_id}, which was not due to sample")
-        seq.num_placeholders -= 1
-
-    def _append_token(self, seq: Sequence, token_id: int, logprobs, update: SequenceUpdate) -> bool:
-        """Append one token; whether it ended the sequence."""
-        self._push_token(seq, token_id, logprobs, update)
-        return self._stops(seq, token_id, update)
-
-    @staticmethod
-    def _push_token(seq: Sequence, token_id: int, logprobs, update: SequenceUpdate) -> None:
-        seq.output_token_ids.append(token_id)
-        update.new_token_ids.append(token_id)
-        if logprobs is not None:
-            update.new_logprobs.append(logprobs)
-
-    def _stops(self, seq: Sequence, token_id: int, update: SequenceUpdate) -> bool:
-        """Whether the token just appended ended the sequence (then the update says how)."""
-        if self._check_stop(seq, token_id):
-            update.finish_reason, update.stop_reason = seq.status.value, seq.stop_reason
-            return True
-        return False
-
-    def _fork(self, parent: Sequence, child: Sequence) -> None:
+    def fork(self, parent: Sequence, child: Sequence) -> None:
         """The child runs from now on, sharing every block of the parent; the worker copies the
         parent's state (the next plan's forks) before this step's tokens are appended."""
         self.blocks.fork(parent.seq_id, child.seq_id)
@@ -526,104 +402,19 @@ class Scheduler:
         child.status = SequenceStatus.RUNNING
         bisect.insort(self.running, child, key=_by_arrival)
 
-    def _fork_siblings(self, parent: Sequence, samples) -> list[SequenceUpdate]:
-        """n > 1: the siblings start now, sharing every block of the parent's prompt."""
-        updates = []
-        for child, sample in zip(parent.pending_siblings, samples):
-            if child.status.is_finished:
-                continue
-            self._fork(parent, child)
-            update = SequenceUpdate(child)
-            self._append_token(child, sample.token_id, sample.logprobs, update)
-            updates.append(update)
-        parent.pending_siblings = []
-        return updates
-
-    # --- beam search ----------------------------------------------------------------------------
-
-    def _beam_report(self, seq: Sequence, out) -> list[SequenceUpdate]:
-        if out.token_id is None or out.logprobs is None:
-            return []  # mid-prefill
-        candidates = list(zip(out.logprobs.top_token_ids, out.logprobs.top_logprobs))
-        step = seq.beam_group.report(seq.seq_id, candidates)
-        return [] if step is None else self._apply_beam_step(seq, step)
-
-    def _apply_beam_step(self, reporter: Sequence, step: BeamStep) -> list[SequenceUpdate]:
-        group = reporter.beam_group
-        live = {s.seq_id: s for s in reporter.siblings if s.seq_id in group.beams}
-        if step.done:
-            for seq in live.values():
-                self._finish(seq, SequenceStatus.FINISHED_STOPPED)
-            return [self._final_update(reporter, i, hyp) for i, hyp in enumerate(group.best(reporter.params.n))]
-        # Forks first, while every parent still holds only its old tokens; then the tokens go on.
-        targets, used = [], set()
-        for c in step.continuations:
-            parent = live[c.parent_seq_id]
-            target = parent if parent.seq_id not in used else self._fork_beam(parent)
-            used.add(parent.seq_id)
-            targets.append(target)
-        for c, target in zip(step.continuations, targets):
-            target.output_token_ids.append(c.token_id)
-        for seq in live.values():
-            if seq.seq_id not in used:  # a beam nobody continues: its blocks go back now
-                self._finish(seq, SequenceStatus.FINISHED_ABORTED)
-        group.advance(step.continuations, [t.seq_id for t in targets])
-        return []
-
-    def _fork_beam(self, parent: Sequence) -> Sequence:
-        child = Sequence(self.new_seq_id(), parent.request, len(parent.siblings), parent.max_output_tokens,
-                         parent.arrival)
-        child.output_token_ids = list(parent.output_token_ids)
-        child.worker_params, child.beam_group, child.siblings = parent.worker_params, parent.beam_group, parent.siblings
-        parent.siblings.append(child)
-        self.spawned.append(child)
-        if parent.status is SequenceStatus.RUNNING and parent.known_to_worker:
-            self._fork(parent, child)
-        else:  # the parent is waiting or swapped: the child recomputes on its own
-            self.waiting.appendleft(child)
-        return child
-
-    @staticmethod
-    def _final_update(reporter: Sequence, index: int, hyp) -> SequenceUpdate:
-        update = SequenceUpdate(reporter, index)
-        update.new_token_ids = list(hyp.token_ids)
-        update.new_logprobs = list(hyp.positions)
-        update.finish_reason = "stop" if hyp.stopped else "length"
-        update.stop_reason = hyp.token_ids[-1] if hyp.stopped and hyp.token_ids[-1] in reporter.params.stop_token_ids \
-            else None
-        return update
-
-    def _take_prompt_logprobs(self, seq: Sequence, out, update: SequenceUpdate) -> None:
-        # Positions start at prompt index 1; a recomputed sequence sends them again: skip repeats.
-        first_new = seq.num_prompt_logprobs + 1 - out.prompt_logprobs_start
-        fresh = out.prompt_logprobs[max(0, first_new):]
-        update.prompt_logprobs.extend(fresh)
-        seq.num_prompt_logprobs += len(fresh)
-
-    def _check_stop(self, seq: Sequence, token_id: int) -> bool:
-        """Finish the sequence if ``token_id`` (just appended) ends it; whether it did."""
-        num_out = len(seq.output_token_ids)
-        params = seq.params
-        if num_out >= params.min_tokens:
-            if token_id in self.eos_token_ids and not params.ignore_eos:
-                self._finish(seq, SequenceStatus.FINISHED_STOPPED, None)
-                return True
-            if token_id in params.stop_token_ids:
-                self._finish(seq, SequenceStatus.FINISHED_STOPPED, token_id)
-                return True
-        if num_out >= seq.max_output_tokens or seq.num_tokens >= self.max_model_len:
-            self._finish(seq, SequenceStatus.FINISHED_LENGTH)
-            return True
-        return False
+    def wait_first(self, seq: Sequence) -> None:
+        """A new sequence that computes its tokens on its own, before anything else waiting."""
+        self.waiting.appendleft(seq)
 
     def finish_by_stop_string(self, seq: Sequence, stop: str) -> bool:
         """End a sequence whose text hit a stop string; False if it had ended already."""
         if seq.status.is_finished:
             return False
-        self._finish(seq, SequenceStatus.FINISHED_STOPPED, stop)
+        self.finish(seq, SequenceStatus.FINISHED_STOPPED, stop)
         return True
 
-    def _finish(self, seq: Sequence, status: SequenceStatus, stop_reason: int | str | None = None) -> None:
+    def finish(self, seq: Sequence, status: SequenceStatus, stop_reason: int | str | None = None) -> None:
+        """The sequence ends: it leaves its queue, its blocks go back, and the worker is told to drop it."""
         if seq.status is SequenceStatus.RUNNING:
             self.running.remove(seq)
         elif seq.status is SequenceStatus.SWAPPED:

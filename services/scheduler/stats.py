@@ -56,7 +56,7 @@ class EngineStats:
         return {"iteration_tokens_total": self.iteration_tokens, **scheduler.request_stats.histograms}
 
     def _numbers(self, scheduler) -> dict[str, float]:
-        requests = scheduler.request_stats
+        requests, drafts = scheduler.request_stats, scheduler.draft_acceptance
         return {
             "num_requests_waiting": len(scheduler.waiting),
             # of those, held back by a passing limit (a LoRA adapter beyond max_loras, a beam awaiting its group)
@@ -84,11 +84,11 @@ class EngineStats:
             # prompts at their first prefill (request_stats.first_admitted): computed, or found in the prefix cache
             "prompt_tokens_computed": requests.prompt_tokens_computed,
             "prompt_tokens_cached": requests.prompt_tokens_cached,
-            "spec_decode_num_drafts": scheduler.num_spec_drafts,
-            "spec_decode_num_draft_tokens": scheduler.num_spec_draft_tokens,
-            "spec_decode_num_accepted_tokens": scheduler.num_spec_accepted_tokens,
+            "spec_decode_num_drafts": drafts.num_drafts,
+            "spec_decode_num_draft_tokens": drafts.num_draft_tokens,
+            "spec_decode_num_accepted_tokens": drafts.num_accepted_tokens,
             **{f"spec_decode_num_accepted_tokens_per_pos_{i}": count
-               for i, count in enumerate(scheduler.num_spec_accepted_per_pos)},
+               for i, count in enumerate(drafts.num_accepted_per_pos)},
             "kv_blocks_used_peak": self.kv_blocks_used_peak,
             "kv_waste_pct": self.kv_waste_pct(),
             "kv_waste_pct_peak": self.kv_waste_pct_peak,
