@@ -179,7 +179,7 @@ def test_a_store_url_s_password_never_reaches_a_message():
 
 def test_the_concurrency_limit_holds_while_the_limiter_is_asked():
     """The slot is taken before the rate check's round trip, so concurrent requests cannot all pass."""
-    from services.gateway.generation import Generator, Overloaded
+    from services.gateway.generator import Generator, Overloaded
     from services.gateway.metrics import GatewayMetrics
 
     class SlowLimiter:
@@ -204,7 +204,7 @@ def test_the_concurrency_limit_holds_while_the_limiter_is_asked():
 
 
 def test_requests_the_service_fails_before_they_run_do_not_count():
-    from services.gateway.generation import Generator
+    from services.gateway.generator import Generator
     from services.gateway.metrics import GatewayMetrics
 
     async def run(store):

@@ -8,8 +8,9 @@ import contextlib
 import grpc
 import pytest
 
+from services.gateway.billing import Admission
 from services.gateway.call_ids import CallIds
-from services.gateway.generation import Admission, SeqDelta
+from services.gateway.deltas import SeqDelta
 from services.gateway.grpc_api import GenerationServicer
 from shared.grpc_errors import error_for_code
 from shared.proto import pagedserve_api_pb2 as api

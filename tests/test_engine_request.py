@@ -7,7 +7,8 @@ import dataclasses
 
 import pytest
 
-from services.gateway.generation import InvalidParameter, Model
+from services.gateway.model import Model
+from shared.invalid_parameter import InvalidParameter
 from shared.lora import LoRARequest
 from shared.pooling import PoolerConfig, PoolingParams
 from shared.proto import pagedserve_internal_pb2 as wire

@@ -16,10 +16,10 @@ import grpc
 import httpx2 as httpx
 import pytest
 
-from services.gateway.generation import InvalidParameter
 from services.gateway.http_limits import HttpLimits
 from services.gateway.prompt_bound import bounded_texts, counted_prefix
 from services.gateway.protocol import ChatCompletionRequest, CompletionRequest
+from shared.invalid_parameter import InvalidParameter
 from shared.proto import pagedserve_api_pb2 as api
 from shared.proto import pagedserve_api_pb2_grpc as api_grpc
 from tests.services_harness import REPO, Stack, free_port, http_get

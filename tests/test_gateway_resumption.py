@@ -7,9 +7,9 @@ import asyncio
 
 import pytest
 
-from services.gateway import generation
-from services.gateway.generation import Generator
+from services.gateway.generator import Generator
 from services.gateway.metrics import GatewayMetrics
+from services.gateway.model import Model
 from services.gateway.resumption import ResumePolicy
 from services.gateway.scheduler_client import SessionLost
 from shared.grpc_errors import AlreadyExists, ServiceUnavailable
@@ -79,7 +79,7 @@ class ScriptedPool:
 
 @pytest.fixture(scope="module")
 def model(llama_dir):
-    return generation.Model("m", 512, 512, 20, load_tokenizer(llama_dir))
+    return Model("m", 512, 512, 20, load_tokenizer(llama_dir))
 
 
 def generate(model, pool, params, policy=ResumePolicy(max_resumes=2, timeout_s=5.0), during=None):

@@ -10,9 +10,12 @@ import types
 
 import pytest
 
-from services.gateway import generation
-from services.gateway.generation import Generator, engine_requests
+from services.gateway import sequence
+from services.gateway.billing import Admission
+from services.gateway.engine_requests import engine_requests
+from services.gateway.generator import Generator
 from services.gateway.metrics import GatewayMetrics
+from services.gateway.model import Model
 from shared.sampling_params import SamplingParams
 
 
@@ -55,7 +58,7 @@ def test_a_run_that_fails_to_start_aborts_every_submitted_request(monkeypatch):
             raise RuntimeError("the tokenizer refused")
         return object()
 
-    monkeypatch.setattr(generation, "IncrementalDetokenizer", detokenizer)
+    monkeypatch.setattr(sequence, "IncrementalDetokenizer", detokenizer)
     client = RecordingClient()
     gen = Generator(client, GatewayMetrics())
     with pytest.raises(RuntimeError, match="refused"):
@@ -67,7 +70,7 @@ def test_a_run_that_fails_to_start_aborts_every_submitted_request(monkeypatch):
 
 
 def test_a_client_request_id_that_repeats_gives_distinct_engine_ids(monkeypatch):
-    monkeypatch.setattr(generation, "IncrementalDetokenizer", lambda *args, **kwargs: object())
+    monkeypatch.setattr(sequence, "IncrementalDetokenizer", lambda *args, **kwargs: object())
     client = RecordingClient()
     gen = Generator(client, GatewayMetrics())
     for _ in range(2):  # X-Request-Id is a tracing header: a retry or a proxy may send it again
@@ -102,10 +105,10 @@ class RefusingGen:
     """Enough of a Generator for a request to reach start(), which stops it."""
 
     def __init__(self, tokenizer):
-        self.model_card = generation.Model("m", 512, 512, 20, tokenizer)
+        self.model_card = Model("m", 512, 512, 20, tokenizer)
 
     def admitted(self, api_key=None):
-        return contextlib.nullcontext(generation.Admission())
+        return contextlib.nullcontext(Admission())
 
     async def model(self):
         return self.model_card

@@ -8,7 +8,8 @@ import types
 
 import pytest
 
-from services.gateway.generation import Model, SeqDelta
+from services.gateway.deltas import SeqDelta
+from services.gateway.model import Model
 from services.gateway.openai_api import _Completion, _Reply
 from services.gateway.protocol import CompletionRequest
 
@@ -96,7 +97,7 @@ def test_the_direct_responses_text_delta_is_the_encoders_event():
 
 
 def test_a_request_s_own_chat_template_needs_the_gateway_s_trust():
-    from services.gateway.generation import InvalidParameter
+    from shared.invalid_parameter import InvalidParameter
 
     model = Model("m", 4096, 5, 20, tokenizer=_BosTokenizer())
     with pytest.raises(InvalidParameter, match="--trust-request-chat-template") as refused:

@@ -15,9 +15,10 @@ import pytest
 from pydantic import ValidationError
 from transformers import AutoTokenizer
 
-from services.gateway.generation import InvalidParameter, TokenLogprob, TopToken
+from services.gateway.deltas import TokenLogprob, TopToken
 from services.gateway.logprob_format import completion_logprobs, top_sampled_first
 from services.gateway.protocol import ChatCompletionRequest, CompletionRequest
+from shared.invalid_parameter import InvalidParameter
 from tests.services_harness import Stack, http_get
 
 WORKER_ARGS = ("--block-size", "16", "--num-gpu-blocks-override", "256")

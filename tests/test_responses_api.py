@@ -262,7 +262,7 @@ def test_what_cannot_be_done_is_a_400_naming_the_field(client, llama_dir, fields
 def test_a_stream_that_fails_ends_with_an_error_event_and_response_failed():
     from openai.types.responses import ResponseErrorEvent, ResponseFailedEvent
 
-    from services.gateway.generation import Model
+    from services.gateway.model import Model
     from services.gateway.responses_api import _Response
     from services.gateway.responses_protocol import ResponsesRequest
 
@@ -339,7 +339,7 @@ def test_reasoning_is_told_from_the_answer_whole_streamed_and_in_responses(clien
 
 
 def test_reasoning_asked_of_a_gateway_without_a_parser_is_refused():
-    from services.gateway.generation import InvalidParameter
+    from shared.invalid_parameter import InvalidParameter
     from services.gateway.responses_protocol import ResponsesRequest
 
     request = ResponsesRequest(model="m", input="Hi", reasoning={"effort": "high"})

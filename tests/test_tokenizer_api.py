@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from services.gateway.generation import InvalidParameter
 from services.gateway.tokenizer_api import TokenizeRequest, _tokenize
+from shared.invalid_parameter import InvalidParameter
 
 
 class BosModel:

@@ -7,8 +7,8 @@ import json
 
 import pytest
 
-from services.gateway.generation import InvalidParameter
 from services.gateway.tool_calls import ForcedToolCall
+from shared.invalid_parameter import InvalidParameter
 
 
 def test_forced_tool_calls_become_schemas_and_their_text_becomes_calls():

@@ -8,9 +8,9 @@ import random
 
 import pytest
 
-from services.gateway.generation import InvalidParameter
 from services.gateway.protocol import ChatCompletionRequest
 from services.gateway.tool_parsers import Parsed, ParsedCall, ToolCallParser
+from shared.invalid_parameter import InvalidParameter
 
 HERMES, LLAMA = ToolCallParser("hermes"), ToolCallParser("llama3_json")
 WEATHER = ParsedCall("get_weather", '{"city": "Paris"}')

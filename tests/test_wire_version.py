@@ -9,7 +9,7 @@ from concurrent import futures
 import grpc
 import pytest
 
-from services.gateway.generation import Generator
+from services.gateway.generator import Generator
 from services.gateway.metrics import GatewayMetrics
 from services.scheduler.grpc_executor import GrpcExecutor
 from shared.proto import pagedserve_internal_pb2 as wire

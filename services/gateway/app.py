@@ -15,12 +15,11 @@ from fastapi.responses import JSONResponse, PlainTextResponse, Response, Streami
 from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException
 
-from shared.version import __version__
 from services.gateway.auth import OPEN_PATHS, Authenticator, DuplicateCredentials, single_authorization
 from services.gateway.body_limit import BodySizeLimit
 from services.gateway.classify_api import ClassificationRequest, create_classification
 from services.gateway.embeddings_api import EmbeddingRequest, create_embeddings
-from services.gateway.generation import Generator, InvalidParameter
+from services.gateway.generator import Generator
 from services.gateway.health import serving_problem
 from services.gateway.http_limits import HttpLimits
 from services.gateway.invocations import OPENAPI_BODY, invocation
@@ -38,7 +37,9 @@ from services.gateway.server_load import LoadTracking, ServerLoad
 from services.gateway.tokenizer_api import DetokenizeRequest, TokenizeRequest, detokenize, tokenize
 from services.gateway.tokenizer_info import tokenizer_info
 from shared.grpc_errors import NotFound, ResourceExhausted, ServiceUnavailable, Unauthenticated
+from shared.invalid_parameter import InvalidParameter
 from shared.logging import bind_request_id, clear_request_id, setup_logging
+from shared.version import __version__
 
 log = setup_logging("gateway")
 

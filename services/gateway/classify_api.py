@@ -8,8 +8,9 @@ from __future__ import annotations
 import time
 
 from services.gateway.api_keys import ApiKey
-from services.gateway.generation import Generator, InvalidParameter
+from services.gateway.generator import Generator
 from services.gateway.pooling_inputs import PoolingRequest, pool_inputs, pooling_usage
+from shared.invalid_parameter import InvalidParameter
 from shared.pooling import PoolingParams
 
 

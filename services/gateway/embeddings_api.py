@@ -16,8 +16,9 @@ from typing import Literal
 from pydantic import field_validator
 
 from services.gateway.api_keys import ApiKey
-from services.gateway.generation import Generator, InvalidParameter
+from services.gateway.generator import Generator
 from services.gateway.pooling_inputs import PoolingRequest, pool_inputs, pooling_usage
+from shared.invalid_parameter import InvalidParameter
 from shared.pooling import PoolingParams
 
 

@@ -10,18 +10,20 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from services.gateway.call_ids import CallIds
-from services.gateway.classify_api import best_label
 from services.gateway.api_keys import ApiKey
 from services.gateway.auth import Authenticator, single_authorization
-from services.gateway.generation import (Generator, InvalidParameter, SeqDelta, TokenLogprob, engine_requests,
-                                        new_request_id)
+from services.gateway.call_ids import CallIds
+from services.gateway.classify_api import best_label
+from services.gateway.deltas import SeqDelta, TokenLogprob
+from services.gateway.engine_requests import engine_requests, new_request_id
+from services.gateway.generator import Generator
 from services.gateway.prompt_bound import refuse_texts_too_long
 from shared.grpc_errors import ResourceExhausted, Unauthenticated, status_for
+from shared.invalid_parameter import InvalidParameter
 from shared.logging import bind_request_id, clear_request_id, setup_logging
+from shared.pooling import PoolingParams
 from shared.proto import pagedserve_api_pb2 as api
 from shared.proto import pagedserve_api_pb2_grpc as api_grpc
-from shared.pooling import PoolingParams
 from shared.request import check_runner
 from shared.sampling_params import SamplingParams
 

@@ -6,7 +6,7 @@ the message says which of the two is missing."""
 from __future__ import annotations
 
 from services.gateway.auth import Authenticator
-from services.gateway.generation import Generator
+from services.gateway.generator import Generator
 
 
 async def serving_problem(gen: Generator, auth: Authenticator | None) -> str | None:

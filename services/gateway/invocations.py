@@ -9,10 +9,11 @@ from pydantic import BaseModel, ValidationError
 
 from services.gateway.classify_api import ClassificationRequest, create_classification
 from services.gateway.embeddings_api import EmbeddingRequest, create_embeddings
-from services.gateway.generation import InvalidParameter, Model
+from services.gateway.model import Model
 from services.gateway.openai_api import create_chat_completion, create_completion
 from services.gateway.protocol import ChatCompletionRequest, CompletionRequest
 from services.gateway.score_api import RerankRequest, ScoreRequest, create_rerank, create_score
+from shared.invalid_parameter import InvalidParameter
 
 GENERATION = ((ChatCompletionRequest, create_chat_completion), (CompletionRequest, create_completion))
 SCORING = ((ScoreRequest, create_score), (RerankRequest, create_rerank))

@@ -8,7 +8,7 @@ text alone may be a fragment of a character or repeat another token's.
 
 from __future__ import annotations
 
-from services.gateway.generation import TokenLogprob, TopToken
+from services.gateway.deltas import TokenLogprob, TopToken
 
 
 def token_label(token_id: int, text: str, as_ids: bool) -> str:

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from services.gateway.generation import Generator
+from services.gateway.generator import Generator
 from services.gateway.lora_modules import LoRAModule
 from shared.grpc_errors import NotFound
 from shared.lora import LoRARequest, read_adapter_config

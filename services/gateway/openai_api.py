@@ -15,14 +15,19 @@ from collections.abc import AsyncIterator
 from contextlib import AsyncExitStack
 
 from services.gateway.api_keys import ApiKey
-from services.gateway.generation import (Generator, InvalidParameter, Model, Run, SeqDelta, TokenLogprob,
-                                        engine_requests, merge)
+from services.gateway.deltas import SeqDelta, TokenLogprob
+from services.gateway.engine_requests import engine_requests
+from services.gateway.generator import Generator
 from services.gateway.logprob_format import chat_logprobs, completion_logprobs
+from services.gateway.merge import merge
+from services.gateway.model import Model
 from services.gateway.protocol import ChatCompletionRequest, CompletionRequest, template_messages
+from services.gateway.run import Run
 from services.gateway.tool_calls import tool_call
 from services.gateway.tool_parsers import ToolCallStream
-from shared.sampling_params import SamplingParams
 from shared.detokenizer import IncrementalDetokenizer
+from shared.invalid_parameter import InvalidParameter
+from shared.sampling_params import SamplingParams
 
 
 async def create_completion(gen: Generator, body: CompletionRequest, request_id: str, api_key: ApiKey | None = None):

@@ -10,9 +10,13 @@ import asyncio
 from pydantic import BaseModel, ConfigDict, field_validator
 
 from services.gateway.api_keys import ApiKey
-from services.gateway.generation import Generator, InvalidParameter, Model, Run, engine_requests
+from services.gateway.engine_requests import engine_requests
+from services.gateway.generator import Generator
+from services.gateway.model import Model
 from services.gateway.protocol import ChatMessage
+from services.gateway.run import Run
 from services.gateway.tokenizer_api import encode_chat_body
+from shared.invalid_parameter import InvalidParameter
 from shared.lora import LoRARequest
 from shared.pooling import PoolingParams
 from shared.request import check_runner

@@ -19,11 +19,13 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Callable
 
-from services.gateway.generation import Generator, InvalidParameter, Model
+from services.gateway.generator import Generator
+from services.gateway.model import Model
 from services.gateway.pooling_inputs import PoolingRequest
 from services.gateway.protocol import ChatCompletionRequest, CompletionRequest
 from services.gateway.responses_protocol import ResponsesRequest
 from services.gateway.score_api import RerankRequest, ScoreRequest
+from shared.invalid_parameter import InvalidParameter
 
 CHARS_PER_TOKEN = 8  # above any tokenizer's average on text: a prompt that fits is (nearly always) shorter
 MARGIN = 2

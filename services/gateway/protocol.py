@@ -17,11 +17,11 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
-from services.gateway.generation import InvalidParameter
 from services.gateway.strict_input import Flag, check_message, check_text
-from shared.sampling_params import SamplingParams, keep_last_tokens
 from services.gateway.tool_calls import ForcedToolCall, chosen
 from services.gateway.tool_parsers import ToolCallParser
+from shared.invalid_parameter import InvalidParameter
+from shared.sampling_params import SamplingParams, keep_last_tokens
 from shared.structured_outputs import StructuredOutputs
 from shared.tokenizer import message_text
 

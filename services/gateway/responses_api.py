@@ -27,7 +27,7 @@ import uuid
 from collections.abc import AsyncIterator
 
 from services.gateway.api_keys import ApiKey
-from services.gateway.generation import Generator
+from services.gateway.generator import Generator
 from services.gateway.openai_api import _answer, _Chat, _json_string
 from services.gateway.responses_protocol import ResponsesRequest
 

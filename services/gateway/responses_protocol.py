@@ -20,9 +20,9 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, ValidationError
 
-from services.gateway.generation import InvalidParameter
 from services.gateway.protocol import ChatCompletionRequest
 from services.gateway.strict_input import Flag
+from shared.invalid_parameter import InvalidParameter
 
 # The engine's sampling fields (vLLM's extensions) a Responses request may carry, passed as they are.
 _PASSED = ("seed", "top_k", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty", "stop",

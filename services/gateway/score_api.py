@@ -15,7 +15,9 @@ import numpy as np
 from pydantic import BaseModel, ConfigDict, field_validator
 
 from services.gateway.api_keys import ApiKey
-from services.gateway.generation import Generator, InvalidParameter, engine_requests
+from services.gateway.engine_requests import engine_requests
+from services.gateway.generator import Generator
+from shared.invalid_parameter import InvalidParameter
 from shared.pooling import PoolingParams, check_cross_encoder, score_pairs, token_limit
 from shared.request import check_runner
 

@@ -19,7 +19,7 @@ import uvicorn
 from services.gateway.api_keys import RedisKeyStore, StaticKeys
 from services.gateway.app import create_app
 from services.gateway.auth import Authenticator
-from services.gateway.generation import Generator
+from services.gateway.generator import Generator
 from services.gateway.grpc_api import HEALTH_SERVICES, NOT_SERVING, SERVING, create_grpc_server
 from services.gateway.health import serving_problem
 from services.gateway.http_limits import HttpLimits, make_room_for_connections
@@ -27,9 +27,9 @@ from services.gateway.http_protocol import LimitedHttpProtocol
 from services.gateway.lora_modules import parse_lora_modules
 from services.gateway.metrics import GatewayMetrics
 from services.gateway.options import gateway_options
-from services.gateway.resumption import ResumePolicy
 from services.gateway.rate_limits import RateLimiter
 from services.gateway.reasoning_parsers import REASONING_PARSERS, reasoning_flag_error
+from services.gateway.resumption import ResumePolicy
 from services.gateway.scheduler_pool import HEALTH_POLL_S, SchedulerPool
 from services.gateway.tool_parsers import ToolCallParser, flag_error
 from shared.gc_heap import freeze_startup_objects, unfreeze_startup_objects

@@ -14,7 +14,7 @@ from typing import Annotated, Any
 from pydantic import BaseModel, BeforeValidator
 from pydantic_core import PydanticCustomError
 
-from services.gateway.generation import InvalidParameter
+from shared.invalid_parameter import InvalidParameter
 
 ROLES = ("system", "developer", "user", "assistant", "tool", "function")
 

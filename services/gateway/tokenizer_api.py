@@ -7,9 +7,11 @@ import asyncio
 
 from pydantic import BaseModel, ConfigDict
 
-from services.gateway.generation import Generator, InvalidParameter, Model
+from services.gateway.generator import Generator
+from services.gateway.model import Model
 from services.gateway.protocol import ChatMessage, template_messages
 from services.gateway.strict_input import Flag, check_text
+from shared.invalid_parameter import InvalidParameter
 
 
 class TokenizeRequest(BaseModel):

@@ -5,7 +5,7 @@ paths (vocab_file, merges_file, tokenizer_file, name_or_path) are left out: they
 
 from __future__ import annotations
 
-from services.gateway.generation import Model
+from services.gateway.model import Model
 
 PATH_FIELDS = ("vocab_file", "merges_file", "tokenizer_file", "name_or_path")
 

@@ -15,7 +15,7 @@ import uuid
 from dataclasses import dataclass
 from typing import Any
 
-from services.gateway.generation import InvalidParameter
+from shared.invalid_parameter import InvalidParameter
 from shared.structured_outputs import StructuredOutputs
 
 EMPTY_PARAMETERS = {"type": "object", "properties": {}}
