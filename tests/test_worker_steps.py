@@ -77,7 +77,7 @@ def test_a_step_reports_its_forward_and_sampling_times(worker):
 
 
 def test_device_names_are_checked_before_anything_loads():
-    from services.worker.worker import resolve_device
+    from services.worker.worker_startup import resolve_device
     from shared.config import EngineConfig
 
     for name in ("gpu", "cuda:x", "CUDA", "mps", "cuda:"):
