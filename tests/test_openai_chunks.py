@@ -8,18 +8,19 @@ import types
 
 import pytest
 
+from services.gateway.completion_reply import CompletionReply
 from services.gateway.deltas import SeqDelta
 from services.gateway.model import Model
-from services.gateway.openai_api import _Completion, _Reply
 from services.gateway.protocol import CompletionRequest
+from services.gateway.reply import Reply
 
 ALPHABET = ["a", "Z", " ", '"', "\\", "/", "\n", "\t", "\x00", "\x1f", "\x7f", "é", "東", "🎉", "\u2028", "\ud7ff"]
 
 
-def completion(**body) -> _Completion:
+def completion(**body) -> CompletionReply:
     model = Model("model-ü", 4096, 32000, 20, tokenizer=None)
-    return _Completion(model, CompletionRequest(model="model-ü", prompt="hi", stream=True, **body), "cmpl-1", [],
-                       ["hi"])
+    return CompletionReply(model, CompletionRequest(model="model-ü", prompt="hi", stream=True, **body), "cmpl-1", [],
+                           ["hi"])
 
 
 @pytest.mark.parametrize("stream_options", [None, {"include_usage": True}])
@@ -32,7 +33,7 @@ def test_the_direct_chunk_is_the_encoders_chunk(stream_options):
         delta = SeqDelta(rng.randrange(3), [rng.randrange(100)], text, None, finish, stop, 0)
         k = rng.randrange(10)
         direct = reply.chunk_event(k, 0, delta)
-        assert direct == _Reply.chunk_event(reply, k, 0, delta)
+        assert direct == Reply.chunk_event(reply, k, 0, delta)
         assert json.loads(direct)["choices"][0]["text"] == text
         assert ("usage" in json.loads(direct)) == (stream_options is not None)  # null until the last chunk
 
@@ -64,9 +65,9 @@ def test_echo_shows_the_prompt_as_given_unless_truncation_cut_it():
     for keep, ids, text in [(None, [0, 1, 2, 3, 4], given), (100, [0, 1, 2, 3, 4], given),
                             (-1, [0, 1, 2, 3, 4], given), (2, [3, 4], "brown fox")]:
         body = CompletionRequest(prompt=given, echo=True, truncate_prompt_tokens=keep)
-        assert _Completion.prompts(model, body) == ([ids], [text]), keep
+        assert CompletionReply.prompts(model, body) == ([ids], [text]), keep
     tokens = CompletionRequest(prompt=[1, 2, 3], echo=True, truncate_prompt_tokens=2)
-    assert _Completion.prompts(model, tokens) == ([[2, 3]], ["quick brown"])
+    assert CompletionReply.prompts(model, tokens) == ([[2, 3]], ["quick brown"])
 
 
 def test_a_logprob_of_minus_infinity_is_minus_9999_as_vllm_s():

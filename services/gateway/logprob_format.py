@@ -9,6 +9,7 @@ text alone may be a fragment of a character or repeat another token's.
 from __future__ import annotations
 
 from services.gateway.deltas import TokenLogprob, TopToken
+from services.gateway.run import Run
 
 
 def token_label(token_id: int, text: str, as_ids: bool) -> str:
@@ -50,3 +51,20 @@ def _top_map(entry: TokenLogprob, as_ids: bool) -> dict[str, float]:
     for candidate in entry.top:
         top.setdefault(token_label(candidate.token_id, candidate.token, as_ids), candidate.logprob)
     return top
+
+
+def vllm_prompt_logprobs(run: Run, num_top: int) -> list[dict | None]:
+    """vLLM's prompt_logprobs: per prompt token (null for the first, which nothing comes before) a
+    map from token id to {logprob, rank, decoded_token}, the prompt's own token first, then the top ones."""
+    entries = run.prompt_logprobs or []
+    out: list[dict | None] = []
+    for i in range(len(run.prompt)):
+        entry = entries[i] if i < len(entries) else None
+        if entry is None:
+            out.append(None)
+            continue
+        position = {str(entry.token_id): {"logprob": entry.logprob, "rank": entry.rank, "decoded_token": entry.token}}
+        for rank, top in enumerate(entry.top[:num_top], 1):
+            position.setdefault(str(top.token_id), {"logprob": top.logprob, "rank": rank, "decoded_token": top.token})
+        out.append(position)
+    return out

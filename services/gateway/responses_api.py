@@ -1,6 +1,6 @@
 """POST /v1/responses: a chat completion's one choice, as OpenAI's Response object or its stream of events.
 
-The answer is made by the chat code (openai_api._Chat: text, logprobs, forced and parsed tool calls);
+The answer is made by the chat code (chat_reply.ChatReply: text, logprobs, forced and parsed tool calls);
 this turns its message into output items (a message with an output_text part, then a function_call
 per call) and its chunks into the typed events a Responses stream is made of, in OpenAI's order:
 
@@ -27,20 +27,22 @@ import uuid
 from collections.abc import AsyncIterator
 
 from services.gateway.api_keys import ApiKey
+from services.gateway.chat_reply import ChatReply
 from services.gateway.generator import Generator
-from services.gateway.openai_api import _answer, _Chat, _json_string
+from services.gateway.json_text import json_string
+from services.gateway.openai_api import answer
 from services.gateway.responses_protocol import ResponsesRequest
 
 
 async def create_response(gen: Generator, body: ResponsesRequest, request_id: str, api_key: ApiKey | None = None):
-    return await _answer(gen, body, request_id, api_key, _Response)
+    return await answer(gen, body, request_id, api_key, _Response)
 
 
 def _item_id(prefix: str) -> str:
     return f"{prefix}_{uuid.uuid4().hex}"
 
 
-class _Response(_Chat):
+class _Response(ChatReply):
     done_frame = None  # a Responses stream ends with response.completed, not [DONE]
 
     @staticmethod
@@ -49,12 +51,12 @@ class _Response(_Chat):
 
     @staticmethod
     def prompts(model, body: ResponsesRequest):
-        return _Chat.prompts(model, body.chat)
+        return ChatReply.prompts(model, body.chat)
 
     @staticmethod
     def checked_params(model, body: ResponsesRequest):
         body.check_reasoning(model.reasoning_parser)
-        return _Chat.checked_params(model, body.chat)
+        return ChatReply.checked_params(model, body.chat)
 
     def __init__(self, model, body: ResponsesRequest, response_id: str, runs, prompt_texts):
         self.request = body
@@ -200,7 +202,7 @@ class _EventWriter:
         directly: the same text that part_event gives through the encoder (a test holds them equal)."""
         return (f'event: response.output_text.delta\ndata: {{"type": "response.output_text.delta", "sequence_number": '
                 f'{next(self.numbers)}, "item_id": "{self.open["id"]}", "output_index": {len(self.items)}, '
-                f'"content_index": 0, "delta": {_json_string(text)}, "logprobs": []}}')
+                f'"content_index": 0, "delta": {json_string(text)}, "logprobs": []}}')
 
     def call(self, call: dict) -> list[str]:
         events = []
