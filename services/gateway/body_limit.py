@@ -18,7 +18,7 @@ class BodySizeLimit:
     """Pure ASGI, outside the app's routes."""
 
     def __init__(self, app, max_bytes: int, refuse):
-        """refuse(exc) -> the ASGI response for an error (app.py's error_response)."""
+        """refuse(exc) -> the ASGI response for an error (http_errors.py's error_response)."""
         self.app, self.max_bytes, self.refuse = app, max_bytes, refuse
 
     async def __call__(self, scope, receive, send):

@@ -24,7 +24,7 @@ import json
 from starlette.exceptions import HTTPException
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
-from services.gateway.app import error_body
+from services.gateway.http_errors import error_body
 from services.gateway.http_limits import HttpLimits
 from shared.logging import setup_logging
 
