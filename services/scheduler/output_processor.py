@@ -35,10 +35,10 @@ class OutputProcessor:
     def update_from_output(self, scheduled: dict[int, int], result: StepResult,
                            seqs: dict[int, Sequence]) -> list[SequenceUpdate]:
         """Advance the scheduled sequences by the step's result; the updates for the front end."""
-        self._count_computed(scheduled, result, seqs)
         # When its tokens came, for the request's times (found inline: this runs for every token).
         request_stats = self.scheduler.request_stats
         now, times_of, times_get = time.monotonic(), request_stats.times_of, request_stats.times.get
+        self._count_computed(scheduled, result, seqs)
         updates = []
         for out in result.outputs:
             seq = seqs.get(out.seq_id)

@@ -7,7 +7,6 @@ is output_processor.py's, which ends and forks sequences through finish() and fo
 from __future__ import annotations
 
 import bisect
-import time
 from collections import deque
 from dataclasses import dataclass
 
