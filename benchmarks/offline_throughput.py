@@ -39,8 +39,8 @@ def run_pagedserve(model_dir: Path, requests: list[BenchRequest], args) -> dict:
     elapsed = time.perf_counter() - start
     tokens = sum(len(o.outputs[0].token_ids) for o in outputs)
     assert tokens == sum(r.output_len for r in requests)
-    stats = {k: v - before.get(k, 0) if k.endswith(("_s", "steps", "preemptions")) else v
-             for k, v in llm.stats().items()}
+    stats = {k: v - before.get(k, 0) if k.endswith(("_s", "steps", "preemptions")) and not isinstance(v, dict)
+             else v for k, v in llm.stats().items()}  # (histograms, such as request_num_preemptions, are dicts)
     return {"elapsed_s": elapsed, "output_tokens": tokens, "kv_waste_pct_peak": stats["kv_waste_pct_peak"],
             "num_preemptions": stats["num_preemptions"], "num_steps": stats["num_steps"],
             "forward_s": stats["forward_time_s"], "sample_s": stats["sample_time_s"],
