@@ -44,6 +44,7 @@ class Run:
         self._skip_prompt_logprobs = 0  # a run started over sends the prompt logprobs already passed on again
         self._first = None
         self._sequences = [Sequence(index, position, model.tokenizer, request) for index in range(request.params.n)]
+        self._logprob = model.logprob if request.params.logprobs is not None else None  # (read once per output)
         self.completion_tokens = 0
         self.cached_tokens = 0  # prompt tokens the prefix cache held (known from the first output on)
         self.prompt_logprobs: list[TokenLogprob | None] | None = None
@@ -67,7 +68,7 @@ class Run:
 
     @property
     def finished(self) -> bool:
-        return all(sequence.done for sequence in self._sequences)
+        return len(self.finish_reasons) == len(self._sequences)  # (asked once per output: a sum, not a walk)
 
     def cancel(self) -> None:
         self._stream.cancel()
@@ -93,8 +94,8 @@ class Run:
     async def _take_embedding(self, message) -> None:
         """An embedding request is done with its first output."""
         self._sequences[0].done, self._recorded = True, True
-        self._metrics.finish(len(self.prompt), 0, self._since_arrival(), None, 1,
-                             ["stop" if message is not None and message.embedding else "abort"])
+        self.finish_reasons.append("stop" if message is not None and message.embedding else "abort")
+        self._metrics.finish(len(self.prompt), 0, self._since_arrival(), None, 1, self.finish_reasons)
         if message is not None and message.num_cached_tokens:
             self.cached_tokens = min(message.num_cached_tokens, len(self.prompt))
         if message is None or not message.embedding:  # aborted at the scheduler (it is stopping)
@@ -191,7 +192,7 @@ class Run:
         sequence = self._sequences[message.seq_index]
         if sequence.done:  # stopped by a stop string; the engine may still be running it for a moment
             return None
-        delta = sequence.take(message, self.model.logprob if self.request.params.logprobs is not None else None)
+        delta = sequence.take(message, self._logprob)
         self.completion_tokens += len(delta.token_ids)
         if delta.finish_reason is not None:
             self.finish_reasons.append(delta.finish_reason)
