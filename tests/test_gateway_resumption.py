@@ -11,7 +11,7 @@ from services.gateway.generator import Generator
 from services.gateway.metrics import GatewayMetrics
 from services.gateway.model import Model
 from services.gateway.resumption import ResumePolicy
-from services.gateway.scheduler_client import SessionLost
+from services.gateway.scheduler_session import SessionLost
 from shared.grpc_errors import AlreadyExists, ServiceUnavailable
 from shared.proto import pagedserve_internal_pb2 as wire
 from shared.request import EngineRequest

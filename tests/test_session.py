@@ -299,7 +299,7 @@ def test_session_events_keep_every_output_in_order_through_the_wire():
     """Token-only updates travel as columns, the others whole; the gateway reads them back in order."""
     import random
 
-    from services.gateway.scheduler_client import step_outputs
+    from services.gateway.scheduler_session import step_outputs
     from services.scheduler.sequence import SequenceUpdate
     from shared.proto import pagedserve_internal_pb2 as wire
     from shared.step_protocol import PositionLogprobs
@@ -329,7 +329,7 @@ def test_session_events_keep_every_output_in_order_through_the_wire():
 
 
 def test_malformed_session_events_are_refused():
-    from services.gateway.scheduler_client import step_outputs
+    from services.gateway.scheduler_session import step_outputs
     from shared.proto import pagedserve_internal_pb2 as wire
 
     message = wire.SessionEvents()
@@ -345,7 +345,7 @@ def test_a_session_broken_with_any_status_fails_its_requests_as_unavailable():
     """INTERNAL from the transport (e.g. 'Internal error from Core') was a RuntimeError: a bare 500."""
     import asyncio
 
-    from services.gateway.scheduler_client import Session as GatewaySession
+    from services.gateway.scheduler_session import Session as GatewaySession
     from shared.proto import pagedserve_internal_pb2 as wire
 
     class BrokenCall:
@@ -419,8 +419,8 @@ def test_a_hung_scheduler_s_session_fails_its_requests_and_resumes_only_those_it
     its last word, and only refuses those sent after it."""
     import asyncio
 
-    from services.gateway.scheduler_client import Session as GatewaySession
-    from services.gateway.scheduler_client import SessionLost
+    from services.gateway.scheduler_session import Session as GatewaySession
+    from services.gateway.scheduler_session import SessionLost
     from shared.proto import pagedserve_internal_pb2 as wire
 
     class SilentCall:

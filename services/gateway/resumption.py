@@ -24,7 +24,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from services.gateway.metrics import GatewayMetrics
-from services.gateway.scheduler_client import SessionLost, SubmitStream
+from services.gateway.scheduler_session import SessionLost, SubmitStream
 from services.gateway.scheduler_pool import SchedulerPool
 from shared.grpc_errors import AlreadyExists, ServiceUnavailable
 from shared.logging import setup_logging

@@ -16,7 +16,7 @@ from services.gateway.deltas import SeqDelta, TokenLogprob
 from services.gateway.metrics import GatewayMetrics
 from services.gateway.model import Model
 from services.gateway.resumption import Resumer
-from services.gateway.scheduler_client import SessionLost, SubmitStream
+from services.gateway.scheduler_session import SessionLost, SubmitStream
 from services.gateway.sequence import Sequence
 from shared.grpc_errors import ServiceUnavailable
 from shared.request import EngineRequest

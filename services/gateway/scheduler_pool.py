@@ -24,7 +24,8 @@ import array
 import asyncio
 import hashlib
 
-from services.gateway.scheduler_client import SchedulerClient, SubmitStream
+from services.gateway.scheduler_client import SchedulerClient
+from services.gateway.scheduler_session import SubmitStream
 from shared.grpc_errors import ServiceUnavailable
 from shared.lora import prefix_cache_extra
 from shared.logging import setup_logging
