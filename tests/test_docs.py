@@ -1,8 +1,10 @@
-"""The repository explains itself: its Markdown links resolve, the README stays short, and nothing
-points outside the repository at a design note a clone does not have."""
+"""The repository explains itself: its Markdown links resolve, the files and modules the docs name
+exist, the README stays short, and nothing points outside the repository at a design note a clone
+does not have."""
 
 from __future__ import annotations
 
+import functools
 import re
 import subprocess
 from pathlib import Path
@@ -18,6 +20,13 @@ FENCED = re.compile(r"^[ \t]*(```|~~~).*?^[ \t]*\1", re.DOTALL | re.MULTILINE)
 INLINE_CODE = re.compile(r"`[^`\n]*`")
 LINK = re.compile(r"\[[^\]]*\]\(([^)\s]+)\)")
 HEADING = re.compile(r"^#{1,6}\s+(.*?)\s*#*\s*$", re.MULTILINE)
+# A repository path: a known top-level folder, then names (a glob's * too), as `shared/request.py`,
+# `services/*/options.py` or `services/worker/attention/`. Not after a word, a dot, a slash or ~, so that
+# a URL's or a home folder's inner parts (https://host/docs/x, ~/.cache/pagedserve) are not taken for one.
+TOP_FOLDERS = ("services", "shared", "pagedserve", "tests", "benchmarks", "protos", "docs", r"\.ci")
+REPO_PATH = re.compile(r"(?<![\w./~-])((?:" + "|".join(TOP_FOLDERS) + r")/(?:[\w.*-]*[\w*]/?)*)")
+MODULE_RUN = re.compile(r"python3? -m ((?:" + "|".join(TOP_FOLDERS) + r")(?:\.\w+)+)")  # python -m shared.x.y
+FILE_NAME = re.compile(r"`([\w-]+\.py)`")  # a module named alone, as `scheduler.py` beside its folder
 
 
 def prose(text: str) -> str:
@@ -56,6 +65,31 @@ def repository_files() -> list[Path]:
     return [REPO / name for name in listed.split("\0") if name]
 
 
+def exists(path: str, root: Path = REPO) -> bool:
+    return any(root.glob(path.rstrip("/"))) if "*" in path else (root / path).exists()
+
+
+@functools.cache
+def repository_file_names() -> frozenset[str]:
+    return frozenset(path.name for path in repository_files())
+
+
+def missing_paths(text: str, root: Path = REPO, file_names: frozenset[str] | None = None) -> list[str]:
+    """What the text names in the repository (paths from its root, modules run with python -m, files named
+    alone) that is not there."""
+    names = repository_file_names() if file_names is None else file_names
+    missing = [path for path in REPO_PATH.findall(text) if not exists(path, root)]
+    missing += [module for module in MODULE_RUN.findall(text)
+                if not (exists(module.replace(".", "/") + ".py", root) or exists(module.replace(".", "/"), root))]
+    return missing + [name for name in FILE_NAME.findall(text) if name not in names]
+
+
+@pytest.mark.parametrize("doc", DOCS, ids=lambda path: str(path.relative_to(REPO)))
+def test_named_paths_exist(doc):
+    """A file, folder or module the docs name is there: a move that forgets the docs fails here."""
+    assert missing_paths(doc.read_text(encoding="utf-8")) == [], f"{doc.relative_to(REPO)} names what is not there"
+
+
 @pytest.mark.parametrize("doc", DOCS, ids=lambda path: str(path.relative_to(REPO)))
 def test_relative_links_resolve(doc):
     assert broken_links(doc) == [], f"{doc.relative_to(REPO)} has broken links"
@@ -88,3 +122,13 @@ def test_the_link_checker_sees_a_broken_link(tmp_path):
     page.write_text("[ok](there.md#is-here) [gone](missing.md) [bad](there.md#not-here) `[code](missing.md)`\n"
                     "```\n[fenced](missing.md)\n```\n[web](https://example.com/x)\n", encoding="utf-8")
     assert broken_links(page) == ["missing.md: no such file", "there.md#not-here: no heading #not-here in there.md"]
+
+
+def test_the_path_checker_sees_a_missing_path(tmp_path):
+    (tmp_path / "shared").mkdir()
+    (tmp_path / "shared" / "here.py").write_text("", encoding="utf-8")
+    text = ("`shared/here.py` `shared/*.py` `shared/gone.py` `python -m shared.here` `python -m shared.gone`\n"
+            "`here.py` `gone.py`, and (services/moved/) in prose.\n"
+            "Not paths: https://example.com/shared/x.py, ~/.cache/pagedserve/x, sm_80/sm_90, /v1/models.\n")
+    assert missing_paths(text, tmp_path, frozenset({"here.py"})) == [
+        "shared/gone.py", "services/moved/", "shared.gone", "gone.py"]
