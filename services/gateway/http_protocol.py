@@ -31,6 +31,7 @@ from shared.logging import setup_logging
 log = setup_logging("gateway")
 
 OVER_CAPACITY_RETRY_S = 1
+LINGER_S = 2.0  # how long a refused connection's unread bytes are drained before it closes
 
 
 def error_content(status: int, message: str) -> bytes:
@@ -56,6 +57,10 @@ async def refuse_over_capacity(scope, receive, send) -> None:
     await send({"type": "http.response.body", "body": content})
 
 
+class HeadersTooLong(Exception):
+    """Raised in a parser callback: the parser stops, and uvicorn calls send_400_response."""
+
+
 class LimitedHttpProtocol(HttpToolsProtocol):
     """One client connection (uvicorn makes one per connection: pass ``limits`` through functools.partial)."""
 
@@ -64,7 +69,9 @@ class LimitedHttpProtocol(HttpToolsProtocol):
         self.limits = limits
         self._timer: asyncio.TimerHandle | None = None  # the header or the body deadline, whichever is running
         self._in_headers = False  # a request has begun and its headers are not all in
-        self._header_bytes = 0
+        self._header_bytes = 0  # of the parsed line and headers
+        self._spanning_bytes = 0  # of the reads a header still spans (the parser sees a header only whole)
+        self._lingering = False  # answered and half-closed: what still arrives is read and dropped
 
     # -- the connection
 
@@ -80,27 +87,50 @@ class LimitedHttpProtocol(HttpToolsProtocol):
         super().connection_lost(exc)
 
     def data_received(self, data: bytes) -> None:
+        if self._lingering:
+            return
         was_in_headers = self._in_headers
         super().data_received(data)
-        # Counted whole only while the headers span the chunk (a chunk that begins or ends them is not):
-        # the limit holds to within one read.
+        # One header spanning many reads reaches the parser's callbacks only when whole, so reads the
+        # headers span are counted too (whole: the limit holds to within one read).
         if was_in_headers and self._in_headers:
-            self._header_bytes += len(data)
-            if self._header_bytes > self.limits.max_header_bytes:
-                self._answer_and_close(431, f"the request's line and headers are longer than "
-                                            f"{self.limits.max_header_bytes} bytes (--http-max-header-size)")
+            self._spanning_bytes += len(data)
+            if self._spanning_bytes > self.limits.max_header_bytes:
+                self._answer_and_close(431, self._headers_too_long)
 
     def send_400_response(self, msg: str) -> None:
-        """uvicorn's answer to bytes its parser cannot read as HTTP, as an error object."""
-        self._answer_and_close(400, "malformed HTTP request: the gateway could not parse it")
+        """uvicorn's answer to bytes its parser cannot read as HTTP (or to a callback's error), as an error object."""
+        if self._header_bytes > self.limits.max_header_bytes:
+            self._answer_and_close(431, self._headers_too_long)
+        else:
+            self._answer_and_close(400, "malformed HTTP request: the gateway could not parse it")
+
+    @property
+    def _headers_too_long(self) -> str:
+        return (f"the request's line and headers are longer than {self.limits.max_header_bytes} bytes "
+                "(--http-max-header-size)")
 
     # -- the parser's events
 
     def on_message_begin(self) -> None:
         super().on_message_begin()
-        self._in_headers, self._header_bytes = True, 0
+        self._in_headers, self._header_bytes, self._spanning_bytes = True, 0, 0
         if self._timer is None:  # (a connection's first request keeps the deadline its opening set)
             self._arm(self.limits.header_timeout_s, self._header_timeout)
+
+    def on_url(self, url: bytes) -> None:
+        self._count_header_bytes(len(url))
+        super().on_url(url)
+
+    def on_header(self, name: bytes, value: bytes) -> None:
+        self._count_header_bytes(len(name) + len(value) + 4)  # with ": " and CRLF
+        super().on_header(name, value)
+
+    def _count_header_bytes(self, n: int) -> None:
+        """Stops the parser (send_400_response then answers 431) once the headers pass the limit."""
+        self._header_bytes += n
+        if self._header_bytes > self.limits.max_header_bytes:
+            raise HeadersTooLong(self._headers_too_long)
 
     def on_headers_complete(self) -> None:
         self._in_headers = False
@@ -147,12 +177,23 @@ class LimitedHttpProtocol(HttpToolsProtocol):
                                     "(--http-body-timeout)")
 
     def _answer_and_close(self, status: int, message: str) -> None:
-        if self.transport.is_closing():
+        if self.transport.is_closing() or self._lingering:
             return
         self._disarm()
         log.info("HTTP request refused", status=status, reason=message, client=self.client)
         self.transport.write(error_bytes(status, message))
-        self.transport.close()
+        self._close_lingering()
         if self.cycle is not None and not self.cycle.response_complete:  # its handler reads a disconnect
             self.cycle.disconnected = True
             self.cycle.message_event.set()
+
+    def _close_lingering(self) -> None:
+        """Send the answer and a FIN, then drain what the client still sends until it closes or LINGER_S pass.
+
+        Closing a socket with unread bytes in it makes the kernel send a reset, which can overtake the
+        answer: a client still writing its oversized headers would see "connection reset" and no 431.
+        """
+        self._lingering = True
+        if self.transport.can_write_eof():
+            self.transport.write_eof()
+        self._timer = self.loop.call_later(LINGER_S, self.transport.close)
