@@ -29,10 +29,10 @@ class GatewayMetrics:
                                 ["endpoint", "status"], registry=r)
         self.prompt_tokens = Counter("pagedserve_prompt_tokens", "prompt tokens submitted", registry=r)
         self.generation_tokens = Counter("pagedserve_generation_tokens", "tokens generated", registry=r)
-        self.ttft = Histogram("pagedserve_time_to_first_token_seconds", "submit to first output",
+        self.ttft = Histogram("pagedserve_time_to_first_token_seconds", "arrival (the request read) to first output",
                               buckets=LATENCY_BUCKETS, registry=r)
-        self.e2e = Histogram("pagedserve_e2e_request_latency_seconds", "submit to last output, per engine request",
-                             buckets=LATENCY_BUCKETS, registry=r)
+        self.e2e = Histogram("pagedserve_e2e_request_latency_seconds",
+                             "arrival (the request read) to last output, per engine request", buckets=LATENCY_BUCKETS, registry=r)
         self.tpot = Histogram("pagedserve_time_per_output_token_seconds",
                               "first output to last over the tokens after the first, per sequence of an engine "
                               "request (n > 1: their mean length; beam search: not observed)",
