@@ -106,7 +106,7 @@ def running_sequence(*, seq_id: int, new_token_ids: list[int], new_block_ids: li
                      append_last_sample: bool = False, draft_token_ids: list[int] | None = None) -> RunningSequence:
     """A RunningSequence from its fields by name, at the cost of a positional call: the scheduler makes one per
     running sequence per step, and CPython builds a dict for every keyword call of a class (5% of a step at
-    256 sequences). Its parameters are the fields in their order (tests/test_step_protocol.py checks)."""
+    256 sequences). Its parameters are the fields in their order (tests/repo/test_step_protocol.py checks)."""
     return RunningSequence(seq_id, new_token_ids, new_block_ids, num_computed_tokens, num_scheduled_tokens,
                            new_block_table, append_last_sample, [] if draft_token_ids is None else draft_token_ids)
 

@@ -19,13 +19,14 @@ TINY = dict(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_la
 
 # The files that take longest (a minute or more each on 2 cores), started first: with the tests spread over
 # two processes a file at a time (-n 2 --dist loadfile), one of these last would leave the other process idle.
-SLOW_FIRST = ("test_triton_compile.py", "test_benchmarks.py", "test_gateway.py", "test_gpu_kernels_script.py",
-              "test_launcher.py", "test_tensor_parallel.py")
+# Each as <folder>/<file> below tests/.
+SLOW_FIRST = ("worker/test_triton_compile.py", "e2e/test_benchmarks.py", "gateway/test_gateway.py",
+              "e2e/test_gpu_kernels_script.py", "e2e/test_launcher.py", "worker/test_tensor_parallel.py")
 
 
 def pytest_collection_modifyitems(items):
     def rank(item) -> int:
-        name = item.path.name
+        name = "/".join(item.path.parts[-2:])
         return SLOW_FIRST.index(name) if name in SLOW_FIRST else len(SLOW_FIRST)
 
     items.sort(key=rank)  # stable: each file's own order is kept

@@ -2,7 +2,7 @@
 
 ``paged_attention_reference`` is the oracle: one sequence at a time, float32
 softmax, an explicit causal mask. ``TorchAttentionBackend`` computes the same
-thing faster on CPU and is checked against it (tests/test_torch_attention.py;
+thing faster on CPU and is checked against it (tests/worker/test_torch_attention.py;
 benchmarks/cpu_attention.py measures it against the previous version).
 
 Cache layout, per layer: ``[num_blocks, block_size, num_kv_heads, head_dim]``

@@ -16,7 +16,7 @@ from shared.request import EngineRequest, RequestLimits, validate
 from shared.resumption import Resumption
 from shared.sampling_params import SamplingParams
 from shared.structured_outputs import StructuredOutputs
-from tests.test_scheduler import make_engine
+from tests.scheduler.test_scheduler import make_engine
 
 LIMITS = RequestLimits(max_model_len=64, vocab_size=100, max_logprobs=5, max_num_seqs=4, eos_token_ids=(0,),
                        max_loras=2)

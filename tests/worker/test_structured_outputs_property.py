@@ -24,7 +24,7 @@ from services.worker.model_loader import load_eos_token_ids
 from shared.structured_outputs import xgrammar_schema
 from shared.tokenizer import load_tokenizer
 from tests.pipeline import Pipeline
-from tests.test_structured_outputs import reference_compiler
+from tests.worker.test_structured_outputs import reference_compiler
 from shared.request import EngineRequest
 
 WORDS = ("name", "age", "skills", "work_history", "company", "years", "id", "tags", "active", "score", "notes")

@@ -125,7 +125,7 @@ def test_a_model_with_fused_experts_matches_transformers(mixtral_dir, qwen2_moe_
     from transformers import AutoModelForCausalLM
 
     from services.worker.model_loader import load_model
-    from tests.test_model import PagedRunner, hf_logits, random_prompts
+    from tests.worker.test_model import PagedRunner, hf_logits, random_prompts
 
     for model_dir in (mixtral_dir, qwen2_moe_dir, qwen3_moe_dir):
         model, config = load_model(model_dir, torch.float32, torch.device("cpu"), pack=False)

@@ -1,6 +1,6 @@
 """Mixture-of-experts layers: their config, the routing, the experts against a token-by-token reference,
 the loader's expert weights and the tensor-parallel split. (The models against transformers, and the
-engine's greedy tokens against transformers', are in test_model.py and test_engine_oracle.py.)"""
+engine's greedy tokens against transformers', are in test_model.py and scheduler/test_engine_oracle.py.)"""
 
 from __future__ import annotations
 

@@ -15,7 +15,7 @@ from services.scheduler.session import RequestError, Session, SessionBatch
 from shared.grpc_errors import ServiceUnavailable, error_for_code, status_from_int
 from shared.request import EngineRequest
 from shared.sampling_params import SamplingParams
-from tests.test_scheduler import make_engine
+from tests.scheduler.test_scheduler import make_engine
 
 
 def drain(session: Session, keys: set[int]) -> SessionBatch:

@@ -17,7 +17,7 @@ from shared.proto import pagedserve_api_pb2_grpc as api_grpc
 from benchmarks.serving import parse_engine_stats
 from tests.embedding_models import hf_class_scores, make_classifier_dir
 from tests.services_harness import http_get
-from tests.test_embeddings import assert_close, fresh_rng, post_json, random_prompts, start_pooling_stack
+from tests.gateway.test_embeddings import assert_close, fresh_rng, post_json, random_prompts, start_pooling_stack
 
 
 @pytest.fixture(scope="module")

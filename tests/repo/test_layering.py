@@ -10,7 +10,7 @@ import ast
 import functools
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 SERVICES = ("services.gateway", "services.scheduler", "services.worker")
 # Modules of shared/ that fewer than two services import, and why they are shared all the same.
 SHARED_WITH_THE_FRONT = {

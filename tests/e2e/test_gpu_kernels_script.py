@@ -23,7 +23,7 @@ try:
     TRITON_VERSION = importlib.metadata.version("triton")
 except importlib.metadata.PackageNotFoundError:
     pytest.skip("triton is not installed", allow_module_level=True)
-if tuple(int(part) for part in TRITON_VERSION.split(".")[:2]) < (3, 7):  # as tests/test_triton_kernels.py
+if tuple(int(part) for part in TRITON_VERSION.split(".")[:2]) < (3, 7):  # as tests/worker/test_triton_kernels.py
     pytest.skip(f"the Triton {TRITON_VERSION} interpreter cannot run the kernels", allow_module_level=True)
 
 SCRIPT = str(REPO / "benchmarks" / "gpu_kernels.py")

@@ -9,7 +9,7 @@ from torch import nn
 
 from services.worker.model_loader import load_model
 from services.worker.models.packed_linear import PackedLinear, can_pack, pack_linear_layers
-from tests.test_model import ARCH_FIXTURES, PagedRunner, random_prompts
+from tests.worker.test_model import ARCH_FIXTURES, PagedRunner, random_prompts
 
 CPU = torch.device("cpu")
 pytestmark = pytest.mark.skipif(not can_pack(torch.float32, CPU), reason="oneDNN is not available")

@@ -19,7 +19,7 @@ from shared.lora import LoRARequest
 from shared.sampling_params import SamplingParams
 from tests.fake_worker import FakeWorker
 from tests.services_harness import Stack, http_get
-from tests.test_scheduler import make_engine
+from tests.scheduler.test_scheduler import make_engine
 from shared.request import EngineRequest
 
 PHASES = ("queue", "prefill", "decode", "inference")

@@ -1,5 +1,5 @@
 """The dummy batches a CUDA worker warms its Triton kernels up with (the compiles themselves are checked
-by benchmarks/triton_compile.py, through tests/test_triton_compile.py)."""
+by benchmarks/triton_compile.py, through tests/worker/test_triton_compile.py)."""
 
 from __future__ import annotations
 

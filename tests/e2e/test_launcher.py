@@ -15,7 +15,7 @@ import pytest
 
 from tests.services_harness import START_LIMIT_S, free_port, http_get
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 
 
 def children_of(pid: int) -> list[int]:

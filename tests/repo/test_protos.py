@@ -9,7 +9,7 @@ from pathlib import Path
 
 from shared.proto import generate
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 
 
 def test_generated_code_is_current():

@@ -14,7 +14,7 @@ import pytest
 from pagedserve import launcher
 from tests.services_harness import free_port
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 
 
 class NoStack:

@@ -15,7 +15,7 @@ import yaml
 
 from tests.services_harness import free_port, http_get, wait_until_ready
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 
 
 def interpolate(value: str, env: dict[str, str]) -> str:

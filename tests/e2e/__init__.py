@@ -1,0 +1,1 @@
+"""End to end: the launcher, compose.yaml's services, services killed mid-request, the benchmark scripts."""

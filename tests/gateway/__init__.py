@@ -1,0 +1,1 @@
+"""The gateway: the OpenAI and gRPC APIs over real services, its HTTP server, parsers, pooling, API keys."""

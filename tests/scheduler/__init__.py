@@ -1,0 +1,1 @@
+"""The scheduler: blocks, scheduling, preemption, prefix caching, beam search, resumption, the engine request."""
