@@ -19,9 +19,9 @@ def progress(message: str) -> None:
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
-    from pagedserve.preflight import model_error
+    from pagedserve.preflight import model_error, resolve_hub_ids
 
-    if (error := model_error(args.model)) is not None:
+    if (error := resolve_hub_ids(args) or model_error(args.model)) is not None:
         raise ValueError(error)
     progress("importing the engine")
     from pagedserve import LLM, SamplingParams

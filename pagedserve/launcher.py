@@ -16,7 +16,7 @@ import tempfile
 import time
 from dataclasses import dataclass, field
 
-from pagedserve.preflight import lora_modules_error, model_error, port_taken_error
+from pagedserve.preflight import lora_modules_error, model_error, port_taken_error, resolve_hub_ids
 from pagedserve.serve_flags import ServeParser
 from services.gateway.options import gateway_options
 from services.gateway.server import arguments_error as gateway_arguments_error
@@ -276,7 +276,7 @@ def main(argv: list[str] | None = None) -> int:
         args.enable_lora = True
     if (error := flags_error(args)) is not None:
         parser.error(error)
-    if (error := machine_error(args)) is not None:
+    if (error := resolve_hub_ids(args) or machine_error(args)) is not None:
         print(f"{parser.prog}: error: {error}", file=sys.stderr)
         return 1
     stack = Stack(args, parser)

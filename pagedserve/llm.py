@@ -29,7 +29,10 @@ from services.worker.worker import Worker
 from services.worker.model_config import ModelConfig
 from services.worker.model_factory import default_model_dir
 from shared.config import EngineConfig
+from shared.generation_defaults import read_generation_defaults
 from shared.grpc_errors import ServiceUnavailable
+from shared.hub import local_model_and_tokenizer
+from shared.logging import setup_logging
 from shared.lora import LoRARequest
 from shared.outputs import (ClassificationOutput, ClassificationRequestOutput, EmbeddingOutput, EmbeddingRequestOutput,
                             PoolingOutput, PoolingRequestOutput, RequestOutput, ScoringOutput, ScoringRequestOutput)
@@ -40,13 +43,31 @@ from shared.tokenizer import load_tokenizer, render_chat
 
 PromptType = str | dict
 
+log = setup_logging("llm")
+
+
+def resolved_files(config: EngineConfig) -> EngineConfig:
+    """The config with its model and tokenizer as local folders (a Hub id's snapshot, downloaded where
+    missing), so that nothing resolves them again."""
+    model, tokenizer = local_model_and_tokenizer(config.model, config.tokenizer, revision=config.revision,
+                                                 tokenizer_revision=config.tokenizer_revision,
+                                                 download_dir=config.download_dir)
+    return dataclasses.replace(config, model=model, tokenizer=tokenizer)
+
 
 class LLM:
     def __init__(self, model: str | None = None, *, tokenizer: str | None = None, **engine_options):
-        self.config = EngineConfig.from_kwargs(model=model, tokenizer=tokenizer, **engine_options)
+        """model: a folder or a Hub id (org/name, at revision=...); resolved here once, so every worker of a
+        tensor-parallel group loads the same snapshot."""
+        self.config = resolved_files(EngineConfig.from_kwargs(model=model, tokenizer=tokenizer, **engine_options))
         executor, self._workers = self._start_workers(self.config)
         info = executor.worker_info()
         self.tokenizer = load_tokenizer(self.config.tokenizer or info.model)
+        self.generation_defaults = read_generation_defaults(self.config.generation_config, info.model,
+                                                            self.config.override_generation_config)
+        if self.generation_defaults.as_dict():
+            log.info("the model's sampling defaults apply to requests that leave them unset",
+                     defaults=self.generation_defaults.as_dict(), source=self.generation_defaults.source)
         limits = SchedulerLimits(max_num_seqs=self.config.max_num_seqs,
                                  max_num_batched_tokens=self.config.token_budget(info.max_model_len),
                                  enable_chunked_prefill=self.config.enable_chunked_prefill,
@@ -87,6 +108,13 @@ class LLM:
     def get_tokenizer(self):
         return self.tokenizer
 
+    def get_default_sampling_params(self) -> SamplingParams:
+        """The parameters generate() and chat() use when given none: the model's generation_config.json
+        defaults (--generation-config), as vLLM's."""
+        defaults = self.generation_defaults
+        return SamplingParams(**defaults.sampling, **({"max_tokens": defaults.max_tokens} if defaults.max_tokens
+                                                      else {}))
+
     def stats(self) -> dict:
         return self.engine.get_stats()
 
@@ -99,6 +127,8 @@ class LLM:
         """Generate for every prompt; outputs come back in input order. ``lora_request``: the adapter every
         prompt runs with, or one (or None) per prompt; the engine needs ``enable_lora=True``."""
         prompts = self._prompt_list(prompts)
+        if sampling_params is None:
+            sampling_params = self.get_default_sampling_params()
         params = self._params_per_prompt(sampling_params, len(prompts))
         loras = self._loras_per_prompt(lora_request, len(prompts))
         requests = [self._request(prompt, p, lora) for prompt, p, lora in zip(prompts, params, loras)]

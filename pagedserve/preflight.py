@@ -5,10 +5,28 @@ loading a model (tens of seconds) and say it in a traceback."""
 from __future__ import annotations
 
 import socket
+import sys
+from pathlib import Path
 
 from services.gateway.lora_modules import parse_lora_modules
 from services.worker.model_config import ModelConfig
+from shared.hub import local_model_and_tokenizer
 from shared.lora import read_adapter_config
+
+
+def resolve_hub_ids(args) -> str | None:
+    """Replace --model and --tokenizer given as Hub ids by their local snapshots (downloaded where missing),
+    so that every child reads the same files; what went wrong, as one line (None: nothing)."""
+    if args.model and not Path(args.model).expanduser().is_dir():
+        print(f"pagedserve: resolving {args.model} on the Hugging Face Hub (or in its cache)", file=sys.stderr,
+              flush=True)
+    try:
+        args.model, args.tokenizer = local_model_and_tokenizer(
+            args.model, args.tokenizer, revision=args.revision, tokenizer_revision=args.tokenizer_revision,
+            download_dir=args.download_dir)
+    except ValueError as exc:
+        return str(exc)
+    return None
 
 
 def model_error(model: str | None) -> str | None:

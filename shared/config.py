@@ -8,9 +8,11 @@ serve`), and the scheduler and the gateway those that say so in read_by."""
 from __future__ import annotations
 
 import argparse
+import json
 import re
 from dataclasses import dataclass, fields
 
+from shared.generation_defaults import parse_override
 from shared.invalid_parameter import require as _require
 from shared.options import option
 from shared.pooling import RUNNERS
@@ -36,11 +38,33 @@ def speculative_config_text(raw: "str | SpeculativeConfig") -> str | None:
         raise argparse.ArgumentTypeError(str(exc)) from None
 
 
+def generation_override_text(raw: "str | dict | None") -> str | None:
+    """--override-generation-config checked when the flags are read, kept as JSON; empty: none."""
+    try:
+        fields = parse_override(raw)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+    return json.dumps(fields) if fields else None
+
+
 @dataclass(frozen=True)
 class EngineConfig:
-    model: str | None = option(None, "Hugging Face model directory (default: the built-in model, made on first "
-                                     "use; its weights are random)")
-    tokenizer: str | None = option(None, "tokenizer directory (default: the model directory)", read_by=("gateway",))
+    model: str | None = option(None, "a Hugging Face model: a local directory, or a Hub id (org/name) taken from "
+                                     "the Hugging Face cache or downloaded into it (default: the built-in model, made "
+                                     "on first use; its weights are random)")
+    tokenizer: str | None = option(None, "tokenizer directory or Hub id (default: the model's)", read_by=("gateway",))
+    revision: str | None = option(None, "the model's branch, tag or commit on the Hub (default: main)")
+    tokenizer_revision: str | None = option(None, "the tokenizer's branch, tag or commit on the Hub (default: main)",
+                                            read_by=("gateway",))
+    download_dir: str | None = option(None, "where Hub models are cached (default: huggingface_hub's, $HF_HUB_CACHE "
+                                            "or $HF_HOME/hub)", read_by=("gateway",))
+    generation_config: str = option(
+        "auto", "the model's sampling defaults: auto reads its generation_config.json (temperature, top_p, top_k, "
+                "min_p, repetition_penalty; max_new_tokens caps max_tokens) for requests that do not set them; vllm "
+                "ignores it; or a directory holding one", read_by=("gateway",))
+    override_generation_config: str | None = option(
+        None, 'JSON object of generation_config.json fields that replace the model\'s: \'{"temperature": 0.5}\'',
+        parse=generation_override_text, render=generation_override_text, read_by=("gateway",))
     runner: str = option("auto", "generate tokens, or pool prompts into embeddings (/v1/embeddings); auto: pooling "
                                  "for a sentence-transformers directory or a bare *Model architecture",
                          choices=RUNNERS)
@@ -85,6 +109,8 @@ class EngineConfig:
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "speculative_config", SpeculativeConfig.parse(self.speculative_config))
+        overrides = parse_override(self.override_generation_config)  # a dict (offline) or its JSON
+        object.__setattr__(self, "override_generation_config", json.dumps(overrides) if overrides else None)
         _require(self.runner in RUNNERS, "runner", f"must be one of {RUNNERS}, got {self.runner!r}")
         _require(self.dtype in DTYPES, "dtype", f"must be one of {DTYPES}, got {self.dtype!r}")
         _require(DEVICE_PATTERN.fullmatch(self.device) is not None, "device",

@@ -15,6 +15,8 @@ def setup_logging(service: str, level: str = "INFO") -> structlog.stdlib.BoundLo
     global _configured
     if not _configured:
         logging.basicConfig(stream=sys.stderr, level=getattr(logging, level.upper(), logging.INFO), format="%(message)s")
+        for chatty in ("httpx", "httpx2", "huggingface_hub"):  # a line per HTTP request (Hub downloads)
+            logging.getLogger(chatty).setLevel(logging.WARNING)
         structlog.configure(
             processors=[structlog.contextvars.merge_contextvars, structlog.processors.add_log_level,
                         structlog.processors.TimeStamper(fmt="iso", utc=True),

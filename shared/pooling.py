@@ -20,11 +20,10 @@ sequence classifiers, else ``generate``.
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Any
 
+from shared.json_file import read_json
 from shared.proto import pagedserve_api_pb2 as api
 from shared.proto import pagedserve_internal_pb2 as wire
 from shared.sampling_params import keep_last_tokens
@@ -190,7 +189,7 @@ def resolve_runner(runner: str, model_dir: Path) -> str:
     """``generate`` or ``pooling``: as asked, or for ``auto`` as the directory looks (module docstring)."""
     if runner not in RUNNERS:
         raise ValueError(f"runner must be one of {RUNNERS}, got {runner!r}")
-    config = _read_json(model_dir / "config.json")
+    config = read_json(model_dir / "config.json")
     if runner == "generate" and is_classifier(config):
         names = ", ".join(map(str, config["architectures"]))
         raise ValueError(f"{model_dir / 'config.json'}: a sequence classifier ({names}) has no language-model head "
@@ -208,7 +207,7 @@ def resolve_runner(runner: str, model_dir: Path) -> str:
 def read_pooler_config(model_dir: Path, hidden_size: int) -> PoolerConfig:
     """The directory's pooler (module docstring); ValueError naming the file for what cannot be honoured."""
     model_dir = Path(model_dir)
-    config = _read_json(model_dir / "config.json")
+    config = read_json(model_dir / "config.json")
     dimensions, flag = config.get("matryoshka_dimensions") or [], config.get("is_matryoshka", False)
     if not isinstance(dimensions, list) or not all(isinstance(d, int) and not isinstance(d, bool) for d in dimensions):
         raise ValueError(f"{model_dir / 'config.json'}: matryoshka_dimensions must be a list of integers, "
@@ -222,7 +221,7 @@ def read_pooler_config(model_dir: Path, hidden_size: int) -> PoolerConfig:
     modules_file = model_dir / MODULES_FILE
     if not modules_file.is_file():
         return PoolerConfig("last", True, hidden_size, matryoshka, matryoshka_dimensions)
-    modules = _read_json(modules_file, list)
+    modules = read_json(modules_file, list)
     pooling_type, normalize, max_seq_length, lowercase = None, False, None, False
     for module in modules:
         kind = module.get("type", "") if isinstance(module, dict) else ""
@@ -230,7 +229,7 @@ def read_pooler_config(model_dir: Path, hidden_size: int) -> PoolerConfig:
         if kind == _ST_TYPE + "Transformer":
             if path.resolve() != model_dir.resolve():
                 raise ValueError(f"{modules_file}: the Transformer module must be the directory itself, not {path}")
-            bert_config = _read_json(model_dir / "sentence_bert_config.json", optional=True)
+            bert_config = read_json(model_dir / "sentence_bert_config.json", optional=True)
             max_seq_length, lowercase = bert_config.get("max_seq_length"), bert_config.get("do_lower_case", False)
         elif kind == _ST_TYPE + "Pooling":
             if path.resolve() == model_dir.resolve():
@@ -285,7 +284,7 @@ def _classifier(config: dict, file: Path, hidden_size: int) -> PoolerConfig:
 
 
 def _pooling_type(file: Path, hidden_size: int) -> str:
-    raw = _read_json(file)
+    raw = read_json(file)
     chosen = [mode for key, mode in _POOLING_MODES.items() if raw.get(key)]
     others = [key for key in _OTHER_MODES if raw.get(key)]
     if others or len(chosen) != 1:
@@ -299,18 +298,6 @@ def _pooling_type(file: Path, hidden_size: int) -> str:
     return chosen[0]
 
 
-def _read_json(file: Path, kind: type = dict, optional: bool = False) -> Any:
-    if optional and not file.is_file():
-        return {}
-    try:
-        value = json.loads(file.read_text(encoding="utf-8"))
-    except FileNotFoundError:
-        raise FileNotFoundError(f"{file} not found") from None
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise ValueError(f"{file} is not valid JSON: {e}") from e
-    if not isinstance(value, kind):
-        raise ValueError(f"{file} must hold a JSON {'object' if kind is dict else 'list'}")
-    return value
 
 
 def score_pairs(text_1: str | list[str], text_2: str | list[str]) -> tuple[list[str], list[str]]:

@@ -12,6 +12,7 @@ import functools
 import numbers
 from dataclasses import dataclass, field
 
+from shared.generation_defaults import GenerationDefaults
 from shared.invalid_parameter import require
 from shared.structured_outputs import StructuredOutputs
 
@@ -263,12 +264,13 @@ class SamplingParams:
         return message
 
     @classmethod
-    def from_proto(cls, message, grammar_checked: bool = False) -> "SamplingParams":
-        """Unset fields take the defaults (max_tokens: up to the context); values are validated as on
-        construction (a structured output's grammar, unless the sender checked it: gateway -> scheduler
-        -> worker)."""
-        kwargs = {name: getattr(message, name) for name in cls._SCALARS if message.HasField(name)}
-        kwargs.setdefault("max_tokens", None)  # unset on the wire: up to the context length
+    def from_proto(cls, message, grammar_checked: bool = False,
+                   defaults: GenerationDefaults = GenerationDefaults()) -> "SamplingParams":
+        """Unset fields take the defaults (the served model's, where the gateway reads a client's message;
+        max_tokens: up to the context); values are validated as on construction (a structured output's
+        grammar, unless the sender checked it: gateway -> scheduler -> worker)."""
+        kwargs = defaults.applied({name: getattr(message, name) for name in cls._SCALARS if message.HasField(name)})
+        kwargs["max_tokens"] = defaults.capped(kwargs.get("max_tokens"))  # unset on the wire: up to the context
         if message.HasField("early_stopping"):
             kwargs["early_stopping"] = {"true": True, "false": False}.get(message.early_stopping,
                                                                           message.early_stopping)

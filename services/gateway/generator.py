@@ -9,13 +9,13 @@ import asyncio
 import contextlib
 import itertools
 from collections.abc import Callable
-from pathlib import Path
 
 from services.gateway.api_keys import ApiKey
 from services.gateway.billing import Admission, Billing
 from services.gateway.lora_modules import LoRAModule, adapters_for
 from services.gateway.metrics import GatewayMetrics
 from services.gateway.model import Model
+from services.gateway.model_files import ModelFiles
 from services.gateway.rate_limits import RateLimiter
 from services.gateway.reasoning_parsers import ReasoningParser
 from services.gateway.resumption import ResumePolicy, Resumer
@@ -23,6 +23,7 @@ from services.gateway.run import Run
 from services.gateway.scheduler_pool import SchedulerPool
 from services.gateway.tool_parsers import ToolCallParser
 from shared.grpc_errors import ResourceExhausted, ServiceUnavailable
+from shared.hub import model_name
 from shared.logging import setup_logging
 from shared.pooling import PoolerConfig
 from shared.request import EngineRequest
@@ -39,7 +40,7 @@ class Overloaded(ResourceExhausted):
 class Generator:
     def __init__(self, client: SchedulerPool, metrics: GatewayMetrics,
                  served_model_name: str | list[str] | None = None,
-                 tokenizer: str | None = None, max_concurrent_requests: int | None = None,
+                 files: ModelFiles = ModelFiles(), max_concurrent_requests: int | None = None,
                  limiter: RateLimiter | None = None, resume_policy: ResumePolicy | None = ResumePolicy(),
                  tool_parser: ToolCallParser | None = None,
                  lora_modules: list[LoRAModule] | None = None, trust_request_chat_template: bool = False,
@@ -59,7 +60,7 @@ class Generator:
         names = [served_model_name] if isinstance(served_model_name, str) else \
             list(dict.fromkeys(served_model_name or []))
         self.served_model_name, self.model_aliases = (names[0], tuple(names[1:])) if names else (None, ())
-        self.tokenizer_path = tokenizer
+        self.files = files
         self.max_concurrent_requests = max_concurrent_requests
         self.tool_parser = tool_parser  # None: tool_choice "auto" is refused
         self.in_flight = 0
@@ -81,22 +82,25 @@ class Generator:
     async def _load_model(self) -> Model:
         info = await self.client.info()
         check_peer_version("scheduler", self.client.address, info.protocol_version)
-        path = self.tokenizer_path or info.model
         try:
-            tokenizer = await asyncio.to_thread(load_tokenizer, path)
+            tokenizer = await asyncio.to_thread(lambda: load_tokenizer(self.files.tokenizer_dir(info.model)))
+            defaults = self.files.generation_defaults(info.model)
         except (FileNotFoundError, ValueError) as exc:  # a deployment error, not the client's
-            raise ServiceUnavailable(f"cannot load the tokenizer ({exc}); pass --tokenizer") from exc
-        name = self.served_model_name or Path(info.model).name or info.model
+            raise ServiceUnavailable(f"cannot load the tokenizer or generation config ({exc}); pass --tokenizer "
+                                     "or --generation-config") from exc
+        name = self.served_model_name or model_name(info.model)
         adapters = adapters_for((name, *self.model_aliases), self.lora_modules, info.max_loras)
         log.info("model ready", model=name, path=info.model, max_model_len=info.max_model_len,
-                 lora_adapters=sorted(adapters))
+                 lora_adapters=sorted(adapters), generation_defaults=defaults.as_dict(),
+                 generation_defaults_from=defaults.source)
         return Model(name=name, max_model_len=info.max_model_len, vocab_size=info.vocab_size,
                      max_logprobs=info.max_logprobs, tokenizer=tokenizer, max_num_seqs=info.max_num_seqs,
                      tool_parser=self.tool_parser, eos_token_ids=tuple(info.eos_token_ids), adapters=adapters,
                      trust_request_chat_template=self.trust_request_chat_template,
                      pooler=PoolerConfig.from_proto(info.pooler) if info.HasField("pooler") else None,
                      reasoning_parser=self.reasoning_parser, aliases=self.model_aliases, path=info.model,
-                     return_tokens_as_token_ids=self.return_tokens_as_token_ids, max_loras=info.max_loras)
+                     return_tokens_as_token_ids=self.return_tokens_as_token_ids, max_loras=info.max_loras,
+                     generation_defaults=defaults)
 
     @contextlib.asynccontextmanager
     async def admitted(self, api_key: ApiKey | None = None):

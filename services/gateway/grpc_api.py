@@ -80,7 +80,8 @@ class GenerationServicer(api_grpc.GenerationServicer):
                 model = await self.gen.model()
                 lora = model.resolve(request.model)
                 try:  # off the event loop: checking a structured output's grammar can take long
-                    params = await asyncio.to_thread(SamplingParams.from_proto, request.params)
+                    params = await asyncio.to_thread(SamplingParams.from_proto, request.params,
+                                                     defaults=model.generation_defaults)
                 except ValueError as exc:  # its messages name the field, as over HTTP
                     raise InvalidParameter.from_params_error(exc) from None
                 # Off the event loop, as over HTTP: a huge prompt must not stall the other streams.

@@ -9,6 +9,7 @@ from services.gateway.deltas import TokenLogprob, TopToken
 from services.gateway.lora_modules import LoRAModule
 from services.gateway.reasoning_parsers import ReasoningParser
 from services.gateway.tool_parsers import ToolCallParser
+from shared.generation_defaults import GenerationDefaults
 from shared.grpc_errors import NotFound
 from shared.invalid_parameter import InvalidParameter
 from shared.lora import LoRARequest
@@ -35,6 +36,8 @@ class Model:
     path: str | None = None  # where the scheduler's model comes from (its card's root, as vLLM's)
     return_tokens_as_token_ids: bool = False  # logprobs name tokens "token_id:<id>" unless a request says
     max_loras: int = 0  # distinct LoRA adapters the engine runs in one step; 0: LoRA is not enabled
+    # the model's sampling defaults (--generation-config) for the fields a request leaves unset
+    generation_defaults: GenerationDefaults = field(default_factory=GenerationDefaults)
     _token_strings: dict[int, str] = field(default_factory=dict)
 
     @property

@@ -15,6 +15,7 @@ from services.gateway.sampling_request import SamplingRequest
 from services.gateway.strict_input import Flag, check_message
 from services.gateway.tool_calls import ForcedToolCall, chosen
 from services.gateway.tool_parsers import ToolCallParser
+from shared.generation_defaults import GenerationDefaults
 from shared.invalid_parameter import InvalidParameter
 from shared.sampling_params import SamplingParams
 from shared.tokenizer import message_text
@@ -31,7 +32,7 @@ class CompletionRequest(SamplingRequest):
 
     _LOGPROB_COUNTS = ("logprobs", "prompt_logprobs")
 
-    def checked_params(self) -> SamplingParams:
+    def checked_params(self, defaults: GenerationDefaults = GenerationDefaults()) -> SamplingParams:
         if self.best_of is not None and self.best_of < self.n:
             raise InvalidParameter(f"best_of must be >= n, got best_of={self.best_of} and n={self.n}", "best_of")
         if self.best_of is not None and self.best_of > self.n:
@@ -45,7 +46,7 @@ class CompletionRequest(SamplingRequest):
         # (Beam search returns no prompt logprobs: the echoed prompt's come back as null.)
         echoed = self.logprobs if self.echo and not self.use_beam_search else None
         asked = [k for k in (echoed, self.prompt_logprobs) if k is not None]
-        return self.sampling_params(max_tokens, self.logprobs, max(asked) if asked else None)
+        return self.sampling_params(max_tokens, self.logprobs, max(asked) if asked else None, defaults=defaults)
 
     @property
     def echo_only(self) -> bool:
@@ -128,7 +129,7 @@ class ChatCompletionRequest(SamplingRequest):
 
     _LOGPROB_COUNTS = ("top_logprobs", "prompt_logprobs")
 
-    def checked_params(self) -> SamplingParams:
+    def checked_params(self, defaults: GenerationDefaults = GenerationDefaults()) -> SamplingParams:
         if self.top_logprobs is not None and not self.logprobs:
             raise InvalidParameter("top_logprobs needs logprobs=true", "top_logprobs")
         forced = self.forced_tool_call
@@ -143,7 +144,8 @@ class ChatCompletionRequest(SamplingRequest):
         max_tokens = self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
         return self.sampling_params(max_tokens, (self.top_logprobs or 0) if self.logprobs else None,
                                     self.prompt_logprobs,
-                                    structured=forced.constraint() if forced is not None else None)
+                                    structured=forced.constraint() if forced is not None else None,
+                                    defaults=defaults)
 
     @property
     def response_role(self) -> str:

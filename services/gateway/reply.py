@@ -140,4 +140,4 @@ class Reply:
     def checked_params(model: Model, body) -> SamplingParams:
         body.check_text()
         body.count_whole_vocabulary(model.vocab_size, model.max_logprobs)
-        return body.checked_params()
+        return body.checked_params(model.generation_defaults)

@@ -14,6 +14,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from services.gateway.strict_input import Flag, check_text
+from shared.generation_defaults import GenerationDefaults
 from shared.invalid_parameter import InvalidParameter
 from shared.sampling_params import SamplingParams, keep_last_tokens
 from shared.structured_outputs import StructuredOutputs
@@ -141,10 +142,13 @@ class SamplingRequest(BaseModel):
         return token_ids[:keep]
 
     def sampling_params(self, max_tokens: int | None, logprobs: int | None, prompt_logprobs: int | None = None,
-                        structured: StructuredOutputs | None = None) -> SamplingParams:
-        """structured: a constraint of the request's own making (a forced tool call), else what it asked for."""
+                        structured: StructuredOutputs | None = None,
+                        defaults: GenerationDefaults = GenerationDefaults()) -> SamplingParams:
+        """structured: a constraint of the request's own making (a forced tool call), else what it asked for.
+        Fields the request leaves unset take the served model's defaults (shared/generation_defaults.py)."""
         self.check_supported()
-        kwargs = {name: getattr(self, name) for name in self._PASSED if getattr(self, name) is not None}
+        kwargs = defaults.applied({name: getattr(self, name) for name in self._PASSED if getattr(self, name) is not None})
+        max_tokens = defaults.capped(max_tokens)
         try:
             bias = {int(k): v for k, v in self.logit_bias.items()} if self.logit_bias else None
         except ValueError:

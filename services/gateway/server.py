@@ -26,6 +26,7 @@ from services.gateway.http_limits import HttpLimits, make_room_for_connections
 from services.gateway.http_protocol import LimitedHttpProtocol
 from services.gateway.lora_modules import parse_lora_modules
 from services.gateway.metrics import GatewayMetrics
+from services.gateway.model_files import ModelFiles
 from services.gateway.options import gateway_options
 from services.gateway.rate_limits import RateLimiter
 from services.gateway.reasoning_parsers import REASONING_PARSERS, reasoning_flag_error
@@ -116,7 +117,10 @@ async def serve(args: argparse.Namespace) -> None:
         await _check_store(auth)
     resume_policy = ResumePolicy(args.max_resumes, args.resume_timeout) if args.max_resumes else None
     tool_parser = ToolCallParser(args.tool_call_parser) if args.enable_auto_tool_choice else None
-    gen = Generator(client, metrics, args.served_model_name, args.tokenizer, args.max_concurrent_requests, limiter,
+    files = ModelFiles(tokenizer=args.tokenizer, tokenizer_revision=args.tokenizer_revision,
+                       download_dir=args.download_dir, generation_config=args.generation_config,
+                       override_generation_config=args.override_generation_config)
+    gen = Generator(client, metrics, args.served_model_name, files, args.max_concurrent_requests, limiter,
                     resume_policy, tool_parser, args.lora_modules, args.trust_request_chat_template,
                     REASONING_PARSERS[args.reasoning_parser] if args.reasoning_parser else None,
                     return_tokens_as_token_ids=args.return_tokens_as_token_ids)

@@ -11,7 +11,6 @@ that silently disagrees with the checkpoint.
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -20,6 +19,7 @@ from services.worker.moe_config import MOE_MODEL_TYPES, MoEConfig, parse_moe
 from services.worker.multimodal_config import TEXT_MODEL_OF, text_config_of
 from services.worker.gemma_config import GEMMA_MODEL_TYPES, gemma_fields, gemma_layer_types, gemma_rope
 from services.worker.rope_config import PHI3_ROPE_ALIASES, parse_rope, partial_rotary_factor
+from shared.json_file import read_json
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "phi3", "granite", "olmo2", "smollm3", *MOE_MODEL_TYPES,
                          *GEMMA_MODEL_TYPES,
@@ -155,12 +155,7 @@ class ModelConfig:
         file = path / "config.json"
         if not file.is_file():
             raise FileNotFoundError(f"{file} not found: a Hugging Face model directory needs a config.json")
-        try:
-            raw = json.loads(file.read_text(encoding="utf-8"))
-        except (json.JSONDecodeError, UnicodeDecodeError) as e:
-            raise ValueError(f"{file} is not valid JSON: {e}") from e
-        if not isinstance(raw, dict):
-            raise ValueError(f"{file} must hold a JSON object")
+        raw = read_json(file)
         try:
             return cls.from_dict(raw)
         except ValueError as e:

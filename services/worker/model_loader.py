@@ -1,4 +1,4 @@
-"""Load a Hugging Face model directory (config.json + safetensors) into a ``LlamaForCausalLM``.
+"""Load a Hugging Face model directory (config.json + safetensors, or pytorch_model*.bin) into a ``LlamaForCausalLM``.
 
 The model is built on the meta device and then given uninitialised storage
 directly in the target dtype and device, so no time goes into a random
@@ -21,6 +21,7 @@ from services.worker.tensor_parallel import TensorParallel
 from services.worker.model_config import ModelConfig
 
 INDEX_FILE = "model.safetensors.index.json"
+BIN_INDEX_FILE = "pytorch_model.bin.index.json"
 
 
 def load_model(model_dir: str | Path, dtype: torch.dtype, device: torch.device, pack: bool = True,
@@ -32,7 +33,7 @@ def load_model(model_dir: str | Path, dtype: torch.dtype, device: torch.device, 
     (None: the model's own)."""
     whole = ModelConfig.from_model_dir(model_dir)
     config = tp.shard(whole)
-    files = safetensors_files(Path(model_dir))
+    files = checkpoint_files(Path(model_dir))
     with torch.device("meta"):
         model = LlamaForCausalLM(config, tp, tp.kv_replicas(whole), with_head, num_labels, max_model_len)
     _materialize(model, dtype, torch.device(device))
@@ -65,27 +66,43 @@ def _materialize(model: torch.nn.Module, dtype: torch.dtype, device: torch.devic
             module._parameters[name] = made[id(param)]
 
 
+def checkpoint_files(model_dir: Path) -> list[Path]:
+    """The weights' files: safetensors where there are any, else PyTorch's pickled pytorch_model*.bin."""
+    try:
+        return safetensors_files(model_dir)
+    except FileNotFoundError as no_safetensors:
+        files = _indexed_or_globbed(model_dir, BIN_INDEX_FILE, "pytorch_model.bin", "pytorch_model*.bin")
+        if not files:
+            raise FileNotFoundError(f"{no_safetensors}; nor pytorch_model*.bin") from None
+        return files
+
+
 def safetensors_files(model_dir: Path) -> list[Path]:
     """The checkpoint files: the shards an index lists, else model.safetensors, else any *.safetensors."""
-    index = model_dir / INDEX_FILE
+    files = _indexed_or_globbed(model_dir, INDEX_FILE, "model.safetensors", "*.safetensors")
+    if not files:
+        raise FileNotFoundError(f"no safetensors weights found in {model_dir} "
+                                f"(looked for {INDEX_FILE}, model.safetensors, *.safetensors)")
+    return files
+
+
+def _indexed_or_globbed(model_dir: Path, index_name: str, single_name: str, pattern: str) -> list[Path]:
+    """The shards an index lists, else the single file, else any file matching the pattern."""
+    index = model_dir / index_name
     if index.is_file():
         try:
             weight_map = json.loads(index.read_text(encoding="utf-8"))["weight_map"]
         except (json.JSONDecodeError, KeyError, TypeError) as e:
-            raise ValueError(f"{index} is not a valid safetensors index: {e!r}") from e
+            raise ValueError(f"{index} is not a valid checkpoint index: {e!r}") from e
         files = [model_dir / name for name in sorted(set(weight_map.values()))]
         missing = [str(f) for f in files if not f.is_file()]
         if missing:
             raise FileNotFoundError(f"{index} lists shard(s) that do not exist: {', '.join(missing)}")
         return files
-    single = model_dir / "model.safetensors"
+    single = model_dir / single_name
     if single.is_file():
         return [single]
-    files = sorted(model_dir.glob("*.safetensors"))
-    if not files:
-        raise FileNotFoundError(f"no safetensors weights found in {model_dir} "
-                                f"(looked for {INDEX_FILE}, model.safetensors, *.safetensors)")
-    return files
+    return sorted(model_dir.glob(pattern))
 
 
 def _stream(files: list[Path], state: dict) -> Iterator[tuple[str, torch.Tensor]]:
@@ -93,12 +110,25 @@ def _stream(files: list[Path], state: dict) -> Iterator[tuple[str, torch.Tensor]
     for file in files:
         state["file"] = file
         try:
-            with safe_open(str(file), framework="pt", device="cpu") as f:
-                for name in f.keys():
-                    yield name, f.get_tensor(name)
+            yield from (_pickled_tensors(file) if file.suffix == ".bin" else _safetensors(file))
         except Exception as e:  # safetensors raises its own error type for corrupt/truncated files
-            raise ValueError(f"cannot read safetensors file {file}: {e}") from e
+            raise ValueError(f"cannot read checkpoint file {file}: {e}") from e
     state["done"] = True
+
+
+def _safetensors(file: Path) -> Iterator[tuple[str, torch.Tensor]]:
+    with safe_open(str(file), framework="pt", device="cpu") as f:
+        for name in f.keys():
+            yield name, f.get_tensor(name)
+
+
+def _pickled_tensors(file: Path) -> Iterator[tuple[str, torch.Tensor]]:
+    """A pytorch_model*.bin state dict, unpickled with weights_only (tensors and plain containers: no code
+    from the file runs) and memory-mapped rather than read whole."""
+    state = torch.load(file, map_location="cpu", weights_only=True, mmap=True)
+    if not isinstance(state, dict):
+        raise ValueError(f"holds a {type(state).__name__}, not a state dict of tensors")
+    yield from state.items()
 
 
 def load_eos_token_ids(model_dir: str | Path, tokenizer=None) -> tuple[int, ...]:

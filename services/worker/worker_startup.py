@@ -38,6 +38,7 @@ from services.worker.pooler import Pooler
 from services.worker.swap_staging import SwapStaging
 from services.worker.tensor_parallel import TensorParallel, join_group
 from shared.config import EngineConfig
+from shared.hub import local_or_hub
 from shared.pooling import read_pooler_config, resolve_runner
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -73,7 +74,9 @@ class KVCache:
 
 
 def read_model(config: EngineConfig) -> ModelSource:
-    model_dir = Path(config.model) if config.model else default_model_dir()
+    # A Hub id is resolved here only when this worker was started alone (serve and LLM pass the snapshot).
+    model_dir = local_or_hub(config.model, revision=config.revision, download_dir=config.download_dir) \
+        if config.model else default_model_dir()
     model_config = ModelConfig.from_model_dir(model_dir)  # a bad directory fails before any build
     # A pooling model returns embeddings (or a classifier's class scores) instead of tokens
     # (shared/pooling.py): no logits head, no sampling.
