@@ -20,7 +20,7 @@ TINY = dict(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_la
 # The files that take longest (a minute or more each on 2 cores), started first: with the tests spread over
 # two processes a file at a time (-n 2 --dist loadfile), one of these last would leave the other process idle.
 # Each as <folder>/<file> below tests/.
-SLOW_FIRST = ("worker/test_triton_compile.py", "e2e/test_benchmarks.py", "gateway/test_gateway.py",
+SLOW_FIRST = ("worker/test_triton_compile.py", "e2e/test_benchmarks.py", "gateway/test_backend_failures.py",
               "e2e/test_gpu_kernels_script.py", "e2e/test_launcher.py", "worker/test_tensor_parallel.py")
 
 

@@ -1,5 +1,5 @@
 """Forced tool calls: tool_choice into a JSON schema, and the text generated under it into calls
-(test_gateway.py drives them through the real gateway)."""
+(test_chat.py drives them through the real gateway)."""
 
 from __future__ import annotations
 

@@ -1,5 +1,5 @@
 """Tool calls told from a model's text (tool_choice "auto"): whole, and in any pieces a stream
-brings (test_gateway.py drives them through the real gateway)."""
+brings (test_chat.py drives them through the real gateway)."""
 
 from __future__ import annotations
 
