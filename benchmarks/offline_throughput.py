@@ -29,7 +29,7 @@ def run_pagedserve(model_dir: Path, requests: list[BenchRequest], args) -> dict:
     from pagedserve import LLM, SamplingParams
 
     llm = LLM(str(model_dir), block_size=args.block_size, max_num_seqs=args.max_num_seqs,
-              max_num_batched_tokens=args.max_num_batched_tokens)
+              max_num_batched_tokens=args.max_num_batched_tokens, model_impl=getattr(args, "model_impl", "auto"))
     prompts = [{"prompt_token_ids": r.prompt_token_ids} for r in requests]
     params = [SamplingParams(temperature=0, max_tokens=r.output_len, ignore_eos=True) for r in requests]
     llm.generate(prompts[:4], params[:4], use_tqdm=False)  # warm-up
@@ -108,6 +108,8 @@ def main() -> None:
     parser.add_argument("--hf-batch-size", type=int, default=32)
     parser.add_argument("--vllm-python", default=None, help="a Python with vllm installed (separate venv)")
     parser.add_argument("--vllm-block-size", type=int, default=32)
+    parser.add_argument("--model-impl", choices=("auto", "native", "transformers"), default="auto",
+                        help="pagedserve's implementation of the model (benchmarks/model_impl.py compares them)")
     parser.add_argument("--architecture", choices=sorted(BENCH_ARCHITECTURES), default="llama",
                         help="the bench model's shape in this architecture (gemma2: windows and soft caps)")
     parser.add_argument("--out", default=str(Path(__file__).with_name("results") / "offline_throughput.json"))

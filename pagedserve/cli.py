@@ -21,7 +21,7 @@ def progress(message: str) -> None:
 def cmd_generate(args: argparse.Namespace) -> int:
     from pagedserve.preflight import model_error, resolve_hub_ids
 
-    if (error := resolve_hub_ids(args) or model_error(args.model)) is not None:
+    if (error := resolve_hub_ids(args) or model_error(args)) is not None:
         raise ValueError(error)
     progress("importing the engine")
     from pagedserve import LLM, SamplingParams

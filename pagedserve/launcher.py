@@ -265,7 +265,7 @@ def machine_error(args: argparse.Namespace) -> str | None:
     """What on this machine would stop a child (None: nothing found): the model directory, a port in use."""
     if args.port == args.grpc_port:
         return f"--port and --grpc-port are both {args.port}"
-    return (model_error(args.model) or port_taken_error(args.host, args.port, "--port (HTTP)")
+    return (model_error(args) or port_taken_error(args.host, args.port, "--port (HTTP)")
             or port_taken_error(args.host, args.grpc_port, "--grpc-port"))
 
 

@@ -9,15 +9,15 @@ import sys
 from pathlib import Path
 
 from services.gateway.lora_modules import parse_lora_modules
-from services.worker.model_config import ModelConfig
-from shared.hub import local_model_and_tokenizer
+from services.worker.model_impl import chosen_impl, model_config_for
+from shared.hub import local_model_and_tokenizer, names_a_hub_repo
 from shared.lora import read_adapter_config
 
 
 def resolve_hub_ids(args) -> str | None:
     """Replace --model and --tokenizer given as Hub ids by their local snapshots (downloaded where missing),
     so that every child reads the same files; what went wrong, as one line (None: nothing)."""
-    if args.model and not Path(args.model).expanduser().is_dir():
+    if args.model and names_a_hub_repo(args.model):
         print(f"pagedserve: resolving {args.model} on the Hugging Face Hub (or in its cache)", file=sys.stderr,
               flush=True)
     try:
@@ -29,14 +29,14 @@ def resolve_hub_ids(args) -> str | None:
     return None
 
 
-def model_error(model: str | None) -> str | None:
+def model_error(args) -> str | None:
     """What is wrong with the model directory (None: nothing found; no --model: the built-in one, made
     by the worker). Its config.json is read as the worker reads it, so an architecture the worker cannot
-    run is refused here, naming the file."""
-    if model is None or model == "":
+    run (natively, or through transformers as --model-impl allows) is refused here, naming the file."""
+    if not args.model:
         return None
     try:
-        ModelConfig.from_model_dir(model)
+        model_config_for(chosen_impl(args.model_impl, Path(args.model)), Path(args.model), args.trust_remote_code)
     except (FileNotFoundError, ValueError) as exc:
         return str(exc)
     return None

@@ -21,6 +21,7 @@ from shared.speculative_config import SpeculativeConfig
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 ATTENTION_BACKENDS = ("auto", "torch", "cpu", "triton")
 PREEMPTION_MODES = ("swap", "recompute")
+MODEL_IMPLS = ("auto", "native", "transformers")
 DEVICE_PATTERN = re.compile(r"auto|cpu|cuda(:\d+)?")
 # The scheduler's limits: it plans steps within them, and the worker sizes its memory for the largest step
 # they allow (activations, the sampler's logprobs, CUDA graphs), so both must be given the same values.
@@ -65,6 +66,11 @@ class EngineConfig:
     override_generation_config: str | None = option(
         None, 'JSON object of generation_config.json fields that replace the model\'s: \'{"temperature": 0.5}\'',
         parse=generation_override_text, render=generation_override_text, read_by=("gateway",))
+    model_impl: str = option("auto", "native: this project's models; transformers: transformers' own modelling code "
+                                     "over the paged KV cache (any causal LM whose attention goes through its "
+                                     "attention interface); auto: native where there is one", choices=MODEL_IMPLS)
+    trust_remote_code: bool = option(False, "run a checkpoint's own Python code (auto_map in its config.json) "
+                                            "with --model-impl transformers")
     runner: str = option("auto", "generate tokens, or pool prompts into embeddings (/v1/embeddings); auto: pooling "
                                  "for a sentence-transformers directory or a bare *Model architecture",
                          choices=RUNNERS)
@@ -111,6 +117,8 @@ class EngineConfig:
         object.__setattr__(self, "speculative_config", SpeculativeConfig.parse(self.speculative_config))
         overrides = parse_override(self.override_generation_config)  # a dict (offline) or its JSON
         object.__setattr__(self, "override_generation_config", json.dumps(overrides) if overrides else None)
+        _require(self.model_impl in MODEL_IMPLS, "model_impl",
+                 f"must be one of {MODEL_IMPLS}, got {self.model_impl!r}")
         _require(self.runner in RUNNERS, "runner", f"must be one of {RUNNERS}, got {self.runner!r}")
         _require(self.dtype in DTYPES, "dtype", f"must be one of {DTYPES}, got {self.dtype!r}")
         _require(DEVICE_PATTERN.fullmatch(self.device) is not None, "device",

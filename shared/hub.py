@@ -36,6 +36,19 @@ def local_or_hub(name: str, *, revision: str | None = None, download_dir: str | 
     return snapshot(name, revision=revision, download_dir=download_dir, weights=weights)
 
 
+def names_a_hub_repo(name: str) -> bool:
+    """Whether ``name`` is no local directory but could be a Hub id (org/name)."""
+    from huggingface_hub.utils import HFValidationError, validate_repo_id
+
+    if Path(name).expanduser().is_dir():
+        return False
+    try:
+        validate_repo_id(name)
+    except HFValidationError:
+        return False
+    return True
+
+
 def local_model_and_tokenizer(model: str | None, tokenizer: str | None, *, revision: str | None = None,
                               tokenizer_revision: str | None = None, download_dir: str | None = None
                               ) -> tuple[str | None, str | None]:

@@ -200,7 +200,7 @@ def resolve_runner(runner: str, model_dir: Path) -> str:
         return "pooling"
     architectures = config.get("architectures") or []
     bare = architectures and all(isinstance(a, str) and a.endswith(("Model", CLASSIFIER_SUFFIX))
-                                 for a in architectures)
+                                 and not a.endswith("LMHeadModel") for a in architectures)  # (GPT-2's is a LM)
     return "pooling" if bare else "generate"
 
 

@@ -95,8 +95,10 @@ def _run_largest_step(built: BuiltWorker, token_budget: int, startup: CudaStartu
 
 def _wants_cuda_graphs(built: BuiltWorker) -> bool:
     # Not with tensor parallelism yet: the graphs would have to capture the all-reduces too.
-    # A pooling model never decodes: nothing to replay.
+    # A pooling model never decodes: nothing to replay. transformers' modelling code (--model-impl
+    # transformers) is not known to be capturable: it runs eagerly.
     return (not built.config.enforce_eager and built.tp.size == 1 and built.source.pooler is None
+            and built.source.impl == "native"
             and getattr(built.attention, "supports_cuda_graphs", False))
 
 

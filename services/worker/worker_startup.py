@@ -32,7 +32,9 @@ from services.worker.kv_cache import allocate_host_pool, allocate_kv_pools, byte
 from services.worker.lora_adapters import AdapterSlots
 from services.worker.model_config import ModelConfig
 from services.worker.model_factory import default_model_dir
+from services.worker.model_impl import chosen_impl, model_config_for
 from services.worker.model_loader import load_model
+from services.worker.models.transformers_model import load_transformers_model
 from services.worker.ngram_proposer import NgramProposer
 from services.worker.pooler import Pooler
 from services.worker.swap_staging import SwapStaging
@@ -53,6 +55,7 @@ class ModelSource:
     pooler: Pooler | None  # a pooling model's (embeddings or class scores instead of tokens)
     dtype: torch.dtype
     max_model_len: int
+    impl: str = "native"  # or "transformers": its own modelling code (model_impl.py)
 
 
 @dataclass(frozen=True)
@@ -77,16 +80,29 @@ def read_model(config: EngineConfig) -> ModelSource:
     # A Hub id is resolved here only when this worker was started alone (serve and LLM pass the snapshot).
     model_dir = local_or_hub(config.model, revision=config.revision, download_dir=config.download_dir) \
         if config.model else default_model_dir()
-    model_config = ModelConfig.from_model_dir(model_dir)  # a bad directory fails before any build
+    impl = chosen_impl(config.model_impl, model_dir)
+    model_config = model_config_for(impl, model_dir, config.trust_remote_code)  # a bad directory fails before any build
     # A pooling model returns embeddings (or a classifier's class scores) instead of tokens
     # (shared/pooling.py): no logits head, no sampling.
     pooling = resolve_runner(config.runner, model_dir) == "pooling"
+    if impl == "transformers":
+        refuse_on_transformers_path(config, pooling)
     pooler = Pooler(read_pooler_config(model_dir, model_config.hidden_size)) if pooling else None
     if pooling and config.speculative_config is not None:
         raise ValueError("speculative decoding is for generation: a pooling model (runner 'pooling') samples "
                          "no tokens to draft")
     dtype = DTYPES[model_config.dtype if config.dtype == "auto" else config.dtype]
-    return ModelSource(model_dir, model_config, pooler, dtype, _max_model_len(config, model_dir, model_config, pooler))
+    return ModelSource(model_dir, model_config, pooler, dtype, _max_model_len(config, model_dir, model_config, pooler),
+                       impl)
+
+
+def refuse_on_transformers_path(config: EngineConfig, pooling: bool) -> None:
+    """What --model-impl transformers does not serve, refused at start by name."""
+    for refused, what in ((pooling, "pooling (embeddings, classifiers)"), (config.enable_lora, "LoRA adapters"),
+                          (config.tensor_parallel_size > 1, "tensor parallelism")):
+        if refused:
+            raise ValueError(f"{what} with --model-impl transformers is not supported; serve a native architecture "
+                             "(--model-impl native) for it")
 
 
 def _max_model_len(config: EngineConfig, model_dir: Path, model: ModelConfig, pooler: Pooler | None) -> int:
@@ -134,9 +150,13 @@ def join_tensor_parallel(config: EngineConfig, source: ModelSource, rank: int, i
 
 def load_weights(config: EngineConfig, source: ModelSource, tp: TensorParallel, device: torch.device) -> Weights:
     pooler = source.pooler
-    model, model_config = load_model(source.model_dir, source.dtype, device, tp=tp, with_head=pooler is None,
-                                     num_labels=len(pooler.config.labels) if pooler is not None else 0,
-                                     max_model_len=source.max_model_len)
+    if source.impl == "transformers":
+        model, model_config = load_transformers_model(source.model_dir, source.model_config, source.dtype, device,
+                                                      config.trust_remote_code)
+    else:
+        model, model_config = load_model(source.model_dir, source.dtype, device, tp=tp, with_head=pooler is None,
+                                         num_labels=len(pooler.config.labels) if pooler is not None else 0,
+                                         max_model_len=source.max_model_len)
     adapters = AdapterSlots(model, config.max_loras, config.max_lora_rank, tp) if config.enable_lora else None
     spec = config.speculative_config
     draft = load_draft_model(spec.model, model_config, source.max_model_len, source.dtype, device) \

@@ -39,7 +39,10 @@ def test_a_missing_or_unusable_model_directory_is_one_line(tmp_path, monkeypatch
     assert "does not exist" in refused(monkeypatch, capsys, ["--model", str(tmp_path / "nope")])
     assert "config.json not found" in refused(monkeypatch, capsys, ["--model", str(tmp_path)])
     (tmp_path / "config.json").write_text(json.dumps({"model_type": "gpt2", "architectures": ["GPT2LMHeadModel"]}))
-    assert "unsupported architecture model_type='gpt2'" in refused(monkeypatch, capsys, ["--model", str(tmp_path)])
+    assert "unsupported architecture model_type='gpt2'" in refused(monkeypatch, capsys, [
+        "--model", str(tmp_path), "--model-impl", "native"])  # (auto serves it through transformers)
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "t5", "architectures": ["T5Model"]}))
+    assert "encoder-decoder" in refused(monkeypatch, capsys, ["--model", str(tmp_path)])
     (tmp_path / "config.json").write_text("{not json")
     assert "is not valid JSON" in refused(monkeypatch, capsys, ["--model", str(tmp_path)])
 

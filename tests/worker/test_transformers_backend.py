@@ -1,0 +1,125 @@
+"""Architectures with no native model, run through transformers' own modelling code over the paged KV
+cache (--model-impl transformers): greedy outputs equal transformers' generate through chunked prefill,
+preemption, forks and prefix-cache hits; a native architecture on this path equals its native path; what
+the path cannot serve is refused by name."""
+
+from __future__ import annotations
+
+import json
+import re
+
+import pytest
+
+from pagedserve import LLM, SamplingParams
+from services.worker.models.transformers_model import TransformersCausalLM
+from tests.generic_models import GENERIC_ARCHS, make_generic_model
+from tests.kv_release import count_releases, preempted_or_released
+from tests.oracle import assert_greedy_equal, hf_greedy
+from tests.scheduler.test_engine_oracle import MAX_TOKENS, blocks_to_force_preemption, random_prompts
+
+GREEDY = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def generic_dir(tmp_path_factory):
+    made = {}
+
+    def make(model_type: str):
+        if model_type not in made:
+            made[model_type] = make_generic_model(tmp_path_factory.mktemp(model_type), model_type)
+        return made[model_type]
+
+    return make
+
+
+def _assert_equals_transformers(model_dir, prompts, outputs, what: str) -> None:
+    for prompt, out in zip(prompts, outputs):
+        ref, ref_logprobs = hf_greedy(model_dir, prompt, MAX_TOKENS)
+        for sample in out.outputs:
+            assert_greedy_equal(sample.token_ids, ref, ref_logprobs, f"{what}, prompt of {len(prompt)}")
+
+
+@pytest.mark.parametrize("model_type", list(GENERIC_ARCHS))
+def test_greedy_equals_transformers_through_its_own_code(model_type, generic_dir):
+    model_dir = generic_dir(model_type)
+    prompts = random_prompts(seed=8)
+    llm = LLM(str(model_dir), block_size=8, max_num_batched_tokens=48, enable_chunked_prefill=True,
+              num_gpu_blocks_override=blocks_to_force_preemption(8))
+    try:
+        assert isinstance(llm.engine.executor.worker.model, TransformersCausalLM)  # auto chose it
+        released = count_releases(llm)
+        outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], GREEDY, use_tqdm=False)
+        assert preempted_or_released(llm, released, 8), "the KV budget was meant to force preemption"
+        assert llm.stats()["kv_blocks_used"] == 0
+        _assert_equals_transformers(model_dir, prompts, outputs, model_type)
+    finally:
+        llm.close()
+
+
+@pytest.mark.parametrize("preemption_mode", ["swap", "recompute"])
+def test_forks_prefix_hits_and_both_preemptions(preemption_mode, generic_dir):
+    model_dir = generic_dir("gpt_bigcode")  # one KV head for all
+    prompts = random_prompts(seed=9)[2:]
+    llm = LLM(str(model_dir), block_size=8, max_num_batched_tokens=48, preemption_mode=preemption_mode,
+              num_gpu_blocks_override=blocks_to_force_preemption(8))
+    try:
+        forked = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True, n=2)  # copy-on-write forks
+        first = llm.generate([{"prompt_token_ids": p} for p in prompts], forked, use_tqdm=False)
+        assert llm.stats()["num_preemptions"] > 0
+        once = llm.generate([{"prompt_token_ids": prompts[0]}], GREEDY, use_tqdm=False)
+        hits = llm.stats()["prefix_cache_hits"]
+        again = llm.generate([{"prompt_token_ids": prompts[0]}], GREEDY, use_tqdm=False)  # its blocks, just freed
+        assert llm.stats()["prefix_cache_hits"] > hits
+        _assert_equals_transformers(model_dir, prompts, first, "forked")
+        _assert_equals_transformers(model_dir, prompts[:1] * 2, once + again, "again")
+    finally:
+        llm.close()
+
+
+def test_a_native_architecture_on_the_generic_path_equals_its_native_path(llama_dir):
+    prompts = random_prompts(seed=10)[1:4]
+    outputs = {}
+    for impl in ("native", "transformers"):
+        llm = LLM(str(llama_dir), block_size=8, max_num_batched_tokens=48, model_impl=impl)
+        try:
+            outputs[impl] = [o.outputs[0].token_ids for o in llm.generate(
+                [{"prompt_token_ids": p} for p in prompts], GREEDY, use_tqdm=False)]
+        finally:
+            llm.close()
+    for prompt, native, generic in zip(prompts, outputs["native"], outputs["transformers"]):
+        ref, ref_logprobs = hf_greedy(llama_dir, prompt, MAX_TOKENS)
+        assert_greedy_equal(native, ref, ref_logprobs, "native")
+        assert_greedy_equal(generic, ref, ref_logprobs, "transformers")
+
+
+def _config_only(path, model_type: str, **fields):
+    from transformers import AutoConfig
+
+    AutoConfig.for_model(model_type, **fields).save_pretrained(path)
+    return path
+
+
+@pytest.mark.parametrize("case, says", [
+    ("t5", "encoder-decoder"),
+    ("bloom", "ALiBi"),
+    ("falcon", "attention does not go through transformers' attention interface"),
+    ("remote", "needs the repository's own Python code"),
+    ("native gpt2", "--model-impl transformers (or auto) runs it"),
+    ("lora", "LoRA adapters with --model-impl transformers"),
+    ("tensor parallel", "tensor parallelism with --model-impl transformers"),
+])
+def test_what_the_transformers_path_cannot_serve_is_refused_at_start(case, says, tmp_path, generic_dir):
+    options = {}
+    if case in ("t5", "bloom", "falcon"):
+        model_dir = _config_only(tmp_path, case)
+    elif case == "remote":
+        model_dir = tmp_path
+        (tmp_path / "config.json").write_text(json.dumps({
+            "model_type": "my_own_lm", "architectures": ["MyOwnForCausalLM"],
+            "auto_map": {"AutoModelForCausalLM": "modeling_my_own.MyOwnForCausalLM"}}))
+    else:
+        model_dir = generic_dir("gpt2")
+        options = {"native gpt2": {"model_impl": "native"}, "lora": {"enable_lora": True},
+                   "tensor parallel": {"tensor_parallel_size": 2}}[case]
+    with pytest.raises(ValueError, match=re.escape(says)):
+        LLM(str(model_dir), **options)
