@@ -14,6 +14,7 @@ import operator
 import weakref
 from collections.abc import Iterable
 from collections.abc import Sequence as SequenceABC
+from pathlib import Path
 
 import torch
 from tqdm import tqdm
@@ -28,6 +29,7 @@ from services.worker.tensor_parallel import TensorParallel
 from services.worker.worker import Worker
 from services.worker.model_config import ModelConfig
 from services.worker.model_factory import default_model_dir
+from services.worker.model_impl import chosen_impl, refuse_on_transformers_path
 from shared.config import EngineConfig
 from shared.generation_defaults import read_generation_defaults
 from shared.grpc_errors import ServiceUnavailable
@@ -85,6 +87,8 @@ class LLM:
         if config.model is None:
             config = dataclasses.replace(config, model=str(default_model_dir()))  # made here once, not by each rank
         # A model the ranks cannot share is refused here, before any process starts.
+        if chosen_impl(config.model_impl, Path(config.model)) == "transformers":
+            refuse_on_transformers_path(config.tensor_parallel_size, pooling=False)
         TensorParallel(0, config.tensor_parallel_size).shard(ModelConfig.from_model_dir(config.model))
         group = LocalWorkerGroup(config)
         try:

@@ -9,9 +9,10 @@ import sys
 from pathlib import Path
 
 from services.gateway.lora_modules import parse_lora_modules
-from services.worker.model_impl import chosen_impl, model_config_for
+from services.worker.model_impl import chosen_impl, model_config_for, refuse_on_transformers_path
 from shared.hub import local_model_and_tokenizer, names_a_hub_repo
 from shared.lora import read_adapter_config
+from shared.pooling import resolve_runner
 
 
 def resolve_hub_ids(args) -> str | None:
@@ -35,8 +36,12 @@ def model_error(args) -> str | None:
     run (natively, or through transformers as --model-impl allows) is refused here, naming the file."""
     if not args.model:
         return None
+    model_dir = Path(args.model)
     try:
-        model_config_for(chosen_impl(args.model_impl, Path(args.model)), Path(args.model), args.trust_remote_code)
+        impl = chosen_impl(args.model_impl, model_dir)
+        model_config_for(impl, model_dir, args.trust_remote_code)
+        if impl == "transformers":
+            refuse_on_transformers_path(args.tensor_parallel_size, resolve_runner(args.runner, model_dir) == "pooling")
     except (FileNotFoundError, ValueError) as exc:
         return str(exc)
     return None

@@ -120,3 +120,11 @@ def _max_positions(config) -> int:
 def _first_line(exc: Exception) -> str:
     return (str(exc).strip().splitlines() or [""])[0]
 
+
+def refuse_on_transformers_path(tensor_parallel_size: int, pooling: bool) -> None:
+    """What --model-impl transformers does not serve, refused at start by name."""
+    for refused, what in ((pooling, "pooling (embeddings, classifiers)"),
+                          (tensor_parallel_size > 1, "tensor parallelism")):
+        if refused:
+            raise ValueError(f"{what} with --model-impl transformers is not supported; serve a native architecture "
+                             "(--model-impl native) for it")

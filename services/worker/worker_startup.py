@@ -32,7 +32,7 @@ from services.worker.kv_cache import allocate_host_pool, allocate_kv_pools, byte
 from services.worker.lora_adapters import AdapterSlots
 from services.worker.model_config import ModelConfig
 from services.worker.model_factory import default_model_dir
-from services.worker.model_impl import chosen_impl, model_config_for
+from services.worker.model_impl import chosen_impl, model_config_for, refuse_on_transformers_path
 from services.worker.model_loader import load_model
 from services.worker.models.transformers_model import load_transformers_model
 from services.worker.ngram_proposer import NgramProposer
@@ -86,7 +86,7 @@ def read_model(config: EngineConfig) -> ModelSource:
     # (shared/pooling.py): no logits head, no sampling.
     pooling = resolve_runner(config.runner, model_dir) == "pooling"
     if impl == "transformers":
-        refuse_on_transformers_path(config, pooling)
+        refuse_on_transformers_path(config.tensor_parallel_size, pooling)
     pooler = Pooler(read_pooler_config(model_dir, model_config.hidden_size)) if pooling else None
     if pooling and config.speculative_config is not None:
         raise ValueError("speculative decoding is for generation: a pooling model (runner 'pooling') samples "
@@ -94,15 +94,6 @@ def read_model(config: EngineConfig) -> ModelSource:
     dtype = DTYPES[model_config.dtype if config.dtype == "auto" else config.dtype]
     return ModelSource(model_dir, model_config, pooler, dtype, _max_model_len(config, model_dir, model_config, pooler),
                        impl)
-
-
-def refuse_on_transformers_path(config: EngineConfig, pooling: bool) -> None:
-    """What --model-impl transformers does not serve, refused at start by name."""
-    for refused, what in ((pooling, "pooling (embeddings, classifiers)"), (config.enable_lora, "LoRA adapters"),
-                          (config.tensor_parallel_size > 1, "tensor parallelism")):
-        if refused:
-            raise ValueError(f"{what} with --model-impl transformers is not supported; serve a native architecture "
-                             "(--model-impl native) for it")
 
 
 def _max_model_len(config: EngineConfig, model_dir: Path, model: ModelConfig, pooler: Pooler | None) -> int:

@@ -13,7 +13,9 @@ import pytest
 from pagedserve import LLM, SamplingParams
 from services.worker.models.transformers_model import TransformersCausalLM
 from tests.generic_models import GENERIC_ARCHS, make_generic_model
+from shared.lora import LoRARequest
 from tests.kv_release import count_releases, preempted_or_released
+from tests.lora_adapters import make_adapter, merged_model
 from tests.oracle import assert_greedy_equal, hf_greedy
 from tests.scheduler.test_engine_oracle import MAX_TOKENS, blocks_to_force_preemption, random_prompts
 
@@ -92,6 +94,27 @@ def test_a_native_architecture_on_the_generic_path_equals_its_native_path(llama_
         assert_greedy_equal(generic, ref, ref_logprobs, "transformers")
 
 
+def test_lora_adapters_apply_by_transformers_module_names(generic_dir, tmp_path):
+    """Each prompt with its own adapter, or none, in one batch: each equals transformers on the base
+    weights with that adapter merged in."""
+    model_dir = generic_dir("cohere")
+    adapters = {seed: make_adapter(model_dir, tmp_path / f"a{seed}", rank=4, alpha=8, seed=seed, std=0.2)
+                for seed in (1, 2)}
+    merged = {seed: merged_model(model_dir, path, tmp_path / f"m{seed}") for seed, path in adapters.items()}
+    prompts = random_prompts(seed=11)[1:4]
+    loras = [LoRARequest("one", str(adapters[1])), None, LoRARequest("two", str(adapters[2]))]
+    llm = LLM(str(model_dir), enable_lora=True, max_loras=2, max_lora_rank=4, block_size=8, max_num_batched_tokens=48)
+    try:
+        outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], GREEDY, use_tqdm=False, lora_request=loras)
+    finally:
+        llm.close()
+    for prompt, lora, out in zip(prompts, loras, outputs):
+        reference = model_dir if lora is None else merged[1 if lora.name == "one" else 2]
+        _assert_equals_transformers(reference, [prompt], [out], f"adapter {lora and lora.name}")
+    base = [o.outputs[0].token_ids for o in outputs]
+    assert base[0] != hf_greedy(model_dir, prompts[0], MAX_TOKENS)[0], "the adapter was meant to change the output"
+
+
 def _config_only(path, model_type: str, **fields):
     from transformers import AutoConfig
 
@@ -105,7 +128,6 @@ def _config_only(path, model_type: str, **fields):
     ("falcon", "attention does not go through transformers' attention interface"),
     ("remote", "needs the repository's own Python code"),
     ("native gpt2", "--model-impl transformers (or auto) runs it"),
-    ("lora", "LoRA adapters with --model-impl transformers"),
     ("tensor parallel", "tensor parallelism with --model-impl transformers"),
 ])
 def test_what_the_transformers_path_cannot_serve_is_refused_at_start(case, says, tmp_path, generic_dir):
@@ -119,7 +141,6 @@ def test_what_the_transformers_path_cannot_serve_is_refused_at_start(case, says,
             "auto_map": {"AutoModelForCausalLM": "modeling_my_own.MyOwnForCausalLM"}}))
     else:
         model_dir = generic_dir("gpt2")
-        options = {"native gpt2": {"model_impl": "native"}, "lora": {"enable_lora": True},
-                   "tensor parallel": {"tensor_parallel_size": 2}}[case]
+        options = {"native gpt2": {"model_impl": "native"}, "tensor parallel": {"tensor_parallel_size": 2}}[case]
     with pytest.raises(ValueError, match=re.escape(says)):
         LLM(str(model_dir), **options)

@@ -71,17 +71,20 @@ class LoRALinear(nn.Module):
         self.register_buffer("lora_b", torch.zeros(width, sum(part_sizes), dtype=batch.dtype, device=batch.device))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """``x [T, in]``, or ``[1, T, in]`` as transformers' modelling code passes a step's tokens."""
         out = self.base(x)
         batch = self.batch[0]
         if batch.mask is None:
             return out
+        flat_x, flat_out = x.reshape(-1, x.shape[-1]), out.view(-1, out.shape[-1])
         per_slot = len(self.part_sizes) * self.max_rank
         rows = slice(batch.lo * per_slot, batch.hi * per_slot)
-        shrunk = F.linear(x, self.lora_a[rows])
+        shrunk = F.linear(flat_x, self.lora_a[rows])
         # Selected, not multiplied by 0/1: an inf in another slot's product (float16 overflow) times 0 is NaN.
-        shrunk = torch.where(batch.mask[:, :, None], shrunk.view(x.shape[0], batch.hi - batch.lo, per_slot), 0)
-        shrunk = shrunk.view(x.shape[0], -1)
-        return out.addmm_(shrunk, self.lora_b[rows])
+        shrunk = torch.where(batch.mask[:, :, None], shrunk.view(flat_x.shape[0], batch.hi - batch.lo, per_slot), 0)
+        shrunk = shrunk.view(flat_x.shape[0], -1)
+        flat_out.addmm_(shrunk, self.lora_b[rows])
+        return out
 
     def _rows(self, slot: int, part: int, rank: int | None = None) -> slice:
         """The rows of both matrices that hold the slot's part (its first ``rank`` of them)."""

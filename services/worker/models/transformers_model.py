@@ -27,6 +27,7 @@ from torch import nn
 from services.worker.attention.metadata import AttentionMetadata
 from services.worker.attention.spec import AttentionSpec
 from services.worker.model_config import ModelConfig
+from services.worker.models.lora_linear import LoRABatch, LoRALinear, LoRATarget
 from services.worker.models.packed_linear import PackedLinear, can_pack, pack_linear_layers
 
 ATTENTION_NAME = "pagedserve_paged"
@@ -94,8 +95,9 @@ def register_paged_attention() -> None:
 class TransformersCausalLM(nn.Module):
     """transformers' model behind the worker's model interface (that of llama.LlamaForCausalLM)."""
 
-    def __init__(self, hf_model: nn.Module, spec: AttentionSpec):
+    def __init__(self, hf_model: nn.Module, spec: AttentionSpec, config: ModelConfig):
         super().__init__()
+        self.config = config  # its shape as the worker reads it (the KV cache, LoRA's checks)
         self.hf = hf_model
         self.decoder = hf_model.base_model  # the stack without its head: hidden states after the final norm
         self.head = hf_model.get_output_embeddings()
@@ -146,9 +148,24 @@ class TransformersCausalLM(nn.Module):
     def use_fused_experts(self) -> None:
         """transformers' experts run its own way."""
 
-    def add_lora(self, num_slots: int, max_rank: int):
-        raise ValueError("LoRA adapters are not served with --model-impl transformers; use a native architecture "
-                         "(--model-impl native) or serve without --enable-lora")
+    def add_lora(self, num_slots: int, max_rank: int) -> tuple[LoRABatch, dict[str, LoRATarget]]:
+        """Room for ``num_slots`` adapters beside every linear projection but the head, named as transformers
+        names the module (so as PEFT names its targets); one part each (a fused projection's adapter covers it
+        whole, as PEFT trains it)."""
+        from transformers.pytorch_utils import Conv1D
+
+        weight = self.hf.get_input_embeddings().weight
+        batch, targets = LoRABatch(num_slots, weight.dtype, weight.device), {}
+        linear = [(name, parent, child_name, child) for name, parent in self.hf.named_modules()
+                  for child_name, child in parent.named_children()
+                  if isinstance(child, (nn.Linear, PackedLinear, Conv1D)) and child is not self.head]
+        for name, parent, child_name, child in linear:
+            in_features, out_features = child.weight.shape if isinstance(child, Conv1D) else \
+                (child.in_features, child.out_features)
+            layer = LoRALinear(child, in_features, [out_features], batch, max_rank)
+            setattr(parent, child_name, layer)
+            targets[f"{name}.{child_name}" if name else child_name] = LoRATarget(layer, 0, False, out_features)
+        return batch, targets
 
 
 def probe(hf_model: nn.Module, device: torch.device) -> list[LayerCall]:
@@ -197,7 +214,7 @@ def load_transformers_model(model_dir: Path, shape: ModelConfig, dtype: torch.dt
     first = calls[0]
     shape = dataclasses.replace(shape, num_hidden_layers=len(calls), num_attention_heads=first.num_heads,
                                 num_key_value_heads=first.num_kv_heads, head_dim=first.head_dim)
-    model = TransformersCausalLM(hf_model, spec)
+    model = TransformersCausalLM(hf_model, spec, shape)
     if can_pack(dtype, device):
         model.pack_linear_weights()
     return model, shape
