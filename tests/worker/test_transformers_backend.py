@@ -144,3 +144,57 @@ def test_what_the_transformers_path_cannot_serve_is_refused_at_start(case, says,
         options = {"native gpt2": {"model_impl": "native"}, "tensor parallel": {"tensor_parallel_size": 2}}[case]
     with pytest.raises(ValueError, match=re.escape(says)):
         LLM(str(model_dir), **options)
+
+
+REMOTE_CONFIG = '''
+from transformers import LlamaConfig
+
+
+class TinyRemoteConfig(LlamaConfig):
+    model_type = "tiny_remote"
+'''
+REMOTE_MODEL = '''
+from transformers import LlamaForCausalLM
+
+from .configuration_tiny_remote import TinyRemoteConfig
+
+
+class TinyRemoteForCausalLM(LlamaForCausalLM):
+    config_class = TinyRemoteConfig
+'''
+
+
+def test_a_checkpoints_own_code_runs_with_trust_remote_code(llama_dir, tmp_path):
+    """A repository that ships its model's Python (auto_map): refused without --trust-remote-code, served
+    with it, equal to transformers running the same code."""
+    import shutil
+
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    model_dir = tmp_path / "remote"
+    shutil.copytree(llama_dir, model_dir)
+    (model_dir / "configuration_tiny_remote.py").write_text(REMOTE_CONFIG)
+    (model_dir / "modeling_tiny_remote.py").write_text(REMOTE_MODEL)
+    config = json.loads((model_dir / "config.json").read_text())
+    config.update(model_type="tiny_remote", architectures=["TinyRemoteForCausalLM"], auto_map={
+        "AutoConfig": "configuration_tiny_remote.TinyRemoteConfig",
+        "AutoModelForCausalLM": "modeling_tiny_remote.TinyRemoteForCausalLM"})
+    (model_dir / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ValueError, match="pass --trust-remote-code"):
+        LLM(str(model_dir))
+    prompt = random_prompts(seed=12)[2]
+    llm = LLM(str(model_dir), trust_remote_code=True, block_size=8)
+    try:
+        (out,) = llm.generate([{"prompt_token_ids": prompt}], GREEDY, use_tqdm=False)
+    finally:
+        llm.close()
+    reference = AutoModelForCausalLM.from_pretrained(model_dir, trust_remote_code=True, dtype=torch.float32,
+                                                     attn_implementation="eager").eval()
+    assert type(reference).__name__ == "TinyRemoteForCausalLM"
+    with torch.no_grad():
+        ref = reference.generate(torch.tensor([prompt]), do_sample=False, max_new_tokens=MAX_TOKENS,
+                                 min_new_tokens=MAX_TOKENS, eos_token_id=None, pad_token_id=0,
+                                 return_dict_in_generate=True, output_logits=True)
+    assert_greedy_equal(out.outputs[0].token_ids, ref.sequences[0, len(prompt):].tolist(),
+                        [torch.log_softmax(step[0].float(), -1) for step in ref.logits], "remote code")
