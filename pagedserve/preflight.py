@@ -25,7 +25,7 @@ def resolve_hub_ids(args) -> str | None:
         args.model, args.tokenizer = local_model_and_tokenizer(
             args.model, args.tokenizer, revision=args.revision, tokenizer_revision=args.tokenizer_revision,
             download_dir=args.download_dir)
-    except ValueError as exc:
+    except (FileNotFoundError, ValueError) as exc:
         return str(exc)
     return None
 

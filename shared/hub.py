@@ -67,9 +67,9 @@ def snapshot(repo_id: str, *, revision: str | None, download_dir: str | None, we
 
     try:
         validate_repo_id(repo_id)
-    except HFValidationError:
-        raise HubError(f"model directory {repo_id} does not exist or is not a directory (nor is it a Hugging Face "
-                       "Hub id, org/name)") from None
+    except HFValidationError:  # a path, then
+        raise FileNotFoundError(f"model directory {repo_id} does not exist or is not a directory (nor is it a "
+                                "Hugging Face Hub id, org/name)") from None
     where = _described(repo_id, revision)
     try:
         root = Path(_download(repo_id, revision, download_dir, SMALL_FILES))

@@ -252,8 +252,8 @@ def test_missing_model_and_unsupported_architecture(tmp_path):
     with pytest.raises(FileNotFoundError, match=str(tmp_path / "nope")):
         LLM(str(tmp_path / "nope"))
     (tmp_path / "config.json").write_text('{"model_type": "gpt2", "architectures": ["GPT2LMHeadModel"]}')
-    with pytest.raises(ValueError, match="gpt2"):
-        LLM(str(tmp_path))
+    with pytest.raises(ValueError, match="gpt2.*--model-impl transformers"):  # (auto would run it through it)
+        LLM(str(tmp_path), model_impl="native")
 
 
 def test_unknown_engine_option():

@@ -12,6 +12,7 @@ from services.gateway.billing import Admission
 from services.gateway.call_ids import CallIds
 from services.gateway.deltas import SeqDelta
 from services.gateway.grpc_api import GenerationServicer
+from shared.generation_defaults import GenerationDefaults
 from shared.grpc_errors import error_for_code
 from shared.proto import pagedserve_api_pb2 as api
 
@@ -96,6 +97,7 @@ class Stream:
 
 class Gen:
     max_model_len = 512  # (the huge-prompt bound reads it)
+    generation_defaults = GenerationDefaults()  # the model's: none
 
     def __init__(self):
         self.log: list[str] = []
