@@ -10,6 +10,7 @@ Prints each run's output tokens per second and the ratio of the medians; writes 
 from __future__ import annotations
 
 import argparse
+import json
 import statistics
 import sys
 from pathlib import Path
@@ -22,8 +23,19 @@ from benchmarks.workload import bench_model_dir, bench_workload, write_report  #
 IMPLS = ("native", "transformers")
 
 
+def _workload(model_dir: Path, num_requests: int, seed: int):
+    """The bench workload, within the model's vocabulary and context (a test's small model has less)."""
+    config = json.loads((model_dir / "config.json").read_text())
+    context = config["max_position_embeddings"]
+    if context >= 512 + 256:
+        return bench_workload(num_requests, seed, vocab_size=config["vocab_size"])
+    return bench_workload(num_requests, seed, vocab_size=config["vocab_size"], prompt_range=(16, context // 2),
+                          output_range=(16, context // 4))
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", default=None, help="a model directory (default: the bench model)")
     parser.add_argument("--num-requests", type=int, default=200)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--rounds", type=int, default=2, help="runs of each implementation, alternated")
@@ -32,8 +44,8 @@ def main() -> None:
     parser.add_argument("--max-num-batched-tokens", type=int, default=None)
     parser.add_argument("--out", default=str(Path(__file__).with_name("results") / "model_impl.json"))
     args = parser.parse_args()
-    model_dir = bench_model_dir()
-    requests = bench_workload(args.num_requests, args.seed)
+    model_dir = Path(args.model) if args.model else bench_model_dir()
+    requests = _workload(model_dir, args.num_requests, args.seed)
     runs: dict[str, list[dict]] = {impl: [] for impl in IMPLS}
     for _ in range(args.rounds):
         for impl in IMPLS:

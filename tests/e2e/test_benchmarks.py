@@ -32,10 +32,11 @@ def test_offline_throughput_runs_the_bench_workload(tmp_path):
     assert result["output_tokens"] > 0 and result["num_steps"] > 0 and result["num_preemptions"] == 0
 
 
-def test_model_impl_runs_both_implementations(tmp_path):
+def test_model_impl_runs_both_implementations(tmp_path, llama_dir):
     out = tmp_path / "model_impl.json"
-    subprocess.run([sys.executable, str(REPO / "benchmarks" / "model_impl.py"), "--num-requests", "2", "--rounds",
-                    "1", "--out", str(out)], cwd=REPO, check=True, timeout=RUN_LIMIT_S, stdout=subprocess.DEVNULL)
+    subprocess.run([sys.executable, str(REPO / "benchmarks" / "model_impl.py"), "--model", str(llama_dir),
+                    "--num-requests", "2", "--rounds", "1", "--out", str(out)], cwd=REPO, check=True,
+                   timeout=RUN_LIMIT_S, stdout=subprocess.DEVNULL)
     report = json.loads(out.read_text())
     assert set(report["runs"]) == {"native", "transformers"} and report["transformers_vs_native"] > 0
     assert report["runs"]["native"][0]["output_tokens"] == report["runs"]["transformers"][0]["output_tokens"] > 0
