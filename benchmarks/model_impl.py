@@ -10,7 +10,6 @@ Prints each run's output tokens per second and the ratio of the medians; writes 
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import sys
 from pathlib import Path
@@ -18,19 +17,9 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from benchmarks.offline_throughput import run_pagedserve  # noqa: E402
-from benchmarks.workload import bench_model_dir, bench_workload, write_report  # noqa: E402
+from benchmarks.workload import bench_model_dir, workload_for, write_report  # noqa: E402
 
 IMPLS = ("native", "transformers")
-
-
-def _workload(model_dir: Path, num_requests: int, seed: int):
-    """The bench workload, within the model's vocabulary and context (a test's small model has less)."""
-    config = json.loads((model_dir / "config.json").read_text())
-    context = config["max_position_embeddings"]
-    if context >= 512 + 256:
-        return bench_workload(num_requests, seed, vocab_size=config["vocab_size"])
-    return bench_workload(num_requests, seed, vocab_size=config["vocab_size"], prompt_range=(16, context // 2),
-                          output_range=(16, context // 4))
 
 
 def main() -> None:
@@ -45,7 +34,7 @@ def main() -> None:
     parser.add_argument("--out", default=str(Path(__file__).with_name("results") / "model_impl.json"))
     args = parser.parse_args()
     model_dir = Path(args.model) if args.model else bench_model_dir()
-    requests = _workload(model_dir, args.num_requests, args.seed)
+    requests = workload_for(model_dir, args.num_requests, args.seed)
     runs: dict[str, list[dict]] = {impl: [] for impl in IMPLS}
     for _ in range(args.rounds):
         for impl in IMPLS:

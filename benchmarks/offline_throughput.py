@@ -22,7 +22,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import torch  # noqa: E402
 
 from benchmarks.workload import (  # noqa: E402
-    BENCH_ARCHITECTURES, BenchRequest, bench_model_dir, bench_workload, write_report)
+    BENCH_ARCHITECTURES, BenchRequest, bench_model_dir, workload_for, write_report)
 
 
 def run_pagedserve(model_dir: Path, requests: list[BenchRequest], args) -> dict:
@@ -112,12 +112,13 @@ def main() -> None:
                         help="pagedserve's implementation of the model (benchmarks/model_impl.py compares them)")
     parser.add_argument("--architecture", choices=sorted(BENCH_ARCHITECTURES), default="llama",
                         help="the bench model's shape in this architecture (gemma2: windows and soft caps)")
+    parser.add_argument("--model", default=None, help="a model directory instead of the bench model")
     parser.add_argument("--out", default=str(Path(__file__).with_name("results") / "offline_throughput.json"))
     args = parser.parse_args()
 
     torch.manual_seed(args.seed)
-    model_dir = bench_model_dir(args.architecture)
-    requests = bench_workload(args.num_requests, args.seed)
+    model_dir = Path(args.model) if args.model else bench_model_dir(args.architecture)
+    requests = workload_for(model_dir, args.num_requests, args.seed)
     results = {"pagedserve": run_pagedserve(model_dir, requests, args)}
     if not args.skip_hf:
         model = hf_model(model_dir)

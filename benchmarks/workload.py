@@ -63,3 +63,13 @@ def median_seconds_interleaved(modes: dict, rounds: int, fresh_inputs) -> dict[s
             run(inputs)
             seconds[mode].append(time.perf_counter() - start)
     return {mode: statistics.median(times) for mode, times in seconds.items()}
+
+
+def workload_for(model_dir: Path, num_requests: int, seed: int):
+    """The bench workload, within the model's vocabulary and context (a test's small model has less)."""
+    config = json.loads((model_dir / "config.json").read_text())
+    context = config["max_position_embeddings"]
+    if context >= 512 + 256:
+        return bench_workload(num_requests, seed, vocab_size=config["vocab_size"])
+    return bench_workload(num_requests, seed, vocab_size=config["vocab_size"], prompt_range=(16, context // 2),
+                          output_range=(16, context // 4))

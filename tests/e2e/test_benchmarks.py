@@ -24,10 +24,11 @@ def test_gateway_overhead_streams_through_the_real_gateway(tmp_path):
     assert set(report["median_cpu_us_per_token_by_endpoint"]) == {"completions", "chat/completions", "responses"}
 
 
-def test_offline_throughput_runs_the_bench_workload(tmp_path):
+def test_offline_throughput_runs_the_bench_workload(tmp_path, llama_dir):
     out = tmp_path / "offline.json"
     subprocess.run([sys.executable, str(REPO / "benchmarks" / "offline_throughput.py"), "--num-requests", "3",
-                    "--skip-hf", "--out", str(out)], cwd=REPO, check=True, timeout=RUN_LIMIT_S, stdout=subprocess.DEVNULL)
+                    "--skip-hf", "--model", str(llama_dir), "--out", str(out)], cwd=REPO, check=True,
+                   timeout=RUN_LIMIT_S, stdout=subprocess.DEVNULL)
     result = json.loads(out.read_text())["results"]["pagedserve"]
     assert result["output_tokens"] > 0 and result["num_steps"] > 0 and result["num_preemptions"] == 0
 
