@@ -40,6 +40,7 @@ class Stream(threading.Thread):
         super().__init__(daemon=True)
         self.url, self.body = url, body
         self.text, self.arrivals, self.finish, self.error = "", [], None, None
+        self.tokens = 0  # generated so far, as the chunks' usage says (a chunk may carry several tokens)
 
     def run(self) -> None:
         try:
@@ -53,6 +54,9 @@ class Stream(threading.Thread):
                     chunk = json.loads(line[6:])
                     if "error" in chunk:
                         self.error = chunk["error"]["message"]
+                        continue
+                    self.tokens = (chunk.get("usage") or {}).get("completion_tokens", self.tokens)
+                    if not chunk["choices"]:  # the closing usage chunk
                         continue
                     choice = chunk["choices"][0]
                     self.text += choice["text"]
@@ -78,13 +82,17 @@ def run_batch(port: int, model: str, prompts: list[list[int]], max_tokens: int, 
     """The streams, the batch's wall time and, with crash, when it ran (perf_counter)."""
     url = f"http://127.0.0.1:{port}/v1/completions"
     streams = [Stream(url, {"model": model, "prompt": p, "max_tokens": max_tokens, "temperature": 0,
-                            "ignore_eos": True, "stream": True}) for p in prompts]
+                            "ignore_eos": True, "stream": True,
+                            "stream_options": {"include_usage": True, "continuous_usage_stats": True}})
+               for p in prompts]
     started = time.perf_counter()
     for stream in streams:
         stream.start()
     crashed_at = None
     if crash is not None:
-        while any(len(s.arrivals) < kill_after and s.is_alive() for s in streams):
+        # Tokens, not chunks: on a busy host a chunk carries several, and counting chunks let streams run
+        # to their end before the kill (CI saw two of three never interrupted).
+        while any(s.tokens < kill_after and s.is_alive() for s in streams):
             time.sleep(0.001)
         crashed_at = time.perf_counter()
         crash()
@@ -93,9 +101,8 @@ def run_batch(port: int, model: str, prompts: list[list[int]], max_tokens: int, 
     return streams, time.perf_counter() - started, crashed_at
 
 
-def kill_child(launcher: subprocess.Popen, role: str) -> None:
-    pid = next(pid for pid, name in process_names(launcher.pid).items() if name == role)
-    os.kill(pid, signal.SIGKILL)
+def child_pid(launcher: subprocess.Popen, role: str) -> int:
+    return next(pid for pid, name in process_names(launcher.pid).items() if name == role)
 
 
 def resumed_requests(port: int) -> float:
@@ -113,8 +120,9 @@ def one_mode(model_dir: Path, port: int, prompts, args, resume: bool) -> dict:
         run_batch(port, model, prompts[:2], 8)  # warm-up: first touches of the pools
         clean, clean_s, _ = run_batch(port, model, prompts, args.max_tokens)
         assert all(s.error is None for s in clean), [s.error for s in clean]
+        victim = child_pid(serve, args.victim)  # found before the batch: the kill itself is then at once
         hit, hit_s, crashed_at = run_batch(port, model, prompts, args.max_tokens,
-                                           lambda: kill_child(serve, args.victim), args.kill_after)
+                                           lambda: os.kill(victim, signal.SIGKILL), args.kill_after)
         resumed = resumed_requests(port)
     finally:
         os.killpg(serve.pid, signal.SIGTERM)
@@ -145,7 +153,7 @@ def main() -> None:
     parser.add_argument("--concurrency", type=int, default=16)
     parser.add_argument("--prompt-len", type=int, default=64)
     parser.add_argument("--max-tokens", type=int, default=128)
-    parser.add_argument("--kill-after", type=int, default=32, help="chunks each stream has before the kill")
+    parser.add_argument("--kill-after", type=int, default=32, help="tokens each stream has generated before the kill")
     parser.add_argument("--victim", choices=["worker", "scheduler"], default="worker")
     parser.add_argument("--modes", default="resume,no-resume", help="comma-separated: resume, no-resume")
     parser.add_argument("--serve-arg", action="append", default=[], help="one more argument for pagedserve serve")
