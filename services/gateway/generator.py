@@ -83,8 +83,9 @@ class Generator:
         info = await self.client.info()
         check_peer_version("scheduler", self.client.address, info.protocol_version)
         try:
-            tokenizer = await asyncio.to_thread(lambda: load_tokenizer(self.files.tokenizer_dir(info.model)))
-            defaults = self.files.generation_defaults(info.model)
+            tokenizer_dir = await asyncio.to_thread(self.files.tokenizer_dir, info.model)  # (a Hub id: resolved once)
+            tokenizer = await asyncio.to_thread(load_tokenizer, tokenizer_dir)
+            defaults = self.files.generation_defaults(info.model, tokenizer_dir)
         except (FileNotFoundError, ValueError) as exc:  # a deployment error, not the client's
             raise ServiceUnavailable(f"cannot load the tokenizer or generation config ({exc}); pass --tokenizer "
                                      "or --generation-config") from exc

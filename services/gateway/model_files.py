@@ -25,7 +25,7 @@ class ModelFiles:
         return local_or_hub(self.tokenizer, revision=self.tokenizer_revision, download_dir=self.download_dir,
                             weights=False)
 
-    def generation_defaults(self, model_path: str) -> GenerationDefaults:
+    def generation_defaults(self, model_path: str, tokenizer_dir: Path) -> GenerationDefaults:
         """From the model's folder where this machine has it, else from the tokenizer's (its repository's)."""
-        folder = Path(model_path) if Path(model_path).is_dir() else self.tokenizer_dir(model_path)
+        folder = Path(model_path) if Path(model_path).is_dir() else tokenizer_dir
         return read_generation_defaults(self.generation_config, folder, self.override_generation_config)

@@ -91,6 +91,8 @@ class Int8Linear(nn.Module):
         self.bias = nn.Parameter(torch.empty(out_features, dtype=dtype, device=device), requires_grad=False) \
             if bias else None
         self._packed: torch.Tensor | None = None  # oneDNN's reordered weight (prepare())
+        self._scales: torch.Tensor | None = None  # weight_scale flat, and zero points, as oneDNN takes them
+        self._zero_points: torch.Tensor | None = None
 
     def prepare(self) -> None:
         """After the weights are loaded: reorder them for oneDNN where it runs."""
