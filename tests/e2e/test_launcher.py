@@ -233,7 +233,7 @@ def test_data_parallel_backends_serve_and_a_crashed_worker_is_started_again(llam
     base = f"http://127.0.0.1:{port}"
     body = {"prompt": "Hello", "max_tokens": 3, "temperature": 0}
     try:
-        import httpx2 as httpx
+        from tests import patient_http as httpx
 
         assert httpx.post(f"{base}/v1/completions", json=body, timeout=60).status_code == 200
         up = [line for line in http_get(f"{base}/metrics")[1].splitlines()
@@ -280,7 +280,7 @@ def test_a_tensor_parallel_group_serves_and_a_crashed_rank_restarts_its_group(ll
     base = f"http://127.0.0.1:{port}"
     body = {"prompt": [5, 6, 7], "max_tokens": 6, "temperature": 0}
     try:
-        import httpx2 as httpx
+        from tests import patient_http as httpx
 
         def text() -> tuple[int, str | None]:
             reply = httpx.post(f"{base}/v1/completions", json=body, timeout=60)

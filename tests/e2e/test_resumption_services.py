@@ -9,7 +9,7 @@ import signal
 import time
 
 import grpc
-import httpx2 as httpx
+from tests import patient_http as httpx
 import pytest
 
 from benchmarks.serving import parse_engine_stats

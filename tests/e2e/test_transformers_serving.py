@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import json
 
-import httpx2 as httpx
+from tests import patient_http as httpx
 
 from tests.generic_models import make_generic_model
 from tests.oracle import assert_greedy_equal, hf_greedy

@@ -14,7 +14,7 @@ import time
 from pathlib import Path
 
 import grpc
-import httpx2 as httpx
+from tests import patient_http as httpx
 import pytest
 import torch
 from safetensors.torch import load_file

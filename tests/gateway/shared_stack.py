@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import time
 
-import httpx2 as httpx
+from tests import patient_http as httpx
 
 from benchmarks.serving import parse_engine_stats
 from tests.services_harness import http_get

@@ -8,7 +8,7 @@ import concurrent.futures
 import uuid
 
 import grpc
-import httpx2 as httpx
+from tests import patient_http as httpx
 import openai
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc

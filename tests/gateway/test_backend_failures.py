@@ -11,7 +11,7 @@ import sys
 import time
 
 import grpc
-import httpx2 as httpx
+from tests import patient_http as httpx
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import json
 
-import httpx2 as httpx
+from tests import patient_http as httpx
 import openai
 import pytest
 

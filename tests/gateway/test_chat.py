@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 
 import grpc
-import httpx2 as httpx
+from tests import patient_http as httpx
 import openai
 import pytest
 

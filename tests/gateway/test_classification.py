@@ -106,8 +106,10 @@ def test_class_scores_equal_transformers_across_chunks_and_prefix_cache_hits(thr
     for i, (prompt, out) in enumerate(zip(prompts, first)):
         assert out.outputs.num_classes == 3
         assert_close(out.outputs.probs, hf_class_scores(three_labels, prompt), f"prompt {i} (seed {seed})")
-    for out, before in zip(again, first[-3:]):
-        assert out.num_cached_tokens >= 24 - 8 and out.outputs.probs == pytest.approx(before.outputs.probs, abs=1e-6)
+    for prompt, out in zip(prompts[-3:], again):
+        # A cache hit computes in other chunks, so it rounds otherwise: held to the oracle, not to the first run.
+        assert out.num_cached_tokens >= 24 - 8
+        assert_close(out.outputs.probs, hf_class_scores(three_labels, prompt), f"cache hit (seed {seed})")
     for prompt, out in zip(prompts, raw):
         assert_close(out.outputs.probs, hf_class_scores(three_labels, prompt, activation=None), f"logits (seed {seed})")
     # A classifier gives no embeddings and no tokens, and scores no pairs with three labels; it serves on.

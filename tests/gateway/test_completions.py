@@ -8,7 +8,7 @@ from __future__ import annotations
 import random
 
 import grpc
-import httpx2 as httpx
+from tests import patient_http as httpx
 import openai
 import pytest
 

@@ -14,7 +14,7 @@ import sys
 import time
 
 import grpc
-import httpx2 as httpx
+from tests import patient_http as httpx
 import pytest
 
 from services.gateway.http_limits import HttpLimits

@@ -11,7 +11,7 @@ import random
 import signal
 import time
 
-import httpx2 as httpx
+from tests import patient_http as httpx
 import pytest
 
 from benchmarks.serving import parse_engine_stats

@@ -7,7 +7,7 @@ import asyncio
 import json
 
 import grpc
-import httpx2 as httpx
+from tests import patient_http as httpx
 import openai
 import pytest
 
