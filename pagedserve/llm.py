@@ -88,7 +88,7 @@ class LLM:
             config = dataclasses.replace(config, model=str(default_model_dir()))  # made here once, not by each rank
         # A model the ranks cannot share is refused here, before any process starts.
         if chosen_impl(config.model_impl, Path(config.model)) == "transformers":
-            refuse_on_transformers_path(config.tensor_parallel_size, pooling=False)
+            refuse_on_transformers_path(config.tensor_parallel_size, pooling=False, quantization=config.quantization)
         TensorParallel(0, config.tensor_parallel_size).shard(ModelConfig.from_model_dir(config.model))
         group = LocalWorkerGroup(config)
         try:

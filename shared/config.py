@@ -22,6 +22,7 @@ DTYPES = ("auto", "float32", "bfloat16", "float16")
 ATTENTION_BACKENDS = ("auto", "torch", "cpu", "triton")
 PREEMPTION_MODES = ("swap", "recompute")
 MODEL_IMPLS = ("auto", "native", "transformers")
+QUANTIZATION_METHODS = ("fp8", "compressed-tensors", "awq", "gptq")
 DEVICE_PATTERN = re.compile(r"auto|cpu|cuda(:\d+)?")
 # The scheduler's limits: it plans steps within them, and the worker sizes its memory for the largest step
 # they allow (activations, the sampler's logprobs, CUDA graphs), so both must be given the same values.
@@ -75,6 +76,9 @@ class EngineConfig:
                                  "for a sentence-transformers directory or a bare *Model architecture",
                          choices=RUNNERS)
     dtype: str = option("auto", "weights' and activations' type; auto: the checkpoint's", choices=DTYPES)
+    quantization: str | None = option(None, "how the weights are quantized (default: the checkpoint's "
+                                            "quantization_config); fp8 also quantizes a float checkpoint as it "
+                                            "loads", choices=QUANTIZATION_METHODS, short="-q")
     seed: int = option(0, "sampling seed of requests that bring none")
     device: str = option("auto", "auto (CUDA when available, else CPU), cpu, cuda or cuda:N")
     max_model_len: int | None = option(None, "longest context, prompt and output together (default: the model's "
@@ -121,6 +125,8 @@ class EngineConfig:
                  f"must be one of {MODEL_IMPLS}, got {self.model_impl!r}")
         _require(self.runner in RUNNERS, "runner", f"must be one of {RUNNERS}, got {self.runner!r}")
         _require(self.dtype in DTYPES, "dtype", f"must be one of {DTYPES}, got {self.dtype!r}")
+        _require(self.quantization is None or self.quantization in QUANTIZATION_METHODS, "quantization",
+                 f"must be one of {QUANTIZATION_METHODS}, got {self.quantization!r}")
         _require(DEVICE_PATTERN.fullmatch(self.device) is not None, "device",
                  f"must be 'auto', 'cpu', 'cuda' or 'cuda:N', got {self.device!r}")
         _require(self.block_size >= 1 and self.block_size & (self.block_size - 1) == 0, "block_size",

@@ -53,6 +53,11 @@ def transformers_config(model_dir: Path, trust_remote_code: bool):
     raw = read_json(Path(model_dir) / "config.json")
     model_type = raw.get("model_type")
     needs_code = "auto_map" in raw and model_type not in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+    if "quantization_config" in raw:
+        method = (raw["quantization_config"] or {}).get("quant_method") if isinstance(raw["quantization_config"],
+                                                                                   dict) else None
+        raise ValueError(f"{where}: a quantized checkpoint ({method}) is served by the native models only; "
+                         f"model_type {model_type!r} is not one of them: {', '.join(SUPPORTED_MODEL_TYPES)}")
     if needs_code and not trust_remote_code:
         raise ValueError(f"{where}: model_type {model_type!r} needs the repository's own Python code (auto_map); "
                          "pass --trust-remote-code to run it")
@@ -121,10 +126,11 @@ def _first_line(exc: Exception) -> str:
     return (str(exc).strip().splitlines() or [""])[0]
 
 
-def refuse_on_transformers_path(tensor_parallel_size: int, pooling: bool) -> None:
+def refuse_on_transformers_path(tensor_parallel_size: int, pooling: bool, quantization: str | None = None) -> None:
     """What --model-impl transformers does not serve, refused at start by name."""
     for refused, what in ((pooling, "pooling (embeddings, classifiers)"),
-                          (tensor_parallel_size > 1, "tensor parallelism")):
+                          (tensor_parallel_size > 1, "tensor parallelism"),
+                          (quantization is not None, f"--quantization {quantization}")):
         if refused:
             raise ValueError(f"{what} with --model-impl transformers is not supported; serve a native architecture "
                              "(--model-impl native) for it")

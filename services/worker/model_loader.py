@@ -3,7 +3,8 @@
 The model is built on the meta device and then given uninitialised storage
 directly in the target dtype and device, so no time goes into a random
 initialisation that the checkpoint overwrites. Tensors are streamed one at a
-time from the safetensors files; every error names the file at fault.
+time from the safetensors files; every error names the file at fault. A quantized checkpoint's layers are
+converted as they stream by (quantization/checkpoint_stream.py).
 """
 
 from __future__ import annotations
@@ -12,39 +13,57 @@ import json
 from collections.abc import Iterator
 from pathlib import Path
 
+import structlog
 import torch
 from safetensors import safe_open
 
+from services.worker.models.int8_linear import Int8Linear
 from services.worker.models.llama import LlamaForCausalLM
 from services.worker.models.packed_linear import can_pack
+from services.worker.quantization.checkpoint_stream import converted_weights, quantized_layers
+from services.worker.quantization.method import read_quantization
 from services.worker.tensor_parallel import TensorParallel
 from services.worker.model_config import ModelConfig
 
 INDEX_FILE = "model.safetensors.index.json"
 BIN_INDEX_FILE = "pytorch_model.bin.index.json"
 
+log = structlog.get_logger(__name__)
+
 
 def load_model(model_dir: str | Path, dtype: torch.dtype, device: torch.device, pack: bool = True,
                tp: TensorParallel = TensorParallel(), with_head: bool = True, num_labels: int = 0,
-               max_model_len: int | None = None) -> tuple[LlamaForCausalLM, ModelConfig]:
+               max_model_len: int | None = None, quantization: str | None = None
+               ) -> tuple[LlamaForCausalLM, ModelConfig]:
     """The model (this rank's share of it), ready for inference, and the config of that share; ``pack``
     re-lays float32 CPU projections for oneDNN (packed_linear); ``with_head``: False for a pooling model;
     ``num_labels``: a sequence classifier's (its score head); ``max_model_len``: the longest context served
-    (None: the model's own)."""
+    (None: the model's own); ``quantization``: --quantization (None: what the checkpoint says)."""
     whole = ModelConfig.from_model_dir(model_dir)
     config = tp.shard(whole)
+    fmt = read_quantization(model_dir, quantization)
     files = checkpoint_files(Path(model_dir))
+    layers = quantized_layers(checkpoint_names(files), fmt) if fmt is not None else {}
     with torch.device("meta"):
         model = LlamaForCausalLM(config, tp, tp.kv_replicas(whole), with_head, num_labels, max_model_len)
+        int8_layers = model.use_int8_linears(layers) if fmt is not None and fmt.runs_int8 else frozenset()
     _materialize(model, dtype, torch.device(device))
     state = {"file": None, "done": False}
+    weights = _stream(files, state)
+    if fmt is not None:
+        log.info("quantized weights", model=str(model_dir), quantization=fmt.describe(), layers=len(layers),
+                 int8_layers=len(int8_layers))
+        weights = converted_weights(weights, layers, fmt, int8_layers)
     try:
-        model.load_weights(_stream(files, state))
+        model.load_weights(weights)
     except ValueError as e:
         if not state["done"]:  # raised while a tensor of this file was being loaded
             raise ValueError(f"{state['file']}: {e}") from e
         raise ValueError(f"{model_dir}: {e}") from e
     model.eval().requires_grad_(False)
+    for module in model.modules():
+        if isinstance(module, Int8Linear):
+            module.prepare()
     if pack and can_pack(dtype, torch.device(device)):
         model.pack_linear_weights()
     return model, config
@@ -60,7 +79,8 @@ def _materialize(model: torch.nn.Module, dtype: torch.dtype, device: torch.devic
             if param is None:
                 continue
             if id(param) not in made:
-                kind = dtype if param.dtype.is_floating_point else param.dtype
+                kept = not param.dtype.is_floating_point or name in getattr(module, "keeps_dtype", ())
+                kind = param.dtype if kept else dtype
                 made[id(param)] = torch.nn.Parameter(torch.empty(param.shape, dtype=kind, device=device),
                                                      requires_grad=param.requires_grad)
             module._parameters[name] = made[id(param)]
@@ -103,6 +123,21 @@ def _indexed_or_globbed(model_dir: Path, index_name: str, single_name: str, patt
     if single.is_file():
         return [single]
     return sorted(model_dir.glob(pattern))
+
+
+def checkpoint_names(files: list[Path]) -> list[str]:
+    """Every tensor's name, without reading the tensors (safetensors' headers; a .bin memory-mapped)."""
+    names = []
+    for file in files:
+        try:
+            if file.suffix == ".bin":
+                names.extend(name for name, _ in _pickled_tensors(file))
+            else:
+                with safe_open(str(file), framework="pt", device="cpu") as f:
+                    names.extend(f.keys())
+        except Exception as e:  # as _stream: the file at fault named
+            raise ValueError(f"cannot read checkpoint file {file}: {e}") from e
+    return names
 
 
 def _stream(files: list[Path], state: dict) -> Iterator[tuple[str, torch.Tensor]]:

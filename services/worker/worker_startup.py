@@ -86,7 +86,7 @@ def read_model(config: EngineConfig) -> ModelSource:
     # (shared/pooling.py): no logits head, no sampling.
     pooling = resolve_runner(config.runner, model_dir) == "pooling"
     if impl == "transformers":
-        refuse_on_transformers_path(config.tensor_parallel_size, pooling)
+        refuse_on_transformers_path(config.tensor_parallel_size, pooling, config.quantization)
     pooler = Pooler(read_pooler_config(model_dir, model_config.hidden_size)) if pooling else None
     if pooling and config.speculative_config is not None:
         raise ValueError("speculative decoding is for generation: a pooling model (runner 'pooling') samples "
@@ -147,7 +147,7 @@ def load_weights(config: EngineConfig, source: ModelSource, tp: TensorParallel, 
     else:
         model, model_config = load_model(source.model_dir, source.dtype, device, tp=tp, with_head=pooler is None,
                                          num_labels=len(pooler.config.labels) if pooler is not None else 0,
-                                         max_model_len=source.max_model_len)
+                                         max_model_len=source.max_model_len, quantization=config.quantization)
     adapters = AdapterSlots(model, config.max_loras, config.max_lora_rank, tp) if config.enable_lora else None
     spec = config.speculative_config
     draft = load_draft_model(spec.model, model_config, source.max_model_len, source.dtype, device) \

@@ -47,6 +47,19 @@ def test_a_missing_or_unusable_model_directory_is_one_line(tmp_path, monkeypatch
     assert "is not valid JSON" in refused(monkeypatch, capsys, ["--model", str(tmp_path)])
 
 
+def test_a_quantization_not_built_is_one_line(llama_dir, tmp_path, monkeypatch, capsys):
+    import shutil
+
+    shutil.copytree(llama_dir, tmp_path / "q")
+    config = json.loads((tmp_path / "q" / "config.json").read_text())
+    (tmp_path / "q" / "config.json").write_text(json.dumps({**config, "quantization_config": {
+        "quant_method": "gptq", "bits": 2, "group_size": 128}}))
+    assert "bits 2 is not supported; supported: 4, 8" in refused(monkeypatch, capsys, ["--model", str(tmp_path / "q")])
+    assert "--quantization awq needs a checkpoint quantized with it" in refused(monkeypatch, capsys, [
+        "--model", str(llama_dir), "--quantization", "awq"])
+    assert "invalid choice: 'int3'" in refused(monkeypatch, capsys, ["--model", str(llama_dir), "-q", "int3"])
+
+
 def test_a_port_in_use_is_named(llama_dir, monkeypatch, capsys):
     with socket.socket() as taken:
         taken.bind(("127.0.0.1", 0))

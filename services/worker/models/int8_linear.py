@@ -15,7 +15,8 @@ products at 32767: full-range codes (255 x 127 x 2) come out wrong, as this proj
 exact at start (``onednn_int8_is_exact``); elsewhere the layer runs the plain PyTorch reference below,
 in float32, from the int8 weights.
 
-Not yet wired to checkpoint loading (issue 31): this is the kernel the loader will target.
+The loader (model_loader.py) builds one for each dense projection a compressed-tensors W8A8 int8
+checkpoint stores, fills ``weight`` and ``weight_scale`` and calls ``prepare``.
 """
 
 from __future__ import annotations
@@ -79,6 +80,8 @@ def _onednn_product(codes: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
 
 class Int8Linear(nn.Module):
     """``y = x W^T + b`` with ``W`` held as int8 codes ``weight [N, K]`` and ``weight_scale [N, 1]``."""
+
+    keeps_dtype = ("weight_scale",)  # float32 whatever the model's dtype (the loader leaves it so)
 
     def __init__(self, in_features: int, out_features: int, bias: bool, dtype: torch.dtype = torch.float32,
                  device: torch.device | str | None = None):

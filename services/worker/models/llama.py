@@ -23,11 +23,13 @@ from torch import nn
 from services.worker.attention.metadata import AttentionMetadata
 from services.worker.attention.spec import AttentionSpec
 from services.worker.models.decoder import MLP, DecoderLayer
+from services.worker.models.int8_linear import Int8Linear
 from services.worker.models.layers import RotaryEmbedding, rms_norm_class
 from services.worker.models.lora_linear import LoRABatch, LoRALinear, LoRATarget
 from services.worker.models.moe import SparseMoeBlock
 from services.worker.models.packed_linear import PackedLinear, pack_linear_layers
-from services.worker.models.weight_targets import HF_MLP_NAMES, MIXTRAL_EXPERT_NAMES, WeightTargets, unfuse_checkpoint
+from services.worker.models.weight_targets import (FUSED_SUFFIXES, HF_MLP_NAMES, MIXTRAL_EXPERT_NAMES, WeightTargets,
+                                                   unfuse_checkpoint)
 from services.worker.tensor_parallel import TensorParallel
 from services.worker.model_config import ModelConfig
 from services.worker.multimodal_config import text_checkpoint_name
@@ -118,6 +120,32 @@ class LlamaForCausalLM(nn.Module):
             return self.norm(x)
         return self.norm.forward_with_residual(x, residual)[0]
 
+    def use_int8_linears(self, stored_int8: Iterable[str]) -> frozenset[str]:
+        """Hold as Int8Linear (W8A8) each dense projection whose checkpoint layers are all in ``stored_int8``
+        (HF names: q/k/v and gate/up are fused here, so they go together); before materializing. Returns the
+        checkpoint layers so kept."""
+        stored_int8, kept = set(stored_int8), set()
+        for owner, attr, parts in self._fused_projections():
+            present = [part in stored_int8 for part in parts]
+            if not any(present):
+                continue
+            if not all(present):
+                raise ValueError(f"{', '.join(parts)} run as one layer here, but only some are stored in int8")
+            linear = getattr(owner, attr)
+            setattr(owner, attr, Int8Linear(linear.in_features, linear.out_features, linear.bias is not None))
+            kept.update(parts)
+        return frozenset(kept)
+
+    def _fused_projections(self) -> Iterable[tuple[nn.Module, str, list[str]]]:
+        """(owner, attribute, the checkpoint layers it fuses) for each dense projection."""
+        for i, layer in enumerate(self.layers):
+            attn, mlp = f"model.layers.{i}.self_attn", f"model.layers.{i}.mlp"
+            yield layer.self_attn, "qkv_proj", [f"{attn}.{name}_proj" for name in "qkv"]
+            yield layer.self_attn, "o_proj", [f"{attn}.o_proj"]
+            if isinstance(layer.mlp, MLP):
+                yield layer.mlp, "gate_up_proj", [f"{mlp}.gate_proj", f"{mlp}.up_proj"]
+                yield layer.mlp, "down_proj", [f"{mlp}.down_proj"]
+
     def use_fused_experts(self) -> None:
         """Run the mixture-of-experts layers through the Triton kernel (with the Triton attention); not those
         whose experts were packed for oneDNN (float32 on a CPU, under the interpreter)."""
@@ -194,7 +222,8 @@ class LlamaForCausalLM(nn.Module):
                 if hasattr(layer, name):  # which norms a layer has depends on their placement
                     targets.whole(f"{p}.{name}.weight", getattr(layer, name).weight)
             qkv_sizes = [attn.q_size, attn.kv_size, attn.kv_size]
-            for suffix, fused in (("weight", attn.qkv_proj.weight), ("bias", attn.qkv_proj.bias)):
+            for suffix in FUSED_SUFFIXES:
+                fused = getattr(attn.qkv_proj, suffix, None)
                 if fused is not None:
                     targets.parts(f"{p}.self_attn", suffix, fused, ["q_proj", "k_proj", "v_proj"], qkv_sizes,
                                   [1, self.kv_replicas, self.kv_replicas])

@@ -17,6 +17,7 @@ from services.worker.tensor_parallel import TensorParallel
 
 HF_MLP_NAMES = ("gate_proj", "up_proj", "down_proj")
 MIXTRAL_EXPERT_NAMES = ("w1", "w3", "w2")  # gate, up, down
+FUSED_SUFFIXES = ("weight", "bias", "weight_scale")  # a fused layer's tensors split by rows (the scale: int8's)
 
 
 class Target:
@@ -71,6 +72,8 @@ class WeightTargets(dict):
     def row_parallel(self, name: str, linear: nn.Linear, has_bias: bool) -> None:
         """A row-parallel layer: its weight's columns; its bias whole on rank 0, which alone adds it."""
         self.columns(f"{name}.weight", linear.weight)
+        if getattr(linear, "weight_scale", None) is not None:  # an int8 layer's: one per output row, all here
+            self.whole(f"{name}.weight_scale", linear.weight_scale)
         if linear.bias is not None:
             self.whole(f"{name}.bias", linear.bias)
         elif has_bias:
@@ -79,7 +82,8 @@ class WeightTargets(dict):
     def mlp(self, prefix: str, gate_up: nn.Linear, down: nn.Linear, has_bias: bool) -> None:
         """A SwiGLU MLP stored as gate_proj, up_proj and down_proj."""
         inter = gate_up.weight.shape[0] // 2
-        for suffix, fused in (("weight", gate_up.weight), ("bias", gate_up.bias)):
+        for suffix in FUSED_SUFFIXES:
+            fused = getattr(gate_up, suffix, None)
             if fused is not None:
                 self.parts(prefix, suffix, fused, HF_MLP_NAMES[:2], [inter, inter], [1, 1])
         self.row_parallel(f"{prefix}.down_proj", down, has_bias)

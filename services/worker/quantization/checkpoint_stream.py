@@ -1,0 +1,58 @@
+"""The checkpoint's tensors as the model loads them: each quantized layer's tensors gathered (they may come
+in any order, from any shard) and converted by its format (linear_format.py); every other tensor as it is.
+
+Which layers are quantized, and which of their tensors to wait for, is known before the first tensor is read:
+the names are listed first (cheap: safetensors' header).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Iterator
+
+import torch
+
+from services.worker.quantization.linear_format import LinearFormat, StoredLinear
+
+# Stored-quantized dtypes: a weight in one of these without its scales would load as meaningless numbers.
+_QUANTIZED_DTYPES = (torch.int8, torch.int32, torch.uint8, torch.float8_e4m3fn, torch.float8_e5m2)
+# KV-cache scales some FP8 checkpoints carry beside attention: the cache here stays in the model's dtype.
+_KV_SCALES = ("k_scale", "v_scale", "kv_scale", "output_scale")
+
+
+def quantized_layers(names: Iterable[str], fmt: LinearFormat) -> dict[str, frozenset[str]]:
+    """Layer name -> the suffixes the checkpoint stores for it, for each layer holding any of the format's
+    tensors besides ``weight`` (one holding only some of them is then refused naming the missing one)."""
+    stored: dict[str, set[str]] = {}
+    for name in names:
+        module, _, suffix = name.rpartition(".")
+        if suffix in fmt.suffixes:
+            stored.setdefault(module, set()).add(suffix)
+    return {module: frozenset(suffixes) for module, suffixes in stored.items() if suffixes - {"weight"}}
+
+
+def converted_weights(weights: Iterable[tuple[str, torch.Tensor]], layers: dict[str, frozenset[str]],
+                      fmt: LinearFormat, int8_layers: frozenset[str] = frozenset()
+                      ) -> Iterator[tuple[str, torch.Tensor]]:
+    """``weights`` with each of ``layers`` converted once all its tensors have come; ``int8_layers``: those
+    the model holds as Int8Linear (their int8 weight and scales pass through)."""
+    pending: dict[str, dict[str, torch.Tensor]] = {}
+    for name, tensor in weights:
+        module, _, suffix = name.rpartition(".")
+        if module in layers and suffix in fmt.suffixes:
+            parts = pending.setdefault(module, {})
+            parts[suffix] = tensor
+            if parts.keys() == layers[module]:
+                stored = StoredLinear(module, pending.pop(module), fmt.method)
+                yield from fmt.converted(stored, module in int8_layers)
+        elif suffix in _KV_SCALES:
+            continue
+        elif fmt.quantizes_float_weight(name):
+            yield name, fmt.quantized_on_load(tensor)
+        else:
+            if suffix == "weight" and tensor.dtype in _QUANTIZED_DTYPES:
+                raise ValueError(f"{name} is stored as {tensor.dtype}, but the checkpoint has none of "
+                                 f"{', '.join(sorted(fmt.markers))} for it")
+            yield name, tensor
+    if pending:  # the listing promised tensors the files did not hold
+        module, parts = next(iter(pending.items()))
+        raise ValueError(f"{module}: only {', '.join(sorted(parts))} of {', '.join(sorted(layers[module]))} found")

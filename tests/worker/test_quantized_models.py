@@ -1,0 +1,215 @@
+"""Quantized checkpoints (services/worker/quantization/) against their oracles.
+
+Each checkpoint is the tests' tiny Llama packed into a format's exact on-disk layout by
+tests/quantized_checkpoints.py, which also writes the oracle: the same model with each layer replaced by the
+format's published dequantization. Weight-only schemes load to those very weights and generate what
+transformers generates on them; W8A8 int8 equals a plain PyTorch reference of its arithmetic.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from pagedserve import LLM, SamplingParams
+from services.worker.model_loader import load_model
+from services.worker.models.int8_linear import Int8Linear, w8a8_reference
+from tests.oracle import assert_greedy_equal, hf_greedy
+from tests.quantized_checkpoints import write_quantized
+from tests.worker.test_model import PagedRunner, hf_logits, random_prompts
+
+CPU = torch.device("cpu")
+
+# scheme, write_quantized's options: every format and each of its variants (bit widths, groups, zero points,
+# act-order, block edges that cut a tile).
+WEIGHT_ONLY = {
+    "fp8 per tensor, static activations": ("fp8", dict(static_activations=True)),
+    "fp8 blocks 48x48 (partial edges)": ("fp8-block", dict(block=(48, 48))),
+    "compressed-tensors fp8 W8A8": ("ct-w8a8-fp8", {}),
+    "compressed-tensors W4A16 group 32": ("ct-wNa16", dict(bits=4, group_size=32)),
+    "compressed-tensors W4A16 asymmetric": ("ct-wNa16", dict(bits=4, group_size=32, symmetric=False)),
+    "compressed-tensors W8A16 per channel": ("ct-wNa16", dict(bits=8, group_size=0)),
+    "awq group 32": ("awq", dict(group_size=32)),
+    "gptq 4-bit act-order asymmetric": ("gptq", dict(bits=4, group_size=32, desc_act=True, symmetric=False)),
+    "gptq 8-bit per channel": ("gptq", dict(bits=8, group_size=0)),
+}
+
+
+@pytest.fixture(scope="module")
+def checkpoints(llama_dir, tmp_path_factory):
+    """name -> (quantized dir, dequantized dir), written once for the module."""
+    made = {}
+
+    def make(name: str):
+        if name not in made:
+            scheme, options = WEIGHT_ONLY[name] if name in WEIGHT_ONLY else (name, {})
+            made[name] = write_quantized(llama_dir, tmp_path_factory.mktemp("quantized"), scheme, **options)
+        return made[name]
+
+    return make
+
+
+@pytest.mark.parametrize("name", WEIGHT_ONLY)
+def test_weight_only_formats_load_the_published_dequantization(name, checkpoints):
+    quantized, dequantized = checkpoints(name)
+    model, _ = load_model(quantized, torch.float32, CPU, pack=False)
+    plain, _ = load_model(dequantized, torch.float32, CPU, pack=False)
+    theirs = dict(plain.named_parameters())
+    for param_name, ours in model.named_parameters():
+        torch.testing.assert_close(ours, theirs[param_name], rtol=1e-6, atol=0, msg=f"{name}: {param_name}")
+
+
+@pytest.mark.parametrize("name", ["gptq 4-bit act-order asymmetric", "awq group 32", "fp8 blocks 48x48 (partial edges)"])
+def test_greedy_equals_transformers_on_the_dequantized_weights(name, checkpoints):
+    quantized, dequantized = checkpoints(name)
+    # Ids from 3: transformers' generate masks out a prompt's pad tokens (id 0 here).
+    prompts = [[3 + t % 509 for t in p] for p in random_prompts(512, [11, 5, 23], seed=7)]
+    llm = LLM(str(quantized), kv_cache_memory_bytes=8 << 20)
+    try:
+        outputs = llm.generate([{"prompt_token_ids": p} for p in prompts],
+                               SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True), use_tqdm=False)
+    finally:
+        llm.close()
+    for prompt, out in zip(prompts, outputs):
+        ref, ref_logprobs = hf_greedy(dequantized, prompt, 12)
+        assert_greedy_equal(out.outputs[0].token_ids, ref, ref_logprobs, name)
+
+
+class W8A8Reference(torch.nn.Module):
+    """A transformers Linear computing compressed-tensors' W8A8 int8 arithmetic in float64."""
+
+    def __init__(self, weight: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None):
+        super().__init__()
+        self.weight, self.scale, self.bias = weight, scale, bias
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        flat = x.reshape(-1, x.shape[-1])
+        y = w8a8_reference(flat, self.weight, self.scale, self.bias, torch.float64)
+        return y.to(x.dtype).view(*x.shape[:-1], -1)
+
+
+def w8a8_transformers(quantized_dir, dequantized_dir):
+    """transformers' model whose projections run the W8A8 reference on the checkpoint's int8 weights."""
+    from transformers import AutoModelForCausalLM
+
+    stored = load_file(quantized_dir / "model.safetensors")
+    hf = AutoModelForCausalLM.from_pretrained(dequantized_dir, dtype=torch.float32, attn_implementation="eager")
+    for name, module in list(hf.named_modules()):
+        for child_name, child in list(module.named_children()):
+            key = f"{name}.{child_name}"
+            if isinstance(child, torch.nn.Linear) and f"{key}.weight_scale" in stored:
+                setattr(module, child_name, W8A8Reference(stored[f"{key}.weight"], stored[f"{key}.weight_scale"],
+                                                          child.bias))
+    return hf.eval()
+
+
+def test_w8a8_int8_runs_int8_layers_equal_to_the_reference(checkpoints):
+    quantized, dequantized = checkpoints("ct-w8a8-int8")
+    model, config = load_model(quantized, torch.float32, CPU)
+    int8 = [m for m in model.modules() if isinstance(m, Int8Linear)]
+    assert len(int8) == 4 * config.num_hidden_layers  # qkv, o, gate_up, down in each layer
+    reference = w8a8_transformers(quantized, dequantized)
+    float_model = w8a8_plain(dequantized)
+    prompt = random_prompts(config.vocab_size, [17], seed=3)[0]
+    runner = PagedRunner(model, config)
+    ours = runner.step({0: prompt})[0]
+    expected = hf_logits(reference, prompt)
+    torch.testing.assert_close(ours, expected, atol=2e-3, rtol=0)
+    # Against the unquantized model: how far W8A8 moves next-token distributions (reported, bounded loosely).
+    kl = torch.nn.functional.kl_div(ours.log_softmax(-1), hf_logits(float_model, prompt).log_softmax(-1),
+                                    log_target=True, reduction="batchmean").item()
+    print(f"W8A8 int8 mean KL from the dequantized-weight model: {kl:.2e}")
+    assert kl < 0.05
+
+
+def w8a8_plain(dequantized_dir):
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(dequantized_dir, dtype=torch.float32,
+                                                attn_implementation="eager").eval()
+
+
+def test_fp8_on_load_rounds_each_projection_row_to_e4m3(llama_dir):
+    model, _ = load_model(llama_dir, torch.float32, CPU, pack=False, quantization="fp8")
+    plain, _ = load_model(llama_dir, torch.float32, CPU, pack=False)
+    ours, theirs = model.layers[1].mlp.down_proj.weight, plain.layers[1].mlp.down_proj.weight
+    scale = theirs.abs().amax(dim=1, keepdim=True) / 448
+    torch.testing.assert_close(ours, (theirs / scale).to(torch.float8_e4m3fn).float() * scale, rtol=0, atol=0)
+    assert not torch.equal(ours, theirs)
+    torch.testing.assert_close(model.embed_tokens.weight, plain.embed_tokens.weight, rtol=0, atol=0)  # untouched
+
+
+# ---- refused at start, by name -----------------------------------------------------------------------
+
+def _with_config(quantized, tmp_path, **changes):
+    """A copy of the checkpoint whose quantization_config has ``changes`` (None: the key removed)."""
+    import shutil
+
+    target = tmp_path / "edited"
+    shutil.copytree(quantized, target)
+    raw = json.loads((target / "config.json").read_text())
+    for key, value in changes.items():
+        if value is None:
+            raw["quantization_config"].pop(key, None)
+        else:
+            raw["quantization_config"][key] = value
+    (target / "config.json").write_text(json.dumps(raw))
+    return target
+
+
+@pytest.mark.parametrize("name, changes, error", [
+    ("gptq 8-bit per channel", dict(quant_method="bitsandbytes"),
+     "quantization method 'bitsandbytes' is not supported; supported: fp8, compressed-tensors, awq, gptq"),
+    ("gptq 8-bit per channel", dict(bits=3), "bits 3 is not supported; supported: 4, 8"),
+    ("awq group 32", dict(version="gemv"), "version 'gemv' is not supported"),
+    ("awq group 32", dict(group_size=0), "group_size 0 is not supported"),
+    ("fp8 per tensor, static activations", dict(fmt="e5m2"), "fmt 'e5m2' is not supported"),
+    ("fp8 blocks 48x48 (partial edges)", dict(weight_block_size=[48]), "weight_block_size must be two"),
+])
+def test_unsupported_settings_are_refused_naming_what_is(name, changes, error, checkpoints, tmp_path):
+    edited = _with_config(checkpoints(name)[0], tmp_path, **changes)
+    with pytest.raises(ValueError, match=error.replace("(", r"\(").replace(")", r"\)")) as info:
+        load_model(edited, torch.float32, CPU)
+    assert str(edited / "config.json") in str(info.value)
+
+
+def test_compressed_tensors_schemes_not_built_are_refused(checkpoints, tmp_path):
+    quantized = checkpoints("ct-w8a8-int8")[0]
+    groups = json.loads((quantized / "config.json").read_text())["quantization_config"]["config_groups"]
+    static = json.loads(json.dumps(groups))
+    static["group_0"]["input_activations"].update(dynamic=False, strategy="tensor")
+    nvfp4 = json.loads(json.dumps(groups))
+    nvfp4["group_0"]["format"] = "nvfp4-pack-quantized"
+    for edit, error in ((static, "static int8 activation scales are not supported"),
+                        (nvfp4, "format 'nvfp4-pack-quantized' is not supported; supported: 'int-quantized'")):
+        with pytest.raises(ValueError, match=error):
+            load_model(_with_config(quantized, tmp_path / error[:6], config_groups=edit), torch.float32, CPU)
+
+
+def test_a_missing_scale_or_part_is_refused_naming_the_tensor(checkpoints, tmp_path):
+    import shutil
+
+    for name, dropped, error in (
+            ("fp8 per tensor, static activations", "model.layers.1.mlp.up_proj.weight_scale",
+             "missing tensor model.layers.1.mlp.up_proj.weight_scale or model.layers.1.mlp.up_proj.weight_scale_inv"),
+            ("ct-w8a8-int8", "model.layers.0.self_attn.o_proj.weight_scale",
+             "model.layers.0.self_attn.o_proj.weight is stored as torch.int8, but the checkpoint has none of"),
+            ("gptq 8-bit per channel", "model.layers.0.self_attn.k_proj.scales",
+             "missing tensor model.layers.0.self_attn.k_proj.scales")):
+        target = tmp_path / dropped
+        shutil.copytree(checkpoints(name)[0], target)
+        tensors = load_file(target / "model.safetensors")
+        del tensors[dropped]
+        save_file(tensors, target / "model.safetensors")
+        with pytest.raises(ValueError, match=error):
+            load_model(target, torch.float32, CPU)
+
+
+def test_quantization_flag_must_agree_with_the_checkpoint(checkpoints, llama_dir):
+    with pytest.raises(ValueError, match="--quantization awq, but .* says the checkpoint is quantized with gptq"):
+        load_model(checkpoints("gptq 8-bit per channel")[0], torch.float32, CPU, quantization="awq")
+    with pytest.raises(ValueError, match="--quantization gptq needs a checkpoint quantized with it"):
+        load_model(llama_dir, torch.float32, CPU, quantization="gptq")
