@@ -10,7 +10,9 @@ from pathlib import Path
 
 from services.gateway.lora_modules import parse_lora_modules
 from services.worker.model_impl import chosen_impl, model_config_for, refuse_on_transformers_path
+from services.worker.quantization.gguf_checkpoint import gguf_names
 from services.worker.quantization.method import read_quantization
+from shared.gguf_view import GGUF_FILE
 from shared.hub import local_model_and_tokenizer, names_a_hub_repo
 from shared.lora import read_adapter_config
 from shared.pooling import resolve_runner
@@ -39,13 +41,15 @@ def model_error(args) -> str | None:
         return None
     model_dir = Path(args.model)
     try:
+        if (model_dir / GGUF_FILE).is_file():
+            gguf_names(model_dir / GGUF_FILE)  # an architecture or tensor type not built: refused by name
         impl = chosen_impl(args.model_impl, model_dir)
         model_config_for(impl, model_dir, args.trust_remote_code)
         if impl == "transformers":
             refuse_on_transformers_path(args.tensor_parallel_size, resolve_runner(args.runner, model_dir) == "pooling",
                                        args.quantization)
         else:
-            read_quantization(model_dir, args.quantization)  # a method or scheme not built: refused by name
+            read_quantization(model_dir, args.quantization)  # a method or scheme not built: likewise
     except (FileNotFoundError, ValueError) as exc:
         return str(exc)
     return None

@@ -12,6 +12,8 @@ import json
 import re
 from pathlib import Path
 
+from shared.gguf_view import GGUF_FILE, gguf_model_dir, names_a_gguf_file
+
 # Everything serving reads but the weights: config and generation config, tokenizers of every kind, chat
 # templates, sentence-transformers' pooling files. Small, so taken whole, subfolders included.
 SMALL_FILES = ["*.json", "*.jinja", "*.model", "*.txt", "*.tiktoken"]
@@ -54,10 +56,12 @@ def local_model_and_tokenizer(model: str | None, tokenizer: str | None, *, revis
                               ) -> tuple[str | None, str | None]:
     """--model and --tokenizer as local folders, resolved once by the program that starts the others (the
     launcher, the offline LLM), so that every process reads the same snapshot however the Hub moves."""
-    if model:
-        model = str(local_or_hub(model, revision=revision, download_dir=download_dir))
     if tokenizer:
         tokenizer = str(local_or_hub(tokenizer, revision=tokenizer_revision, download_dir=download_dir, weights=False))
+    if names_a_gguf_file(model):  # a directory standing for the file, the tokenizer's files in it
+        model = str(gguf_model_dir(model, tokenizer))
+    elif model:
+        model = str(local_or_hub(model, revision=revision, download_dir=download_dir))
     return model, tokenizer
 
 
@@ -92,7 +96,11 @@ def hub_id_of(path: str | Path) -> str | None:
 
 
 def model_name(path: str | Path) -> str:
-    """The name a model is served under by default: its Hub id for a cached snapshot, else its folder's name."""
+    """The name a model is served under by default: its Hub id for a cached snapshot, a GGUF file's name for
+    the folder standing for it, else its folder's name."""
+    gguf = Path(path) / GGUF_FILE
+    if gguf.is_symlink():
+        return gguf.resolve().name
     return hub_id_of(path) or Path(path).name or str(path)
 
 

@@ -12,13 +12,12 @@ from __future__ import annotations
 
 import functools
 import json
-import os
-import shutil
-import tempfile
 from pathlib import Path
 from typing import Any
 
 import torch
+
+from shared.cache_dir import cache_root, made_once
 
 SPECIAL_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
 EOS_TOKEN, PAD_TOKEN = "<|im_end|>", "<|endoftext|>"
@@ -191,10 +190,6 @@ def _check_saved_dtype(path: Path, dtype: str) -> None:
         file.write_text(json.dumps(raw, indent=2) + "\n")
 
 
-def cache_root() -> Path:
-    return Path(os.environ.get("PAGEDSERVE_CACHE") or Path.home() / ".cache" / "pagedserve")
-
-
 def default_model_dir() -> Path:
     """The built-in default model, created on first use and cached on disk."""
     return cached_model_dir(DEFAULT_MODEL_NAME, DEFAULT_MODEL)
@@ -206,17 +201,4 @@ def cached_model_dir(name: str, spec: dict) -> Path:
     It is built in a private temporary directory and renamed into place, so a
     concurrent process either sees no directory or a complete one.
     """
-    final = cache_root() / name
-    if (final / "config.json").is_file():
-        return final
-    final.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{name}-", dir=final.parent))
-    try:
-        create_model_dir(tmp, **spec)
-        os.rename(tmp, final)
-    except OSError:
-        if not (final / "config.json").is_file():  # not simply another process winning the race
-            raise
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
-    return final
+    return made_once(cache_root() / name, lambda folder: create_model_dir(folder, **spec))

@@ -21,9 +21,11 @@ from services.worker.models.int8_linear import Int8Linear
 from services.worker.models.llama import LlamaForCausalLM
 from services.worker.models.packed_linear import can_pack
 from services.worker.quantization.checkpoint_stream import converted_weights, quantized_layers
+from services.worker.quantization.gguf_checkpoint import gguf_names, gguf_tensors
 from services.worker.quantization.method import read_quantization
 from services.worker.tensor_parallel import TensorParallel
 from services.worker.model_config import ModelConfig
+from shared.gguf_view import GGUF_FILE
 
 INDEX_FILE = "model.safetensors.index.json"
 BIN_INDEX_FILE = "pytorch_model.bin.index.json"
@@ -87,7 +89,10 @@ def _materialize(model: torch.nn.Module, dtype: torch.dtype, device: torch.devic
 
 
 def checkpoint_files(model_dir: Path) -> list[Path]:
-    """The weights' files: safetensors where there are any, else PyTorch's pickled pytorch_model*.bin."""
+    """The weights' files: a GGUF file's directory's model.gguf (shared/gguf_view.py), else safetensors where
+    there are any, else PyTorch's pickled pytorch_model*.bin."""
+    if (model_dir / GGUF_FILE).is_file():
+        return [model_dir / GGUF_FILE]
     try:
         return safetensors_files(model_dir)
     except FileNotFoundError as no_safetensors:
@@ -130,7 +135,9 @@ def checkpoint_names(files: list[Path]) -> list[str]:
     names = []
     for file in files:
         try:
-            if file.suffix == ".bin":
+            if file.suffix == ".gguf":
+                names.extend(gguf_names(file))
+            elif file.suffix == ".bin":
                 names.extend(name for name, _ in _pickled_tensors(file))
             else:
                 with safe_open(str(file), framework="pt", device="cpu") as f:
@@ -145,7 +152,7 @@ def _stream(files: list[Path], state: dict) -> Iterator[tuple[str, torch.Tensor]
     for file in files:
         state["file"] = file
         try:
-            yield from (_pickled_tensors(file) if file.suffix == ".bin" else _safetensors(file))
+            yield from READERS.get(file.suffix, _safetensors)(file)
         except Exception as e:  # safetensors raises its own error type for corrupt/truncated files
             raise ValueError(f"cannot read checkpoint file {file}: {e}") from e
     state["done"] = True
@@ -164,6 +171,9 @@ def _pickled_tensors(file: Path) -> Iterator[tuple[str, torch.Tensor]]:
     if not isinstance(state, dict):
         raise ValueError(f"holds a {type(state).__name__}, not a state dict of tensors")
     yield from state.items()
+
+
+READERS = {".bin": _pickled_tensors, ".gguf": gguf_tensors}  # by file suffix; else safetensors
 
 
 def load_eos_token_ids(model_dir: str | Path, tokenizer=None) -> tuple[int, ...]:

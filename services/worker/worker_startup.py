@@ -40,7 +40,7 @@ from services.worker.pooler import Pooler
 from services.worker.swap_staging import SwapStaging
 from services.worker.tensor_parallel import TensorParallel, join_group
 from shared.config import EngineConfig
-from shared.hub import local_or_hub
+from shared.hub import local_model_and_tokenizer
 from shared.pooling import read_pooler_config, resolve_runner
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -78,7 +78,9 @@ class KVCache:
 
 def read_model(config: EngineConfig) -> ModelSource:
     # A Hub id is resolved here only when this worker was started alone (serve and LLM pass the snapshot).
-    model_dir = local_or_hub(config.model, revision=config.revision, download_dir=config.download_dir) \
+    model_dir = Path(local_model_and_tokenizer(config.model, config.tokenizer, revision=config.revision,
+                                               tokenizer_revision=config.tokenizer_revision,
+                                               download_dir=config.download_dir)[0]) \
         if config.model else default_model_dir()
     impl = chosen_impl(config.model_impl, model_dir)
     model_config = model_config_for(impl, model_dir, config.trust_remote_code)  # a bad directory fails before any build
