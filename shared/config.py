@@ -23,6 +23,7 @@ ATTENTION_BACKENDS = ("auto", "torch", "cpu", "triton")
 PREEMPTION_MODES = ("swap", "recompute")
 MODEL_IMPLS = ("auto", "native", "transformers")
 QUANTIZATION_METHODS = ("fp8", "compressed-tensors", "awq", "gptq")
+KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3", "fp8_e5m2")
 DEVICE_PATTERN = re.compile(r"auto|cpu|cuda(:\d+)?")
 # The scheduler's limits: it plans steps within them, and the worker sizes its memory for the largest step
 # they allow (activations, the sampler's logprobs, CUDA graphs), so both must be given the same values.
@@ -99,6 +100,9 @@ class EngineConfig:
     watermark: float = option(0.01, "share of the KV blocks that admitting new requests leaves free", read_by=LIMIT)
     enable_prefix_caching: bool = option(True, "reuse the KV of full blocks whose prefix was computed before",
                                          read_by=LIMIT)
+    kv_cache_dtype: str = option("auto", "the KV cache's type: auto (the model's), or FP8 (fp8 is fp8_e4m3): half "
+                                         "a 16-bit cache's bytes per block, with per-layer scales from the "
+                                         "checkpoint (else 1.0)", choices=KV_CACHE_DTYPES)
     swap_space: float = option(4.0, "GiB of host memory for swapped-out KV")
     preemption_mode: str | None = option(None, "how preempted sequences give back their blocks (default: chosen "
                                                "per victim)", choices=PREEMPTION_MODES, read_by=LIMIT)
@@ -125,6 +129,8 @@ class EngineConfig:
                  f"must be one of {MODEL_IMPLS}, got {self.model_impl!r}")
         _require(self.runner in RUNNERS, "runner", f"must be one of {RUNNERS}, got {self.runner!r}")
         _require(self.dtype in DTYPES, "dtype", f"must be one of {DTYPES}, got {self.dtype!r}")
+        _require(self.kv_cache_dtype in KV_CACHE_DTYPES, "kv_cache_dtype",
+                 f"must be one of {KV_CACHE_DTYPES}, got {self.kv_cache_dtype!r}")
         _require(self.quantization is None or self.quantization in QUANTIZATION_METHODS, "quantization",
                  f"must be one of {QUANTIZATION_METHODS}, got {self.quantization!r}")
         _require(DEVICE_PATTERN.fullmatch(self.device) is not None, "device",

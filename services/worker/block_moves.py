@@ -11,7 +11,13 @@ from collections.abc import Sequence
 
 import torch
 
-SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float8_e4m3fn, torch.float8_e5m2)
+_FP8 = (torch.float8_e4m3fn, torch.float8_e5m2)  # an FP8 KV cache: moved as bytes
+
+
+def as_bytes(pool: torch.Tensor) -> torch.Tensor:
+    """An FP8 pool as uint8 (indexing and copying need no float arithmetic); any other pool as it is."""
+    return pool.view(torch.uint8) if pool.dtype in _FP8 else pool
 
 BlockPairs = Sequence[tuple[int, int]] | torch.Tensor
 
@@ -65,6 +71,7 @@ def copy_blocks_torch(pool: torch.Tensor, pairs: BlockPairs) -> None:
     if not pairs:
         return
     src_idx, dst_idx = pair_indices(pairs, pool.device, pool.device)
+    pool = as_bytes(pool)
     pool.index_copy_(2, dst_idx, pool.index_select(2, src_idx))
 
 
@@ -93,6 +100,7 @@ def swap_blocks(src_pool: torch.Tensor, dst_pool: torch.Tensor, pairs: BlockPair
     if not pairs:
         return
     src_idx, dst_idx = pair_indices(pairs, src_pool.device, dst_pool.device)
+    src_pool, dst_pool = as_bytes(src_pool), as_bytes(dst_pool)
     moved = src_pool.index_select(2, src_idx)  # [layers, 2, num_pairs, block_size, heads, dim]
     # Host to device may overlap with the host; device to host must finish before the host scatters.
     moved = moved.to(dst_pool.device, non_blocking=dst_pool.device.type == "cuda")

@@ -18,7 +18,7 @@ from collections.abc import Iterator
 
 import torch
 
-from services.worker.block_moves import BlockPairs, checked_swap_pairs, pair_indices
+from services.worker.block_moves import BlockPairs, as_bytes, checked_swap_pairs, pair_indices
 
 STAGING_MAX_BYTES = 256 << 20
 
@@ -33,7 +33,9 @@ class SwapStaging:
     def swap_out(self, device_pool: torch.Tensor, host_pool: torch.Tensor, pairs: BlockPairs) -> None:
         """Device blocks to host blocks: a gather on the device, one copy into the buffer (waited for,
         as the host reads it next), a scatter into the host pool."""
-        for piece in self._pieces(checked_swap_pairs(device_pool, host_pool, pairs), device_pool):
+        pairs = checked_swap_pairs(device_pool, host_pool, pairs)
+        device_pool, host_pool = as_bytes(device_pool), as_bytes(host_pool)
+        for piece in self._pieces(pairs, device_pool):
             src_idx, dst_idx = pair_indices(piece, device_pool.device, host_pool.device)
             staged = self._take(device_pool, len(piece))
             staged.copy_(device_pool.index_select(2, src_idx))
@@ -42,7 +44,9 @@ class SwapStaging:
     def swap_in(self, host_pool: torch.Tensor, device_pool: torch.Tensor, pairs: BlockPairs) -> None:
         """Host blocks to device blocks: a gather into the buffer, an asynchronous copy to the device,
         a scatter there (queued behind the copy on the same stream)."""
-        for piece in self._pieces(checked_swap_pairs(host_pool, device_pool, pairs), host_pool):
+        pairs = checked_swap_pairs(host_pool, device_pool, pairs)
+        host_pool, device_pool = as_bytes(host_pool), as_bytes(device_pool)
+        for piece in self._pieces(pairs, host_pool):
             src_idx, dst_idx = pair_indices(piece, host_pool.device, device_pool.device)
             staged = self._take(host_pool, len(piece))
             torch.index_select(host_pool, 2, src_idx, out=staged)

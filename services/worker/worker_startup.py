@@ -23,6 +23,7 @@ from pathlib import Path
 import torch
 
 from services.worker.attention.cpu_kernels import cpu_kernels_unavailable_reason
+from services.worker.attention.kv_quant import KVScales, kv_cache_dtype
 from services.worker.attention.selector import select_attention_backend
 from services.worker.attention.spec import kv_window
 from services.worker.block_moves import swap_blocks, whole_pool
@@ -74,6 +75,7 @@ class KVCache:
     kv_pool: torch.Tensor  # every layer's blocks in one tensor
     num_host_blocks: int  # swap space
     host_pool: torch.Tensor
+    scales: KVScales | None = None  # an FP8 cache's per-layer scales (kv_quant.py); None: the model's dtype
 
 
 def read_model(config: EngineConfig) -> ModelSource:
@@ -158,23 +160,31 @@ def load_weights(config: EngineConfig, source: ModelSource, tp: TensorParallel, 
 
 
 def allocate_kv_cache(config: EngineConfig, source: ModelSource, weights: Weights, device: torch.device) -> KVCache:
-    """Sized by what the weights left (on a GPU, measured now); each block holds a draft model's K/V too."""
+    """Sized by what the weights left (on a GPU, measured now); each block holds a draft model's K/V too
+    (in the model's dtype, whatever --kv-cache-dtype says of the target's)."""
     model_config, dtype, draft = weights.model_config, source.dtype, weights.draft
+    kv_dtype = kv_cache_dtype(config.kv_cache_dtype, dtype)
     draft_block_bytes = bytes_per_block(draft.config, config.block_size, dtype) if draft else 0
     scratch_bytes = draft_block_bytes * DraftModelProposer.num_scratch_blocks(
         config.speculative_config.num_speculative_tokens, config.block_size, config.max_num_seqs) if draft else 0
-    num_blocks = num_kv_blocks(model_config, config, device, dtype, config.token_budget(source.max_model_len),
+    num_blocks = num_kv_blocks(model_config, config, device, kv_dtype, config.token_budget(source.max_model_len),
                                source.max_model_len, draft_block_bytes, scratch_bytes)
-    kv_pools = allocate_kv_pools(model_config, num_blocks, config.block_size, dtype, device)
-    host_blocks = num_host_blocks(model_config, config, dtype, num_blocks, draft_block_bytes)
+    kv_pools = allocate_kv_pools(model_config, num_blocks, config.block_size, kv_dtype, device)
+    host_blocks = num_host_blocks(model_config, config, kv_dtype, num_blocks, draft_block_bytes)
+    scales = _kv_scales(weights.model, model_config.num_hidden_layers) if kv_dtype != dtype else None
     return KVCache(num_blocks, kv_pools, whole_pool(kv_pools), host_blocks,
-                   allocate_host_pool(model_config, host_blocks, config.block_size, dtype))
+                   allocate_host_pool(model_config, host_blocks, config.block_size, kv_dtype), scales)
+
+
+def _kv_scales(model: torch.nn.Module, num_layers: int) -> KVScales:
+    """The checkpoint's KV-cache scales (1.0 where none; transformers' models read none)."""
+    return model.kv_scales() if hasattr(model, "kv_scales") else KVScales.ones(num_layers)
 
 
 def build_attention(config: EngineConfig, kv: KVCache, model: torch.nn.Module, device: torch.device):
     """The attention backend's class and its instance over the KV pools."""
     backend = select_attention_backend(config.attention_backend, device)
-    attention = backend(kv.kv_pools, model.attention_spec())
+    attention = backend(kv.kv_pools, model.attention_spec(), kv_scales=kv.scales)
     if backend.name == "triton":
         model.use_fused_experts()
     return backend, attention

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 import torch
 
 from services.worker.attention.cpu_kernels import cpu_kernels_unavailable_reason, paged_decode_attention
+from services.worker.attention.kv_quant import KVScales
 from services.worker.attention.metadata import AttentionMetadata
 from services.worker.attention.spec import AttentionSpec
 from services.worker.attention.torch_ref import TorchAttentionBackend
@@ -31,11 +32,12 @@ class _Decodes:
 class CpuAttentionBackend(TorchAttentionBackend):
     name = "cpu"
 
-    def __init__(self, kv_caches: list[tuple[torch.Tensor, torch.Tensor]], spec: AttentionSpec):
+    def __init__(self, kv_caches: list[tuple[torch.Tensor, torch.Tensor]], spec: AttentionSpec,
+                 kv_scales: KVScales | None = None):
         reason = cpu_kernels_unavailable_reason()
         if reason is not None:
             raise ValueError(f"attention_backend='cpu' cannot run here: {reason}; use 'torch' or 'auto'")
-        super().__init__(kv_caches, spec)
+        super().__init__(kv_caches, spec, kv_scales)
 
     def _plan_decodes(self, meta: AttentionMetadata, tables: torch.Tensor, order: list[int], rows: list[int],
                       dtype: torch.dtype, k_cache: torch.Tensor, window: int | None) -> list[_Decodes]:
@@ -43,7 +45,8 @@ class CpuAttentionBackend(TorchAttentionBackend):
                          meta.block_tables.contiguous(), meta.seq_lens.contiguous(), window)]
 
     def _decode(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                decodes: list[_Decodes], out: torch.Tensor) -> None:
+                decodes: list[_Decodes], out: torch.Tensor, scales: tuple[float, float]) -> None:
         for d in decodes:
             paged_decode_attention(out, q, k_cache, v_cache, d.block_tables, d.seq_lens, d.rows, d.seqs,
-                                   self.spec.scale, window=d.window, softcap=self.spec.logit_softcap)
+                                   self.spec.scale * scales[0], window=d.window, softcap=self.spec.logit_softcap,
+                                   v_scale=scales[1])

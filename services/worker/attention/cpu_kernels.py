@@ -49,16 +49,18 @@ def cpu_kernels_unavailable_reason() -> str | None:
 def paged_decode_attention(out: torch.Tensor, query: torch.Tensor, key_cache: torch.Tensor,
                            value_cache: torch.Tensor, block_tables: torch.Tensor, seq_lens: torch.Tensor,
                            rows: torch.Tensor, seqs: torch.Tensor, scale: float, *, window: int | None = None,
-                           softcap: float | None = None) -> None:
+                           softcap: float | None = None, v_scale: float = 1.0) -> None:
     """Writes ``out[rows[i]]``: the query ``query[rows[i]]`` of sequence ``seqs[i]`` over its paged context
-    (its last ``window`` tokens only, with a window; scores capped at ``softcap``, see spec.py).
+    (its last ``window`` tokens only, with a window; scores capped at ``softcap``, see spec.py). An FP8 cache
+    (kv_quant.py) holds codes: ``scale`` then includes K's scale, and ``v_scale`` multiplies the output.
 
     out, query [T, H, D] (unit stride along D); key_cache, value_cache [num_blocks, block_size, Hkv, D]
     contiguous; block_tables [S, max_blocks] int32; seq_lens [S] int32 (context including the new token);
     rows, seqs [n] int64, longest context first for the best balance across threads.
     """
     getattr(torch.ops, LIBRARY).paged_decode_attention(out, query, key_cache, value_cache, block_tables,
-                                                       seq_lens, rows, seqs, scale, window or 0, softcap or 0.0)
+                                                       seq_lens, rows, seqs, scale, window or 0, softcap or 0.0,
+                                                       v_scale)
 
 
 @functools.cache

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 
 import torch
 
+from services.worker.attention.kv_quant import KVScales, is_fp8, quantize_kv
 from services.worker.attention.metadata import AttentionMetadata
 from services.worker.attention.sdpa import attend
 from services.worker.attention.spec import AttentionSpec
@@ -149,9 +150,12 @@ class TorchAttentionBackend:
     name = "torch"
     supports_cuda_graphs = False  # plans each step from the host copies of the lengths
 
-    def __init__(self, kv_caches: list[tuple[torch.Tensor, torch.Tensor]], spec: AttentionSpec):
+    def __init__(self, kv_caches: list[tuple[torch.Tensor, torch.Tensor]], spec: AttentionSpec,
+                 kv_scales: KVScales | None = None):
         self.kv_caches = kv_caches  # per layer: (K pool, V pool)
         self.spec = spec
+        # An FP8 cache's scales (kv_quant.py); pools in the model's dtype have none.
+        self.kv_scales = kv_scales or KVScales.ones(len(kv_caches))
         self._plans_for: tuple | None = None  # (metadata, dtype, pool shape) the plans below were made for
         self._plans: dict[int | None, _StepPlan] = {}  # by window
         self._workspace: dict[tuple[int, torch.dtype], torch.Tensor] = {}
@@ -159,14 +163,17 @@ class TorchAttentionBackend:
     def forward(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 meta: AttentionMetadata) -> torch.Tensor:
         k_cache, v_cache = self.kv_caches[layer]
+        scales = self.kv_scales.of(layer)
+        if is_fp8(k_cache):  # the codes go in the cache, and the prefill attends over them as the decodes will
+            k, v = quantize_kv(k, scales[0], k_cache.dtype), quantize_kv(v, scales[1], v_cache.dtype)
         write_kv(k_cache, v_cache, k, v, meta.slot_mapping)
         window = self.spec.window(layer)
         plan = self._step_plan(meta, q.dtype, k_cache, window)
         out = torch.empty_like(q)
         if plan.decode:
-            self._decode(q, k_cache, v_cache, plan.decode, out)
+            self._decode(q, k_cache, v_cache, plan.decode, out, scales)
         if plan.prefill:
-            self._prefill(q, k, v, k_cache, v_cache, plan.prefill, out, window)
+            self._prefill(q, k, v, k_cache, v_cache, plan.prefill, out, window, scales)
         return out
 
     # ---- per-step plan, shared by all layers of one window ----------------------------------------
@@ -276,7 +283,7 @@ class TorchAttentionBackend:
     # ---- attention ----------------------------------------------------------------------------
 
     def _decode(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                chunks: list[_DecodeChunk], out: torch.Tensor) -> None:
+                chunks: list[_DecodeChunk], out: torch.Tensor, scales: tuple[float, float]) -> None:
         """One query per sequence. The ``group`` query heads of a KV head become one [group, dim] query."""
         num_heads, (num_kv_heads, head_dim) = q.shape[1], k_cache.shape[2:]
         group = num_heads // num_kv_heads
@@ -285,12 +292,23 @@ class TorchAttentionBackend:
             keys = self._gather(k_cache, chunk.blocks, 0).view(n, chunk.length, num_kv_heads, head_dim)
             values = self._gather(v_cache, chunk.blocks, 1).view(n, chunk.length, num_kv_heads, head_dim)
             query = q.index_select(0, chunk.rows).view(n, num_kv_heads, group, head_dim)
-            attended = attend(query, keys.transpose(1, 2), values.transpose(1, 2), mask=chunk.mask,
-                              scale=self.spec.scale, softcap=self.spec.logit_softcap)
+            attended = self._attend_codes(query, keys.transpose(1, 2), values.transpose(1, 2), scales,
+                                          mask=chunk.mask)
             out.index_copy_(0, chunk.rows, attended.reshape(n, num_heads, head_dim))
 
+    def _attend_codes(self, query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
+                      scales: tuple[float, float], **options) -> torch.Tensor:
+        """attend() over K/V as the cache holds them: an FP8 cache's codes are upcast (exactly) to the query's
+        dtype, K's scale folded into the softmax scale and V's into the output."""
+        if not is_fp8(keys):
+            return attend(query, keys, values, scale=self.spec.scale, softcap=self.spec.logit_softcap, **options)
+        attended = attend(query, keys.to(query.dtype), values.to(query.dtype), scale=self.spec.scale * scales[0],
+                          softcap=self.spec.logit_softcap, **options)
+        return attended * scales[1]
+
     def _prefill(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
-                 v_cache: torch.Tensor, prefills: list[_Prefill], out: torch.Tensor, window: int | None) -> None:
+                 v_cache: torch.Tensor, prefills: list[_Prefill], out: torch.Tensor, window: int | None,
+                 scales: tuple[float, float]) -> None:
         """Several new tokens: attend causally over the cached prefix (if any) and themselves."""
         # 4-D [1, heads, tokens, dim] views: with 3-D inputs SDPA falls back to its slow math path on CPU.
         enable_gqa = q.shape[1] != k_cache.shape[2]
@@ -306,6 +324,6 @@ class TorchAttentionBackend:
             mask = p.mask
             if mask is None and not p.causal:
                 mask = _causal_mask(p.query_len, p.context_len, keys.shape[2], q.dtype, q.device, p.first_key, window)
-            attended = attend(query, keys, values, mask=mask, is_causal=p.causal, scale=self.spec.scale,
-                              softcap=self.spec.logit_softcap, enable_gqa=enable_gqa)
+            attended = self._attend_codes(query, keys, values, scales, mask=mask, is_causal=p.causal,
+                                          enable_gqa=enable_gqa)
             out[p.start:end] = attended[0].transpose(0, 1)

@@ -33,9 +33,12 @@ import torch
 import triton
 import triton.language as tl
 
+from services.worker.attention.kv_quant import FP8_KV_DTYPES, KVScales, quantize_kv
 from services.worker.attention.metadata import AttentionMetadata
 from services.worker.attention.spec import AttentionSpec
-from services.worker.attention.triton_cache_ops import SUPPORTED_DTYPES, _check_layer_pools, require, write_kv
+from services.worker.attention.triton_cache_ops import _check_layer_pools, require, write_kv
+
+QUERY_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
 LOG2E = 1.4426950408889634
 MIN_DOT = 16  # tl.dot needs every tile dimension >= 16
@@ -113,7 +116,7 @@ def _attend(
     window,  # SLIDING only: keys seen per query, itself included
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr,
     USE_DOT: tl.constexpr, IEEE_DOT: tl.constexpr, DOT_FP32: tl.constexpr, SLIDING: tl.constexpr,
-    SOFTCAP: tl.constexpr,
+    SOFTCAP: tl.constexpr, FP8_KV: tl.constexpr,
 ):
     """Online softmax over keys [lo, hi): the unnormalised output, the running max and the sum."""
     m = tl.full([BLOCK_M], float("-inf"), tl.float32)
@@ -127,6 +130,8 @@ def _attend(
                             stride_cb, stride_cs, stride_ch, BLOCK_SIZE)
         # K is loaded transposed, [HEAD_DIM, BLOCK_N], so the scores are a plain q @ k.
         k = tl.load(k_cache_ptr + offs[None, :] + dims[:, None], mask=k_ok[None, :], other=0.0)
+        if FP8_KV:  # codes upcast exactly; K's scale is in scale_log2
+            k = k.to(q.dtype)
         s = _matmul(q, k, USE_DOT, IEEE_DOT, DOT_FP32) * scale_log2
         if SOFTCAP:
             # tanh(x) = 1 - 2 / (e^2x + 1): exact at both ends (no libdevice call, so the interpreter runs it).
@@ -142,6 +147,8 @@ def _attend(
         alpha = tl.exp2(m - m_safe)
         l = l * alpha + tl.sum(p, 1)
         v = tl.load(v_cache_ptr + offs[:, None] + dims[None, :], mask=k_ok[:, None], other=0.0)
+        if FP8_KV:  # V's scale multiplies the output
+            v = v.to(q.dtype)
         acc = acc * alpha[:, None] + _matmul(p.to(v.dtype), v, USE_DOT, IEEE_DOT, DOT_FP32)
         m = m_new
     return acc, m, l
@@ -163,9 +170,10 @@ def _paged_attention_kernel(
     query_start_ptr,  # [num_seqs + 1] int32
     tile_seq_ptr,  # [num_tiles] int32: the sequence of each query tile
     tile_q0_ptr,  # [num_tiles] int32: the tile's first query index within its sequence
-    scale_log2,  # softmax scale * log2(e); with SOFTCAP scale / cap
+    scale_log2,  # softmax scale * log2(e); with SOFTCAP scale / cap (an FP8 cache's K scale included)
     softcap_log2,  # SOFTCAP only: cap * log2(e)
     window,  # SLIDING only: keys seen per query, itself included
+    v_scale,  # FP8_KV only: what the output is multiplied by (the cache's V scale)
     stride_qt, stride_qh,
     stride_ot, stride_oh, stride_os,  # stride_os: the split dimension (SPLIT only)
     stride_lt, stride_lh,
@@ -183,6 +191,7 @@ def _paged_attention_kernel(
     DOT_FP32: tl.constexpr,  # upcast dot operands (interpreted bfloat16 only)
     SLIDING: tl.constexpr,  # a sliding-window layer
     SOFTCAP: tl.constexpr,  # scores soft-capped
+    FP8_KV: tl.constexpr,  # the pools hold FP8 codes (kv_quant.py)
 ):
     tile = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -222,10 +231,13 @@ def _paged_attention_kernel(
         hi = kv_end
     acc, m, l = _attend(q, q_pos, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq, stride_bt, kv_head,
                         stride_cb, stride_cs, stride_ch, lo, hi, scale_log2, softcap_log2, window,
-                        BLOCK_M, BLOCK_N, BLOCK_SIZE, HEAD_DIM, USE_DOT, IEEE_DOT, DOT_FP32, SLIDING, SOFTCAP)
+                        BLOCK_M, BLOCK_N, BLOCK_SIZE, HEAD_DIM, USE_DOT, IEEE_DOT, DOT_FP32, SLIDING, SOFTCAP,
+                        FP8_KV)
 
     # Rows that saw no key (only in an empty split) have l == 0: output 0, log-sum-exp -inf.
     out = acc / tl.where(l > 0, l, 1.0)[:, None]
+    if FP8_KV:
+        out = out * v_scale
     out_offs = token[:, None] * stride_ot + head[:, None] * stride_oh + dims[None, :]
     if SPLIT:
         tl.store(out_ptr + out_offs + split * stride_os, out, mask=row_ok[:, None])
@@ -420,9 +432,10 @@ def _check_attention_inputs(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
     require(k_cache.shape[3] == head_dim, f"q head_dim {head_dim} != pool head_dim {k_cache.shape[3]}")
     require(num_heads % num_kv_heads == 0, f"num_heads {num_heads} is not a multiple of num_kv_heads {num_kv_heads}")
     require(q.stride(-1) == 1, "q's last dimension (head_dim) must be contiguous")
-    require(q.dtype == k_cache.dtype, f"q dtype {q.dtype} != pool dtype {k_cache.dtype}")
+    require(q.dtype == k_cache.dtype or k_cache.dtype in FP8_KV_DTYPES,
+             f"q dtype {q.dtype} != pool dtype {k_cache.dtype} (nor is the pool FP8)")
     require(q.device == k_cache.device, f"q is on {q.device}, the pool on {k_cache.device}")
-    require(q.dtype in SUPPORTED_DTYPES, f"dtype {q.dtype} is not one of {SUPPORTED_DTYPES}")
+    require(q.dtype in QUERY_DTYPES, f"dtype {q.dtype} is not one of {QUERY_DTYPES}")
     require(q.shape[0] == sum(meta.query_lens_cpu),
              f"q has {q.shape[0]} tokens, the metadata schedules {sum(meta.query_lens_cpu)}")
     for name, t, dtype in (("block_tables", meta.block_tables, torch.int32), ("seq_lens", meta.seq_lens, torch.int32),
@@ -443,7 +456,7 @@ def _kernel_flags(q: torch.Tensor, k_cache: torch.Tensor, plan: LaunchPlan, wind
                   softcap: float | None) -> dict:
     head_dim = q.shape[2]
     return dict(GROUP=q.shape[1] // k_cache.shape[2], GROUP_PAD=plan.group_pad, BLOCK_M=plan.block_q * plan.group_pad,
-                SLIDING=window is not None, SOFTCAP=softcap is not None,
+                SLIDING=window is not None, SOFTCAP=softcap is not None, FP8_KV=k_cache.dtype in FP8_KV_DTYPES,
                 BLOCK_N=plan.block_n, BLOCK_SIZE=k_cache.shape[1], HEAD_DIM=head_dim, USE_DOT=head_dim >= MIN_DOT,
                 # IEEE for float32: TF32 would drift from the reference (16-bit inputs are exact anyway).
                 IEEE_DOT=q.dtype == torch.float32,
@@ -455,11 +468,13 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
                     scale: float, *, window: int | None = None, softcap: float | None = None,
                     out: torch.Tensor | None = None, split_k: bool | None = None,
                     num_splits: int | None = None, block_n: int | None = None, num_stages: int | None = None,
-                    plan: LaunchPlan | None = None, check: bool = True) -> torch.Tensor:
+                    plan: LaunchPlan | None = None, check: bool = True,
+                    kv_scales: tuple[float, float] = (1.0, 1.0)) -> torch.Tensor:
     """Attention of every new token over its sequence's paged context; ``q`` is ``[T, H, D]``.
 
     ``window``: each query sees only the last ``window`` positions up to its own; ``softcap``: scores
-    become ``softcap * tanh(score / softcap)`` (spec.py).
+    become ``softcap * tanh(score / softcap)`` (spec.py); ``kv_scales``: an FP8 cache's K and V scales
+    (kv_quant.py).
 
     The new tokens' K/V must already be in the pool (``write_kv``). ``split_k`` forces split-K on
     (True) or off (False); None lets the heuristic choose. ``num_splits``, ``block_n`` and ``num_stages``
@@ -478,9 +493,10 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
         return out
     num_tokens, num_heads, head_dim = q.shape
     grid = (plan.num_tiles, k_cache.shape[2], plan.num_splits)
+    scale = scale * kv_scales[0]
     scales = (scale * LOG2E, 0.0) if softcap is None else (scale / softcap, softcap * LOG2E)
     common = (q, k_cache, v_cache, meta.block_tables, meta.seq_lens, meta.query_start_loc, plan.tiles[0],
-              plan.tiles[1], *scales, window or 0, q.stride(0), q.stride(1))
+              plan.tiles[1], *scales, window or 0, kv_scales[1], q.stride(0), q.stride(1))
     pool_strides = (k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), meta.block_tables.stride(0))
     flags = _kernel_flags(q, k_cache, plan, window, softcap)
     if not plan.split:
@@ -507,9 +523,14 @@ class TritonAttentionBackend:
     supports_cuda_graphs = True  # every length is read from device tensors, and plan_for keeps a step's plan
 
     def __init__(self, kv_caches: list[tuple[torch.Tensor, torch.Tensor]], spec: AttentionSpec,
-                 split_k: bool | None = None):
+                 split_k: bool | None = None, kv_scales: KVScales | None = None):
         self.kv_caches = kv_caches  # per layer: (K pool, V pool)
         self.spec = spec
+        self.kv_scales = kv_scales or KVScales.ones(len(kv_caches))  # an FP8 cache's (kv_quant.py)
+        pool = kv_caches[0][0]
+        if pool.dtype == torch.float8_e4m3fn and pool.is_cuda and torch.cuda.get_device_capability(pool.device) < (8, 9):
+            raise ValueError("kv_cache_dtype fp8 / fp8_e4m3 needs compute capability 8.9 or later on the Triton "
+                             "backend (Triton has no e4m3 before it); fp8_e5m2 runs from 8.0")
         self.split_k = split_k  # None: the heuristic chooses; True/False force split-K on/off
         check_head_dim(kv_caches[0][0].shape[-1])
         # One plan serves every layer of a step: sized for the most keys any layer sees.
@@ -524,12 +545,15 @@ class TritonAttentionBackend:
         # Every layer of a step gets the same metadata object and same-shaped tensors: plan and
         # validate on the first, then launch only (host time per layer matters at small batches).
         new_step = self._plan_for is not meta
+        scales = self.kv_scales.of(layer)
+        if k_cache.dtype in FP8_KV_DTYPES:  # quantized by torch, so every backend stores the same codes
+            k, v = quantize_kv(k, scales[0], k_cache.dtype), quantize_kv(v, scales[1], v_cache.dtype)
         write_kv(k_cache, v_cache, k, v, meta.slot_mapping, check=new_step)
         if new_step:
             self._plan = make_launch_plan(meta, q, k_cache, self.split_k, window=self._plan_window)
             self._plan_for = meta  # held here, so the `is` test cannot match a recycled id
         return paged_attention(q, k_cache, v_cache, meta, self.spec.scale, window=self.spec.window(layer),
-                               softcap=self.spec.logit_softcap, plan=self._plan, check=new_step)
+                               softcap=self.spec.logit_softcap, plan=self._plan, check=new_step, kv_scales=scales)
 
     def plan_for(self, meta: AttentionMetadata) -> LaunchPlan | None:
         """The plan steps over ``meta`` launch with, once a forward pass over it has run (None before).

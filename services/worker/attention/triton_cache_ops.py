@@ -17,7 +17,8 @@ import triton
 import triton.language as tl
 
 from services.worker.block_moves import (  # noqa: F401  (swap_blocks, whole_pool: re-exported)
-    SUPPORTED_DTYPES, BlockPairs, check_pairs, check_whole_pool, pairs_list, require, swap_blocks, whole_pool)
+    SUPPORTED_DTYPES, BlockPairs, as_bytes, check_pairs, check_whole_pool, pairs_list, require, swap_blocks,
+    whole_pool)
 
 COPY_CHUNK = 1024  # elements one program moves per loop iteration of the block copy
 
@@ -154,6 +155,7 @@ def copy_blocks(pool: torch.Tensor, pairs: BlockPairs) -> None:
         return
     layers, _, _, block_size, heads, dim = pool.shape
     pairs_t = torch.tensor(pairs, dtype=torch.int64).to(pool.device, non_blocking=True)
+    pool = as_bytes(pool)
     _copy_blocks_kernel[(len(pairs), layers, 2)](
         pool, pairs_t, pool.stride(0), pool.stride(1), pool.stride(2),
         BLOCK_NUMEL=block_size * heads * dim, CHUNK=COPY_CHUNK)

@@ -21,6 +21,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from services.worker.attention.metadata import AttentionMetadata
+from services.worker.attention.kv_quant import KVScales, checkpoint_kv_scale, scales_from_checkpoint
 from services.worker.attention.spec import AttentionSpec
 from services.worker.models.decoder import MLP, DecoderLayer
 from services.worker.models.int8_linear import Int8Linear
@@ -66,6 +67,7 @@ class LlamaForCausalLM(nn.Module):
         if with_head and not config.tie_word_embeddings:
             self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         self.packed_logits: PackedLinear | None = None  # set by pack_linear_weights
+        self.kv_scales_found: dict[tuple[int, str], float] = {}  # the checkpoint's KV-cache scales (kv_quant.py)
         if num_labels:  # whole on every rank: a few rows
             self.score = nn.Linear(config.hidden_size, num_labels, bias=False)
 
@@ -94,6 +96,10 @@ class LlamaForCausalLM(nn.Module):
     @property
     def lm_head_weight(self) -> torch.Tensor:
         return self.embed_tokens.weight if self.config.tie_word_embeddings else self.lm_head.weight
+
+    def kv_scales(self) -> KVScales:
+        """Each layer's KV-cache scales: the checkpoint's, 1.0 where it has none."""
+        return scales_from_checkpoint(self.kv_scales_found, self.config.num_hidden_layers)
 
     def pack_linear_weights(self) -> None:
         """After loading, on CPU in float32: every projection, the logits head included, in oneDNN's layout.
@@ -266,6 +272,9 @@ class LlamaForCausalLM(nn.Module):
         for name, tensor in weights:
             if name.endswith("rotary_emb.inv_freq"):
                 continue  # some old checkpoints saved this buffer; we derive it from the config
+            if (kv_scale := checkpoint_kv_scale(name)) is not None:
+                self.kv_scales_found[kv_scale] = float(tensor.float().reshape(-1)[0])  # for an FP8 KV cache
+                continue
             if name == "lm_head.weight" and (self.config.tie_word_embeddings or not self.with_head):
                 continue  # tied: the output projection is the embedding, as in transformers; or no head needed
             if name not in targets and f"model.{name}" in targets:

@@ -15,8 +15,6 @@ from services.worker.quantization.linear_format import LinearFormat, StoredLinea
 
 # Stored-quantized dtypes: a weight in one of these without its scales would load as meaningless numbers.
 _QUANTIZED_DTYPES = (torch.int8, torch.int32, torch.uint8, torch.float8_e4m3fn, torch.float8_e5m2)
-# KV-cache scales some FP8 checkpoints carry beside attention: the cache here stays in the model's dtype.
-_KV_SCALES = ("k_scale", "v_scale", "kv_scale", "output_scale")
 
 
 def quantized_layers(names: Iterable[str], fmt: LinearFormat) -> dict[str, frozenset[str]]:
@@ -44,8 +42,6 @@ def converted_weights(weights: Iterable[tuple[str, torch.Tensor]], layers: dict[
             if parts.keys() == layers[module]:
                 stored = StoredLinear(module, pending.pop(module), fmt.method)
                 yield from fmt.converted(stored, module in int8_layers)
-        elif suffix in _KV_SCALES:
-            continue
         elif fmt.quantizes_float_weight(name):
             yield name, fmt.quantized_on_load(tensor)
         else:

@@ -9,9 +9,13 @@
 // Scores for the whole context are kept (context x group floats per thread), so the softmax is exact
 // two-pass rather than online: pass 1 reads K, pass 2 reads V. With a sliding window the context is the
 // sequence's last `window` tokens; with a soft cap each score s becomes cap * tanh(s / cap).
+// An FP8 cache (kv_quant.py) holds codes: they are read through a 256-entry table, K's scale comes folded
+// into `scale` and V's multiplies the output.
 
 #include <ATen/core/Tensor.h>
 #include <c10/util/BFloat16.h>
+#include <c10/util/Float8_e4m3fn.h>
+#include <c10/util/Float8_e5m2.h>
 #include <c10/util/Half.h>
 #include <omp.h>
 #include <torch/library.h>
@@ -19,6 +23,7 @@
 #include "vec_math.h"
 
 #include <algorithm>
+#include <array>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -30,6 +35,19 @@ namespace {
 inline float to_float(float x) { return x; }
 inline float to_float(c10::BFloat16 x) { return static_cast<float>(x); }
 inline float to_float(c10::Half x) { return static_cast<float>(x); }
+
+// Every FP8 code's value, computed once: a load instead of c10's bit manipulation per element.
+template <typename F>
+const std::array<float, 256>& fp8_values() {
+  static const std::array<float, 256> table = [] {
+    std::array<float, 256> values{};
+    for (int code = 0; code < 256; ++code) values[code] = static_cast<float>(F(static_cast<uint8_t>(code), F::from_bits()));
+    return values;
+  }();
+  return table;
+}
+inline float to_float(c10::Float8_e4m3fn x) { return fp8_values<c10::Float8_e4m3fn>()[x.x]; }
+inline float to_float(c10::Float8_e5m2 x) { return fp8_values<c10::Float8_e5m2>()[x.x]; }
 
 // Blocks sit anywhere in the pool, so the hardware prefetchers cannot know the next one: while the
 // kernel works on token t of a block it asks for token t of the block after it.
@@ -51,6 +69,7 @@ struct DecodeShape {
   float scale;
   int64_t window;         // keys seen per query, itself included; 0: all of them
   float softcap;          // 0: scores uncapped
+  float v_scale;          // what the output is multiplied by: an FP8 cache's V scale, else 1
 };
 
 // visit(row, i) for the i-th of a sequence's tokens begin..len-1 in order, where row points at the
@@ -73,8 +92,8 @@ inline void for_each_token(const T* cache, const int32_t* table, int64_t begin, 
 
 // kD: the head size as a compile-time constant (the common ones), so the per-token dot products and
 // updates unroll completely; 0 for any other size, read from `s` at run time (several times slower).
-template <typename T, int kD>
-void decode_attention(T* out, const T* query, const T* key_cache, const T* value_cache,
+template <typename T, typename C, int kD>
+void decode_attention(T* out, const T* query, const C* key_cache, const C* value_cache,
                       const int32_t* block_tables, const int32_t* seq_lens, const int64_t* rows,
                       const int64_t* seqs, const DecodeShape& s) {
   const int64_t group = s.num_heads / s.num_kv_heads;
@@ -85,7 +104,7 @@ void decode_attention(T* out, const T* query, const T* key_cache, const T* value
   // row at a stride and runs several times slower. With few sequences, one head per item.
   const int64_t heads = s.num_items >= 4 * omp_get_max_threads() ? s.num_kv_heads : 1;
   const int64_t splits = s.num_kv_heads / heads;
-  const int64_t row_bytes = heads * s.cache_head_stride * static_cast<int64_t>(sizeof(T));
+  const int64_t row_bytes = heads * s.cache_head_stride * static_cast<int64_t>(sizeof(C));
 #pragma omp parallel
   {
     const int64_t width = heads * group;  // query heads per item
@@ -105,9 +124,9 @@ void decode_attention(T* out, const T* query, const T* key_cache, const T* value
       scores.resize(width * n);
 
       // Pass 1: scores[h][t] = q_h . k_t for the item's query heads h.
-      for_each_token(key_cache, table, begin, len, first_kv, row_bytes, s, [&](const T* k_row, int64_t t) {
+      for_each_token(key_cache, table, begin, len, first_kv, row_bytes, s, [&](const C* k_row, int64_t t) {
         for (int64_t h = 0; h < width; ++h) {
-          const T* k = k_row + (h / group) * s.cache_head_stride;
+          const C* k = k_row + (h / group) * s.cache_head_stride;
           const float* qh = q.data() + h * D;
           float dot = 0.f;
 #pragma omp simd reduction(+ : dot)
@@ -134,9 +153,9 @@ void decode_attention(T* out, const T* query, const T* key_cache, const T* value
       }
       // Pass 2: acc[h] = sum_t p[h][t] v_t.
       std::fill(acc.begin(), acc.end(), 0.f);
-      for_each_token(value_cache, table, begin, len, first_kv, row_bytes, s, [&](const T* v_row, int64_t t) {
+      for_each_token(value_cache, table, begin, len, first_kv, row_bytes, s, [&](const C* v_row, int64_t t) {
         for (int64_t h = 0; h < width; ++h) {
-          const T* v = v_row + (h / group) * s.cache_head_stride;
+          const C* v = v_row + (h / group) * s.cache_head_stride;
           const float p = scores[h * n + t];
           float* ah = acc.data() + h * D;
 #pragma omp simd
@@ -145,21 +164,40 @@ void decode_attention(T* out, const T* query, const T* key_cache, const T* value
       });
       for (int64_t h = 0; h < width; ++h) {
         T* dst = out + row * s.out_row_stride + (first_kv * group + h) * s.out_head_stride;
-        for (int64_t d = 0; d < D; ++d) dst[d] = static_cast<T>(acc[h * D + d] * inv_sum[h]);
+        const float factor = inv_sum[h] * s.v_scale;
+        for (int64_t d = 0; d < D; ++d) dst[d] = static_cast<T>(acc[h * D + d] * factor);
       }
     }
   }
 }
 
-template <typename T>
-void decode_for_head_size(T* out, const T* query, const T* key_cache, const T* value_cache,
+template <typename T, typename C>
+void decode_for_head_size(T* out, const T* query, const C* key_cache, const C* value_cache,
                           const int32_t* block_tables, const int32_t* seq_lens, const int64_t* rows,
                           const int64_t* seqs, const DecodeShape& s) {
   switch (s.head_dim) {
-    case 64: return decode_attention<T, 64>(out, query, key_cache, value_cache, block_tables, seq_lens, rows, seqs, s);
-    case 128: return decode_attention<T, 128>(out, query, key_cache, value_cache, block_tables, seq_lens, rows, seqs, s);
-    case 256: return decode_attention<T, 256>(out, query, key_cache, value_cache, block_tables, seq_lens, rows, seqs, s);
-    default: return decode_attention<T, 0>(out, query, key_cache, value_cache, block_tables, seq_lens, rows, seqs, s);
+    case 64: return decode_attention<T, C, 64>(out, query, key_cache, value_cache, block_tables, seq_lens, rows, seqs, s);
+    case 128: return decode_attention<T, C, 128>(out, query, key_cache, value_cache, block_tables, seq_lens, rows, seqs, s);
+    case 256: return decode_attention<T, C, 256>(out, query, key_cache, value_cache, block_tables, seq_lens, rows, seqs, s);
+    default: return decode_attention<T, C, 0>(out, query, key_cache, value_cache, block_tables, seq_lens, rows, seqs, s);
+  }
+}
+
+// The query's dtype T; the cache's: T, or FP8 codes.
+template <typename T>
+void decode_for_cache_type(T* out, const T* query, const at::Tensor& key_cache, const at::Tensor& value_cache,
+                           const int32_t* block_tables, const int32_t* seq_lens, const int64_t* rows,
+                           const int64_t* seqs, const DecodeShape& s) {
+  switch (key_cache.scalar_type()) {
+    case at::kFloat8_e4m3fn:
+      return decode_for_head_size(out, query, key_cache.data_ptr<c10::Float8_e4m3fn>(),
+                                  value_cache.data_ptr<c10::Float8_e4m3fn>(), block_tables, seq_lens, rows, seqs, s);
+    case at::kFloat8_e5m2:
+      return decode_for_head_size(out, query, key_cache.data_ptr<c10::Float8_e5m2>(),
+                                  value_cache.data_ptr<c10::Float8_e5m2>(), block_tables, seq_lens, rows, seqs, s);
+    default:
+      return decode_for_head_size(out, query, key_cache.data_ptr<T>(), value_cache.data_ptr<T>(), block_tables,
+                                  seq_lens, rows, seqs, s);
   }
 }
 
@@ -173,9 +211,10 @@ void check_layout(const at::Tensor& out, const at::Tensor& query, const at::Tens
   TORCH_CHECK(key_cache.is_contiguous() && value_cache.is_contiguous(), "the KV pools must be contiguous");
   TORCH_CHECK(key_cache.size(3) == query.size(2), "head_dim differs between query and cache");
   TORCH_CHECK(query.size(1) % key_cache.size(2) == 0, "query heads must be a multiple of KV heads");
-  TORCH_CHECK(query.scalar_type() == key_cache.scalar_type() && out.scalar_type() == query.scalar_type() &&
-                  value_cache.scalar_type() == query.scalar_type(),
-              "query, out and the KV pools must share one dtype");
+  const bool fp8 = key_cache.scalar_type() == at::kFloat8_e4m3fn || key_cache.scalar_type() == at::kFloat8_e5m2;
+  TORCH_CHECK(out.scalar_type() == query.scalar_type() && value_cache.scalar_type() == key_cache.scalar_type() &&
+                  (fp8 || key_cache.scalar_type() == query.scalar_type()),
+              "query and out must share one dtype, and the KV pools either it or one FP8 format");
   TORCH_CHECK(block_tables.scalar_type() == at::kInt && block_tables.dim() == 2 && block_tables.stride(1) == 1,
               "block_tables must be int32 [num_seqs, max_blocks] with unit stride along blocks");
   TORCH_CHECK(seq_lens.scalar_type() == at::kInt && seq_lens.is_contiguous(), "seq_lens must be contiguous int32");
@@ -217,7 +256,7 @@ void check_indices(int64_t num_tokens, int64_t num_blocks, int64_t block_size, c
 void paged_decode_attention(at::Tensor out, const at::Tensor& query, const at::Tensor& key_cache,
                             const at::Tensor& value_cache, const at::Tensor& block_tables,
                             const at::Tensor& seq_lens, const at::Tensor& rows, const at::Tensor& seqs,
-                            double scale, int64_t window, double softcap) {
+                            double scale, int64_t window, double softcap, double v_scale) {
   check_layout(out, query, key_cache, value_cache, block_tables, seq_lens, rows, seqs);
   TORCH_CHECK_VALUE(window >= 0 && softcap >= 0, "window and softcap must be >= 0 (0: none)");
   check_indices(query.size(0), key_cache.size(0), key_cache.size(1), block_tables, seq_lens, rows, seqs);
@@ -226,25 +265,23 @@ void paged_decode_attention(at::Tensor out, const at::Tensor& query, const at::T
                           query.stride(1),       out.stride(0),         out.stride(1),
                           key_cache.stride(0),   key_cache.stride(1),   key_cache.stride(2),
                           block_tables.stride(0), static_cast<float>(scale), window,
-                          static_cast<float>(softcap)};
+                          static_cast<float>(softcap), static_cast<float>(v_scale)};
   const auto* tables = block_tables.data_ptr<int32_t>();
   const auto* lens = seq_lens.data_ptr<int32_t>();
   const auto* row_ptr = rows.data_ptr<int64_t>();
   const auto* seq_ptr = seqs.data_ptr<int64_t>();
   switch (query.scalar_type()) {
     case at::kFloat:
-      decode_for_head_size(out.data_ptr<float>(), query.data_ptr<float>(), key_cache.data_ptr<float>(),
-                           value_cache.data_ptr<float>(), tables, lens, row_ptr, seq_ptr, shape);
+      decode_for_cache_type(out.data_ptr<float>(), query.data_ptr<float>(), key_cache, value_cache, tables, lens,
+                            row_ptr, seq_ptr, shape);
       break;
     case at::kBFloat16:
-      decode_for_head_size(out.data_ptr<c10::BFloat16>(), query.data_ptr<c10::BFloat16>(),
-                           key_cache.data_ptr<c10::BFloat16>(), value_cache.data_ptr<c10::BFloat16>(), tables,
-                           lens, row_ptr, seq_ptr, shape);
+      decode_for_cache_type(out.data_ptr<c10::BFloat16>(), query.data_ptr<c10::BFloat16>(), key_cache, value_cache,
+                            tables, lens, row_ptr, seq_ptr, shape);
       break;
     case at::kHalf:
-      decode_for_head_size(out.data_ptr<c10::Half>(), query.data_ptr<c10::Half>(),
-                           key_cache.data_ptr<c10::Half>(), value_cache.data_ptr<c10::Half>(), tables, lens,
-                           row_ptr, seq_ptr, shape);
+      decode_for_cache_type(out.data_ptr<c10::Half>(), query.data_ptr<c10::Half>(), key_cache, value_cache, tables,
+                            lens, row_ptr, seq_ptr, shape);
       break;
     default:
       TORCH_CHECK(false, "paged_decode_attention supports float32, bfloat16 and float16, not ",
@@ -257,7 +294,7 @@ void paged_decode_attention(at::Tensor out, const at::Tensor& query, const at::T
 TORCH_LIBRARY(pagedserve_cpu, m) {
   m.def("paged_decode_attention(Tensor(a!) out, Tensor query, Tensor key_cache, Tensor value_cache, "
         "Tensor block_tables, Tensor seq_lens, Tensor rows, Tensor seqs, float scale, int window, "
-        "float softcap) -> ()");
+        "float softcap, float v_scale) -> ()");
 }
 
 TORCH_LIBRARY_IMPL(pagedserve_cpu, CPU, m) { m.impl("paged_decode_attention", &paged_decode_attention); }
