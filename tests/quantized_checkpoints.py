@@ -23,7 +23,9 @@ from typing import Any
 import torch
 
 SCHEMES = ("fp8", "fp8-block", "ct-w8a8-int8", "ct-w8a8-fp8", "ct-wNa16", "awq", "gptq")
-QUANTIZED_WEIGHT = re.compile(r"model\.layers\.\d+\.(self_attn\.[qkvo]_proj|mlp\.(gate|up|down)_proj)\.weight")
+# The decoder's projections, a sparse layer's experts and shared expert included (their router is not).
+QUANTIZED_WEIGHT = re.compile(r"model\.layers\.\d+\.(self_attn\.[qkvo]_proj"
+                              r"|mlp\.(experts\.\d+\.|shared_expert\.)?(gate|up|down)_proj)\.weight")
 FP8_MAX = torch.finfo(torch.float8_e4m3fn).max  # 448
 AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)  # AutoAWQ GEMM: nibble i of a word holds column 8*word + AWQ_ORDER[i]
 _STATIC_SCHEMES = ("fp8", "ct-w8a8-int8")

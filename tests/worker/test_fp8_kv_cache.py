@@ -97,6 +97,27 @@ def test_cpu_backends_attend_over_the_codes_times_their_scales(backend, kv_dtype
 
 
 @pytest.mark.parametrize("kv_dtype", FORMATS, ids=["e4m3", "e5m2"])
+def test_the_cpu_kernel_decodes_every_code_as_torch_does(kv_dtype):
+    """With one key, attention returns its value row: every finite code, through the C++ kernel's decoding."""
+    from services.worker.attention.cpu_kernels import cpu_kernels_unavailable_reason, paged_decode_attention
+
+    if (reason := cpu_kernels_unavailable_reason()) is not None:
+        pytest.skip(reason)
+    codes = torch.arange(256, dtype=torch.uint8).view(kv_dtype)
+    codes = codes[torch.isfinite(codes.float())]
+    dim = 64
+    codes = torch.cat([codes, codes[:(-len(codes)) % dim]]).view(-1, 1, 1, dim)  # a row of 64 per block
+    n = codes.shape[0]
+    value_cache = codes.expand(n, 16, 1, dim).contiguous()
+    key_cache = torch.zeros_like(value_cache)
+    out = torch.full((n, 1, dim), NAN)
+    paged_decode_attention(out, torch.randn(n, 1, dim), key_cache, value_cache, torch.arange(n, dtype=torch.int32)
+                           .view(n, 1), torch.ones(n, dtype=torch.int32), torch.arange(n), torch.arange(n), 1.0,
+                           v_scale=0.75)
+    assert torch.equal(out.view(n, dim), codes.view(n, dim).float() * 0.75)
+
+
+@pytest.mark.parametrize("kv_dtype", FORMATS, ids=["e4m3", "e5m2"])
 def test_triton_backend_attends_over_the_codes_times_their_scales(kv_dtype):
     fp8_case("triton", kv_dtype, [(0, 1), (19, 1), (0, 9), (17, 4)], dim=16)
 

@@ -62,6 +62,24 @@ def test_weight_only_formats_load_the_published_dequantization(name, checkpoints
         torch.testing.assert_close(ours, theirs[param_name], rtol=1e-6, atol=0, msg=f"{name}: {param_name}")
 
 
+@pytest.mark.parametrize("scheme, options", [("gptq", dict(bits=4, group_size=16, desc_act=True)),
+                                             ("ct-w8a8-int8", {})])
+def test_experts_and_shared_experts_load_the_published_dequantization(scheme, options, qwen2_moe_dir, tmp_path):
+    """Stacked experts and the shared expert are dequantized at load (W8A8: attention stays int8)."""
+    quantized, dequantized = write_quantized(qwen2_moe_dir, tmp_path, scheme, **options)
+    model, _ = load_model(quantized, torch.float32, CPU, pack=False)
+    plain, _ = load_model(dequantized, torch.float32, CPU, pack=False)
+    theirs = dict(plain.named_parameters())
+    int8 = {f"{name}.weight": module for name, module in model.named_modules() if isinstance(module, Int8Linear)}
+    assert bool(int8) == (scheme == "ct-w8a8-int8")
+    for name, ours in model.named_parameters():
+        if name in int8:
+            ours = ours.float() * int8[name].weight_scale
+        elif name.endswith("weight_scale"):
+            continue
+        torch.testing.assert_close(ours, theirs[name], rtol=1e-6, atol=0, msg=f"{scheme}: {name}")
+
+
 @pytest.mark.parametrize("name", ["gptq 4-bit act-order asymmetric", "awq group 32", "fp8 blocks 48x48 (partial edges)"])
 def test_greedy_equals_transformers_on_the_dequantized_weights(name, checkpoints):
     quantized, dequantized = checkpoints(name)

@@ -23,7 +23,6 @@
 #include "vec_math.h"
 
 #include <algorithm>
-#include <array>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -36,18 +35,22 @@ inline float to_float(float x) { return x; }
 inline float to_float(c10::BFloat16 x) { return static_cast<float>(x); }
 inline float to_float(c10::Half x) { return static_cast<float>(x); }
 
-// Every FP8 code's value, computed once: a load instead of c10's bit manipulation per element.
-template <typename F>
-const std::array<float, 256>& fp8_values() {
-  static const std::array<float, 256> table = [] {
-    std::array<float, 256> values{};
-    for (int code = 0; code < 256; ++code) values[code] = static_cast<float>(F(static_cast<uint8_t>(code), F::from_bits()));
-    return values;
-  }();
-  return table;
+// FP8 codes decoded with integer and float operations only (no table, no branch), so the dot products
+// around them still vectorize: a normal code's exponent is rebiased into a float32's (e4m3: 7 -> 127,
+// e5m2: 15 -> 127); a subnormal one (exponent 0) is its mantissa times the format's smallest step.
+template <int kMantissaBits, int kRebias, int kSubnormalExponent>
+inline float fp8_to_float(uint8_t code) {
+  const uint32_t magnitude = code & 0x7Fu;
+  const uint32_t exponent = magnitude >> kMantissaBits;
+  uint32_t bits = ((code & 0x80u) << 24) | ((magnitude + (kRebias << kMantissaBits)) << (23 - kMantissaBits));
+  float normal;
+  std::memcpy(&normal, &bits, sizeof(normal));
+  const float mantissa = static_cast<float>(magnitude & ((1u << kMantissaBits) - 1));
+  const float subnormal = std::ldexp(1.0f, kSubnormalExponent) * ((code & 0x80u) ? -mantissa : mantissa);
+  return exponent == 0 ? subnormal : normal;
 }
-inline float to_float(c10::Float8_e4m3fn x) { return fp8_values<c10::Float8_e4m3fn>()[x.x]; }
-inline float to_float(c10::Float8_e5m2 x) { return fp8_values<c10::Float8_e5m2>()[x.x]; }
+inline float to_float(c10::Float8_e4m3fn x) { return fp8_to_float<3, 120, -9>(x.x); }
+inline float to_float(c10::Float8_e5m2 x) { return fp8_to_float<2, 112, -16>(x.x); }
 
 // Blocks sit anywhere in the pool, so the hardware prefetchers cannot know the next one: while the
 // kernel works on token t of a block it asks for token t of the block after it.
