@@ -103,6 +103,9 @@ class EngineConfig:
     kv_cache_dtype: str = option("auto", "the KV cache's type: auto (the model's), or FP8 (fp8 is fp8_e4m3): half "
                                          "a 16-bit cache's bytes per block, with per-layer scales from the "
                                          "checkpoint (else 1.0)", choices=KV_CACHE_DTYPES)
+    calculate_kv_scales: bool = option(False, "with an FP8 KV cache: each layer's K and V scales measured from "
+                                              "the first batch (on CUDA, with --enforce-eager), not the "
+                                              "checkpoint's or 1.0")
     swap_space: float = option(4.0, "GiB of host memory for swapped-out KV")
     preemption_mode: str | None = option(None, "how preempted sequences give back their blocks (default: chosen "
                                                "per victim)", choices=PREEMPTION_MODES, read_by=LIMIT)
@@ -131,6 +134,8 @@ class EngineConfig:
         _require(self.dtype in DTYPES, "dtype", f"must be one of {DTYPES}, got {self.dtype!r}")
         _require(self.kv_cache_dtype in KV_CACHE_DTYPES, "kv_cache_dtype",
                  f"must be one of {KV_CACHE_DTYPES}, got {self.kv_cache_dtype!r}")
+        _require(not self.calculate_kv_scales or self.kv_cache_dtype != "auto", "calculate_kv_scales",
+                 "needs an FP8 kv_cache_dtype (fp8, fp8_e4m3 or fp8_e5m2): a cache in the model's dtype has no scales")
         _require(self.quantization is None or self.quantization in QUANTIZATION_METHODS, "quantization",
                  f"must be one of {QUANTIZATION_METHODS}, got {self.quantization!r}")
         _require(DEVICE_PATTERN.fullmatch(self.device) is not None, "device",

@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING
 import structlog
 import torch
 
+from services.worker.attention.kv_quant import MeasuredKVScales
 from services.worker.draft_model_proposer import DraftModelProposer
 from services.worker.kv_cache import activation_bytes_estimate
 from services.worker.sampler import Sampler
@@ -54,6 +55,8 @@ def start_up_cuda(built: BuiltWorker) -> CudaStartup:
     token_budget = built.config.token_budget(built.source.max_model_len)
     _warm_up_kernels(built, token_budget, startup)
     _run_largest_step(built, token_budget, startup)
+    if isinstance(built.kv.scales, MeasuredKVScales):
+        built.kv.scales.forget()  # measured over made-up inputs: the first real batch measures again
     if _wants_cuda_graphs(built):
         startup.decode_graphs = _capture_decode_graphs(built, startup)
     return startup

@@ -23,7 +23,7 @@ from pathlib import Path
 import torch
 
 from services.worker.attention.cpu_kernels import cpu_kernels_unavailable_reason
-from services.worker.attention.kv_quant import KVScales, kv_cache_dtype
+from services.worker.attention.kv_quant import KVScales, MeasuredKVScales, kv_cache_dtype
 from services.worker.attention.selector import select_attention_backend
 from services.worker.attention.spec import kv_window
 from services.worker.block_moves import swap_blocks, whole_pool
@@ -75,7 +75,7 @@ class KVCache:
     kv_pool: torch.Tensor  # every layer's blocks in one tensor
     num_host_blocks: int  # swap space
     host_pool: torch.Tensor
-    scales: KVScales | None = None  # an FP8 cache's per-layer scales (kv_quant.py); None: the model's dtype
+    scales: KVScales | MeasuredKVScales | None = None  # an FP8 cache's scales (kv_quant.py); None: model dtype
 
 
 def read_model(config: EngineConfig) -> ModelSource:
@@ -171,13 +171,21 @@ def allocate_kv_cache(config: EngineConfig, source: ModelSource, weights: Weight
                                source.max_model_len, draft_block_bytes, scratch_bytes)
     kv_pools = allocate_kv_pools(model_config, num_blocks, config.block_size, kv_dtype, device)
     host_blocks = num_host_blocks(model_config, config, kv_dtype, num_blocks, draft_block_bytes)
-    scales = _kv_scales(weights.model, model_config.num_hidden_layers) if kv_dtype != dtype else None
+    scales = _kv_scales(config, weights.model, model_config.num_hidden_layers, kv_dtype, device) \
+        if kv_dtype != dtype else None
     return KVCache(num_blocks, kv_pools, whole_pool(kv_pools), host_blocks,
                    allocate_host_pool(model_config, host_blocks, config.block_size, kv_dtype), scales)
 
 
-def _kv_scales(model: torch.nn.Module, num_layers: int) -> KVScales:
-    """The checkpoint's KV-cache scales (1.0 where none; transformers' models read none)."""
+def _kv_scales(config: EngineConfig, model: torch.nn.Module, num_layers: int, kv_dtype: torch.dtype,
+               device: torch.device) -> KVScales | MeasuredKVScales:
+    """Measured from the first batch (--calculate-kv-scales), else the checkpoint's (1.0 where none;
+    transformers' models read none)."""
+    if config.calculate_kv_scales:
+        if device.type == "cuda" and not config.enforce_eager:
+            # A CUDA graph would keep the warm-up's scales in its captured launches.
+            raise ValueError("calculate_kv_scales on CUDA needs enforce_eager (no CUDA graphs)")
+        return MeasuredKVScales(num_layers, kv_dtype)
     return model.kv_scales() if hasattr(model, "kv_scales") else KVScales.ones(num_layers)
 
 

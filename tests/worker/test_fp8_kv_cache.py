@@ -171,3 +171,30 @@ def test_the_engine_holds_more_blocks_reads_the_checkpoint_scales_and_stays_clos
                        for t in shared).item())
     print(f"FP8 (e4m3) KV cache: mean KL of first-token distributions from the float32 cache {sum(kls) / len(kls):.2e}")
     assert all(abs(kl) < 0.05 for kl in kls)
+
+
+def test_scales_measured_from_the_first_batch_stay_fixed(llama_dir):
+    from pagedserve import LLM, SamplingParams
+    from services.worker.attention.kv_quant import MeasuredKVScales
+    from shared.config import EngineConfig
+
+    scales = MeasuredKVScales(2, torch.float8_e4m3fn)
+    k, v = torch.tensor([[-896.0, 2.0]]), torch.tensor([[4.48, -1.0]])
+    first = scales.of_step(1, k, v)
+    assert first == pytest.approx((2.0, 0.01), rel=1e-6)  # the largest magnitude lands on e4m3's largest, 448
+    assert scales.of_step(1, k * 10, v * 10) == first and scales.found[0] is None
+    with pytest.raises(ValueError, match="calculate_kv_scales needs an FP8 kv_cache_dtype"):
+        EngineConfig(calculate_kv_scales=True)
+    llm = LLM(str(llama_dir), kv_cache_memory_bytes=1 << 20, kv_cache_dtype="fp8", calculate_kv_scales=True)
+    try:
+        measured = llm.engine.executor.worker.attention.kv_scales
+        assert measured.found == [None, None]
+        out = llm.generate([{"prompt_token_ids": list(range(3, 40))}], SamplingParams(temperature=0.0, max_tokens=4),
+                           use_tqdm=False)
+        assert len(out[0].outputs[0].token_ids) == 4
+        assert all(found is not None and found != (1.0, 1.0) for found in measured.found)
+        first = list(measured.found)
+        llm.generate([{"prompt_token_ids": list(range(100, 150))}], SamplingParams(max_tokens=2), use_tqdm=False)
+        assert measured.found == first
+    finally:
+        llm.close()

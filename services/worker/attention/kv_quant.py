@@ -5,7 +5,8 @@ twice (four times) the blocks; block moves (swap, copy-on-write, prefix caching)
 
 The scales are the checkpoint's where it has them (``self_attn.k_scale`` / ``v_scale``, as llm-compressor
 writes them; older FP8 checkpoints' ``k_proj.output_scale`` / ``v_proj.output_scale``; ``kv_scale`` for both),
-else 1.0, as vLLM's default. Values beyond the format's largest are clamped to it.
+else 1.0, as vLLM's default; with --calculate-kv-scales, measured from the first batch. Values beyond the
+format's largest are clamped to it.
 
 Every backend computes the same thing: attention over K and V dequantized as ``float(code) * scale``, which
 tests/worker/test_fp8_kv_cache.py checks against the reference attention over exactly those values. The
@@ -44,6 +45,31 @@ class KVScales:
 
     def of(self, layer: int) -> tuple[float, float]:
         return self.k[layer], self.v[layer]
+
+    def of_step(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[float, float]:
+        """The scales this step's new ``k`` and ``v`` are stored with: fixed ones."""
+        return self.of(layer)
+
+
+class MeasuredKVScales:
+    """--calculate-kv-scales: each layer's scales from the first K and V it stores (their largest magnitude
+    over the format's largest value), then fixed, so every later code means the same."""
+
+    def __init__(self, num_layers: int, dtype: torch.dtype):
+        self.largest = torch.finfo(dtype).max
+        self.found: list[tuple[float, float] | None] = [None] * num_layers
+
+    def of_step(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[float, float]:
+        if self.found[layer] is None:
+            self.found[layer] = (self._measured(k), self._measured(v))
+        return self.found[layer]
+
+    def forget(self) -> None:
+        """Measure again from the next batch (after a start-up's warm-up passes over made-up inputs)."""
+        self.found = [None] * len(self.found)
+
+    def _measured(self, x: torch.Tensor) -> float:
+        return max(x.abs().max().item() / self.largest, 1e-8) if x.numel() else 1.0
 
 
 def quantize_kv(x: torch.Tensor, scale: float, dtype: torch.dtype) -> torch.Tensor:

@@ -163,7 +163,7 @@ class TorchAttentionBackend:
     def forward(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 meta: AttentionMetadata) -> torch.Tensor:
         k_cache, v_cache = self.kv_caches[layer]
-        scales = self.kv_scales.of(layer)
+        scales = self.kv_scales.of_step(layer, k, v)
         if is_fp8(k_cache):  # the codes go in the cache, and the prefill attends over them as the decodes will
             k, v = quantize_kv(k, scales[0], k_cache.dtype), quantize_kv(v, scales[1], v_cache.dtype)
         write_kv(k_cache, v_cache, k, v, meta.slot_mapping)

@@ -545,7 +545,7 @@ class TritonAttentionBackend:
         # Every layer of a step gets the same metadata object and same-shaped tensors: plan and
         # validate on the first, then launch only (host time per layer matters at small batches).
         new_step = self._plan_for is not meta
-        scales = self.kv_scales.of(layer)
+        scales = self.kv_scales.of_step(layer, k, v)
         if k_cache.dtype in FP8_KV_DTYPES:  # quantized by torch, so every backend stores the same codes
             k, v = quantize_kv(k, scales[0], k_cache.dtype), quantize_kv(v, scales[1], v_cache.dtype)
         write_kv(k_cache, v_cache, k, v, meta.slot_mapping, check=new_step)
