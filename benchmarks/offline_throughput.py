@@ -29,7 +29,9 @@ def run_pagedserve(model_dir: Path, requests: list[BenchRequest], args) -> dict:
     from pagedserve import LLM, SamplingParams
 
     llm = LLM(str(model_dir), block_size=args.block_size, max_num_seqs=args.max_num_seqs,
-              max_num_batched_tokens=args.max_num_batched_tokens, model_impl=getattr(args, "model_impl", "auto"))
+              max_num_batched_tokens=args.max_num_batched_tokens, model_impl=getattr(args, "model_impl", "auto"),
+              kv_cache_dtype=getattr(args, "kv_cache_dtype", "auto"),
+              kv_cache_memory_bytes=getattr(args, "kv_cache_memory_bytes", None), dtype=getattr(args, "dtype", "auto"))
     prompts = [{"prompt_token_ids": r.prompt_token_ids} for r in requests]
     params = [SamplingParams(temperature=0, max_tokens=r.output_len, ignore_eos=True) for r in requests]
     llm.generate(prompts[:4], params[:4], use_tqdm=False)  # warm-up
@@ -41,7 +43,8 @@ def run_pagedserve(model_dir: Path, requests: list[BenchRequest], args) -> dict:
     assert tokens == sum(r.output_len for r in requests)
     stats = {k: v - before.get(k, 0) if k.endswith(("_s", "steps", "preemptions")) and not isinstance(v, dict)
              else v for k, v in llm.stats().items()}  # (histograms, such as request_num_preemptions, are dicts)
-    return {"elapsed_s": elapsed, "output_tokens": tokens, "kv_waste_pct_peak": stats["kv_waste_pct_peak"],
+    return {"elapsed_s": elapsed, "output_tokens": tokens, "kv_blocks": llm.engine.info.num_kv_blocks,
+            "kv_waste_pct_peak": stats["kv_waste_pct_peak"],
             "num_preemptions": stats["num_preemptions"], "num_steps": stats["num_steps"],
             "forward_s": stats["forward_time_s"], "sample_s": stats["sample_time_s"],
             "scheduler_s": stats["scheduler_time_s"],
@@ -86,7 +89,8 @@ def run_hf_static_batches(model, requests: list[BenchRequest], batch_size: int) 
 def run_vllm(python: str, model_dir: Path, args) -> dict | None:
     script = Path(__file__).with_name("vllm_offline.py")
     cmd = [python, str(script), "--model", str(model_dir), "--num-requests", str(args.num_requests),
-           "--seed", str(args.seed), "--block-size", str(args.vllm_block_size)]
+           "--seed", str(args.seed), "--block-size", str(args.vllm_block_size),
+           "--dtype", getattr(args, "vllm_dtype", "float32")]
     # In-process engine core, like ours (its multiprocess mode fails to start on this 2-core sandbox).
     env = {**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
     done = subprocess.run(cmd, capture_output=True, text=True, env=env)

@@ -20,6 +20,7 @@ def main() -> None:
     parser.add_argument("--num-requests", type=int, default=200)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--block-size", type=int, default=32)
+    parser.add_argument("--dtype", default="float32")
     args = parser.parse_args()
 
     from vllm import LLM, SamplingParams
@@ -27,7 +28,7 @@ def main() -> None:
 
     requests = bench_workload(args.num_requests, args.seed)
     # On CPU this fraction reserves host memory; half leaves room for the process that launched us.
-    llm = LLM(model=args.model, dtype="float32", block_size=args.block_size, seed=args.seed,
+    llm = LLM(model=args.model, dtype=args.dtype, block_size=args.block_size, seed=args.seed,
               gpu_memory_utilization=0.5)
     prompts = [TokensPrompt(prompt_token_ids=r.prompt_token_ids) for r in requests]
     params = [SamplingParams(temperature=0, max_tokens=r.output_len, ignore_eos=True) for r in requests]

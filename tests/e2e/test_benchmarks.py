@@ -43,6 +43,19 @@ def test_model_impl_runs_both_implementations(tmp_path, llama_dir):
     assert report["runs"]["native"][0]["output_tokens"] == report["runs"]["transformers"][0]["output_tokens"] > 0
 
 
+def test_quantization_benchmark_runs_each_mode(tmp_path, llama_dir):
+    out = tmp_path / "quantization.json"
+    subprocess.run([sys.executable, str(REPO / "benchmarks" / "quantization.py"), "--model", str(llama_dir),
+                    "--num-requests", "2", "--rounds", "1", "--modes", "float32", "fp8-kv", "w8a8-int8",
+                    "--kv-cache-memory-bytes", str(1 << 20), "--out", str(out)], cwd=REPO, check=True,
+                   timeout=RUN_LIMIT_S, stdout=subprocess.DEVNULL)
+    report = json.loads(out.read_text())
+    runs = {mode: mode_runs[0] for mode, mode_runs in report["runs"].items()}
+    assert set(runs) == {"float32", "fp8-kv", "w8a8-int8"}
+    assert runs["fp8-kv"]["kv_blocks"] == 4 * runs["float32"]["kv_blocks"]  # a float32 model's FP8 cache
+    assert report["sizes"]["w8a8-int8"]["loaded_bytes"] < report["sizes"]["float32"]["loaded_bytes"]
+
+
 def test_step_inputs_times_every_case(tmp_path):
     out = tmp_path / "step_inputs.json"
     subprocess.run([sys.executable, str(REPO / "benchmarks" / "step_inputs.py"), "--repeats", "1", "--json", str(out)],
