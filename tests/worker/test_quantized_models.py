@@ -231,3 +231,26 @@ def test_quantization_flag_must_agree_with_the_checkpoint(checkpoints, llama_dir
         load_model(checkpoints("gptq 8-bit per channel")[0], torch.float32, CPU, quantization="awq")
     with pytest.raises(ValueError, match="--quantization gptq needs a checkpoint quantized with it"):
         load_model(llama_dir, torch.float32, CPU, quantization="gptq")
+
+
+def test_two_ranks_and_a_lora_adapter_over_a_quantized_checkpoint_equal_transformers(checkpoints, tmp_path):
+    """Each rank dequantizes the whole tensor and keeps its share; an adapter sits on the dequantized layers."""
+    from pagedserve import LoRARequest
+    from tests.lora_adapters import make_adapter, merged_model
+
+    quantized, dequantized = checkpoints("gptq 4-bit act-order asymmetric")
+    adapter = make_adapter(dequantized, tmp_path / "adapter", rank=8, seed=5)
+    merged = merged_model(dequantized, adapter, tmp_path / "merged")
+    prompts = [[3 + t % 509 for t in p] for p in random_prompts(512, [9, 26], seed=11)]
+    params = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)
+    llm = LLM(str(quantized), block_size=4, tensor_parallel_size=2, enable_lora=True, max_lora_rank=8,
+              kv_cache_memory_bytes=8 << 20)
+    try:
+        outputs = llm.generate([{"prompt_token_ids": p} for p in prompts * 2], params, use_tqdm=False,
+                               lora_request=[None] * len(prompts) + [LoRARequest("adapter", str(adapter))] * len(prompts))
+    finally:
+        llm.close()
+    for i, (prompt, out) in enumerate(zip(prompts * 2, outputs)):
+        model_dir, what = (dequantized, "base") if i < len(prompts) else (merged, "adapter")
+        ref, ref_logprobs = hf_greedy(model_dir, prompt, 10)
+        assert_greedy_equal(out.outputs[0].token_ids, ref, ref_logprobs, f"gptq {what} on 2 ranks")
