@@ -13,7 +13,8 @@ a GPU launch of the same arguments gets (dtypes, 16-byte divisibility, constexpr
 The arguments cover a fixed set of shapes (gpu_kernels.py's, the project's models', small test
 shapes), dtypes, batches (decode, block tables of odd width, long decode, mixed prefill and decode)
 and split-K choices, plus the 5-stage decode that gpu_kernels.py's decode section times (not its tune
-sweep), sliding-window and soft-capped layers and an FP8 KV cache; each distinct binary is reported once.
+sweep), sliding-window and soft-capped layers, an FP8 KV cache and the W4A16 GEMM; each distinct binary is
+reported once.
 
 For each variant: registers per thread, spilled bytes, the stack frame and shared memory (from ptxas),
 whether the K/V tiles arrive by asynchronous copies (the software pipeline), in how many buffers, and
@@ -318,6 +319,21 @@ def compile_experts(recorder: Recorder, quick: bool) -> None:
                 recorder.failed("fused_experts", e)
 
 
+def compile_int4_gemm(recorder: Recorder) -> None:
+    """The W4A16 GEMM (quantization/int4_gemm.py) on an 8B model's q/k/v shape, group 128, in the 16-bit
+    dtypes it serves (the row count is a run-time argument: one binary per dtype)."""
+    from services.worker.quantization.int4_gemm import w4a16_matmul
+
+    n, k, group = 6144, 4096, 128
+    for dtype in (torch.bfloat16, torch.float16):
+        recorder.case = f"w4a16 n{n} k{k} g{group} {dtype}"
+        try:
+            w4a16_matmul(torch.zeros(16, k, dtype=dtype), torch.zeros(n, k // 8, dtype=torch.int32),
+                         torch.ones(n, k // group, dtype=dtype), torch.zeros(n, k // group, dtype=dtype), group)
+        except Exception as e:
+            recorder.failed("w4a16_matmul", e)
+
+
 def serving_batches(rng: random.Random, block_size: int, max_model_len: int, budget: int, count: int):
     """Steps as a scheduler makes them: the extremes (one decode at the full context, one prefill of the
     whole budget), then random ones: decodes at any context, prefill chunks after cached blocks, a third
@@ -432,12 +448,13 @@ def main() -> int:
     driver.set_active(CompileOnlyDriver(args.arch))
     from services.worker.attention import triton_attention, triton_cache_ops
     from services.worker.models import fused_moe
+    from services.worker.quantization import int4_gemm
 
     recorder = Recorder(args.arch)
     real_sm_count = triton_attention._sm_count
     for kernel in (triton_attention._paged_attention_kernel, triton_attention._reduce_splits_kernel,
                    triton_cache_ops._write_kv_kernel, triton_cache_ops._copy_blocks_kernel,
-                   fused_moe._grouped_matmul_kernel):
+                   fused_moe._grouped_matmul_kernel, int4_gemm._w4a16_kernel):
         recorder.instrument(kernel)
     started = time.perf_counter()
     # First, while no kernel is compiled yet: a binary the matrix below made would hide a warm-up gap.
@@ -450,6 +467,7 @@ def main() -> int:
     compile_window_and_cap_variants(recorder)
     compile_fp8_kv_variants(recorder, args.arch)
     compile_experts(recorder, args.quick)
+    compile_int4_gemm(recorder)
     elapsed = time.perf_counter() - started
     print_table(recorder.variants)
     bad = [v for v in recorder.variants if v.problems]
