@@ -35,12 +35,13 @@ log = structlog.get_logger(__name__)
 
 def load_model(model_dir: str | Path, dtype: torch.dtype, device: torch.device, pack: bool = True,
                tp: TensorParallel = TensorParallel(), with_head: bool = True, num_labels: int = 0,
-               max_model_len: int | None = None, quantization: str | None = None
+               max_model_len: int | None = None, quantization: str | None = None, int4_gemm: bool | None = None
                ) -> tuple[LlamaForCausalLM, ModelConfig]:
     """The model (this rank's share of it), ready for inference, and the config of that share; ``pack``
     re-lays float32 CPU projections for oneDNN (packed_linear); ``with_head``: False for a pooling model;
     ``num_labels``: a sequence classifier's (its score head); ``max_model_len``: the longest context served
-    (None: the model's own); ``quantization``: --quantization (None: what the checkpoint says)."""
+    (None: the model's own); ``quantization``: --quantization (None: what the checkpoint says); ``int4_gemm``:
+    keep W4A16 layers 4-bit for the Triton GEMM (None: on a GPU, on one rank; else they are dequantized)."""
     whole = ModelConfig.from_model_dir(model_dir)
     config = tp.shard(whole)
     fmt = read_quantization(model_dir, quantization)
@@ -49,13 +50,17 @@ def load_model(model_dir: str | Path, dtype: torch.dtype, device: torch.device, 
     with torch.device("meta"):
         model = LlamaForCausalLM(config, tp, tp.kv_replicas(whole), with_head, num_labels, max_model_len)
         int8_layers = model.use_int8_linears(layers) if fmt is not None and fmt.runs_int8 else frozenset()
+        if int4_gemm is None:
+            int4_gemm = torch.device(device).type == "cuda" and tp.size == 1
+        int4_layers = model.use_int4_linears(_int4_groups(fmt, layers)) if fmt is not None and int4_gemm \
+            else frozenset()
     _materialize(model, dtype, torch.device(device))
     state = {"file": None, "done": False}
     weights = _stream(files, state)
     if fmt is not None:
         log.info("quantized weights", model=str(model_dir), quantization=fmt.describe(), layers=len(layers),
-                 int8_layers=len(int8_layers))
-        weights = converted_weights(weights, layers, fmt, int8_layers)
+                 int8_layers=len(int8_layers), int4_layers=len(int4_layers))
+        weights = converted_weights(weights, layers, fmt, int8_layers, int4_layers)
     try:
         model.load_weights(weights)
     except ValueError as e:
@@ -69,6 +74,12 @@ def load_model(model_dir: str | Path, dtype: torch.dtype, device: torch.device, 
     if pack and can_pack(dtype, torch.device(device)):
         model.pack_linear_weights()
     return model, config
+
+
+def _int4_groups(fmt, layers: dict[str, frozenset[str]]) -> dict[str, int]:
+    """Each quantized layer the W4A16 GEMM can run as stored -> its group size."""
+    groups = {module: fmt.int4_group(suffixes) for module, suffixes in layers.items()}
+    return {module: group for module, group in groups.items() if group is not None}
 
 
 def _materialize(model: torch.nn.Module, dtype: torch.dtype, device: torch.device) -> None:

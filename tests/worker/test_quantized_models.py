@@ -17,6 +17,7 @@ from safetensors.torch import load_file, save_file
 from pagedserve import LLM, SamplingParams
 from services.worker.model_loader import load_model
 from services.worker.models.int8_linear import Int8Linear, w8a8_reference
+from services.worker.quantization.int4_linear import Int4Linear
 from tests.oracle import assert_greedy_equal, hf_greedy
 from tests.quantized_checkpoints import write_quantized
 from tests.worker.test_model import PagedRunner, hf_logits, random_prompts
@@ -38,6 +39,15 @@ WEIGHT_ONLY = {
 }
 
 
+# Schemes whose layers can stay 4-bit for the W4A16 GEMM (groups of 64: whole K tiles; in order).
+INT4 = {
+    "gptq 4-bit group 64": ("gptq", dict(bits=4, group_size=64)),
+    "awq group 64": ("awq", dict(group_size=64)),
+    "compressed-tensors W4A16 group 64": ("ct-wNa16", dict(bits=4, group_size=64)),
+    "compressed-tensors W4A16 asymmetric group 64": ("ct-wNa16", dict(bits=4, group_size=64, symmetric=False)),
+}
+
+
 @pytest.fixture(scope="module")
 def checkpoints(llama_dir, tmp_path_factory):
     """name -> (quantized dir, dequantized dir), written once for the module."""
@@ -45,7 +55,8 @@ def checkpoints(llama_dir, tmp_path_factory):
 
     def make(name: str):
         if name not in made:
-            scheme, options = WEIGHT_ONLY[name] if name in WEIGHT_ONLY else (name, {})
+            known = {**WEIGHT_ONLY, **INT4}
+            scheme, options = known[name] if name in known else (name, {})
             made[name] = write_quantized(llama_dir, tmp_path_factory.mktemp("quantized"), scheme, **options)
         return made[name]
 
@@ -60,6 +71,23 @@ def test_weight_only_formats_load_the_published_dequantization(name, checkpoints
     theirs = dict(plain.named_parameters())
     for param_name, ours in model.named_parameters():
         torch.testing.assert_close(ours, theirs[param_name], rtol=1e-6, atol=0, msg=f"{name}: {param_name}")
+
+
+@pytest.mark.parametrize("name", INT4)
+def test_w4a16_layers_kept_4_bit_equal_the_dequantized_model(name, checkpoints):
+    """The W4A16 GEMM (Triton, interpreted here) over the repacked codes: prefill and decode logits equal the
+    dequantized model's, in a quarter of its projection bytes."""
+    quantized, dequantized = checkpoints(name)
+    model, config = load_model(quantized, torch.float32, CPU, pack=False, int4_gemm=True)
+    plain, _ = load_model(dequantized, torch.float32, CPU, pack=False)
+    int4 = [m for m in model.modules() if isinstance(m, Int4Linear)]
+    assert len(int4) == 4 * config.num_hidden_layers  # qkv, o, gate_up, down in each layer
+    kept = sum(p.numel() * p.element_size() for m in int4 for p in m.parameters())
+    assert kept < sum(m.in_features * m.out_features for m in int4)  # under a byte per weight (float32: four)
+    prompt = random_prompts(config.vocab_size, [13], seed=5)[0]
+    ours, theirs = PagedRunner(model, config), PagedRunner(plain, config)
+    for step in (prompt, [int(prompt[-1])]):  # a prefill, then a decode (one row)
+        torch.testing.assert_close(ours.step({0: step})[0], theirs.step({0: step})[0], atol=1e-4, rtol=0)
 
 
 @pytest.mark.parametrize("scheme, options", [("gptq", dict(bits=4, group_size=16, desc_act=True)),

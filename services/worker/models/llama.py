@@ -25,6 +25,7 @@ from services.worker.attention.kv_quant import KVScales, checkpoint_kv_scale, sc
 from services.worker.attention.spec import AttentionSpec
 from services.worker.models.decoder import MLP, DecoderLayer
 from services.worker.models.int8_linear import Int8Linear
+from services.worker.quantization.int4_linear import Int4Linear
 from services.worker.models.layers import RotaryEmbedding, rms_norm_class
 from services.worker.models.lora_linear import LoRABatch, LoRALinear, LoRATarget
 from services.worker.models.moe import SparseMoeBlock
@@ -139,6 +140,21 @@ class LlamaForCausalLM(nn.Module):
                 raise ValueError(f"{', '.join(parts)} run as one layer here, but only some are stored in int8")
             linear = getattr(owner, attr)
             setattr(owner, attr, Int8Linear(linear.in_features, linear.out_features, linear.bias is not None))
+            kept.update(parts)
+        return frozenset(kept)
+
+    def use_int4_linears(self, groups: dict[str, int]) -> frozenset[str]:
+        """Hold as Int4Linear (W4A16) each dense projection whose checkpoint layers all have a group size in
+        ``groups`` (HF name -> the kernel's group), the same one; before materializing, on one rank. The
+        others are dequantized. Returns the checkpoint layers so kept."""
+        kept = set()
+        for owner, attr, parts in self._fused_projections():
+            sizes = {groups.get(part) for part in parts}
+            linear = getattr(owner, attr)
+            if len(sizes) != 1 or None in sizes or linear.in_features % next(iter(sizes)):
+                continue
+            setattr(owner, attr, Int4Linear(linear.in_features, linear.out_features, linear.bias is not None,
+                                            next(iter(sizes))))
             kept.update(parts)
         return frozenset(kept)
 

@@ -17,7 +17,9 @@ from services.worker.tensor_parallel import TensorParallel
 
 HF_MLP_NAMES = ("gate_proj", "up_proj", "down_proj")
 MIXTRAL_EXPERT_NAMES = ("w1", "w3", "w2")  # gate, up, down
-FUSED_SUFFIXES = ("weight", "bias", "weight_scale")  # a fused layer's tensors split by rows (the scale: int8's)
+# A fused layer's tensors, split by rows: a float or int8 layer's weight (and int8's scales), or an Int4Linear's.
+INT4_SUFFIXES = ("int4_codes", "int4_scales", "int4_zeros")
+FUSED_SUFFIXES = ("weight", "bias", "weight_scale", *INT4_SUFFIXES)
 
 
 class Target:
@@ -70,8 +72,13 @@ class WeightTargets(dict):
         self[name] = Target(tensor, 0, tensor.shape[0], 1, self.tp.rows(whole_columns), whole_columns)
 
     def row_parallel(self, name: str, linear: nn.Linear, has_bias: bool) -> None:
-        """A row-parallel layer: its weight's columns; its bias whole on rank 0, which alone adds it."""
-        self.columns(f"{name}.weight", linear.weight)
+        """A row-parallel layer: its weight's columns; its bias whole on rank 0, which alone adds it. (An
+        Int4Linear is only built on one rank: its tensors whole.)"""
+        if hasattr(linear, "int4_codes"):
+            for suffix in INT4_SUFFIXES:
+                self.whole(f"{name}.{suffix}", getattr(linear, suffix))
+        else:
+            self.columns(f"{name}.weight", linear.weight)
         if getattr(linear, "weight_scale", None) is not None:  # an int8 layer's: one per output row, all here
             self.whole(f"{name}.weight_scale", linear.weight_scale)
         if linear.bias is not None:
@@ -81,7 +88,7 @@ class WeightTargets(dict):
 
     def mlp(self, prefix: str, gate_up: nn.Linear, down: nn.Linear, has_bias: bool) -> None:
         """A SwiGLU MLP stored as gate_proj, up_proj and down_proj."""
-        inter = gate_up.weight.shape[0] // 2
+        inter = gate_up.out_features // 2
         for suffix in FUSED_SUFFIXES:
             fused = getattr(gate_up, suffix, None)
             if fused is not None:

@@ -8,6 +8,7 @@ from __future__ import annotations
 import torch
 
 from services.worker.quantization.config_fields import field, positive_group_size
+from services.worker.quantization.int4_linear import kernel_takes_group
 from services.worker.quantization.dequantize import grouped_dequantize, group_index
 from services.worker.quantization.linear_format import LinearFormat, StoredLinear
 from services.worker.quantization.packing import unpack_awq
@@ -30,13 +31,19 @@ class AwqFormat(LinearFormat):
         return cls(group_size, field(raw, "zero_point", default=True, kind=bool, where=where))
 
     def dequantized(self, stored: StoredLinear) -> torch.Tensor:
+        codes, scales, zeros = self.int4_parts(stored)
+        return grouped_dequantize(codes, scales, zeros, group_index(codes.shape[1], self.group_size))
+
+    def int4_group(self, suffixes: frozenset[str]) -> int | None:
+        return self.group_size if kernel_takes_group(self.group_size) else None
+
+    def int4_parts(self, stored: StoredLinear) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Codes ``[out, in]``, scales and zero points ``[out, groups]`` (zeros without zero points)."""
         codes = unpack_awq(stored.need("qweight"))  # [in, out]
         scales = stored.need("scales")
-        zeros = unpack_awq(stored.need("qzeros")) if self.zero_point else None
-        if zeros is not None:
-            zeros = zeros[:, :scales.shape[1]]
-        groups = group_index(codes.shape[0], self.group_size)
-        return grouped_dequantize(codes.t(), scales.t(), None if zeros is None else zeros.t(), groups)
+        zeros = unpack_awq(stored.need("qzeros"))[:, :scales.shape[1]] if self.zero_point \
+            else torch.zeros(scales.shape, dtype=torch.int32)
+        return codes.t(), scales.t(), zeros.t()
 
     def describe(self) -> str:
         group = self.group_size or "whole rows"

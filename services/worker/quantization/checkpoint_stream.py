@@ -12,6 +12,7 @@ from collections.abc import Iterable, Iterator
 import torch
 
 from services.worker.quantization.linear_format import LinearFormat, StoredLinear
+from services.worker.quantization.packing import pack_int4_rows
 
 # Stored-quantized dtypes: a weight in one of these without its scales would load as meaningless numbers.
 _QUANTIZED_DTYPES = (torch.int8, torch.int32, torch.uint8, torch.float8_e4m3fn, torch.float8_e5m2)
@@ -29,10 +30,11 @@ def quantized_layers(names: Iterable[str], fmt: LinearFormat) -> dict[str, froze
 
 
 def converted_weights(weights: Iterable[tuple[str, torch.Tensor]], layers: dict[str, frozenset[str]],
-                      fmt: LinearFormat, int8_layers: frozenset[str] = frozenset()
-                      ) -> Iterator[tuple[str, torch.Tensor]]:
+                      fmt: LinearFormat, int8_layers: frozenset[str] = frozenset(),
+                      int4_layers: frozenset[str] = frozenset()) -> Iterator[tuple[str, torch.Tensor]]:
     """``weights`` with each of ``layers`` converted once all its tensors have come; ``int8_layers``: those
-    the model holds as Int8Linear (their int8 weight and scales pass through)."""
+    the model holds as Int8Linear (their int8 weight and scales pass through); ``int4_layers``: as Int4Linear
+    (their codes repacked output-major, with scales and zero points)."""
     pending: dict[str, dict[str, torch.Tensor]] = {}
     for name, tensor in weights:
         module, _, suffix = name.rpartition(".")
@@ -41,7 +43,10 @@ def converted_weights(weights: Iterable[tuple[str, torch.Tensor]], layers: dict[
             parts[suffix] = tensor
             if parts.keys() == layers[module]:
                 stored = StoredLinear(module, pending.pop(module), fmt.method)
-                yield from fmt.converted(stored, module in int8_layers)
+                if module in int4_layers:
+                    yield from int4_tensors(module, *fmt.int4_parts(stored))
+                else:
+                    yield from fmt.converted(stored, module in int8_layers)
         elif fmt.quantizes_float_weight(name):
             yield name, fmt.quantized_on_load(tensor)
         else:
@@ -52,3 +57,11 @@ def converted_weights(weights: Iterable[tuple[str, torch.Tensor]], layers: dict[
     if pending:  # the listing promised tensors the files did not hold
         module, parts = next(iter(pending.items()))
         raise ValueError(f"{module}: only {', '.join(sorted(parts))} of {', '.join(sorted(layers[module]))} found")
+
+
+def int4_tensors(module: str, codes: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor
+                 ) -> Iterator[tuple[str, torch.Tensor]]:
+    """An Int4Linear's tensors from a layer's codes ``[out, in]``, scales and zero points ``[out, groups]``."""
+    yield f"{module}.int4_codes", pack_int4_rows(codes)
+    yield f"{module}.int4_scales", scales
+    yield f"{module}.int4_zeros", zeros.float()

@@ -22,6 +22,7 @@ import torch
 from services.worker.quantization.config_fields import field
 from services.worker.quantization.dequantize import (FP8_DTYPES, block_dequantize, fp8_dequantize, group_index,
                                                      grouped_dequantize, int8_dequantize, per_row_scale)
+from services.worker.quantization.int4_linear import kernel_takes_group
 from services.worker.quantization.linear_format import LinearFormat, StoredLinear
 from services.worker.quantization.packing import PACKED_BITS, unpack_int32
 
@@ -115,6 +116,18 @@ class CompressedTensorsFormat(LinearFormat):
             return block_dequantize(weight.float() - _zero(stored), scale, args.block)
         return int8_dequantize(weight, scale, stored.get("weight_zero_point"))
 
+    def int4_group(self, suffixes: frozenset[str]) -> int | None:
+        """pack-quantized 4-bit groups the kernel takes, in order (no g_idx), under the one config group."""
+        if len(self.schemes) != 1 or "weight_g_idx" in suffixes:
+            return None
+        scheme = self.schemes[0]
+        args = scheme.weights
+        fits = scheme.format == "pack-quantized" and args.num_bits == 4 and args.strategy == "group"
+        return args.group_size if fits and kernel_takes_group(args.group_size) else None
+
+    def int4_parts(self, stored: StoredLinear) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        return _packed_parts(stored, self.schemes[0].weights, stored.need("weight_scale"))
+
     def describe(self) -> str:
         kinds = sorted({f"{s.format} {s.weights.type}{s.weights.num_bits} {s.weights.strategy}"
                         + (" with int8 per-token activations" if s.int8_tokens else "") for s in self.schemes})
@@ -127,8 +140,16 @@ def _zero(stored: StoredLinear) -> torch.Tensor | float:
 
 
 def _unpacked(stored: StoredLinear, args: WeightArgs, scale: torch.Tensor) -> torch.Tensor:
-    """pack-quantized: unsigned codes from the words; the signed values were stored shifted by 2^(bits-1), so
-    an absent zero point is that shift."""
+    codes, scale, zeros = _packed_parts(stored, args, scale)
+    group_size = args.group_size if args.strategy == "group" else None
+    groups = group_index(codes.shape[1], group_size, stored.get("weight_g_idx"))
+    return grouped_dequantize(codes, scale, zeros, groups)
+
+
+def _packed_parts(stored: StoredLinear, args: WeightArgs, scale: torch.Tensor
+                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """pack-quantized: unsigned codes ``[out, in]`` from the words, scales and zero points ``[out, groups]``;
+    the signed values were stored shifted by 2^(bits-1), so an absent zero point is that shift."""
     shape = stored.need("weight_shape")
     rows, columns = (int(v) for v in shape.tolist())
     codes = unpack_int32(stored.need("weight_packed"), args.num_bits, 1)[:, :columns]
@@ -143,9 +164,7 @@ def _unpacked(stored: StoredLinear, args: WeightArgs, scale: torch.Tensor) -> to
         zeros = torch.full(scale.shape, 1 << (args.num_bits - 1), dtype=torch.int32)
     else:
         zeros = unpack_int32(packed_zero, args.num_bits, 0)[:rows]
-    group_size = args.group_size if args.strategy == "group" else None
-    groups = group_index(columns, group_size, stored.get("weight_g_idx"))
-    return grouped_dequantize(codes, scale, zeros, groups)
+    return codes, scale, zeros
 
 
 def _scheme(name: str, group: dict, default_format: str | None, where: str) -> Scheme:

@@ -20,9 +20,10 @@ import triton.language as tl
 
 from services.worker.attention.triton_attention import interpreter_enabled
 from services.worker.block_moves import require
+from services.worker.quantization.int4_linear import BLOCK_K
 
 ACTIVATION_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
-BLOCK_M, BLOCK_N, BLOCK_K = 16, 64, 64  # BLOCK_K: a multiple of 8 (whole words) that divides the group
+BLOCK_M, BLOCK_N = 16, 64  # BLOCK_K (int4_linear.py): a multiple of 8 (whole words) that divides the group
 
 
 @triton.jit

@@ -53,6 +53,15 @@ class LinearFormat:
         """Whether the model runs this format's layers as W8A8 int8 (else in float, dequantized at load)."""
         return False
 
+    def int4_group(self, suffixes: frozenset[str]) -> int | None:
+        """The group size when a layer stored with these tensors can run in the W4A16 GEMM (int4_linear.py)
+        as it is stored; None: it is dequantized at load."""
+        return None
+
+    def int4_parts(self, stored: StoredLinear) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(unsigned codes ``[out, in]``, scales and zero points ``[out, groups]``) of a layer int4_group took."""
+        raise NotImplementedError
+
     def quantizes_float_weight(self, name: str) -> bool:
         """Whether a float weight of this name is quantized at load (--quantization on a float checkpoint)."""
         return False

@@ -34,3 +34,12 @@ def unpack_awq(packed: torch.Tensor) -> torch.Tensor:
     nibbles = unpack_int32(packed, 4, 1).view(packed.shape[0], -1, 8)
     natural = [AWQ_ORDER.index(column) for column in range(8)]
     return nibbles[:, :, natural].reshape(packed.shape[0], -1)
+
+
+def pack_int4_rows(codes: torch.Tensor) -> torch.Tensor:
+    """Unsigned 4-bit ``codes [rows, cols]`` (cols a multiple of 8) -> ``[rows, cols / 8]`` int32, code j of each
+    run of eight at bits 4 * j: the layout int4_gemm.py reads (and compressed-tensors stores)."""
+    rows, cols = codes.shape
+    shifts = torch.arange(8, dtype=torch.int64) * 4
+    words = (codes.to(torch.int64).view(rows, cols // 8, 8) << shifts).sum(dim=-1)
+    return torch.where(words >= 1 << 31, words - (1 << 32), words).to(torch.int32)  # the same 32 bits, signed
