@@ -26,7 +26,9 @@ ACTIVATION_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 BLOCK_M, BLOCK_N = 16, 64  # BLOCK_K (int4_linear.py): a multiple of 8 (whole words) that divides the group
 
 
-@triton.jit
+# M (the step's token count) changes with every batch: a binary of its own for the counts divisible by 16 (or
+# for 1) would compile in the middle of serving.
+@triton.jit(do_not_specialize=["M"])
 def _w4a16_kernel(
     x_ptr,  # [M, K] activations
     codes_ptr,  # [N, K / 8] int32: packed 4-bit codes, eight per word along K
