@@ -131,31 +131,39 @@ class LlamaForCausalLM(nn.Module):
         """Hold as Int8Linear (W8A8) each dense projection whose checkpoint layers are all in ``stored_int8``
         (HF names: q/k/v and gate/up are fused here, so they go together); before materializing. Returns the
         checkpoint layers so kept."""
-        stored_int8, kept = set(stored_int8), set()
-        for owner, attr, parts in self._fused_projections():
+        stored_int8 = set(stored_int8)
+
+        def build(linear: nn.Module, parts: list[str]) -> nn.Module | None:
             present = [part in stored_int8 for part in parts]
             if not any(present):
-                continue
+                return None
             if not all(present):
                 raise ValueError(f"{', '.join(parts)} run as one layer here, but only some are stored in int8")
-            linear = getattr(owner, attr)
-            setattr(owner, attr, Int8Linear(linear.in_features, linear.out_features, linear.bias is not None))
-            kept.update(parts)
-        return frozenset(kept)
+            return Int8Linear(linear.in_features, linear.out_features, linear.bias is not None)
+
+        return self._replace_projections(build)
 
     def use_int4_linears(self, groups: dict[str, int]) -> frozenset[str]:
         """Hold as Int4Linear (W4A16) each dense projection whose checkpoint layers all have a group size in
         ``groups`` (HF name -> the kernel's group), the same one; before materializing, on one rank. The
         others are dequantized. Returns the checkpoint layers so kept."""
+        def build(linear: nn.Module, parts: list[str]) -> nn.Module | None:
+            sizes = {groups.get(part) for part in parts}
+            if len(sizes) != 1 or None in sizes or linear.in_features % next(iter(sizes)):
+                return None
+            return Int4Linear(linear.in_features, linear.out_features, linear.bias is not None, next(iter(sizes)))
+
+        return self._replace_projections(build)
+
+    def _replace_projections(self, build) -> frozenset[str]:
+        """Each dense projection replaced by ``build(linear, its checkpoint layers)`` where that gives a layer;
+        the checkpoint layers so replaced."""
         kept = set()
         for owner, attr, parts in self._fused_projections():
-            sizes = {groups.get(part) for part in parts}
-            linear = getattr(owner, attr)
-            if len(sizes) != 1 or None in sizes or linear.in_features % next(iter(sizes)):
-                continue
-            setattr(owner, attr, Int4Linear(linear.in_features, linear.out_features, linear.bias is not None,
-                                            next(iter(sizes))))
-            kept.update(parts)
+            layer = build(getattr(owner, attr), parts)
+            if layer is not None:
+                setattr(owner, attr, layer)
+                kept.update(parts)
         return frozenset(kept)
 
     def _fused_projections(self) -> Iterable[tuple[nn.Module, str, list[str]]]:

@@ -10,7 +10,7 @@ import torch
 from torch import nn
 
 # The GEMM's K tile (int4_gemm.py): a group must hold whole tiles. Here, so that reading a checkpoint needs
-# no Triton (the kernel is imported when a layer first runs).
+# no Triton (the kernel is imported when an Int4Linear is built).
 BLOCK_K = 64
 
 
@@ -25,7 +25,10 @@ class Int4Linear(nn.Module):
     K), ``int4_scales`` and ``int4_zeros [N, K / group]`` (the model's dtype)."""
 
     def __init__(self, in_features: int, out_features: int, bias: bool, group_size: int):
+        from services.worker.quantization.int4_gemm import w4a16_matmul  # Triton, once a layer is built
+
         super().__init__()
+        self._matmul = w4a16_matmul
         self.in_features, self.out_features, self.group_size = in_features, out_features, group_size
         groups = in_features // group_size
         self.int4_codes = nn.Parameter(torch.empty(out_features, in_features // 8, dtype=torch.int32),
@@ -36,10 +39,8 @@ class Int4Linear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """``x [..., K]`` -> ``[..., N]`` in x's dtype."""
-        from services.worker.quantization.int4_gemm import w4a16_matmul
-
         flat = x.reshape(-1, self.in_features)
-        y = w4a16_matmul(flat, self.int4_codes, self.int4_scales, self.int4_zeros, self.group_size)
+        y = self._matmul(flat, self.int4_codes, self.int4_scales, self.int4_zeros, self.group_size)
         if self.bias is not None:
             y = y + self.bias
         return y.view(*x.shape[:-1], self.out_features)
