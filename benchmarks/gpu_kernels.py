@@ -21,8 +21,9 @@ Sections (each under its own time limit; a section that fails or times out is re
             per split), each output checked against the default plan's; data for choosing defaults
   tune_prefill  (only when named) prefill tilings: query rows x key tile x warps x pipeline depth,
             kernel time from CUDA graphs, each output checked against the default plan's
-  w4a16     (only when named) the W4A16 GEMM against a bfloat16 matmul over the same weight on
-            Llama-3-8B's projection shapes, batch 1-16, each output checked (target: >= 2.5x at batch 1)
+  wna16     (only when named) the W4A16 and W8A16 GEMM against a bfloat16 matmul over the same weight
+            on Llama-3-8B's projection shapes, batch 1-16, each output checked (targets at batch 1:
+            >= 2.5x for 4 bits, >= 1.5x for 8)
 
 Targets:
   - paged decode >= 0.95x the speed of contiguous SDPA (time_sdpa / time_paged >= 0.95)
@@ -1053,47 +1054,53 @@ def section_engine(bench: Bench, record: dict) -> None:
         print(f"  Gemma 2 shape check: ERROR {e!r}", flush=True)
 
 
-# --- W4A16 ------------------------------------------------------------------------------------------------
+# --- W4A16 / W8A16 ----------------------------------------------------------------------------------------
 
 # Llama-3-8B's projections (N, K): fused q/k/v, o, fused gate/up, down.
-W4A16_SHAPES = ((6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336))
-W4A16_TARGET = 2.5  # bf16 matmul time / W4A16 GEMM time at batch 1
+WNA16_SHAPES = ((6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336))
+# bf16 matmul time / the GEMM's at batch 1, where weight bytes decide: 4 bits read a quarter of bf16's, 8 a half.
+WNA16_TARGETS = {4: 2.5, 8: 1.5}
 
 
-def section_w4a16(bench: Bench, record: dict) -> None:
-    """The W4A16 GEMM (quantization/int4_gemm.py) against a bfloat16 matmul over the same (dequantized)
-    weight, batch 1 to 16: each output checked, then both timed."""
+def section_wna16(bench: Bench, record: dict) -> None:
+    """The weight-only GEMM (quantization/wna16_gemm.py), 4- and 8-bit codes, against a bfloat16 matmul over the
+    same (dequantized) weight, batch 1 to 16: each output checked, then both timed."""
     torch = bench.torch
     from services.worker.quantization.dequantize import group_index, grouped_dequantize
-    from services.worker.quantization.int4_gemm import w4a16_matmul
     from services.worker.quantization.packing import unpack_int32
+    from services.worker.quantization.wna16_gemm import wna16_matmul
 
     generator = torch.Generator().manual_seed(bench.args.seed)
-    shapes, batches, group = (((128, 256),), (1, 4), 128) if bench.smoke else (W4A16_SHAPES, (1, 2, 4, 8, 16), 128)
+    shapes, batches, group = (((128, 256),), (1, 4), 128) if bench.smoke else (WNA16_SHAPES, (1, 2, 4, 8, 16), 128)
     rows = record.setdefault("cases", [])
-    for n, k in shapes:
-        codes = torch.randint(-2 ** 31, 2 ** 31 - 1, (n, k // 8), generator=generator, dtype=torch.int64)
-        codes = codes.to(torch.int32).to(bench.device)
-        scales = (torch.rand(n, k // group, generator=generator) * 0.02).to(torch.bfloat16).to(bench.device)
-        zeros = torch.randint(0, 16, (n, k // group), generator=generator).to(torch.bfloat16).to(bench.device)
-        weight = grouped_dequantize(unpack_int32(codes.cpu(), 4, 1), scales.float().cpu(), zeros.float().cpu(),
-                                    group_index(k, group)).to(torch.bfloat16).to(bench.device)
-        for batch in batches:
-            x = torch.randn(batch, k, generator=generator).to(torch.bfloat16).to(bench.device)
-            error, ok = compare_outputs(w4a16_matmul(x, codes, scales, zeros, group), x @ weight.t(), "bfloat16")
-            t_int4 = bench.measure(lambda: w4a16_matmul(x, codes, scales, zeros, group))
-            t_bf16 = bench.measure(lambda: x @ weight.t())
-            rows.append({"n": n, "k": k, "batch": batch, "ok": ok, "error": error, "w4a16_us": t_int4 * 1e6,
-                         "bf16_us": t_bf16 * 1e6, "speed_vs_bf16": t_bf16 / t_int4})
-            bench.rows.append([f"w4a16 B={batch}", f"N{n}/K{k}/g{group}", f"{t_int4 * 1e6:.1f}",
-                               f"{t_bf16 * 1e6:.1f} (bf16 matmul)", f"{t_bf16 / t_int4:.2f}", "",
-                               "ok" if ok else "WRONG"])
-            print(f"  w4a16 N{n} K{k} batch {batch}: {t_int4 * 1e6:.1f} us, bf16 {t_bf16 * 1e6:.1f} us "
-                  f"({t_bf16 / t_int4:.2f}x) {'ok' if ok else f'WRONG (error {error:.2e})'}", flush=True)
-    batch_one = [row["speed_vs_bf16"] for row in rows if row["batch"] == 1]
+    for bits in WNA16_TARGETS:
+        for n, k in shapes:
+            words = k * bits // 32
+            codes = torch.randint(-2 ** 31, 2 ** 31 - 1, (n, words), generator=generator, dtype=torch.int64)
+            codes = codes.to(torch.int32).to(bench.device)
+            scales = (torch.rand(n, k // group, generator=generator) * 0.02 / bits).to(torch.bfloat16).to(bench.device)
+            zeros = torch.randint(0, 1 << bits, (n, k // group), generator=generator).to(torch.bfloat16)
+            zeros = zeros.to(bench.device)
+            weight = grouped_dequantize(unpack_int32(codes.cpu(), bits, 1), scales.float().cpu(), zeros.float().cpu(),
+                                        group_index(k, group)).to(torch.bfloat16).to(bench.device)
+            for batch in batches:
+                x = torch.randn(batch, k, generator=generator).to(torch.bfloat16).to(bench.device)
+                error, ok = compare_outputs(wna16_matmul(x, codes, scales, zeros, group, bits), x @ weight.t(),
+                                            "bfloat16")
+                t_packed = bench.measure(lambda: wna16_matmul(x, codes, scales, zeros, group, bits))
+                t_bf16 = bench.measure(lambda: x @ weight.t())
+                rows.append({"bits": bits, "n": n, "k": k, "batch": batch, "ok": ok, "error": error,
+                             "gemm_us": t_packed * 1e6, "bf16_us": t_bf16 * 1e6, "speed_vs_bf16": t_bf16 / t_packed})
+                bench.rows.append([f"w{bits}a16 B={batch}", f"N{n}/K{k}/g{group}", f"{t_packed * 1e6:.1f}",
+                                   f"{t_bf16 * 1e6:.1f} (bf16 matmul)", f"{t_bf16 / t_packed:.2f}", "",
+                                   "ok" if ok else "WRONG"])
+                print(f"  w{bits}a16 N{n} K{k} batch {batch}: {t_packed * 1e6:.1f} us, bf16 {t_bf16 * 1e6:.1f} us "
+                      f"({t_bf16 / t_packed:.2f}x) {'ok' if ok else f'WRONG (error {error:.2e})'}", flush=True)
     record["all_ok"] = all(row["ok"] for row in rows)
-    record["batch_1_speed_min"] = min(batch_one) if batch_one else None
-    record["target_met"] = bool(batch_one) and min(batch_one) >= W4A16_TARGET
+    for bits, target in WNA16_TARGETS.items():
+        batch_one = [row["speed_vs_bf16"] for row in rows if row["batch"] == 1 and row["bits"] == bits]
+        record[f"w{bits}_batch_1_speed_min"] = min(batch_one) if batch_one else None
+        record[f"w{bits}_target_met"] = bool(batch_one) and min(batch_one) >= target
 
 
 # --- report -----------------------------------------------------------------------------------------------
@@ -1102,7 +1109,7 @@ def section_w4a16(bench: Bench, record: dict) -> None:
 # report. "tune" (launch-plan variants of decode, for choosing the defaults) runs only when asked for.
 SECTIONS = {"check": (section_check, 100), "decode": (section_decode, 140), "prefill": (section_prefill, 50),
             "cache": (section_cache, 40), "engine": (section_engine, 125), "tune": (section_tune, 100),
-            "tune_prefill": (section_tune_prefill, 60), "w4a16": (section_w4a16, 60)}
+            "tune_prefill": (section_tune_prefill, 60), "wna16": (section_wna16, 90)}
 REPORT_SECONDS = 5  # kept back from --deadline for the report
 
 

@@ -319,19 +319,37 @@ def compile_experts(recorder: Recorder, quick: bool) -> None:
                 recorder.failed("fused_experts", e)
 
 
-def compile_int4_gemm(recorder: Recorder) -> None:
-    """The W4A16 GEMM (quantization/int4_gemm.py) on an 8B model's q/k/v shape, group 128, in the 16-bit
-    dtypes it serves (the row count is a run-time argument: one binary per dtype)."""
-    from services.worker.quantization.int4_gemm import w4a16_matmul
+def compile_wna16_gemm(recorder: Recorder) -> None:
+    """The W4A16 / W8A16 GEMM (quantization/wna16_gemm.py) on an 8B model's q/k/v shape, group 128, in the
+    16-bit dtypes it serves (the row count is a run-time argument: one binary per dtype and width)."""
+    from services.worker.quantization.wna16_gemm import wna16_matmul
 
     n, k, group = 6144, 4096, 128
-    for dtype in (torch.bfloat16, torch.float16):
-        recorder.case = f"w4a16 n{n} k{k} g{group} {dtype}"
-        try:
-            w4a16_matmul(torch.zeros(16, k, dtype=dtype), torch.zeros(n, k // 8, dtype=torch.int32),
-                         torch.ones(n, k // group, dtype=dtype), torch.zeros(n, k // group, dtype=dtype), group)
-        except Exception as e:
-            recorder.failed("w4a16_matmul", e)
+    for bits in (4, 8):
+        for dtype in (torch.bfloat16, torch.float16):
+            recorder.case = f"w{bits}a16 n{n} k{k} g{group} {dtype}"
+            try:
+                wna16_matmul(torch.zeros(16, k, dtype=dtype), torch.zeros(n, k * bits // 32, dtype=torch.int32),
+                             torch.ones(n, k // group, dtype=dtype), torch.zeros(n, k // group, dtype=dtype), group,
+                             bits)
+            except Exception as e:
+                recorder.failed("wna16_matmul", e)
+
+
+def compile_int8_gemm(recorder: Recorder) -> None:
+    """The W8A8 int8 GEMM (quantization/int8_gemm.py) on an 8B model's q/k/v shape, in the dtypes it serves,
+    with and without bias (the row count is a run-time argument: one binary per output dtype and bias)."""
+    from services.worker.quantization.int8_gemm import w8a8_int8_matmul
+
+    n, k = 6144, 4096
+    for dtype in (torch.bfloat16, torch.float16, torch.float32):
+        for bias in (None, torch.zeros(n, dtype=dtype)):
+            recorder.case = f"w8a8 int8 n{n} k{k} {dtype} bias={bias is not None}"
+            try:
+                w8a8_int8_matmul(torch.zeros(16, k, dtype=torch.int8), torch.ones(16, 1),
+                                 torch.zeros(n, k, dtype=torch.int8), torch.ones(n, 1), bias, dtype)
+            except Exception as e:
+                recorder.failed("w8a8_int8_matmul", e)
 
 
 def serving_batches(rng: random.Random, block_size: int, max_model_len: int, budget: int, count: int):
@@ -448,13 +466,13 @@ def main() -> int:
     driver.set_active(CompileOnlyDriver(args.arch))
     from services.worker.attention import triton_attention, triton_cache_ops
     from services.worker.models import fused_moe
-    from services.worker.quantization import int4_gemm
+    from services.worker.quantization import int8_gemm, wna16_gemm
 
     recorder = Recorder(args.arch)
     real_sm_count = triton_attention._sm_count
     for kernel in (triton_attention._paged_attention_kernel, triton_attention._reduce_splits_kernel,
                    triton_cache_ops._write_kv_kernel, triton_cache_ops._copy_blocks_kernel,
-                   fused_moe._grouped_matmul_kernel, int4_gemm._w4a16_kernel):
+                   fused_moe._grouped_matmul_kernel, wna16_gemm._wna16_kernel, int8_gemm._w8a8_kernel):
         recorder.instrument(kernel)
     started = time.perf_counter()
     # First, while no kernel is compiled yet: a binary the matrix below made would hide a warm-up gap.
@@ -467,7 +485,8 @@ def main() -> int:
     compile_window_and_cap_variants(recorder)
     compile_fp8_kv_variants(recorder, args.arch)
     compile_experts(recorder, args.quick)
-    compile_int4_gemm(recorder)
+    compile_wna16_gemm(recorder)
+    compile_int8_gemm(recorder)
     elapsed = time.perf_counter() - started
     print_table(recorder.variants)
     bad = [v for v in recorder.variants if v.problems]

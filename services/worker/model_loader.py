@@ -23,6 +23,7 @@ from services.worker.models.packed_linear import can_pack
 from services.worker.quantization.checkpoint_stream import converted_weights, quantized_layers
 from services.worker.quantization.gguf_checkpoint import gguf_names, gguf_tensors
 from services.worker.quantization.method import read_quantization
+from services.worker.quantization.wna16_linear import PackedLayout
 from services.worker.tensor_parallel import TensorParallel
 from services.worker.model_config import ModelConfig
 from shared.gguf_view import GGUF_FILE
@@ -35,13 +36,14 @@ log = structlog.get_logger(__name__)
 
 def load_model(model_dir: str | Path, dtype: torch.dtype, device: torch.device, pack: bool = True,
                tp: TensorParallel = TensorParallel(), with_head: bool = True, num_labels: int = 0,
-               max_model_len: int | None = None, quantization: str | None = None, int4_gemm: bool | None = None
+               max_model_len: int | None = None, quantization: str | None = None, triton_gemms: bool | None = None
                ) -> tuple[LlamaForCausalLM, ModelConfig]:
     """The model (this rank's share of it), ready for inference, and the config of that share; ``pack``
     re-lays float32 CPU projections for oneDNN (packed_linear); ``with_head``: False for a pooling model;
     ``num_labels``: a sequence classifier's (its score head); ``max_model_len``: the longest context served
-    (None: the model's own); ``quantization``: --quantization (None: what the checkpoint says); ``int4_gemm``:
-    keep W4A16 layers 4-bit for the Triton GEMM (None: on a GPU, on one rank; else they are dequantized)."""
+    (None: the model's own); ``quantization``: --quantization (None: what the checkpoint says); ``triton_gemms``:
+    run quantized layers in the Triton GEMMs (None: on a GPU): int8 W8A8 layers, and weight-only 4- and 8-bit
+    layers kept packed on one rank (elsewhere those are dequantized at load)."""
     whole = ModelConfig.from_model_dir(model_dir)
     config = tp.shard(whole)
     fmt = read_quantization(model_dir, quantization)
@@ -50,17 +52,17 @@ def load_model(model_dir: str | Path, dtype: torch.dtype, device: torch.device, 
     with torch.device("meta"):
         model = LlamaForCausalLM(config, tp, tp.kv_replicas(whole), with_head, num_labels, max_model_len)
         int8_layers = model.use_int8_linears(layers) if fmt is not None and fmt.runs_int8 else frozenset()
-        if int4_gemm is None:
-            int4_gemm = torch.device(device).type == "cuda" and tp.size == 1
-        int4_layers = model.use_int4_linears(_int4_groups(fmt, layers)) if fmt is not None and int4_gemm \
-            else frozenset()
+        if triton_gemms is None:
+            triton_gemms = torch.device(device).type == "cuda"
+        keep_packed = fmt is not None and triton_gemms and tp.size == 1
+        wna16_layers = model.use_wna16_linears(_wna16_layouts(fmt, layers)) if keep_packed else frozenset()
     _materialize(model, dtype, torch.device(device))
     state = {"file": None, "done": False}
     weights = _stream(files, state)
     if fmt is not None:
         log.info("quantized weights", model=str(model_dir), quantization=fmt.describe(), layers=len(layers),
-                 int8_layers=len(int8_layers), int4_layers=len(int4_layers))
-        weights = converted_weights(weights, layers, fmt, int8_layers, int4_layers)
+                 int8_layers=len(int8_layers), wna16_layers=len(wna16_layers))
+        weights = converted_weights(weights, layers, fmt, int8_layers, wna16_layers)
     try:
         model.load_weights(weights)
     except ValueError as e:
@@ -70,16 +72,16 @@ def load_model(model_dir: str | Path, dtype: torch.dtype, device: torch.device, 
     model.eval().requires_grad_(False)
     for module in model.modules():
         if isinstance(module, Int8Linear):
-            module.prepare()
+            module.prepare(triton_gemms)
     if pack and can_pack(dtype, torch.device(device)):
         model.pack_linear_weights()
     return model, config
 
 
-def _int4_groups(fmt, layers: dict[str, frozenset[str]]) -> dict[str, int]:
-    """Each quantized layer the W4A16 GEMM can run as stored -> its group size."""
-    groups = {module: fmt.int4_group(suffixes) for module, suffixes in layers.items()}
-    return {module: group for module, group in groups.items() if group is not None}
+def _wna16_layouts(fmt, layers: dict[str, frozenset[str]]) -> dict[str, PackedLayout]:
+    """Each quantized layer the weight-only GEMM can run as stored -> its bits and group size."""
+    layouts = {module: fmt.wna16_layout(suffixes) for module, suffixes in layers.items()}
+    return {module: layout for module, layout in layouts.items() if layout is not None}
 
 
 def _materialize(model: torch.nn.Module, dtype: torch.dtype, device: torch.device) -> None:

@@ -27,7 +27,7 @@ if tuple(int(part) for part in TRITON_VERSION.split(".")[:2]) < (3, 7):  # as te
     pytest.skip(f"the Triton {TRITON_VERSION} interpreter cannot run the kernels", allow_module_level=True)
 
 SCRIPT = str(REPO / "benchmarks" / "gpu_kernels.py")
-ALL_SECTIONS = "check,decode,prefill,cache,engine,tune,tune_prefill,w4a16"
+ALL_SECTIONS = "check,decode,prefill,cache,engine,tune,tune_prefill,wna16"
 
 
 def run_script(tmp_path, *args: str) -> dict:
@@ -63,8 +63,8 @@ def test_every_section_runs_and_checks_pass(tmp_path):
     split_counts = {v["num_splits"] for v in tune[0]["variants"]}
     assert len(split_counts) > 1, "the split case tries other split counts"
     assert {"write_kv", "copy_blocks", "swap"} <= set(sections["cache"])
-    w4a16 = sections["w4a16"]
-    assert w4a16["all_ok"] and [(c["batch"], c["n"]) for c in w4a16["cases"]] == [(1, 128), (4, 128)]
+    wna16 = sections["wna16"]
+    assert wna16["all_ok"] and [(c["bits"], c["batch"]) for c in wna16["cases"]] == [(4, 1), (4, 4), (8, 1), (8, 4)]
     assert isinstance(results["targets"]["bandwidth_met"], bool)
     prefill_tune = sections["tune_prefill"]["cases"]
     assert [case["label"] for case in prefill_tune] == ["causal 40", "24 after 16 + 2 decodes"]

@@ -17,7 +17,7 @@ from safetensors.torch import load_file, save_file
 from pagedserve import LLM, SamplingParams
 from services.worker.model_loader import load_model
 from services.worker.models.int8_linear import Int8Linear, w8a8_reference
-from services.worker.quantization.int4_linear import Int4Linear
+from services.worker.quantization.wna16_linear import WNA16Linear
 from tests.oracle import assert_greedy_equal, hf_greedy
 from tests.quantized_checkpoints import write_quantized
 from tests.worker.test_model import PagedRunner, hf_logits, random_prompts
@@ -39,9 +39,12 @@ WEIGHT_ONLY = {
 }
 
 
-# Schemes whose layers can stay 4-bit for the W4A16 GEMM (groups of 64: whole K tiles; in order).
-INT4 = {
+# Schemes whose layers can stay packed for the W4A16 / W8A16 GEMM (groups of 64: whole K tiles; in order).
+PACKED = {
     "gptq 4-bit group 64": ("gptq", dict(bits=4, group_size=64)),
+    "gptq 8-bit group 64": ("gptq", dict(bits=8, group_size=64)),
+    "gptq 8-bit asymmetric group 64": ("gptq", dict(bits=8, group_size=64, symmetric=False)),
+    "compressed-tensors W8A16 group 64": ("ct-wNa16", dict(bits=8, group_size=64)),
     "awq group 64": ("awq", dict(group_size=64)),
     "compressed-tensors W4A16 group 64": ("ct-wNa16", dict(bits=4, group_size=64)),
     "compressed-tensors W4A16 asymmetric group 64": ("ct-wNa16", dict(bits=4, group_size=64, symmetric=False)),
@@ -55,7 +58,7 @@ def checkpoints(llama_dir, tmp_path_factory):
 
     def make(name: str):
         if name not in made:
-            known = {**WEIGHT_ONLY, **INT4}
+            known = {**WEIGHT_ONLY, **PACKED}
             scheme, options = known[name] if name in known else (name, {})
             made[name] = write_quantized(llama_dir, tmp_path_factory.mktemp("quantized"), scheme, **options)
         return made[name]
@@ -73,17 +76,20 @@ def test_weight_only_formats_load_the_published_dequantization(name, checkpoints
         torch.testing.assert_close(ours, theirs[param_name], rtol=1e-6, atol=0, msg=f"{name}: {param_name}")
 
 
-@pytest.mark.parametrize("name", INT4)
-def test_w4a16_layers_kept_4_bit_equal_the_dequantized_model(name, checkpoints):
-    """The W4A16 GEMM (Triton, interpreted here) over the repacked codes: prefill and decode logits equal the
-    dequantized model's, in a quarter of its projection bytes."""
+@pytest.mark.parametrize("name", PACKED)
+def test_weight_only_layers_kept_packed_equal_the_dequantized_model(name, checkpoints):
+    """The W4A16 / W8A16 GEMM (Triton, interpreted here) over the repacked codes: prefill and decode logits equal
+    the dequantized model's, in an eighth (4-bit) or a quarter (8-bit) of its float32 projection bytes, plus
+    each group's scale and zero point."""
     quantized, dequantized = checkpoints(name)
-    model, config = load_model(quantized, torch.float32, CPU, pack=False, int4_gemm=True)
+    bits = PACKED[name][1]["bits"] if PACKED[name][0] != "awq" else 4
+    model, config = load_model(quantized, torch.float32, CPU, pack=False, triton_gemms=True)
     plain, _ = load_model(dequantized, torch.float32, CPU, pack=False)
-    int4 = [m for m in model.modules() if isinstance(m, Int4Linear)]
-    assert len(int4) == 4 * config.num_hidden_layers  # qkv, o, gate_up, down in each layer
-    kept = sum(p.numel() * p.element_size() for m in int4 for p in m.parameters())
-    assert kept < sum(m.in_features * m.out_features for m in int4)  # under a byte per weight (float32: four)
+    packed = [m for m in model.modules() if isinstance(m, WNA16Linear)]
+    assert len(packed) == 4 * config.num_hidden_layers  # qkv, o, gate_up, down in each layer
+    assert {m.layout.bits for m in packed} == {bits}
+    codes = sum(m.wna16_codes.numel() * 4 for m in packed)
+    assert codes * 8 == bits * sum(m.in_features * m.out_features for m in packed)  # bits per weight, exactly
     prompt = random_prompts(config.vocab_size, [13], seed=5)[0]
     ours, theirs = PagedRunner(model, config), PagedRunner(plain, config)
     for step in (prompt, [int(prompt[-1])]):  # a prefill, then a decode (one row)
@@ -152,11 +158,14 @@ def w8a8_transformers(quantized_dir, dequantized_dir):
     return hf.eval()
 
 
-def test_w8a8_int8_runs_int8_layers_equal_to_the_reference(checkpoints):
+@pytest.mark.parametrize("triton_gemms", [None, True], ids=["cpu", "triton"])
+def test_w8a8_int8_runs_int8_layers_equal_to_the_reference(triton_gemms, checkpoints):
+    """On the CPU's path (oneDNN or the reference), and through the GPU's Triton int8 GEMM (interpreted here)."""
     quantized, dequantized = checkpoints("ct-w8a8-int8")
-    model, config = load_model(quantized, torch.float32, CPU)
+    model, config = load_model(quantized, torch.float32, CPU, triton_gemms=triton_gemms)
     int8 = [m for m in model.modules() if isinstance(m, Int8Linear)]
     assert len(int8) == 4 * config.num_hidden_layers  # qkv, o, gate_up, down in each layer
+    assert all((m._gpu_matmul is not None) == bool(triton_gemms) for m in int8)
     reference = w8a8_transformers(quantized, dequantized)
     float_model = w8a8_plain(dequantized)
     prompt = random_prompts(config.vocab_size, [17], seed=3)[0]

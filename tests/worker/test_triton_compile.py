@@ -22,7 +22,7 @@ COMPILE_LIMIT_S = 840.0
 pytestmark = pytest.mark.timeout(COMPILE_LIMIT_S + 60)
 
 KERNELS = {"_paged_attention_kernel", "_reduce_splits_kernel", "_write_kv_kernel", "_copy_blocks_kernel",
-           "_grouped_matmul_kernel", "_w4a16_kernel"}
+           "_grouped_matmul_kernel", "_wna16_kernel", "_w8a8_kernel"}
 ARCHS = (80, 90)
 
 

@@ -13,7 +13,8 @@ Without VNNI (AVX2 only) oneDNN multiplies uint8 by int8 with vpmaddubsw, which 
 products at 32767: full-range codes (255 x 127 x 2) come out wrong, as this project's CPU host showed
 (errors of thousands on a 64-term dot product). So oneDNN is used only where a saturating product checks
 exact at start (``onednn_int8_is_exact``); elsewhere the layer runs the plain PyTorch reference below,
-in float32, from the int8 weights.
+in float32, from the int8 weights. On a GPU it runs the Triton int8 GEMM (quantization/int8_gemm.py):
+the integer product in int32 on the tensor cores, the scales applied after.
 
 The loader (model_loader.py) builds one for each dense projection a compressed-tensors W8A8 int8
 checkpoint stores, fills ``weight`` and ``weight_scale`` and calls ``prepare``.
@@ -93,19 +94,29 @@ class Int8Linear(nn.Module):
                                          requires_grad=False)
         self.bias = nn.Parameter(torch.empty(out_features, dtype=dtype, device=device), requires_grad=False) \
             if bias else None
+        self._gpu_matmul = None  # the Triton GEMM, on a GPU (prepare())
         self._packed: torch.Tensor | None = None  # oneDNN's reordered weight (prepare())
         self._scales: torch.Tensor | None = None  # weight_scale flat, and zero points, as oneDNN takes them
         self._zero_points: torch.Tensor | None = None
 
-    def prepare(self) -> None:
-        """After the weights are loaded: reorder them for oneDNN where it runs."""
-        if can_run_onednn_int8(self.weight.device):
+    def prepare(self, triton_gemm: bool | None = None) -> None:
+        """After the weights are loaded: the Triton GEMM where ``triton_gemm`` (None: on a GPU), else reorder
+        them for oneDNN where it runs."""
+        if triton_gemm is None:
+            triton_gemm = self.weight.device.type == "cuda"
+        if triton_gemm:
+            from services.worker.quantization.int8_gemm import int8_matmul_with_quantization  # Triton
+
+            self._gpu_matmul = int8_matmul_with_quantization
+        elif can_run_onednn_int8(self.weight.device):
             self._packed = torch.ops.onednn.qlinear_prepack(self.weight.data, None)
             self._scales = self.weight_scale.data.view(-1).float().contiguous()
             self._zero_points = torch.zeros(self.out_features, dtype=torch.int64)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """``x [..., K]`` (float) -> ``[..., N]`` in x's dtype."""
+        if self._gpu_matmul is not None:
+            return self._gpu_matmul(x, self.weight, self.weight_scale, self.bias)
         if self._packed is None:
             return w8a8_reference(x.reshape(-1, self.in_features), self.weight, self.weight_scale,
                                   self.bias).to(x.dtype).view(*x.shape[:-1], self.out_features)
@@ -121,4 +132,4 @@ class Int8Linear(nn.Module):
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, " \
-               f"onednn={self._packed is not None}"
+               f"onednn={self._packed is not None}, triton={self._gpu_matmul is not None}"

@@ -25,7 +25,7 @@ from services.worker.attention.kv_quant import KVScales, checkpoint_kv_scale, sc
 from services.worker.attention.spec import AttentionSpec
 from services.worker.models.decoder import MLP, DecoderLayer
 from services.worker.models.int8_linear import Int8Linear
-from services.worker.quantization.int4_linear import Int4Linear
+from services.worker.quantization.wna16_linear import PackedLayout, WNA16Linear
 from services.worker.models.layers import RotaryEmbedding, rms_norm_class
 from services.worker.models.lora_linear import LoRABatch, LoRALinear, LoRATarget
 from services.worker.models.moe import SparseMoeBlock
@@ -143,15 +143,18 @@ class LlamaForCausalLM(nn.Module):
 
         return self._replace_projections(build)
 
-    def use_int4_linears(self, groups: dict[str, int]) -> frozenset[str]:
-        """Hold as Int4Linear (W4A16) each dense projection whose checkpoint layers all have a group size in
-        ``groups`` (HF name -> the kernel's group), the same one; before materializing, on one rank. The
-        others are dequantized. Returns the checkpoint layers so kept."""
+    def use_wna16_linears(self, layouts: dict[str, PackedLayout]) -> frozenset[str]:
+        """Hold as WNA16Linear (W4A16 / W8A16) each dense projection whose checkpoint layers all have a layout in
+        ``layouts`` (HF name -> bits and group), the same one; before materializing, on one rank. The others
+        are dequantized. Returns the checkpoint layers so kept."""
         def build(linear: nn.Module, parts: list[str]) -> nn.Module | None:
-            sizes = {groups.get(part) for part in parts}
-            if len(sizes) != 1 or None in sizes or linear.in_features % next(iter(sizes)):
+            found = {layouts.get(part) for part in parts}
+            if len(found) != 1 or None in found:
                 return None
-            return Int4Linear(linear.in_features, linear.out_features, linear.bias is not None, next(iter(sizes)))
+            layout = next(iter(found))
+            if linear.in_features % layout.group_size:
+                return None
+            return WNA16Linear(linear.in_features, linear.out_features, linear.bias is not None, layout)
 
         return self._replace_projections(build)
 

@@ -13,13 +13,13 @@ from collections.abc import Iterable, Iterator
 import torch
 from torch import nn
 
+from services.worker.quantization.wna16_linear import SUFFIXES as WNA16_SUFFIXES, WNA16Linear
 from services.worker.tensor_parallel import TensorParallel
 
 HF_MLP_NAMES = ("gate_proj", "up_proj", "down_proj")
 MIXTRAL_EXPERT_NAMES = ("w1", "w3", "w2")  # gate, up, down
-# A fused layer's tensors, split by rows: a float or int8 layer's weight (and int8's scales), or an Int4Linear's.
-INT4_SUFFIXES = ("int4_codes", "int4_scales", "int4_zeros")
-FUSED_SUFFIXES = ("weight", "bias", "weight_scale", *INT4_SUFFIXES)
+# A fused layer's tensors, split by rows: a float or int8 layer's weight (and int8's scales), or a WNA16Linear's.
+FUSED_SUFFIXES = ("weight", "bias", "weight_scale", *WNA16_SUFFIXES)
 
 
 class Target:
@@ -73,9 +73,9 @@ class WeightTargets(dict):
 
     def row_parallel(self, name: str, linear: nn.Linear, has_bias: bool) -> None:
         """A row-parallel layer: its weight's columns; its bias whole on rank 0, which alone adds it. (An
-        Int4Linear is only built on one rank: its tensors whole.)"""
-        if hasattr(linear, "int4_codes"):
-            for suffix in INT4_SUFFIXES:
+        WNA16Linear is only built on one rank: its tensors whole.)"""
+        if isinstance(linear, WNA16Linear):
+            for suffix in WNA16_SUFFIXES:
                 self.whole(f"{name}.{suffix}", getattr(linear, suffix))
         else:
             self.columns(f"{name}.weight", linear.weight)

@@ -8,7 +8,7 @@ from __future__ import annotations
 import torch
 
 from services.worker.quantization.config_fields import field, positive_group_size
-from services.worker.quantization.int4_linear import kernel_takes_group
+from services.worker.quantization.wna16_linear import PackedLayout, kernel_takes
 from services.worker.quantization.dequantize import grouped_dequantize, group_index
 from services.worker.quantization.linear_format import LinearFormat, StoredLinear
 from services.worker.quantization.packing import unpack_awq
@@ -31,13 +31,13 @@ class AwqFormat(LinearFormat):
         return cls(group_size, field(raw, "zero_point", default=True, kind=bool, where=where))
 
     def dequantized(self, stored: StoredLinear) -> torch.Tensor:
-        codes, scales, zeros = self.int4_parts(stored)
+        codes, scales, zeros = self.wna16_parts(stored)
         return grouped_dequantize(codes, scales, zeros, group_index(codes.shape[1], self.group_size))
 
-    def int4_group(self, suffixes: frozenset[str]) -> int | None:
-        return self.group_size if kernel_takes_group(self.group_size) else None
+    def wna16_layout(self, suffixes: frozenset[str]) -> PackedLayout | None:
+        return PackedLayout(4, self.group_size) if kernel_takes(4, self.group_size) else None
 
-    def int4_parts(self, stored: StoredLinear) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    def wna16_parts(self, stored: StoredLinear) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Codes ``[out, in]``, scales and zero points ``[out, groups]`` (zeros without zero points)."""
         codes = unpack_awq(stored.need("qweight"))  # [in, out]
         scales = stored.need("scales")

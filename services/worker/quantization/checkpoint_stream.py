@@ -12,7 +12,8 @@ from collections.abc import Iterable, Iterator
 import torch
 
 from services.worker.quantization.linear_format import LinearFormat, StoredLinear
-from services.worker.quantization.packing import pack_int4_rows
+from services.worker.quantization.packing import pack_rows
+from services.worker.quantization.wna16_linear import SUFFIXES as WNA16_SUFFIXES
 
 # Stored-quantized dtypes: a weight in one of these without its scales would load as meaningless numbers.
 _QUANTIZED_DTYPES = (torch.int8, torch.int32, torch.uint8, torch.float8_e4m3fn, torch.float8_e5m2)
@@ -31,9 +32,9 @@ def quantized_layers(names: Iterable[str], fmt: LinearFormat) -> dict[str, froze
 
 def converted_weights(weights: Iterable[tuple[str, torch.Tensor]], layers: dict[str, frozenset[str]],
                       fmt: LinearFormat, int8_layers: frozenset[str] = frozenset(),
-                      int4_layers: frozenset[str] = frozenset()) -> Iterator[tuple[str, torch.Tensor]]:
+                      wna16_layers: frozenset[str] = frozenset()) -> Iterator[tuple[str, torch.Tensor]]:
     """``weights`` with each of ``layers`` converted once all its tensors have come; ``int8_layers``: those
-    the model holds as Int8Linear (their int8 weight and scales pass through); ``int4_layers``: as Int4Linear
+    the model holds as Int8Linear (their int8 weight and scales pass through); ``wna16_layers``: as WNA16Linear
     (their codes repacked output-major, with scales and zero points)."""
     pending: dict[str, dict[str, torch.Tensor]] = {}
     for name, tensor in weights:
@@ -43,8 +44,9 @@ def converted_weights(weights: Iterable[tuple[str, torch.Tensor]], layers: dict[
             parts[suffix] = tensor
             if parts.keys() == layers[module]:
                 stored = StoredLinear(module, pending.pop(module), fmt.method)
-                if module in int4_layers:
-                    yield from int4_tensors(module, *fmt.int4_parts(stored))
+                if module in wna16_layers:
+                    bits = fmt.wna16_layout(layers[module]).bits
+                    yield from wna16_tensors(module, bits, *fmt.wna16_parts(stored))
                 else:
                     yield from fmt.converted(stored, module in int8_layers)
         elif fmt.quantizes_float_weight(name):
@@ -59,9 +61,8 @@ def converted_weights(weights: Iterable[tuple[str, torch.Tensor]], layers: dict[
         raise ValueError(f"{module}: only {', '.join(sorted(parts))} of {', '.join(sorted(layers[module]))} found")
 
 
-def int4_tensors(module: str, codes: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor
-                 ) -> Iterator[tuple[str, torch.Tensor]]:
-    """An Int4Linear's tensors from a layer's codes ``[out, in]``, scales and zero points ``[out, groups]``."""
-    yield f"{module}.int4_codes", pack_int4_rows(codes)
-    yield f"{module}.int4_scales", scales
-    yield f"{module}.int4_zeros", zeros.float()
+def wna16_tensors(module: str, bits: int, codes: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor
+                  ) -> Iterator[tuple[str, torch.Tensor]]:
+    """A WNA16Linear's tensors from a layer's codes ``[out, in]``, scales and zero points ``[out, groups]``."""
+    for suffix, tensor in zip(WNA16_SUFFIXES, (pack_rows(codes, bits), scales, zeros.float())):
+        yield f"{module}.{suffix}", tensor

@@ -22,9 +22,9 @@ import torch
 from services.worker.quantization.config_fields import field
 from services.worker.quantization.dequantize import (FP8_DTYPES, block_dequantize, fp8_dequantize, group_index,
                                                      grouped_dequantize, int8_dequantize, per_row_scale)
-from services.worker.quantization.int4_linear import kernel_takes_group
 from services.worker.quantization.linear_format import LinearFormat, StoredLinear
 from services.worker.quantization.packing import PACKED_BITS, unpack_int32
+from services.worker.quantization.wna16_linear import PackedLayout, kernel_takes
 
 FORMATS = ("int-quantized", "naive-quantized", "float-quantized", "pack-quantized")
 WEIGHT_STRATEGIES = ("tensor", "channel", "group", "block")
@@ -116,16 +116,17 @@ class CompressedTensorsFormat(LinearFormat):
             return block_dequantize(weight.float() - _zero(stored), scale, args.block)
         return int8_dequantize(weight, scale, stored.get("weight_zero_point"))
 
-    def int4_group(self, suffixes: frozenset[str]) -> int | None:
-        """pack-quantized 4-bit groups the kernel takes, in order (no g_idx), under the one config group."""
+    def wna16_layout(self, suffixes: frozenset[str]) -> PackedLayout | None:
+        """pack-quantized groups the kernel takes, in order (no g_idx), under the one config group."""
         if len(self.schemes) != 1 or "weight_g_idx" in suffixes:
             return None
         scheme = self.schemes[0]
         args = scheme.weights
-        fits = scheme.format == "pack-quantized" and args.num_bits == 4 and args.strategy == "group"
-        return args.group_size if fits and kernel_takes_group(args.group_size) else None
+        fits = scheme.format == "pack-quantized" and args.strategy == "group"
+        return PackedLayout(args.num_bits, args.group_size) if fits and kernel_takes(args.num_bits, args.group_size) \
+            else None
 
-    def int4_parts(self, stored: StoredLinear) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    def wna16_parts(self, stored: StoredLinear) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         return _packed_parts(stored, self.schemes[0].weights, stored.need("weight_scale"))
 
     def describe(self) -> str:

@@ -11,10 +11,10 @@ from __future__ import annotations
 import torch
 
 from services.worker.quantization.config_fields import field, positive_group_size
-from services.worker.quantization.int4_linear import kernel_takes_group
 from services.worker.quantization.dequantize import grouped_dequantize, group_index
 from services.worker.quantization.linear_format import LinearFormat, StoredLinear
 from services.worker.quantization.packing import PACKED_BITS, unpack_int32
+from services.worker.quantization.wna16_linear import PackedLayout, kernel_takes
 
 
 class GptqFormat(LinearFormat):
@@ -35,16 +35,16 @@ class GptqFormat(LinearFormat):
         return cls(bits, group_size, desc_act, version == "gptq")
 
     def dequantized(self, stored: StoredLinear) -> torch.Tensor:
-        codes, scales, zeros = self.int4_parts(stored)
+        codes, scales, zeros = self.wna16_parts(stored)
         groups = group_index(codes.shape[1], self.group_size, stored.get("g_idx"))
         return grouped_dequantize(codes, scales, zeros, groups)
 
-    def int4_group(self, suffixes: frozenset[str]) -> int | None:
-        """4-bit, in order (act-order permutes the groups), in groups the kernel takes."""
-        fits = self.bits == 4 and not self.desc_act and kernel_takes_group(self.group_size)
-        return self.group_size if fits else None
+    def wna16_layout(self, suffixes: frozenset[str]) -> PackedLayout | None:
+        """In order (act-order permutes the groups), in groups the kernel takes."""
+        fits = not self.desc_act and kernel_takes(self.bits, self.group_size)
+        return PackedLayout(self.bits, self.group_size) if fits else None
 
-    def int4_parts(self, stored: StoredLinear) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    def wna16_parts(self, stored: StoredLinear) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Codes ``[out, in]``, scales and zero points ``[out, groups]``, output-major (any bit width)."""
         codes = unpack_int32(stored.need("qweight"), self.bits, 0)  # [in, out]
         scales = stored.need("scales")

@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import torch
 
+from services.worker.quantization.wna16_linear import PackedLayout
+
 
 class StoredLinear:
     """The tensors the checkpoint holds for one quantized layer, by suffix."""
@@ -53,13 +55,13 @@ class LinearFormat:
         """Whether the model runs this format's layers as W8A8 int8 (else in float, dequantized at load)."""
         return False
 
-    def int4_group(self, suffixes: frozenset[str]) -> int | None:
-        """The group size when a layer stored with these tensors can run in the W4A16 GEMM (int4_linear.py)
-        as it is stored; None: it is dequantized at load."""
+    def wna16_layout(self, suffixes: frozenset[str]) -> PackedLayout | None:
+        """The bits and group size when a layer stored with these tensors can run in the weight-only GEMM
+        (wna16_linear.py) as it is stored; None: it is dequantized at load."""
         return None
 
-    def int4_parts(self, stored: StoredLinear) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """(unsigned codes ``[out, in]``, scales and zero points ``[out, groups]``) of a layer int4_group took."""
+    def wna16_parts(self, stored: StoredLinear) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(unsigned codes ``[out, in]``, scales and zero points ``[out, groups]``) of a layer wna16_layout took."""
         raise NotImplementedError
 
     def quantizes_float_weight(self, name: str) -> bool:

@@ -36,10 +36,12 @@ def unpack_awq(packed: torch.Tensor) -> torch.Tensor:
     return nibbles[:, :, natural].reshape(packed.shape[0], -1)
 
 
-def pack_int4_rows(codes: torch.Tensor) -> torch.Tensor:
-    """Unsigned 4-bit ``codes [rows, cols]`` (cols a multiple of 8) -> ``[rows, cols / 8]`` int32, code j of each
-    run of eight at bits 4 * j: the layout int4_gemm.py reads (and compressed-tensors stores)."""
+def pack_rows(codes: torch.Tensor, bits: int) -> torch.Tensor:
+    """Unsigned ``bits``-bit ``codes [rows, cols]`` (cols a multiple of 32 / bits) -> ``[rows, cols * bits / 32]``
+    int32, code j of each word's run at bits ``bits * j``: the layout wna16_gemm.py reads (and compressed-tensors
+    stores)."""
+    per_word = 32 // bits
     rows, cols = codes.shape
-    shifts = torch.arange(8, dtype=torch.int64) * 4
-    words = (codes.to(torch.int64).view(rows, cols // 8, 8) << shifts).sum(dim=-1)
+    shifts = torch.arange(per_word, dtype=torch.int64) * bits
+    words = (codes.to(torch.int64).view(rows, cols // per_word, per_word) << shifts).sum(dim=-1)
     return torch.where(words >= 1 << 31, words - (1 << 32), words).to(torch.int32)  # the same 32 bits, signed
