@@ -24,6 +24,9 @@ Sections (each under its own time limit; a section that fails or times out is re
   wna16     (only when named) the W4A16 and W8A16 GEMM against a bfloat16 matmul over the same weight
             on Llama-3-8B's projection shapes, batch 1-16, each output checked (targets at batch 1:
             >= 2.5x for 4 bits, >= 1.5x for 8)
+  w8a8      (only when named) the W8A8 layers (int8 through Triton; FP8 per row through
+            torch._scaled_mm and per 128-column block through Triton, from sm_89) against a bfloat16
+            matmul over the unquantized weight, batch 1, 16 and 256, activation quantization included
 
 Targets:
   - paged decode >= 0.95x the speed of contiguous SDPA (time_sdpa / time_paged >= 0.95)
@@ -1103,13 +1106,92 @@ def section_wna16(bench: Bench, record: dict) -> None:
         record[f"w{bits}_target_met"] = bool(batch_one) and min(batch_one) >= target
 
 
+# --- W8A8: int8 and FP8 ------------------------------------------------------------------------------------
+
+W8A8_BATCHES = (1, 16, 256)  # a decode, a small batch, and a batch where the product is compute-bound
+
+
+def w8a8_layers(bench: Bench, weight) -> dict:
+    """The W8A8 layers a checkpoint's ``weight [N, K]`` becomes on this GPU, as the loader builds them:
+    int8 per row (Int8Linear, Triton), and where FP8 runs, e4m3 per row (torch._scaled_mm) and per 128-column
+    block (Triton)."""
+    torch = bench.torch
+    from services.worker.models.int8_linear import Int8Linear, quantize_per_channel
+    from services.worker.quantization.dequantize import fp8_round_per_row
+    from services.worker.quantization.fp8_linear import Fp8Layout, Fp8Linear, gpu_runs_fp8
+
+    n, k = weight.shape
+    int8 = Int8Linear(k, n, bias=False, device=bench.device)
+    codes, scale = quantize_per_channel(weight.float())
+    int8.weight.data.copy_(codes)
+    int8.weight_scale.data.copy_(scale)
+    int8.prepare(triton_gemm=True)
+    layers = {"int8": int8}
+    if not (bench.smoke or gpu_runs_fp8(bench.device)):
+        return layers
+    per_row = Fp8Linear(k, n, False, Fp8Layout(None)).to(bench.device)
+    codes, scale = fp8_round_per_row(weight)
+    per_row.weight.data.copy_(codes)
+    per_row.weight_scale.data.copy_(scale)
+    block = Fp8Linear(k, n, False, Fp8Layout(128)).to(bench.device)
+    scale = (weight.float().view(n, k // 128, 128).abs().amax(-1) / 448).clamp_min(1e-12)  # [N, K / 128]
+    block.weight.data.copy_((weight.float() / scale.repeat_interleave(128, 1)).to(torch.float8_e4m3fn))
+    block.weight_scale.data.copy_(scale)
+    return {**layers, "fp8 per row": per_row, "fp8 block 128": block}
+
+
+def w8a8_reference(bench: Bench, name: str, layer, x):
+    """What ``layer`` computes on ``x``, in float32: its activation rounding, then the dequantized product."""
+    torch = bench.torch
+    from services.worker.models.int8_linear import w8a8_reference as int8_reference
+    from services.worker.quantization.fp8_gemm import quantize_fp8_per_token_group
+
+    if name == "int8":
+        return int8_reference(x, layer.weight, layer.weight_scale, None, torch.float32)
+    group = layer.layout.block_k or x.shape[1]
+    codes, scales = quantize_fp8_per_token_group(x, group)
+    x_deq = codes.float() * scales.repeat_interleave(group, 1)[:, :x.shape[1]]
+    w_deq = layer.weight.float() * layer.weight_scale.repeat_interleave(group, 1)[:, :x.shape[1]]
+    return x_deq @ w_deq.t()
+
+
+def section_w8a8(bench: Bench, record: dict) -> None:
+    """The W8A8 layers (int8 and FP8) against a bfloat16 matmul over the unquantized weight, batch 1 to 256,
+    activation quantization included: each output checked against the layer's own arithmetic, then timed."""
+    torch = bench.torch
+    generator = torch.Generator().manual_seed(bench.args.seed)
+    shapes, batches = (((128, 256),), (1, 4)) if bench.smoke else (WNA16_SHAPES, W8A8_BATCHES)
+    rows = record.setdefault("cases", [])
+    for n, k in shapes:
+        weight = (torch.randn(n, k, generator=generator) * 0.02).to(torch.bfloat16).to(bench.device)
+        layers = w8a8_layers(bench, weight)
+        for batch in batches:
+            x = torch.randn(batch, k, generator=generator).to(torch.bfloat16).to(bench.device)
+            t_bf16 = bench.measure(lambda: x @ weight.t())
+            for name, layer in layers.items():
+                error, ok = compare_outputs(layer(x), w8a8_reference(bench, name, layer, x), "bfloat16")
+                seconds = bench.measure(lambda: layer(x))
+                rows.append({"scheme": name, "n": n, "k": k, "batch": batch, "ok": ok, "error": error,
+                             "layer_us": seconds * 1e6, "bf16_us": t_bf16 * 1e6, "speed_vs_bf16": t_bf16 / seconds})
+                bench.rows.append([f"{name} B={batch}", f"N{n}/K{k}", f"{seconds * 1e6:.1f}",
+                                   f"{t_bf16 * 1e6:.1f} (bf16 matmul)", f"{t_bf16 / seconds:.2f}", "",
+                                   "ok" if ok else "WRONG"])
+                print(f"  {name} N{n} K{k} batch {batch}: {seconds * 1e6:.1f} us, bf16 {t_bf16 * 1e6:.1f} us "
+                      f"({t_bf16 / seconds:.2f}x) {'ok' if ok else f'WRONG (error {error:.2e})'}", flush=True)
+    record["all_ok"] = all(row["ok"] for row in rows)
+    largest = max(batches)
+    record["speed_at_largest_batch"] = {
+        name: min(r["speed_vs_bf16"] for r in rows if r["scheme"] == name and r["batch"] == largest)
+        for name in {r["scheme"] for r in rows}}
+
+
 # --- report -----------------------------------------------------------------------------------------------
 
 # Time limits (s): the default five together under the 8-minute budget, with room for start-up and the
 # report. "tune" (launch-plan variants of decode, for choosing the defaults) runs only when asked for.
 SECTIONS = {"check": (section_check, 100), "decode": (section_decode, 140), "prefill": (section_prefill, 50),
             "cache": (section_cache, 40), "engine": (section_engine, 125), "tune": (section_tune, 100),
-            "tune_prefill": (section_tune_prefill, 60), "wna16": (section_wna16, 90)}
+            "tune_prefill": (section_tune_prefill, 60), "wna16": (section_wna16, 90), "w8a8": (section_w8a8, 90)}
 REPORT_SECONDS = 5  # kept back from --deadline for the report
 
 

@@ -352,6 +352,25 @@ def compile_int8_gemm(recorder: Recorder) -> None:
                 recorder.failed("w8a8_int8_matmul", e)
 
 
+def compile_fp8_block_gemm(recorder: Recorder, arch: int) -> None:
+    """The block-wise W8A8 FP8 GEMM (quantization/fp8_gemm.py), 128-column blocks with scales per row (as
+    Fp8Linear holds them), an 8B model's q/k/v shape, decode and prefill tiles, 16-bit outputs: from sm_89
+    (no FP8 dot before it)."""
+    if arch < 89:
+        return
+    from services.worker.quantization.fp8_gemm import w8a8_block_fp8_matmul
+
+    n, k, block, e4m3 = 6144, 4096, (1, 128), torch.float8_e4m3fn
+    for m in (16, 64):  # the 16 x 64 and 64 x 128 tiles
+        for dtype in (torch.bfloat16, torch.float16):
+            recorder.case = f"fp8 block n{n} k{k} 1x128 m{m} {dtype}"
+            try:
+                w8a8_block_fp8_matmul(torch.zeros(m, k, dtype=e4m3), torch.ones(m, k // 128),
+                                      torch.zeros(n, k, dtype=e4m3), torch.ones(n, k // 128), block, dtype)
+            except Exception as e:
+                recorder.failed("w8a8_block_fp8_matmul", e)
+
+
 def serving_batches(rng: random.Random, block_size: int, max_model_len: int, budget: int, count: int):
     """Steps as a scheduler makes them: the extremes (one decode at the full context, one prefill of the
     whole budget), then random ones: decodes at any context, prefill chunks after cached blocks, a third
@@ -466,13 +485,14 @@ def main() -> int:
     driver.set_active(CompileOnlyDriver(args.arch))
     from services.worker.attention import triton_attention, triton_cache_ops
     from services.worker.models import fused_moe
-    from services.worker.quantization import int8_gemm, wna16_gemm
+    from services.worker.quantization import fp8_gemm, int8_gemm, wna16_gemm
 
     recorder = Recorder(args.arch)
     real_sm_count = triton_attention._sm_count
     for kernel in (triton_attention._paged_attention_kernel, triton_attention._reduce_splits_kernel,
                    triton_cache_ops._write_kv_kernel, triton_cache_ops._copy_blocks_kernel,
-                   fused_moe._grouped_matmul_kernel, wna16_gemm._wna16_kernel, int8_gemm._w8a8_kernel):
+                   fused_moe._grouped_matmul_kernel, wna16_gemm._wna16_kernel, int8_gemm._w8a8_kernel,
+                   fp8_gemm._w8a8_block_fp8_kernel):
         recorder.instrument(kernel)
     started = time.perf_counter()
     # First, while no kernel is compiled yet: a binary the matrix below made would hide a warm-up gap.
@@ -487,6 +507,7 @@ def main() -> int:
     compile_experts(recorder, args.quick)
     compile_wna16_gemm(recorder)
     compile_int8_gemm(recorder)
+    compile_fp8_block_gemm(recorder, args.arch)
     elapsed = time.perf_counter() - started
     print_table(recorder.variants)
     bad = [v for v in recorder.variants if v.problems]

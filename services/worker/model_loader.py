@@ -10,6 +10,7 @@ converted as they stream by (quantization/checkpoint_stream.py).
 from __future__ import annotations
 
 import json
+from collections import Counter
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -23,7 +24,7 @@ from services.worker.models.packed_linear import can_pack
 from services.worker.quantization.checkpoint_stream import converted_weights, quantized_layers
 from services.worker.quantization.gguf_checkpoint import gguf_names, gguf_tensors
 from services.worker.quantization.method import read_quantization
-from services.worker.quantization.wna16_linear import PackedLayout
+from services.worker.quantization.stored_layers import FP8, INT8, WNA16, keep_stored_layers
 from services.worker.tensor_parallel import TensorParallel
 from services.worker.model_config import ModelConfig
 from shared.gguf_view import GGUF_FILE
@@ -42,27 +43,28 @@ def load_model(model_dir: str | Path, dtype: torch.dtype, device: torch.device, 
     re-lays float32 CPU projections for oneDNN (packed_linear); ``with_head``: False for a pooling model;
     ``num_labels``: a sequence classifier's (its score head); ``max_model_len``: the longest context served
     (None: the model's own); ``quantization``: --quantization (None: what the checkpoint says); ``triton_gemms``:
-    run quantized layers in the Triton GEMMs (None: on a GPU): int8 W8A8 layers, and weight-only 4- and 8-bit
-    layers kept packed on one rank (elsewhere those are dequantized at load)."""
+    run quantized layers in the Triton GEMMs (None: on a GPU): int8 W8A8 layers, and on one rank weight-only 4- and
+    8-bit layers kept packed and FP8 ones kept FP8 (elsewhere those are dequantized at load)."""
     whole = ModelConfig.from_model_dir(model_dir)
     config = tp.shard(whole)
     fmt = read_quantization(model_dir, quantization)
     files = checkpoint_files(Path(model_dir))
-    layers = quantized_layers(checkpoint_names(files), fmt) if fmt is not None else {}
+    names = checkpoint_names(files) if fmt is not None else []
+    layers = quantized_layers(names, fmt) if fmt is not None else {}
+    if triton_gemms is None:
+        triton_gemms = torch.device(device).type == "cuda"
     with torch.device("meta"):
         model = LlamaForCausalLM(config, tp, tp.kv_replicas(whole), with_head, num_labels, max_model_len)
-        int8_layers = model.use_int8_linears(layers) if fmt is not None and fmt.runs_int8 else frozenset()
-        if triton_gemms is None:
-            triton_gemms = torch.device(device).type == "cuda"
-        keep_packed = fmt is not None and triton_gemms and tp.size == 1
-        wna16_layers = model.use_wna16_linears(_wna16_layouts(fmt, layers)) if keep_packed else frozenset()
+        kept = keep_stored_layers(model, fmt, layers, names, torch.device(device), tp.size == 1, triton_gemms) \
+            if fmt is not None else {}
     _materialize(model, dtype, torch.device(device))
     state = {"file": None, "done": False}
     weights = _stream(files, state)
     if fmt is not None:
+        held = Counter(kept.values())
         log.info("quantized weights", model=str(model_dir), quantization=fmt.describe(), layers=len(layers),
-                 int8_layers=len(int8_layers), wna16_layers=len(wna16_layers))
-        weights = converted_weights(weights, layers, fmt, int8_layers, wna16_layers)
+                 int8_layers=held[INT8], wna16_layers=held[WNA16], fp8_layers=held[FP8])
+        weights = converted_weights(weights, layers, fmt, kept)
     try:
         model.load_weights(weights)
     except ValueError as e:
@@ -77,11 +79,6 @@ def load_model(model_dir: str | Path, dtype: torch.dtype, device: torch.device, 
         model.pack_linear_weights()
     return model, config
 
-
-def _wna16_layouts(fmt, layers: dict[str, frozenset[str]]) -> dict[str, PackedLayout]:
-    """Each quantized layer the weight-only GEMM can run as stored -> its bits and group size."""
-    layouts = {module: fmt.wna16_layout(suffixes) for module, suffixes in layers.items()}
-    return {module: layout for module, layout in layouts.items() if layout is not None}
 
 
 def _materialize(model: torch.nn.Module, dtype: torch.dtype, device: torch.device) -> None:

@@ -27,7 +27,7 @@ if tuple(int(part) for part in TRITON_VERSION.split(".")[:2]) < (3, 7):  # as te
     pytest.skip(f"the Triton {TRITON_VERSION} interpreter cannot run the kernels", allow_module_level=True)
 
 SCRIPT = str(REPO / "benchmarks" / "gpu_kernels.py")
-ALL_SECTIONS = "check,decode,prefill,cache,engine,tune,tune_prefill,wna16"
+ALL_SECTIONS = "check,decode,prefill,cache,engine,tune,tune_prefill,wna16,w8a8"
 
 
 def run_script(tmp_path, *args: str) -> dict:
@@ -65,6 +65,10 @@ def test_every_section_runs_and_checks_pass(tmp_path):
     assert {"write_kv", "copy_blocks", "swap"} <= set(sections["cache"])
     wna16 = sections["wna16"]
     assert wna16["all_ok"] and [(c["bits"], c["batch"]) for c in wna16["cases"]] == [(4, 1), (4, 4), (8, 1), (8, 4)]
+    w8a8 = sections["w8a8"]
+    schemes = ["int8", "fp8 per row", "fp8 block 128"]
+    assert w8a8["all_ok"] and [(c["batch"], c["scheme"]) for c in w8a8["cases"]] == \
+        [(batch, scheme) for batch in (1, 4) for scheme in schemes]
     assert isinstance(results["targets"]["bandwidth_met"], bool)
     prefill_tune = sections["tune_prefill"]["cases"]
     assert [case["label"] for case in prefill_tune] == ["causal 40", "24 after 16 + 2 decodes"]

@@ -17,6 +17,7 @@ from safetensors.torch import load_file, save_file
 from pagedserve import LLM, SamplingParams
 from services.worker.model_loader import load_model
 from services.worker.models.int8_linear import Int8Linear, w8a8_reference
+from services.worker.quantization.dequantize import fp8_round_per_row
 from services.worker.quantization.wna16_linear import WNA16Linear
 from tests.oracle import assert_greedy_equal, hf_greedy
 from tests.quantized_checkpoints import write_quantized
@@ -195,6 +196,111 @@ def test_fp8_on_load_rounds_each_projection_row_to_e4m3(llama_dir):
     torch.testing.assert_close(ours, (theirs / scale).to(torch.float8_e4m3fn).float() * scale, rtol=0, atol=0)
     assert not torch.equal(ours, theirs)
     torch.testing.assert_close(model.embed_tokens.weight, plain.embed_tokens.weight, rtol=0, atol=0)  # untouched
+
+
+# FP8 checkpoints whose layers can stay FP8 (on GPUs with FP8 arithmetic), and the columns per activation scale
+# (None: a token's whole row).
+FP8 = {
+    "fp8 per tensor, static activations": None,
+    "fp8 blocks 48x48 (partial edges)": 48,
+    "compressed-tensors fp8 W8A8": None,
+}
+
+
+class Fp8Reference(torch.nn.Module):
+    """A transformers Linear over the dequantized weight whose input is first rounded to e4m3 per token and
+    ``group`` columns (None: its whole row; scale: the group's largest magnitude over 448): dynamic W8A8 FP8's arithmetic, the
+    product in float64."""
+
+    def __init__(self, linear: torch.nn.Linear, group: int | None):
+        super().__init__()
+        self.linear, self.group = linear, group
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        flat = x.reshape(-1, x.shape[-1]).float()
+        rounded = []
+        for part in flat.split(self.group or flat.shape[1], dim=1):
+            scale = (part.abs().amax(dim=1, keepdim=True) / 448).clamp_min(1e-10)
+            rounded.append((part / scale).to(torch.float8_e4m3fn).double() * scale.double())
+        y = torch.cat(rounded, dim=1) @ self.linear.weight.double().t()
+        if self.linear.bias is not None:
+            y = y + self.linear.bias.double()
+        return y.to(x.dtype).view(*x.shape[:-1], -1)
+
+
+def fp8_transformers(dequantized_dir, group: int | None):
+    """transformers' model on the dequantized weights, each decoder projection running Fp8Reference."""
+    hf = w8a8_plain(dequantized_dir)
+    for layer in hf.model.layers:
+        for block in (layer.self_attn, layer.mlp):
+            for name, child in list(block.named_children()):
+                if isinstance(child, torch.nn.Linear):
+                    setattr(block, name, Fp8Reference(child, group))
+    return hf
+
+
+def rounded_per_row(model_dir, target):
+    """A copy of the float checkpoint with each decoder projection as --quantization fp8 rounds it."""
+    hf = w8a8_plain(model_dir)
+    for layer in hf.model.layers:
+        for block in (layer.self_attn, layer.mlp):
+            for child in block.children():
+                if isinstance(child, torch.nn.Linear):
+                    codes, scale = fp8_round_per_row(child.weight.data)
+                    child.weight.data.copy_(codes.float() * scale)
+    hf.save_pretrained(target)
+    return target
+
+
+@pytest.mark.parametrize("name", [*FP8, "--quantization fp8 on a float checkpoint"])
+def test_fp8_layers_kept_fp8_equal_the_w8a8_reference_on_its_activations(name, checkpoints, llama_dir, tmp_path):
+    """The GPU's FP8 path (the block-wise Triton GEMM interpreted, torch._scaled_mm on this CPU): e4m3 weights
+    kept with their scales, activations rounded to e4m3 per token (and block). transformers runs that
+    arithmetic in float64 on the dequantized weights, and each of our layers is fed the very input its
+    reference layer gets. (Whole-model logits agreed within 3e-6 on this CPU over 12 prompts, but one e4m3
+    activation rounding the other way, as float32 inputs 1e-6 apart on another CPU may, moves one of these
+    sharp models' outputs by a sizeable fraction of a logit.)"""
+    from services.worker.quantization.fp8_linear import Fp8Linear
+
+    if name in FP8:
+        (quantized, dequantized), quantization, group = checkpoints(name), None, FP8[name]
+    else:  # the float checkpoint's projections rounded per row at load: the oracle's weights are those
+        quantized, quantization, group = llama_dir, "fp8", None
+        dequantized = rounded_per_row(llama_dir, tmp_path / "rounded")
+    model, config = load_model(quantized, torch.float32, CPU, pack=False, quantization=quantization,
+                               triton_gemms=True)
+    ours = {name: m for name, m in model.named_modules() if isinstance(m, Fp8Linear)}
+    assert len(ours) == 4 * config.num_hidden_layers and all(m.weight.dtype == torch.float8_e4m3fn
+                                                             for m in ours.values())
+    reference = fp8_transformers(dequantized, group)
+    checked = []
+
+    def compare(name: str, module, inputs, expected):
+        layer, rows = our_layer(name, ours, config)
+        x = inputs[0].reshape(-1, layer.in_features)
+        got = layer(x)[:, rows]
+        want = expected.reshape(x.shape[0], -1)
+        torch.testing.assert_close(got, want, atol=1e-5 * want.abs().max().item(), rtol=0, msg=lambda m: f"{name}: {m}")
+        checked.append(name)
+
+    for hf_name, module in reference.named_modules():
+        if isinstance(module, Fp8Reference):
+            module.register_forward_hook(lambda m, i, o, hf_name=hf_name: compare(hf_name, m, i, o))
+    prompt = random_prompts(config.vocab_size, [17], seed=3)[0]
+    hf_logits(reference, prompt)
+    assert len(checked) == 7 * config.num_hidden_layers  # q, k, v, o, gate, up, down
+
+
+def our_layer(hf_name: str, ours: dict, config) -> tuple:
+    """Our fused layer holding transformers' ``model.layers.i.<block>.<proj>``, and its rows of the output."""
+    prefix, proj = hf_name.removeprefix("model.").rsplit(".", 1)
+    q, kv = config.num_attention_heads * config.head_dim, config.num_key_value_heads * config.head_dim
+    inter = config.intermediate_size
+    fused = {"q_proj": ("qkv_proj", slice(0, q)), "k_proj": ("qkv_proj", slice(q, q + kv)),
+             "v_proj": ("qkv_proj", slice(q + kv, q + 2 * kv)), "gate_proj": ("gate_up_proj", slice(0, inter)),
+             "up_proj": ("gate_up_proj", slice(inter, 2 * inter))}
+    ours_name, rows = fused.get(proj, (proj, slice(None)))
+    return ours[f"{prefix}.{ours_name}"], rows
 
 
 # ---- refused at start, by name -----------------------------------------------------------------------

@@ -58,7 +58,8 @@ def attention(report: dict, *words: str) -> list[dict]:
 def test_every_kernel_compiles_without_spills_and_attention_is_pipelined(reports, arch):
     report = reports[arch]
     variants = report["variants"]
-    assert {v["kernel"] for v in variants} == KERNELS
+    fp8_gemm = {"_w8a8_block_fp8_kernel"} if arch >= 89 else set()  # no FP8 dot before sm_89
+    assert {v["kernel"] for v in variants} == KERNELS | fp8_gemm
     assert all(v["ok"] and v["registers"] is not None for v in variants)
     assert all(v["spill_bytes"] <= report["spill_tolerance"] for v in variants if "USE_DOT=True" in v["constexprs"])
     # K and V each in at least one shared-memory buffer, filled by asynchronous copies (not yet with an FP8

@@ -14,7 +14,7 @@ down_proj, whose outputs are summed over the ranks (their biases added by rank 0
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Hashable, Iterable, Mapping
 
 import torch
 import torch.nn.functional as F
@@ -25,7 +25,6 @@ from services.worker.attention.kv_quant import KVScales, checkpoint_kv_scale, sc
 from services.worker.attention.spec import AttentionSpec
 from services.worker.models.decoder import MLP, DecoderLayer
 from services.worker.models.int8_linear import Int8Linear
-from services.worker.quantization.wna16_linear import PackedLayout, WNA16Linear
 from services.worker.models.layers import RotaryEmbedding, rms_norm_class
 from services.worker.models.lora_linear import LoRABatch, LoRALinear, LoRATarget
 from services.worker.models.moe import SparseMoeBlock
@@ -35,6 +34,9 @@ from services.worker.models.weight_targets import (FUSED_SUFFIXES, HF_MLP_NAMES,
 from services.worker.tensor_parallel import TensorParallel
 from services.worker.model_config import ModelConfig
 from services.worker.multimodal_config import text_checkpoint_name
+
+# A stored-quantized layer in place of a float projection (linear, how it is stored), or None where it cannot be.
+StoredLayer = Callable[[nn.Module, Hashable], nn.Module | None]
 
 
 class LlamaForCausalLM(nn.Module):
@@ -143,18 +145,13 @@ class LlamaForCausalLM(nn.Module):
 
         return self._replace_projections(build)
 
-    def use_wna16_linears(self, layouts: dict[str, PackedLayout]) -> frozenset[str]:
-        """Hold as WNA16Linear (W4A16 / W8A16) each dense projection whose checkpoint layers all have a layout in
-        ``layouts`` (HF name -> bits and group), the same one; before materializing, on one rank. The others
-        are dequantized. Returns the checkpoint layers so kept."""
+    def use_stored_layouts(self, layouts: Mapping[str, Hashable], make: StoredLayer) -> frozenset[str]:
+        """Hold as ``make(linear, layout)`` (WNA16Linear.replacing, Fp8Linear.replacing) each dense projection
+        whose checkpoint layers all have the same layout in ``layouts`` (HF name -> how it is stored) and that
+        ``make`` takes; before materializing. The others are dequantized. Returns the checkpoint layers so kept."""
         def build(linear: nn.Module, parts: list[str]) -> nn.Module | None:
             found = {layouts.get(part) for part in parts}
-            if len(found) != 1 or None in found:
-                return None
-            layout = next(iter(found))
-            if linear.in_features % layout.group_size:
-                return None
-            return WNA16Linear(linear.in_features, linear.out_features, linear.bias is not None, layout)
+            return make(linear, next(iter(found))) if len(found) == 1 and None not in found else None
 
         return self._replace_projections(build)
 

@@ -34,7 +34,7 @@ class AwqFormat(LinearFormat):
         codes, scales, zeros = self.wna16_parts(stored)
         return grouped_dequantize(codes, scales, zeros, group_index(codes.shape[1], self.group_size))
 
-    def wna16_layout(self, suffixes: frozenset[str]) -> PackedLayout | None:
+    def wna16_layout(self, module: str, suffixes: frozenset[str]) -> PackedLayout | None:
         return PackedLayout(4, self.group_size) if kernel_takes(4, self.group_size) else None
 
     def wna16_parts(self, stored: StoredLinear) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -47,4 +47,4 @@ class AwqFormat(LinearFormat):
 
     def describe(self) -> str:
         group = self.group_size or "whole rows"
-        return f"awq (4-bit, group {group}, {'zero points' if self.zero_point else 'symmetric'}; dequantized at load)"
+        return f"awq (4-bit, group {group}, {'zero points' if self.zero_point else 'symmetric'})"

@@ -6,10 +6,11 @@ stored:
   ``weight_zero_point`` when asymmetric). W8A8 with dynamic per-token int8 activations runs as int8
   (models/int8_linear.py); without activation quantization it is dequantized at load.
 - float-quantized: FP8 ``weight`` with ``weight_scale`` per tensor, row or block; upcast at load, activations
-  unquantized (as fp8_format.py).
+  unquantized, or kept FP8 on GPUs with FP8 arithmetic (as fp8_format.py).
 - pack-quantized: 4- or 8-bit integers packed 32 bits at a time along the input (``weight_packed``),
   ``weight_scale [out, groups]``, ``weight_shape``, and when asymmetric ``weight_zero_point`` packed along the
-  output; ``weight_g_idx`` with act-order. Dequantized at load (W4A16, W8A16).
+  output; ``weight_g_idx`` with act-order. Dequantized at load (W4A16, W8A16), or kept packed for the GPU's
+  GEMM (wna16_linear.py).
 """
 
 from __future__ import annotations
@@ -21,13 +22,16 @@ import torch
 
 from services.worker.quantization.config_fields import field
 from services.worker.quantization.dequantize import (FP8_DTYPES, block_dequantize, fp8_dequantize, group_index,
-                                                     grouped_dequantize, int8_dequantize, per_row_scale)
+                                                     fp8_weight_and_scales, grouped_dequantize, int8_dequantize,
+                                                     per_row_scale)
 from services.worker.quantization.linear_format import LinearFormat, StoredLinear
 from services.worker.quantization.packing import PACKED_BITS, unpack_int32
+from services.worker.quantization.fp8_linear import Fp8Layout
 from services.worker.quantization.wna16_linear import PackedLayout, kernel_takes
 
 FORMATS = ("int-quantized", "naive-quantized", "float-quantized", "pack-quantized")
 WEIGHT_STRATEGIES = ("tensor", "channel", "group", "block")
+FP8_STRATEGIES = ("tensor", "channel", "block")  # what an Fp8Linear holds
 
 
 @dataclass(frozen=True)
@@ -116,18 +120,31 @@ class CompressedTensorsFormat(LinearFormat):
             return block_dequantize(weight.float() - _zero(stored), scale, args.block)
         return int8_dequantize(weight, scale, stored.get("weight_zero_point"))
 
-    def wna16_layout(self, suffixes: frozenset[str]) -> PackedLayout | None:
-        """pack-quantized groups the kernel takes, in order (no g_idx), under the one config group."""
-        if len(self.schemes) != 1 or "weight_g_idx" in suffixes:
+    def wna16_layout(self, module: str, suffixes: frozenset[str]) -> PackedLayout | None:
+        """pack-quantized groups the kernel takes, in order (no g_idx)."""
+        if "weight_g_idx" in suffixes:
             return None
-        scheme = self.schemes[0]
+        scheme = self.scheme_of(module)
         args = scheme.weights
         fits = scheme.format == "pack-quantized" and args.strategy == "group"
         return PackedLayout(args.num_bits, args.group_size) if fits and kernel_takes(args.num_bits, args.group_size) \
             else None
 
     def wna16_parts(self, stored: StoredLinear) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        return _packed_parts(stored, self.schemes[0].weights, stored.need("weight_scale"))
+        return _packed_parts(stored, self.scheme_of(stored.module).weights, stored.need("weight_scale"))
+
+    def fp8_layout(self, module: str, suffixes: frozenset[str]) -> Fp8Layout | None:
+        """float-quantized (FP8) weights, scaled per tensor, row or block."""
+        scheme = self.scheme_of(module)
+        args = scheme.weights
+        if scheme.format != "float-quantized" or args.type != "float" or args.strategy not in FP8_STRATEGIES:
+            return None
+        return Fp8Layout(args.block[1] if args.strategy == "block" else None)
+
+    def fp8_parts(self, stored: StoredLinear) -> tuple[torch.Tensor, torch.Tensor]:
+        args = self.scheme_of(stored.module).weights
+        return fp8_weight_and_scales(stored.need("weight"), stored.need("weight_scale"),
+                                     args.block if args.strategy == "block" else None, stored.module)
 
     def describe(self) -> str:
         kinds = sorted({f"{s.format} {s.weights.type}{s.weights.num_bits} {s.weights.strategy}"

@@ -70,6 +70,21 @@ def fp8_dequantize(weight: torch.Tensor, scale: torch.Tensor, block: tuple[int, 
     return weight.float() * per_row_scale(scale, weight.shape[0], "weight_scale")
 
 
+def fp8_weight_and_scales(weight: torch.Tensor, scale: torch.Tensor, block: tuple[int, int] | None, module: str
+                          ) -> tuple[torch.Tensor, torch.Tensor]:
+    """An e4m3 weight ``[out, in]`` as stored, and its scales as an Fp8Linear holds them (fp8_linear.py): one per
+    output row ``[out, 1]``, or each block's repeated on its rows ``[out, ceil(in / block columns)]``."""
+    if weight.dtype != torch.float8_e4m3fn:
+        raise ValueError(f"{module}.weight is {weight.dtype}; FP8 layers run from torch.float8_e4m3fn")
+    rows, columns = weight.shape
+    if block is None:
+        return weight, per_row_scale(scale, rows, f"{module}.weight_scale")
+    expected = (math.ceil(rows / block[0]), math.ceil(columns / block[1]))
+    if tuple(scale.shape) != expected:
+        raise ValueError(f"{module}: block scales have shape {tuple(scale.shape)}, expected {expected}")
+    return weight, scale.float().repeat_interleave(block[0], dim=0)[:rows].contiguous()
+
+
 def int8_dequantize(weight: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor | None = None) -> torch.Tensor:
     """An int8 weight with a scale (and zero point) per tensor or per output row."""
     if weight.dtype != torch.int8:

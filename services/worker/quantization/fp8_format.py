@@ -2,8 +2,9 @@
 128 x 128 block (``weight_scale_inv``, as DeepSeek-V3 and Qwen3-FP8 ship them: despite its name, the factor
 that multiplies); activation scales static (``input_scale``) or dynamic.
 
-On the CPU the weights are upcast once at load and activations stay in the model's dtype: vLLM's weight-only
-FP8 (its path on GPUs without FP8 arithmetic). ``input_scale`` is read and not applied.
+On the CPU (and GPUs without FP8 arithmetic, or several ranks) the weights are upcast once at load and
+activations stay in the model's dtype: vLLM's weight-only FP8. On GPUs with FP8 arithmetic they stay FP8 and
+run W8A8 with dynamic activation scales (fp8_linear.py). ``input_scale`` is read and not applied.
 """
 
 from __future__ import annotations
@@ -13,7 +14,8 @@ import re
 import torch
 
 from services.worker.quantization.config_fields import field
-from services.worker.quantization.dequantize import fp8_dequantize, fp8_round_per_row
+from services.worker.quantization.dequantize import fp8_dequantize, fp8_round_per_row, fp8_weight_and_scales
+from services.worker.quantization.fp8_linear import Fp8Layout
 from services.worker.quantization.linear_format import LinearFormat, StoredLinear
 
 # The decoder's projections: what --quantization fp8 quantizes in a float checkpoint.
@@ -47,6 +49,16 @@ class Fp8Format(LinearFormat):
             return fp8_dequantize(stored.need("weight"), stored.need("weight_scale_inv", "weight_scale"), self.block)
         return fp8_dequantize(stored.need("weight"), stored.need("weight_scale", "weight_scale_inv"), None)
 
+    def fp8_layout(self, module: str, suffixes: frozenset[str]) -> Fp8Layout | None:
+        return Fp8Layout(self.block[1] if self.block is not None else None)
+
+    def fp8_parts(self, stored: StoredLinear) -> tuple[torch.Tensor, torch.Tensor]:
+        if self.block is not None:
+            scale = stored.need("weight_scale_inv", "weight_scale")
+        else:
+            scale = stored.need("weight_scale", "weight_scale_inv")
+        return fp8_weight_and_scales(stored.need("weight"), scale, self.block, stored.module)
+
     def quantizes_float_weight(self, name: str) -> bool:
         return self.on_load and PROJECTION.fullmatch(name) is not None
 
@@ -56,4 +68,4 @@ class Fp8Format(LinearFormat):
     def describe(self) -> str:
         scales = f"{self.block[0]} x {self.block[1]} blocks" if self.block else "per tensor or row"
         how = "quantized at load, per row" if self.on_load else f"scales {scales}"
-        return f"fp8 ({how}; {self.activation_scheme} activations; weights upcast at load on this path)"
+        return f"fp8 ({how}; {self.activation_scheme} activations)"

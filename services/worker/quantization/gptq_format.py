@@ -39,7 +39,7 @@ class GptqFormat(LinearFormat):
         groups = group_index(codes.shape[1], self.group_size, stored.get("g_idx"))
         return grouped_dequantize(codes, scales, zeros, groups)
 
-    def wna16_layout(self, suffixes: frozenset[str]) -> PackedLayout | None:
+    def wna16_layout(self, module: str, suffixes: frozenset[str]) -> PackedLayout | None:
         """In order (act-order permutes the groups), in groups the kernel takes."""
         fits = not self.desc_act and kernel_takes(self.bits, self.group_size)
         return PackedLayout(self.bits, self.group_size) if fits else None
@@ -55,4 +55,4 @@ class GptqFormat(LinearFormat):
 
     def describe(self) -> str:
         group = self.group_size or "whole rows"
-        return f"gptq ({self.bits}-bit, group {group}{', act-order' if self.desc_act else ''}; dequantized at load)"
+        return f"gptq ({self.bits}-bit, group {group}{', act-order' if self.desc_act else ''})"

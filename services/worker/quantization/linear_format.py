@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import torch
 
+from services.worker.quantization.fp8_linear import Fp8Layout
 from services.worker.quantization.wna16_linear import PackedLayout
 
 
@@ -55,13 +56,23 @@ class LinearFormat:
         """Whether the model runs this format's layers as W8A8 int8 (else in float, dequantized at load)."""
         return False
 
-    def wna16_layout(self, suffixes: frozenset[str]) -> PackedLayout | None:
+    def wna16_layout(self, module: str, suffixes: frozenset[str]) -> PackedLayout | None:
         """The bits and group size when a layer stored with these tensors can run in the weight-only GEMM
         (wna16_linear.py) as it is stored; None: it is dequantized at load."""
         return None
 
     def wna16_parts(self, stored: StoredLinear) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """(unsigned codes ``[out, in]``, scales and zero points ``[out, groups]``) of a layer wna16_layout took."""
+        raise NotImplementedError
+
+    def fp8_layout(self, module: str, suffixes: frozenset[str]) -> Fp8Layout | None:
+        """How a layer stored with these tensors is scaled when it can stay FP8 (fp8_linear.py, on GPUs with FP8
+        arithmetic); None: it is dequantized at load."""
+        return None
+
+    def fp8_parts(self, stored: StoredLinear) -> tuple[torch.Tensor, torch.Tensor]:
+        """(e4m3 weight ``[out, in]``, float32 scales ``[out, 1]`` or ``[out, k_blocks]``) of a layer fp8_layout
+        took: the tensors an Fp8Linear holds."""
         raise NotImplementedError
 
     def quantizes_float_weight(self, name: str) -> bool:

@@ -50,6 +50,13 @@ class WNA16Linear(nn.Module):
         self.wna16_zeros = nn.Parameter(torch.empty(out_features, groups), requires_grad=False)
         self.bias = nn.Parameter(torch.empty(out_features), requires_grad=False) if bias else None
 
+    @classmethod
+    def replacing(cls, linear: nn.Module, layout: PackedLayout) -> "WNA16Linear | None":
+        """One in the place of ``linear`` (its shape and bias), or None where its inputs are not whole groups."""
+        if linear.in_features % layout.group_size:
+            return None
+        return cls(linear.in_features, linear.out_features, linear.bias is not None, layout)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """``x [..., K]`` -> ``[..., N]`` in x's dtype."""
         flat = x.reshape(-1, self.in_features)
