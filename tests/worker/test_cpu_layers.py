@@ -193,6 +193,44 @@ def test_silu_and_mul_strided_rows():
     assert_close(cpu_layers.silu_and_mul(gate_up), F.silu(gate) * up)
 
 
+# ---- per-token int8 quantization (W8A8) -----------------------------------------------------------
+
+
+def torch_shifted_codes(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    from services.worker.models.int8_linear import quantize_per_token
+
+    codes, scales = quantize_per_token(x)
+    return (codes.to(torch.int16) + 128).to(torch.uint8), scales
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("tokens, hidden", [(1, 512), (3, 40), (19, 1408), (256, 512)])
+def test_quantize_rows_uint8_equals_pytorch_code_for_code(dtype, tokens, hidden):
+    seed = torch.seed() % (1 << 31)
+    x = randn(tokens, hidden, dtype=dtype, seed=seed) * 3
+    codes, scales = cpu_layers.quantize_rows_uint8(x)
+    expected_codes, expected_scales = torch_shifted_codes(x)
+    assert torch.equal(scales, expected_scales), f"seed {seed}"
+    assert torch.equal(codes, expected_codes), f"seed {seed}: {(codes != expected_codes).sum()} codes differ"
+
+
+def test_quantize_rows_uint8_edges():
+    """Halves round to even (row 0: 127 * k / 2 for odd k); a row of zeros; the row's largest value at +-127;
+    rows with a stride."""
+    halves = torch.tensor([[254.0, 1.0, 3.0, 5.0, -1.0, -3.0, 0.5 * 254]])  # scale 2: 0.5, 1.5, 2.5, ...
+    zeros = torch.zeros(1, 7)
+    extremes = torch.tensor([[-1e30, 1e30, 1.0, -1.0, 1e-30, 0.0, 5e29]])
+    x = torch.cat([halves, zeros, extremes])
+    codes, scales = cpu_layers.quantize_rows_uint8(x)
+    expected_codes, expected_scales = torch_shifted_codes(x)
+    assert torch.equal(codes, expected_codes) and torch.equal(scales, expected_scales)
+    assert codes[0].tolist() == [255, 128, 130, 130, 128, 126, 192] and codes[1].eq(128).all()
+    wide = randn(5, 100)
+    assert torch.equal(cpu_layers.quantize_rows_uint8(wide[:, 10:90])[0], torch_shifted_codes(wide[:, 10:90])[0])
+    with pytest.raises(ValueError, match="unit stride"):
+        cpu_layers.quantize_rows_uint8(randn(8, 4).t())
+
+
 # ---- argument errors --------------------------------------------------------------------------------
 
 

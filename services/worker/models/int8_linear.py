@@ -55,6 +55,12 @@ def w8a8_reference(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Te
     return y if bias is None else y + bias.to(dtype)
 
 
+def _shifted_codes(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``quantize_per_token`` plus 128, as uint8: oneDNN's int8 activations (in PyTorch)."""
+    codes, scale = quantize_per_token(x)
+    return (codes.to(torch.int16) + _ZERO_POINT).to(torch.uint8), scale
+
+
 def can_run_onednn_int8(device: torch.device) -> bool:
     return device.type == "cpu" and torch.backends.mkldnn.is_available() and hasattr(torch.ops, "onednn") \
         and hasattr(torch.ops.onednn, "qlinear_pointwise") and onednn_int8_is_exact()
@@ -98,6 +104,7 @@ class Int8Linear(nn.Module):
         self._packed: torch.Tensor | None = None  # oneDNN's reordered weight (prepare())
         self._scales: torch.Tensor | None = None  # weight_scale flat, and zero points, as oneDNN takes them
         self._zero_points: torch.Tensor | None = None
+        self._quantize = _shifted_codes  # activations -> oneDNN's uint8 codes (the C++ kernel where built)
 
     def prepare(self, triton_gemm: bool | None = None) -> None:
         """After the weights are loaded: the Triton GEMM where ``triton_gemm`` (None: on a GPU), else reorder
@@ -109,7 +116,11 @@ class Int8Linear(nn.Module):
 
             self._gpu_matmul = int8_matmul_with_quantization
         elif can_run_onednn_int8(self.weight.device):
+            from services.worker.models import cpu_layers
+
             self._packed = torch.ops.onednn.qlinear_prepack(self.weight.data, None)
+            if cpu_layers.available():
+                self._quantize = cpu_layers.quantize_rows_uint8
             self._scales = self.weight_scale.data.view(-1).float().contiguous()
             self._zero_points = torch.zeros(self.out_features, dtype=torch.int64)
 
@@ -121,8 +132,7 @@ class Int8Linear(nn.Module):
             return w8a8_reference(x.reshape(-1, self.in_features), self.weight, self.weight_scale,
                                   self.bias).to(x.dtype).view(*x.shape[:-1], self.out_features)
         flat = x.reshape(-1, self.in_features)
-        codes, scale = quantize_per_token(flat)
-        shifted = (codes.to(torch.int16) + _ZERO_POINT).to(torch.uint8)
+        shifted, scale = self._quantize(flat.contiguous())
         y = torch.ops.onednn.qlinear_pointwise(shifted, 1.0, _ZERO_POINT, self._packed, self._scales,
                                                self._zero_points, None, 1.0, 0, torch.float32, "none", [], "")
         y = y.mul_(scale)
