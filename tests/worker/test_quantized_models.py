@@ -397,3 +397,56 @@ def test_two_ranks_and_a_lora_adapter_over_a_quantized_checkpoint_equal_transfor
         model_dir, what = (dequantized, "base") if i < len(prompts) else (merged, "adapter")
         ref, ref_logprobs = hf_greedy(model_dir, prompt, 10)
         assert_greedy_equal(out.outputs[0].token_ids, ref, ref_logprobs, f"gptq {what} on 2 ranks")
+
+
+def test_a_lora_adapter_over_w8a8_int8_layers_equals_the_reference(checkpoints, tmp_path):
+    """An adapter beside Int8Linear layers: the int8 product of the quantized input plus the adapter's float
+    product of the input itself, against transformers running the same in float64."""
+    from pagedserve import LoRARequest
+    from tests.lora_adapters import make_adapter
+
+    quantized, dequantized = checkpoints("ct-w8a8-int8")
+    adapter = make_adapter(dequantized, tmp_path / "adapter", rank=8, seed=7)
+    reference = w8a8_transformers(quantized, dequantized)
+    with_adapter(reference, adapter)
+    prompts = [[3 + t % 509 for t in p] for p in random_prompts(512, [11, 23], seed=13)]
+    llm = LLM(str(quantized), block_size=4, enable_lora=True, max_lora_rank=8, kv_cache_memory_bytes=8 << 20)
+    try:
+        outputs = llm.generate([{"prompt_token_ids": p} for p in prompts],
+                               SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True), use_tqdm=False,
+                               lora_request=LoRARequest("adapter", str(adapter)))
+    finally:
+        llm.close()
+    for prompt, out in zip(prompts, outputs):
+        with torch.no_grad():
+            ref = reference.generate(torch.tensor([prompt]), do_sample=False, max_new_tokens=10, min_new_tokens=0,
+                                     return_dict_in_generate=True, output_logits=True)
+        tokens = ref.sequences[0, len(prompt):].tolist()
+        logprobs = [torch.log_softmax(step[0].float(), dim=-1) for step in ref.logits]
+        assert_greedy_equal(out.outputs[0].token_ids, tokens, logprobs, "W8A8 int8 with an adapter")
+
+
+class WithAdapter(torch.nn.Module):
+    """``base(x) + scaling * B (A x)``, the adapter's product in float64 on the unquantized input."""
+
+    def __init__(self, base: torch.nn.Module, a: torch.Tensor, b: torch.Tensor, scaling: float):
+        super().__init__()
+        self.base, self.a, self.b, self.scaling = base, a, b, scaling
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        delta = (x.double() @ self.a.double().t()) @ self.b.double().t() * self.scaling
+        return (self.base(x).double() + delta).to(x.dtype)
+
+
+def with_adapter(hf, adapter_dir) -> None:
+    """Every module of transformers' model the PEFT adapter in ``adapter_dir`` names gets it beside it."""
+    config = json.loads((adapter_dir / "adapter_config.json").read_text())
+    scaling = config["lora_alpha"] / config["r"]
+    tensors = load_file(adapter_dir / "adapter_model.safetensors")
+    modules = dict(hf.named_modules())
+    for name, a in tensors.items():
+        if ".lora_A." in name:
+            module = name.removeprefix("base_model.model.").split(".lora_A.")[0]
+            owner, attr = module.rsplit(".", 1)
+            base = getattr(modules[owner], attr)
+            setattr(modules[owner], attr, WithAdapter(base, a, tensors[name.replace(".lora_A.", ".lora_B.")], scaling))
