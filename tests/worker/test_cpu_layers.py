@@ -214,6 +214,21 @@ def test_quantize_rows_uint8_equals_pytorch_code_for_code(dtype, tokens, hidden)
     assert torch.equal(codes, expected_codes), f"seed {seed}: {(codes != expected_codes).sum()} codes differ"
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_quantize_rows_uint8_by_a_static_scale_equals_pytorch(dtype):
+    """A checkpoint's calibrated scale for every row: values past 127 of it clamp."""
+    from services.worker.models.int8_linear import quantize_per_token
+
+    x = randn(9, 300, dtype=dtype, seed=torch.seed() % (1 << 31)) * 3
+    static = torch.tensor([0.021])
+    codes, scales = cpu_layers.quantize_rows_uint8(x, static_scale=static.item())
+    expected, expected_scales = quantize_per_token(x, static)
+    assert torch.equal(codes, (expected.to(torch.int16) + 128).to(torch.uint8))
+    assert torch.equal(scales, expected_scales) and codes.max() == 255 and codes.min() == 1
+    with pytest.raises(ValueError, match="static_scale must be positive"):
+        cpu_layers.quantize_rows_uint8(x, static_scale=0.0)
+
+
 def test_quantize_rows_uint8_edges():
     """Halves round to even (row 0: 127 * k / 2 for odd k); a row of zeros; the row's largest value at +-127;
     rows with a stride."""

@@ -59,7 +59,7 @@ def checkpoints(llama_dir, tmp_path_factory):
 
     def make(name: str):
         if name not in made:
-            known = {**WEIGHT_ONLY, **PACKED}
+            known = {**WEIGHT_ONLY, **PACKED, "ct-w8a8-int8 static": ("ct-w8a8-int8", dict(static_activations=True))}
             scheme, options = known[name] if name in known else (name, {})
             made[name] = write_quantized(llama_dir, tmp_path_factory.mktemp("quantized"), scheme, **options)
         return made[name]
@@ -134,13 +134,14 @@ def test_greedy_equals_transformers_on_the_dequantized_weights(name, checkpoints
 class W8A8Reference(torch.nn.Module):
     """A transformers Linear computing compressed-tensors' W8A8 int8 arithmetic in float64."""
 
-    def __init__(self, weight: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None):
+    def __init__(self, weight: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None,
+                 input_scale: torch.Tensor | None = None):
         super().__init__()
-        self.weight, self.scale, self.bias = weight, scale, bias
+        self.weight, self.scale, self.bias, self.input_scale = weight, scale, bias, input_scale
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         flat = x.reshape(-1, x.shape[-1])
-        y = w8a8_reference(flat, self.weight, self.scale, self.bias, torch.float64)
+        y = w8a8_reference(flat, self.weight, self.scale, self.bias, torch.float64, self.input_scale)
         return y.to(x.dtype).view(*x.shape[:-1], -1)
 
 
@@ -155,18 +156,21 @@ def w8a8_transformers(quantized_dir, dequantized_dir):
             key = f"{name}.{child_name}"
             if isinstance(child, torch.nn.Linear) and f"{key}.weight_scale" in stored:
                 setattr(module, child_name, W8A8Reference(stored[f"{key}.weight"], stored[f"{key}.weight_scale"],
-                                                          child.bias))
+                                                          child.bias, stored.get(f"{key}.input_scale")))
     return hf.eval()
 
 
+@pytest.mark.parametrize("name", ["ct-w8a8-int8", "ct-w8a8-int8 static"])
 @pytest.mark.parametrize("triton_gemms", [None, True], ids=["cpu", "triton"])
-def test_w8a8_int8_runs_int8_layers_equal_to_the_reference(triton_gemms, checkpoints):
-    """On the CPU's path (oneDNN or the reference), and through the GPU's Triton int8 GEMM (interpreted here)."""
-    quantized, dequantized = checkpoints("ct-w8a8-int8")
+def test_w8a8_int8_runs_int8_layers_equal_to_the_reference(triton_gemms, name, checkpoints):
+    """On the CPU's path (oneDNN or the reference), and through the GPU's Triton int8 GEMM (interpreted here);
+    activations scaled per token, or by each layer's calibrated input_scale."""
+    quantized, dequantized = checkpoints(name)
     model, config = load_model(quantized, torch.float32, CPU, triton_gemms=triton_gemms)
     int8 = [m for m in model.modules() if isinstance(m, Int8Linear)]
     assert len(int8) == 4 * config.num_hidden_layers  # qkv, o, gate_up, down in each layer
     assert all((m._gpu_matmul is not None) == bool(triton_gemms) for m in int8)
+    assert all((m.input_scale is not None) == name.endswith("static") for m in int8)
     reference = w8a8_transformers(quantized, dequantized)
     float_model = w8a8_plain(dequantized)
     prompt = random_prompts(config.vocab_size, [17], seed=3)[0]
@@ -341,10 +345,10 @@ def test_compressed_tensors_schemes_not_built_are_refused(checkpoints, tmp_path)
     quantized = checkpoints("ct-w8a8-int8")[0]
     groups = json.loads((quantized / "config.json").read_text())["quantization_config"]["config_groups"]
     static = json.loads(json.dumps(groups))
-    static["group_0"]["input_activations"].update(dynamic=False, strategy="tensor")
+    static["group_0"]["input_activations"].update(dynamic=False, strategy="token")
     nvfp4 = json.loads(json.dumps(groups))
     nvfp4["group_0"]["format"] = "nvfp4-pack-quantized"
-    for edit, error in ((static, "static int8 activation scales are not supported"),
+    for edit, error in ((static, "strategy 'token' is not supported; supported: 'tensor'"),
                         (nvfp4, "format 'nvfp4-pack-quantized' is not supported; supported: 'int-quantized'")):
         with pytest.raises(ValueError, match=error):
             load_model(_with_config(quantized, tmp_path / error[:6], config_groups=edit), torch.float32, CPU)

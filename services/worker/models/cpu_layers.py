@@ -81,15 +81,17 @@ def silu_and_mul(gate_up: torch.Tensor, out: torch.Tensor | None = None) -> torc
     return out
 
 
-def quantize_rows_uint8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def quantize_rows_uint8(x: torch.Tensor, static_scale: float | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """``x [T, N]`` (unit stride along N) -> (uint8 codes ``[T, N]``, float32 scales ``[T, 1]``): each row's
-    int8 codes (int8_linear.quantize_per_token) plus 128, as oneDNN's int8 matmul takes activations."""
+    int8 codes (int8_linear.quantize_per_token, or by ``static_scale`` where given) plus 128, as oneDNN's int8
+    matmul takes activations."""
+    _require(static_scale is None or static_scale > 0, f"static_scale must be positive, got {static_scale}")
     _require(x.device.type == "cpu", "x must be on the CPU")
     _require(x.dtype in DTYPES, f"x must be float32, bfloat16 or float16, got {x.dtype}")
     _require(x.dim() == 2 and x.stride(1) == 1, f"x must be [T, N] with unit stride along N, got {tuple(x.shape)}")
     codes = torch.empty(x.shape, dtype=torch.uint8)
     scales = torch.empty(x.shape[0], 1, dtype=torch.float32)
-    _ops().quantize_rows_uint8(codes, scales, x)
+    _ops().quantize_rows_uint8(codes, scales, x, static_scale or 0.0)
     return codes, scales
 
 

@@ -32,10 +32,15 @@ _ZERO_POINT = 128  # int8 activations shifted into uint8
 _TINY = 1e-12  # the scale of a row of zeros: its codes are all 0 whatever it is
 
 
-def quantize_per_token(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """``x [..., K]`` -> (int8 codes ``[..., K]``, float32 scales ``[..., 1]``); round half to even."""
+def quantize_per_token(x: torch.Tensor, static_scale: torch.Tensor | None = None
+                       ) -> tuple[torch.Tensor, torch.Tensor]:
+    """``x [..., K]`` -> (int8 codes ``[..., K]``, float32 scales ``[..., 1]``); round half to even.
+    ``static_scale``: a checkpoint's calibrated scale (one value) for every token instead."""
     x = x.float()
-    scale = (x.abs().amax(dim=-1, keepdim=True) / QMAX).clamp_min(_TINY)
+    if static_scale is None:
+        scale = (x.abs().amax(dim=-1, keepdim=True) / QMAX).clamp_min(_TINY)
+    else:
+        scale = static_scale.float().reshape([1] * x.dim()).expand(*x.shape[:-1], 1)
     codes = torch.round(x / scale).clamp_(-QMAX, QMAX).to(torch.int8)
     return codes, scale
 
@@ -47,17 +52,17 @@ def quantize_per_channel(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tens
 
 
 def w8a8_reference(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor, bias: torch.Tensor | None,
-                   dtype: torch.dtype = torch.float32) -> torch.Tensor:
+                   dtype: torch.dtype = torch.float32, input_scale: torch.Tensor | None = None) -> torch.Tensor:
     """The scheme's arithmetic in plain PyTorch, the product in ``dtype`` (float64: exact, for tests): the
-    oracle, and the path off oneDNN."""
-    codes, scale = quantize_per_token(x)
+    oracle, and the path off oneDNN. ``input_scale``: static activations' scale (None: per token)."""
+    codes, scale = quantize_per_token(x, input_scale)
     y = (codes.to(dtype) @ weight.to(dtype).t()) * scale.to(dtype) * weight_scale.to(dtype).view(1, -1)
     return y if bias is None else y + bias.to(dtype)
 
 
-def _shifted_codes(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def _shifted_codes(x: torch.Tensor, static_scale: float | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """``quantize_per_token`` plus 128, as uint8: oneDNN's int8 activations (in PyTorch)."""
-    codes, scale = quantize_per_token(x)
+    codes, scale = quantize_per_token(x, None if static_scale is None else torch.tensor(static_scale))
     return (codes.to(torch.int16) + _ZERO_POINT).to(torch.uint8), scale
 
 
@@ -86,12 +91,14 @@ def _onednn_product(codes: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
 
 
 class Int8Linear(nn.Module):
-    """``y = x W^T + b`` with ``W`` held as int8 codes ``weight [N, K]`` and ``weight_scale [N, 1]``."""
+    """``y = x W^T + b`` with ``W`` held as int8 codes ``weight [N, K]`` and ``weight_scale [N, 1]``; with static
+    activations, ``input_scale [parts]``: each fused part's calibrated scale (they see the same input; the
+    largest is used, as vLLM does)."""
 
-    keeps_dtype = ("weight_scale",)  # float32 whatever the model's dtype (the loader leaves it so)
+    keeps_dtype = ("weight_scale", "input_scale")  # float32 whatever the model's dtype (the loader leaves them)
 
     def __init__(self, in_features: int, out_features: int, bias: bool, dtype: torch.dtype = torch.float32,
-                 device: torch.device | str | None = None):
+                 device: torch.device | str | None = None, static_parts: int = 0):
         super().__init__()
         self.in_features, self.out_features = in_features, out_features
         self.weight = nn.Parameter(torch.empty(out_features, in_features, dtype=torch.int8, device=device),
@@ -100,6 +107,9 @@ class Int8Linear(nn.Module):
                                          requires_grad=False)
         self.bias = nn.Parameter(torch.empty(out_features, dtype=dtype, device=device), requires_grad=False) \
             if bias else None
+        self.input_scale = nn.Parameter(torch.empty(static_parts, dtype=torch.float32, device=device),
+                                        requires_grad=False) if static_parts else None
+        self._static_scale: torch.Tensor | None = None  # the one input scale used (prepare())
         self._gpu_matmul = None  # the Triton GEMM, on a GPU (prepare())
         self._packed: torch.Tensor | None = None  # oneDNN's reordered weight (prepare())
         self._scales: torch.Tensor | None = None  # weight_scale flat, and zero points, as oneDNN takes them
@@ -111,6 +121,8 @@ class Int8Linear(nn.Module):
         them for oneDNN where it runs."""
         if triton_gemm is None:
             triton_gemm = self.weight.device.type == "cuda"
+        if self.input_scale is not None:
+            self._static_scale = self.input_scale.data.max().reshape(1)
         if triton_gemm:
             from services.worker.quantization.int8_gemm import int8_matmul_with_quantization  # Triton
 
@@ -126,16 +138,20 @@ class Int8Linear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """``x [..., K]`` (float) -> ``[..., N]`` in x's dtype."""
+        static = self._static_scale
         if self._gpu_matmul is not None:
-            return self._gpu_matmul(x, self.weight, self.weight_scale, self.bias)
+            return self._gpu_matmul(x, self.weight, self.weight_scale, self.bias, static)
         if self._packed is None:
-            return w8a8_reference(x.reshape(-1, self.in_features), self.weight, self.weight_scale,
-                                  self.bias).to(x.dtype).view(*x.shape[:-1], self.out_features)
+            return w8a8_reference(x.reshape(-1, self.in_features), self.weight, self.weight_scale, self.bias,
+                                  input_scale=static).to(x.dtype).view(*x.shape[:-1], self.out_features)
         flat = x.reshape(-1, self.in_features)
-        shifted, scale = self._quantize(flat.contiguous())
-        y = torch.ops.onednn.qlinear_pointwise(shifted, 1.0, _ZERO_POINT, self._packed, self._scales,
+        shifted, scale = self._quantize(flat.contiguous(), None if static is None else static.item())
+        # A static scale is oneDNN's own activation scale; per-token ones multiply its rows afterwards.
+        x_scale = 1.0 if static is None else static.item()
+        y = torch.ops.onednn.qlinear_pointwise(shifted, x_scale, _ZERO_POINT, self._packed, self._scales,
                                                self._zero_points, None, 1.0, 0, torch.float32, "none", [], "")
-        y = y.mul_(scale)
+        if static is None:
+            y = y.mul_(scale)
         if self.bias is not None:
             y = y.add_(self.bias.float())
         return y.to(x.dtype).view(*x.shape[:-1], self.out_features)

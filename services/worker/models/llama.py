@@ -129,10 +129,10 @@ class LlamaForCausalLM(nn.Module):
             return self.norm(x)
         return self.norm.forward_with_residual(x, residual)[0]
 
-    def use_int8_linears(self, stored_int8: Iterable[str]) -> frozenset[str]:
+    def use_int8_linears(self, stored_int8: Iterable[str], static: bool = False) -> frozenset[str]:
         """Hold as Int8Linear (W8A8) each dense projection whose checkpoint layers are all in ``stored_int8``
-        (HF names: q/k/v and gate/up are fused here, so they go together); before materializing. Returns the
-        checkpoint layers so kept."""
+        (HF names: q/k/v and gate/up are fused here, so they go together), with each part's static input scale
+        where ``static``; before materializing. Returns the checkpoint layers so kept."""
         stored_int8 = set(stored_int8)
 
         def build(linear: nn.Module, parts: list[str]) -> nn.Module | None:
@@ -141,7 +141,8 @@ class LlamaForCausalLM(nn.Module):
                 return None
             if not all(present):
                 raise ValueError(f"{', '.join(parts)} run as one layer here, but only some are stored in int8")
-            return Int8Linear(linear.in_features, linear.out_features, linear.bias is not None)
+            return Int8Linear(linear.in_features, linear.out_features, linear.bias is not None,
+                              static_parts=len(parts) if static else 0)
 
         return self._replace_projections(build)
 
@@ -257,6 +258,7 @@ class LlamaForCausalLM(nn.Module):
                 if fused is not None:
                     targets.parts(f"{p}.self_attn", suffix, fused, ["q_proj", "k_proj", "v_proj"], qkv_sizes,
                                   [1, self.kv_replicas, self.kv_replicas])
+            targets.input_scales(f"{p}.self_attn", attn.qkv_proj, ["q_proj", "k_proj", "v_proj"])
             targets.row_parallel(f"{p}.self_attn.o_proj", attn.o_proj, self.config.o_bias)
             if attn.qk_norm and attn.qk_norm_per_head:
                 targets.whole(f"{p}.self_attn.q_norm.weight", attn.q_norm.weight)

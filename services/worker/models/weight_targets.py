@@ -66,6 +66,14 @@ class WeightTargets(dict):
                                                        whole_rows)
             start += size
 
+    def input_scales(self, prefix: str, linear: nn.Module, names: Iterable[str]) -> None:
+        """A static-int8 layer's input scale per fused part, ``{prefix}.{name}.input_scale``, whole on every
+        rank (each part's input is the same whole activation)."""
+        scales = getattr(linear, "input_scale", None)
+        if scales is not None:
+            for i, name in enumerate(names):
+                self[f"{prefix}.{name}.input_scale"] = Target(scales, i, 1)
+
     def columns(self, name: str, tensor: torch.Tensor) -> None:
         """This rank's inputs of a row-parallel layer's weight."""
         whole_columns = tensor.shape[1] * self.tp.size
@@ -81,6 +89,7 @@ class WeightTargets(dict):
             self.columns(f"{name}.weight", linear.weight)
         if getattr(linear, "weight_scale", None) is not None:  # an int8 layer's: one per output row, all here
             self.whole(f"{name}.weight_scale", linear.weight_scale)
+        self.input_scales(name.rpartition(".")[0], linear, [name.rpartition(".")[2]])
         if linear.bias is not None:
             self.whole(f"{name}.bias", linear.bias)
         elif has_bias:
@@ -93,6 +102,7 @@ class WeightTargets(dict):
             fused = getattr(gate_up, suffix, None)
             if fused is not None:
                 self.parts(prefix, suffix, fused, HF_MLP_NAMES[:2], [inter, inter], [1, 1])
+        self.input_scales(prefix, gate_up, HF_MLP_NAMES[:2])
         self.row_parallel(f"{prefix}.down_proj", down, has_bias)
 
     def experts(self, prefix: str, w13: torch.Tensor, w2: torch.Tensor, names: tuple[str, str, str]) -> None:

@@ -52,6 +52,7 @@ class Scheme:
     format: str
     weights: WeightArgs
     int8_tokens: bool
+    static_int8: bool = False  # those int8 activations scaled by the checkpoint's input_scale, not per token
 
     def matches(self, module: str, by_name: bool) -> bool:
         """Whether the group targets ``module``: by its name (a regex "re:..." or the name itself), or,
@@ -88,6 +89,10 @@ class CompressedTensorsFormat(LinearFormat):
     def runs_int8(self) -> bool:
         return self.schemes[0].int8_tokens
 
+    @property
+    def static_int8(self) -> bool:
+        return self.schemes[0].static_int8
+
     def scheme_of(self, module: str) -> Scheme:
         for by_name in (True, False):
             for scheme in self.schemes:
@@ -102,7 +107,10 @@ class CompressedTensorsFormat(LinearFormat):
             if weight.dtype != torch.int8:
                 raise ValueError(f"{stored.module}.weight is {weight.dtype}, expected torch.int8")
             scale = per_row_scale(stored.need("weight_scale"), weight.shape[0], f"{stored.module}.weight_scale")
-            return [(f"{stored.module}.weight", weight), (f"{stored.module}.weight_scale", scale)]
+            tensors = [(f"{stored.module}.weight", weight), (f"{stored.module}.weight_scale", scale)]
+            if self.scheme_of(stored.module).static_int8:
+                tensors.append((f"{stored.module}.input_scale", _static_scale(stored)))
+            return tensors
         return super().converted(stored, False)
 
     def dequantized(self, stored: StoredLinear) -> torch.Tensor:
@@ -152,6 +160,14 @@ class CompressedTensorsFormat(LinearFormat):
         return f"compressed-tensors ({'; '.join(kinds)})"
 
 
+def _static_scale(stored: StoredLinear) -> torch.Tensor:
+    """A layer's calibrated input scale, float32 [1]: one positive value."""
+    scale = stored.need("input_scale").float().reshape(-1)
+    if scale.numel() != 1 or not bool(scale[0] > 0):
+        raise ValueError(f"{stored.module}.input_scale must be one positive value, got {scale.tolist()[:4]}")
+    return scale
+
+
 def _zero(stored: StoredLinear) -> torch.Tensor | float:
     zero = stored.get("weight_zero_point")
     return 0.0 if zero is None else zero.float()
@@ -194,7 +210,8 @@ def _scheme(name: str, group: dict, default_format: str | None, where: str) -> S
         raise ValueError(f"{where}: no format, here or at the top of quantization_config")
     weights = _weight_args(field(group, "weights", kind=dict, where=where), fmt, f"{where}.weights")
     acts = group.get("input_activations")
-    return Scheme(targets, fmt, weights, _int8_tokens(acts, weights, f"{where}.input_activations"))
+    int8 = _int8_activations(acts, weights, f"{where}.input_activations")
+    return Scheme(targets, fmt, weights, int8 is not None, int8 == "static")
 
 
 def _weight_args(raw: dict, fmt: str, where: str) -> WeightArgs:
@@ -216,21 +233,24 @@ def _weight_args(raw: dict, fmt: str, where: str) -> WeightArgs:
                       tuple(block) if block else None)
 
 
-def _int8_tokens(acts: dict | None, weights: WeightArgs, where: str) -> bool:
-    """Whether activations are quantized to int8 per token as they come; FP8 activations run unquantized on
-    this path (weight-only, as fp8_format.py says); anything else is refused."""
+def _int8_activations(acts: dict | None, weights: WeightArgs, where: str) -> str | None:
+    """How activations are quantized to int8: "dynamic" (per token, as they come) or "static" (the checkpoint's
+    per-tensor input_scale); None: not at all (FP8 activations run unquantized on the CPU path, as
+    fp8_format.py says). Anything else is refused."""
     if acts is None:
-        return False
+        return None
     kind = field(acts, "type", default="int", kind=str, allowed=("int", "float"), where=where)
     if kind == "float":
-        return False
+        return None
     field(acts, "num_bits", kind=int, allowed=(8,), where=where)
-    if field(acts, "dynamic", default=False, kind=(bool, str), where=where) is not True:
-        raise ValueError(f"{where}: static int8 activation scales are not supported; dynamic per-token ones are")
-    strategy = field(acts, "strategy", default="tensor", kind=str, allowed=("token",), where=where)
+    dynamic = field(acts, "dynamic", default=False, kind=(bool, str), where=where)
+    if dynamic not in (True, False):
+        raise ValueError(f"{where}: dynamic {dynamic!r} is not supported; true (per token) and false (a static "
+                         "per-tensor scale) are")
+    field(acts, "strategy", default="tensor", kind=str, allowed=("token",) if dynamic else ("tensor",), where=where)
     if not field(acts, "symmetric", default=True, kind=bool, where=where):
         raise ValueError(f"{where}: asymmetric int8 activations are not supported; symmetric ones are")
     if weights.type != "int" or weights.strategy not in ("tensor", "channel") or not weights.symmetric:
         raise ValueError(f"{where}: int8 activations need symmetric int8 weights per tensor or channel, got "
                          f"{weights.type} {weights.strategy}")
-    return strategy == "token"
+    return "dynamic" if dynamic else "static"

@@ -101,12 +101,14 @@ def w8a8_int8_matmul(codes: torch.Tensor, row_scales: torch.Tensor, weight: torc
 
 
 def int8_matmul_with_quantization(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
-                                  bias: torch.Tensor | None) -> torch.Tensor:
-    """``x [..., K]`` (float) -> ``[..., N]`` in x's dtype: x quantized per token (int8_linear's own
-    ``quantize_per_token``), then the int8 GEMM. ``Int8Linear.forward`` on CUDA."""
+                                  bias: torch.Tensor | None, input_scale: torch.Tensor | None = None) -> torch.Tensor:
+    """``x [..., K]`` (float) -> ``[..., N]`` in x's dtype: x quantized per token, or by a checkpoint's static
+    ``input_scale`` (int8_linear's own ``quantize_per_token``), then the int8 GEMM. ``Int8Linear.forward`` on
+    CUDA."""
     require(x.dtype in OUT_DTYPES, f"x must be one of {OUT_DTYPES}, got {x.dtype}")
     n = weight.shape[0]
-    codes, row_scales = quantize_per_token(x.reshape(-1, x.shape[-1]))
+    codes, row_scales = quantize_per_token(x.reshape(-1, x.shape[-1]), input_scale)
+    row_scales = row_scales.contiguous()  # a static scale comes expanded
     y = w8a8_int8_matmul(codes, row_scales, weight, weight_scale, bias, x.dtype)
     return y.view(*x.shape[:-1], n)
 

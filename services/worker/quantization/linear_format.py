@@ -56,6 +56,11 @@ class LinearFormat:
         """Whether the model runs this format's layers as W8A8 int8 (else in float, dequantized at load)."""
         return False
 
+    @property
+    def static_int8(self) -> bool:
+        """Whether those int8 activations take the checkpoint's input_scale (else one scale per token)."""
+        return False
+
     def wna16_layout(self, module: str, suffixes: frozenset[str]) -> PackedLayout | None:
         """The bits and group size when a layer stored with these tensors can run in the weight-only GEMM
         (wna16_linear.py) as it is stored; None: it is dequantized at load."""

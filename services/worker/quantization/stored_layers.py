@@ -27,7 +27,7 @@ def keep_stored_layers(model, fmt: LinearFormat, layers: dict[str, frozenset[str
     checkpoint layer -> INT8, WNA16 or FP8 for each so kept. ``layers``: the quantized layers and their
     tensors (checkpoint_stream.quantized_layers); ``names``: every tensor's name; ``triton_gemms``: the GPU's
     kernels run (on a CPU, only the tests ask for them, through the interpreter)."""
-    kept = dict.fromkeys(model.use_int8_linears(layers), INT8) if fmt.runs_int8 else {}
+    kept = dict.fromkeys(model.use_int8_linears(layers, fmt.static_int8), INT8) if fmt.runs_int8 else {}
     if not (triton_gemms and single_rank):
         return kept
     kept.update(dict.fromkeys(model.use_stored_layouts(_wna16_layouts(fmt, layers), WNA16Linear.replacing), WNA16))

@@ -281,10 +281,11 @@ void silu_and_mul(at::Tensor out, const at::Tensor& gate_up) {
 // ---- Per-token int8 quantization (W8A8) -----------------------------------------------------------
 
 // For oneDNN's int8 matmul, which takes unsigned activations with a zero point of 128: each row of x
-// [tokens, n] scaled so its largest magnitude is 127, scale = max(amax / 127, 1e-12) (float32), codes
-// = clamp(round_half_even(x / scale), -127, 127) + 128. What int8_linear.quantize_per_token computes
-// (then shifted), in one pass per row instead of ten kernels: x / scale is a true division, as torch's.
-void quantize_rows_uint8(at::Tensor codes, at::Tensor scales, const at::Tensor& x) {
+// [tokens, n] scaled so its largest magnitude is 127, scale = max(amax / 127, 1e-12) (float32), or by
+// static_scale where it is positive (a checkpoint's calibrated one), codes = clamp(round_half_even(x /
+// scale), -127, 127) + 128. What int8_linear.quantize_per_token computes (then shifted), in one pass per
+// row instead of ten kernels: x / scale is a true division, as torch's.
+void quantize_rows_uint8(at::Tensor codes, at::Tensor scales, const at::Tensor& x, double static_scale) {
   TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1, "x must be [tokens, n] with unit stride along n");
   TORCH_CHECK(codes.scalar_type() == at::kByte && codes.is_contiguous() && codes.sizes() == x.sizes(),
               "codes must be contiguous uint8, shaped like x");
@@ -302,11 +303,13 @@ void quantize_rows_uint8(at::Tensor codes, at::Tensor scales, const at::Tensor& 
     for (int64_t t = 0; t < tokens; ++t) {
       const auto* row = src + t * row_stride;
       float amax = 0.f;
+      if (static_scale <= 0) {
 #pragma omp simd reduction(max : amax)
-      for (int64_t i = 0; i < n; ++i) {
-        amax = std::max(amax, std::fabs(Fmt::load(row[i])));
+        for (int64_t i = 0; i < n; ++i) {
+          amax = std::max(amax, std::fabs(Fmt::load(row[i])));
+        }
       }
-      const float scale = std::max(amax / 127.f, 1e-12f);
+      const float scale = static_scale > 0 ? static_cast<float>(static_scale) : std::max(amax / 127.f, 1e-12f);
       row_scales[t] = scale;
       auto* o = out + t * n;
       // Clamped first (rounding then clamping to +-127 gives the same), then rounded half to even by
@@ -330,7 +333,7 @@ TORCH_LIBRARY_FRAGMENT(pagedserve_cpu, m) {
   m.def("fused_add_rms_norm(Tensor(a!) out, Tensor x, Tensor(b!) residual, Tensor weight, float eps) -> ()");
   m.def("rotary_embedding(Tensor positions, Tensor(a!) query, Tensor(b!) key, Tensor cos, Tensor sin) -> ()");
   m.def("silu_and_mul(Tensor(a!) out, Tensor gate_up) -> ()");
-  m.def("quantize_rows_uint8(Tensor(a!) codes, Tensor(b!) scales, Tensor x) -> ()");
+  m.def("quantize_rows_uint8(Tensor(a!) codes, Tensor(b!) scales, Tensor x, float static_scale) -> ()");
 }
 
 TORCH_LIBRARY_IMPL(pagedserve_cpu, CPU, m) {
