@@ -18,6 +18,7 @@ from pathlib import Path
 
 import gguf
 import numpy as np
+import torch
 from gguf import GGMLQuantizationType, LlamaFileType
 from safetensors.numpy import load_file
 
@@ -43,6 +44,9 @@ def write_gguf(src: Path, path: Path, *, types: dict[str, str] | None = None, de
     for name, data in gguf_tensors(src, config):
         qtype = tensor_type(name, data, types or {}, default)
         writer.add_tensor(name, quantize(data, qtype), raw_dtype=qtype)
+    factors = rope_freqs(src)
+    if factors is not None:  # Llama 3's rope scaling: llama.cpp's converter stores it as a tensor, in float32
+        writer.add_tensor("rope_freqs.weight", factors, raw_dtype=GGMLQuantizationType.F32)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
@@ -79,9 +83,25 @@ def _write_metadata(writer: gguf.GGUFWriter, config: dict, name: str, default: s
 def _rope_theta(config: dict) -> float:
     """transformers 5 keeps rope_theta under rope_parameters; older configs at the top level."""
     params = config.get("rope_parameters") or config.get("rope_scaling") or {}
-    if params.get("rope_type", params.get("type", "default")) != "default":
+    if params.get("rope_type", params.get("type", "default")) not in ("default", "llama3"):
         raise ValueError(f"rope scaling {params} is not written by this helper")  # it would silently vanish
     return float(params.get("rope_theta", config.get("rope_theta", 10000.0)))
+
+
+def rope_freqs(src: Path) -> np.ndarray | None:
+    """A llama3-scaled model's rope_freqs: what transformers' own llama3 rope divides each frequency by (the
+    plain inverse frequencies over its scaled ones), as llama.cpp's converter writes them. None: no scaling."""
+    from transformers import AutoConfig
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    config = AutoConfig.from_pretrained(src)
+    params = getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None) or {}
+    if params.get("rope_type") != "llama3":
+        return None
+    scaled, _ = ROPE_INIT_FUNCTIONS["llama3"](config, "cpu")
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    plain = 1.0 / (_rope_theta(config.to_dict()) ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim))
+    return (plain / scaled.double()).float().numpy()
 
 
 def gguf_tensors(src: Path, config: dict) -> list[tuple[str, np.ndarray]]:

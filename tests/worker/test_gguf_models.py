@@ -124,3 +124,52 @@ def test_what_is_not_built_is_refused_by_name(files, tmp_path, monkeypatch, caps
                         (gpt2, "GGUF architecture 'gpt2' is not supported; supported: llama, qwen2, qwen3")):
         assert error in refused(monkeypatch, capsys, ["--model", str(file), "--tokenizer", str(source)])
     assert "a GGUF model needs --tokenizer" in refused(monkeypatch, capsys, ["--model", str(path)])
+
+
+def test_llama_3_rope_scaling_stored_as_rope_freqs(tmp_path, monkeypatch):
+    """llama.cpp stores Llama 3.1's rope scaling as the rope_freqs tensor, which transformers' GGUF reading
+    drops: the file's config recovers the llama3 settings, and greedy tokens equal transformers on the model
+    the (float32) file was made from. Without the scaling the model rotates low frequencies 8x too fast."""
+    from services.worker.model_factory import create_model_dir
+    from shared.gguf_view import gguf_config
+    from tests.gguf_checkpoints import rope_freqs
+    from tests.oracle import hf_greedy
+
+    monkeypatch.setenv("PAGEDSERVE_CACHE", str(tmp_path / "cache"))
+    scaling = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+               "original_max_position_embeddings": 64}
+    source = create_model_dir(tmp_path / "src", **SHAPE, model_type="llama", rope_scaling=scaling)
+    path = write_gguf(source, tmp_path / "model.gguf", default="F32")
+    factors = rope_freqs(source)
+    between = (factors > 1.001) & (factors < 7.99)
+    assert factors.min() == pytest.approx(1) and factors.max() == pytest.approx(8) and between.sum() >= 2
+    recovered = gguf_config(path)["rope_scaling"]
+    assert recovered["rope_type"] == "llama3" and recovered["factor"] == pytest.approx(8.0, rel=1e-5)
+    prompts = [[3 + (5 * i + 13 * j) % 500 for j in range(n)] for i, n in enumerate((40, 7))]
+    llm = LLM(str(path), tokenizer=str(source), kv_cache_memory_bytes=8 << 20)
+    try:
+        outputs = llm.generate([{"prompt_token_ids": p} for p in prompts],
+                               SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True), use_tqdm=False)
+    finally:
+        llm.close()
+    for prompt, out in zip(prompts, outputs):
+        ref, logprobs = hf_greedy(source, prompt, 10)
+        assert_greedy_equal(out.outputs[0].token_ids, ref, logprobs, "llama 3 rope from rope_freqs")
+
+
+@pytest.mark.parametrize("low, high, original", [(1.0, 4.0, 8192), (2.0, 6.0, 4096), (1.0, 4.0, 64)])
+def test_rope_freqs_give_back_the_llama3_settings_that_made_them(low, high, original):
+    from shared.gguf_rope import llama3_divisors, llama3_rope_scaling
+
+    theta, head_dim = 500000.0, 128
+    wavelengths = 2 * np.pi * theta ** (np.arange(0, head_dim, 2) / head_dim)
+    made = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": low, "high_freq_factor": high,
+            "original_max_position_embeddings": original}
+    factors = llama3_divisors(made, wavelengths).astype(np.float32)
+    recovered = llama3_rope_scaling(factors, theta, head_dim, original)
+    np.testing.assert_allclose(llama3_divisors(recovered, wavelengths), factors, rtol=1e-5)
+    assert llama3_rope_scaling(np.ones(64, np.float32), theta, head_dim, original) is None
+    with pytest.raises(ValueError, match="no llama3 rope scaling gives"):
+        llama3_rope_scaling(np.linspace(1, 8, 64), theta, head_dim, original)
+    with pytest.raises(ValueError, match="holds 10 values"):
+        llama3_rope_scaling(np.ones(10), theta, head_dim, original)

@@ -14,6 +14,8 @@ from pathlib import Path
 
 import torch
 
+from shared.gguf_view import ROPE_FREQS
+
 # What gguf-py dequantizes and this loader was checked with (F32/F16/Q8_0/Q4_0/Q4_K/Q6_K in the tests);
 # the importance-matrix (IQ*), ternary and MXFP4 types are refused by name.
 SUPPORTED_TYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q2_K", "Q3_K", "Q4_K", "Q5_K",
@@ -32,7 +34,7 @@ def gguf_names(file: Path) -> list[str]:
     """Hugging Face names of the file's tensors, and every type and architecture checked (cheap: the file is
     memory-mapped and nothing is dequantized)."""
     reader, arch = _open(file)
-    return [hf_name(t.name) for t in reader.tensors]
+    return [hf_name(t.name) for t in reader.tensors if t.name != ROPE_FREQS]
 
 
 def gguf_tensors(file: Path) -> Iterator[tuple[str, torch.Tensor]]:
@@ -43,6 +45,8 @@ def gguf_tensors(file: Path) -> Iterator[tuple[str, torch.Tensor]]:
     heads = _field(reader, f"{arch}.attention.head_count")
     kv_heads = _field(reader, f"{arch}.attention.head_count_kv", heads)
     for tensor in reader.tensors:
+        if tensor.name == ROPE_FREQS:  # Llama 3's rope scaling: config.json has it (shared/gguf_view.py)
+            continue
         name = hf_name(tensor.name)
         shape = [int(n) for n in reversed(tensor.shape.tolist())]  # ggml lists the innermost dimension first
         values = torch.from_numpy(dequantize(tensor.data, tensor.tensor_type).copy()).float().reshape(shape)
@@ -55,9 +59,7 @@ def hf_name(name: str) -> str:
     match = _NAME.fullmatch(name)
     base = match and (_LAYER.get(match["base"]) if match["layer"] else _TOP.get(match["base"]))
     if base is None:
-        hint = " (Llama 3.1's rope scaling stored as a tensor is not supported yet)" if name.startswith("rope_freqs") \
-            else ""
-        raise ValueError(f"GGUF tensor {name!r} is not one this loader maps{hint}")
+        raise ValueError(f"GGUF tensor {name!r} is not one this loader maps")
     prefix = f"model.layers.{match['layer']}." if match["layer"] else ""
     return f"{prefix}{base}.{match['suffix']}"
 
