@@ -56,6 +56,16 @@ def test_quantization_benchmark_runs_each_mode(tmp_path, llama_dir):
     assert report["sizes"]["w8a8-int8"]["loaded_bytes"] < report["sizes"]["float32"]["loaded_bytes"]
 
 
+def test_cpu_weight_only_times_every_layer_and_dtype(tmp_path):
+    out = tmp_path / "cpu_weight_only.json"
+    subprocess.run([sys.executable, str(REPO / "benchmarks" / "cpu_weight_only.py"), "--rows", "1", "--repeats", "1",
+                    "--out", str(out)], cwd=REPO, check=True, timeout=RUN_LIMIT_S, stdout=subprocess.DEVNULL)
+    cases = json.loads(out.read_text())["cases"]
+    assert [(c["layer"], c["dtype"]) for c in cases] == [(layer, dtype) for layer in ("qkv", "gate_up", "down")
+                                                         for dtype in ("float32", "bfloat16")]
+    assert all(c[key] > 0 for c in cases for key in c if key.endswith("_us"))
+
+
 def test_step_inputs_times_every_case(tmp_path):
     out = tmp_path / "step_inputs.json"
     subprocess.run([sys.executable, str(REPO / "benchmarks" / "step_inputs.py"), "--repeats", "1", "--json", str(out)],
