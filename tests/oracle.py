@@ -23,7 +23,11 @@ def hf_model(model_dir: str):
 
 def hf_greedy(model_dir, prompt_token_ids: list[int], max_new_tokens: int) -> tuple[list[int], list[torch.Tensor]]:
     """transformers generate, greedy: the new tokens and the log-softmax at each step."""
-    model = hf_model(str(model_dir))
+    return model_greedy(hf_model(str(model_dir)), prompt_token_ids, max_new_tokens)
+
+
+def model_greedy(model, prompt_token_ids: list[int], max_new_tokens: int) -> tuple[list[int], list[torch.Tensor]]:
+    """hf_greedy on a transformers model already built (one whose layers a test replaced)."""
     with torch.no_grad():
         out = model.generate(torch.tensor([prompt_token_ids]), do_sample=False, max_new_tokens=max_new_tokens,
                              min_new_tokens=0, return_dict_in_generate=True, output_logits=True)
