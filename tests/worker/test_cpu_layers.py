@@ -229,6 +229,20 @@ def test_quantize_rows_uint8_by_a_static_scale_equals_pytorch(dtype):
         cpu_layers.quantize_rows_uint8(x, static_scale=0.0)
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("scaled, biased", [(True, True), (True, False), (False, True)])
+def test_int8_epilogue_scales_adds_and_rounds_once(dtype, scaled, biased):
+    from services.worker.models.int8_linear import _scaled_output
+
+    acc = randn(37, 300, seed=torch.seed() % (1 << 31)) * 1000
+    scales = torch.rand(37, 1) * 0.01 if scaled else None
+    bias = randn(300, dtype=dtype, seed=5) if biased else None
+    expected = _scaled_output(acc.clone(), scales, bias, dtype)
+    got = cpu_layers.int8_epilogue(acc.clone(), scales, bias, dtype)
+    assert got.dtype == dtype and got.shape == acc.shape
+    assert_close(got, expected)  # the multiply and add may fuse: one rounding fewer
+
+
 def test_quantize_rows_uint8_edges():
     """Halves round to even (row 0: 127 * k / 2 for odd k); a row of zeros; the row's largest value at +-127;
     rows with a stride."""

@@ -95,6 +95,19 @@ def quantize_rows_uint8(x: torch.Tensor, static_scale: float | None = None) -> t
     return codes, scales
 
 
+def int8_epilogue(acc: torch.Tensor, row_scales: torch.Tensor | None, bias: torch.Tensor | None,
+                  dtype: torch.dtype) -> torch.Tensor:
+    """``(acc * row_scales + bias).to(dtype)`` in one pass: the int8 matmul's float32 product ``acc [T, N]``
+    (contiguous), each token's scale ``[T, 1]`` (None: 1), ``bias [N]`` (taken in ``dtype``)."""
+    _require(dtype in DTYPES, f"dtype must be float32, bfloat16 or float16, got {dtype}")
+    _require(acc.dtype == torch.float32 and acc.dim() == 2 and acc.is_contiguous(),
+             f"acc must be contiguous float32 [T, N], got {acc.dtype} {tuple(acc.shape)}")
+    _require(bias is None or bias.shape == acc.shape[1:], f"bias must be [{acc.shape[1]}]")
+    out = acc if dtype == torch.float32 else torch.empty(acc.shape, dtype=dtype)
+    _ops().int8_epilogue(out, acc, row_scales, None if bias is None else bias.to(dtype).contiguous())
+    return out
+
+
 def _check_norm(x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor) -> None:
     _require(all(t.device.type == "cpu" for t in (x, weight, out)), "every tensor must be on the CPU")
     _require(x.dtype in DTYPES, f"x must be float32, bfloat16 or float16, got {x.dtype}")

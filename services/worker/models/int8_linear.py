@@ -66,6 +66,16 @@ def _shifted_codes(x: torch.Tensor, static_scale: float | None = None) -> tuple[
     return (codes.to(torch.int16) + _ZERO_POINT).to(torch.uint8), scale
 
 
+def _scaled_output(acc: torch.Tensor, row_scales: torch.Tensor | None, bias: torch.Tensor | None,
+                   dtype: torch.dtype) -> torch.Tensor:
+    """``(acc * row_scales + bias).to(dtype)``, float32 until the end (in PyTorch)."""
+    if row_scales is not None:
+        acc = acc.mul_(row_scales)
+    if bias is not None:
+        acc = acc.add_(bias.float())
+    return acc.to(dtype)
+
+
 def can_run_onednn_int8(device: torch.device) -> bool:
     return device.type == "cpu" and torch.backends.mkldnn.is_available() and hasattr(torch.ops, "onednn") \
         and hasattr(torch.ops.onednn, "qlinear_pointwise") and onednn_int8_is_exact()
@@ -115,6 +125,7 @@ class Int8Linear(nn.Module):
         self._scales: torch.Tensor | None = None  # weight_scale flat, and zero points, as oneDNN takes them
         self._zero_points: torch.Tensor | None = None
         self._quantize = _shifted_codes  # activations -> oneDNN's uint8 codes (the C++ kernel where built)
+        self._epilogue = _scaled_output  # oneDNN's float32 product -> the output (the C++ kernel where built)
 
     def prepare(self, triton_gemm: bool | None = None) -> None:
         """After the weights are loaded: the Triton GEMM where ``triton_gemm`` (None: on a GPU), else reorder
@@ -132,7 +143,7 @@ class Int8Linear(nn.Module):
 
             self._packed = torch.ops.onednn.qlinear_prepack(self.weight.data, None)
             if cpu_layers.available():
-                self._quantize = cpu_layers.quantize_rows_uint8
+                self._quantize, self._epilogue = cpu_layers.quantize_rows_uint8, cpu_layers.int8_epilogue
             self._scales = self.weight_scale.data.view(-1).float().contiguous()
             self._zero_points = torch.zeros(self.out_features, dtype=torch.int64)
 
@@ -150,11 +161,8 @@ class Int8Linear(nn.Module):
         x_scale = 1.0 if static is None else static.item()
         y = torch.ops.onednn.qlinear_pointwise(shifted, x_scale, _ZERO_POINT, self._packed, self._scales,
                                                self._zero_points, None, 1.0, 0, torch.float32, "none", [], "")
-        if static is None:
-            y = y.mul_(scale)
-        if self.bias is not None:
-            y = y.add_(self.bias.float())
-        return y.to(x.dtype).view(*x.shape[:-1], self.out_features)
+        y = self._epilogue(y, None if static is not None else scale, self.bias, x.dtype)
+        return y.view(*x.shape[:-1], self.out_features)
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, " \

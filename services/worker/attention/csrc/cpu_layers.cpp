@@ -325,6 +325,43 @@ void quantize_rows_uint8(at::Tensor codes, at::Tensor scales, const at::Tensor& 
   });
 }
 
+// out = T(acc * row_scales[t] + bias): the int8 matmul's float32 product scaled by each token's activation
+// scale (none given: 1, a static scale oneDNN applied), the bias added in float32, rounded once to out's
+// dtype. What PyTorch's mul_, add_ and .to() do in three passes (and a temporary), in one; the multiply and
+// the add may fuse into one rounding here.
+void int8_epilogue(at::Tensor out, const at::Tensor& acc, const c10::optional<at::Tensor>& row_scales,
+                   const c10::optional<at::Tensor>& bias) {
+  TORCH_CHECK(acc.scalar_type() == at::kFloat && acc.dim() == 2 && acc.is_contiguous(),
+              "acc must be contiguous float32 [tokens, n]");
+  TORCH_CHECK(out.sizes() == acc.sizes() && out.is_contiguous(), "out must be contiguous, shaped like acc");
+  const int64_t tokens = acc.size(0), n = acc.size(1);
+  TORCH_CHECK(!row_scales || (row_scales->scalar_type() == at::kFloat && row_scales->is_contiguous() &&
+                              row_scales->numel() == tokens),
+              "row_scales must be contiguous float32 [tokens, 1]");
+  TORCH_CHECK(!bias || (bias->scalar_type() == out.scalar_type() && bias->is_contiguous() && bias->numel() == n),
+              "bias must be contiguous [n] of out's dtype");
+  dispatch_float_types(out.scalar_type(), "int8_epilogue", [&](auto fmt) {
+    using Fmt = decltype(fmt);
+    const float* src = acc.data_ptr<float>();
+    const float* scales = row_scales ? row_scales->data_ptr<float>() : nullptr;
+    const auto* b = bias ? data<Fmt>(*bias) : nullptr;
+    auto* dst = data<Fmt>(out);
+#pragma omp parallel for if (tokens * n > kParallelGrain)
+    for (int64_t t = 0; t < tokens; ++t) {
+      const float scale = scales ? scales[t] : 1.f;
+      const float* row = src + t * n;
+      auto* o = dst + t * n;
+      if (b) {
+#pragma omp simd
+        for (int64_t i = 0; i < n; ++i) o[i] = Fmt::store(row[i] * scale + Fmt::load(b[i]));
+      } else {
+#pragma omp simd
+        for (int64_t i = 0; i < n; ++i) o[i] = Fmt::store(row[i] * scale);
+      }
+    }
+  });
+}
+
 }  // namespace
 
 // A fragment: cpu_attention.cpp holds the namespace's TORCH_LIBRARY block.
@@ -334,6 +371,7 @@ TORCH_LIBRARY_FRAGMENT(pagedserve_cpu, m) {
   m.def("rotary_embedding(Tensor positions, Tensor(a!) query, Tensor(b!) key, Tensor cos, Tensor sin) -> ()");
   m.def("silu_and_mul(Tensor(a!) out, Tensor gate_up) -> ()");
   m.def("quantize_rows_uint8(Tensor(a!) codes, Tensor(b!) scales, Tensor x, float static_scale) -> ()");
+  m.def("int8_epilogue(Tensor(a!) out, Tensor acc, Tensor? row_scales, Tensor? bias) -> ()");
 }
 
 TORCH_LIBRARY_IMPL(pagedserve_cpu, CPU, m) {
@@ -342,4 +380,5 @@ TORCH_LIBRARY_IMPL(pagedserve_cpu, CPU, m) {
   m.impl("rotary_embedding", &rotary_embedding);
   m.impl("silu_and_mul", &silu_and_mul);
   m.impl("quantize_rows_uint8", &quantize_rows_uint8);
+  m.impl("int8_epilogue", &int8_epilogue);
 }
