@@ -20,6 +20,7 @@ from shared.gguf_rope import llama3_rope_scaling
 
 GGUF_FILE = "model.gguf"
 ROPE_FREQS = "rope_freqs.weight"  # read into config.json, not loaded as a weight
+VIEW_VERSION = 2  # 2: config.json carries rope_freqs as rope_scaling
 # What a tokenizer folder holds besides weights (the original model's config.json is replaced by the file's).
 _TOKENIZER_FILES = ("*.json", "*.jinja", "*.model", "*.txt", "*.tiktoken")
 
@@ -42,9 +43,11 @@ def gguf_model_dir(file: str | Path, tokenizer: str | Path | None) -> Path:
 
 
 def _key(file: Path, tokenizer: Path) -> str:
-    """Changes when the file is replaced or another tokenizer is given."""
+    """Changes when the file is replaced, another tokenizer is given, or what config.json is made of changes
+    (VIEW_VERSION: a folder made before Llama 3's rope scaling was read would serve without it)."""
     stat = file.stat()
-    return hashlib.sha256(f"{file}|{stat.st_size}|{stat.st_mtime_ns}|{tokenizer}".encode()).hexdigest()[:16]
+    text = f"{VIEW_VERSION}|{file}|{stat.st_size}|{stat.st_mtime_ns}|{tokenizer}"
+    return hashlib.sha256(text.encode()).hexdigest()[:16]
 
 
 def _fill(folder: Path, file: Path, tokenizer: Path) -> None:

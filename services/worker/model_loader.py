@@ -55,8 +55,8 @@ def load_model(model_dir: str | Path, dtype: torch.dtype, device: torch.device, 
         triton_gemms = torch.device(device).type == "cuda"
     with torch.device("meta"):
         model = LlamaForCausalLM(config, tp, tp.kv_replicas(whole), with_head, num_labels, max_model_len)
-        kept = keep_stored_layers(model, fmt, layers, names, torch.device(device), tp.size == 1, triton_gemms) \
-            if fmt is not None else {}
+        kept = keep_stored_layers(model, fmt, layers, names, torch.device(device), dtype, tp.size == 1,
+                                  triton_gemms) if fmt is not None else {}
     _materialize(model, dtype, torch.device(device))
     state = {"file": None, "done": False}
     weights = _stream(files, state)

@@ -497,3 +497,20 @@ def test_w8a8_int8_on_two_ranks_equals_the_reference_of_sharded_quantization(che
             if token != expected:
                 break
             assert ours.logprobs[step][token].logprob == pytest.approx(logprobs[step][token].item(), abs=1e-4)
+
+
+def test_per_row_fp8_is_dequantized_where_scaled_mm_cannot_give_the_dtype(checkpoints, monkeypatch):
+    """Some torch releases' row-wise _scaled_mm writes bfloat16 only: the loader probes it once and keeps
+    per-row FP8 layers only where it runs (block layers use the Triton GEMM either way)."""
+    from services.worker.quantization import stored_layers
+    from services.worker.quantization.fp8_linear import Fp8Linear, scaled_mm_runs
+
+    assert scaled_mm_runs(torch.float32, CPU)  # this CPU's torch runs it
+    monkeypatch.setattr(stored_layers, "scaled_mm_runs", lambda dtype, device: False)
+    per_row, _ = load_model(checkpoints("fp8 per tensor, static activations")[0], torch.float32, CPU, pack=False,
+                            triton_gemms=True)
+    blocks, _ = load_model(checkpoints("fp8 blocks 48x48 (partial edges)")[0], torch.float32, CPU, pack=False,
+                           triton_gemms=True)
+    assert not any(isinstance(m, Fp8Linear) for m in per_row.modules())
+    assert per_row.layers[0].mlp.down_proj.weight.dtype == torch.float32  # dequantized at load
+    assert any(isinstance(m, Fp8Linear) for m in blocks.modules())

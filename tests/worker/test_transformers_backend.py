@@ -129,6 +129,7 @@ def _config_only(path, model_type: str, **fields):
     ("remote", "needs the repository's own Python code"),
     ("native gpt2", "--model-impl transformers (or auto) runs it"),
     ("tensor parallel", "tensor parallelism with --model-impl transformers"),
+    ("quantization", "--quantization fp8 with --model-impl transformers"),
 ])
 def test_what_the_transformers_path_cannot_serve_is_refused_at_start(case, says, tmp_path, generic_dir):
     options = {}
@@ -141,7 +142,8 @@ def test_what_the_transformers_path_cannot_serve_is_refused_at_start(case, says,
             "auto_map": {"AutoModelForCausalLM": "modeling_my_own.MyOwnForCausalLM"}}))
     else:
         model_dir = generic_dir("gpt2")
-        options = {"native gpt2": {"model_impl": "native"}, "tensor parallel": {"tensor_parallel_size": 2}}[case]
+        options = {"native gpt2": {"model_impl": "native"}, "tensor parallel": {"tensor_parallel_size": 2},
+                   "quantization": {"quantization": "fp8"}}[case]
     with pytest.raises(ValueError, match=re.escape(says)):
         LLM(str(model_dir), **options)
 

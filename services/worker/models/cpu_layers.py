@@ -103,7 +103,7 @@ def int8_epilogue(acc: torch.Tensor, row_scales: torch.Tensor | None, bias: torc
     _require(acc.dtype == torch.float32 and acc.dim() == 2 and acc.is_contiguous(),
              f"acc must be contiguous float32 [T, N], got {acc.dtype} {tuple(acc.shape)}")
     _require(bias is None or bias.shape == acc.shape[1:], f"bias must be [{acc.shape[1]}]")
-    out = acc if dtype == torch.float32 else torch.empty(acc.shape, dtype=dtype)
+    out = torch.empty(acc.shape, dtype=dtype)  # never acc itself: the op's schema says they do not alias
     _ops().int8_epilogue(out, acc, row_scales, None if bias is None else bias.to(dtype).contiguous())
     return out
 

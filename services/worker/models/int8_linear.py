@@ -120,6 +120,7 @@ class Int8Linear(nn.Module):
         self.input_scale = nn.Parameter(torch.empty(static_parts, dtype=torch.float32, device=device),
                                         requires_grad=False) if static_parts else None
         self._static_scale: torch.Tensor | None = None  # the one input scale used (prepare())
+        self._static_value: float | None = None  # the same, as a number (the CPU path's)
         self._gpu_matmul = None  # the Triton GEMM, on a GPU (prepare())
         self._packed: torch.Tensor | None = None  # oneDNN's reordered weight (prepare())
         self._scales: torch.Tensor | None = None  # weight_scale flat, and zero points, as oneDNN takes them
@@ -134,6 +135,10 @@ class Int8Linear(nn.Module):
             triton_gemm = self.weight.device.type == "cuda"
         if self.input_scale is not None:
             self._static_scale = self.input_scale.data.max().reshape(1)
+            self._static_value = float(self._static_scale.item())
+        if triton_gemm and self.weight.device.type == "cuda" and \
+                torch.cuda.get_device_capability(self.weight.device) < (8, 0):
+            triton_gemm = False  # no int8 tensor-core dot before sm_80: the reference runs
         if triton_gemm:
             from services.worker.quantization.int8_gemm import int8_matmul_with_quantization  # Triton
 
@@ -156,9 +161,9 @@ class Int8Linear(nn.Module):
             return w8a8_reference(x.reshape(-1, self.in_features), self.weight, self.weight_scale, self.bias,
                                   input_scale=static).to(x.dtype).view(*x.shape[:-1], self.out_features)
         flat = x.reshape(-1, self.in_features)
-        shifted, scale = self._quantize(flat.contiguous(), None if static is None else static.item())
+        shifted, scale = self._quantize(flat.contiguous(), self._static_value)
         # A static scale is oneDNN's own activation scale; per-token ones multiply its rows afterwards.
-        x_scale = 1.0 if static is None else static.item()
+        x_scale = 1.0 if static is None else self._static_value
         y = torch.ops.onednn.qlinear_pointwise(shifted, x_scale, _ZERO_POINT, self._packed, self._scales,
                                                self._zero_points, None, 1.0, 0, torch.float32, "none", [], "")
         y = self._epilogue(y, None if static is not None else scale, self.bias, x.dtype)

@@ -13,6 +13,7 @@ model's memory and bandwidth. Elsewhere such layers are dequantized at load (fp8
 
 from __future__ import annotations
 
+import functools
 from typing import NamedTuple
 
 import torch
@@ -41,6 +42,21 @@ def gpu_runs_fp8(device: torch.device | str) -> bool:
     device = torch.device(device)
     return device.type == "cuda" and torch.cuda.is_available() and \
         torch.cuda.get_device_capability(device) >= (8, 9)
+
+
+@functools.cache
+def scaled_mm_runs(dtype: torch.dtype, device: torch.device) -> bool:
+    """Whether ``torch._scaled_mm`` with per-token and per-row scales gives ``dtype`` here: which output dtypes
+    its row-wise kernel writes depends on the torch release and the GPU (some write bfloat16 only), so a
+    per-row FP8 layer is kept only where a tiny product runs; elsewhere it is dequantized at load."""
+    from services.worker.quantization.fp8_gemm import scaled_mm_fp8
+
+    weight = torch.zeros(16, 16, device=device).to(torch.float8_e4m3fn)
+    try:
+        scaled_mm_fp8(torch.ones(1, 16, dtype=dtype, device=device), weight, torch.ones(16, 1, device=device))
+    except (RuntimeError, NotImplementedError):
+        return False
+    return True
 
 
 class Fp8Linear(nn.Module):

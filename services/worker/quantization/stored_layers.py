@@ -14,7 +14,7 @@ from collections.abc import Iterable
 
 import torch
 
-from services.worker.quantization.fp8_linear import Fp8Layout, Fp8Linear, gpu_runs_fp8
+from services.worker.quantization.fp8_linear import Fp8Layout, Fp8Linear, gpu_runs_fp8, scaled_mm_runs
 from services.worker.quantization.linear_format import LinearFormat
 from services.worker.quantization.wna16_linear import PackedLayout, WNA16Linear
 
@@ -22,17 +22,22 @@ INT8, WNA16, FP8 = "int8", "wna16", "fp8"
 
 
 def keep_stored_layers(model, fmt: LinearFormat, layers: dict[str, frozenset[str]], names: Iterable[str],
-                       device: torch.device, single_rank: bool, triton_gemms: bool) -> dict[str, str]:
+                       device: torch.device, dtype: torch.dtype, single_rank: bool, triton_gemms: bool
+                       ) -> dict[str, str]:
     """Replace the model's projections (on the meta device) by the layers that hold ``fmt``'s tensors as stored;
     checkpoint layer -> INT8, WNA16 or FP8 for each so kept. ``layers``: the quantized layers and their
-    tensors (checkpoint_stream.quantized_layers); ``names``: every tensor's name; ``triton_gemms``: the GPU's
-    kernels run (on a CPU, only the tests ask for them, through the interpreter)."""
+    tensors (checkpoint_stream.quantized_layers); ``names``: every tensor's name; ``dtype``: the model's;
+    ``triton_gemms``: the GPU's kernels run (on a CPU, only the tests ask for them, through the
+    interpreter)."""
     kept = dict.fromkeys(model.use_int8_linears(layers, fmt.static_int8), INT8) if fmt.runs_int8 else {}
     if not (triton_gemms and single_rank):
         return kept
     kept.update(dict.fromkeys(model.use_stored_layouts(_wna16_layouts(fmt, layers), WNA16Linear.replacing), WNA16))
     if device.type != "cuda" or gpu_runs_fp8(device):
-        fp8 = model.use_stored_layouts(_fp8_layouts(fmt, layers, names), Fp8Linear.replacing)
+        layouts = _fp8_layouts(fmt, layers, names)
+        if not scaled_mm_runs(dtype, device):  # per-row layers need _scaled_mm to give dtype (tensors on device)
+            layouts = {module: layout for module, layout in layouts.items() if layout.block_k is not None}
+        fp8 = model.use_stored_layouts(layouts, Fp8Linear.replacing)
         kept.update(dict.fromkeys(fp8, FP8))
     return kept
 
