@@ -73,7 +73,8 @@ class LLM:
         limits = SchedulerLimits(max_num_seqs=self.config.max_num_seqs,
                                  max_num_batched_tokens=self.config.token_budget(info.max_model_len),
                                  enable_chunked_prefill=self.config.enable_chunked_prefill,
-                                 preemption_mode=self.config.preemption_mode)
+                                 preemption_mode=self.config.preemption_mode,
+                                 scheduling_policy=self.config.scheduling_policy)
         self.engine = EngineCore(executor, limits, self.config.watermark, self.config.max_logprobs,
                                  self.config.enable_prefix_caching)
         self._request_ids = itertools.count()
@@ -127,15 +128,21 @@ class LLM:
     def generate(self, prompts: PromptType | SequenceABC[PromptType],
                  sampling_params: SamplingParams | SequenceABC[SamplingParams] | None = None,
                  use_tqdm: bool = True,
-                 lora_request: LoRARequest | SequenceABC[LoRARequest | None] | None = None) -> list[RequestOutput]:
+                 lora_request: LoRARequest | SequenceABC[LoRARequest | None] | None = None,
+                 priority: SequenceABC[int] | None = None) -> list[RequestOutput]:
         """Generate for every prompt; outputs come back in input order. ``lora_request``: the adapter every
-        prompt runs with, or one (or None) per prompt; the engine needs ``enable_lora=True``."""
+        prompt runs with, or one (or None) per prompt; the engine needs ``enable_lora=True``. ``priority``:
+        one per prompt (lower runs first), with ``scheduling_policy="priority"``, as vLLM's."""
         prompts = self._prompt_list(prompts)
         if sampling_params is None:
             sampling_params = self.get_default_sampling_params()
         params = self._params_per_prompt(sampling_params, len(prompts))
         loras = self._loras_per_prompt(lora_request, len(prompts))
-        requests = [self._request(prompt, p, lora) for prompt, p, lora in zip(prompts, params, loras)]
+        if priority is not None and len(priority) != len(prompts):
+            raise ValueError(f"priority has {len(priority)} values for {len(prompts)} prompts; give one per prompt")
+        priorities = [0] * len(prompts) if priority is None else list(priority)
+        requests = [self._request(prompt, p, lora, rank)
+                    for prompt, p, lora, rank in zip(prompts, params, loras, priorities)]
         trackers = [RequestTracker(request.request_id, text, request.prompt_token_ids, request.params, self.tokenizer)
                     for text, request in requests]
         self._add_all([request for _, request in requests])
@@ -329,15 +336,15 @@ class LLM:
                              f"({count}), got {loras!r:.200}")
         return loras
 
-    def _request(self, prompt: PromptType, params: SamplingParams,
-                 lora: LoRARequest | None) -> tuple[str | None, EngineRequest]:
+    def _request(self, prompt: PromptType, params: SamplingParams, lora: LoRARequest | None,
+                 priority: int = 0) -> tuple[str | None, EngineRequest]:
         """(its text, its engine request) of a prompt, validated before a detokenizer per sequence is built."""
         text, token_ids = self._tokenize(prompt)
         if not isinstance(params, SamplingParams):
             raise ValueError(f"sampling_params must be SamplingParams, got {type(params).__name__}")
         token_ids = params.truncated(token_ids, self.engine.info.max_model_len)
         params = params.with_bad_words_tokenized(lambda word: self.tokenizer(word, add_special_tokens=False).input_ids)
-        request = EngineRequest(str(next(self._request_ids)), token_ids, params, lora=lora)
+        request = EngineRequest(str(next(self._request_ids)), token_ids, params, lora=lora, priority=priority)
         validate(request, self.engine.request_limits)
         return text, request
 

@@ -21,6 +21,7 @@ from shared.speculative_config import SpeculativeConfig
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 ATTENTION_BACKENDS = ("auto", "torch", "cpu", "triton")
 PREEMPTION_MODES = ("swap", "recompute")
+SCHEDULING_POLICIES = ("fcfs", "priority")  # vLLM's --scheduling-policy
 MODEL_IMPLS = ("auto", "native", "transformers")
 QUANTIZATION_METHODS = ("fp8", "compressed-tensors", "awq", "gptq")
 KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3", "fp8_e5m2")
@@ -109,6 +110,9 @@ class EngineConfig:
     swap_space: float = option(4.0, "GiB of host memory for swapped-out KV")
     preemption_mode: str | None = option(None, "how preempted sequences give back their blocks (default: chosen "
                                                "per victim)", choices=PREEMPTION_MODES, read_by=LIMIT)
+    scheduling_policy: str = option("fcfs", "fcfs: first come, first served; priority: by each request's priority "
+                                            "(lower first, vLLM's), then arrival", choices=SCHEDULING_POLICIES,
+                                    read_by=LIMIT)
     attention_backend: str = option("auto", "auto: Triton on CUDA, the C++ kernels on CPU (torch where they cannot "
                                             "build)", choices=ATTENTION_BACKENDS)
     enforce_eager: bool = option(False, "never replay decode steps from CUDA graphs (they are captured at a CUDA "

@@ -23,6 +23,8 @@ from shared.proto import pagedserve_internal_pb2 as wire
 from shared.resumption import Resumption
 from shared.sampling_params import SamplingParams
 
+PRIORITY_RANGE = (-(2 ** 31), 2 ** 31 - 1)  # what the wire's int32 holds
+
 
 @dataclass(frozen=True, slots=True)
 class EngineRequest:
@@ -36,7 +38,7 @@ class EngineRequest:
     resumption: Resumption | None = None
     lora: LoRARequest | None = None  # the adapter it runs with; None: the base model
     pooling: PoolingParams | None = None  # set: an embedding (or class scores) request of a pooling model
-    priority: int = 0  # vLLM's; scheduling is first come, first served, so only 0 is taken
+    priority: int = 0  # vLLM's: under --scheduling-policy priority, lower runs first (else only 0 is taken)
     arrival_time: float = field(default_factory=time.time)  # when it was made (time.time()); kept when resumed
 
     def to_proto(self) -> wire.EngineRequest:
@@ -70,6 +72,7 @@ class RequestLimits:
     max_num_seqs: int = 0  # the most sequences one request may have (n, or its beams); 0: not known here
     eos_token_ids: tuple[int, ...] = ()
     max_loras: int = 0  # 0: LoRA is not enabled
+    priority_scheduling: bool = False  # --scheduling-policy priority: requests may carry a priority
     pooler: PoolerConfig | None = None  # set: a pooling model (embeddings or class scores, no generation)
     model_name: str | None = None  # how errors name the model
 
@@ -86,8 +89,11 @@ def validate(request: EngineRequest, limits: RequestLimits) -> None:
                                "the worker with --enable-lora (LLM(enable_lora=True))", "lora")
     require(request.cache_salt is None or request.cache_salt, "cache_salt",
             "must not be empty: leave it out for no salt")
-    require(request.priority == 0, "priority", f"is {request.priority!r}, but priority scheduling is not enabled: "
-                                               "requests are served first come, first served")
+    require(request.priority == 0 or limits.priority_scheduling, "priority",
+            f"is {request.priority!r}, but priority scheduling is not enabled (--scheduling-policy priority): "
+            "requests are served first come, first served")
+    require(type(request.priority) is int and PRIORITY_RANGE[0] <= request.priority <= PRIORITY_RANGE[1], "priority",
+            f"must be an integer in [{PRIORITY_RANGE[0]}, {PRIORITY_RANGE[1]}], got {request.priority!r}")
     if request.pooling is not None:
         _check_pooling(request, limits)
     else:

@@ -22,7 +22,8 @@ from shared.grpc_errors import ServiceUnavailable
 # 11: WorkerInfo's kv_window; block tables may hold 0 for blocks freed behind it (never read).
 # 12: EngineStats carries histograms (vLLM's per-request times, tokens per step) and text labels (LoRA adapters).
 # 13: EngineRequest carries a priority and its arrival time.
-INTERNAL_PROTOCOL_VERSION = 13
+# 14: EngineInfo says whether the scheduler orders requests by priority.
+INTERNAL_PROTOCOL_VERSION = 14
 
 
 class IncompatiblePeer(ServiceUnavailable):

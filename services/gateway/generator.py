@@ -101,7 +101,7 @@ class Generator:
                      pooler=PoolerConfig.from_proto(info.pooler) if info.HasField("pooler") else None,
                      reasoning_parser=self.reasoning_parser, aliases=self.model_aliases, path=info.model,
                      return_tokens_as_token_ids=self.return_tokens_as_token_ids, max_loras=info.max_loras,
-                     generation_defaults=defaults)
+                     generation_defaults=defaults, priority_scheduling=info.priority_scheduling)
 
     @contextlib.asynccontextmanager
     async def admitted(self, api_key: ApiKey | None = None):

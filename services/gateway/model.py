@@ -36,6 +36,7 @@ class Model:
     path: str | None = None  # where the scheduler's model comes from (its card's root, as vLLM's)
     return_tokens_as_token_ids: bool = False  # logprobs name tokens "token_id:<id>" unless a request says
     max_loras: int = 0  # distinct LoRA adapters the engine runs in one step; 0: LoRA is not enabled
+    priority_scheduling: bool = False  # the scheduler orders requests by their priority
     # the model's sampling defaults (--generation-config) for the fields a request leaves unset
     generation_defaults: GenerationDefaults = field(default_factory=GenerationDefaults)
     _token_strings: dict[int, str] = field(default_factory=dict)
@@ -46,7 +47,7 @@ class Model:
         return RequestLimits(max_model_len=self.max_model_len, vocab_size=self.vocab_size,
                              max_logprobs=self.max_logprobs, max_num_seqs=self.max_num_seqs,
                              eos_token_ids=self.eos_token_ids, max_loras=self.max_loras, pooler=self.pooler,
-                             model_name=self.name)
+                             model_name=self.name, priority_scheduling=self.priority_scheduling)
 
     def resolve(self, requested: str | None) -> LoRARequest | None:
         """The adapter a request's ``model`` names (None: the model itself, also when it names none)."""

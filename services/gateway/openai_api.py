@@ -37,8 +37,8 @@ async def answer(gen: Generator, body, request_id: str, api_key: ApiKey | None, 
             # Off the event loop: a megabyte prompt takes seconds to tokenize (or render and tokenize),
             # and every other stream would wait that long (the tokenizer lets go of the GIL).
             prompts, texts = await asyncio.to_thread(reply_class.prompts, model, body)
-            runs = await gen.start(model, engine_requests(request_id, prompts, params=params,
-                                                          cache_salt=body.cache_salt, lora=lora), admission=admission)
+            runs = await gen.start(model, engine_requests(request_id, prompts, params=params, cache_salt=body.cache_salt,
+                                                          lora=lora, priority=body.priority), admission=admission)
         except InvalidParameter as exc:
             raise body.public_error(exc) from None
         reply = reply_class(model, body, reply_class.response_id(request_id), runs, texts)

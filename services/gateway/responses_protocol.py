@@ -28,7 +28,7 @@ from shared.invalid_parameter import InvalidParameter
 _PASSED = ("seed", "top_k", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty", "stop",
            "ignore_eos", "min_tokens", "stop_token_ids", "allowed_token_ids", "bad_words", "logit_bias", "skip_special_tokens",
            "include_stop_str_in_output", "structured_outputs", "cache_salt", "chat_template_kwargs",
-           "truncate_prompt_tokens", "truncation_side")
+           "truncate_prompt_tokens", "truncation_side", "priority")
 _STATEFUL = {"previous_response_id": "continuing a stored response (send the whole conversation as input)",
              "conversation": "stored conversations (send the whole conversation as input)",
              "prompt": "stored prompt templates"}
@@ -87,6 +87,10 @@ class ResponsesRequest(BaseModel):
     @property
     def cache_salt(self) -> str | None:
         return self.chat.cache_salt
+
+    @property
+    def priority(self) -> int:
+        return self.chat.priority
 
     def public_error(self, exc: InvalidParameter) -> InvalidParameter:
         exc = self.chat.public_error(exc)

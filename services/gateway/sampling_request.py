@@ -16,6 +16,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator
 from services.gateway.strict_input import Flag, check_text
 from shared.generation_defaults import GenerationDefaults
 from shared.invalid_parameter import InvalidParameter
+from shared.request import PRIORITY_RANGE
 from shared.sampling_params import SamplingParams, keep_last_tokens
 from shared.structured_outputs import StructuredOutputs
 
@@ -85,6 +86,8 @@ class SamplingRequest(BaseModel):
     return_token_ids: Flag | None = None  # vLLM's: the prompt's and each choice's token ids in the answer
     cache_salt: str | None = Field(None, min_length=1, description="only requests with the same salt share "
                                                                     "prefix-cache blocks")
+    priority: int = Field(0, ge=PRIORITY_RANGE[0], le=PRIORITY_RANGE[1],
+                          description="vLLM's: with --scheduling-policy priority, lower values run first")
     # Structured outputs: OpenAI's response_format, vLLM's structured_outputs, or vLLM's older guided_* fields.
     response_format: dict | None = None
     structured_outputs: dict | None = None

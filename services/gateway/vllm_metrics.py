@@ -33,8 +33,8 @@ vLLM's metrics not exported, and why:
   time every block on the allocation path.
 - ``vllm:estimated_flops_per_gpu_total`` and the other MFU estimates (--enable-mfu-metrics): estimates
   from the model's shapes, not measurements.
-- ``vllm:request_priority``, ``vllm:scheduler_policy_info`` and the ``priority`` label: scheduling is
-  first come, first served only.
+- ``vllm:request_priority``, ``vllm:scheduler_policy_info`` and the ``priority`` label: the scheduler
+  orders by priority under --scheduling-policy priority, but these are not measured yet.
 - V0's ``gpu_``/``cpu_prefix_cache_hit_rate``, ``time_in_queue_requests``, ``model_forward_time_milliseconds``,
   ``model_execute_time_milliseconds``, ``request_params_best_of`` and ``spec_decode_draft_acceptance_rate``:
   retired by vLLM for the counters and histograms above (the engine's forward time is

@@ -25,10 +25,12 @@ class SchedulerLimits:
     max_num_batched_tokens: int  # tokens computed per step (the token budget)
     enable_chunked_prefill: bool  # a prompt may be split over several steps
     preemption_mode: str | None = None  # "swap", "recompute", or None: automatic (see preemption.py)
+    scheduling_policy: str = "fcfs"  # or "priority": requests' priority first (validate refuses it under fcfs)
 
 
-def _by_arrival(seq: Sequence) -> tuple[int, int]:
-    return seq.arrival, seq.index
+def _in_order(seq: Sequence) -> tuple[int, int, int]:
+    """Who goes first: the lower priority value (0 for every request under fcfs), then the earlier arrival."""
+    return seq.request.priority, seq.arrival, seq.index
 
 
 class Scheduler:
@@ -41,8 +43,8 @@ class Scheduler:
         self.blocks = block_manager
         self.max_model_len = max_model_len
         self.waiting: deque[Sequence] = deque()
-        self.running: list[Sequence] = []  # sorted by arrival: the newest is the preemption victim
-        self.swapped: list[Sequence] = []  # sorted by arrival: the oldest resumes first
+        self.running: list[Sequence] = []  # in _in_order: the last is the preemption victim
+        self.swapped: list[Sequence] = []  # in _in_order: the first resumes first
         self._step_id = 0
         self._plan = StepPlan(step_id=1)  # the next plan: drops and forks collect in it between steps
         self.num_preemptions = 0
@@ -60,7 +62,21 @@ class Scheduler:
 
     def add(self, seq: Sequence) -> None:
         self.request_stats.queued(seq)
-        self.waiting.append(seq)
+        self._enqueue(seq)
+
+    def _enqueue(self, seq: Sequence, ahead: bool = False) -> None:
+        """Into the waiting queue, kept in priority order (all 0 under fcfs: plain queue order): behind every
+        sequence of its priority or better, or (``ahead``: a recompute victim, a beam's own work) in front of
+        every sequence of its priority or worse."""
+        priority = seq.request.priority
+        if ahead:
+            place = next((i for i, other in enumerate(self.waiting) if other.request.priority >= priority),
+                         len(self.waiting))
+        else:
+            behind = next((i for i, other in enumerate(reversed(self.waiting)) if other.request.priority <= priority),
+                          len(self.waiting))
+            place = len(self.waiting) - behind
+        self.waiting.insert(place, seq)
 
     def abort(self, seqs: list[Sequence]) -> None:
         for seq in seqs:
@@ -75,7 +91,8 @@ class Scheduler:
     def schedule(self) -> tuple[StepPlan, dict[int, int]]:
         """Plan one step; returns the plan and the tokens scheduled per seq id.
 
-        Scheduling rule:
+        Scheduling rule. Order is a request's priority (lower first, as vLLM's; every request's is 0 under
+        --scheduling-policy fcfs), then arrival: "oldest" and "newest" below mean first and last in it.
         1. Running sequences first, oldest arrival first. Each gets the tokens it has not computed
            (one for a decode; the rest of its prompt for a prefill), cut to the token budget left.
            A sequence about to write into a block it shares (a fork's partly filled last block)
@@ -231,7 +248,7 @@ class Scheduler:
             self.blocks.append_slots(seq.seq_id, seq.num_planned_tokens + num_tokens)
             self.swapped.remove(seq)
             seq.status, seq.table_replaced = SequenceStatus.RUNNING, True
-            bisect.insort(self.running, seq, key=_by_arrival)
+            bisect.insort(self.running, seq, key=_in_order)
             if seq.request.lora is not None:
                 adapters.add(seq.request.lora)
             self.num_swaps_in += 1
@@ -268,7 +285,7 @@ class Scheduler:
                     self.request_stats.first_admitted(seq, num_cached)
             self.waiting.remove(seq)
             seq.status = SequenceStatus.RUNNING
-            bisect.insort(self.running, seq, key=_by_arrival)
+            bisect.insort(self.running, seq, key=_in_order)
             if seq.request.lora is not None:
                 adapters.add(seq.request.lora)
             scheduled[seq.seq_id] = num_tokens
@@ -325,7 +342,7 @@ class Scheduler:
             # The worker keeps the sequence; only its blocks move. It resumes from where it was.
             plan.swap_out.extend(self.blocks.swap_out(seq.seq_id))
             seq.status = SequenceStatus.SWAPPED
-            bisect.insort(self.swapped, seq, key=_by_arrival)
+            bisect.insort(self.swapped, seq, key=_in_order)
             self.num_preemptions_swap += 1
             self.num_swaps_out += 1
             return
@@ -333,7 +350,7 @@ class Scheduler:
         if seq.known_to_worker:
             plan.finished_seq_ids.append(seq.seq_id)
         seq.reset_for_recompute()
-        self.waiting.appendleft(seq)
+        self._enqueue(seq, ahead=True)
         self.num_preemptions_recompute += 1
 
     def _describe_work(self, scheduled: dict[int, int], plan: StepPlan) -> None:
@@ -399,11 +416,12 @@ class Scheduler:
         child.num_tokens_sent = child.num_tokens
         child.num_blocks_sent = self.blocks.num_table_blocks(child.seq_id)
         child.status = SequenceStatus.RUNNING
-        bisect.insort(self.running, child, key=_by_arrival)
+        bisect.insort(self.running, child, key=_in_order)
 
     def wait_first(self, seq: Sequence) -> None:
-        """A new sequence that computes its tokens on its own, before anything else waiting."""
-        self.waiting.appendleft(seq)
+        """A new sequence that computes its tokens on its own, before anything else waiting (of its priority
+        or worse)."""
+        self._enqueue(seq, ahead=True)
 
     def finish_by_stop_string(self, seq: Sequence, stop: str) -> bool:
         """End a sequence whose text hit a stop string; False if it had ended already."""

@@ -111,6 +111,7 @@ class SchedulerServicer(wire_grpc.SchedulerServicer):
                                protocol_version=INTERNAL_PROTOCOL_VERSION,
                                max_num_seqs=self.loop.engine.scheduler.limits.max_num_seqs,
                                max_loras=info.max_loras,
+                               priority_scheduling=self.loop.engine.scheduler.limits.scheduling_policy == "priority",
                                pooler=info.pooler.to_proto() if info.pooler is not None else None)
 
     def GetStats(self, request, context):
@@ -152,7 +153,8 @@ def build_engine(worker_addresses: list[str], limits_from, watermark: float, max
 def serve(args: argparse.Namespace) -> None:
     def limits_from(max_model_len: int) -> SchedulerLimits:
         budget = token_budget(args.max_num_batched_tokens, args.enable_chunked_prefill, max_model_len)
-        return SchedulerLimits(args.max_num_seqs, budget, args.enable_chunked_prefill, args.preemption_mode)
+        return SchedulerLimits(args.max_num_seqs, budget, args.enable_chunked_prefill, args.preemption_mode,
+                               args.scheduling_policy)
 
     def new_engine(connect_timeout_s: float = 60.0) -> EngineCore:
         return build_engine(args.worker, limits_from, args.watermark, args.max_logprobs, args.enable_prefix_caching,

@@ -2,7 +2,8 @@
 assertions check, through the real services (the openai client and raw HTTP), and the pieces that decide
 them without a server.
 
-The stack runs as vLLM's tests run theirs where they need a flag: --return-tokens-as-token-ids at the
+The stack runs as vLLM's tests run theirs where they need a flag (and with --scheduling-policy priority, which
+only orders requests): --return-tokens-as-token-ids at the
 gateway (requests may say otherwise) and a scheduler whose --max-logprobs is the whole vocabulary (-1)."""
 
 from __future__ import annotations
@@ -33,7 +34,7 @@ def vocab_size(llama_dir) -> int:
 @pytest.fixture(scope="module")
 def stack(llama_dir, vocab_size, tmp_path_factory):
     with Stack(llama_dir, tmp_path_factory.mktemp("conformance-logs"), worker_args=WORKER_ARGS,
-               scheduler_args=("--max-logprobs", str(vocab_size)),
+               scheduler_args=("--max-logprobs", str(vocab_size), "--scheduling-policy", "priority"),
                gateway_args=("--return-tokens-as-token-ids",)) as stack:
         yield stack
 
@@ -275,3 +276,18 @@ def test_what_openai_refuses_is_refused(stack, client, llama_dir):
         "stream"
     assert client.chat.completions.create(model=llama_dir.name, messages=HI, max_tokens=2).choices[0].message.role \
         == "assistant"  # and the server serves on
+
+
+def test_priority_is_taken_under_priority_scheduling_and_refused_when_not_an_integer(stack, llama_dir):
+    """vLLM's priority field, on completions, chat and Responses; lower runs first (tests/scheduler checks the
+    order)."""
+    base = stack.base_url
+    for url, body in [(f"{base}/v1/completions", {"prompt": "Hello", "max_tokens": 2}),
+                      (f"{base}/v1/chat/completions", {"messages": HI, "max_tokens": 2}),
+                      (f"{base}/v1/responses", {"input": "Hello", "max_output_tokens": 2})]:
+        for priority in (-3, 0, 7):
+            answer = httpx.post(url, json={**body, "priority": priority})
+            assert answer.status_code == 200, (url, priority, answer.text)
+        for priority in ("high", 1.5, 1 << 31):
+            refused = error(httpx.post(url, json={**body, "priority": priority}))
+            assert refused["param"] == "priority", (url, priority, refused)

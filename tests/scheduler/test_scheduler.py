@@ -19,11 +19,12 @@ from shared.request import EngineRequest
 
 
 def make_engine(num_blocks=16, block_size=4, max_num_seqs=8, budget=32, chunked=True, max_model_len=512,
-                caching=False, host_blocks=0, preemption_mode=None, watermark=0.0, speculate=0, window=None):
+                caching=False, host_blocks=0, preemption_mode=None, watermark=0.0, speculate=0, window=None,
+                policy="fcfs"):
     worker = FakeWorker(num_blocks, block_size, max_model_len=max_model_len, num_cpu_blocks=host_blocks,
                         num_speculative_tokens=speculate, kv_window=window)
     limits = SchedulerLimits(max_num_seqs=max_num_seqs, max_num_batched_tokens=budget, enable_chunked_prefill=chunked,
-                             preemption_mode=preemption_mode)
+                             preemption_mode=preemption_mode, scheduling_policy=policy)
     return EngineCore(InProcessExecutor(worker), limits, watermark=watermark, enable_prefix_caching=caching), worker
 
 
@@ -33,7 +34,10 @@ def check_invariants(engine: EngineCore) -> None:
     sched = engine.scheduler
     # Forked siblings may take a request past max_num_seqs sequences, never past that many requests.
     assert len({s.request_id for s in sched.running}) <= sched.limits.max_num_seqs
-    assert [(s.arrival, s.index) for s in sched.running] == sorted((s.arrival, s.index) for s in sched.running)
+    order = [(s.request.priority, s.arrival, s.index) for s in sched.running]
+    assert order == sorted(order)
+    priorities = [s.request.priority for s in sched.waiting]
+    assert priorities == sorted(priorities)
     for seq in sched.running:
         assert seq.status is SequenceStatus.RUNNING
         assert len(blocks.block_table(seq.seq_id)) == blocks.blocks_for(seq.num_planned_tokens)
