@@ -7,6 +7,7 @@
 #     bash benchmarks/gpu_run.sh fetch     # wheels into .whl/ (ignored through .git/info/exclude)
 # then one call of the device tool:
 #     run(command="bash benchmarks/gpu_run.sh", carry=[".whl"], timeout_s=590)
+# or, for the quantized GEMMs (issue 31): run(command="bash benchmarks/gpu_run.sh quant", ...)
 # It leaves gpu.txt, scheduler_overhead.{log,json}, gpu_kernels.log and gpu_kernels.json under $OUT: the
 # issue's five sections, then the decode and prefill tuning sweeps, all within 515 s of this script's
 # start; then moe_layer.{log,json} (the fused experts kernel against transformers' loop, about 20 s) by
@@ -35,7 +36,10 @@ export PYTHONPATH="/tmp/site:$PWD" PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TRANSFORM
 # The scheduler's time per step on this host's CPU (about 10 s), beside the GPU's step times below.
 python3 benchmarks/scheduler_overhead.py --batch 32 256 --steps 100 --out "$OUT/scheduler_overhead.json" \
     > "$OUT/scheduler_overhead.log" 2>&1 || true
-python3 benchmarks/gpu_kernels.py --sections check,decode,prefill,cache,engine,tune,tune_prefill \
+# "quant": issue 31's quantized GEMMs (W4A16 / W8A16, W8A8 int8 and FP8 against bf16) after the checks.
+SECTIONS=check,decode,prefill,cache,engine,tune,tune_prefill
+[[ "${1:-}" == quant ]] && SECTIONS=check,wna16,w8a8
+python3 benchmarks/gpu_kernels.py --sections "$SECTIONS" \
     --deadline $((START + 515 - $(date +%s))) \
     --out "$OUT/gpu_kernels.json" 2>&1 | tee "$OUT/gpu_kernels.log"
 # One Qwen3-30B-A3B expert layer (128 experts, 8 per token) in bfloat16: fused kernel, grouped loop, transformers.
