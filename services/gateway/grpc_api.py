@@ -89,7 +89,8 @@ class GenerationServicer(api_grpc.GenerationServicer):
                     if request.WhichOneof("prompt") == "text" else list(request.token_ids.ids)
                 # The engine request keeps the client's id, so Abort(request_id) reaches it.
                 salt = request.cache_salt if request.HasField("cache_salt") else None
-                requests = engine_requests(engine_id, [prompt], unique=False, params=params, cache_salt=salt, lora=lora)
+                requests = engine_requests(engine_id, [prompt], unique=False, params=params, cache_salt=salt, lora=lora,
+                                           priority=request.priority)
                 (run,) = await self.gen.start(model, requests, on_submit=call.attach, admission=admission)
                 try:
                     await self._stream(context, request_id, run)

@@ -58,6 +58,10 @@ def test_grpc_generate(stack, offline, llama_dir):
             with pytest.raises(grpc.RpcError) as bad:
                 bad_call()
             assert bad.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        with pytest.raises(grpc.RpcError) as unordered:  # this stack schedules first come, first served
+            list(stub.Generate(api.GenerateRequest(text="x", priority=2)))
+        assert unordered.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert unordered.value.details().startswith("priority")
 
 
 @pytest.mark.parametrize("n", [1, 3])

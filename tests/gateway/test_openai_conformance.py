@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 
 from tests import patient_http as httpx
+import grpc
 import openai
 import pytest
 from pydantic import ValidationError
@@ -20,6 +21,8 @@ from services.gateway.deltas import TokenLogprob, TopToken
 from services.gateway.logprob_format import completion_logprobs, top_sampled_first
 from services.gateway.protocol import ChatCompletionRequest, CompletionRequest
 from shared.invalid_parameter import InvalidParameter
+from shared.proto import pagedserve_api_pb2 as api
+from shared.proto import pagedserve_api_pb2_grpc as api_grpc
 from tests.services_harness import Stack, http_get
 
 WORKER_ARGS = ("--block-size", "16", "--num-gpu-blocks-override", "256")
@@ -279,8 +282,8 @@ def test_what_openai_refuses_is_refused(stack, client, llama_dir):
 
 
 def test_priority_is_taken_under_priority_scheduling_and_refused_when_not_an_integer(stack, llama_dir):
-    """vLLM's priority field, on completions, chat and Responses; lower runs first (tests/scheduler checks the
-    order)."""
+    """vLLM's priority field, on completions, chat, Responses and the gRPC API; lower runs first
+    (tests/scheduler checks the order)."""
     base = stack.base_url
     for url, body in [(f"{base}/v1/completions", {"prompt": "Hello", "max_tokens": 2}),
                       (f"{base}/v1/chat/completions", {"messages": HI, "max_tokens": 2}),
@@ -291,3 +294,8 @@ def test_priority_is_taken_under_priority_scheduling_and_refused_when_not_an_int
         for priority in ("high", 1.5, 1 << 31):
             refused = error(httpx.post(url, json={**body, "priority": priority}))
             assert refused["param"] == "priority", (url, priority, refused)
+    with grpc.insecure_channel(f"127.0.0.1:{stack.grpc_port}") as channel:
+        stub = api_grpc.GenerationStub(channel)
+        replies = list(stub.Generate(api.GenerateRequest(
+            text="Hello", priority=-5, params=api.SamplingParameters(max_tokens=2)), timeout=60))
+        assert replies[-1].finish_reason
