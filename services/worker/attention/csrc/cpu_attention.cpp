@@ -9,8 +9,8 @@
 // Scores for the whole context are kept (context x group floats per thread), so the softmax is exact
 // two-pass rather than online: pass 1 reads K, pass 2 reads V. With a sliding window the context is the
 // sequence's last `window` tokens; with a soft cap each score s becomes cap * tanh(s / cap).
-// An FP8 cache (kv_quant.py) holds codes: they are read through a 256-entry table, K's scale comes folded
-// into `scale` and V's multiplies the output.
+// An FP8 cache (kv_quant.py) holds codes: each KV head's row is decoded once per token (fp8_to_float),
+// K's scale comes folded into `scale` and V's multiplies the output.
 
 #include <ATen/core/Tensor.h>
 #include <c10/util/BFloat16.h>
@@ -24,6 +24,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <type_traits>
 #include <cstdint>
 #include <cstring>
 #include <limits>
@@ -93,12 +94,21 @@ inline void for_each_token(const T* cache, const int32_t* table, int64_t begin, 
   }
 }
 
+// One KV head's row of FP8 codes as floats (kD: the head size when known at compile time, else 0).
+template <int kD, typename C>
+inline void decode_row(float* dst, const C* codes, int64_t D) {
+  const int64_t size = kD > 0 ? kD : D;
+#pragma omp simd
+  for (int64_t d = 0; d < size; ++d) dst[d] = to_float(codes[d]);
+}
+
 // kD: the head size as a compile-time constant (the common ones), so the per-token dot products and
 // updates unroll completely; 0 for any other size, read from `s` at run time (several times slower).
 template <typename T, typename C, int kD>
 void decode_attention(T* out, const T* query, const C* key_cache, const C* value_cache,
                       const int32_t* block_tables, const int32_t* seq_lens, const int64_t* rows,
                       const int64_t* seqs, const DecodeShape& s) {
+  constexpr bool kCoded = std::is_same_v<C, c10::Float8_e4m3fn> || std::is_same_v<C, c10::Float8_e5m2>;
   const int64_t group = s.num_heads / s.num_kv_heads;
   const int64_t D = kD > 0 ? kD : s.head_dim;
   // A work item covers `heads` consecutive KV heads of one sequence. All of them when there are
@@ -111,7 +121,7 @@ void decode_attention(T* out, const T* query, const C* key_cache, const C* value
 #pragma omp parallel
   {
     const int64_t width = heads * group;  // query heads per item
-    std::vector<float> q(width * D), acc(width * D), inv_sum(width), scores;
+    std::vector<float> q(width * D), acc(width * D), inv_sum(width), scores, decoded(D);
 #pragma omp for schedule(dynamic, 1)
     for (int64_t item = 0; item < s.num_items * splits; ++item) {
       const int64_t i = item / splits, first_kv = (item % splits) * heads;
@@ -126,14 +136,21 @@ void decode_attention(T* out, const T* query, const C* key_cache, const C* value
       }
       scores.resize(width * n);
 
-      // Pass 1: scores[h][t] = q_h . k_t for the item's query heads h.
+      // Pass 1: scores[h][t] = q_h . k_t for the item's query heads h. FP8 codes are decoded once per KV
+      // head into `decoded`, not once per query head sharing it (grouped-query attention reads each group times).
       for_each_token(key_cache, table, begin, len, first_kv, row_bytes, s, [&](const C* k_row, int64_t t) {
         for (int64_t h = 0; h < width; ++h) {
           const C* k = k_row + (h / group) * s.cache_head_stride;
           const float* qh = q.data() + h * D;
           float dot = 0.f;
+          if constexpr (kCoded) {
+            if (h % group == 0) decode_row<kD>(decoded.data(), k, D);
 #pragma omp simd reduction(+ : dot)
-          for (int64_t d = 0; d < D; ++d) dot += qh[d] * to_float(k[d]);
+            for (int64_t d = 0; d < D; ++d) dot += qh[d] * decoded[d];
+          } else {
+#pragma omp simd reduction(+ : dot)
+            for (int64_t d = 0; d < D; ++d) dot += qh[d] * to_float(k[d]);
+          }
           scores[h * n + t] = dot;
         }
       });
@@ -161,8 +178,14 @@ void decode_attention(T* out, const T* query, const C* key_cache, const C* value
           const C* v = v_row + (h / group) * s.cache_head_stride;
           const float p = scores[h * n + t];
           float* ah = acc.data() + h * D;
+          if constexpr (kCoded) {
+            if (h % group == 0) decode_row<kD>(decoded.data(), v, D);
 #pragma omp simd
-          for (int64_t d = 0; d < D; ++d) ah[d] += p * to_float(v[d]);
+            for (int64_t d = 0; d < D; ++d) ah[d] += p * decoded[d];
+          } else {
+#pragma omp simd
+            for (int64_t d = 0; d < D; ++d) ah[d] += p * to_float(v[d]);
+          }
         }
       });
       for (int64_t h = 0; h < width; ++h) {
