@@ -212,3 +212,10 @@ def test_build_command_says_where_or_why_not(tmp_path):
         ready = run()
         assert ready.returncode == 0, ready.stdout + ready.stderr
         assert ready.stdout.strip().endswith(cpu_kernels.build_name()), ready.stdout
+
+
+@pytest.mark.skipif(shutil.which(cpu_kernels._compiler()) is None, reason="no C++ compiler on this machine")
+def test_the_kernels_build_where_a_compiler_is():
+    """Where a compiler exists the C++ kernels must build: a source that does not compile would otherwise
+    only make the kernel tests skip, and every CPU worker fall back to the torch backend, unnoticed."""
+    assert cpu_kernels.cpu_kernels_unavailable_reason() is None
