@@ -1065,6 +1065,15 @@ WNA16_SHAPES = ((6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336))
 WNA16_TARGETS = {4: 2.5, 8: 1.5}
 
 
+def report_against_bf16(bench: Bench, label: str, batch: int, shape: str, seconds: float, bf16_seconds: float,
+                        ok: bool, error: float) -> None:
+    """A quantized GEMM's case in the report's table and on the console, beside the bf16 matmul's time."""
+    bench.rows.append([f"{label} B={batch}", shape, f"{seconds * 1e6:.1f}", f"{bf16_seconds * 1e6:.1f} (bf16 matmul)",
+                       f"{bf16_seconds / seconds:.2f}", "", "ok" if ok else "WRONG"])
+    print(f"  {label} {shape} batch {batch}: {seconds * 1e6:.1f} us, bf16 {bf16_seconds * 1e6:.1f} us "
+          f"({bf16_seconds / seconds:.2f}x) {'ok' if ok else f'WRONG (error {error:.2e})'}", flush=True)
+
+
 def section_wna16(bench: Bench, record: dict) -> None:
     """The weight-only GEMM (quantization/wna16_gemm.py), 4- and 8-bit codes, against a bfloat16 matmul over the
     same (dequantized) weight, batch 1 to 16: each output checked, then both timed."""
@@ -1094,11 +1103,7 @@ def section_wna16(bench: Bench, record: dict) -> None:
                 t_bf16 = bench.measure(lambda: x @ weight.t())
                 rows.append({"bits": bits, "n": n, "k": k, "batch": batch, "ok": ok, "error": error,
                              "gemm_us": t_packed * 1e6, "bf16_us": t_bf16 * 1e6, "speed_vs_bf16": t_bf16 / t_packed})
-                bench.rows.append([f"w{bits}a16 B={batch}", f"N{n}/K{k}/g{group}", f"{t_packed * 1e6:.1f}",
-                                   f"{t_bf16 * 1e6:.1f} (bf16 matmul)", f"{t_bf16 / t_packed:.2f}", "",
-                                   "ok" if ok else "WRONG"])
-                print(f"  w{bits}a16 N{n} K{k} batch {batch}: {t_packed * 1e6:.1f} us, bf16 {t_bf16 * 1e6:.1f} us "
-                      f"({t_bf16 / t_packed:.2f}x) {'ok' if ok else f'WRONG (error {error:.2e})'}", flush=True)
+                report_against_bf16(bench, f"w{bits}a16", batch, f"N{n}/K{k}/g{group}", t_packed, t_bf16, ok, error)
     record["all_ok"] = all(row["ok"] for row in rows)
     for bits, target in WNA16_TARGETS.items():
         batch_one = [row["speed_vs_bf16"] for row in rows if row["batch"] == 1 and row["bits"] == bits]
@@ -1173,11 +1178,7 @@ def section_w8a8(bench: Bench, record: dict) -> None:
                 seconds = bench.measure(lambda: layer(x))
                 rows.append({"scheme": name, "n": n, "k": k, "batch": batch, "ok": ok, "error": error,
                              "layer_us": seconds * 1e6, "bf16_us": t_bf16 * 1e6, "speed_vs_bf16": t_bf16 / seconds})
-                bench.rows.append([f"{name} B={batch}", f"N{n}/K{k}", f"{seconds * 1e6:.1f}",
-                                   f"{t_bf16 * 1e6:.1f} (bf16 matmul)", f"{t_bf16 / seconds:.2f}", "",
-                                   "ok" if ok else "WRONG"])
-                print(f"  {name} N{n} K{k} batch {batch}: {seconds * 1e6:.1f} us, bf16 {t_bf16 * 1e6:.1f} us "
-                      f"({t_bf16 / seconds:.2f}x) {'ok' if ok else f'WRONG (error {error:.2e})'}", flush=True)
+                report_against_bf16(bench, name, batch, f"N{n}/K{k}", seconds, t_bf16, ok, error)
     record["all_ok"] = all(row["ok"] for row in rows)
     largest = max(batches)
     record["speed_at_largest_batch"] = {
