@@ -1,1 +1,2 @@
-"""End to end: the launcher, compose.yaml's services, services killed mid-request, the benchmark scripts."""
+"""End to end: the launcher, compose.yaml's services, the Kubernetes manifests, services killed mid-request,
+the benchmark scripts."""
