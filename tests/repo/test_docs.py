@@ -23,7 +23,7 @@ HEADING = re.compile(r"^#{1,6}\s+(.*?)\s*#*\s*$", re.MULTILINE)
 # A repository path: a known top-level folder, then names (a glob's * too), as `shared/request.py`,
 # `services/*/options.py` or `services/worker/attention/`. Not after a word, a dot, a slash or ~, so that
 # a URL's or a home folder's inner parts (https://host/docs/x, ~/.cache/pagedserve) are not taken for one.
-TOP_FOLDERS = ("services", "shared", "pagedserve", "tests", "benchmarks", "protos", "docs", r"\.ci")
+TOP_FOLDERS = ("services", "shared", "pagedserve", "tests", "benchmarks", "protos", "docs", "deploy", r"\.ci")
 REPO_PATH = re.compile(r"(?<![\w./~-])((?:" + "|".join(TOP_FOLDERS) + r")/(?:[\w.*-]*[\w*]/?)*)")
 MODULE_RUN = re.compile(r"python3? -m ((?:" + "|".join(TOP_FOLDERS) + r")(?:\.\w+)+)")  # python -m shared.x.y
 FILE_NAME = re.compile(r"`([\w-]+\.py)`")  # a module named alone, as `scheduler.py` beside its folder
@@ -96,7 +96,7 @@ def test_relative_links_resolve(doc):
 
 
 def test_the_docs_pages_exist():
-    assert {"architecture.md", "api.md", "models.md", "operations.md", "performance.md"} <= {
+    assert {"architecture.md", "api.md", "deployment.md", "models.md", "operations.md", "performance.md"} <= {
         path.name for path in DOCS}
 
 
