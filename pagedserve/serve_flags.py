@@ -13,6 +13,7 @@ from services.worker.options import worker_options
 from shared.option_env import apply_env_defaults
 from shared.option_flags import ArgumentParser, add_options
 from shared.options import Option, command_line, option, options_of
+from shared.tracing import TracingOptions
 
 # Where each child listens and whom it talks to: chosen by the launcher, not by the user.
 SET_BY_LAUNCHER = frozenset({"listen", "worker", "scheduler", "tensor_parallel_rank", "distributed_init_method"})
@@ -22,6 +23,8 @@ GROUPS = {
     "gateway": "gateway",
     "scheduler": "scheduler",
 }
+# Options every child takes alike: one flag, listed in a group of its own rather than in the engine's.
+EVERY_SERVICE = ("every service (gateway, scheduler and workers)", options_of(TracingOptions))
 
 
 @dataclass(frozen=True)
@@ -47,8 +50,12 @@ class ServeParser(ArgumentParser):
         self.services = service_options()
         self.declared: dict[str, Option] = {}  # flag name -> the option it is: the first service's of that name
         self.owner: dict[str, str] = {}  # flag name -> that service
+        title, shared = EVERY_SERVICE
+        for o in shared:  # taken before the services' groups, which then leave them out
+            self.declared[o.name], self.owner[o.name] = o, "every service"
         for service, options in self.services.items():
             self._add_group(service, options)
+        add_options(self.add_argument_group(title), shared)
         add_options(self.add_argument_group("launcher"), options_of(LauncherOptions))
         apply_env_defaults(self)
 

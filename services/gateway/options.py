@@ -11,6 +11,7 @@ from services.gateway.reasoning_parsers import REASONING_PARSERS
 from services.gateway.tool_parsers import TOOL_CALL_PARSERS
 from shared.config import EngineConfig
 from shared.options import Option, option, options_of, read_by
+from shared.tracing import TracingOptions
 
 _HTTP = HttpLimits()  # the limits' defaults are declared there
 
@@ -96,5 +97,5 @@ class GatewayOptions:
 
 
 def gateway_options() -> tuple[Option, ...]:
-    """Every option `pagedserve gateway` takes: its own, and the engine's it reads (--tokenizer)."""
-    return options_of(GatewayOptions) + read_by(EngineConfig, "gateway")
+    """Every option `pagedserve gateway` takes: its own, the engine's it reads (--tokenizer), and tracing."""
+    return options_of(GatewayOptions) + read_by(EngineConfig, "gateway") + options_of(TracingOptions)

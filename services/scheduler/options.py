@@ -8,6 +8,7 @@ from dataclasses import dataclass
 
 from shared.config import EngineConfig
 from shared.options import Option, option, options_of, read_by
+from shared.tracing import TracingOptions
 
 
 @dataclass(frozen=True)
@@ -22,5 +23,5 @@ class SchedulerOptions:
 
 
 def scheduler_options() -> tuple[Option, ...]:
-    """Every option `pagedserve scheduler` takes: its own, and the engine's limits."""
-    return options_of(SchedulerOptions) + read_by(EngineConfig, "scheduler")
+    """Every option `pagedserve scheduler` takes: its own, the engine's limits, and tracing."""
+    return options_of(SchedulerOptions) + read_by(EngineConfig, "scheduler") + options_of(TracingOptions)

@@ -7,6 +7,7 @@ from dataclasses import dataclass
 
 from shared.config import EngineConfig
 from shared.options import Option, option, options_of
+from shared.tracing import TracingOptions
 
 
 @dataclass(frozen=True)
@@ -19,5 +20,5 @@ class WorkerOptions:
 
 
 def worker_options() -> tuple[Option, ...]:
-    """Every option `pagedserve worker` takes: all the engine's, then its own."""
-    return options_of(EngineConfig) + options_of(WorkerOptions)
+    """Every option `pagedserve worker` takes: all the engine's, then its own, and tracing."""
+    return options_of(EngineConfig) + options_of(WorkerOptions) + options_of(TracingOptions)

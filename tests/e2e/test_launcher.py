@@ -153,8 +153,9 @@ def test_serve_help_gives_every_flag_a_text_and_its_default_grouped_by_service()
         assert f"\n  {flag} " in text, flag
     assert "(default: 8000)" in text and "(default: 256)" in text
     groups = [line for line in text.splitlines() if line and not line[0].isspace() and line.endswith(":")]
-    assert [group.split()[0].rstrip(":") for group in groups[-4:]] == ["engine", "gateway", "scheduler", "launcher"]
-    assert "--connect-timeout and --drain-timeout above are the gateway's" in groups[-2]
+    assert [group.split()[0].rstrip(":") for group in groups[-5:]] == ["engine", "gateway", "scheduler", "every",
+                                                                        "launcher"]
+    assert "--connect-timeout and --drain-timeout above are the gateway's" in groups[-3]
     assert text.index("--max-streams") > text.index("\nscheduler") > text.index("--drain-timeout")
 
 

@@ -84,8 +84,10 @@ def test_every_option_is_declared_once():
     from services.gateway.options import GatewayOptions
     from services.scheduler.options import SchedulerOptions
     from services.worker.options import WorkerOptions
+    from shared.tracing import TracingOptions
 
-    declared = [option for cls in (EngineConfig, GatewayOptions, SchedulerOptions, WorkerOptions, LauncherOptions)
+    declared = [option for cls in (EngineConfig, GatewayOptions, SchedulerOptions, WorkerOptions, LauncherOptions,
+                                   TracingOptions)
                 for option in options_of(cls)]
     repeated = sorted(name for name, count in collections.Counter(o.name for o in declared).items() if count > 1)
     assert repeated == ["connect_timeout", "drain_timeout", "listen"]
@@ -95,3 +97,18 @@ def test_every_option_is_declared_once():
 
 def test_every_engine_field_is_an_option():
     assert [option.name for option in options_of(EngineConfig)] == list(EngineConfig.__dataclass_fields__)
+
+
+def test_serve_gives_every_child_the_tracing_endpoint_from_one_flag():
+    from pagedserve.launcher import build_parser
+
+    serve = build_parser()
+    args = serve.parse_args(["--otlp-traces-endpoint", "http://collector:4317"])
+    for child in ("worker", "scheduler", "gateway"):
+        argv = serve.argv_for(child, args)
+        assert argv[argv.index("--otlp-traces-endpoint") + 1] == "http://collector:4317", child
+    assert not any("otlp" in word for child in ("worker", "scheduler", "gateway")
+                   for word in serve.argv_for(child, serve.parse_args([])))
+    groups = [group.title for group in serve._action_groups
+              if any(action.dest == "otlp_traces_endpoint" for action in group._group_actions)]
+    assert groups == ["every service (gateway, scheduler and workers)"]
