@@ -40,6 +40,8 @@ class EngineRequest:
     pooling: PoolingParams | None = None  # set: an embedding (or class scores) request of a pooling model
     priority: int = 0  # vLLM's: under --scheduling-policy priority, lower runs first (else only 0 is taken)
     arrival_time: float = field(default_factory=time.time)  # when it was made (time.time()); kept when resumed
+    # The W3C trace context it runs under (shared/tracing.py: traceparent, tracestate); None: untraced.
+    trace_context: dict[str, str] | None = None
 
     def to_proto(self) -> wire.EngineRequest:
         return wire.EngineRequest(
@@ -47,7 +49,7 @@ class EngineRequest:
             cache_salt=self.cache_salt, resumed=self.resumption.to_proto() if self.resumption is not None else (),
             lora=self.lora.to_proto() if self.lora is not None else None,
             pooling=self.pooling.to_proto() if self.pooling is not None else None,
-            priority=self.priority, arrival_time=self.arrival_time)
+            priority=self.priority, arrival_time=self.arrival_time, trace_context=self.trace_context)
 
     @classmethod
     def from_proto(cls, m: wire.EngineRequest) -> EngineRequest:
@@ -59,7 +61,7 @@ class EngineRequest:
             resumption=Resumption.from_proto(m.resumed),
             lora=LoRARequest.from_proto(m.lora) if m.HasField("lora") else None,
             pooling=PoolingParams.from_proto(m.pooling) if m.HasField("pooling") else None,
-            priority=m.priority, arrival_time=m.arrival_time)
+            priority=m.priority, arrival_time=m.arrival_time, trace_context=dict(m.trace_context) or None)
 
 
 @dataclass(frozen=True, slots=True)

@@ -60,6 +60,8 @@ class NewSequence:
     lora: LoRARequest | None = None  # the adapter its tokens run through (forks inherit it); None: the base model
     # An embedding request's: once its prompt is computed the worker pools its states (and samples nothing).
     pooling: PoolingParams | None = None
+    # Its request's W3C trace context (shared/tracing.py), which the worker links its step spans to; None: untraced.
+    trace_context: dict[str, str] | None = None
 
     def to_proto(self) -> wire.NewSequence:
         return wire.NewSequence(
@@ -68,7 +70,7 @@ class NewSequence:
             sampling_params=self.sampling_params.to_proto(), block_table=self.block_table,
             num_computed_tokens=self.num_computed_tokens, num_scheduled_tokens=self.num_scheduled_tokens,
             num_siblings=self.num_siblings, lora=self.lora.to_proto() if self.lora is not None else None,
-            pooling=self.pooling.to_proto() if self.pooling is not None else None)
+            pooling=self.pooling.to_proto() if self.pooling is not None else None, trace_context=self.trace_context)
 
     @classmethod
     def from_proto(cls, m: wire.NewSequence) -> "NewSequence":
@@ -78,7 +80,8 @@ class NewSequence:
                    block_table=list(m.block_table), num_computed_tokens=m.num_computed_tokens,
                    num_scheduled_tokens=m.num_scheduled_tokens, num_siblings=m.num_siblings,
                    lora=LoRARequest.from_proto(m.lora) if m.HasField("lora") else None,
-                   pooling=PoolingParams.from_proto(m.pooling) if m.HasField("pooling") else None)
+                   pooling=PoolingParams.from_proto(m.pooling) if m.HasField("pooling") else None,
+                   trace_context=dict(m.trace_context) or None)
 
 
 @dataclass(slots=True)

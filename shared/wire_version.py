@@ -23,7 +23,8 @@ from shared.grpc_errors import ServiceUnavailable
 # 12: EngineStats carries histograms (vLLM's per-request times, tokens per step) and text labels (LoRA adapters).
 # 13: EngineRequest carries a priority and its arrival time.
 # 14: EngineInfo says whether the scheduler orders requests by priority.
-INTERNAL_PROTOCOL_VERSION = 14
+# 16: engine requests and new sequences carry their W3C trace context.
+INTERNAL_PROTOCOL_VERSION = 16
 
 
 class IncompatiblePeer(ServiceUnavailable):

@@ -367,7 +367,8 @@ class Scheduler:
                     prompt_token_ids=seq.prompt_token_ids, output_token_ids=list(seq.output_token_ids),
                     sampling_params=seq.worker_params, block_table=blocks.block_table(seq.seq_id),
                     num_computed_tokens=seq.num_planned_tokens, num_scheduled_tokens=num_tokens,
-                    num_siblings=len(seq.pending_siblings), lora=seq.request.lora, pooling=seq.request.pooling))
+                    num_siblings=len(seq.pending_siblings), lora=seq.request.lora, pooling=seq.request.pooling,
+                    trace_context=seq.request.trace_context))
                 seq.known_to_worker = True
             else:
                 # Only the blocks added since the last plan (the whole table only when it was

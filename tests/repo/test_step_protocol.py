@@ -61,7 +61,8 @@ def test_random_plans_round_trip():
     rng = random.Random()
     for _ in range(100):
         running = [random_delta(rng, seq_id) for seq_id in rng.sample(range(10_000), rng.randrange(0, 40))]
-        new = [NewSequence(f"req-{i}", 20_000 + i, 0, [1, 2, 3], [], SamplingParams(max_tokens=4), [7], 0, 3)
+        new = [NewSequence(f"req-{i}", 20_000 + i, 0, [1, 2, 3], [], SamplingParams(max_tokens=4), [7], 0, 3,
+                           trace_context=rng.choice([None, {"traceparent": f"00-{i:032x}-{i + 1:016x}-01"}]))
                for i in range(rng.randrange(0, 3))]
         plan = StepPlan(step_id=rng.randrange(1, 1000), new=new, running=running, finished_seq_ids=[5, 6],
                         forks=[Fork(1, 2, 1)], swap_out=[(1, 2)], swap_in=[(3, 4)], copies=[(5, 6)])

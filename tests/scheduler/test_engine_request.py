@@ -32,7 +32,9 @@ def test_every_field_survives_the_wire():
     whole = request(params=SamplingParams(n=2, temperature=0.5, max_tokens=7, stop=["x"], logprobs=3, seed=11,
                                           structured_outputs=StructuredOutputs(regex="[ab]+")),
                     cache_salt="tenant", resumption=Resumption({0: [4, 5], 1: []}),
-                    lora=LoRARequest("sql", "/adapters/sql"), priority=3, arrival_time=1_700_000_000.125)
+                    lora=LoRARequest("sql", "/adapters/sql"), priority=3, arrival_time=1_700_000_000.125,
+                    trace_context={"traceparent": "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01",
+                                   "tracestate": "congo=t61rcWkgMzE"})
     pooled = request(pooling=PoolingParams(dimensions=8, normalize=False, task="embed"))
     for sent in (whole, pooled, request()):
         message = wire.EngineRequest.FromString(sent.to_proto().SerializeToString())
