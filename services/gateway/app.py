@@ -18,16 +18,19 @@ from services.gateway.openapi import documented, errors_as_json
 from services.gateway.request_context import RequestContext
 from services.gateway.routes import completions, invocations, lora, models, pooling, responses, status, tokenizer
 from services.gateway.server_load import LoadTracking, ServerLoad
+from shared.tracing import Tracing
 
 
 def create_app(gen: Generator, allowed_origins: tuple[str, ...] = ("*",), auth: Authenticator | None = None,
                runtime_lora_updating: bool = False, limits: HttpLimits = HttpLimits(),
-               server_load_tracking: bool = False, tokenizer_info_endpoint: bool = False) -> FastAPI:
+               server_load_tracking: bool = False, tokenizer_info_endpoint: bool = False,
+               tracing: Tracing | None = None) -> FastAPI:
     """allowed_origins: the browser origins CORS lets call the API (as vLLM: any, by default; none: no CORS).
     auth: the API keys a request must carry (None or none configured: the gateway is open);
     runtime_lora_updating: serve vLLM's load/unload LoRA adapter endpoints (lora_api.py);
     limits: the HTTP server's (the app keeps the body size; http_protocol.py the rest);
-    server_load_tracking, tokenizer_info_endpoint: serve vLLM's /load and /tokenizer_info."""
+    server_load_tracking, tokenizer_info_endpoint: serve vLLM's /load and /tokenizer_info;
+    tracing: trace each POST (--otlp-traces-endpoint; http_tracing.py)."""
     app = FastAPI(title="pagedserve gateway", description="OpenAI-compatible API of pagedserve")
     load = ServerLoad() if server_load_tracking else None
     if load is not None:  # innermost: counts the requests that got through
@@ -39,6 +42,10 @@ def create_app(gen: Generator, allowed_origins: tuple[str, ...] = ("*",), auth: 
     if allowed_origins:
         app.add_middleware(CORSMiddleware, allow_origins=list(allowed_origins), allow_methods=["*"],
                            allow_headers=["*"], expose_headers=["x-request-id"])
+    if tracing is not None:  # inside RequestContext: the span names the request id it chose
+        from services.gateway.http_tracing import TraceRequests
+
+        app.add_middleware(TraceRequests, tracing=tracing)
     app.add_middleware(RequestContext, metrics=gen.metrics)
     install_error_handlers(app)
     doc = functools.partial(documented, keyed=keyed)  # what /openapi.json says a route answers (openapi.py)

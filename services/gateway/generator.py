@@ -20,7 +20,9 @@ from services.gateway.rate_limits import RateLimiter
 from services.gateway.reasoning_parsers import ReasoningParser
 from services.gateway.resumption import ResumePolicy, Resumer
 from services.gateway.run import Run
+from services.gateway.run_span import RunSpan
 from services.gateway.scheduler_pool import SchedulerPool
+from services.gateway.scheduler_session import SubmitStream
 from services.gateway.tool_parsers import ToolCallParser
 from shared.grpc_errors import ResourceExhausted, ServiceUnavailable
 from shared.hub import model_name
@@ -28,6 +30,7 @@ from shared.logging import setup_logging
 from shared.pooling import PoolerConfig
 from shared.request import EngineRequest
 from shared.tokenizer import load_tokenizer
+from shared.tracing import Tracing, traced_call
 from shared.wire_version import check_peer_version
 
 log = setup_logging("gateway")
@@ -44,9 +47,11 @@ class Generator:
                  limiter: RateLimiter | None = None, resume_policy: ResumePolicy | None = ResumePolicy(),
                  tool_parser: ToolCallParser | None = None,
                  lora_modules: list[LoRAModule] | None = None, trust_request_chat_template: bool = False,
-                 reasoning_parser: ReasoningParser | None = None, return_tokens_as_token_ids: bool = False):
-        """``lora_modules``: parse_lora_modules' adapters (--lora-modules)."""
+                 reasoning_parser: ReasoningParser | None = None, return_tokens_as_token_ids: bool = False,
+                 tracing: Tracing | None = None):
+        """``lora_modules``: parse_lora_modules' adapters (--lora-modules); ``tracing``: --otlp-traces-endpoint's."""
         self.client = client
+        self.tracing = tracing  # None: nothing is traced
         self.return_tokens_as_token_ids = return_tokens_as_token_ids  # --return-tokens-as-token-ids
         self.reasoning_parser = reasoning_parser  # None: outputs are not split into reasoning and content
         self.trust_request_chat_template = trust_request_chat_template
@@ -145,13 +150,16 @@ class Generator:
         starts: list[asyncio.Future] = []
         try:
             for position, request in enumerate(requests):
-                stream = await self.client.submit(request)
+                stream, request, span = await self._submit(request, model)
                 try:
-                    runs.append(Run(model, stream, request, self.metrics, position=position, resumer=self.resumer))
+                    runs.append(Run(model, stream, request, self.metrics, position=position, resumer=self.resumer,
+                                    span=span))
                     if on_submit is not None:
                         on_submit(runs[-1])
-                except BaseException:
+                except BaseException as exc:
                     stream.cancel()  # submitted but not yet a run: nothing below would abort it
+                    if span is not None:
+                        span.fail(exc)
                     raise
             starts = [asyncio.ensure_future(run.start()) for run in runs]
             await asyncio.gather(*starts)
@@ -167,6 +175,25 @@ class Generator:
         if admission is not None:
             admission.runs = runs
         return runs
+
+    async def _submit(self, request: EngineRequest, model: Model) -> tuple[SubmitStream, EngineRequest, RunSpan | None]:
+        """The request submitted, as it was (carrying its trace context when traced), and its span."""
+        if self.tracing is None:
+            return await self.client.submit(request), request, None
+        span = RunSpan(self.tracing.tracer, request, model.name)
+        try:
+            return await self.client.submit(span.request), span.request, span
+        except BaseException as exc:
+            span.fail(exc)
+            raise
+
+    async def tokenized(self, fn, *args):
+        """fn(*args) off the event loop, in a "tokenize" span when tracing: a megabyte prompt takes seconds to
+        tokenize (or render and tokenize), and every other stream would wait that long (the tokenizer lets go
+        of the GIL)."""
+        if self.tracing is None:
+            return await asyncio.to_thread(fn, *args)
+        return await asyncio.to_thread(traced_call, self.tracing.tracer, "tokenize", fn, *args)
 
 
 def _log_started(requests: list[EngineRequest]) -> None:

@@ -17,6 +17,7 @@ from services.gateway.classify_api import best_label
 from services.gateway.deltas import SeqDelta, TokenLogprob
 from services.gateway.engine_requests import engine_requests, new_request_id
 from services.gateway.generator import Generator
+from services.gateway.grpc_tracing import call_span
 from services.gateway.prompt_bound import refuse_texts_too_long
 from shared.grpc_errors import ResourceExhausted, Unauthenticated, status_for
 from shared.invalid_parameter import InvalidParameter
@@ -71,6 +72,10 @@ class GenerationServicer(api_grpc.GenerationServicer):
             raise
 
     async def Generate(self, request, context):
+        with call_span(self.gen.tracing, context, "Generate"):
+            await self._generate(request, context)
+
+    async def _generate(self, request, context):
         request_id = request.request_id or new_request_id()
         bind_request_id(request_id)
         try:
@@ -85,7 +90,7 @@ class GenerationServicer(api_grpc.GenerationServicer):
                 except ValueError as exc:  # its messages name the field, as over HTTP
                     raise InvalidParameter.from_params_error(exc) from None
                 # Off the event loop, as over HTTP: a huge prompt must not stall the other streams.
-                prompt = await asyncio.to_thread(_encoded_text, model, request.text, params) \
+                prompt = await self.gen.tokenized(_encoded_text, model, request.text, params) \
                     if request.WhichOneof("prompt") == "text" else list(request.token_ids.ids)
                 # The engine request keeps the client's id, so Abort(request_id) reaches it.
                 salt = request.cache_salt if request.HasField("cache_salt") else None
@@ -166,6 +171,10 @@ class GenerationServicer(api_grpc.GenerationServicer):
 
     async def _pool(self, request, context, id_prefix: str, task: str, answer):
         """An Embed or Classify call: its inputs pooled side by side, then ``answer``'s response."""
+        with call_span(self.gen.tracing, context, task.capitalize()):
+            return await self._pooled(request, context, id_prefix, task, answer)
+
+    async def _pooled(self, request, context, id_prefix: str, task: str, answer):
         request_id = request.request_id or new_request_id(id_prefix)
         bind_request_id(request_id)
         try:
@@ -175,7 +184,7 @@ class GenerationServicer(api_grpc.GenerationServicer):
                 lora = model.resolve(request.model)
                 pooling = _pooling_params(request, task)
                 check_runner(pooling, model.limits)
-                prompts = await asyncio.to_thread(_pooling_inputs, model, request)
+                prompts = await self.gen.tokenized(_pooling_inputs, model, request)
                 salt = request.cache_salt if request.HasField("cache_salt") else None
                 requests = engine_requests(_engine_id(api_key, request_id), prompts, cache_salt=salt, lora=lora,
                                            pooling=pooling)

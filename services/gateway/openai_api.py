@@ -34,9 +34,7 @@ async def answer(gen: Generator, body, request_id: str, api_key: ApiKey | None, 
         try:
             # (Off the event loop too: checking a structured output's grammar can take long.)
             params = await asyncio.to_thread(reply_class.checked_params, model, body)
-            # Off the event loop: a megabyte prompt takes seconds to tokenize (or render and tokenize),
-            # and every other stream would wait that long (the tokenizer lets go of the GIL).
-            prompts, texts = await asyncio.to_thread(reply_class.prompts, model, body)
+            prompts, texts = await gen.tokenized(reply_class.prompts, model, body)  # off the event loop
             runs = await gen.start(model, engine_requests(request_id, prompts, params=params, cache_salt=body.cache_salt,
                                                           lora=lora, priority=body.priority), admission=admission)
         except InvalidParameter as exc:

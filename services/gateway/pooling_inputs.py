@@ -5,7 +5,6 @@ chat template (with the generation prompt unless ``add_generation_prompt`` is fa
 
 from __future__ import annotations
 
-import asyncio
 
 from pydantic import BaseModel, ConfigDict, field_validator
 
@@ -80,7 +79,7 @@ async def pool_inputs(gen: Generator, body: PoolingRequest, pooling: PoolingPara
         lora = model.resolve(body.model)
         # Before tokenizing: a model of the other task would tokenize for nothing.
         check_runner(pooling, model.limits)
-        prompts = await asyncio.to_thread(body.encode, model)  # off the event loop, as for generation
+        prompts = await gen.tokenized(body.encode, model)  # off the event loop, as for generation
         runs = await gen.start(model, engine_requests(request_id, prompts, cache_salt=body.cache_salt, lora=lora,
                                                       pooling=pooling), admission=admission)
     return model, lora, runs

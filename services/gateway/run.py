@@ -16,6 +16,7 @@ from services.gateway.deltas import SeqDelta, TokenLogprob
 from services.gateway.metrics import GatewayMetrics
 from services.gateway.model import Model
 from services.gateway.resumption import Resumer
+from services.gateway.run_span import RunSpan
 from services.gateway.scheduler_session import SessionLost, SubmitStream
 from services.gateway.sequence import Sequence
 from shared.grpc_errors import ServiceUnavailable
@@ -29,8 +30,9 @@ class Run:
     resumer, a run whose scheduler is lost goes on at another (or the same one, back)."""
 
     def __init__(self, model: Model, stream: SubmitStream, request: EngineRequest, metrics: GatewayMetrics,
-                 position: int = 0, resumer: Resumer | None = None):
+                 position: int = 0, resumer: Resumer | None = None, span: RunSpan | None = None):
         self.model, self.request = model, request
+        self.span = span  # its llm_request span (run_span.py); None: not traced
         # An embedding request's (``pooling``): its one output (start() waits for it) carries the embedding.
         self.embedding: list[float] | None = None
         self.position = position  # which of the request's prompts this is
@@ -82,14 +84,18 @@ class Run:
         """Wait for the first output, so admission errors surface before any response is sent."""
         try:
             self._first = await self._next()
-        except BaseException:
+        except BaseException as exc:
             self.cancel()
+            if self.span is not None:
+                self.span.fail(exc)
             raise
         self._first_output_s = self._since_arrival()
         if self.request.pooling is not None:  # its whole latency: no first token to time
             await self._take_embedding(self._first)
             return
         self._metrics.ttft.observe(self._first_output_s)
+        if self.span is not None:
+            self.span.first_output(self._first_output_s)
 
     async def _take_embedding(self, message) -> None:
         """An embedding request is done with its first output."""
@@ -98,6 +104,7 @@ class Run:
         self._metrics.finish(len(self.prompt), 0, self._since_arrival(), None, 1, self.finish_reasons)
         if message is not None and message.num_cached_tokens:
             self.cached_tokens = min(message.num_cached_tokens, len(self.prompt))
+        self._end_span(self.finish_reasons)
         if message is None or not message.embedding:  # aborted at the scheduler (it is stopping)
             raise ServiceUnavailable(f"embedding request {self.request_id} ended without its embedding")
         self.embedding = list(message.embedding)
@@ -136,6 +143,12 @@ class Run:
         self._recorded = True
         self._metrics.finish(len(self.prompt), self.completion_tokens, self._since_arrival(), first,
                              self.params.n, reasons)
+        self._end_span(reasons)
+
+    def _end_span(self, finish_reasons: list[str]) -> None:
+        if self.span is not None:
+            self.span.end(self.completion_tokens, self.cached_tokens, finish_reasons, self._since_arrival(),
+                          self.resumes)
 
     def _observe_inter_token_latency(self, sequence: Sequence) -> None:
         """The time since the sequence's previous tokens came (vLLM's inter-token latency; beam search reports
@@ -151,6 +164,7 @@ class Run:
         if not (self._recorded or self._read):
             self._recorded = True
             self._metrics.request_success.labels(finished_reason="abort").inc(len(self._sequences))
+            self._end_span(["abort"] * len(self._sequences))
 
     async def _next(self):
         """The request's next output (None once it ended), from the scheduler it runs on now."""

@@ -102,10 +102,10 @@ async def _scores(gen: Generator, body: ScoreRequest | RerankRequest, first: lis
             raise InvalidParameter.from_params_error(exc) from None
         check_runner(pooling, model.limits)
         if cross_encoder:
-            prompts = await asyncio.to_thread(lambda: [model.encode_pair(a, b, limit) for a, b in zip(first, second)])
+            prompts = await gen.tokenized(lambda: [model.encode_pair(a, b, limit) for a, b in zip(first, second)])
         else:
             distinct = list(dict.fromkeys(first + second))
-            prompts = await asyncio.to_thread(lambda: [model.encode_input(t) for t in distinct])  # off the event loop
+            prompts = await gen.tokenized(lambda: [model.encode_input(t) for t in distinct])  # off the event loop
         runs = await gen.start(model, engine_requests(request_id, prompts, cache_salt=body.cache_salt, lora=lora,
                                                       pooling=pooling), admission=admission)
     tokens = sum(len(run.prompt) for run in runs)

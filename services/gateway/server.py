@@ -39,6 +39,7 @@ from shared.logging import setup_logging
 from shared.option_env import apply_env_defaults
 from shared.option_flags import ArgumentParser, add_options
 from shared.tokenizer import import_tokenizer_library
+from shared.tracing import start_tracing
 
 log = setup_logging("gateway")
 
@@ -109,6 +110,7 @@ async def _report_health(gen: Generator, grpc_health, auth: Authenticator) -> No
 
 async def serve(args: argparse.Namespace) -> None:
     metrics = GatewayMetrics()
+    tracing = start_tracing("gateway", args.otlp_traces_endpoint)
     client = SchedulerPool.connect(args.scheduler, connect_timeout_s=args.connect_timeout,
                                    idle_timeout_s=args.backend_timeout)
     client.start()
@@ -123,13 +125,13 @@ async def serve(args: argparse.Namespace) -> None:
     gen = Generator(client, metrics, args.served_model_name, files, args.max_concurrent_requests, limiter,
                     resume_policy, tool_parser, args.lora_modules, args.trust_request_chat_template,
                     REASONING_PARSERS[args.reasoning_parser] if args.reasoning_parser else None,
-                    return_tokens_as_token_ids=args.return_tokens_as_token_ids)
+                    return_tokens_as_token_ids=args.return_tokens_as_token_ids, tracing=tracing)
     grpc_server, grpc_health = create_grpc_server(gen, f"{args.host}:{args.grpc_port}", auth)
     origins = tuple(o.strip() for o in args.allowed_origins.split(",") if o.strip())
     limits = HttpLimits.from_args(args)
     make_room_for_connections(limits)
     app = create_app(gen, origins, auth, args.allow_runtime_lora_updating, limits, args.enable_server_load_tracking,
-                     args.enable_tokenizer_info_endpoint)
+                     args.enable_tokenizer_info_endpoint, tracing)
     http = _Uvicorn(uvicorn.Config(app, http=functools.partial(LimitedHttpProtocol, limits=limits),
                                    host=args.host, port=args.port, log_config=None,
                                    log_level="warning", access_log=False, lifespan="off",
@@ -167,6 +169,8 @@ async def serve(args: argparse.Namespace) -> None:
     await gen.settle_charges()  # the last requests' tokens, before the store closes
     await client.close()
     await auth.close()
+    if tracing is not None:
+        await asyncio.to_thread(tracing.shutdown)  # the last requests' spans, to the collector
     unfreeze_startup_objects()
     log.info("gateway stopped")
 

@@ -10,6 +10,7 @@ import itertools
 import time
 from collections import deque
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from services.scheduler.beam_search import BeamGroup
 from services.scheduler.block_manager import BlockManager
@@ -21,6 +22,10 @@ from shared.grpc_errors import AlreadyExists
 from shared.request import EngineRequest, RequestLimits, max_output_tokens, validate
 from shared.sampling_params import SamplingParams
 from shared.step_protocol import StepPlan, WorkerInfo
+from shared.tracing import Tracing
+
+if TYPE_CHECKING:  # (imported only when tracing: it imports OpenTelemetry)
+    from services.scheduler.request_spans import RequestSpans
 
 
 # What an embedding request's sequence carries as sampling parameters: nothing is sampled for it.
@@ -38,7 +43,7 @@ class InFlightStep:
 
 class EngineCore:
     def __init__(self, executor: Executor, limits: SchedulerLimits, watermark: float = 0.01,
-                 max_logprobs: int = 20, enable_prefix_caching: bool = True):
+                 max_logprobs: int = 20, enable_prefix_caching: bool = True, tracing: Tracing | None = None):
         self.executor = executor
         self.info: WorkerInfo = executor.worker_info()
         self.max_logprobs = max_logprobs
@@ -58,6 +63,13 @@ class EngineCore:
             max_model_len=self.info.max_model_len, vocab_size=self.info.vocab_size, max_logprobs=max_logprobs,
             max_num_seqs=limits.max_num_seqs, eos_token_ids=self.info.eos_token_ids, max_loras=self.info.max_loras,
             pooler=self.info.pooler, priority_scheduling=limits.scheduling_policy == "priority")
+        # Each request's spans (--otlp-traces-endpoint); None: untraced, at no cost per request or step.
+        self.spans: RequestSpans | None = None
+        if tracing is not None:
+            from services.scheduler.request_spans import RequestSpans
+
+            self.spans = RequestSpans(tracing.tracer, self.info.model)
+            self.scheduler.request_stats.on_finished = self.spans.finished
 
     # --- admission ----------------------------------------------------------------------------------
 
@@ -69,6 +81,16 @@ class EngineCore:
         ends with an update that carries the embedding."""
         if request.request_id in self._requests:
             raise AlreadyExists(f"request id {request.request_id!r} is already in use")
+        if self.spans is None:
+            return self._admit(request)
+        request = self.spans.admitted(request)  # (its sequences carry the span's context to the workers)
+        try:
+            return self._admit(request)
+        except Exception as exc:
+            self.spans.refused(request.request_id, exc)
+            raise
+
+    def _admit(self, request: EngineRequest) -> int:
         validate(request, self.request_limits)
         if request.pooling is not None:
             self._add_pooling_request(request)

@@ -16,6 +16,7 @@ add up. (vLLM runs each of n as a request of its own and observes them apart.)
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 
 from services.scheduler.histogram import Histogram, buckets_1_2_5
 from services.scheduler.sequence import Sequence
@@ -64,6 +65,8 @@ class RequestStats:
         self.prompt_tokens_computed = 0
         self.prompt_tokens_cached = 0
         self.times: dict[int, SequenceTimes] = {}  # by seq id, until its request ends (the scheduler reads it)
+        # Told each request's sequences and their times as it ends (request_spans.py); None: nobody listens.
+        self.on_finished: Callable[[list[Sequence], list[SequenceTimes]], None] | None = None
 
     def times_of(self, seq_id: int) -> SequenceTimes:
         times = self.times.get(seq_id)
@@ -103,6 +106,8 @@ class RequestStats:
         h["request_prefill_kv_computed_tokens"].observe(len(first.prompt_token_ids) - (first.num_cached_tokens or 0))
         h["request_num_preemptions"].observe(sum(t.num_preemptions for t in times))
         self._observe_times(seqs, times)
+        if self.on_finished is not None:
+            self.on_finished(seqs, times)
 
     def _observe_times(self, seqs: list[Sequence], times: list[SequenceTimes]) -> None:
         scheduled = min((t.scheduled for t in times if t.scheduled is not None), default=None)

@@ -34,6 +34,7 @@ from shared.proto import pagedserve_api_pb2 as api
 from shared.proto import pagedserve_internal_pb2 as wire
 from shared.proto import pagedserve_internal_pb2_grpc as wire_grpc
 from shared.request import EngineRequest
+from shared.tracing import Tracing, start_tracing
 from shared.wire_version import INTERNAL_PROTOCOL_VERSION
 
 log = setup_logging("scheduler")
@@ -135,7 +136,8 @@ def _read_for_a_moment(request_iterator, seconds: float = 0.2) -> None:
 
 
 def build_engine(worker_addresses: list[str], limits_from, watermark: float, max_logprobs: int,
-                 enable_prefix_caching: bool, connect_timeout_s: float = 60.0) -> EngineCore:
+                 enable_prefix_caching: bool, connect_timeout_s: float = 60.0,
+                 tracing: Tracing | None = None) -> EngineCore:
     """Several addresses are the ranks of one tensor-parallel group, in rank order."""
     if len(worker_addresses) > 1:
         executor = TensorParallelExecutor(worker_addresses, connect_timeout_s)
@@ -147,7 +149,7 @@ def build_engine(worker_addresses: list[str], limits_from, watermark: float, max
             executor.shutdown()
             raise
     limits = limits_from(executor.worker_info().max_model_len)
-    return EngineCore(executor, limits, watermark, max_logprobs, enable_prefix_caching)
+    return EngineCore(executor, limits, watermark, max_logprobs, enable_prefix_caching, tracing)
 
 
 def serve(args: argparse.Namespace) -> None:
@@ -156,9 +158,11 @@ def serve(args: argparse.Namespace) -> None:
         return SchedulerLimits(args.max_num_seqs, budget, args.enable_chunked_prefill, args.preemption_mode,
                                args.scheduling_policy)
 
+    tracing = start_tracing("scheduler", args.otlp_traces_endpoint)
+
     def new_engine(connect_timeout_s: float = 60.0) -> EngineCore:
         return build_engine(args.worker, limits_from, args.watermark, args.max_logprobs, args.enable_prefix_caching,
-                            connect_timeout_s)
+                            connect_timeout_s, tracing)
 
     engine = new_engine(args.connect_timeout)
     freeze_startup_objects()
@@ -198,6 +202,8 @@ def serve(args: argparse.Namespace) -> None:
     drain(loop, health_servicer, args.drain_timeout)
     server.stop(grace=2).wait()
     loop.stop()
+    if tracing is not None:
+        tracing.shutdown()  # the last requests' spans, to the collector
     unfreeze_startup_objects()
     log.info("scheduler stopped")
 

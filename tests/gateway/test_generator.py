@@ -103,6 +103,8 @@ class Submitted(Exception):
 
 class RefusingGen:
     """Enough of a Generator for a request to reach start(), which stops it."""
+    tracing = None
+    tokenized = Generator.tokenized  # the real way off the event loop
 
     def __init__(self, tokenizer):
         self.model_card = Model("m", 512, 512, 20, tokenizer)
