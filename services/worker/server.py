@@ -28,6 +28,7 @@ from shared.options import from_args, refusal
 from shared.proto import pagedserve_internal_pb2 as wire
 from shared.proto import pagedserve_internal_pb2_grpc as wire_grpc
 from shared.step_protocol import StepPlan
+from shared.tracing import Tracing, start_tracing
 
 log = setup_logging("worker")
 
@@ -81,9 +82,10 @@ class ComputeThread:
 
 
 class WorkerServicer(wire_grpc.WorkerServicer):
-    def __init__(self, worker, compute: ComputeThread):
+    def __init__(self, worker, compute: ComputeThread, tracing: Tracing | None = None):
         self.worker = worker
         self.compute = compute
+        self.tracing = tracing  # --otlp-traces-endpoint's: a span per step of a traced request (step_spans.py)
         self._busy = threading.Lock()  # one scheduler drives a worker at a time
         self._requests: dict[int, str] = {}  # seq id -> request id, for log lines
 
@@ -110,7 +112,7 @@ class WorkerServicer(wire_grpc.WorkerServicer):
         moment that step ends, without a hop back through this handler."""
         if not self._busy.acquire(blocking=False):
             context.abort(grpc.StatusCode.FAILED_PRECONDITION, "another scheduler is driving this worker")
-        stream = _StepStream(self.worker, self.compute)
+        stream = _StepStream(self.worker, self.compute, self._step_spans())
         try:
             log.info("scheduler connected", peer=context.peer())
             threading.Thread(target=stream.read, args=(request_iterator, self._log_sequences), name="plan-reader",
@@ -135,6 +137,14 @@ class WorkerServicer(wire_grpc.WorkerServicer):
         self.worker.forget_all()  # a new scheduler starts from nothing
         self._requests.clear()
 
+    def _step_spans(self):
+        """A stream's spans of its steps (its sequences' trace contexts start empty, as the worker's state)."""
+        if self.tracing is None:
+            return None
+        from services.worker.step_spans import StepSpans
+
+        return StepSpans(self.tracing.tracer, self.worker.tp.rank)
+
 
 _END = object()
 # A tensor-parallel rank whose scheduler went away (or whose step failed) exits with this code.
@@ -155,9 +165,10 @@ def leave_the_group() -> None:
 class _StepStream:
     """One scheduler's Steps stream: its plans, run on the compute thread, and their results."""
 
-    def __init__(self, worker, compute: ComputeThread):
+    def __init__(self, worker, compute: ComputeThread, spans=None):
         self.worker = worker
         self.compute = compute
+        self.spans = spans  # a StepSpans when tracing; None: the steps run as they are
         self.results: queue.SimpleQueue = queue.SimpleQueue()  # result protos, an exception, then _END
         self.closed = threading.Event()  # the stream ended: queued steps are void
         self._failed = False
@@ -170,7 +181,7 @@ class _StepStream:
                     break
                 plan = StepPlan.from_proto(message)
                 on_plan(plan)
-                self._queue(self._run, plan)
+                self._queue(self._run, plan, self.spans.links_for(plan) if self.spans is not None else None)
         except Exception as exc:  # a malformed plan, or the stream broke (then nobody reads this)
             self._queue(self.results.put, exc)  # after the results of the steps queued before it
         self._queue(self.results.put, _END)
@@ -179,18 +190,20 @@ class _StepStream:
         future = self.compute.submit(fn, *args)
         future.add_done_callback(lambda f: f.exception() is not None and self.results.put(f.exception()))
 
-    def _run(self, plan: StepPlan) -> None:
+    def _run(self, plan: StepPlan, links: list | None) -> None:
+        """links: the step's to its traced requests (StepSpans); none: no span."""
         if self._failed or self.closed.is_set():
             return  # after a failed step the worker's state no longer matches the scheduler's
         try:
-            self.results.put(self.worker.execute(plan).to_proto())
+            result = self.spans.run(plan, links, self.worker.execute) if links else self.worker.execute(plan)
+            self.results.put(result.to_proto())
         except Exception as exc:
             self._failed = True
             self.results.put(exc)
 
 
 def serve(config: EngineConfig, address: str, tensor_parallel_rank: int = 0,
-          distributed_init_method: str | None = None) -> None:
+          distributed_init_method: str | None = None, tracing: Tracing | None = None) -> None:
     from services.worker.tensor_parallel import leave_group
     from services.worker.worker import Worker
 
@@ -198,7 +211,7 @@ def serve(config: EngineConfig, address: str, tensor_parallel_rank: int = 0,
     freeze_startup_objects()  # the model's modules and parameters, among others
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=4), options=GRPC_OPTIONS)
     compute = ComputeThread()
-    wire_grpc.add_WorkerServicer_to_server(WorkerServicer(worker, compute), server)
+    wire_grpc.add_WorkerServicer_to_server(WorkerServicer(worker, compute, tracing), server)
     health_servicer = health.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     reflection.enable_server_reflection([wire.DESCRIPTOR.services_by_name["Worker"].full_name,
@@ -213,6 +226,8 @@ def serve(config: EngineConfig, address: str, tensor_parallel_rank: int = 0,
     compute.serve_until(stop)  # this (main) thread runs the steps until a signal
     health_servicer.enter_graceful_shutdown()
     server.stop(grace=5).wait()
+    if tracing is not None:
+        tracing.shutdown()  # the last steps' spans, to the collector
     leave_group(worker.tp)
     unfreeze_startup_objects()
     log.info("worker stopped")
@@ -234,5 +249,6 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if (error := refusal(EngineConfig, args)) is not None:
         parser.error(error)
-    serve(from_args(EngineConfig, args), args.listen, args.tensor_parallel_rank, args.distributed_init_method)
+    serve(from_args(EngineConfig, args), args.listen, args.tensor_parallel_rank, args.distributed_init_method,
+          start_tracing("worker", args.otlp_traces_endpoint))
     return 0
