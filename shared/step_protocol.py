@@ -372,16 +372,20 @@ class StepResult:
     forward_time_s: float = 0.0  # model forward pass, including the KV writes
     sample_time_s: float = 0.0  # logits processing and sampling (and verifying drafts)
     propose_time_s: float = 0.0  # proposing the next step's drafts (speculative decoding)
+    # Device blocks a swap-in (a swapped sequence's, or the host tier's load) failed to fill. The worker left
+    # every sequence holding one out of the step; the scheduler recomputes them, never reading those blocks.
+    failed_block_ids: list[int] = field(default_factory=list)
 
     def to_proto(self) -> wire.StepResult:
         return wire.StepResult(step_id=self.step_id, outputs=outputs_to_proto(self.outputs),
                                forward_time_s=self.forward_time_s, sample_time_s=self.sample_time_s,
-                               propose_time_s=self.propose_time_s)
+                               propose_time_s=self.propose_time_s, failed_block_ids=self.failed_block_ids)
 
     @classmethod
     def from_proto(cls, m: wire.StepResult) -> "StepResult":
         return cls(step_id=m.step_id, outputs=outputs_from_proto(m.outputs), forward_time_s=m.forward_time_s,
-                   sample_time_s=m.sample_time_s, propose_time_s=m.propose_time_s)
+                   sample_time_s=m.sample_time_s, propose_time_s=m.propose_time_s,
+                   failed_block_ids=list(m.failed_block_ids))
 
 
 @dataclass(frozen=True, slots=True)
@@ -396,7 +400,7 @@ class WorkerInfo:
     eos_token_ids: tuple[int, ...]  # from generation_config.json / the tokenizer
     device: str  # e.g. "cpu", "cuda:0"
     dtype: str  # e.g. "float32"
-    num_cpu_blocks: int = 0  # host swap space, in blocks (0: no swapping)
+    num_cpu_blocks: int = 0  # host memory's KV blocks: swap space and the offload tier (0: neither)
     protocol_version: int = INTERNAL_PROTOCOL_VERSION  # the wire format the worker's release speaks
     num_speculative_tokens: int = 0  # the most draft tokens it proposes per sequence (0: no speculative decoding)
     tensor_parallel_rank: int = 0  # its place among the workers that hold the model between them
@@ -407,6 +411,7 @@ class WorkerInfo:
     # Every attention layer (a draft model's too) sees at most this many keys back from a query, so the
     # scheduler frees the blocks behind a sequence's window; None: some layer sees the whole context.
     kv_window: int | None = None
+    num_cpu_offload_blocks: int = 0  # of num_cpu_blocks, the prefix cache's host tier (--kv-offloading-size)
 
     def to_proto(self) -> wire.WorkerInfo:
         return wire.WorkerInfo(model=self.model, num_kv_blocks=self.num_kv_blocks, block_size=self.block_size,
@@ -418,7 +423,7 @@ class WorkerInfo:
                                tensor_parallel_size=self.tensor_parallel_size, max_loras=self.max_loras,
                                max_lora_rank=self.max_lora_rank,
                                pooler=self.pooler.to_proto() if self.pooler is not None else None,
-                               kv_window=self.kv_window)
+                               kv_window=self.kv_window, num_cpu_offload_blocks=self.num_cpu_offload_blocks)
 
     @classmethod
     def from_proto(cls, m: wire.WorkerInfo) -> "WorkerInfo":
@@ -429,4 +434,5 @@ class WorkerInfo:
                    tensor_parallel_rank=m.tensor_parallel_rank, tensor_parallel_size=m.tensor_parallel_size or 1,
                    max_loras=m.max_loras, max_lora_rank=m.max_lora_rank,
                    pooler=PoolerConfig.from_proto(m.pooler) if m.HasField("pooler") else None,
-                   kv_window=m.kv_window if m.HasField("kv_window") else None)
+                   kv_window=m.kv_window if m.HasField("kv_window") else None,
+                   num_cpu_offload_blocks=m.num_cpu_offload_blocks)

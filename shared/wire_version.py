@@ -23,8 +23,11 @@ from shared.grpc_errors import ServiceUnavailable
 # 12: EngineStats carries histograms (vLLM's per-request times, tokens per step) and text labels (LoRA adapters).
 # 13: EngineRequest carries a priority and its arrival time.
 # 14: EngineInfo says whether the scheduler orders requests by priority.
+# 15: skipped (two changes were under way at once).
 # 16: engine requests and new sequences carry their W3C trace context.
-INTERNAL_PROTOCOL_VERSION = 16
+# 17: WorkerInfo says how many of its host blocks are the prefix cache's offload tier, and a step's result
+#     which device blocks a swap-in failed to fill; SessionEvents carry the prefix caches' routing keys.
+INTERNAL_PROTOCOL_VERSION = 17
 
 
 class IncompatiblePeer(ServiceUnavailable):

@@ -133,18 +133,24 @@ class RequestError(_message.Message):
     def __init__(self, key: _Optional[int] = ..., code: _Optional[int] = ..., message: _Optional[str] = ...) -> None: ...
 
 class SessionEvents(_message.Message):
-    __slots__ = ("tokens", "detailed", "detailed_positions", "finished", "errors")
+    __slots__ = ("tokens", "detailed", "detailed_positions", "finished", "errors", "cache_snapshot", "cache_added", "cache_removed")
     TOKENS_FIELD_NUMBER: _ClassVar[int]
     DETAILED_FIELD_NUMBER: _ClassVar[int]
     DETAILED_POSITIONS_FIELD_NUMBER: _ClassVar[int]
     FINISHED_FIELD_NUMBER: _ClassVar[int]
     ERRORS_FIELD_NUMBER: _ClassVar[int]
+    CACHE_SNAPSHOT_FIELD_NUMBER: _ClassVar[int]
+    CACHE_ADDED_FIELD_NUMBER: _ClassVar[int]
+    CACHE_REMOVED_FIELD_NUMBER: _ClassVar[int]
     tokens: TokenOutputs
     detailed: _containers.RepeatedCompositeFieldContainer[EngineOutput]
     detailed_positions: _containers.RepeatedScalarFieldContainer[int]
     finished: _containers.RepeatedScalarFieldContainer[int]
     errors: _containers.RepeatedCompositeFieldContainer[RequestError]
-    def __init__(self, tokens: _Optional[_Union[TokenOutputs, _Mapping]] = ..., detailed: _Optional[_Iterable[_Union[EngineOutput, _Mapping]]] = ..., detailed_positions: _Optional[_Iterable[int]] = ..., finished: _Optional[_Iterable[int]] = ..., errors: _Optional[_Iterable[_Union[RequestError, _Mapping]]] = ...) -> None: ...
+    cache_snapshot: bool
+    cache_added: _containers.RepeatedScalarFieldContainer[int]
+    cache_removed: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, tokens: _Optional[_Union[TokenOutputs, _Mapping]] = ..., detailed: _Optional[_Iterable[_Union[EngineOutput, _Mapping]]] = ..., detailed_positions: _Optional[_Iterable[int]] = ..., finished: _Optional[_Iterable[int]] = ..., errors: _Optional[_Iterable[_Union[RequestError, _Mapping]]] = ..., cache_snapshot: _Optional[bool] = ..., cache_added: _Optional[_Iterable[int]] = ..., cache_removed: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class TokenOutputs(_message.Message):
     __slots__ = ("keys", "seq_indexes", "num_tokens", "token_ids")
@@ -254,7 +260,7 @@ class Histogram(_message.Message):
     def __init__(self, bounds: _Optional[_Iterable[float]] = ..., cumulative_counts: _Optional[_Iterable[int]] = ..., count: _Optional[int] = ..., sum: _Optional[float] = ...) -> None: ...
 
 class WorkerInfo(_message.Message):
-    __slots__ = ("model", "num_kv_blocks", "block_size", "max_model_len", "vocab_size", "eos_token_ids", "device", "dtype", "num_cpu_blocks", "protocol_version", "num_speculative_tokens", "tensor_parallel_rank", "tensor_parallel_size", "max_loras", "max_lora_rank", "pooler", "kv_window")
+    __slots__ = ("model", "num_kv_blocks", "block_size", "max_model_len", "vocab_size", "eos_token_ids", "device", "dtype", "num_cpu_blocks", "protocol_version", "num_speculative_tokens", "tensor_parallel_rank", "tensor_parallel_size", "max_loras", "max_lora_rank", "pooler", "kv_window", "num_cpu_offload_blocks")
     MODEL_FIELD_NUMBER: _ClassVar[int]
     NUM_KV_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
@@ -272,6 +278,7 @@ class WorkerInfo(_message.Message):
     MAX_LORA_RANK_FIELD_NUMBER: _ClassVar[int]
     POOLER_FIELD_NUMBER: _ClassVar[int]
     KV_WINDOW_FIELD_NUMBER: _ClassVar[int]
+    NUM_CPU_OFFLOAD_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     model: str
     num_kv_blocks: int
     block_size: int
@@ -289,7 +296,8 @@ class WorkerInfo(_message.Message):
     max_lora_rank: int
     pooler: PoolerInfo
     kv_window: int
-    def __init__(self, model: _Optional[str] = ..., num_kv_blocks: _Optional[int] = ..., block_size: _Optional[int] = ..., max_model_len: _Optional[int] = ..., vocab_size: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., device: _Optional[str] = ..., dtype: _Optional[str] = ..., num_cpu_blocks: _Optional[int] = ..., protocol_version: _Optional[int] = ..., num_speculative_tokens: _Optional[int] = ..., tensor_parallel_rank: _Optional[int] = ..., tensor_parallel_size: _Optional[int] = ..., max_loras: _Optional[int] = ..., max_lora_rank: _Optional[int] = ..., pooler: _Optional[_Union[PoolerInfo, _Mapping]] = ..., kv_window: _Optional[int] = ...) -> None: ...
+    num_cpu_offload_blocks: int
+    def __init__(self, model: _Optional[str] = ..., num_kv_blocks: _Optional[int] = ..., block_size: _Optional[int] = ..., max_model_len: _Optional[int] = ..., vocab_size: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., device: _Optional[str] = ..., dtype: _Optional[str] = ..., num_cpu_blocks: _Optional[int] = ..., protocol_version: _Optional[int] = ..., num_speculative_tokens: _Optional[int] = ..., tensor_parallel_rank: _Optional[int] = ..., tensor_parallel_size: _Optional[int] = ..., max_loras: _Optional[int] = ..., max_lora_rank: _Optional[int] = ..., pooler: _Optional[_Union[PoolerInfo, _Mapping]] = ..., kv_window: _Optional[int] = ..., num_cpu_offload_blocks: _Optional[int] = ...) -> None: ...
 
 class NewSequence(_message.Message):
     __slots__ = ("request_id", "seq_id", "index", "prompt_token_ids", "output_token_ids", "sampling_params", "block_table", "num_computed_tokens", "num_scheduled_tokens", "num_siblings", "lora", "pooling", "trace_context")
@@ -460,17 +468,19 @@ class StepOutputs(_message.Message):
     def __init__(self, seq_ids: _Optional[_Iterable[int]] = ..., token_ids: _Optional[_Iterable[int]] = ..., detailed: _Optional[_Iterable[_Union[SequenceOutput, _Mapping]]] = ..., detailed_positions: _Optional[_Iterable[int]] = ..., num_accepted: _Optional[_Iterable[int]] = ..., accepted_token_ids: _Optional[_Iterable[int]] = ..., num_drafts: _Optional[_Iterable[int]] = ..., draft_token_ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class StepResult(_message.Message):
-    __slots__ = ("step_id", "outputs", "forward_time_s", "sample_time_s", "error", "propose_time_s")
+    __slots__ = ("step_id", "outputs", "forward_time_s", "sample_time_s", "error", "propose_time_s", "failed_block_ids")
     STEP_ID_FIELD_NUMBER: _ClassVar[int]
     OUTPUTS_FIELD_NUMBER: _ClassVar[int]
     FORWARD_TIME_S_FIELD_NUMBER: _ClassVar[int]
     SAMPLE_TIME_S_FIELD_NUMBER: _ClassVar[int]
     ERROR_FIELD_NUMBER: _ClassVar[int]
     PROPOSE_TIME_S_FIELD_NUMBER: _ClassVar[int]
+    FAILED_BLOCK_IDS_FIELD_NUMBER: _ClassVar[int]
     step_id: int
     outputs: StepOutputs
     forward_time_s: float
     sample_time_s: float
     error: str
     propose_time_s: float
-    def __init__(self, step_id: _Optional[int] = ..., outputs: _Optional[_Union[StepOutputs, _Mapping]] = ..., forward_time_s: _Optional[float] = ..., sample_time_s: _Optional[float] = ..., error: _Optional[str] = ..., propose_time_s: _Optional[float] = ...) -> None: ...
+    failed_block_ids: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, step_id: _Optional[int] = ..., outputs: _Optional[_Union[StepOutputs, _Mapping]] = ..., forward_time_s: _Optional[float] = ..., sample_time_s: _Optional[float] = ..., error: _Optional[str] = ..., propose_time_s: _Optional[float] = ..., failed_block_ids: _Optional[_Iterable[int]] = ...) -> None: ...

@@ -73,7 +73,8 @@ def test_random_results_round_trip_in_order():
     rng = random.Random()
     for _ in range(100):
         outputs = [random_output(rng, seq_id) for seq_id in rng.sample(range(10_000), rng.randrange(0, 40))]
-        result = StepResult(rng.randrange(1, 1000), outputs, 0.25, 0.125)
+        failed = sorted(rng.sample(range(1000), rng.randrange(0, 3)))  # swap-ins that failed: usually none
+        result = StepResult(rng.randrange(1, 1000), outputs, 0.25, 0.125, failed_block_ids=failed)
         assert StepResult.from_proto(round_trip(result.to_proto(), wire.StepResult)) == result
 
 

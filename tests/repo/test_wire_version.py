@@ -25,6 +25,11 @@ def test_worker_info_carries_the_release_wire_version():
     assert WorkerInfo.from_proto(INFO.to_proto()).protocol_version == INTERNAL_PROTOCOL_VERSION
 
 
+def test_worker_info_round_trips_its_host_tier():
+    tiered = dataclasses.replace(INFO, num_cpu_blocks=96, num_cpu_offload_blocks=64)
+    assert WorkerInfo.from_proto(tiered.to_proto()) == tiered
+
+
 def test_worker_info_round_trips_its_kv_window():
     assert WorkerInfo.from_proto(INFO.to_proto()).kv_window is None  # unset: some layer sees everything
     windowed = dataclasses.replace(INFO, kv_window=4096)
