@@ -108,6 +108,9 @@ class EngineConfig:
                                               "the first batch (on CUDA, with --enforce-eager), not the "
                                               "checkpoint's or 1.0")
     swap_space: float = option(4.0, "GiB of host memory for swapped-out KV")
+    kv_offloading_size: float = option(0.0, "GiB of host memory for the prefix cache's offload tier: blocks the "
+                                            "device cache evicts are kept there and copied back on a later hit, "
+                                            "not recomputed (0: off; needs prefix caching)")
     preemption_mode: str | None = option(None, "how preempted sequences give back their blocks (default: chosen "
                                                "per victim)", choices=PREEMPTION_MODES, read_by=LIMIT)
     scheduling_policy: str = option("fcfs", "fcfs: first come, first served; priority: by each request's priority "
@@ -159,6 +162,7 @@ class EngineConfig:
                  "num_gpu_blocks_override", f"must be >= 1, got {self.num_gpu_blocks_override}")
         _require(0 <= self.watermark < 1, "watermark", f"must be in [0, 1), got {self.watermark}")
         _require(self.swap_space >= 0, "swap_space", f"must be >= 0 GiB, got {self.swap_space}")
+        _require(self.kv_offloading_size >= 0, "kv_offloading_size", f"must be >= 0 GiB, got {self.kv_offloading_size}")
         _require(self.preemption_mode in (None, *PREEMPTION_MODES), "preemption_mode",
                  f"must be 'swap', 'recompute' or None, got {self.preemption_mode!r}")
         _require(0 <= self.max_logprobs, "max_logprobs", f"must be >= 0, got {self.max_logprobs}")

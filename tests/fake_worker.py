@@ -10,7 +10,11 @@ draft's KV must later read as the token it became.
 
 With ``kv_window`` it reports a sliding window on every layer, and reads and counts only what the
 Triton kernel may read: from the window's first key rounded down to 16. A slot holds a hash of the
-whole prefix up to its token, so a block reused by another sequence cannot pass by chance."""
+whole prefix up to its token, so a block reused by another sequence cannot pass by chance.
+
+With ``fail_swap_ins`` the swap-ins of that many steps (the first that have any) fail as a real
+worker reports it: their destination blocks are filled with garbage, the sequences holding them are
+left out, and the result names the blocks (``failed_block_ids``)."""
 
 from __future__ import annotations
 
@@ -20,11 +24,14 @@ from shared.step_protocol import PositionLogprobs, Sample, SequenceOutput, StepP
 class FakeWorker:
     def __init__(self, num_blocks: int, block_size: int, max_model_len: int = 512, vocab_size: int = 100,
                  eos_token_ids: tuple[int, ...] = (0,), num_cpu_blocks: int = 0, num_speculative_tokens: int = 0,
-                 kv_window: int | None = None):
+                 kv_window: int | None = None, num_cpu_offload_blocks: int = 0,
+                 fail_swap_ins: int = 0):
         self.info = WorkerInfo(model="fake", num_kv_blocks=num_blocks, block_size=block_size,
                                max_model_len=max_model_len, vocab_size=vocab_size, eos_token_ids=eos_token_ids,
                                device="cpu", dtype="float32", num_cpu_blocks=num_cpu_blocks,
-                               num_speculative_tokens=num_speculative_tokens, kv_window=kv_window)
+                               num_speculative_tokens=num_speculative_tokens, kv_window=kv_window,
+                               num_cpu_offload_blocks=num_cpu_offload_blocks)
+        self.fail_swap_ins = fail_swap_ins  # steps with swap-ins left to fail
         self.num_accepted = 0  # drafts accepted, over all steps
         self.seqs: dict[int, dict] = {}
         self.plans: list[StepPlan] = []
@@ -79,8 +86,8 @@ class FakeWorker:
                                             "table": list(parent["table"]), "siblings": 0, "last_sample": None}
         for seq_id in plan.finished_seq_ids:
             self.seqs.pop(seq_id, None)
-        self._move(plan)
-        batch = self._apply(plan)
+        unfilled = self._move(plan)
+        batch = [(seq, n) for seq, n in self._apply(plan) if unfilled.isdisjoint(seq["table"])]
         users: dict[int, int] = {}  # block -> live sequences holding it (forks, prefix-cache hits)
         for seq in self.seqs.values():
             if seq.get("swapped"):
@@ -88,9 +95,10 @@ class FakeWorker:
             for block in self.live_table(seq):
                 users[block] = users.get(block, 0) + 1
         outputs = [out for seq, n in batch if (out := self._compute(seq, n, users)) is not None]
-        return StepResult(step_id=plan.step_id, outputs=outputs)
+        return StepResult(step_id=plan.step_id, outputs=outputs, failed_block_ids=sorted(unfilled))
 
-    def _move(self, plan: StepPlan) -> None:
+    def _move(self, plan: StepPlan) -> set[int]:
+        """Apply the plan's block moves; the device blocks a failed swap-in left unfilled."""
         # A swap-out moves all of a sequence's blocks, which is how a sequence is seen to leave.
         out = {src for src, _ in plan.swap_out}
         for seq in self.seqs.values():
@@ -98,11 +106,16 @@ class FakeWorker:
                 seq["swapped"] = True
         for src, dst in plan.swap_out:
             self.host[dst] = list(self.device[src])
+        unfilled = set()
+        if plan.swap_in and self.fail_swap_ins:
+            self.fail_swap_ins -= 1
+            unfilled = {dst for _, dst in plan.swap_in}
         for src, dst in plan.swap_in:
-            self.device[dst] = list(self.host[src])
+            self.device[dst] = ["garbage"] * self.info.block_size if dst in unfilled else list(self.host[src])
         moved = [(dst, list(self.device[src])) for src, dst in plan.copies]
         for dst, contents in moved:
             self.device[dst] = contents
+        return unfilled
 
     def _apply(self, plan: StepPlan) -> list[tuple[dict, int]]:
         batch = []

@@ -25,8 +25,9 @@ admission: a resumed request's sequences each prefill theirs.
 vLLM's metrics not exported, and why:
 - ``vllm:engine_sleep_state``: there is no sleep mode.
 - ``vllm:corrupted_requests``: logits are not checked for NaNs.
-- ``vllm:external_prefix_cache_*``, ``vllm:kv_offload_*`` and the KV connector's: no KV transfer or
-  offloading connector (the external_kv_transfer source of ``prompt_tokens_by_source`` is exported, 0).
+- ``vllm:kv_offload_*`` and the KV connector's transfer metrics: the host tier is no connector; its blocks
+  stored and loaded are ``pagedserve_engine_kv_offload_blocks_stored`` and ``_loaded``. (Its lookups are
+  ``vllm:external_prefix_cache_queries`` and ``_hits``, and its tokens the ``external_kv_transfer`` source.)
 - ``vllm:mm_cache_*``: no multimodal inputs.
 - ``vllm:kv_block_lifetime_seconds``, ``vllm:kv_block_idle_before_evict_seconds``,
   ``vllm:kv_block_reuse_gap_seconds``: vLLM samples them only with --kv-cache-metrics; they would
@@ -59,10 +60,13 @@ _COUNTERS = {"num_preemptions": "vllm:num_preemptions", "prefix_cache_queries": 
              "prefix_cache_hits": "vllm:prefix_cache_hits", "prompt_tokens_cached": "vllm:prompt_tokens_cached",
              "spec_decode_num_drafts": "vllm:spec_decode_num_drafts",
              "spec_decode_num_draft_tokens": "vllm:spec_decode_num_draft_tokens",
-             "spec_decode_num_accepted_tokens": "vllm:spec_decode_num_accepted_tokens"}
+             "spec_decode_num_accepted_tokens": "vllm:spec_decode_num_accepted_tokens",
+             # the host tier (--kv-offloading-size): vLLM counts its offloading connector's lookups here
+             "host_cache_queries": "vllm:external_prefix_cache_queries",
+             "host_cache_hits": "vllm:external_prefix_cache_hits"}
 # vLLM's sources of prompt tokens -> the engine stat counting them (None: none can come from there)
-_PROMPT_SOURCES = {"local_compute": "prompt_tokens_computed", "local_cache_hit": "prompt_tokens_cached",
-                   "external_kv_transfer": None}
+_PROMPT_SOURCES = {"local_compute": "prompt_tokens_computed", "local_cache_hit": "prompt_tokens_local_hit",
+                   "external_kv_transfer": "prompt_tokens_loaded"}
 _ACCEPTED_PER_POS = "spec_decode_num_accepted_tokens_per_pos_"  # + the draft position
 # KV usage, 0 to 1: (vLLM's name, the engine's blocks used, its blocks in all)
 _USAGES = (("vllm:kv_cache_usage_perc", "kv_blocks_used", "kv_blocks_total"),

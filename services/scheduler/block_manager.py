@@ -20,9 +20,11 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from services.scheduler.block_hash import BlockHash, hash_full_blocks
 from services.scheduler.block_pool import BlockPool, KVCacheBlock
+from services.scheduler.cache_digest import CacheDigest
+from services.scheduler.host_blocks import HostBlocks, Move
 from services.scheduler.sequence_blocks import SequenceBlocks
+from shared.block_hash import BlockHash, hash_full_blocks, routing_key
 
 TokenSlice = Callable[[int, int], list[int]]  # (start, end) -> the sequence's token ids in that range
 FREED_BLOCK_ID = 0  # what a released entry is sent as: any id would do, no kernel reads it
@@ -46,13 +48,21 @@ NO_NEW_BLOCKS = Allocation((), None)
 class CacheHit:
     """The cached start of a new sequence: its first table entries and their hashes (the chain that
     later blocks continue). With a sliding window only the blocks the first new token's window reaches
-    must be cached; the entries before them are released (None) from the start."""
+    must be cached; the entries before them are released (None) from the start. An entry found in the
+    host tier, not on the device, is that host block: its index is in ``on_host``."""
     blocks: tuple[KVCacheBlock | None, ...] = ()
     hashes: tuple[BlockHash, ...] = ()
+    on_host: tuple[int, ...] = ()  # indexes of the entries that are host blocks, loaded into fresh device ones
 
     @property
     def num_blocks(self) -> int:
         return len(self.blocks)
+
+    def device_blocks(self) -> list[KVCacheBlock]:
+        return [block for index, block in enumerate(self.blocks) if block is not None and index not in self.on_host]
+
+    def host_blocks(self) -> list[KVCacheBlock]:
+        return [self.blocks[index] for index in self.on_host]
 
 
 NO_HIT = CacheHit()
@@ -60,7 +70,9 @@ NO_HIT = CacheHit()
 
 class BlockManager:
     def __init__(self, num_blocks: int, block_size: int, watermark: float = 0.0, enable_caching: bool = False,
-                 num_host_blocks: int = 0, kv_window: int | None = None):
+                 num_host_blocks: int = 0, kv_window: int | None = None, num_offload_blocks: int = 0):
+        """``num_host_blocks``: host memory's blocks in all; ``num_offload_blocks`` of them are the prefix
+        cache's offload tier (host_blocks.py), the rest swap space. The tier needs prefix caching."""
         if block_size < 1:
             raise ValueError(f"block_size must be >= 1, got {block_size}")
         if kv_window is not None and kv_window < 1:
@@ -68,8 +80,10 @@ class BlockManager:
         self.block_size = block_size
         self.kv_window = kv_window  # the most keys any layer sees back; None: the whole context
         self.enable_caching = enable_caching
-        self.pool = BlockPool(num_blocks, enable_caching)
-        self.host_pool = BlockPool(num_host_blocks) if num_host_blocks else None  # swap space
+        num_offload_blocks = num_offload_blocks if enable_caching else 0
+        self.host = HostBlocks(num_host_blocks - num_offload_blocks, num_offload_blocks) if num_host_blocks else None
+        on_evict = self.host.store if self.host is not None and self.host.tier_enabled else None
+        self.pool = BlockPool(num_blocks, enable_caching, on_evict=on_evict)
         # Blocks kept back from new admissions so running sequences can grow without preempting at once.
         self.watermark_blocks = int(watermark * num_blocks)
         self._seqs: dict[int, SequenceBlocks] = {}  # seq id -> its blocks, on the device or swapped out
@@ -141,8 +155,9 @@ class BlockManager:
         """Room for ``num_tokens`` slots, the first ones in cache hits (a cached-free hit costs a free block),
         plus a copy of the block written first when it is shared."""
         reserve = self.watermark_blocks if keep_watermark else 0
-        revived = sum(1 for block in _live(hits.blocks) if block.ref_cnt == 0)
-        needed = self.num_blocks_to_grow(seq_id, num_tokens, write_from) - hits.num_blocks + revived
+        revived = sum(1 for block in hits.device_blocks() if block.ref_cnt == 0)
+        loaded = len(hits.on_host)  # each needs a fresh device block
+        needed = self.num_blocks_to_grow(seq_id, num_tokens, write_from) - hits.num_blocks + revived + loaded
         return needed <= self.num_free_blocks - reserve
 
     def num_blocks_to_grow(self, seq_id: int, num_tokens: int, write_from: int | None = None) -> int:
@@ -231,7 +246,7 @@ class BlockManager:
             return
         self.pool.free(_live(entry.table[::-1]))
         if entry.host_table is not None:
-            self.host_pool.free(_live(entry.host_table))
+            self.host.free_swapped(_live(entry.host_table))
 
     def release_blocks_behind_window(self, seq_id: int, num_computed_tokens: int) -> int:
         """Free the blocks no layer will read again: wholly before the window (and READ_MARGIN) of the
@@ -256,10 +271,11 @@ class BlockManager:
 
     @property
     def num_free_host_blocks(self) -> int:
-        return self.host_pool.num_free_blocks if self.host_pool else 0
+        """Host blocks nothing holds: free, or keeping an offloaded prefix."""
+        return self.host.pool.num_free_blocks if self.host else 0
 
     def can_swap_out(self, seq_id: int) -> bool:
-        return self.host_pool is not None and len(_live(self._table(seq_id))) <= self.num_free_host_blocks
+        return self.host is not None and self.host.can_swap_out(len(_live(self._table(seq_id))))
 
     def swap_out(self, seq_id: int) -> list[tuple[int, int]]:
         """Move the sequence's KV to host blocks; the (device, host) pairs to copy. Its device blocks are
@@ -267,7 +283,7 @@ class BlockManager:
         entry = self._seqs[seq_id]
         table, entry.table, entry.hashes = entry.table, [], []
         live = _live(table)
-        host = iter(self.host_pool.allocate(len(live)))
+        host = iter(self.host.swap_out(len(live)))
         entry.host_table = [None if block is None else next(host) for block in table]
         self.pool.free(live[::-1])
         return [(device.block_id, host_block.block_id)
@@ -285,7 +301,7 @@ class BlockManager:
         live = _live(host)
         device = iter(self.pool.allocate(len(live)))
         entry.table = [None if block is None else next(device) for block in host]
-        self.host_pool.free(live)
+        self.host.swapped_in(live)
         return [(host_block.block_id, block.block_id)
                 for host_block, block in zip(host, entry.table) if host_block is not None]
 
@@ -305,7 +321,14 @@ class BlockManager:
         if not self.enable_caching:
             return NO_HIT
         hashes = hash_full_blocks(None, token_ids[:len(token_ids) - 1], self.block_size, extra)
-        blocks = [self.pool.cached_block(block_hash) for block_hash in hashes]
+        blocks, on_host = [], []
+        for index, block_hash in enumerate(hashes):
+            block = self.pool.cached_block(block_hash)
+            if block is None and self.host is not None:
+                block = self.host.cached_block(block_hash)
+                if block is not None:
+                    on_host.append(index)
+            blocks.append(block)
         best, run_start = 0, 0  # the longest start found; where the run of cached blocks now ending began
         for index, block in enumerate(blocks):
             if block is None:
@@ -315,7 +338,8 @@ class BlockManager:
             elif run_start <= self._first_block_read((index + 1) * self.block_size):
                 best = index + 1
         needed_from = self._first_block_read(best * self.block_size)
-        return CacheHit((None,) * needed_from + tuple(blocks[needed_from:best]), tuple(hashes[:best]))
+        return CacheHit((None,) * needed_from + tuple(blocks[needed_from:best]), tuple(hashes[:best]),
+                        tuple(index for index in on_host if needed_from <= index < best))
 
     def _first_block_read(self, position: int) -> int:
         """The first block a kernel may read for a query at ``position``: its window's, less READ_MARGIN."""
@@ -324,13 +348,49 @@ class BlockManager:
         return max(0, position - self.kv_window + 1 - READ_MARGIN) // self.block_size
 
     def allocate_with_hits(self, seq_id: int, hits: CacheHit, num_tokens: int) -> list[int]:
-        """Start a sequence's table with its cache hits, then fresh blocks up to ``num_tokens`` slots."""
-        live = _live(hits.blocks)
-        self.pool.touch(live)
-        self._seqs[seq_id] = SequenceBlocks(list(hits.blocks), num_slotted=hits.num_blocks * self.block_size,
-                                            num_released=hits.num_blocks - len(live), hashes=list(hits.hashes))
+        """Start a sequence's table with its cache hits, then fresh blocks up to ``num_tokens`` slots. Hits in
+        the host tier are loaded into fresh device blocks (this plan's swap-ins), indexed there at once."""
+        self.pool.touch(hits.device_blocks())
+        table = list(hits.blocks)
+        if hits.on_host:
+            self.host.hold(hits.host_blocks())  # before the device allocation below may store into the tier
+            for index, device in zip(hits.on_host, self.pool.allocate(len(hits.on_host))):
+                self.host.load(table[index], device.block_id)
+                self.pool.cache_block(device, hits.hashes[index])
+                table[index] = device
+        self._seqs[seq_id] = SequenceBlocks(table, num_slotted=hits.num_blocks * self.block_size,
+                                            num_released=hits.num_blocks - len(_live(table)), hashes=list(hits.hashes))
         self.append_slots(seq_id, num_tokens)
         return self.block_table(seq_id)
+
+    def publish_cache(self) -> CacheDigest:
+        """From now on, record what the prefix caches index and unindex (for the gateways' routing); returns
+        the record. Its changes follow a snapshot: cached_keys() taken before the next change."""
+        digest = CacheDigest()
+        self.pool.digest = digest
+        if self.host is not None:
+            self.host.pool.digest = digest
+        return digest
+
+    def cached_keys(self) -> list[int]:
+        """Every routing key the caches hold, once per cache holding it."""
+        pools = [self.pool] + ([self.host.pool] if self.host is not None else [])
+        return [routing_key(block_hash) for pool in pools for block_hash in pool.cached]
+
+    def seal_plan(self) -> tuple[list[Move], list[Move]]:
+        """The step's plan is complete: the host tier's (stores, loads) to add to its swap-outs and swap-ins,
+        and the host blocks the plan reads or writes may be handed out again."""
+        return self.host.seal() if self.host is not None else ([], [])
+
+    def forget_cached(self, block_ids: set[int]) -> None:
+        """These device blocks' contents are not what their hashes say (a swap-in failed): neither cache may
+        offer their prefixes again."""
+        for block_id in block_ids:
+            block_hash = self.pool.blocks[block_id].block_hash
+            if block_hash is not None:
+                self.pool.forget(self.pool.blocks[block_id])
+                if self.host is not None:
+                    self.host.forget(block_hash)
 
     def cache_full_blocks(self, seq_id: int, num_computed_tokens: int, tokens: TokenSlice, extra: bytes = b"") -> None:
         """Index the blocks that became full (and computed) since the last call."""
@@ -353,10 +413,12 @@ class BlockManager:
     # --- invariants, for tests -------------------------------------------------------------------
 
     def check_invariants(self) -> None:
-        if self.host_pool is not None:
+        if self.host is not None:
             host_refs = sum(len(_live(e.host_table)) for e in self._seqs.values() if e.host_table is not None)
-            assert host_refs == self.host_pool.num_used_blocks, "host blocks leaked or double-used"
-            assert all(b.ref_cnt in (0, 1) for b in self.host_pool.blocks), "a host block is shared"
+            assert host_refs == self.host.pool.num_used_blocks == self.host.num_swapped, \
+                "host blocks leaked or double-used (or a plan was not sealed)"
+            assert all(b.ref_cnt in (0, 1) for b in self.host.pool.blocks), "a host block is shared"
+            assert all(b.block_hash is None for b in self.host.pool.blocks if b.ref_cnt), "a swapped block is indexed"
         cached_free = [b for b in self.pool.blocks if b.ref_cnt == 0 and b.block_hash is not None]
         assert len(cached_free) == self.pool.num_cached_free, "cached-free count"
         for block_hash, block in self.pool.cached.items():

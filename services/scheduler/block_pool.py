@@ -14,6 +14,10 @@ are evicted before the blocks they depend on.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
+from services.scheduler.cache_digest import CacheDigest
+
 
 class KVCacheBlock:
     __slots__ = ("block_id", "ref_cnt", "block_hash", "prev_free", "next_free")
@@ -78,7 +82,10 @@ class FreeBlockQueue:
 class BlockPool:
     """Owns every physical block; hands them out and takes them back by reference count."""
 
-    def __init__(self, num_blocks: int, enable_caching: bool = False):
+    def __init__(self, num_blocks: int, enable_caching: bool = False,
+                 on_evict: Callable[[int, bytes], None] | None = None):
+        """``on_evict(block_id, block_hash)``: told of each cached block as it loses its prefix, while the
+        block still holds it (the host tier keeps a copy)."""
         if num_blocks < 1:
             raise ValueError(f"the KV cache needs at least one block, got {num_blocks}")
         self.blocks = [KVCacheBlock(i) for i in range(num_blocks)]
@@ -86,6 +93,8 @@ class BlockPool:
         self.enable_caching = enable_caching
         self.cached: dict[bytes, KVCacheBlock] = {}  # block hash -> the block holding that prefix
         self.num_cached_free = 0  # cached-free blocks: count 0, still indexed
+        self.on_evict = on_evict
+        self.digest: CacheDigest | None = None  # set while gateways are told what the cache holds (cache_digest.py)
 
     @property
     def num_blocks(self) -> int:
@@ -140,9 +149,25 @@ class BlockPool:
             return
         block.block_hash = block_hash
         self.cached[block_hash] = block
+        if self.digest is not None:
+            self.digest.indexed(block_hash)
+
+    def forget(self, block: KVCacheBlock) -> None:
+        """Unindex a block (its contents are not its prefix's): it stays with whoever holds it, as a plain block."""
+        if block.block_hash is not None:
+            self._unindex(block)
+            if block.ref_cnt == 0:
+                self.num_cached_free -= 1
 
     def _evict(self, block: KVCacheBlock) -> None:
         if block.block_hash is not None:
-            del self.cached[block.block_hash]
-            block.block_hash = None
+            if self.on_evict is not None:
+                self.on_evict(block.block_id, block.block_hash)
+            self._unindex(block)
             self.num_cached_free -= 1
+
+    def _unindex(self, block: KVCacheBlock) -> None:
+        del self.cached[block.block_hash]
+        if self.digest is not None:
+            self.digest.unindexed(block.block_hash)
+        block.block_hash = None

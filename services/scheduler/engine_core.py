@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING
 
 from services.scheduler.beam_search import BeamGroup
 from services.scheduler.block_manager import BlockManager
+from services.scheduler.cache_digest import CacheDigest
 from services.scheduler.executor import Executor
 from services.scheduler.scheduler import Scheduler, SchedulerLimits
 from services.scheduler.sequence import Sequence, SequenceUpdate
@@ -48,7 +49,8 @@ class EngineCore:
         self.info: WorkerInfo = executor.worker_info()
         self.max_logprobs = max_logprobs
         blocks = BlockManager(self.info.num_kv_blocks, self.info.block_size, watermark, enable_prefix_caching,
-                              num_host_blocks=self.info.num_cpu_blocks, kv_window=self.info.kv_window)
+                              num_host_blocks=self.info.num_cpu_blocks, kv_window=self.info.kv_window,
+                              num_offload_blocks=self.info.num_cpu_offload_blocks)
         self.scheduler = Scheduler(limits, blocks, self.info.eos_token_ids, self.info.max_model_len,
                                    new_seq_id=lambda: next(self._seq_ids), max_loras=self.info.max_loras)
         self.stats = EngineStats(blocks)
@@ -246,6 +248,16 @@ class EngineCore:
             self._requests.pop(request_id, None)
             for seq in seqs:
                 self._seqs.pop(seq.seq_id, None)
+
+    def publish_cache(self) -> CacheDigest | None:
+        """Record, from now on, what the prefix caches index and unindex (the gateways route by it); None
+        without prefix caching."""
+        blocks = self.scheduler.blocks
+        return blocks.publish_cache() if blocks.enable_caching else None
+
+    def cached_keys(self) -> list[int]:
+        """Every routing key the prefix caches hold (cache_digest.py), once per cache holding it."""
+        return self.scheduler.blocks.cached_keys()
 
     def get_stats(self) -> dict:
         return self.stats.as_dict(self.scheduler)

@@ -63,7 +63,8 @@ class RequestStats:
         }
         # Prompt tokens at their first prefill (first_admitted): computed, or found in the prefix cache.
         self.prompt_tokens_computed = 0
-        self.prompt_tokens_cached = 0
+        self.prompt_tokens_cached = 0  # found in a prefix cache: the device's or the host tier's
+        self.prompt_tokens_loaded = 0  # of those, loaded from the host tier
         self.times: dict[int, SequenceTimes] = {}  # by seq id, until its request ends (the scheduler reads it)
         # Told each request's sequences and their times as it ends (request_spans.py); None: nobody listens.
         self.on_finished: Callable[[list[Sequence], list[SequenceTimes]], None] | None = None
@@ -83,12 +84,14 @@ class RequestStats:
         sibling recomputing after a preemption)."""
         return len(seq.output_token_ids) == self.times_of(seq.seq_id).num_resumed_tokens
 
-    def first_admitted(self, seq: Sequence, num_cached: int) -> None:
-        """At its first prefill: when, and where its prompt's tokens come from."""
+    def first_admitted(self, seq: Sequence, num_cached: int, num_loaded: int = 0) -> None:
+        """At its first prefill: when, and where its prompt's tokens come from (``num_loaded`` of the
+        ``num_cached`` from the host tier)."""
         self.times_of(seq.seq_id).scheduled = time.monotonic()
         prompt_len = len(seq.prompt_token_ids)
         cached = min(num_cached, prompt_len)  # (a resumed sequence's hits may cover its outputs too)
         self.prompt_tokens_cached += cached
+        self.prompt_tokens_loaded += min(num_loaded, cached)
         self.prompt_tokens_computed += prompt_len - cached
 
     def preempted(self, seq: Sequence) -> None:

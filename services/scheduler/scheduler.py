@@ -7,6 +7,7 @@ is output_processor.py's, which ends and forks sequences through finish() and fo
 from __future__ import annotations
 
 import bisect
+import dataclasses
 from collections import deque
 from dataclasses import dataclass
 
@@ -47,13 +48,17 @@ class Scheduler:
         self.swapped: list[Sequence] = []  # in _in_order: the first resumes first
         self._step_id = 0
         self._plan = StepPlan(step_id=1)  # the next plan: drops and forks collect in it between steps
+        self._unconfirmed_swap_in = False  # the last plan swaps blocks in: its result must come before the next plan
         self.num_preemptions = 0
         self.num_preemptions_swap = 0
         self.num_preemptions_recompute = 0
         self.num_swaps_out = 0  # sequences moved to host memory
         self.num_swaps_in = 0  # sequences moved back
+        self.num_failed_swap_ins = 0  # steps whose swap-ins failed on the worker (their sequences recomputed)
         self.prefix_cache_queries = 0  # prompt tokens looked up in the prefix cache
-        self.prefix_cache_hits = 0  # of those, tokens found (their prefill skipped)
+        self.prefix_cache_hits = 0  # of those, tokens found on the device (their prefill skipped)
+        self.host_cache_queries = 0  # prompt tokens looked up in the host tier: those the device lacked
+        self.host_cache_hits = 0  # of those, tokens found there (loaded, not computed)
         self.request_stats = RequestStats(max_model_len)  # vLLM's per-request histograms
         self.draft_acceptance = DraftAcceptance()  # speculative decoding's counts
         self._outputs = OutputProcessor(self, eos_token_ids, max_model_len, self.draft_acceptance, new_seq_id)
@@ -119,6 +124,9 @@ class Scheduler:
         The oldest running sequence is never a victim while another runs, so it always advances:
         no deadlock, and no livelock (requests that could never fit are refused at admission).
         (Blocks behind every layer's sliding window are freed when results come in, in update().)
+        With a host tier (--kv-offloading-size), any block allocation may evict a cached prefix block into
+        it (a store, run with the swap-outs), and a prompt's cached start may come from it (a load, run with
+        the swap-ins): these moves go into every step's plan, whatever else it swaps.
 
         The plan may be made while the previous step still runs (see can_plan_ahead): a sequence
         sampling in that step counts its coming token as a placeholder, computed in this step,
@@ -159,6 +167,10 @@ class Scheduler:
                 budget = self._admit_waiting(budget, scheduled)
             if not scheduled and not plan.swap_in and (self.swapped or self.waiting):
                 self._unpark_one(plan)
+        stores, loads = self.blocks.seal_plan()
+        plan.swap_out.extend(stores)
+        plan.swap_in.extend(loads)
+        self._unconfirmed_swap_in = bool(plan.swap_in)
         self._describe_work(scheduled, plan)
         return plan, scheduled
 
@@ -208,6 +220,8 @@ class Scheduler:
         """
         if any(seq.beam_group is not None or seq.pending_siblings or seq.inflight_drafts for seq in self.running):
             return False
+        if self._unconfirmed_swap_in:
+            return False  # the step in flight swaps blocks in: if that fails, its sequences start again
         budget, needed = self.limits.max_num_batched_tokens, 0
         # Each sequence needs at most ceil(its tokens / block_size) + 1 new blocks, plus one
         # copy: when even the whole budget spread that way fits, the exact count is not needed.
@@ -277,12 +291,13 @@ class Scheduler:
             if not self.blocks.can_allocate(seq.seq_id, total, keep_watermark=bool(self.running), hits=hits):
                 break
             self.blocks.allocate_with_hits(seq.seq_id, hits, total)
-            self._count_cache_lookup(seq, num_cached)
+            num_loaded = len(hits.on_host) * self.blocks.block_size  # of the cached tokens, from the host tier
+            self._count_cache_lookup(seq, num_cached, num_loaded)
             seq.num_computed_tokens = num_cached
             if seq.num_cached_tokens is None:  # a recomputed sequence's own earlier blocks are no cache hit
                 seq.num_cached_tokens = num_cached
                 if self.request_stats.is_first_prefill(seq):
-                    self.request_stats.first_admitted(seq, num_cached)
+                    self.request_stats.first_admitted(seq, num_cached, num_loaded)
             self.waiting.remove(seq)
             seq.status = SequenceStatus.RUNNING
             bisect.insort(self.running, seq, key=_in_order)
@@ -326,10 +341,14 @@ class Scheduler:
             return NO_HIT
         return self.blocks.cached_prefix(seq.token_slice(0, seq.num_tokens), seq.cache_extra)
 
-    def _count_cache_lookup(self, seq: Sequence, num_cached: int) -> None:
+    def _count_cache_lookup(self, seq: Sequence, num_cached: int, num_loaded: int) -> None:
+        """vLLM's counts: the device cache's queries and hits, then the tier's (what the device lacked)."""
         if self.blocks.enable_caching and not seq.whole_prompt:
             self.prefix_cache_queries += seq.num_tokens
-            self.prefix_cache_hits += num_cached
+            self.prefix_cache_hits += num_cached - num_loaded
+            if self.blocks.host is not None and self.blocks.host.tier_enabled:
+                self.host_cache_queries += seq.num_tokens - (num_cached - num_loaded)
+                self.host_cache_hits += num_loaded
 
     def _preempt(self, seq: Sequence, plan: StepPlan) -> None:
         self.running.remove(seq)
@@ -346,12 +365,16 @@ class Scheduler:
             self.num_preemptions_swap += 1
             self.num_swaps_out += 1
             return
+        self._recompute(seq, plan)
+        self.num_preemptions_recompute += 1
+
+    def _recompute(self, seq: Sequence, plan: StepPlan) -> None:
+        """The sequence gives back its blocks and waits at the head of its priority to compute them again."""
         self.blocks.free(seq.seq_id)
         if seq.known_to_worker:
             plan.finished_seq_ids.append(seq.seq_id)
         seq.reset_for_recompute()
         self._enqueue(seq, ahead=True)
-        self.num_preemptions_recompute += 1
 
     def _describe_work(self, scheduled: dict[int, int], plan: StepPlan) -> None:
         """New sequences in full, known ones as deltas; then their tokens count as in flight."""
@@ -399,7 +422,24 @@ class Scheduler:
     def update(self, scheduled: dict[int, int], result: StepResult, seqs: dict[int, Sequence]) -> list[SequenceUpdate]:
         """Advance the scheduled sequences by the step's result (output_processor.py); the updates for the
         front end."""
+        if result.failed_block_ids:
+            scheduled, result = self._recompute_unfilled(scheduled, result)
         return self._outputs.update_from_output(scheduled, result, seqs)
+
+    def _recompute_unfilled(self, scheduled: dict[int, int], result: StepResult) -> tuple[dict[int, int], StepResult]:
+        """A swap-in failed on the worker: its blocks leave the prefix caches, and every sequence holding one
+        (the worker left them out of the step) is preempted for recompute. No step is in flight (see
+        can_plan_ahead), so they start again cleanly. Returns the step's scheduled tokens and result without them."""
+        unfilled = set(result.failed_block_ids)
+        self.blocks.forget_cached(unfilled)
+        victims = {seq.seq_id: seq for seq in self.running
+                   if not unfilled.isdisjoint(self.blocks.block_table(seq.seq_id))}
+        for seq in victims.values():
+            self.running.remove(seq)
+            self._recompute(seq, self._plan)
+        self.num_failed_swap_ins += 1
+        return ({seq_id: n for seq_id, n in scheduled.items() if seq_id not in victims},
+                dataclasses.replace(result, outputs=[o for o in result.outputs if o.seq_id not in victims]))
 
     def take_spawned(self) -> list[Sequence]:
         """Sequences the updates created since the last call (beams that forked): the engine registers them."""

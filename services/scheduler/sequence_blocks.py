@@ -8,8 +8,8 @@ stay as they were, for when it comes back.
 
 from __future__ import annotations
 
-from services.scheduler.block_hash import BlockHash
 from services.scheduler.block_pool import KVCacheBlock
+from shared.block_hash import BlockHash
 
 
 class SequenceBlocks:

@@ -68,22 +68,26 @@ class EngineStats:
             "num_preemptions_recompute": scheduler.num_preemptions_recompute,
             "num_swaps_out": scheduler.num_swaps_out,
             "num_swaps_in": scheduler.num_swaps_in,
+            "num_failed_swap_ins": scheduler.num_failed_swap_ins,
             "num_steps": self.num_steps,
             "num_scheduled_tokens": self.num_scheduled_tokens,
             "kv_blocks_total": self.blocks.num_blocks,
             "kv_blocks_used": self.blocks.num_used_blocks,
             "kv_blocks_cached": self.blocks.num_cached_blocks,
             "kv_blocks_free": self.blocks.num_free_blocks - self.blocks.num_cached_blocks,
-            "kv_host_blocks_total": self.blocks.host_pool.num_blocks if self.blocks.host_pool else 0,
-            "kv_host_blocks_used": self.blocks.host_pool.num_used_blocks if self.blocks.host_pool else 0,
+            **_host_numbers(self.blocks.host),
             "block_size": self.blocks.block_size,
             "enable_prefix_caching": float(self.blocks.enable_caching),
             "max_loras": scheduler.max_loras,
             "prefix_cache_queries": scheduler.prefix_cache_queries,
             "prefix_cache_hits": scheduler.prefix_cache_hits,
+            "host_cache_queries": scheduler.host_cache_queries,
+            "host_cache_hits": scheduler.host_cache_hits,
             # prompts at their first prefill (request_stats.first_admitted): computed, or found in the prefix cache
             "prompt_tokens_computed": requests.prompt_tokens_computed,
             "prompt_tokens_cached": requests.prompt_tokens_cached,
+            "prompt_tokens_loaded": requests.prompt_tokens_loaded,
+            "prompt_tokens_local_hit": requests.prompt_tokens_cached - requests.prompt_tokens_loaded,
             "spec_decode_num_drafts": drafts.num_drafts,
             "spec_decode_num_draft_tokens": drafts.num_draft_tokens,
             "spec_decode_num_accepted_tokens": drafts.num_accepted_tokens,
@@ -126,3 +130,13 @@ def stats_to_proto(stats: dict) -> wire.EngineStats:
         else:
             message.values[name] = float(value)
     return message
+
+
+def _host_numbers(host) -> dict[str, float]:
+    """Host memory's blocks: in all, held by swapped sequences, keeping offloaded prefixes, and the tier's copies."""
+    if host is None:
+        return {"kv_host_blocks_total": 0, "kv_host_blocks_used": 0, "kv_host_blocks_cached": 0,
+                "kv_offload_blocks_stored": 0, "kv_offload_blocks_loaded": 0}
+    return {"kv_host_blocks_total": host.pool.num_blocks, "kv_host_blocks_used": host.pool.num_used_blocks,
+            "kv_host_blocks_cached": host.num_tier_blocks, "kv_offload_blocks_stored": host.num_stored_blocks,
+            "kv_offload_blocks_loaded": host.num_loaded_blocks}

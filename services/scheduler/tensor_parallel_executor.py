@@ -87,8 +87,10 @@ def group_info(infos: list[WorkerInfo], addresses: list[str]) -> WorkerInfo:
             if getattr(info, name) != getattr(infos[0], name):
                 raise ValueError(f"the tensor-parallel ranks disagree on {name}: {getattr(infos[0], name)!r} at "
                                  f"{addresses[0]}, {getattr(info, name)!r} at {address}")
+    swap = min(i.num_cpu_blocks - i.num_cpu_offload_blocks for i in infos)
+    offload = min(i.num_cpu_offload_blocks for i in infos)
     return dataclasses.replace(infos[0], num_kv_blocks=min(i.num_kv_blocks for i in infos),
-                               num_cpu_blocks=min(i.num_cpu_blocks for i in infos))
+                               num_cpu_blocks=swap + offload, num_cpu_offload_blocks=offload)
 
 
 def _tokens_of(result: StepResult) -> list[tuple]:

@@ -90,12 +90,14 @@ def allocate_kv_pools(model: ModelConfig, num_blocks: int, block_size: int, dtyp
 
 
 def num_host_blocks(model: ModelConfig, config: EngineConfig, dtype: torch.dtype, num_device_blocks: int,
-                    extra_bytes_per_block: int = 0) -> int:
-    """Swap space in blocks: swap_space GiB, but no more than four times the device pool (more could
-    never be filled: only sequences that were running get swapped out)."""
+                    extra_bytes_per_block: int = 0) -> tuple[int, int]:
+    """Host memory's blocks: (swap space, the offload tier). Swap space is swap_space GiB, but no more than
+    four times the device pool (more could never be filled: only sequences that were running get swapped
+    out); the tier is kv_offloading_size GiB, with prefix caching (only indexed blocks are offloaded)."""
     per_block = bytes_per_block(model, config.block_size, dtype) + extra_bytes_per_block
-    blocks = int(config.swap_space * (1 << 30)) // per_block
-    return min(blocks, 4 * num_device_blocks)
+    swap = min(int(config.swap_space * (1 << 30)) // per_block, 4 * num_device_blocks)
+    tier = int(config.kv_offloading_size * (1 << 30)) // per_block if config.enable_prefix_caching else 0
+    return swap, tier
 
 
 def allocate_host_pool(model: ModelConfig, num_blocks: int, block_size: int, dtype: torch.dtype) -> torch.Tensor:

@@ -63,6 +63,7 @@ class Worker:
         self.vocab_size = weights.model_config.vocab_size
         self.num_blocks, self.kv_pools, self.kv_pool = kv.num_blocks, kv.kv_pools, kv.kv_pool
         self.num_host_blocks, self.host_pool = kv.num_host_blocks, kv.host_pool
+        self.num_offload_blocks = kv.num_offload_blocks  # of the host blocks, the prefix cache's tier
         self._swap_out, self._swap_in = block_swaps(self.device)
         # (device pool, host pool) pairs that every block move applies to: the target's, and a draft model's.
         self.pools = [(self.kv_pool, self.host_pool)]
@@ -76,6 +77,7 @@ class Worker:
                           max_model_len=self.max_model_len, vocab_size=self.vocab_size,
                           eos_token_ids=tuple(self.eos_token_ids), device=str(self.device),
                           dtype=str(self.dtype).removeprefix("torch."), num_cpu_blocks=self.num_host_blocks,
+                          num_cpu_offload_blocks=self.num_offload_blocks,
                           num_speculative_tokens=self.proposer.num_tokens if self.proposer is not None else 0,
                           tensor_parallel_rank=self.tp.rank, tensor_parallel_size=self.tp.size,
                           max_loras=self.config.max_loras if self.adapters is not None else 0,
@@ -90,13 +92,15 @@ class Worker:
             self._keep(child)
         for seq_id in plan.finished_seq_ids:
             self._drop(seq_id)
-        self._move_blocks(plan)
+        unfilled = self._move_blocks(plan)
         batch = self._apply_plan(plan)
+        if unfilled:  # their KV is not there: the scheduler recomputes them
+            batch = [(seq, n) for seq, n in batch if unfilled.isdisjoint(seq.block_table)]
         failed = self._load_adapters(batch) if self.adapters is not None else []
         if failed:
             batch = [(seq, n) for seq, n in batch if not seq.failed]
         if not batch:
-            return StepResult(step_id=plan.step_id, outputs=failed)
+            return StepResult(step_id=plan.step_id, outputs=failed, failed_block_ids=sorted(unfilled))
         self.step_timer.start()
         computed_before = [seq.num_computed_tokens for seq, _ in batch]
         with torch.inference_mode():
@@ -110,7 +114,8 @@ class Worker:
                 self._propose(batch, computed_before, outputs)
         forward_s, sample_s, propose_s = self.step_timer.finish()
         return StepResult(step_id=plan.step_id, outputs=[outputs[i] for i in sorted(outputs)] + failed,
-                          forward_time_s=forward_s, sample_time_s=sample_s, propose_time_s=propose_s)
+                          forward_time_s=forward_s, sample_time_s=sample_s, propose_time_s=propose_s,
+                          failed_block_ids=sorted(unfilled))
 
     def _load_adapters(self, batch: list[tuple[WorkerSequence, int]]) -> list[SequenceOutput]:
         """Puts the step's adapters in slots and tells the model which tokens use which. A sequence whose
@@ -144,15 +149,26 @@ class Worker:
             if proposed and not seq.constrained and not seq.sampling.bad_words:  # their states verify no drafts
                 outputs[i].draft_token_ids = proposed
 
-    def _move_blocks(self, plan: StepPlan) -> None:
-        """Swap out, swap in, then copy-on-write copies: all before the forward pass, in every pool."""
+    def _move_blocks(self, plan: StepPlan) -> set[int]:
+        """Swap out, swap in, then copy-on-write copies: all before the forward pass, in every pool. Returns the
+        device blocks a failed swap-in left unfilled (a host-memory transfer that failed costs a recompute, not
+        the worker): any of the plan's, since one failure may leave any of them half written."""
+        unfilled: set[int] = set()
         for device_pool, host_pool in self.pools:
             if plan.swap_out:
                 self._swap_out(device_pool, host_pool, plan.swap_out)
-            if plan.swap_in:
-                self._swap_in(host_pool, device_pool, plan.swap_in)
+            if plan.swap_in and not unfilled:
+                try:
+                    self._swap_in(host_pool, device_pool, plan.swap_in)
+                except (RuntimeError, OSError, MemoryError) as error:
+                    log.error("swap_in_failed", blocks=len(plan.swap_in), error=str(error))
+                    unfilled = {dst for _, dst in plan.swap_in}
             if plan.copies:
                 self._copy_blocks(device_pool, plan.copies)
+        if plan.swap_in and self.tp.size > 1:  # every rank must leave the same sequences out of the step
+            failures = self.tp.all_reduce(torch.tensor([float(bool(unfilled))], device=self.device))
+            unfilled = {dst for _, dst in plan.swap_in} if failures.item() else set()
+        return unfilled | {dst for src, dst in plan.copies if src in unfilled}
 
     def _copy_blocks(self, pool: torch.Tensor, pairs: list[tuple[int, int]]) -> None:
         overlapping = {src for src, _ in pairs} & {dst for _, dst in pairs}

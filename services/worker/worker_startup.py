@@ -73,9 +73,10 @@ class KVCache:
     num_blocks: int
     kv_pools: list[tuple[torch.Tensor, torch.Tensor]]  # per layer (K, V) views of kv_pool
     kv_pool: torch.Tensor  # every layer's blocks in one tensor
-    num_host_blocks: int  # swap space
+    num_host_blocks: int  # swap space and the offload tier
     host_pool: torch.Tensor
     scales: KVScales | MeasuredKVScales | None = None  # an FP8 cache's scales (kv_quant.py); None: model dtype
+    num_offload_blocks: int = 0  # of num_host_blocks, the prefix cache's offload tier
 
 
 def read_model(config: EngineConfig) -> ModelSource:
@@ -170,11 +171,12 @@ def allocate_kv_cache(config: EngineConfig, source: ModelSource, weights: Weight
     num_blocks = num_kv_blocks(model_config, config, device, kv_dtype, config.token_budget(source.max_model_len),
                                source.max_model_len, draft_block_bytes, scratch_bytes)
     kv_pools = allocate_kv_pools(model_config, num_blocks, config.block_size, kv_dtype, device)
-    host_blocks = num_host_blocks(model_config, config, kv_dtype, num_blocks, draft_block_bytes)
+    swap_blocks, offload_blocks = num_host_blocks(model_config, config, kv_dtype, num_blocks, draft_block_bytes)
+    host_blocks = swap_blocks + offload_blocks
     scales = _kv_scales(config, weights.model, model_config.num_hidden_layers, kv_dtype, device) \
         if kv_dtype != dtype else None
     return KVCache(num_blocks, kv_pools, whole_pool(kv_pools), host_blocks,
-                   allocate_host_pool(model_config, host_blocks, config.block_size, kv_dtype), scales)
+                   allocate_host_pool(model_config, host_blocks, config.block_size, kv_dtype), scales, offload_blocks)
 
 
 def _kv_scales(config: EngineConfig, model: torch.nn.Module, num_layers: int, kv_dtype: torch.dtype,

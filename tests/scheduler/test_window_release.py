@@ -81,7 +81,9 @@ def test_swapping_moves_only_the_live_blocks_and_keeps_the_released_entries():
     assert [host for host, _ in back] == [host for _, host in out]
     table = manager.block_table(0)
     assert table[:5] == [FREED_BLOCK_ID] * 5 and table[5:] == [device for _, device in back]
-    assert manager.num_released_blocks(0) == 5 and manager.num_free_host_blocks == 12
+    # The host blocks the swap-in reads stay held until the step's plan is sealed.
+    assert manager.num_released_blocks(0) == 5 and manager.num_free_host_blocks == 12 - 7
+    assert manager.seal_plan() == ([], []) and manager.num_free_host_blocks == 12
     manager.check_invariants()
 
 

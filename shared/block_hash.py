@@ -34,3 +34,10 @@ def hash_full_blocks(parent: BlockHash | None, token_ids: list[int], block_size:
         hashes.append(hash_block_tokens(previous, token_ids[start:start + block_size],
                                         extra if previous is None else b""))
     return hashes
+
+
+def routing_key(block_hash: BlockHash) -> int:
+    """A block hash shortened to 64 bits: what a scheduler tells gateways its prefix caches hold, and what a
+    gateway looks a prompt's blocks up by to route it. A collision only misroutes a request (the scheduler's
+    own cache looks blocks up by the whole hash)."""
+    return int.from_bytes(block_hash[:8], "little")
