@@ -56,6 +56,10 @@ class GatewayMetrics:
         self.scheduler_routable = Gauge("pagedserve_scheduler_routable",
                                         "1 while new requests may go to the scheduler (serving, same model)",
                                         ["scheduler"], registry=r)
+        self.scheduler_prefix_blocks = Gauge("pagedserve_scheduler_prefix_blocks",
+                                             "cached prefix blocks this gateway knows the scheduler holds (its "
+                                             "Session stream tells it; the routing by cached prefix reads them)",
+                                             ["scheduler"], registry=r)
         self.request_prompt_tokens = Histogram("pagedserve_request_prompt_tokens", "prompt tokens per engine request",
                                                buckets=TOKEN_COUNT_BUCKETS, registry=r)
         self.request_generation_tokens = Histogram("pagedserve_request_generation_tokens",
@@ -87,10 +91,13 @@ class GatewayMetrics:
             self.tpot.observe((seconds - first_output_s) / (per_sequence - 1))
 
     def render(self, engine_stats: dict[str, wire.EngineStats | None], routable: dict[str, bool],
-               model_name: str | None = None) -> bytes:
+               model_name: str | None = None, prefix_blocks: dict[str, int] | None = None) -> bytes:
         """engine_stats: each scheduler's GetStats by address (None: it did not answer); routable:
         whether new requests go to it (the gateway's health poll found it serving its model);
-        model_name: the served model's (vLLM's names' label), once known."""
+        model_name: the served model's (vLLM's names' label), once known; prefix_blocks: the cached
+        blocks the gateway knows of at each scheduler."""
+        for address, blocks in (prefix_blocks or {}).items():
+            self.scheduler_prefix_blocks.labels(scheduler=address).set(blocks)
         self.vllm.update(engine_stats, model_name)
         self.engine_histograms.update(engine_stats)
         for address, stats in engine_stats.items():

@@ -14,6 +14,7 @@ from shared.options import Option, option, options_of, read_by
 from shared.tracing import TracingOptions
 
 _HTTP = HttpLimits()  # the limits' defaults are declared there
+ROUTING_POLICIES = ("cached-prefix", "prompt-hash")  # services/gateway/scheduler_pool.py's rules
 
 
 @dataclass(frozen=True)
@@ -25,6 +26,9 @@ class GatewayOptions:
         None, "scheduler address, host:port (default: 127.0.0.1:50051); repeat (or comma-separate in "
               "PAGEDSERVE_SCHEDULER) for several, each with its own worker: requests are spread over them "
               "(services/gateway/scheduler_pool.py)")
+    routing: str = option("cached-prefix", "how a request picks among several schedulers: cached-prefix (the one "
+                                           "holding the longest cached start of its prompt, within a load slack), "
+                                           "or prompt-hash (by its first 32 tokens only)", choices=ROUTING_POLICIES)
     served_model_name: list[str] | None = option(
         None, "model ids clients use (default: the model directory's name); with several, as vLLM's, requests may "
               "name any and answers carry the first", several=True)

@@ -70,12 +70,28 @@ class SchedulerClient:
 
     async def submit(self, request: EngineRequest) -> SubmitStream:
         """Its outputs as they come (an embedding request's one output carries the embedding)."""
+        return (await self.open_session()).submit(request.to_proto())
+
+    async def open_session(self) -> Session:
+        """The Session stream, opened if there is none (first use, or the scheduler restarted). A pool of
+        schedulers opens it before the first request, to hear what the scheduler's prefix caches hold."""
         if self._refusing is not None:
             raise self._refusing
         await self._connected()
-        if self._session is None or self._session.closed:  # first use, or the scheduler restarted
+        if self._session is None or self._session.closed:
             self._session = Session(self._stub, self.address, self.idle_timeout_s)
-        return self._session.submit(request.to_proto())
+        return self._session
+
+    def cached_blocks(self, keys: list[int]) -> int:
+        """How many of a prompt's first blocks (their routing keys) the scheduler's prefix caches hold."""
+        session = self._session
+        return 0 if session is None or session.closed else session.prefix_index.cached_blocks(keys)
+
+    @property
+    def num_cached_blocks(self) -> int:
+        """Blocks its prefix caches hold, as far as this gateway knows (0 without a session)."""
+        session = self._session
+        return 0 if session is None or session.closed else len(session.prefix_index)
 
     @property
     def num_in_flight(self) -> int:

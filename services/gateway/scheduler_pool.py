@@ -5,11 +5,14 @@ Routing rule, per request:
 1. Only schedulers whose health the last poll (every HEALTH_POLL_S) found SERVING are chosen from;
    the others are tried last, least loaded first, in case they are back (before the first poll,
    that is every one).
-2. A request goes to the scheduler that its prompt's first AFFINITY_TOKENS tokens (and cache
-   salt) hash to (rendezvous hashing: every gateway agrees, and a scheduler that leaves moves only
-   its own share), so prompts that share a prefix meet the same prefix cache...
-3. ...unless that scheduler has more than BALANCE_SLACK (or a quarter) more requests in flight
-   from this gateway than the least loaded one: then it goes to the least loaded.
+2. Of those with at most BALANCE_SLACK (or a quarter) more requests in flight from this gateway than
+   the least loaded one, a request goes to the one whose prefix caches hold the longest start of its
+   prompt (each scheduler tells the gateway what they hold on its Session stream, opened once the poll
+   finds it serving: prefix_routing.py); of equals, the least loaded, then the hash below.
+3. When none of them holds any of it, it goes to the scheduler that its prompt's first AFFINITY_TOKENS
+   tokens (and cache salt) hash to (rendezvous hashing: every gateway agrees, and a scheduler that
+   leaves moves only its own share), so that prompts that start alike meet in one prefix cache even
+   before it holds them; unless that one is above the slack of rule 2: then the least loaded.
 4. A scheduler that cannot be reached when the request is submitted is skipped for the next one;
    a request that a scheduler has accepted stays there until that scheduler is lost: then the
    gateway resumes it (services/gateway/resumption.py), choosing again by these rules.
@@ -24,6 +27,7 @@ import array
 import asyncio
 import hashlib
 
+from services.gateway.prefix_routing import prompt_keys
 from services.gateway.scheduler_client import SchedulerClient
 from services.gateway.scheduler_session import SubmitStream
 from shared.grpc_errors import ServiceUnavailable
@@ -41,7 +45,8 @@ BALANCE_SLACK = 4
 
 
 class SchedulerPool:
-    def __init__(self, clients: list[SchedulerClient]):
+    def __init__(self, clients: list[SchedulerClient], route_by_prefix: bool = True):
+        """``route_by_prefix``: rule 2 applies (--routing cached-prefix); else only rules 1, 3 and 4."""
         addresses = [client.address for client in clients]
         if not addresses or len(set(addresses)) != len(addresses):
             raise ValueError(f"give one or more distinct scheduler addresses, got {addresses}")
@@ -53,12 +58,13 @@ class SchedulerPool:
         self._excluded: dict[str, str] = {}  # address -> why it is never used (another model)
         self._reference: wire.EngineInfo | None = None  # the first scheduler's model: all must match it
         self._poller: asyncio.Task | None = None
+        self.route_by_prefix = route_by_prefix
 
     @classmethod
-    def connect(cls, addresses: list[str], connect_timeout_s: float = 2.0, idle_timeout_s: float = 120.0
-                ) -> "SchedulerPool":
+    def connect(cls, addresses: list[str], connect_timeout_s: float = 2.0, idle_timeout_s: float = 120.0,
+                route_by_prefix: bool = True) -> "SchedulerPool":
         return cls([SchedulerClient(a, connect_timeout_s=connect_timeout_s, idle_timeout_s=idle_timeout_s)
-                    for a in addresses])
+                    for a in addresses], route_by_prefix)
 
     def start(self) -> None:
         """Poll health in the background (a single scheduler needs no choosing)."""
@@ -79,11 +85,25 @@ class SchedulerPool:
         key = _affinity_key(request)
         by_hash = sorted(serving, key=lambda c: _score(c.address, key), reverse=True)
         least = min(c.num_in_flight for c in serving)
-        preferred = by_hash[0]
-        if preferred.num_in_flight > least + max(BALANCE_SLACK, least // 4):
-            preferred = min(by_hash, key=lambda c: c.num_in_flight)  # ties: the hash order
+        within_slack = [c for c in by_hash if c.num_in_flight <= least + max(BALANCE_SLACK, least // 4)]
+        preferred = self._holding_longest_prefix(request, within_slack)
+        if preferred is None:
+            preferred = by_hash[0] if by_hash[0] in within_slack else min(by_hash, key=lambda c: c.num_in_flight)
         rest = sorted((c for c in serving if c is not preferred), key=lambda c: c.num_in_flight)
         return [preferred, *rest, *resting]
+
+    def _holding_longest_prefix(self, request: EngineRequest, clients: list[SchedulerClient]
+                                ) -> SchedulerClient | None:
+        """Rule 2: of the clients (in hash order, which breaks the last ties), the one holding the most of the
+        prompt's first blocks, of equals the least loaded; None when none holds any."""
+        if not self.route_by_prefix or self._reference is None or not self._reference.block_size:
+            return None
+        keys = prompt_keys(request, self._reference.block_size)
+        if not keys:
+            return None
+        held = [client.cached_blocks(keys) for client in clients]
+        best = max(range(len(clients)), key=lambda i: (held[i], -clients[i].num_in_flight))  # (the first of equals)
+        return clients[best] if held[best] else None
 
     async def submit(self, request: EngineRequest, avoid: str | None = None) -> SubmitStream:
         """avoid: a scheduler to try last (the one a resumed request was just lost at: it may be hung
@@ -136,6 +156,10 @@ class SchedulerPool:
         """By address: whether new requests may go there now (rule 1, and the same model)."""
         return {c.address: self._serving[c.address] and c.address not in self._excluded for c in self.clients}
 
+    def prefix_blocks_known(self) -> dict[str, int]:
+        """By address: how many cached blocks its Session stream says the scheduler's prefix caches hold."""
+        return {c.address: c.num_cached_blocks for c in self.clients}
+
     async def healthy(self) -> bool:
         """Whether any scheduler serves (the gateway can answer requests)."""
         results = await asyncio.gather(*(c.healthy() for c in self.clients if c.address not in self._excluded),
@@ -169,6 +193,8 @@ class SchedulerPool:
                 self._check_same_model(address, await client.info())
                 self._checked.add(address)
                 serving = address not in self._excluded
+            if serving and self.route_by_prefix:
+                await client.open_session()  # (once per stream) to hear what its prefix caches hold
         except Exception as exc:  # unreachable, or not a scheduler at all (UNIMPLEMENTED)
             log.debug("scheduler health poll failed", scheduler=address, error=str(exc))
             serving = False

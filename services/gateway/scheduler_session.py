@@ -15,6 +15,7 @@ from collections import deque
 
 import grpc
 
+from services.gateway.prefix_routing import PrefixIndex
 from shared.columns import merge_by_position
 from shared.grpc_errors import ServiceUnavailable, error_for_code, status_from_int
 from shared.logging import setup_logging
@@ -146,6 +147,7 @@ class Session:
         self._opened = False  # the scheduler took the session (its first message came)
         self._last_message_at = float("-inf")  # when the scheduler last sent anything
         self._silenced = False  # abandoned by the watchdog: the scheduler went silent
+        self.prefix_index = PrefixIndex()  # what the scheduler's prefix caches hold, as it tells this session
         self._call = stub.Session(self._requests())
         self._reader = self._loop.create_task(self._read())
         self._watchdog = self._loop.create_task(self._watch(idle_timeout_s))
@@ -205,6 +207,7 @@ class Session:
             error = self._lost(f"the session with the scheduler at {self.address} failed: {exc}")
         finally:
             self.closed = True
+            self.prefix_index.clear()
             self._call.cancel()  # the scheduler aborts whatever this session still has running
             self._watchdog.cancel()
             failure = self._failure or error or self._lost(f"the session with the scheduler at {self.address} closed")
@@ -239,6 +242,8 @@ class Session:
             self._call.cancel()  # the reader ends and fails every request with the error
 
     def _route(self, events: wire.SessionEvents) -> None:
+        if events.cache_snapshot or events.cache_added or events.cache_removed:
+            self.prefix_index.apply(events)
         for key, output in step_outputs(events):
             stream = self._streams.get(key)
             if stream is not None:

@@ -112,7 +112,7 @@ async def serve(args: argparse.Namespace) -> None:
     metrics = GatewayMetrics()
     tracing = start_tracing("gateway", args.otlp_traces_endpoint)
     client = SchedulerPool.connect(args.scheduler, connect_timeout_s=args.connect_timeout,
-                                   idle_timeout_s=args.backend_timeout)
+                                   idle_timeout_s=args.backend_timeout, route_by_prefix=args.routing == "cached-prefix")
     client.start()
     auth, limiter = build_auth(args)
     if auth.store is not None:

@@ -59,6 +59,10 @@ class EngineLoop:
         # inbox message ends (an abort, its last sequence stopped) ends after this step's outputs.
         self._outgoing: dict[Session, SessionBatch] = {}  # loop thread only
         self._sessions: set[Session] = set()  # open sessions, ended or failed when the loop exits
+        # What the prefix caches index and unindex, for the gateways' routing (None: no prefix caching), and
+        # the sessions told so far (after a snapshot each). Loop thread only.
+        self._cache_digest = engine.publish_cache()
+        self._cache_subscribers: set[Session] = set()
         self._lock = threading.Lock()  # orders posting against the loop's exit (nothing is posted after it)
         self._stopping = threading.Event()
         self._failed: Exception | None = None
@@ -78,6 +82,8 @@ class EngineLoop:
         with self._lock:
             self._check_open()
             self._sessions.add(session)
+        if self._cache_digest is not None:
+            self._post(None, self._send_cache_snapshot, session)
 
     def submit(self, session: Session, key: int, request: EngineRequest) -> None:
         """Queue a request for admission; a refusal arrives on the session as a RequestError."""
@@ -224,6 +230,27 @@ class EngineLoop:
             batch = self._outgoing[session] = SessionBatch()
         return batch
 
+    def _send_cache_snapshot(self, session: Session) -> None:
+        """The session's first word on the prefix caches: every key held, after which it gets the changes
+        (the ones before the snapshot go to the sessions told before it)."""
+        with self._lock:
+            if session not in self._sessions:
+                return  # closed already
+        self._share_cache_changes()
+        batch = self._batch_for(session)
+        batch.cache_snapshot, batch.cache_added = True, self.engine.cached_keys()
+        self._cache_subscribers.add(session)
+
+    def _share_cache_changes(self) -> None:
+        if self._cache_digest is None:
+            return
+        added, removed = self._cache_digest.take()
+        if added or removed:
+            for session in self._cache_subscribers:
+                batch = self._batch_for(session)
+                batch.cache_added += added
+                batch.cache_removed += removed
+
     def _close_session(self, session: Session) -> None:
         for request_id in session.requests.values():
             self.engine.abort_request(request_id)
@@ -231,6 +258,7 @@ class EngineLoop:
             log.info("request aborted: its gateway stream closed", request_id=request_id)
         session.requests.clear()
         self._outgoing.pop(session, None)  # nobody reads it any more
+        self._cache_subscribers.discard(session)
         session.end()
         with self._lock:
             self._sessions.discard(session)
@@ -356,6 +384,7 @@ class EngineLoop:
                     log.info("request finished", request_id=update.request_id)
 
     def _send_outgoing(self) -> None:
+        self._share_cache_changes()
         if time.monotonic() - self._last_heartbeat >= HEARTBEAT_S:
             self._last_heartbeat = time.monotonic()
             with self._lock:

@@ -40,15 +40,25 @@ class SessionBatch:
     outputs: list[tuple[int, SequenceUpdate]] = field(default_factory=list)  # (key, new output), in step order
     finished: list[int] = field(default_factory=list)  # keys that ended (finished or aborted)
     errors: list[RequestError] = field(default_factory=list)
+    # The prefix caches' routing keys (cache_digest.py): with cache_snapshot, every one held; else the changes.
+    cache_snapshot: bool = False
+    cache_added: list[int] = field(default_factory=list)
+    cache_removed: list[int] = field(default_factory=list)
 
     def merge(self, other: SessionBatch) -> None:
         self.outputs += other.outputs
         self.finished += other.finished
         self.errors += other.errors
+        if other.cache_snapshot:  # it supersedes whatever came before it
+            self.cache_snapshot, self.cache_added, self.cache_removed = True, [], []
+        self.cache_added += other.cache_added
+        self.cache_removed += other.cache_removed
 
     def to_proto(self) -> wire.SessionEvents:
         """Outputs that are only new tokens go in the token columns, the others whole, in their places."""
-        m = wire.SessionEvents(finished=self.finished, errors=[e.to_proto() for e in self.errors])
+        m = wire.SessionEvents(finished=self.finished, errors=[e.to_proto() for e in self.errors],
+                               cache_snapshot=self.cache_snapshot, cache_added=self.cache_added,
+                               cache_removed=self.cache_removed)
         keys, seq_indexes, num_tokens, token_ids = [], [], [], []
         for position, (key, update) in enumerate(self.outputs):
             if update.is_plain:

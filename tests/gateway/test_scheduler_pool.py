@@ -16,6 +16,7 @@ import pytest
 
 from benchmarks.serving import parse_engine_stats
 from pagedserve import LLM, SamplingParams
+from services.gateway.prefix_routing import PrefixIndex, prompt_keys
 from services.gateway.scheduler_pool import BALANCE_SLACK, SchedulerPool, _affinity_key, _score
 from shared.grpc_errors import ServiceUnavailable
 from shared.proto import pagedserve_internal_pb2 as wire
@@ -26,9 +27,20 @@ from tests.services_harness import START_LIMIT_S, Stack, http_get
 class StandIn:
     """As much of a SchedulerClient as the pool uses for choosing, submitting and polling."""
 
-    def __init__(self, address: str, reachable: bool = True, model: str = "/m/one"):
+    def __init__(self, address: str, reachable: bool = True, model: str = "/m/one", block_size: int = 0):
         self.address, self.num_in_flight, self.reachable, self.submitted = address, 0, reachable, []
-        self.model, self.health_error = model, None
+        self.model, self.health_error, self.block_size = model, None, block_size
+        self.prefix_index, self.sessions_opened = PrefixIndex(), 0
+
+    async def open_session(self):
+        self.sessions_opened += 1
+
+    def cached_blocks(self, keys: list[int]) -> int:
+        return self.prefix_index.cached_blocks(keys)
+
+    @property
+    def num_cached_blocks(self) -> int:
+        return len(self.prefix_index)
 
     async def submit(self, request: EngineRequest):
         if not self.reachable:
@@ -42,7 +54,8 @@ class StandIn:
         return self.reachable
 
     async def info(self) -> wire.EngineInfo:
-        return wire.EngineInfo(model=self.model, max_model_len=512, vocab_size=512, protocol_version=3)
+        return wire.EngineInfo(model=self.model, max_model_len=512, vocab_size=512, protocol_version=3,
+                               block_size=self.block_size)
 
 
 def polled(*clients: StandIn) -> SchedulerPool:
@@ -78,6 +91,49 @@ def test_prompts_sharing_a_head_meet_on_one_scheduler_and_the_rest_spread():
     for _ in range(600):
         counts[pool.candidates(request(prompt(rng)))[0].address] += 1
     assert all(150 < n < 250 for n in counts.values()), counts
+
+
+def holding(client: StandIn, prompt_tokens: list[int], num_blocks: int) -> None:
+    """The stand-in's session says its caches hold the prompt's first num_blocks blocks (and other prefixes)."""
+    keys = prompt_keys(request(prompt_tokens), client.block_size)[:num_blocks]
+    client.prefix_index.apply(wire.SessionEvents(cache_snapshot=True, cache_added=keys + [7, 8, 9]))
+
+
+def test_a_request_goes_where_the_longest_start_of_its_prompt_is_cached_within_the_slack():
+    clients = [StandIn(f"s{i}:1", block_size=4) for i in range(3)]
+    pool = polled(*clients)
+    assert [c.sessions_opened for c in clients] == [1, 1, 1]  # the poll opens each serving one's session
+    tokens = prompt(random.Random(5))[:10] * 5  # 50 tokens: 12 full blocks before the last token
+    by_hash = pool.candidates(request(tokens))  # nothing cached anywhere yet: rule 3's order
+    second, third = [c for c in clients if c is not by_hash[0]]
+    holding(second, tokens, 3)
+    holding(third, tokens, 9)
+    assert pool.candidates(request(tokens))[0] is third
+    salted = request(tokens, cache_salt="other")  # another cache key: no hit, rule 3
+    assert pool.candidates(salted)[0] is max(clients, key=lambda c: _score(c.address, _affinity_key(salted)))
+    third.num_in_flight = BALANCE_SLACK + 1  # above the slack: the next longest within it
+    assert pool.candidates(request(tokens))[0] is second
+    second.num_in_flight = BALANCE_SLACK + 1
+    by_hash[0].num_in_flight = 0
+    assert pool.candidates(request(tokens))[0] is by_hash[0]  # nothing held within the slack: rule 3
+    holding(by_hash[0], tokens, 9)
+    by_hash[0].num_in_flight, third.num_in_flight = 1, 1
+    assert pool.candidates(request(tokens))[0] is by_hash[0]  # equal holdings and loads: the hash order decides
+    third.num_in_flight = 0
+    assert pool.candidates(request(tokens))[0] is third  # equal holdings: the less loaded
+
+
+def test_the_prefix_index_counts_each_cache_and_a_snapshot_starts_it_again():
+    index = PrefixIndex()
+    index.apply(wire.SessionEvents(cache_snapshot=True, cache_added=[1, 2, 3]))
+    index.apply(wire.SessionEvents(cache_added=[2, 4], cache_removed=[2, 1]))  # 2 moved between caches; 1 left
+    assert index.cached_blocks([3, 2, 4]) == 3 and index.cached_blocks([1, 2]) == 0 and len(index) == 3
+    index.apply(wire.SessionEvents(cache_removed=[2]))
+    assert index.cached_blocks([3, 2]) == 1
+    index.apply(wire.SessionEvents(cache_snapshot=True, cache_added=[9]))
+    assert index.cached_blocks([9, 3]) == 1 and len(index) == 1
+    index.clear()
+    assert len(index) == 0
 
 
 def test_an_overloaded_preferred_scheduler_yields_to_the_least_loaded_and_down_ones_go_last():
@@ -201,10 +257,38 @@ def test_requests_spread_over_both_schedulers_with_the_offline_api_s_tokens(stac
     assert sorted(v > 0 for v in gained.values()) == [False, True], gained
 
 
+def test_a_prompt_sharing_one_cached_block_goes_where_that_block_is(stacks):
+    first, second = stacks
+    wait_routable(first, {first.scheduler_address, second.scheduler_address})
+    block_size = 16  # the workers' default
+    rng = random.Random(4)
+    head = [rng.randrange(1, 500) for _ in range(block_size)]
+    cached = head + [rng.randrange(1, 500) for _ in range(24)]
+    holder = max(stacks, key=lambda s: _score(s.scheduler_address, _affinity_key(request(cached))))
+    # A prompt that shares only its first block: its own first 32 tokens hash to the other scheduler.
+    tail = next(t for t in ([rng.randrange(1, 500) for _ in range(24)] for _ in range(200))
+                if max(stacks, key=lambda s: _score(s.scheduler_address, _affinity_key(request(head + t))))
+                is not holder)
+    assert complete(first, cached).status_code == 200
+    deadline = time.monotonic() + 30
+    while per_metric(first, "pagedserve_scheduler_prefix_blocks").get(holder.scheduler_address, 0) < 2:
+        assert time.monotonic() < deadline, "the gateway never heard what the scheduler caches"
+        time.sleep(0.05)
+    hits = per_scheduler(first, "prefix_cache_hits")
+    assert complete(first, head + tail).status_code == 200
+    gained = {a: n - hits.get(a, 0) for a, n in per_scheduler(first, "prefix_cache_hits").items()}
+    assert gained[holder.scheduler_address] == block_size and sum(gained.values()) == block_size, gained
+
+
 def test_a_dead_worker_s_scheduler_is_routed_around_then_used_again(stacks):
     first, second = stacks
     second.kill("worker")
     wait_routable(first, {first.scheduler_address})  # its scheduler says NOT_SERVING: the poll sees it
+    # Its engine went with the worker, and so did the Session stream telling what its caches held.
+    deadline = time.monotonic() + 20
+    while per_metric(first, "pagedserve_scheduler_prefix_blocks").get(second.scheduler_address, 0):
+        assert time.monotonic() < deadline, "the gateway still counts a lost engine's cache"
+        time.sleep(0.1)
     rng = random.Random(2)
     statuses, deadline = [], time.monotonic() + 20
     while time.monotonic() < deadline and statuses[-10:] != [200] * 10:  # until the health poll has seen it
@@ -220,6 +304,10 @@ def test_a_dead_worker_s_scheduler_is_routed_around_then_used_again(stacks):
         assert complete(first, " ".join(str(rng.randrange(1000)) for _ in range(8))).status_code == 200
         time.sleep(0.1)
     assert per_scheduler(first, "num_steps").get(second.scheduler_address), "the second scheduler got no request"
+    deadline = time.monotonic() + 60
+    while not per_metric(first, "pagedserve_scheduler_prefix_blocks").get(second.scheduler_address):
+        assert time.monotonic() < deadline, "the gateway never heard of the new engine's cache"
+        assert complete(first, " ".join(str(rng.randrange(1000)) for _ in range(40))).status_code == 200
 
 
 def test_a_stream_whose_scheduler_dies_goes_on_at_the_other(stacks, llama_dir):

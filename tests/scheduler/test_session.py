@@ -169,6 +169,9 @@ class ScriptedEngine:
     def can_plan_ahead(self) -> bool:
         return False
 
+    def publish_cache(self):
+        return None  # no prefix cache to tell of
+
     def has_unfinished(self) -> bool:
         return self.admitted and bool(self.steps)
 
@@ -466,3 +469,37 @@ def test_a_hung_scheduler_s_session_fails_its_requests_and_resumes_only_those_it
             await session.close()
 
     asyncio.run(main())
+
+
+def test_every_session_hears_exactly_what_the_prefix_caches_hold():
+    """A session opened first and one opened midway (a snapshot, then changes) both end up with the caches'
+    keys, counted per cache, through device evictions into the host tier and loads back."""
+    from collections import Counter
+
+    from services.gateway.prefix_routing import PrefixIndex
+    from tests.scheduler.test_host_tier import chat_engine, tokens
+
+    engine, _ = chat_engine(tier_blocks=12)  # a small tier: it evicts as well
+    loop = EngineLoop(engine)
+    heard = {}
+    try:
+        early = opened(loop)
+        params = SamplingParams(max_tokens=3, ignore_eos=True)
+        for key in range(1, 7):
+            loop.submit(early, key, EngineRequest(f"r{key}", tokens(key % 3, 30 + key), params))
+        received = [drain(early, set(range(1, 7)))]
+        for key in range(7, 13):
+            loop.submit(early, key, EngineRequest(f"r{key}", tokens(key % 4, 40 + key), params))
+            if key == 8:
+                late = opened(loop)  # (while steps run: changes are pending when its snapshot is taken)
+        received.append(drain(early, set(range(7, 13))))
+    finally:
+        loop.stop()
+    for name, session, batches in (("early", early, received), ("late", late, [])):
+        index = PrefixIndex()
+        for batch in [*batches, *session]:
+            index.apply(batch.to_proto())
+        heard[name] = index._counts
+    held = Counter(engine.scheduler.blocks.cached_keys())
+    assert engine.get_stats()["kv_offload_blocks_stored"] > 0 and engine.get_stats()["host_cache_hits"] > 0
+    assert heard["early"] == dict(held) == heard["late"] and held

@@ -40,7 +40,8 @@ def router(gen: Generator, auth: Authenticator | None, load: ServerLoad | None) 
     @routes.get("/metrics", response_class=PlainTextResponse, responses=open_doc())
     async def metrics():
         stats = await gen.client.stats()
-        return Response(gen.metrics.render(stats, gen.client.routable(), gen.known_model_name()),
+        return Response(gen.metrics.render(stats, gen.client.routable(), gen.known_model_name(),
+                                           gen.client.prefix_blocks_known()),
                         media_type=CONTENT_TYPE_LATEST)
 
     return routes
