@@ -11,6 +11,7 @@ import pytest
 from services.gateway.billing import Admission
 from services.gateway.call_ids import CallIds
 from services.gateway.deltas import SeqDelta
+from services.gateway.generator import Generator
 from services.gateway.grpc_api import GenerationServicer
 from shared.generation_defaults import GenerationDefaults
 from shared.grpc_errors import error_for_code
@@ -97,6 +98,8 @@ class Stream:
 
 class Gen:
     max_model_len = 512  # (the huge-prompt bound reads it)
+    tracing = None  # untraced (--otlp-traces-endpoint not given)
+    tokenized = Generator.tokenized  # the real way off the event loop
     generation_defaults = GenerationDefaults()  # the model's: none
 
     def __init__(self):
