@@ -372,20 +372,24 @@ class StepResult:
     forward_time_s: float = 0.0  # model forward pass, including the KV writes
     sample_time_s: float = 0.0  # logits processing and sampling (and verifying drafts)
     propose_time_s: float = 0.0  # proposing the next step's drafts (speculative decoding)
-    # Device blocks a swap-in (a swapped sequence's, or the host tier's load) failed to fill. The worker left
-    # every sequence holding one out of the step; the scheduler recomputes them, never reading those blocks.
+    # Device blocks a swap-in (a swapped sequence's, or the host tier's load) failed to fill: their prefixes
+    # leave the caches. The worker left every sequence whose table names one out of the step (recompute_seq_ids:
+    # its own tables, which keep the ids of entries released behind a window, so they may name more than the
+    # scheduler's); the scheduler recomputes exactly those, and no computed sequence read such a block.
     failed_block_ids: list[int] = field(default_factory=list)
+    recompute_seq_ids: list[int] = field(default_factory=list)
 
     def to_proto(self) -> wire.StepResult:
         return wire.StepResult(step_id=self.step_id, outputs=outputs_to_proto(self.outputs),
                                forward_time_s=self.forward_time_s, sample_time_s=self.sample_time_s,
-                               propose_time_s=self.propose_time_s, failed_block_ids=self.failed_block_ids)
+                               propose_time_s=self.propose_time_s, failed_block_ids=self.failed_block_ids,
+                               recompute_seq_ids=self.recompute_seq_ids)
 
     @classmethod
     def from_proto(cls, m: wire.StepResult) -> "StepResult":
         return cls(step_id=m.step_id, outputs=outputs_from_proto(m.outputs), forward_time_s=m.forward_time_s,
                    sample_time_s=m.sample_time_s, propose_time_s=m.propose_time_s,
-                   failed_block_ids=list(m.failed_block_ids))
+                   failed_block_ids=list(m.failed_block_ids), recompute_seq_ids=list(m.recompute_seq_ids))
 
 
 @dataclass(frozen=True, slots=True)

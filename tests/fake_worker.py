@@ -14,7 +14,8 @@ whole prefix up to its token, so a block reused by another sequence cannot pass 
 
 With ``fail_swap_ins`` the swap-ins of that many steps (the first that have any) fail as a real
 worker reports it: their destination blocks are filled with garbage, the sequences holding them are
-left out, and the result names the blocks (``failed_block_ids``)."""
+left out, and the result names the blocks and those sequences (``failed_block_ids``,
+``recompute_seq_ids``)."""
 
 from __future__ import annotations
 
@@ -87,7 +88,9 @@ class FakeWorker:
         for seq_id in plan.finished_seq_ids:
             self.seqs.pop(seq_id, None)
         unfilled = self._move(plan)
-        batch = [(seq, n) for seq, n in self._apply(plan) if unfilled.isdisjoint(seq["table"])]
+        batch = self._apply(plan)
+        left_out = [seq["seq_id"] for seq, _ in batch if not unfilled.isdisjoint(seq["table"])]
+        batch = [(seq, n) for seq, n in batch if unfilled.isdisjoint(seq["table"])]
         users: dict[int, int] = {}  # block -> live sequences holding it (forks, prefix-cache hits)
         for seq in self.seqs.values():
             if seq.get("swapped"):
@@ -95,7 +98,8 @@ class FakeWorker:
             for block in self.live_table(seq):
                 users[block] = users.get(block, 0) + 1
         outputs = [out for seq, n in batch if (out := self._compute(seq, n, users)) is not None]
-        return StepResult(step_id=plan.step_id, outputs=outputs, failed_block_ids=sorted(unfilled))
+        return StepResult(step_id=plan.step_id, outputs=outputs, failed_block_ids=sorted(unfilled),
+                          recompute_seq_ids=left_out)
 
     def _move(self, plan: StepPlan) -> set[int]:
         """Apply the plan's block moves; the device blocks a failed swap-in left unfilled."""

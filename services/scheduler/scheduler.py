@@ -427,13 +427,12 @@ class Scheduler:
         return self._outputs.update_from_output(scheduled, result, seqs)
 
     def _recompute_unfilled(self, scheduled: dict[int, int], result: StepResult) -> tuple[dict[int, int], StepResult]:
-        """A swap-in failed on the worker: its blocks leave the prefix caches, and every sequence holding one
-        (the worker left them out of the step) is preempted for recompute. No step is in flight (see
-        can_plan_ahead), so they start again cleanly. Returns the step's scheduled tokens and result without them."""
-        unfilled = set(result.failed_block_ids)
-        self.blocks.forget_cached(unfilled)
-        victims = {seq.seq_id: seq for seq in self.running
-                   if not unfilled.isdisjoint(self.blocks.block_table(seq.seq_id))}
+        """A swap-in failed on the worker: its blocks leave the prefix caches, and the sequences the worker left
+        out of the step for it are preempted for recompute. No step is in flight (see can_plan_ahead), so they
+        start again cleanly. Returns the step's scheduled tokens and result without them."""
+        self.blocks.forget_cached(set(result.failed_block_ids))
+        left_out = set(result.recompute_seq_ids)
+        victims = {seq.seq_id: seq for seq in self.running if seq.seq_id in left_out}
         for seq in victims.values():
             self.running.remove(seq)
             self._recompute(seq, self._plan)

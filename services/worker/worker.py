@@ -94,13 +94,16 @@ class Worker:
             self._drop(seq_id)
         unfilled = self._move_blocks(plan)
         batch = self._apply_plan(plan)
-        if unfilled:  # their KV is not there: the scheduler recomputes them
+        left_out = []  # their KV is not there: the scheduler recomputes them
+        if unfilled:
+            left_out = [seq.seq_id for seq, _ in batch if not unfilled.isdisjoint(seq.block_table)]
             batch = [(seq, n) for seq, n in batch if unfilled.isdisjoint(seq.block_table)]
         failed = self._load_adapters(batch) if self.adapters is not None else []
         if failed:
             batch = [(seq, n) for seq, n in batch if not seq.failed]
         if not batch:
-            return StepResult(step_id=plan.step_id, outputs=failed, failed_block_ids=sorted(unfilled))
+            return StepResult(step_id=plan.step_id, outputs=failed, failed_block_ids=sorted(unfilled),
+                              recompute_seq_ids=left_out)
         self.step_timer.start()
         computed_before = [seq.num_computed_tokens for seq, _ in batch]
         with torch.inference_mode():
@@ -115,7 +118,7 @@ class Worker:
         forward_s, sample_s, propose_s = self.step_timer.finish()
         return StepResult(step_id=plan.step_id, outputs=[outputs[i] for i in sorted(outputs)] + failed,
                           forward_time_s=forward_s, sample_time_s=sample_s, propose_time_s=propose_s,
-                          failed_block_ids=sorted(unfilled))
+                          failed_block_ids=sorted(unfilled), recompute_seq_ids=left_out)
 
     def _load_adapters(self, batch: list[tuple[WorkerSequence, int]]) -> list[SequenceOutput]:
         """Puts the step's adapters in slots and tells the model which tokens use which. A sequence whose

@@ -468,7 +468,7 @@ class StepOutputs(_message.Message):
     def __init__(self, seq_ids: _Optional[_Iterable[int]] = ..., token_ids: _Optional[_Iterable[int]] = ..., detailed: _Optional[_Iterable[_Union[SequenceOutput, _Mapping]]] = ..., detailed_positions: _Optional[_Iterable[int]] = ..., num_accepted: _Optional[_Iterable[int]] = ..., accepted_token_ids: _Optional[_Iterable[int]] = ..., num_drafts: _Optional[_Iterable[int]] = ..., draft_token_ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class StepResult(_message.Message):
-    __slots__ = ("step_id", "outputs", "forward_time_s", "sample_time_s", "error", "propose_time_s", "failed_block_ids")
+    __slots__ = ("step_id", "outputs", "forward_time_s", "sample_time_s", "error", "propose_time_s", "failed_block_ids", "recompute_seq_ids")
     STEP_ID_FIELD_NUMBER: _ClassVar[int]
     OUTPUTS_FIELD_NUMBER: _ClassVar[int]
     FORWARD_TIME_S_FIELD_NUMBER: _ClassVar[int]
@@ -476,6 +476,7 @@ class StepResult(_message.Message):
     ERROR_FIELD_NUMBER: _ClassVar[int]
     PROPOSE_TIME_S_FIELD_NUMBER: _ClassVar[int]
     FAILED_BLOCK_IDS_FIELD_NUMBER: _ClassVar[int]
+    RECOMPUTE_SEQ_IDS_FIELD_NUMBER: _ClassVar[int]
     step_id: int
     outputs: StepOutputs
     forward_time_s: float
@@ -483,4 +484,5 @@ class StepResult(_message.Message):
     error: str
     propose_time_s: float
     failed_block_ids: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, step_id: _Optional[int] = ..., outputs: _Optional[_Union[StepOutputs, _Mapping]] = ..., forward_time_s: _Optional[float] = ..., sample_time_s: _Optional[float] = ..., error: _Optional[str] = ..., propose_time_s: _Optional[float] = ..., failed_block_ids: _Optional[_Iterable[int]] = ...) -> None: ...
+    recompute_seq_ids: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, step_id: _Optional[int] = ..., outputs: _Optional[_Union[StepOutputs, _Mapping]] = ..., forward_time_s: _Optional[float] = ..., sample_time_s: _Optional[float] = ..., error: _Optional[str] = ..., propose_time_s: _Optional[float] = ..., failed_block_ids: _Optional[_Iterable[int]] = ..., recompute_seq_ids: _Optional[_Iterable[int]] = ...) -> None: ...
