@@ -78,6 +78,8 @@ class SchedulerClient:
         if self._refusing is not None:
             raise self._refusing
         await self._connected()
+        if self._refusing is not None:  # shutting down began while it waited: no new session
+            raise self._refusing
         if self._session is None or self._session.closed:
             self._session = Session(self._stub, self.address, self.idle_timeout_s)
         return self._session

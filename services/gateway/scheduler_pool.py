@@ -16,9 +16,9 @@ Routing rule, per request:
 4. A scheduler that cannot be reached when the request is submitted is skipped for the next one;
    a request that a scheduler has accepted stays there until that scheduler is lost: then the
    gateway resumes it (services/gateway/resumption.py), choosing again by these rules.
-A scheduler serving another model (or another context length or vocabulary) than the first one
-the gateway learned is never used, and says so in the log; each is compared when the poll first
-finds it serving, and again whenever it comes back.
+A scheduler serving another model (or another context length, vocabulary or block size) than the
+first one the gateway learned is never used, and says so in the log; each is compared when the poll
+first finds it serving, and again whenever it comes back.
 """
 
 from __future__ import annotations
@@ -207,9 +207,10 @@ class SchedulerPool:
             self._reference = info
             return
         ref = self._reference
-        # (a pooling scheduler of the same directory serves another kind of request: not the same model)
-        mine = (info.model, info.max_model_len, info.vocab_size, info.protocol_version, info.pooler)
-        theirs = (ref.model, ref.max_model_len, ref.vocab_size, ref.protocol_version, ref.pooler)
+        # (a pooling scheduler of the same directory serves another kind of request: not the same model; one of
+        # another block size hashes prompts into other blocks: routing by cached prefix could never find them)
+        mine = (info.model, info.max_model_len, info.vocab_size, info.protocol_version, info.pooler, info.block_size)
+        theirs = (ref.model, ref.max_model_len, ref.vocab_size, ref.protocol_version, ref.pooler, ref.block_size)
         if mine != theirs:
             why = f"serves {mine}, the others {theirs}"
             if self._excluded.get(address) != why:

@@ -4,14 +4,17 @@ One pool serves both. Swapped sequences hold their blocks (count 1) and always c
 evicts the tier's least recently used blocks, since a preempted sequence is live work and a tier block
 only saves a recompute. The tier fills whatever the swapped sequences leave, so swap space that is idle
 caches prefixes too; swapped sequences never hold more than ``num_swap_blocks``, so the tier always keeps
-the rest (its own size, ``--kv-offloading-size``).
+the rest (its own size, ``--kv-offloading-size``); and a plan's stores, which hold their blocks until it is
+sealed, never take the swap space a preemption later in the same plan may need.
 
 The tier is a second prefix-cache index (the pool's, by the same chained block hashes). A block the
 device cache evicts is stored here (a device -> host copy) unless its hash is here already; a later
 prefix hit here is loaded into a fresh device block (a host -> device copy) instead of recomputed.
 Both copies run in the step being planned, before its forward pass: the store with the swap-outs, the
 load with the swap-ins. A host block written or read by the step being planned is held (counted) until
-the plan is sealed, so no later allocation in the same plan can hand it to another copy.
+the plan is sealed, so no later allocation in the same plan can hand it to another copy. One block may be
+both stored and loaded in a plan (one admission evicts a prefix, a later one finds it in the tier): the
+worker runs every swap-out before any swap-in, so the load reads what the store wrote.
 """
 
 from __future__ import annotations
@@ -65,8 +68,8 @@ class HostBlocks:
         if kept is not None:
             self._hold(kept)
             return
-        if self.pool.num_free_blocks == 0:
-            return  # swapped sequences and this plan's copies hold them all: the prefix is lost, as without a tier
+        if self.pool.num_free_blocks <= self.num_swap_blocks - self.num_swapped:
+            return  # what is left is swap space a preemption later in this plan may need: the prefix is lost
         (block,) = self.pool.allocate(1)
         self.pool.cache_block(block, block_hash)
         self._held.append(block)

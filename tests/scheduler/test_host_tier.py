@@ -64,7 +64,7 @@ def test_an_evicted_prefix_is_stored_then_loaded_back_into_fresh_blocks():
     stores, loads = manager.seal_plan()
     assert loads == list(zip(kept, manager.block_table(2)[:4]))
     # The device blocks it took held the second prompt's prefix, but the tier's only blocks were being read
-    # in this plan: none could take a store (a host block is never written and read by one plan).
+    # in this plan: none could take a store (no host block is handed to two copies in one plan).
     assert stores == []
     manager.check_invariants()
     assert manager.cached_prefix(first).on_host == ()  # loaded blocks are indexed on the device at once
@@ -94,16 +94,31 @@ def test_a_prefix_the_tier_holds_is_not_copied_again_and_becomes_the_most_recent
 def test_swapped_sequences_come_first_but_never_take_the_tiers_share():
     manager = BlockManager(6, BS, enable_caching=True, num_host_blocks=4, num_offload_blocks=2)
     cache_prompt(manager, 0, tokens(1, 4 * BS + 1))
-    cache_prompt(manager, 1, tokens(2, 6 * BS))  # four stores fill the whole host pool while nothing is swapped
-    assert len(manager.seal_plan()[0]) == 4 and manager.host.num_tier_blocks == 4
-    assert manager.append_slots(2, 2 * BS) is not None
-    assert manager.can_swap_out(2)
-    manager.swap_out(2)  # its two blocks evict the tier's two oldest
+    for seq_id, seed in ((1, 2), (2, 3)):  # each plan stores two (its stores leave the swap space free) ...
+        cache_prompt(manager, seq_id, tokens(seed, 6 * BS))
+        assert len(manager.seal_plan()[0]) == 2
+    assert manager.host.num_tier_blocks == 4  # ... and together they fill the whole pool while nothing is swapped
+    assert manager.append_slots(5, 2 * BS) is not None
+    assert manager.can_swap_out(5)
+    manager.swap_out(5)  # its two blocks evict the tier's two oldest
     manager.seal_plan()
     assert manager.host.num_tier_blocks == 2 and manager.host.num_swapped == 2
     assert manager.append_slots(3, BS) is not None
     assert not manager.can_swap_out(3)  # swap space is 2 blocks: the rest stays the tier's
     manager.seal_plan()
+    manager.check_invariants()
+
+
+def test_a_plans_stores_leave_the_swap_space_a_later_preemption_needs():
+    manager = BlockManager(9, BS, enable_caching=True, num_host_blocks=6, num_offload_blocks=3)
+    cache_prompt(manager, 0, tokens(1, 8 * BS + 1))
+    assert manager.append_slots(1, 2 * BS) is not None
+    assert manager.append_slots(2, 7 * BS) is not None  # the eight cached blocks are evicted: three are stored
+    assert len(manager.host.stores) == 3  # more would hold the swap space until the plan is sealed
+    assert manager.can_swap_out(1)  # so a preemption later in the same plan still swaps
+    manager.swap_out(1)
+    stores, _ = manager.seal_plan()
+    assert len(stores) == 3 and manager.host.num_swapped == 2
     manager.check_invariants()
 
 
@@ -135,11 +150,12 @@ def test_forgetting_a_block_drops_its_prefix_from_both_caches():
 # --- the engine: a multi-turn chat whose live prefixes exceed the device cache several times ---------------
 
 
-def chat_engine(tier_blocks: int, swap_blocks: int = 0, fail_swap_ins: int = 0) -> tuple[EngineCore, FakeWorker]:
+def chat_engine(tier_blocks: int, swap_blocks: int = 0, fail_swap_ins: int = 0,
+                window: int | None = None) -> tuple[EngineCore, FakeWorker]:
     """With swap space, four sequences at once and preemption by swapping: swap-outs and tier stores, swap-ins
     and tier loads share plans and the host pool."""
     worker = FakeWorker(24, BS, vocab_size=1000, num_cpu_blocks=swap_blocks + tier_blocks, num_cpu_offload_blocks=tier_blocks,
-                        fail_swap_ins=fail_swap_ins)
+                        fail_swap_ins=fail_swap_ins, kv_window=window)
     limits = SchedulerLimits(max_num_seqs=4 if swap_blocks else 2, max_num_batched_tokens=32, enable_chunked_prefill=True,
                              preemption_mode="swap" if swap_blocks else None)
     return EngineCore(InProcessExecutor(worker), limits, enable_prefix_caching=True), worker
@@ -180,13 +196,18 @@ def test_returning_turns_load_their_history_instead_of_computing_it(swap_blocks,
     assert (stats["num_swaps_out"] > 0) == bool(swap_blocks)
 
 
-def test_a_failed_load_recomputes_its_sequences():
-    plain, _ = chat_engine(tier_blocks=0)
-    expected = run_chat(plain)
-    tiered, worker = chat_engine(tier_blocks=96, fail_swap_ins=3)
-    assert run_chat(tiered) == expected  # a sequence that read a garbage block would fail the fake worker's check
-    assert worker.fail_swap_ins == 0 and tiered.get_stats()["num_failed_swap_ins"] == 3
-    assert tiered.get_stats()["host_cache_hits"] > 0  # later loads succeed
+@pytest.mark.parametrize("window,seed", [(None, 0), (None, 3), (6, 0), (6, 1), (6, 2)])
+def test_a_failed_load_recomputes_its_sequences(window, seed):
+    """With a sliding window, the worker's tables keep the ids of entries released behind it, where the
+    scheduler's hold none: the sequences the worker left out are the ones recomputed."""
+    plain, _ = chat_engine(tier_blocks=0, window=window)
+    expected = run_chat(plain, seed=seed)
+    failures = 3 if window is None else 50
+    tiered, worker = chat_engine(tier_blocks=96, fail_swap_ins=failures, window=window)
+    assert run_chat(tiered, seed=seed) == expected  # a sequence that read garbage fails the fake worker's check
+    stats = tiered.get_stats()
+    assert stats["num_failed_swap_ins"] == failures - worker.fail_swap_ins > 0
+    assert window is not None or stats["host_cache_hits"] > 0  # later loads succeed
 
 
 def test_no_plan_is_made_ahead_of_a_step_that_swaps_blocks_in():
