@@ -84,22 +84,27 @@ class SchedulerClient:
             self._session = Session(self._stub, self.address, self.idle_timeout_s)
         return self._session
 
+    @property
+    def _live_session(self) -> Session | None:
+        session = self._session
+        return None if session is None or session.closed else session
+
     def cached_blocks(self, keys: list[int]) -> int:
         """How many of a prompt's first blocks (their routing keys) the scheduler's prefix caches hold."""
-        session = self._session
-        return 0 if session is None or session.closed else session.prefix_index.cached_blocks(keys)
+        session = self._live_session
+        return 0 if session is None else session.prefix_index.cached_blocks(keys)
 
     @property
     def num_cached_blocks(self) -> int:
         """Blocks its prefix caches hold, as far as this gateway knows (0 without a session)."""
-        session = self._session
-        return 0 if session is None or session.closed else len(session.prefix_index)
+        session = self._live_session
+        return 0 if session is None else len(session.prefix_index)
 
     @property
     def num_in_flight(self) -> int:
         """Requests submitted here that have not ended: the load a gateway balances over schedulers."""
-        session = self._session
-        return 0 if session is None or session.closed else session.num_streams
+        session = self._live_session
+        return 0 if session is None else session.num_streams
 
     async def abort(self, request_id: str) -> bool:
         return (await self._unary(self._stub.Abort, api.AbortRequest(request_id=request_id))).found

@@ -61,9 +61,7 @@ class HostBlocks:
 
     def store(self, device_block_id: int, block_hash: BlockHash) -> None:
         """The device evicts this block's prefix: keep a copy, unless the tier has it (then it is the most
-        recently used) or every host block is in use this plan."""
-        if not self.tier_enabled:
-            return
+        recently used) or only swap space is left. (Wired to the device pool's evictions only with a tier.)"""
         kept = self.pool.cached_block(block_hash)
         if kept is not None:
             self._hold(kept)

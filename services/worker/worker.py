@@ -94,10 +94,11 @@ class Worker:
             self._drop(seq_id)
         unfilled = self._move_blocks(plan)
         batch = self._apply_plan(plan)
-        left_out = []  # their KV is not there: the scheduler recomputes them
-        if unfilled:
-            left_out = [seq.seq_id for seq, _ in batch if not unfilled.isdisjoint(seq.block_table)]
-            batch = [(seq, n) for seq, n in batch if unfilled.isdisjoint(seq.block_table)]
+        # Sequences whose tables name a block a swap-in left unfilled: their KV is not there, the scheduler
+        # recomputes them.
+        left_out = [seq.seq_id for seq, _ in batch if not unfilled.isdisjoint(seq.block_table)] if unfilled else []
+        if left_out:
+            batch = [(seq, n) for seq, n in batch if seq.seq_id not in left_out]
         failed = self._load_adapters(batch) if self.adapters is not None else []
         if failed:
             batch = [(seq, n) for seq, n in batch if not seq.failed]
