@@ -8,7 +8,7 @@ sequences are sent in full once (``new``) and afterwards only as deltas
 
 Order of execution on the worker: make ``forks`` (a child copies its parent's
 state as it was before this step); drop ``finished_seq_ids``; move blocks
-(``swap_out``, then ``swap_in``, then ``copies``); register ``new``; apply
+(``swap_out``, then ``swap_in``, then ``pulls`` from other workers, then ``copies``); register ``new``; apply
 ``running`` deltas; then run one forward pass over every scheduled token and
 sample for each sequence whose computed tokens reach its end this step.
 
@@ -186,6 +186,22 @@ def moves_from_proto(moves) -> list[BlockMove]:
 
 
 @dataclass(slots=True)
+class KVPull:
+    """Prefill/decode disaggregation: blocks this (decode) worker reads from a prefill worker's pools, worker to
+    worker, before the step computes. A pull that fails leaves its destinations unfilled, as a failed swap-in."""
+
+    source: str  # the prefill worker's address (its ReadBlocks)
+    moves: list[BlockMove] = field(default_factory=list)  # (the source's device block, this worker's device block)
+
+    def to_proto(self) -> wire.KVPull:
+        return wire.KVPull(source=self.source, moves=moves_to_proto(self.moves))
+
+    @classmethod
+    def from_proto(cls, m: wire.KVPull) -> "KVPull":
+        return cls(source=m.source, moves=moves_from_proto(m.moves))
+
+
+@dataclass(slots=True)
 class StepPlan:
     step_id: int  # increases by one per step; echoed in the result
     new: list[NewSequence] = field(default_factory=list)  # first scheduled (or resumed after recompute)
@@ -194,7 +210,8 @@ class StepPlan:
     forks: list[Fork] = field(default_factory=list)  # children to create, before anything else (even drops)
     swap_out: list[BlockMove] = field(default_factory=list)  # (device block, host block), first
     swap_in: list[BlockMove] = field(default_factory=list)  # (host block, device block), second
-    copies: list[BlockMove] = field(default_factory=list)  # (device, device) for copy-on-write, third
+    copies: list[BlockMove] = field(default_factory=list)  # (device, device) for copy-on-write, fourth
+    pulls: list[KVPull] = field(default_factory=list)  # from prefill workers' blocks into this worker's, third
 
     @property
     def num_scheduled_tokens(self) -> int:
@@ -207,20 +224,23 @@ class StepPlan:
 
     @property
     def has_side_effects(self) -> bool:
-        return bool(self.finished_seq_ids or self.forks or self.swap_out or self.swap_in or self.copies)
+        return bool(self.finished_seq_ids or self.forks or self.swap_out or self.swap_in or self.copies
+                    or self.pulls)
 
     def to_proto(self) -> wire.StepPlan:
         return wire.StepPlan(step_id=self.step_id, new=[s.to_proto() for s in self.new],
                              running=running_to_proto(self.running), finished_seq_ids=self.finished_seq_ids,
                              forks=[f.to_proto() for f in self.forks], swap_out=moves_to_proto(self.swap_out),
-                             swap_in=moves_to_proto(self.swap_in), copies=moves_to_proto(self.copies))
+                             swap_in=moves_to_proto(self.swap_in), copies=moves_to_proto(self.copies),
+                             pulls=[p.to_proto() for p in self.pulls])
 
     @classmethod
     def from_proto(cls, m: wire.StepPlan) -> "StepPlan":
         return cls(step_id=m.step_id, new=[NewSequence.from_proto(s) for s in m.new],
                    running=running_from_proto(m.running), finished_seq_ids=list(m.finished_seq_ids),
                    forks=[Fork.from_proto(f) for f in m.forks], swap_out=moves_from_proto(m.swap_out),
-                   swap_in=moves_from_proto(m.swap_in), copies=moves_from_proto(m.copies))
+                   swap_in=moves_from_proto(m.swap_in), copies=moves_from_proto(m.copies),
+                   pulls=[KVPull.from_proto(p) for p in m.pulls])
 
 
 @dataclass(slots=True)
@@ -372,7 +392,7 @@ class StepResult:
     forward_time_s: float = 0.0  # model forward pass, including the KV writes
     sample_time_s: float = 0.0  # logits processing and sampling (and verifying drafts)
     propose_time_s: float = 0.0  # proposing the next step's drafts (speculative decoding)
-    # Device blocks a swap-in (a swapped sequence's, or the host tier's load) failed to fill: their prefixes
+    # Device blocks a swap-in (a swapped sequence's, the host tier's load, or a pull) failed to fill: their prefixes
     # leave the caches. The worker left every sequence whose table names one out of the step (recompute_seq_ids:
     # its own tables, which keep the ids of entries released behind a window, so they may name more than the
     # scheduler's); the scheduler recomputes exactly those, and no computed sequence read such a block.

@@ -27,7 +27,8 @@ from shared.grpc_errors import ServiceUnavailable
 # 16: engine requests and new sequences carry their W3C trace context.
 # 17: WorkerInfo says how many of its host blocks are the prefix cache's offload tier, and a step's result
 #     which device blocks a swap-in failed to fill; SessionEvents carry the prefix caches' routing keys.
-INTERNAL_PROTOCOL_VERSION = 17
+# 18: prefill/decode disaggregation: plans carry pulls of another worker's blocks, and workers serve ReadBlocks.
+INTERNAL_PROTOCOL_VERSION = 18
 
 
 class IncompatiblePeer(ServiceUnavailable):

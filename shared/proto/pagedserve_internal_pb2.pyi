@@ -259,6 +259,32 @@ class Histogram(_message.Message):
     sum: float
     def __init__(self, bounds: _Optional[_Iterable[float]] = ..., cumulative_counts: _Optional[_Iterable[int]] = ..., count: _Optional[int] = ..., sum: _Optional[float] = ...) -> None: ...
 
+class BlockRead(_message.Message):
+    __slots__ = ("block_ids",)
+    BLOCK_IDS_FIELD_NUMBER: _ClassVar[int]
+    block_ids: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, block_ids: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class BlockData(_message.Message):
+    __slots__ = ("pool", "first", "count", "data")
+    POOL_FIELD_NUMBER: _ClassVar[int]
+    FIRST_FIELD_NUMBER: _ClassVar[int]
+    COUNT_FIELD_NUMBER: _ClassVar[int]
+    DATA_FIELD_NUMBER: _ClassVar[int]
+    pool: int
+    first: int
+    count: int
+    data: bytes
+    def __init__(self, pool: _Optional[int] = ..., first: _Optional[int] = ..., count: _Optional[int] = ..., data: _Optional[bytes] = ...) -> None: ...
+
+class KVPull(_message.Message):
+    __slots__ = ("source", "moves")
+    SOURCE_FIELD_NUMBER: _ClassVar[int]
+    MOVES_FIELD_NUMBER: _ClassVar[int]
+    source: str
+    moves: _containers.RepeatedCompositeFieldContainer[BlockMove]
+    def __init__(self, source: _Optional[str] = ..., moves: _Optional[_Iterable[_Union[BlockMove, _Mapping]]] = ...) -> None: ...
+
 class WorkerInfo(_message.Message):
     __slots__ = ("model", "num_kv_blocks", "block_size", "max_model_len", "vocab_size", "eos_token_ids", "device", "dtype", "num_cpu_blocks", "protocol_version", "num_speculative_tokens", "tensor_parallel_rank", "tensor_parallel_size", "max_loras", "max_lora_rank", "pooler", "kv_window", "num_cpu_offload_blocks")
     MODEL_FIELD_NUMBER: _ClassVar[int]
@@ -394,7 +420,7 @@ class BlockMove(_message.Message):
     def __init__(self, src: _Optional[int] = ..., dst: _Optional[int] = ...) -> None: ...
 
 class StepPlan(_message.Message):
-    __slots__ = ("step_id", "new", "running", "finished_seq_ids", "forks", "swap_out", "swap_in", "copies")
+    __slots__ = ("step_id", "new", "running", "finished_seq_ids", "forks", "swap_out", "swap_in", "copies", "pulls")
     STEP_ID_FIELD_NUMBER: _ClassVar[int]
     NEW_FIELD_NUMBER: _ClassVar[int]
     RUNNING_FIELD_NUMBER: _ClassVar[int]
@@ -403,6 +429,7 @@ class StepPlan(_message.Message):
     SWAP_OUT_FIELD_NUMBER: _ClassVar[int]
     SWAP_IN_FIELD_NUMBER: _ClassVar[int]
     COPIES_FIELD_NUMBER: _ClassVar[int]
+    PULLS_FIELD_NUMBER: _ClassVar[int]
     step_id: int
     new: _containers.RepeatedCompositeFieldContainer[NewSequence]
     running: RunningDeltas
@@ -411,7 +438,8 @@ class StepPlan(_message.Message):
     swap_out: _containers.RepeatedCompositeFieldContainer[BlockMove]
     swap_in: _containers.RepeatedCompositeFieldContainer[BlockMove]
     copies: _containers.RepeatedCompositeFieldContainer[BlockMove]
-    def __init__(self, step_id: _Optional[int] = ..., new: _Optional[_Iterable[_Union[NewSequence, _Mapping]]] = ..., running: _Optional[_Union[RunningDeltas, _Mapping]] = ..., finished_seq_ids: _Optional[_Iterable[int]] = ..., forks: _Optional[_Iterable[_Union[Fork, _Mapping]]] = ..., swap_out: _Optional[_Iterable[_Union[BlockMove, _Mapping]]] = ..., swap_in: _Optional[_Iterable[_Union[BlockMove, _Mapping]]] = ..., copies: _Optional[_Iterable[_Union[BlockMove, _Mapping]]] = ...) -> None: ...
+    pulls: _containers.RepeatedCompositeFieldContainer[KVPull]
+    def __init__(self, step_id: _Optional[int] = ..., new: _Optional[_Iterable[_Union[NewSequence, _Mapping]]] = ..., running: _Optional[_Union[RunningDeltas, _Mapping]] = ..., finished_seq_ids: _Optional[_Iterable[int]] = ..., forks: _Optional[_Iterable[_Union[Fork, _Mapping]]] = ..., swap_out: _Optional[_Iterable[_Union[BlockMove, _Mapping]]] = ..., swap_in: _Optional[_Iterable[_Union[BlockMove, _Mapping]]] = ..., copies: _Optional[_Iterable[_Union[BlockMove, _Mapping]]] = ..., pulls: _Optional[_Iterable[_Union[KVPull, _Mapping]]] = ...) -> None: ...
 
 class Sample(_message.Message):
     __slots__ = ("token_id", "logprobs")

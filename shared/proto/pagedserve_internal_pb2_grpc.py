@@ -259,6 +259,11 @@ class WorkerStub:
                 request_serializer=pagedserve__internal__pb2.StepPlan.SerializeToString,
                 response_deserializer=pagedserve__internal__pb2.StepResult.FromString,
                 _registered_method=True)
+        self.ReadBlocks = channel.unary_stream(
+                '/pagedserve.internal.v1.Worker/ReadBlocks',
+                request_serializer=pagedserve__internal__pb2.BlockRead.SerializeToString,
+                response_deserializer=pagedserve__internal__pb2.BlockData.FromString,
+                _registered_method=True)
 
 
 class WorkerServicer:
@@ -279,6 +284,13 @@ class WorkerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def ReadBlocks(self, request, context):
+        """Prefill/decode disaggregation: a decode worker reads a prefill worker's KV blocks, worker to worker.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_WorkerServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -291,6 +303,11 @@ def add_WorkerServicer_to_server(servicer, server):
                     servicer.Steps,
                     request_deserializer=pagedserve__internal__pb2.StepPlan.FromString,
                     response_serializer=pagedserve__internal__pb2.StepResult.SerializeToString,
+            ),
+            'ReadBlocks': grpc.unary_stream_rpc_method_handler(
+                    servicer.ReadBlocks,
+                    request_deserializer=pagedserve__internal__pb2.BlockRead.FromString,
+                    response_serializer=pagedserve__internal__pb2.BlockData.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -349,6 +366,33 @@ class Worker:
             '/pagedserve.internal.v1.Worker/Steps',
             pagedserve__internal__pb2.StepPlan.SerializeToString,
             pagedserve__internal__pb2.StepResult.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ReadBlocks(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/pagedserve.internal.v1.Worker/ReadBlocks',
+            pagedserve__internal__pb2.BlockRead.SerializeToString,
+            pagedserve__internal__pb2.BlockData.FromString,
             options,
             channel_credentials,
             insecure,
