@@ -7,9 +7,6 @@ that could never run is refused with a clear error instead of waiting forever.
 from __future__ import annotations
 
 import itertools
-import time
-from collections import deque
-from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from services.scheduler.beam_search import BeamGroup
@@ -18,11 +15,11 @@ from services.scheduler.cache_digest import CacheDigest
 from services.scheduler.executor import Executor
 from services.scheduler.scheduler import Scheduler, SchedulerLimits
 from services.scheduler.sequence import Sequence, SequenceUpdate
-from services.scheduler.stats import EngineStats
+from services.scheduler.stage import InFlightStep, Stage
 from shared.grpc_errors import AlreadyExists
 from shared.request import EngineRequest, RequestLimits, max_output_tokens, validate
 from shared.sampling_params import SamplingParams
-from shared.step_protocol import StepPlan, WorkerInfo
+from shared.step_protocol import WorkerInfo
 from shared.tracing import Tracing
 
 if TYPE_CHECKING:  # (imported only when tracing: it imports OpenTelemetry)
@@ -31,15 +28,6 @@ if TYPE_CHECKING:  # (imported only when tracing: it imports OpenTelemetry)
 
 # What an embedding request's sequence carries as sampling parameters: nothing is sampled for it.
 _POOLING_PARAMS = SamplingParams(temperature=0.0, max_tokens=1)
-
-
-@dataclass
-class InFlightStep:
-    """A step sent to the worker whose result has not been applied yet."""
-    plan: StepPlan
-    scheduled: dict[int, int]  # tokens scheduled per seq id (the update needs them)
-    started: float  # perf_counter when planning began
-    sent: float  # perf_counter when the plan left
 
 
 class EngineCore:
@@ -51,15 +39,14 @@ class EngineCore:
         blocks = BlockManager(self.info.num_kv_blocks, self.info.block_size, watermark, enable_prefix_caching,
                               num_host_blocks=self.info.num_cpu_blocks, kv_window=self.info.kv_window,
                               num_offload_blocks=self.info.num_cpu_offload_blocks)
-        self.scheduler = Scheduler(limits, blocks, self.info.eos_token_ids, self.info.max_model_len,
-                                   new_seq_id=lambda: next(self._seq_ids), max_loras=self.info.max_loras)
-        self.stats = EngineStats(blocks)
+        self.stage = Stage(executor, Scheduler(limits, blocks, self.info.eos_token_ids, self.info.max_model_len,
+                                               new_seq_id=lambda: next(self._seq_ids), max_loras=self.info.max_loras))
+        self.scheduler, self.stats = self.stage.scheduler, self.stage.stats
+        self._in_flight: deque[InFlightStep] = self.stage.in_flight  # submitted, results not applied yet
         self._seqs: dict[int, Sequence] = {}
         self._requests: dict[str, list[Sequence]] = {}
         self._seq_ids = itertools.count()
         self._arrivals = itertools.count()
-        self._in_flight: deque[InFlightStep] = deque()  # submitted, results not applied yet; oldest first
-        self._last_done = 0.0  # perf_counter when the last result was applied
         # What validate holds each request to at admission.
         self.request_limits = RequestLimits(
             max_model_len=self.info.max_model_len, vocab_size=self.info.vocab_size, max_logprobs=max_logprobs,
@@ -114,11 +101,11 @@ class EngineCore:
         if resumption is not None:  # each has its own tokens: no sibling forks from another
             for seq in seqs:
                 seq.output_token_ids = list(resumption.outputs[seq.index])
-                self.scheduler.add(seq)
+                self._enqueue(seq)
             return len(seqs)
         # The first sequence computes the prompt; the others fork from it and share its blocks.
         seqs[0].pending_siblings = seqs[1:]
-        self.scheduler.add(seqs[0])
+        self._enqueue(seqs[0])
         return len(seqs)
 
     def _check_blocks_suffice(self, prompt_len: int, params: SamplingParams) -> None:
@@ -147,7 +134,7 @@ class EngineCore:
         group.start(seq.seq_id)
         self._requests[request.request_id] = seq.siblings
         self._seqs[seq.seq_id] = seq
-        self.scheduler.add(seq)
+        self._enqueue(seq)
 
     def _add_pooling_request(self, request: EngineRequest) -> None:
         """One sequence that computes its prompt and ends with its embedding (no output token: the prompt
@@ -162,13 +149,25 @@ class EngineCore:
                        whole_prompt=self.info.pooler.needs_every_token)
         self._requests[request.request_id] = seq.siblings
         self._seqs[seq.seq_id] = seq
+        self._enqueue(seq)
+
+    def _enqueue(self, seq: Sequence) -> None:
+        """An admitted sequence waits for its first step."""
         self.scheduler.add(seq)
+
+    def _scheduler_of(self, seq: Sequence) -> Scheduler:
+        """The scheduler holding the sequence (there is one here; disaggregated_core.py has several)."""
+        return self.scheduler
+
+    def _left(self, seq: Sequence) -> None:
+        """The sequence ended outside a step (aborted, or stopped by a string): nothing more to do here."""
 
     def abort_request(self, request_id: str) -> None:
         seqs = self._requests.pop(request_id, None)
         if seqs:
-            self.scheduler.abort(seqs)
             for seq in seqs:
+                self._scheduler_of(seq).abort([seq])
+                self._left(seq)
                 self._seqs.pop(seq.seq_id, None)
 
     def finish_by_stop_string(self, request_id: str, seq_index: int, stop: str) -> bool:
@@ -177,7 +176,8 @@ class EngineCore:
         seq = next((s for s in self._requests.get(request_id, ()) if s.index == seq_index), None)
         if seq is None:  # (by its index: a resumed request holds only the sequences it resumed)
             return False
-        ended = self.scheduler.finish_by_stop_string(seq, stop)
+        ended = self._scheduler_of(seq).finish_by_stop_string(seq, stop)
+        self._left(seq)
         self._forget_if_done(request_id)
         return ended
 
@@ -195,6 +195,15 @@ class EngineCore:
         """Steps sent to the worker whose results are not applied yet."""
         return len(self._in_flight)
 
+    def has_idle_work(self) -> bool:
+        """Whether a step could start now without planning ahead: work waits and no step is in flight."""
+        return not self._in_flight and self.has_unfinished()
+
+    @property
+    def executors(self) -> list[Executor]:
+        """Every worker group this engine drives (the scheduler service checks their health)."""
+        return [self.executor]
+
     def can_plan_ahead(self) -> bool:
         """Whether start_step may be called now, with one step in flight (the scheduler service
         plans step N+1 while the worker computes step N, so the worker never waits for a plan).
@@ -210,37 +219,18 @@ class EngineCore:
         engine (the scheduler service streams the previous step's tokens out meanwhile). With a
         step in flight, only when can_plan_ahead() says so.
         """
-        started = time.perf_counter()
-        plan, scheduled = self.scheduler.schedule()
-        self.stats.record_usage()  # blocks are at their peak now: allocated for this step's tokens
-        if plan.is_empty:
-            if self._in_flight:
-                self.scheduler.cancel_empty(plan)
-            elif plan.has_side_effects:  # drops or block moves still have to happen
-                self.executor.execute(plan)
-            return False
-        sent = time.perf_counter()  # before submit: an in-process executor runs the step inside it
-        self.executor.submit(plan)
-        self._in_flight.append(InFlightStep(plan, scheduled, started, sent))
-        return True
+        return self.stage.start_step() is not None
 
     def finish_step(self) -> list[SequenceUpdate]:
         """Wait for the oldest step's result and apply it: new tokens, finished sequences, forked beams."""
-        step = self._in_flight.popleft()
-        result = self.executor.wait()
-        received = time.perf_counter()
-        updates = self.scheduler.update(step.scheduled, result, self._seqs)
-        for seq in self.scheduler.take_spawned():  # beams forked during the update
-            self._seqs[seq.seq_id] = seq
+        updates = self.stage.apply(self.executor.wait(), self._seqs)
+        self._forget_finished(updates)
+        return updates
+
+    def _forget_finished(self, updates: list[SequenceUpdate]) -> None:
         for update in updates:
             if update.finish_reason is not None:
                 self._forget_if_done(update.request_id)
-        done = time.perf_counter()
-        # A step planned ahead starts, for the worker, when the one before it is done.
-        self.stats.record_step(step.plan, result, elapsed_s=done - max(step.started, self._last_done),
-                               scheduler_s=(step.sent - step.started) + (done - received))
-        self._last_done = done
-        return updates
 
     def _forget_if_done(self, request_id: str) -> None:
         seqs = self._requests.get(request_id, [])
@@ -263,9 +253,9 @@ class EngineCore:
         return self.stats.as_dict(self.scheduler)
 
     def shutdown(self) -> None:
-        try:
-            drops = self.scheduler.take_drops()
-            if drops:
-                self.executor.execute(StepPlan(step_id=0, finished_seq_ids=drops))
-        finally:  # a worker that went away must not keep the others from being released
-            self.executor.shutdown()
+        self.stage.shutdown()
+
+    def abandon(self) -> None:
+        """A step failed or a worker went away: close every stream without a last word to the workers."""
+        for executor in self.executors:
+            executor.shutdown()

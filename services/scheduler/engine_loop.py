@@ -281,9 +281,10 @@ class EngineLoop:
                     self._last_step_done = time.monotonic()
                 idle = not engine.num_in_flight and (not engine.has_unfinished() or self._stalled_turns >= 2)
                 self._drain_inbox(block=not self._outgoing and idle)
-                if not engine.num_in_flight and engine.has_unfinished():
-                    self._last_step_done = time.monotonic()  # from idle: the wait for a step starts now
-                    self._note_stall(started=engine.start_step())
+                if engine.has_idle_work():  # (with prefill/decode stages: one of them is idle)
+                    if not engine.num_in_flight:
+                        self._last_step_done = time.monotonic()  # from idle: the wait for a step starts now
+                    self._note_stall(started=engine.start_step() or engine.num_in_flight > 0)
                 self._send_outgoing()
         except Exception as exc:  # a worker died or a bug: fail every request rather than hang them
             log.exception("engine loop failed")
@@ -323,7 +324,7 @@ class EngineLoop:
                 self.engine.finish_step()
         except Exception:  # the worker is gone (or applying a result failed): nothing more to tell it
             log.warning("a step in flight at shutdown did not finish")
-            self.engine.executor.shutdown()  # still close the stream: the worker serves the next scheduler
+            self.engine.abandon()  # still close the streams: the workers serve the next scheduler
             return
         self.engine.shutdown()
 

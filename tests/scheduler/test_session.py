@@ -175,6 +175,9 @@ class ScriptedEngine:
     def has_unfinished(self) -> bool:
         return self.admitted and bool(self.steps)
 
+    def has_idle_work(self) -> bool:
+        return not self.num_in_flight and self.has_unfinished()
+
     def start_step(self) -> bool:
         self.num_in_flight = int(self.has_unfinished())
         return bool(self.num_in_flight)
