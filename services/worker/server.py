@@ -106,6 +106,14 @@ class WorkerServicer(wire_grpc.WorkerServicer):
         with grpc_errors(context):
             return self.worker.info.to_proto()
 
+    def ReadBlocks(self, request, context):
+        """A decode worker reads this (prefill) worker's blocks: on this handler's thread, beside the compute
+        (kv_transfer.py says why that is safe)."""
+        from services.worker.kv_transfer import read_blocks
+
+        with grpc_errors(context):
+            yield from read_blocks(self.worker.device_pools, list(request.block_ids))
+
     def Steps(self, request_iterator, context):
         """Plans in, results out, in order. A reader thread queues each plan for the compute thread
         as it arrives, so a plan sent while the previous step runs (async scheduling) starts the
@@ -181,6 +189,8 @@ class _StepStream:
                     break
                 plan = StepPlan.from_proto(message)
                 on_plan(plan)
+                if plan.pulls:  # read while the step before it runs
+                    self.worker.kv_puller.prefetch(plan)
                 self._queue(self._run, plan, self.spans.links_for(plan) if self.spans is not None else None)
         except Exception as exc:  # a malformed plan, or the stream broke (then nobody reads this)
             self._queue(self.results.put, exc)  # after the results of the steps queued before it

@@ -11,6 +11,7 @@ from services.worker.draft_model_proposer import DraftModelProposer
 from services.worker.grammar import Grammars
 from services.worker.host_block_tables import HostBlockTables
 from services.worker.input_batch import ScheduledSequence, build_model_inputs
+from services.worker.kv_transfer import KVPuller
 from services.worker.model_loader import load_eos_token_ids
 from services.worker.sampler import Sampler
 from services.worker.step_timer import StepTimer
@@ -53,6 +54,7 @@ class Worker:
         self.seqs: dict[int, WorkerSequence] = {}
         self.block_tables = HostBlockTables(width=-(-self.max_model_len // config.block_size))
         self.step_timer = StepTimer(self.device)
+        self.kv_puller = KVPuller()  # prefill/decode disaggregation: blocks read from prefill workers
 
     def _keep_parts(self, source: ModelSource, weights: Weights, kv: KVCache) -> None:
         """What the steps read of the start-up's results, under the names they use."""
@@ -69,6 +71,7 @@ class Worker:
         self.pools = [(self.kv_pool, self.host_pool)]
         if isinstance(self.proposer, DraftModelProposer):
             self.pools.append((self.proposer.kv_pool, self.proposer.host_pool))
+        self.device_pools = [device_pool for device_pool, _ in self.pools]  # what ReadBlocks and pulls move
         self.kv_window = worker_kv_window(weights, self.proposer)  # reported: the scheduler frees blocks behind it
 
     @property
@@ -154,9 +157,10 @@ class Worker:
                 outputs[i].draft_token_ids = proposed
 
     def _move_blocks(self, plan: StepPlan) -> set[int]:
-        """Swap out, swap in, then copy-on-write copies: all before the forward pass, in every pool. Returns the
-        device blocks a failed swap-in left unfilled (a host-memory transfer that failed costs a recompute, not
-        the worker): any of the plan's, since one failure may leave any of them half written."""
+        """Swap out, swap in, pulls from prefill workers, then copy-on-write copies: all before the forward pass,
+        in every pool. Returns the device blocks a failed swap-in or pull left unfilled (a transfer that failed
+        costs a recompute, not the worker): for a swap-in any of the plan's, since one failure may leave any of
+        them half written; for a pull, that pull's."""
         unfilled: set[int] = set()
         for device_pool, host_pool in self.pools:
             if plan.swap_out:
@@ -167,11 +171,14 @@ class Worker:
                 except (RuntimeError, OSError, MemoryError) as error:
                     log.error("swap_in_failed", blocks=len(plan.swap_in), error=str(error))
                     unfilled = {dst for _, dst in plan.swap_in}
-            if plan.copies:
-                self._copy_blocks(device_pool, plan.copies)
         if plan.swap_in and self.tp.size > 1:  # every rank must leave the same sequences out of the step
             failures = self.tp.all_reduce(torch.tensor([float(bool(unfilled))], device=self.device))
             unfilled = {dst for _, dst in plan.swap_in} if failures.item() else set()
+        if plan.pulls:
+            unfilled |= self.kv_puller.pull(plan, self.device_pools)
+        if plan.copies:
+            for device_pool in self.device_pools:
+                self._copy_blocks(device_pool, plan.copies)
         return unfilled | {dst for src, dst in plan.copies if src in unfilled}
 
     def _copy_blocks(self, pool: torch.Tensor, pairs: list[tuple[int, int]]) -> None:
@@ -221,6 +228,7 @@ class Worker:
         """Drops every sequence (a new scheduler starts from nothing)."""
         for seq_id in list(self.seqs):
             self._drop(seq_id)
+        self.kv_puller.forget()
 
     def _forward(self, batch: list[tuple[WorkerSequence, int]]) -> tuple[torch.Tensor, list[int]]:
         """The hidden states of every scheduled token, and where each sequence's rows start in them (one
