@@ -15,7 +15,10 @@ whole prefix up to its token, so a block reused by another sequence cannot pass 
 With ``fail_swap_ins`` the swap-ins of that many steps (the first that have any) fail as a real
 worker reports it: their destination blocks are filled with garbage, the sequences holding them are
 left out, and the result names the blocks and those sequences (``failed_block_ids``,
-``recompute_seq_ids``)."""
+``recompute_seq_ids``).
+
+For prefill/decode disaggregation, ``peers`` maps addresses to the fake workers a plan's pulls read
+from; with ``fail_pulls`` the pulls of that many steps fail alike (garbage, left out, reported)."""
 
 from __future__ import annotations
 
@@ -26,13 +29,15 @@ class FakeWorker:
     def __init__(self, num_blocks: int, block_size: int, max_model_len: int = 512, vocab_size: int = 100,
                  eos_token_ids: tuple[int, ...] = (0,), num_cpu_blocks: int = 0, num_speculative_tokens: int = 0,
                  kv_window: int | None = None, num_cpu_offload_blocks: int = 0,
-                 fail_swap_ins: int = 0):
+                 fail_swap_ins: int = 0, fail_pulls: int = 0):
         self.info = WorkerInfo(model="fake", num_kv_blocks=num_blocks, block_size=block_size,
                                max_model_len=max_model_len, vocab_size=vocab_size, eos_token_ids=eos_token_ids,
                                device="cpu", dtype="float32", num_cpu_blocks=num_cpu_blocks,
                                num_speculative_tokens=num_speculative_tokens, kv_window=kv_window,
                                num_cpu_offload_blocks=num_cpu_offload_blocks)
         self.fail_swap_ins = fail_swap_ins  # steps with swap-ins left to fail
+        self.fail_pulls = fail_pulls  # steps with pulls left to fail
+        self.peers: dict[str, FakeWorker] = {}  # the workers pulls read from, by address
         self.num_accepted = 0  # drafts accepted, over all steps
         self.seqs: dict[int, dict] = {}
         self.plans: list[StepPlan] = []
@@ -116,6 +121,15 @@ class FakeWorker:
             unfilled = {dst for _, dst in plan.swap_in}
         for src, dst in plan.swap_in:
             self.device[dst] = ["garbage"] * self.info.block_size if dst in unfilled else list(self.host[src])
+        failed_pulls = bool(plan.pulls) and self.fail_pulls > 0
+        self.fail_pulls -= failed_pulls
+        for pull in plan.pulls:
+            for src, dst in pull.moves:
+                if failed_pulls:
+                    unfilled.add(dst)
+                    self.device[dst] = ["garbage"] * self.info.block_size
+                else:
+                    self.device[dst] = list(self.peers[pull.source].device[src])
         moved = [(dst, list(self.device[src])) for src, dst in plan.copies]
         for dst, contents in moved:
             self.device[dst] = contents

@@ -363,10 +363,29 @@ class BlockManager:
         self.append_slots(seq_id, num_tokens)
         return self.block_table(seq_id)
 
-    def publish_cache(self) -> CacheDigest:
-        """From now on, record what the prefix caches index and unindex (for the gateways' routing); returns
-        the record. Its changes follow a snapshot: cached_keys() taken before the next change."""
-        digest = CacheDigest()
+    def allocate_transferred(self, seq_id: int, hits: CacheHit, source_blocks: tuple[int | None, ...],
+                             num_source_tokens: int, num_tokens: int) -> list[tuple[int, int]]:
+        """Start a handed-off sequence's table (prefill/decode disaggregation): its cached start here, then fresh
+        blocks up to ``num_tokens`` slots; returns the (source block, block here) pairs to pull for the rest of
+        its ``num_source_tokens`` computed tokens. The entries the source released behind the window are
+        released here too. ``hits`` must come from transfer_hits."""
+        self.allocate_with_hits(seq_id, hits, num_tokens)
+        table = self._seqs[seq_id].table
+        return [(source_blocks[index], table[index].block_id)
+                for index in range(hits.num_blocks, self.blocks_for(num_source_tokens))]
+
+    def transfer_hits(self, hits: CacheHit, source_blocks: tuple[int | None, ...]) -> CacheHit:
+        """A handed-off sequence's cached start here, so that every block after it is one the source holds: the
+        source's released entries (a run at its start) lie behind the window of the sequence's next token, so
+        no kernel reads them, and when they reach past the hits, the start is those released entries alone."""
+        released = next((index for index, block in enumerate(source_blocks) if block is not None), len(source_blocks))
+        return hits if released <= hits.num_blocks else CacheHit((None,) * released)
+
+    def publish_cache(self, digest: CacheDigest | None = None) -> CacheDigest:
+        """From now on, record what the prefix caches index and unindex (for the gateways' routing) in ``digest``
+        (one that other block managers record in too) or a new one; returns the record. Its changes follow a
+        snapshot: cached_keys() taken before the next change."""
+        digest = CacheDigest() if digest is None else digest
         self.pool.digest = digest
         if self.host is not None:
             self.host.pool.digest = digest

@@ -17,7 +17,7 @@ from services.scheduler.output_processor import OutputProcessor
 from services.scheduler.preemption import choose_preemption
 from services.scheduler.request_stats import RequestStats
 from services.scheduler.sequence import Sequence, SequenceStatus, SequenceUpdate
-from shared.step_protocol import Fork, NewSequence, StepPlan, StepResult, running_sequence
+from shared.step_protocol import Fork, KVPull, NewSequence, StepPlan, StepResult, running_sequence
 
 
 @dataclass(frozen=True)
@@ -36,10 +36,15 @@ def _in_order(seq: Sequence) -> tuple[int, int, int]:
 
 class Scheduler:
     def __init__(self, limits: SchedulerLimits, block_manager: BlockManager, eos_token_ids: tuple[int, ...],
-                 max_model_len: int, new_seq_id=None, max_loras: int = 0):
+                 max_model_len: int, new_seq_id=None, max_loras: int = 0, hands_off: bool = False,
+                 request_stats: RequestStats | None = None):
         """``max_loras``: the distinct LoRA adapters the worker runs in one step (0: none); ``new_seq_id``
-        allocates ids for beams that fork."""
+        allocates ids for beams that fork. ``hands_off``: a prefill stage (prefill/decode disaggregation), whose
+        sequences leave it once their prompt is computed and their first token sampled (take_handoffs);
+        ``request_stats``: the per-request times, shared by the stages a request passes through."""
         self.limits = limits
+        self.hands_off = hands_off
+        self._handed_off: list[Sequence] = []  # since the last take_handoffs
         self.max_loras = max_loras
         self.blocks = block_manager
         self.max_model_len = max_model_len
@@ -59,7 +64,11 @@ class Scheduler:
         self.prefix_cache_hits = 0  # of those, tokens found on the device (their prefill skipped)
         self.host_cache_queries = 0  # prompt tokens looked up in the host tier: those the device lacked
         self.host_cache_hits = 0  # of those, tokens found there (loaded, not computed)
-        self.request_stats = RequestStats(max_model_len)  # vLLM's per-request histograms
+        self.request_stats = RequestStats(max_model_len) if request_stats is None else request_stats
+        self.num_kv_pulls = 0  # handed-off sequences whose KV came from a prefill worker
+        self.kv_pull_blocks = 0  # blocks pulled for them
+        self.kv_pull_blocks_cached = 0  # blocks this stage's prefix cache held, so not pulled
+        self._pulls: dict[str, list[tuple[int, int]]] = {}  # this plan's pulls, by source
         self.draft_acceptance = DraftAcceptance()  # speculative decoding's counts
         self._outputs = OutputProcessor(self, eos_token_ids, max_model_len, self.draft_acceptance, new_seq_id)
 
@@ -170,7 +179,8 @@ class Scheduler:
         stores, loads = self.blocks.seal_plan()
         plan.swap_out.extend(stores)
         plan.swap_in.extend(loads)
-        self._unconfirmed_swap_in = bool(plan.swap_in)
+        plan.pulls, self._pulls = [KVPull(source, moves) for source, moves in self._pulls.items()], {}
+        self._unconfirmed_swap_in = bool(plan.swap_in or plan.pulls)
         self._describe_work(scheduled, plan)
         return plan, scheduled
 
@@ -204,8 +214,8 @@ class Scheduler:
 
     def _work_left(self, seq: Sequence) -> int:
         """Tokens the running sequence could compute in this step; 0 when it has none to schedule."""
-        if seq.status is not SequenceStatus.RUNNING:
-            return 0
+        if seq.status is not SequenceStatus.RUNNING or self.hands_off and seq.num_placeholders:
+            return 0  # (a prefill stage's sequence whose first sample is coming is handed off, not decoded)
         work = seq.num_uncomputed_tokens
         return work if work > 0 and not seq.awaits_last_token(self.max_model_len) else 0
 
@@ -279,8 +289,10 @@ class Scheduler:
                 continue  # a recomputed beam that already reported: nothing to do until its group decides
             if not self._adapter_fits(seq, adapters):
                 continue  # waits for a running adapter to finish; others behind it may go
-            hits = self._cache_hits(seq)
-            num_cached = hits.num_blocks * self.blocks.block_size
+            hits, source = self._cache_hits(seq), seq.kv_source
+            if source is not None:  # handed off by a prefill stage: its computed tokens come from there
+                hits = self.blocks.transfer_hits(hits, source.block_ids)
+            num_cached = hits.num_blocks * self.blocks.block_size if source is None else source.num_tokens
             num_tokens = seq.num_tokens - num_cached
             if num_tokens > budget and not self.limits.enable_chunked_prefill:
                 break
@@ -290,9 +302,12 @@ class Scheduler:
             # (and a prompt needing nearly the whole cache, admissible as it is, would wait forever).
             if not self.blocks.can_allocate(seq.seq_id, total, keep_watermark=bool(self.running), hits=hits):
                 break
-            self.blocks.allocate_with_hits(seq.seq_id, hits, total)
-            num_loaded = len(hits.on_host) * self.blocks.block_size  # of the cached tokens, from the host tier
-            self._count_cache_lookup(seq, num_cached, num_loaded)
+            if source is None:
+                self.blocks.allocate_with_hits(seq.seq_id, hits, total)
+                num_loaded = len(hits.on_host) * self.blocks.block_size  # of the cached tokens, from the host tier
+                self._count_cache_lookup(seq, num_cached, num_loaded)
+            else:
+                self._pull(seq, hits, total)
             seq.num_computed_tokens = num_cached
             if seq.num_cached_tokens is None:  # a recomputed sequence's own earlier blocks are no cache hit
                 seq.num_cached_tokens = num_cached
@@ -306,6 +321,15 @@ class Scheduler:
             scheduled[seq.seq_id] = num_tokens
             budget -= num_tokens
         return budget
+
+    def _pull(self, seq: Sequence, hits: CacheHit, num_tokens: int) -> None:
+        """A handed-off sequence's table: what this stage caches of it, then blocks its KV is pulled into."""
+        source = seq.kv_source
+        moves = self.blocks.allocate_transferred(seq.seq_id, hits, source.block_ids, source.num_tokens, num_tokens)
+        self._pulls.setdefault(source.address, []).extend(moves)
+        self.num_kv_pulls += 1
+        self.kv_pull_blocks += len(moves)
+        self.kv_pull_blocks_cached += len(hits.device_blocks())
 
     def _running_adapters(self) -> set:
         """The LoRA adapters of the running sequences (empty without LoRA: nothing to count)."""
@@ -424,7 +448,30 @@ class Scheduler:
         front end."""
         if result.failed_block_ids:
             scheduled, result = self._recompute_unfilled(scheduled, result)
-        return self._outputs.update_from_output(scheduled, result, seqs)
+        updates = self._outputs.update_from_output(scheduled, result, seqs)
+        if self.hands_off:
+            self._hand_off_sampled()
+        return updates
+
+    def _hand_off_sampled(self) -> None:
+        """A prefill stage's sequences that have just sampled (their first token, or the first after a resumption)
+        leave it: the worker forgets them, their blocks stay held until the decode stage has pulled them."""
+        for seq in [s for s in self.running if s.output_token_ids and s.num_uncomputed_tokens == 1]:
+            self.running.remove(seq)
+            if seq.known_to_worker:
+                self._plan.finished_seq_ids.append(seq.seq_id)
+            seq.reset_for_handoff()
+            self._handed_off.append(seq)
+
+    def take_handoffs(self) -> list[Sequence]:
+        """The sequences handed off since the last call (a prefill stage's), holding their blocks here."""
+        handed_off, self._handed_off = self._handed_off, []
+        return handed_off
+
+    def take_over(self, seq: Sequence) -> None:
+        """A sequence a prefill stage handed off (its kv_source set): it waits here in order, and its admission
+        pulls its KV rather than computing it."""
+        self._enqueue(seq)
 
     def _recompute_unfilled(self, scheduled: dict[int, int], result: StepResult) -> tuple[dict[int, int], StepResult]:
         """A swap-in failed on the worker: its blocks leave the prefix caches, and the sequences the worker left

@@ -32,7 +32,7 @@ class Sequence:
                  "arrival", "status", "num_computed_tokens", "num_inflight_tokens", "num_placeholders",
                  "stop_reason", "known_to_worker", "num_tokens_sent", "num_blocks_sent", "num_prompt_logprobs",
                  "num_cached_tokens", "whole_prompt", "cache_extra", "table_replaced", "siblings",
-                 "pending_siblings", "worker_params", "beam_group", "draft_token_ids", "inflight_drafts")
+                 "pending_siblings", "worker_params", "beam_group", "draft_token_ids", "inflight_drafts", "kv_source")
 
     def __init__(self, seq_id: int, request: EngineRequest, index: int, max_output_tokens: int, arrival: int,
                  params: SamplingParams | None = None, whole_prompt: bool = False):
@@ -72,6 +72,9 @@ class Sequence:
         # result), and the ones the step in flight verifies.
         self.draft_token_ids: list[int] = []
         self.inflight_drafts: list[int] = []
+        # Prefill/decode disaggregation: where its computed KV waits, on the decode stage until the step that
+        # pulls it has come back (a KVSource, kv_handoff.py); None otherwise.
+        self.kv_source = None
 
     @property
     def request_id(self) -> str:
@@ -122,6 +125,13 @@ class Sequence:
         self.table_replaced = False
         self.num_tokens_sent = self.num_blocks_sent = 0
         self.draft_token_ids, self.inflight_drafts = [], []  # proposed for the sequence's state on the worker
+
+    def reset_for_handoff(self) -> None:
+        """Its prompt is computed and its first token sampled on a prefill stage: it waits for the decode stage,
+        which has not heard of it, keeping its computed tokens (their KV moves there)."""
+        computed = self.num_computed_tokens
+        self.reset_for_recompute()
+        self.num_computed_tokens = computed
 
     def __repr__(self) -> str:
         return (f"Sequence(id={self.seq_id}, req={self.request_id!r}, {self.status.value}, "
