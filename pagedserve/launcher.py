@@ -1,6 +1,7 @@
 """`pagedserve serve`: gateway, scheduler and one worker on this machine (or, with
 --data-parallel-size N, N scheduler + worker pairs behind the gateway; with --tensor-parallel-size M,
-M workers per scheduler, holding the model between them), as processes talking gRPC over Unix
+M workers per scheduler, holding the model between them; with --prefill-workers P --decode-workers D,
+P workers computing prompts and D workers decoding, per scheduler), as processes talking gRPC over Unix
 sockets; waits until all are healthy, starts again a child that crashes (a tensor-parallel group
 all together), and on Ctrl-C or SIGTERM drains and stops them in order (gateway, then schedulers,
 then workers)."""
@@ -20,7 +21,7 @@ from pagedserve.preflight import lora_modules_error, model_error, port_taken_err
 from pagedserve.serve_flags import ServeParser
 from services.gateway.options import gateway_options
 from services.gateway.server import arguments_error as gateway_arguments_error
-from services.scheduler.local_workers import free_tcp_port, process_environments, terminate_with_parent
+from services.scheduler.local_workers import free_tcp_port, process_cpus, process_environments, terminate_with_parent
 from shared.config import EngineConfig
 from shared.healthcheck import grpc_healthy, http_healthy
 from shared.options import refusal
@@ -73,6 +74,8 @@ class Child:
     group: str | None = None  # a tensor-parallel group: its ranks stop and start together
     started: float = 0.0  # monotonic time of its latest start
     healthy: bool = False  # has been healthy since its latest start
+    scheduler_flag: str = "--worker"  # a worker: how its scheduler is told of it (a prefill or decode worker's own)
+    cpus: list[int] | None = None  # the cores it is pinned to (workers sharing a CPU machine); None: not pinned
 
     def is_healthy(self) -> bool:
         kind, where = self.health
@@ -85,13 +88,31 @@ def local_url(host: str, port: int, path: str) -> str:
     return f"http://{f'[{host}]' if ':' in host else host}:{port}{path}"
 
 
+def is_disaggregated(args: argparse.Namespace) -> bool:
+    return bool(args.prefill_workers or args.decode_workers)
+
+
+def workers_per_backend(args: argparse.Namespace) -> int:
+    return args.prefill_workers + args.decode_workers if is_disaggregated(args) else args.tensor_parallel_size
+
+
 def worker_envs(args: argparse.Namespace) -> list[dict[str, str]]:
-    """Per worker (backend by backend, rank by rank), what keeps them apart: a GPU each, or an equal share
-    of the CPU cores."""
+    """Per worker (backend by backend, rank by rank, or prefill workers then decode workers), what keeps them
+    apart: a GPU each, or an equal share of the CPU cores."""
     for flag in ("data_parallel_size", "tensor_parallel_size"):
         if getattr(args, flag) < 1:
             raise ValueError(f"--{flag.replace('_', '-')} must be >= 1, got {getattr(args, flag)}")
-    return process_environments(args.data_parallel_size * args.tensor_parallel_size, args.device)
+    if is_disaggregated(args):
+        if args.prefill_workers < 1 or args.decode_workers < 1:
+            raise ValueError("prefill/decode disaggregation needs --prefill-workers and --decode-workers, each >= 1")
+        if args.tensor_parallel_size > 1:
+            raise ValueError("prefill/decode disaggregation runs one worker per stage: leave --tensor-parallel-size 1")
+    return process_environments(args.data_parallel_size * workers_per_backend(args), args.device)
+
+
+def worker_cpus(args: argparse.Namespace) -> list[list[int] | None]:
+    """Per worker, in worker_envs' order, the cores it is pinned to (workers sharing a CPU machine)."""
+    return process_cpus(args.data_parallel_size * workers_per_backend(args), args.device)
 
 
 class Stack:
@@ -109,9 +130,10 @@ class Stack:
         """Every worker starts at once (loading weights is most of a start); the schedulers and the
         gateway once all serve. The gateway waits for its schedulers by itself, so it starts with them."""
         args = self.args
-        envs = worker_envs(args)
-        tp = args.tensor_parallel_size
-        backends = [self._spawn_workers("worker" + self._suffix(i), i, envs[i * tp:(i + 1) * tp])
+        envs, cpus = worker_envs(args), worker_cpus(args)
+        per = workers_per_backend(args)
+        spawn = self._spawn_stages if is_disaggregated(args) else self._spawn_workers
+        backends = [spawn("worker" + self._suffix(i), i, envs[i * per:(i + 1) * per], cpus[i * per:(i + 1) * per])
                     for i in range(args.data_parallel_size)]
         for ranks in backends:
             for child in ranks:
@@ -119,7 +141,7 @@ class Stack:
         schedulers = []
         for i, ranks in enumerate(backends):
             address = f"unix:{self.socket_dir}/scheduler{i}.sock"
-            workers = [flag for child in ranks for flag in ("--worker", child.health[1])]
+            workers = [flag for child in ranks for flag in (child.scheduler_flag, child.health[1])]
             schedulers.append(self._spawn(Child("scheduler" + self._suffix(i), "scheduler",
                                                 ["--listen", address, *workers] + self.parser.argv_for("scheduler", args),
                                                 {}, ("grpc", address))))
@@ -133,12 +155,13 @@ class Stack:
     def _suffix(self, backend: int) -> str:
         return f" {backend}" if self.args.data_parallel_size > 1 else ""
 
-    def _spawn_workers(self, label: str, backend: int, envs: list[dict[str, str]]) -> list[Child]:
+    def _spawn_workers(self, label: str, backend: int, envs: list[dict[str, str]],
+                       cpus: list[list[int] | None]) -> list[Child]:
         """A backend's worker, or its tensor-parallel group (meeting at a TCP port of its own), in rank order."""
         if len(envs) == 1:
             address = f"unix:{self.socket_dir}/worker{backend}.sock"
             return [self._spawn(Child(label, "worker", worker_argv(self.parser, self.args, address), envs[0],
-                                      ("grpc", address)))]
+                                      ("grpc", address), cpus=cpus[0]))]
         meeting = f"tcp://127.0.0.1:{free_tcp_port()}"
         ranks = []
         for rank, env in enumerate(envs):
@@ -146,8 +169,21 @@ class Stack:
             argv = worker_argv(self.parser, self.args, address) + ["--tensor-parallel-rank", str(rank),
                                                                    "--distributed-init-method", meeting]
             ranks.append(self._spawn(Child(f"{label} rank {rank}", "worker", argv, env, ("grpc", address),
-                                           group=label)))
+                                           group=label, cpus=cpus[rank])))
         return ranks
+
+    def _spawn_stages(self, label: str, backend: int, envs: list[dict[str, str]],
+                      cpus: list[list[int] | None]) -> list[Child]:
+        """A backend's prefill workers, then its decode workers (each restarts alone: the scheduler recomputes
+        what a lost one held)."""
+        children = []
+        for i, env in enumerate(envs):
+            role, number = ("prefill", i) if i < self.args.prefill_workers else ("decode", i - self.args.prefill_workers)
+            address = f"unix:{self.socket_dir}/worker{backend}-{role}{number}.sock"
+            children.append(self._spawn(Child(f"{label} ({role} {number})", "worker",
+                                              worker_argv(self.parser, self.args, address), env, ("grpc", address),
+                                              scheduler_flag=f"--{role}-worker", cpus=cpus[i])))
+        return children
 
     def _restart(self, child: Child) -> None:
         """A child starts again; a tensor-parallel group's ranks cannot go on without one of them: all start
@@ -175,7 +211,14 @@ class Stack:
         # The child reads the PAGEDSERVE_* variables too, but a flag passed here wins over its variable
         # (a list flag's values replace the variable's: shared/option_flags.py).
         env = {**os.environ, "PYTHONUNBUFFERED": "1", **child.env}
-        child.proc = subprocess.Popen(cmd, env=env, start_new_session=True, preexec_fn=terminate_with_parent)
+        cpus = child.cpus
+
+        def before_exec() -> None:
+            terminate_with_parent()
+            if cpus:  # its threads stay on its own cores
+                os.sched_setaffinity(0, cpus)
+
+        child.proc = subprocess.Popen(cmd, env=env, start_new_session=True, preexec_fn=before_exec)
         child.started, child.healthy = time.monotonic(), False
         self.children[child.label] = child
         return child

@@ -16,7 +16,8 @@ from shared.options import Option, command_line, option, options_of
 from shared.tracing import TracingOptions
 
 # Where each child listens and whom it talks to: chosen by the launcher, not by the user.
-SET_BY_LAUNCHER = frozenset({"listen", "worker", "scheduler", "tensor_parallel_rank", "distributed_init_method"})
+SET_BY_LAUNCHER = frozenset({"listen", "worker", "scheduler", "tensor_parallel_rank", "distributed_init_method",
+                             "prefill_worker", "decode_worker"})
 
 GROUPS = {
     "worker": "engine (every worker; the scheduler takes its limits too)",
@@ -31,6 +32,10 @@ EVERY_SERVICE = ("every service (gateway, scheduler and workers)", options_of(Tr
 class LauncherOptions:
     data_parallel_size: int = option(1, "schedulers, each with a worker (a GPU of its own, or a share of the CPU "
                                         "cores), behind the one gateway", short="-dp")
+    prefill_workers: int = option(0, "prefill/decode disaggregation: workers that compute prompts, per scheduler "
+                                     "(with --decode-workers; each a GPU of its own, or a share of the CPU cores)")
+    decode_workers: int = option(0, "prefill/decode disaggregation: workers that decode, per scheduler, pulling "
+                                    "each sequence's KV from the prefill worker that computed its prompt")
     startup_timeout: float = option(300.0, "seconds a child may take to become healthy (at start, and after a "
                                            "crash); one that takes longer is stopped and counts as a crash")
 

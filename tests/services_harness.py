@@ -148,11 +148,12 @@ class Stack:
     def scheduler_address(self) -> str:
         return f"127.0.0.1:{self.scheduler_port}"
 
-    def _spawn(self, name: str, *args: str) -> None:
+    def _spawn(self, name: str, *args: str, command: str | None = None) -> None:
+        """``pagedserve <command>`` (the name's, unless given) as service ``name``, its log in <name>.log."""
         env = {**os.environ, "TOKENIZERS_PARALLELISM": "false", "PYTHONUNBUFFERED": "1"}
         log = open(self.log_dir / f"{name}.log", "wb")
-        self.procs[name] = subprocess.Popen([sys.executable, "-m", "pagedserve", name, *args], cwd=REPO, env=env,
-                                            stdout=log, stderr=subprocess.STDOUT)
+        self.procs[name] = subprocess.Popen([sys.executable, "-m", "pagedserve", command or name, *args], cwd=REPO,
+                                            env=env, stdout=log, stderr=subprocess.STDOUT)
         log.close()  # the child holds its own copy
 
     def start(self, timeout_s: float = START_LIMIT_S, headers: dict[str, str] | None = None) -> "Stack":
@@ -202,7 +203,7 @@ class Stack:
 
     def stop(self, timeout_s: float = 15.0) -> dict[str, int | None]:
         """SIGTERM front to back, then SIGKILL whatever is left; the exit codes by service."""
-        for name in ("gateway", "scheduler", "worker"):
+        for name in ("gateway", "scheduler", "worker", *self.procs):  # (then any other worker)
             proc = self.procs.get(name)
             if proc is not None and proc.poll() is None:
                 proc.terminate()

@@ -51,6 +51,22 @@ def process_environments(count: int, device: str) -> list[dict[str, str]]:
     return [{"OMP_NUM_THREADS": str(threads)} for _ in range(count)]
 
 
+def process_cpus(count: int, device: str) -> list[list[int] | None]:
+    """Per process of a group that shares a CPU machine, the cores it is pinned to: an equal run each (so its
+    threads stay on them and never preempt each other's); None: not pinned (one process, or GPUs)."""
+    if count == 1 or device not in ("auto", "cpu"):
+        return [None] * count
+    import torch
+
+    if device == "auto" and torch.cuda.device_count():
+        return [None] * count
+    cores = sorted(os.sched_getaffinity(0))
+    share = len(cores) // count
+    if share == 0:
+        return [None] * count
+    return [cores[i * share:(i + 1) * share] for i in range(count)]
+
+
 def engine_flags(config: EngineConfig) -> list[str]:
     """The worker command line that gives a worker this config."""
     return command_line(options_of(EngineConfig), config)

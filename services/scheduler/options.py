@@ -16,6 +16,12 @@ class SchedulerOptions:
     listen: str = option("127.0.0.1:50051", "address to serve the scheduler API on")
     worker: list[str] | None = option(None, "worker address, host:port (default: 127.0.0.1:50061); repeated: the "
                                             "ranks of a tensor-parallel group, in order")
+    # Prefill/decode disaggregation: given, the scheduler drives these workers instead of --worker's group.
+    prefill_worker: list[str] | None = option(None, "a prefill worker's address (prefill/decode disaggregation: "
+                                                    "prompts are computed there); repeated: several")
+    decode_worker: list[str] | None = option(None, "a decode worker's address (with --prefill-worker: sequences "
+                                                   "decode there, pulling their KV from the prefill worker); "
+                                                   "repeated: several")
     async_scheduling: bool = option(True, "plan each step while the worker computes the one before")
     connect_timeout: float = option(60.0, "seconds to wait at start for the worker to answer")
     max_streams: int = option(1024, "concurrent gateway streams")

@@ -15,6 +15,7 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
+from services.scheduler.disaggregated_core import DisaggregatedCore
 from services.scheduler.engine_core import EngineCore
 from services.scheduler.engine_loop import EngineLoop
 from services.scheduler.grpc_executor import GRPC_OPTIONS, GrpcExecutor
@@ -152,6 +153,26 @@ def build_engine(worker_addresses: list[str], limits_from, watermark: float, max
     return EngineCore(executor, limits, watermark, max_logprobs, enable_prefix_caching, tracing)
 
 
+def build_disaggregated(prefill_addresses: list[str], decode_addresses: list[str], limits_from, watermark: float,
+                        max_logprobs: int, enable_prefix_caching: bool, connect_timeout_s: float = 60.0,
+                        tracing: Tracing | None = None, async_scheduling: bool = True) -> DisaggregatedCore:
+    """One engine over prefill workers and decode workers (each reaches the prefill workers at these
+    addresses too)."""
+    executors: list[GrpcExecutor] = []
+    try:
+        for address in prefill_addresses + decode_addresses:
+            executors.append(GrpcExecutor(address, connect_timeout_s))
+        prefill = list(zip(executors[:len(prefill_addresses)], prefill_addresses))
+        decode = list(zip(executors[len(prefill_addresses):], decode_addresses))
+        limits = limits_from(decode[0][0].worker_info().max_model_len)
+        return DisaggregatedCore(prefill, decode, limits, watermark, max_logprobs, enable_prefix_caching, tracing,
+                                 async_scheduling)
+    except BaseException:
+        for executor in executors:
+            executor.shutdown()
+        raise
+
+
 def serve(args: argparse.Namespace) -> None:
     def limits_from(max_model_len: int) -> SchedulerLimits:
         budget = token_budget(args.max_num_batched_tokens, args.enable_chunked_prefill, max_model_len)
@@ -161,6 +182,10 @@ def serve(args: argparse.Namespace) -> None:
     tracing = start_tracing("scheduler", args.otlp_traces_endpoint)
 
     def new_engine(connect_timeout_s: float = 60.0) -> EngineCore:
+        if args.prefill_worker:
+            return build_disaggregated(args.prefill_worker, args.decode_worker, limits_from, args.watermark,
+                                       args.max_logprobs, args.enable_prefix_caching, connect_timeout_s, tracing,
+                                       args.async_scheduling)
         return build_engine(args.worker, limits_from, args.watermark, args.max_logprobs, args.enable_prefix_caching,
                             connect_timeout_s, tracing)
 
@@ -177,7 +202,8 @@ def serve(args: argparse.Namespace) -> None:
     server.add_insecure_port(args.listen)
     server.start()
     health_servicer.set("", health_pb2.HealthCheckResponse.SERVING)
-    log.info("scheduler serving", address=args.listen, workers=args.worker, kv_blocks=engine.info.num_kv_blocks)
+    log.info("scheduler serving", address=args.listen, workers=args.worker, prefill_workers=args.prefill_worker,
+             decode_workers=args.decode_worker, kv_blocks=engine.info.num_kv_blocks)
     stop = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: stop.set())
@@ -193,10 +219,12 @@ def serve(args: argparse.Namespace) -> None:
         # is plainly alive: a probe then would only wake its threads beside its compute. A worker
         # that is hung rather than dead answers no step, so a stalled step is probed too.
         busy = loop.num_in_flight() > 0 and loop.seconds_since_last_step() < STALLED_STEP_S
-        healthy = loop.healthy and (busy or engine.executor.worker_healthy())
-        loop.refusing = None if healthy else f"the worker at {engine.executor.address} is not answering"
-        if not loop.failed and loop.num_in_flight() == 0 and engine.executor.stream_ended():
-            loop.fail_if_idle(f"the worker at {engine.executor.address} went away")  # rebuilt once one answers
+        silent = [] if busy or not loop.healthy else [e.address for e in engine.executors if not e.worker_healthy()]
+        healthy = loop.healthy and not silent
+        loop.refusing = None if healthy else f"the worker at {(silent or [engine.executor.address])[0]} is not answering"
+        gone = [e.address for e in engine.executors if e.stream_ended()]
+        if not loop.failed and loop.num_in_flight() == 0 and gone:
+            loop.fail_if_idle(f"the worker at {gone[0]} went away")  # rebuilt once one answers
         health_servicer.set("", health_pb2.HealthCheckResponse.SERVING if healthy
                             else health_pb2.HealthCheckResponse.NOT_SERVING)
     drain(loop, health_servicer, args.drain_timeout)
@@ -245,7 +273,10 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if (error := refusal(EngineConfig, args)) is not None:  # its limits, checked as the worker checks them
         parser.error(error)
-    args.worker = args.worker or ["127.0.0.1:50061"]
+    if bool(args.prefill_worker) != bool(args.decode_worker) or args.prefill_worker and args.worker:
+        parser.error("prefill/decode disaggregation takes --prefill-worker and --decode-worker (each at least once) "
+                     "and no --worker")
+    args.worker = args.worker or ([] if args.prefill_worker else ["127.0.0.1:50061"])
     try:
         serve(args)
     except (ServiceUnavailable, ValueError) as exc:  # no worker to start on, or one of another release

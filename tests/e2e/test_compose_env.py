@@ -121,10 +121,30 @@ def test_the_gpu_and_model_overrides():
         assert (host, inside, mode) == ("/srv/m", "/srv/m", "ro"), name
 
 
+def test_the_disaggregation_override(monkeypatch):
+    """A prefill worker like the worker service, and the scheduler told of both (and of no --worker)."""
+    from services.scheduler.server import build_parser
+    from shared.option_env import apply_env_defaults
+
+    spec = load("compose.disaggregated.yaml")["services"]
+    assert spec["prefill-worker"]["extends"] == {"file": "compose.yaml", "service": "worker"}
+    env = {key: interpolate(value, {}) for key, value in spec["scheduler"]["environment"].items()}
+    assert env == {"PAGEDSERVE_WORKER": "", "PAGEDSERVE_PREFILL_WORKER": "prefill-worker:50061",
+                   "PAGEDSERVE_DECODE_WORKER": "worker:50061"}
+    with monkeypatch.context() as patch:
+        for key, value in {**env, "PAGEDSERVE_DECODE_WORKER": "d1:50061,d2:50061"}.items():
+            patch.setenv(key, value)
+        parser = build_parser()
+        apply_env_defaults(parser)
+        args = parser.parse_args([])
+    assert (args.worker, args.prefill_worker, args.decode_worker) == (None, ["prefill-worker:50061"],
+                                                                      ["d1:50061", "d2:50061"])
+
+
 # Variables compose itself reads, not the services.
 COMPOSE_ONLY = {"PAGEDSERVE_PUBLISH_ADDRESS": "the host address the gateway's ports are published on",
                 "PAGEDSERVE_TORCH_INDEX_URL": "where the CUDA image's torch comes from (a build argument)"}
-COMPOSE_FILES = ("compose.yaml", "compose.gpu.yaml", "compose.model.yaml")
+COMPOSE_FILES = ("compose.yaml", "compose.gpu.yaml", "compose.model.yaml", "compose.disaggregated.yaml")
 
 
 def options_by_service() -> dict:

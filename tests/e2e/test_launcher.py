@@ -321,3 +321,30 @@ def test_data_and_tensor_parallel_sizes_are_checked():
     # Ranks and backends alike get equal shares of the cores.
     shares = worker_envs(build_parser().parse_args(["-dp", "2", "-tp", "2", "--device", "cpu"]))
     assert len(shares) == 4 and len({tuple(e.items()) for e in shares}) == 1
+
+
+def test_disaggregation_flags_are_checked_before_any_child_starts():
+    from pagedserve.launcher import build_parser, flags_error, worker_cpus, worker_envs
+
+    serve = build_parser()
+    assert "--decode-workers" in flags_error(serve.parse_args(["--prefill-workers", "1"]))
+    assert "--tensor-parallel-size 1" in flags_error(serve.parse_args(["--prefill-workers", "1", "--decode-workers",
+                                                                       "1", "-tp", "2"]))
+    args = serve.parse_args(["--prefill-workers", "1", "--decode-workers", "1", "--device", "cpu"])
+    assert flags_error(args) is None
+    assert len(worker_envs(args)) == 2 == len(worker_cpus(args))
+    cores = sorted(os.sched_getaffinity(0))
+    if len(cores) >= 2:  # each worker on its own cores, none shared
+        first, second = worker_cpus(args)
+        assert first and second and not set(first) & set(second) and set(first) | set(second) <= set(cores)
+
+
+def test_the_scheduler_takes_prefill_and_decode_workers_together_or_not_at_all(capfd):
+    from services.scheduler.server import main
+
+    for argv in (["--prefill-worker", "a:1"], ["--decode-worker", "a:1"],
+                 ["--prefill-worker", "a:1", "--decode-worker", "b:1", "--worker", "c:1"]):
+        with pytest.raises(SystemExit) as exit_info:
+            main(argv)
+        assert exit_info.value.code == 1
+        assert "--prefill-worker and --decode-worker" in capfd.readouterr().err
