@@ -10,6 +10,7 @@ step before it still runs), and writes them into its pools on the compute thread
 from __future__ import annotations
 
 import threading
+import warnings
 from collections.abc import Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 
@@ -60,7 +61,9 @@ def write_blocks(pools: list[torch.Tensor], pull: KVPull, chunks: list[wire.Bloc
                 "the source's blocks differ in size from this worker's: the two must run the same model and "
                 "KV cache configuration")
         raw = as_bytes(pool)
-        moved = torch.frombuffer(bytearray(chunk.data), dtype=torch.uint8).view(raw.dtype)
+        with warnings.catch_warnings():  # the message's bytes are read-only, and only read: no copy of them
+            warnings.filterwarnings("ignore", message="The given buffer is not writable")
+            moved = torch.frombuffer(chunk.data, dtype=torch.uint8).view(raw.dtype)
         moved = moved.view(*raw.shape[:2], chunk.count, *raw.shape[3:]).to(pool.device)
         ids = torch.tensor(destinations[chunk.first:chunk.first + chunk.count], dtype=torch.int64, device=pool.device)
         raw.index_copy_(2, ids, moved)
