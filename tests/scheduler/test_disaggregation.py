@@ -208,3 +208,84 @@ def test_workers_of_different_models_are_refused():
     prefill, decode = fake(40), FakeWorker(40, 2 * BS, vocab_size=1000)
     with pytest.raises(ValueError, match="block_size"):
         DisaggregatedCore([(InProcessExecutor(prefill), "p")], [(InProcessExecutor(decode), "d")], LIMITS)
+
+
+# --- through the real model: two workers in this process, the prefill one's blocks read over gRPC ------------
+
+
+@pytest.fixture
+def model_stages(llama_dir, tmp_path):
+    """A prefill worker serving ReadBlocks on a Unix socket, and a decode worker: (engine, decode worker)."""
+    from concurrent import futures
+
+    import grpc
+
+    from services.worker.server import WorkerServicer
+    from services.worker.worker import Worker
+    from shared.config import EngineConfig
+    from shared.proto import pagedserve_internal_pb2_grpc as wire_grpc
+
+    config = EngineConfig.from_kwargs(model=str(llama_dir), block_size=8, num_gpu_blocks_override=48)
+    prefill, decode = Worker(config), Worker(config)
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=2))
+    wire_grpc.add_WorkerServicer_to_server(WorkerServicer(prefill, compute=None), server)
+    address = f"unix:{tmp_path}/prefill.sock"
+    server.add_insecure_port(address)
+    server.start()
+    limits = SchedulerLimits(max_num_seqs=4, max_num_batched_tokens=64, enable_chunked_prefill=True)
+    engine = DisaggregatedCore([(InProcessExecutor(prefill), address)], [(InProcessExecutor(decode), "decode")],
+                               limits)
+    try:
+        yield engine, decode
+    finally:
+        engine.shutdown()
+        server.stop(None)
+
+
+def model_prompts(seed: int) -> list[list[int]]:
+    """Two sharing a start (a prefix hit on both sides for the second), one short, one of several blocks."""
+    rng = random.Random(seed)
+    shared = [rng.randrange(1, 500) for _ in range(37)]
+    return [shared + [rng.randrange(1, 500) for _ in range(5)], shared + [rng.randrange(1, 500) for _ in range(9)],
+            [rng.randrange(1, 500) for _ in range(3)], [rng.randrange(1, 500) for _ in range(61)]]
+
+
+def generate_one_by_one(engine, prompts: list[list[int]], max_tokens: int = 8) -> list[list[int]]:
+    params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
+    return [next(iter(run(engine, [EngineRequest(f"p{i}", prompt, params)]).values()))
+            for i, prompt in enumerate(prompts)]
+
+
+def test_the_real_model_through_two_workers_equals_transformers(model_stages, llama_dir):
+    from tests.oracle import assert_greedy_equal, hf_greedy
+
+    engine, _ = model_stages
+    prompts = model_prompts(5)
+    for prompt, tokens_out in zip(prompts, generate_one_by_one(engine, prompts)):
+        assert_greedy_equal(tokens_out, *hf_greedy(llama_dir, prompt, 8), what=f"prompt of {len(prompt)}")
+    stats = engine.get_stats()
+    assert stats["num_kv_pulls"] == 4 and stats["kv_pull_blocks_cached"] > 0 and stats["prefix_cache_hits"] > 0
+    check_all_released(engine)
+
+
+def test_a_failed_pull_between_real_workers_is_recomputed(model_stages, llama_dir):
+    import torch
+
+    from tests.oracle import assert_greedy_equal, hf_greedy
+
+    engine, decode = model_stages
+    fetch, failures = decode.kv_puller._fetch, []
+
+    def fail_once(pull):
+        if not failures:  # the destination half written: NaNs, if anything read it
+            failures.append(pull)
+            decode.kv_pool.view(torch.uint8)[:, :, [dst for _, dst in pull.moves]] = 0xFF
+            raise RuntimeError("injected: the transfer broke")
+        return fetch(pull)
+
+    decode.kv_puller._fetch = fail_once
+    prompts = model_prompts(6)
+    for prompt, tokens_out in zip(prompts, generate_one_by_one(engine, prompts)):
+        assert_greedy_equal(tokens_out, *hf_greedy(llama_dir, prompt, 8), what=f"prompt of {len(prompt)}")
+    assert failures and engine.get_stats()["num_failed_swap_ins"] == 1
+    check_all_released(engine)
