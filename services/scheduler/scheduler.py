@@ -136,6 +136,11 @@ class Scheduler:
         With a host tier (--kv-offloading-size), any block allocation may evict a cached prefix block into
         it (a store, run with the swap-outs), and a prompt's cached start may come from it (a load, run with
         the swap-ins): these moves go into every step's plan, whatever else it swaps.
+        With prefill/decode disaggregation (disaggregated_core.py), a prefill stage (hands_off) schedules a
+        sequence only up to its first sample, after which the sequence leaves it; on a decode stage such a
+        sequence waits in the queue like any other, and its admission in rule 4 pulls the KV the prefill
+        worker computed (the plan's pulls) into fresh blocks rather than computing it, after the start its
+        own prefix cache holds. No plan is made ahead of a step that pulls, as of one that swaps in.
 
         The plan may be made while the previous step still runs (see can_plan_ahead): a sequence
         sampling in that step counts its coming token as a placeholder, computed in this step,

@@ -239,6 +239,7 @@ def model_stages(llama_dir, tmp_path):
         yield engine, decode
     finally:
         engine.shutdown()
+        decode.kv_puller.close()  # its channel first: the server then goes without cancelling a call
         server.stop(None)
 
 
