@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 
 from shared.invalid_parameter import InvalidParameter, require
 from shared.lora import LoRARequest
+from shared.multimodal import ImageInput, check_images
 from shared.pooling import PoolerConfig, PoolingParams
 from shared.proto import pagedserve_internal_pb2 as wire
 from shared.resumption import Resumption
@@ -42,6 +43,7 @@ class EngineRequest:
     arrival_time: float = field(default_factory=time.time)  # when it was made (time.time()); kept when resumed
     # The W3C trace context it runs under (shared/tracing.py: traceparent, tracestate); None: untraced.
     trace_context: dict[str, str] | None = None
+    images: tuple[ImageInput, ...] = ()  # its prompt's images, in order (shared/multimodal.py)
 
     def to_proto(self) -> wire.EngineRequest:
         return wire.EngineRequest(
@@ -49,7 +51,8 @@ class EngineRequest:
             cache_salt=self.cache_salt, resumed=self.resumption.to_proto() if self.resumption is not None else (),
             lora=self.lora.to_proto() if self.lora is not None else None,
             pooling=self.pooling.to_proto() if self.pooling is not None else None,
-            priority=self.priority, arrival_time=self.arrival_time, trace_context=self.trace_context)
+            priority=self.priority, arrival_time=self.arrival_time, trace_context=self.trace_context,
+            images=[image.to_proto() for image in self.images])
 
     @classmethod
     def from_proto(cls, m: wire.EngineRequest) -> EngineRequest:
@@ -61,7 +64,8 @@ class EngineRequest:
             resumption=Resumption.from_proto(m.resumed),
             lora=LoRARequest.from_proto(m.lora) if m.HasField("lora") else None,
             pooling=PoolingParams.from_proto(m.pooling) if m.HasField("pooling") else None,
-            priority=m.priority, arrival_time=m.arrival_time, trace_context=dict(m.trace_context) or None)
+            priority=m.priority, arrival_time=m.arrival_time, trace_context=dict(m.trace_context) or None,
+            images=tuple(ImageInput.from_proto(image) for image in m.images))
 
 
 @dataclass(frozen=True, slots=True)
@@ -77,6 +81,7 @@ class RequestLimits:
     priority_scheduling: bool = False  # --scheduling-policy priority: requests may carry a priority
     pooler: PoolerConfig | None = None  # set: a pooling model (embeddings or class scores, no generation)
     model_name: str | None = None  # how errors name the model
+    image_token_id: int | None = None  # the placeholder of image features; None: the model takes no images
 
     @property
     def model(self) -> str:
@@ -96,6 +101,7 @@ def validate(request: EngineRequest, limits: RequestLimits) -> None:
             "requests are served first come, first served")
     require(type(request.priority) is int and PRIORITY_RANGE[0] <= request.priority <= PRIORITY_RANGE[1], "priority",
             f"must be an integer in [{PRIORITY_RANGE[0]}, {PRIORITY_RANGE[1]}], got {request.priority!r}")
+    check_images(request.images, request.prompt_token_ids, limits.image_token_id)
     if request.pooling is not None:
         _check_pooling(request, limits)
     else:

@@ -33,6 +33,7 @@ from dataclasses import dataclass, field
 
 from shared.columns import merge_by_position
 from shared.lora import LoRARequest
+from shared.multimodal import ImageInput
 from shared.pooling import PoolerConfig, PoolingParams
 from shared.proto import pagedserve_internal_pb2 as wire
 from shared.sampling_params import SamplingParams
@@ -62,6 +63,8 @@ class NewSequence:
     pooling: PoolingParams | None = None
     # Its request's W3C trace context (shared/tracing.py), which the worker links its step spans to; None: untraced.
     trace_context: dict[str, str] | None = None
+    # Its prompt's images (shared/multimodal.py): the worker encodes each as a step first computes its tokens.
+    images: tuple[ImageInput, ...] = ()
 
     def to_proto(self) -> wire.NewSequence:
         return wire.NewSequence(
@@ -70,7 +73,8 @@ class NewSequence:
             sampling_params=self.sampling_params.to_proto(), block_table=self.block_table,
             num_computed_tokens=self.num_computed_tokens, num_scheduled_tokens=self.num_scheduled_tokens,
             num_siblings=self.num_siblings, lora=self.lora.to_proto() if self.lora is not None else None,
-            pooling=self.pooling.to_proto() if self.pooling is not None else None, trace_context=self.trace_context)
+            pooling=self.pooling.to_proto() if self.pooling is not None else None, trace_context=self.trace_context,
+            images=[image.to_proto() for image in self.images])
 
     @classmethod
     def from_proto(cls, m: wire.NewSequence) -> "NewSequence":
@@ -81,7 +85,8 @@ class NewSequence:
                    num_scheduled_tokens=m.num_scheduled_tokens, num_siblings=m.num_siblings,
                    lora=LoRARequest.from_proto(m.lora) if m.HasField("lora") else None,
                    pooling=PoolingParams.from_proto(m.pooling) if m.HasField("pooling") else None,
-                   trace_context=dict(m.trace_context) or None)
+                   trace_context=dict(m.trace_context) or None,
+                   images=tuple(ImageInput.from_proto(image) for image in m.images))
 
 
 @dataclass(slots=True)
@@ -436,6 +441,7 @@ class WorkerInfo:
     # scheduler frees the blocks behind a sequence's window; None: some layer sees the whole context.
     kv_window: int | None = None
     num_cpu_offload_blocks: int = 0  # of num_cpu_blocks, the prefix cache's host tier (--kv-offloading-size)
+    image_token_id: int | None = None  # the placeholder of image features; None: the model takes no images
 
     def to_proto(self) -> wire.WorkerInfo:
         return wire.WorkerInfo(model=self.model, num_kv_blocks=self.num_kv_blocks, block_size=self.block_size,
@@ -447,7 +453,8 @@ class WorkerInfo:
                                tensor_parallel_size=self.tensor_parallel_size, max_loras=self.max_loras,
                                max_lora_rank=self.max_lora_rank,
                                pooler=self.pooler.to_proto() if self.pooler is not None else None,
-                               kv_window=self.kv_window, num_cpu_offload_blocks=self.num_cpu_offload_blocks)
+                               kv_window=self.kv_window, num_cpu_offload_blocks=self.num_cpu_offload_blocks,
+                               image_token_id=self.image_token_id)
 
     @classmethod
     def from_proto(cls, m: wire.WorkerInfo) -> "WorkerInfo":
@@ -459,4 +466,5 @@ class WorkerInfo:
                    max_loras=m.max_loras, max_lora_rank=m.max_lora_rank,
                    pooler=PoolerConfig.from_proto(m.pooler) if m.HasField("pooler") else None,
                    kv_window=m.kv_window if m.HasField("kv_window") else None,
-                   num_cpu_offload_blocks=m.num_cpu_offload_blocks)
+                   num_cpu_offload_blocks=m.num_cpu_offload_blocks,
+                   image_token_id=m.image_token_id if m.HasField("image_token_id") else None)

@@ -27,6 +27,7 @@ from services.scheduler.sequence_blocks import SequenceBlocks
 from shared.block_hash import BlockHash, hash_full_blocks, routing_key
 
 TokenSlice = Callable[[int, int], list[int]]  # (start, end) -> the sequence's token ids in that range
+PositionKeys = Callable[[int, int], bytes]  # (start, end) -> what those positions stand for besides their ids
 FREED_BLOCK_ID = 0  # what a released entry is sent as: any id would do, no kernel reads it
 # A kernel may start reading up to this many keys before a query's window: the Triton kernel rounds its
 # first key down to a multiple of 16 (aligned loads). Blocks are freed only behind that.
@@ -310,7 +311,8 @@ class BlockManager:
         return entry is not None and entry.host_table is not None
     # --- prefix caching --------------------------------------------------------------------------
 
-    def cached_prefix(self, token_ids: list[int], extra: bytes = b"") -> CacheHit:
+    def cached_prefix(self, token_ids: list[int], extra: bytes = b"", position_keys: PositionKeys | None = None
+                      ) -> CacheHit:
         """The longest cached start of ``token_ids``: every block of it cached, or with a sliding window
         every block the window of the first token after it reaches (earlier ones may have been evicted;
         the chain of hashes is a function of the tokens, so later blocks are found without them).
@@ -320,7 +322,7 @@ class BlockManager:
         """
         if not self.enable_caching:
             return NO_HIT
-        hashes = hash_full_blocks(None, token_ids[:len(token_ids) - 1], self.block_size, extra)
+        hashes = hash_full_blocks(None, token_ids[:len(token_ids) - 1], self.block_size, extra, position_keys)
         blocks, on_host = [], []
         for index, block_hash in enumerate(hashes):
             block = self.pool.cached_block(block_hash)
@@ -411,7 +413,8 @@ class BlockManager:
                 if self.host is not None:
                     self.host.forget(block_hash)
 
-    def cache_full_blocks(self, seq_id: int, num_computed_tokens: int, tokens: TokenSlice, extra: bytes = b"") -> None:
+    def cache_full_blocks(self, seq_id: int, num_computed_tokens: int, tokens: TokenSlice, extra: bytes = b"",
+                          position_keys: PositionKeys | None = None) -> None:
         """Index the blocks that became full (and computed) since the last call."""
         if not self.enable_caching:
             return
@@ -421,8 +424,9 @@ class BlockManager:
         if num_full <= len(hashes):
             return
         # Hash just the new blocks, chained onto the last known hash.
-        new = hash_full_blocks(hashes[-1] if hashes else None,
-                               tokens(len(hashes) * self.block_size, num_full * self.block_size), self.block_size, extra)
+        first = len(hashes) * self.block_size
+        new = hash_full_blocks(hashes[-1] if hashes else None, tokens(first, num_full * self.block_size),
+                               self.block_size, extra, position_keys, first)
         table = entry.table
         for index, block_hash in enumerate(new, start=len(hashes)):
             if table[index] is not None:  # a block released before it was indexed is gone

@@ -92,7 +92,7 @@ class DisaggregatedCore(EngineCore):
         tokens = seq.token_ids()
 
         def cached(stage: Stage) -> int:
-            return stage.scheduler.blocks.cached_prefix(tokens, seq.cache_extra).num_blocks
+            return stage.scheduler.blocks.cached_prefix(tokens, seq.cache_extra, seq.image_keys).num_blocks
 
         return max(self.prefill, key=lambda stage: (cached(stage), -stage.load))
 

@@ -51,7 +51,8 @@ class EngineCore:
         self.request_limits = RequestLimits(
             max_model_len=self.info.max_model_len, vocab_size=self.info.vocab_size, max_logprobs=max_logprobs,
             max_num_seqs=limits.max_num_seqs, eos_token_ids=self.info.eos_token_ids, max_loras=self.info.max_loras,
-            pooler=self.info.pooler, priority_scheduling=limits.scheduling_policy == "priority")
+            pooler=self.info.pooler, priority_scheduling=limits.scheduling_policy == "priority",
+            image_token_id=self.info.image_token_id)
         # Each request's spans (--otlp-traces-endpoint); None: untraced, at no cost per request or step.
         self.spans: RequestSpans | None = None
         if tracing is not None:

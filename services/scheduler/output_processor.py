@@ -85,7 +85,8 @@ class OutputProcessor:
                 seq.num_computed_tokens += num_tokens
                 # Every computed token is known: the placeholders of earlier steps are resolved.
                 if seq_id not in failed and not (seq.whole_prompt and seq.request.pooling is not None):
-                    cache_full_blocks(seq_id, seq.num_computed_tokens, seq.token_slice, seq.cache_extra)
+                    cache_full_blocks(seq_id, seq.num_computed_tokens, seq.token_slice, seq.cache_extra,
+                                      seq.image_keys)
                 # Indexed first: a released block stays in the prefix cache. A step already in flight
                 # starts at num_computed_tokens too, so it reads nothing released here.
                 release_behind_window(seq_id, seq.num_computed_tokens)
@@ -128,7 +129,8 @@ class OutputProcessor:
             _push_token(seq, token_id, position, update)
             seq.num_computed_tokens += 1  # the draft's KV, written in this step, is the token's
             # Indexed now: a stop at this token frees the blocks, which the prefix cache keeps if indexed.
-            blocks.cache_full_blocks(seq.seq_id, seq.num_computed_tokens, seq.token_slice, seq.cache_extra)
+            blocks.cache_full_blocks(seq.seq_id, seq.num_computed_tokens, seq.token_slice, seq.cache_extra,
+                                     seq.image_keys)
             stop = stop_for(seq, token_id, self.eos_token_ids, self.max_model_len)
             if stop is not None:
                 self._end(seq, stop, update)

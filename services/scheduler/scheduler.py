@@ -368,7 +368,7 @@ class Scheduler:
         # Prompt logprobs (and mean or cls pooling) need every prompt position computed: such requests skip the lookup.
         if not self.blocks.enable_caching or seq.whole_prompt:
             return NO_HIT
-        return self.blocks.cached_prefix(seq.token_slice(0, seq.num_tokens), seq.cache_extra)
+        return self.blocks.cached_prefix(seq.token_slice(0, seq.num_tokens), seq.cache_extra, seq.image_keys)
 
     def _count_cache_lookup(self, seq: Sequence, num_cached: int, num_loaded: int) -> None:
         """vLLM's counts: the device cache's queries and hits, then the tier's (what the device lacked)."""
@@ -420,7 +420,7 @@ class Scheduler:
                     sampling_params=seq.worker_params, block_table=blocks.block_table(seq.seq_id),
                     num_computed_tokens=seq.num_planned_tokens, num_scheduled_tokens=num_tokens,
                     num_siblings=len(seq.pending_siblings), lora=seq.request.lora, pooling=seq.request.pooling,
-                    trace_context=seq.request.trace_context))
+                    trace_context=seq.request.trace_context, images=seq.request.images))
                 seq.known_to_worker = True
             else:
                 # Only the blocks added since the last plan (the whole table only when it was

@@ -5,6 +5,7 @@ from __future__ import annotations
 import enum
 
 from shared.lora import prefix_cache_extra
+from shared.multimodal import image_keys
 from shared.request import EngineRequest
 from shared.sampling_params import SamplingParams
 from shared.step_protocol import PositionLogprobs
@@ -32,7 +33,8 @@ class Sequence:
                  "arrival", "status", "num_computed_tokens", "num_inflight_tokens", "num_placeholders",
                  "stop_reason", "known_to_worker", "num_tokens_sent", "num_blocks_sent", "num_prompt_logprobs",
                  "num_cached_tokens", "whole_prompt", "cache_extra", "table_replaced", "siblings",
-                 "pending_siblings", "worker_params", "beam_group", "draft_token_ids", "inflight_drafts", "kv_source")
+                 "pending_siblings", "worker_params", "beam_group", "draft_token_ids", "inflight_drafts", "kv_source",
+                 "image_keys")
 
     def __init__(self, seq_id: int, request: EngineRequest, index: int, max_output_tokens: int, arrival: int,
                  params: SamplingParams | None = None, whole_prompt: bool = False):
@@ -62,6 +64,7 @@ class Sequence:
         self.whole_prompt = whole_prompt or self.params.prompt_logprobs is not None
         # What its prefix-cache hashes cover besides tokens (its salt and adapter).
         self.cache_extra = prefix_cache_extra(request.cache_salt, request.lora)
+        self.image_keys = image_keys(request.images)  # ...and what its image placeholders stand for (None: no images)
         self.table_replaced = False  # copy-on-write or swap-in changed the table: send it whole
         self.siblings: list[Sequence] = [self]  # every sequence of the request, this one included
         # n > 1, on the first sequence: siblings that start by forking from it once its prompt is done.

@@ -12,7 +12,7 @@ class Empty(_message.Message):
     def __init__(self) -> None: ...
 
 class EngineRequest(_message.Message):
-    __slots__ = ("request_id", "prompt_token_ids", "params", "cache_salt", "resumed", "lora", "pooling", "priority", "arrival_time", "trace_context")
+    __slots__ = ("request_id", "prompt_token_ids", "params", "cache_salt", "resumed", "lora", "pooling", "priority", "arrival_time", "trace_context", "images")
     class TraceContextEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -30,6 +30,7 @@ class EngineRequest(_message.Message):
     PRIORITY_FIELD_NUMBER: _ClassVar[int]
     ARRIVAL_TIME_FIELD_NUMBER: _ClassVar[int]
     TRACE_CONTEXT_FIELD_NUMBER: _ClassVar[int]
+    IMAGES_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
     params: _pagedserve_api_pb2.SamplingParameters
@@ -40,7 +41,24 @@ class EngineRequest(_message.Message):
     priority: int
     arrival_time: float
     trace_context: _containers.ScalarMap[str, str]
-    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., params: _Optional[_Union[_pagedserve_api_pb2.SamplingParameters, _Mapping]] = ..., cache_salt: _Optional[str] = ..., resumed: _Optional[_Iterable[_Union[ResumedSequence, _Mapping]]] = ..., lora: _Optional[_Union[LoRAAdapter, _Mapping]] = ..., pooling: _Optional[_Union[_pagedserve_api_pb2.PoolingParameters, _Mapping]] = ..., priority: _Optional[int] = ..., arrival_time: _Optional[float] = ..., trace_context: _Optional[_Mapping[str, str]] = ...) -> None: ...
+    images: _containers.RepeatedCompositeFieldContainer[ImageInput]
+    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., params: _Optional[_Union[_pagedserve_api_pb2.SamplingParameters, _Mapping]] = ..., cache_salt: _Optional[str] = ..., resumed: _Optional[_Iterable[_Union[ResumedSequence, _Mapping]]] = ..., lora: _Optional[_Union[LoRAAdapter, _Mapping]] = ..., pooling: _Optional[_Union[_pagedserve_api_pb2.PoolingParameters, _Mapping]] = ..., priority: _Optional[int] = ..., arrival_time: _Optional[float] = ..., trace_context: _Optional[_Mapping[str, str]] = ..., images: _Optional[_Iterable[_Union[ImageInput, _Mapping]]] = ...) -> None: ...
+
+class ImageInput(_message.Message):
+    __slots__ = ("hash", "offset", "length", "pixel_values", "shape", "dtype")
+    HASH_FIELD_NUMBER: _ClassVar[int]
+    OFFSET_FIELD_NUMBER: _ClassVar[int]
+    LENGTH_FIELD_NUMBER: _ClassVar[int]
+    PIXEL_VALUES_FIELD_NUMBER: _ClassVar[int]
+    SHAPE_FIELD_NUMBER: _ClassVar[int]
+    DTYPE_FIELD_NUMBER: _ClassVar[int]
+    hash: bytes
+    offset: int
+    length: int
+    pixel_values: bytes
+    shape: _containers.RepeatedScalarFieldContainer[int]
+    dtype: str
+    def __init__(self, hash: _Optional[bytes] = ..., offset: _Optional[int] = ..., length: _Optional[int] = ..., pixel_values: _Optional[bytes] = ..., shape: _Optional[_Iterable[int]] = ..., dtype: _Optional[str] = ...) -> None: ...
 
 class PoolerInfo(_message.Message):
     __slots__ = ("pooling_type", "normalize", "hidden_size", "matryoshka", "matryoshka_dimensions", "max_seq_length", "lowercase", "labels", "activation")
@@ -286,7 +304,7 @@ class KVPull(_message.Message):
     def __init__(self, source: _Optional[str] = ..., moves: _Optional[_Iterable[_Union[BlockMove, _Mapping]]] = ...) -> None: ...
 
 class WorkerInfo(_message.Message):
-    __slots__ = ("model", "num_kv_blocks", "block_size", "max_model_len", "vocab_size", "eos_token_ids", "device", "dtype", "num_cpu_blocks", "protocol_version", "num_speculative_tokens", "tensor_parallel_rank", "tensor_parallel_size", "max_loras", "max_lora_rank", "pooler", "kv_window", "num_cpu_offload_blocks")
+    __slots__ = ("model", "num_kv_blocks", "block_size", "max_model_len", "vocab_size", "eos_token_ids", "device", "dtype", "num_cpu_blocks", "protocol_version", "num_speculative_tokens", "tensor_parallel_rank", "tensor_parallel_size", "max_loras", "max_lora_rank", "pooler", "kv_window", "num_cpu_offload_blocks", "image_token_id")
     MODEL_FIELD_NUMBER: _ClassVar[int]
     NUM_KV_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
@@ -305,6 +323,7 @@ class WorkerInfo(_message.Message):
     POOLER_FIELD_NUMBER: _ClassVar[int]
     KV_WINDOW_FIELD_NUMBER: _ClassVar[int]
     NUM_CPU_OFFLOAD_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    IMAGE_TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
     model: str
     num_kv_blocks: int
     block_size: int
@@ -323,10 +342,11 @@ class WorkerInfo(_message.Message):
     pooler: PoolerInfo
     kv_window: int
     num_cpu_offload_blocks: int
-    def __init__(self, model: _Optional[str] = ..., num_kv_blocks: _Optional[int] = ..., block_size: _Optional[int] = ..., max_model_len: _Optional[int] = ..., vocab_size: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., device: _Optional[str] = ..., dtype: _Optional[str] = ..., num_cpu_blocks: _Optional[int] = ..., protocol_version: _Optional[int] = ..., num_speculative_tokens: _Optional[int] = ..., tensor_parallel_rank: _Optional[int] = ..., tensor_parallel_size: _Optional[int] = ..., max_loras: _Optional[int] = ..., max_lora_rank: _Optional[int] = ..., pooler: _Optional[_Union[PoolerInfo, _Mapping]] = ..., kv_window: _Optional[int] = ..., num_cpu_offload_blocks: _Optional[int] = ...) -> None: ...
+    image_token_id: int
+    def __init__(self, model: _Optional[str] = ..., num_kv_blocks: _Optional[int] = ..., block_size: _Optional[int] = ..., max_model_len: _Optional[int] = ..., vocab_size: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., device: _Optional[str] = ..., dtype: _Optional[str] = ..., num_cpu_blocks: _Optional[int] = ..., protocol_version: _Optional[int] = ..., num_speculative_tokens: _Optional[int] = ..., tensor_parallel_rank: _Optional[int] = ..., tensor_parallel_size: _Optional[int] = ..., max_loras: _Optional[int] = ..., max_lora_rank: _Optional[int] = ..., pooler: _Optional[_Union[PoolerInfo, _Mapping]] = ..., kv_window: _Optional[int] = ..., num_cpu_offload_blocks: _Optional[int] = ..., image_token_id: _Optional[int] = ...) -> None: ...
 
 class NewSequence(_message.Message):
-    __slots__ = ("request_id", "seq_id", "index", "prompt_token_ids", "output_token_ids", "sampling_params", "block_table", "num_computed_tokens", "num_scheduled_tokens", "num_siblings", "lora", "pooling", "trace_context")
+    __slots__ = ("request_id", "seq_id", "index", "prompt_token_ids", "output_token_ids", "sampling_params", "block_table", "num_computed_tokens", "num_scheduled_tokens", "num_siblings", "lora", "pooling", "trace_context", "images")
     class TraceContextEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -347,6 +367,7 @@ class NewSequence(_message.Message):
     LORA_FIELD_NUMBER: _ClassVar[int]
     POOLING_FIELD_NUMBER: _ClassVar[int]
     TRACE_CONTEXT_FIELD_NUMBER: _ClassVar[int]
+    IMAGES_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     seq_id: int
     index: int
@@ -360,7 +381,8 @@ class NewSequence(_message.Message):
     lora: LoRAAdapter
     pooling: _pagedserve_api_pb2.PoolingParameters
     trace_context: _containers.ScalarMap[str, str]
-    def __init__(self, request_id: _Optional[str] = ..., seq_id: _Optional[int] = ..., index: _Optional[int] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., output_token_ids: _Optional[_Iterable[int]] = ..., sampling_params: _Optional[_Union[_pagedserve_api_pb2.SamplingParameters, _Mapping]] = ..., block_table: _Optional[_Iterable[int]] = ..., num_computed_tokens: _Optional[int] = ..., num_scheduled_tokens: _Optional[int] = ..., num_siblings: _Optional[int] = ..., lora: _Optional[_Union[LoRAAdapter, _Mapping]] = ..., pooling: _Optional[_Union[_pagedserve_api_pb2.PoolingParameters, _Mapping]] = ..., trace_context: _Optional[_Mapping[str, str]] = ...) -> None: ...
+    images: _containers.RepeatedCompositeFieldContainer[ImageInput]
+    def __init__(self, request_id: _Optional[str] = ..., seq_id: _Optional[int] = ..., index: _Optional[int] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., output_token_ids: _Optional[_Iterable[int]] = ..., sampling_params: _Optional[_Union[_pagedserve_api_pb2.SamplingParameters, _Mapping]] = ..., block_table: _Optional[_Iterable[int]] = ..., num_computed_tokens: _Optional[int] = ..., num_scheduled_tokens: _Optional[int] = ..., num_siblings: _Optional[int] = ..., lora: _Optional[_Union[LoRAAdapter, _Mapping]] = ..., pooling: _Optional[_Union[_pagedserve_api_pb2.PoolingParameters, _Mapping]] = ..., trace_context: _Optional[_Mapping[str, str]] = ..., images: _Optional[_Iterable[_Union[ImageInput, _Mapping]]] = ...) -> None: ...
 
 class BlockIds(_message.Message):
     __slots__ = ("ids",)
