@@ -172,6 +172,9 @@ class ModelConfig:
         if model_type in TEXT_MODEL_OF:
             text_of, raw = model_type, text_config_of(raw)
             model_type = raw["model_type"]
+            if model_type not in SUPPORTED_MODEL_TYPES or model_type in TEXT_MODEL_OF:
+                raise ValueError(f"the {text_of} checkpoint's language model is {model_type!r}, which is not "
+                                 f"supported; supported: {', '.join(t for t in SUPPORTED_MODEL_TYPES if t not in TEXT_MODEL_OF)}")
         missing = [key for key in _REQUIRED_KEYS if key not in raw]
         if missing:
             raise ValueError(f"missing required key(s): {', '.join(missing)}")

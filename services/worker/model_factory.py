@@ -21,6 +21,7 @@ from shared.cache_dir import cache_root, made_once
 
 SPECIAL_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
 EOS_TOKEN, PAD_TOKEN = "<|im_end|>", "<|endoftext|>"
+IMAGE_TOKEN = "<image>"  # a vision-language model's image placeholder (LLaVA's)
 # ChatML. With tools, a system turn lists them (their function objects as JSON, one per line) and
 # says how to call one: Hermes' format, which `--tool-call-parser hermes` reads. An assistant turn's
 # earlier calls are written back in the same format.
@@ -111,6 +112,15 @@ def _config(model_type: str, **kwargs: Any):
                "mixtral": MixtralConfig, "qwen2_moe": Qwen2MoeConfig, "qwen3_moe": Qwen3MoeConfig,
                "gemma": GemmaConfig, "gemma2": Gemma2Config, "gemma3_text": Gemma3TextConfig, "phi3": Phi3Config,
                "granite": GraniteConfig, "olmo2": Olmo2Config, "smollm3": SmolLM3Config}
+    if model_type == "llava":  # LLaVA-1.5 over the Llama asked for, with a small CLIP tower (4 patches of 14)
+        from transformers import CLIPVisionConfig, LlavaConfig
+
+        image_token = kwargs.pop("image_token_index")
+        vision = CLIPVisionConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
+                                  image_size=28, patch_size=14, projection_dim=32)
+        return LlavaConfig(text_config=LlamaConfig(**kwargs), vision_config=vision, image_token_index=image_token,
+                           vision_feature_layer=-2, vision_feature_select_strategy="default",
+                           tie_word_embeddings=kwargs.get("tie_word_embeddings", False))
     if model_type == "gemma3":  # a multimodal checkpoint: the text model asked for, beside a token vision tower
         from transformers import Gemma3Config, SiglipVisionConfig
 
@@ -158,6 +168,9 @@ def create_model_dir(path: str | Path, *, model_type: str = "llama", vocab_size:
 
     path = Path(path)
     tokenizer = train_tokenizer(vocab_size)
+    if model_type == "llava":  # its image placeholder, a token of its own
+        tokenizer.add_special_tokens({"additional_special_tokens": [IMAGE_TOKEN]})
+        extra_config["image_token_index"] = tokenizer.convert_tokens_to_ids(IMAGE_TOKEN)
     eos_ids = [tokenizer.convert_tokens_to_ids(EOS_TOKEN), tokenizer.convert_tokens_to_ids(PAD_TOKEN)]
     config = _config(
         model_type, vocab_size=max(vocab_size, len(tokenizer)), hidden_size=hidden_size,
@@ -168,7 +181,12 @@ def create_model_dir(path: str | Path, *, model_type: str = "llama", vocab_size:
         rope_scaling=rope_scaling, bos_token_id=None, eos_token_id=eos_ids[0], pad_token_id=eos_ids[1],
         **extra_config)
     torch_dtype = getattr(torch, dtype)
-    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    if model_type == "llava":
+        from transformers import LlavaForConditionalGeneration
+
+        model = LlavaForConditionalGeneration(config)
+    else:
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     _randomize(model, init_std, seed, norm_center=0.0 if model_type.startswith("gemma") else 1.0)
     _silence_unused_rows(model, len(tokenizer))
     model = model.to(torch_dtype)
@@ -177,8 +195,23 @@ def create_model_dir(path: str | Path, *, model_type: str = "llama", vocab_size:
     save_kwargs = {} if max_shard_size is None else {"max_shard_size": max_shard_size}
     model.save_pretrained(path, **save_kwargs)
     tokenizer.save_pretrained(path)
+    if model_type == "llava":
+        _save_llava_processor(path, tokenizer, config)
     _check_saved_dtype(path, dtype)
     return path
+
+
+def _save_llava_processor(path: Path, tokenizer, config) -> None:
+    """The processor a LLaVA checkpoint ships: CLIP's preprocessing at the tower's size, and the placeholder
+    expanded to one token per patch (the CLS row dropped)."""
+    from transformers import LlavaProcessor
+    from transformers.models.llava.image_processing_pil_llava import LlavaImageProcessorPil
+
+    size = config.vision_config.image_size
+    images = LlavaImageProcessorPil(size={"shortest_edge": size}, crop_size={"height": size, "width": size})
+    LlavaProcessor(image_processor=images, tokenizer=tokenizer, patch_size=config.vision_config.patch_size,
+                   vision_feature_select_strategy=config.vision_feature_select_strategy,
+                   num_additional_image_tokens=1).save_pretrained(path)
 
 
 def _check_saved_dtype(path: Path, dtype: str) -> None:

@@ -1,20 +1,24 @@
-"""Multimodal checkpoints served for their text: the language model inside them, config and weights.
+"""Multimodal checkpoints: the language model inside them, config and weights, and what takes images.
 
-Gemma 3 from 4B up ships as one ``gemma3`` checkpoint (Gemma3ForConditionalGeneration): a vision tower,
-a projector and a ``gemma3_text`` language model. Served for text, only the language model runs: its
+A vision-language checkpoint holds a vision tower, a projector and a language model. The language model's
 config is the nested ``text_config`` (which the Hub's configs write sparsely, leaning on transformers'
 defaults: they are filled in here), the wrapper's dtype and tying apply, and its weights are found under
 ``language_model.model.*`` (transformers v4) or ``model.language_model.*`` (v5), the head under
-``language_model.lm_head`` or ``lm_head``. The vision tower's and projector's weights are skipped.
-Images are not taken (requests with image parts are refused by the front ends).
+``language_model.lm_head`` or ``lm_head``; the language model loads them as its own and skips the others.
+
+- LLaVA-1.5 (``llava``, LlavaForConditionalGeneration): a language model of any family we serve (Llama,
+  Mistral, Qwen 2...), and images, encoded by models/llava_vision.py.
+- Gemma 3 from 4B up (``gemma3``, Gemma3ForConditionalGeneration), a ``gemma3_text`` language model: served for
+  its text only, so far (requests with images are refused).
 """
 
 from __future__ import annotations
 
 from typing import Any
 
-# The wrapper's model_type -> its language model's.
-TEXT_MODEL_OF = {"gemma3": "gemma3_text"}
+# The wrapper's model_type -> its language model's (None: the text_config says, Llama if it does not).
+TEXT_MODEL_OF = {"gemma3": "gemma3_text", "llava": None}
+TAKES_IMAGES = ("llava",)  # the wrappers whose images are served (the others: their text only)
 # Gemma3TextConfig's defaults for what the wrappers' text_config leave out (the rest our parser defaults alike).
 _TEXT_DEFAULTS = {"gemma3_text": dict(vocab_size=262_208, hidden_size=2304, intermediate_size=9216,
                                       num_hidden_layers=26, num_attention_heads=8, num_key_value_heads=4,
@@ -26,19 +30,31 @@ _TEXT_PREFIXES = (("language_model.model.", "model."), ("model.language_model.",
 
 def text_config_of(raw: dict[str, Any]) -> dict[str, Any]:
     """The language model's config.json fields, from a multimodal wrapper's."""
-    text_type = TEXT_MODEL_OF[raw["model_type"]]
     nested = raw.get("text_config") or {}
     if not isinstance(nested, dict):
         raise ValueError(f"text_config must be a JSON object, got {nested!r}")
+    text_type = TEXT_MODEL_OF[raw["model_type"]] or nested.get("model_type", "llama")
     if nested.get("model_type", text_type) != text_type:
         raise ValueError(f"a {raw['model_type']} checkpoint's text_config must be {text_type}, "
                          f"got {nested.get('model_type')!r}")
-    text = {**_TEXT_DEFAULTS[text_type], **nested, "model_type": text_type}
-    text["tie_word_embeddings"] = bool(raw.get("tie_word_embeddings", True))  # the head is the wrapper's
+    text = {**_TEXT_DEFAULTS.get(text_type, {}), **nested, "model_type": text_type}
+    # The head is the wrapper's: Gemma 3's ties by default, LLaVA's as its language model's config says.
+    text["tie_word_embeddings"] = bool(raw.get("tie_word_embeddings", nested.get("tie_word_embeddings",
+                                                                                  text_type == "gemma3_text")))
     dtype = raw.get("dtype") or raw.get("torch_dtype")
     if dtype is not None:
         text["dtype"] = dtype
     return text
+
+
+def image_token_id_of(raw: dict[str, Any]) -> int | None:
+    """The placeholder token of image features, for a wrapper whose images are served; None: text only."""
+    if raw.get("model_type") not in TAKES_IMAGES:
+        return None
+    token = raw.get("image_token_id", raw.get("image_token_index"))  # (transformers v5's name, v4's)
+    if not isinstance(token, int) or isinstance(token, bool) or token < 0:
+        raise ValueError(f"a {raw['model_type']} checkpoint needs image_token_index, a token id; got {token!r}")
+    return token
 
 
 def text_checkpoint_name(name: str) -> str | None:

@@ -10,6 +10,8 @@ from services.worker.cuda_startup import BuiltWorker, start_up_cuda
 from services.worker.draft_model_proposer import DraftModelProposer
 from services.worker.grammar import Grammars
 from services.worker.host_block_tables import HostBlockTables
+from services.worker.encoder_cache import encoder_cache_rows
+from services.worker.image_features import ImageEncoder, image_spans
 from services.worker.input_batch import ScheduledSequence, build_model_inputs
 from services.worker.kv_transfer import KVPuller
 from services.worker.model_loader import load_eos_token_ids
@@ -55,6 +57,10 @@ class Worker:
         self.block_tables = HostBlockTables(width=-(-self.max_model_len // config.block_size))
         self.step_timer = StepTimer(self.device)
         self.kv_puller = KVPuller()  # prefill/decode disaggregation: blocks read from prefill workers
+        # A vision-language model's images: encoded as their placeholders are computed, kept by their hash.
+        self.image_encoder = ImageEncoder(weights.vision, encoder_cache_rows(config, source.max_model_len),
+                                          self.device) if weights.vision is not None else None
+        self.image_token_id = weights.image_token_id if weights.vision is not None else None
 
     def _keep_parts(self, source: ModelSource, weights: Weights, kv: KVCache) -> None:
         """What the steps read of the start-up's results, under the names they use."""
@@ -85,7 +91,8 @@ class Worker:
                           tensor_parallel_rank=self.tp.rank, tensor_parallel_size=self.tp.size,
                           max_loras=self.config.max_loras if self.adapters is not None else 0,
                           max_lora_rank=self.config.max_lora_rank if self.adapters is not None else 0,
-                          pooler=self.pooler.config if self.pooler is not None else None, kv_window=self.kv_window)
+                          pooler=self.pooler.config if self.pooler is not None else None, kv_window=self.kv_window,
+                          image_token_id=self.image_token_id)
 
     # --- one step ---------------------------------------------------------------------------------
 
@@ -238,10 +245,16 @@ class Worker:
         tables = self.block_tables.gather([seq.table_row for seq, _ in batch])
         # The graphs were captured without adapters: a step that runs one goes eagerly.
         uses_adapters = self.adapters is not None and self.adapters.batch.mask is not None
-        if self.decode_graphs is not None and not uses_adapters and self.decode_graphs.can_replay(scheduled):
+        spans = image_spans(batch) if self.image_encoder is not None else []  # (images: their features go in)
+        if self.decode_graphs is not None and not uses_adapters and not spans and \
+                self.decode_graphs.can_replay(scheduled):
             return self.decode_graphs.forward(scheduled, tables), list(range(len(batch) + 1))
         inputs = build_model_inputs(scheduled, self.config.block_size, self.device, tables)
-        hidden = self.model(inputs.input_ids, inputs.positions, self.attention, inputs.meta)
+        embeds = None
+        if spans:
+            embeds = self.model.embed(inputs.input_ids)
+            self.image_encoder.fill(embeds, spans)
+        hidden = self.model(inputs.input_ids, inputs.positions, self.attention, inputs.meta, inputs_embeds=embeds)
         return hidden, inputs.meta.query_start_loc.tolist()
 
     def _sample(self, batch: list[tuple[WorkerSequence, int]], hidden: torch.Tensor,

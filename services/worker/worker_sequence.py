@@ -8,6 +8,7 @@ from services.worker.ngram_proposer import TokenHistory
 from services.worker.sampler import SamplingState
 from services.worker.pooler import PoolingState
 from shared.lora import LoRARequest
+from shared.multimodal import ImageInput
 from shared.pooling import PoolingParams
 from shared.step_protocol import NewSequence, RunningSequence
 
@@ -17,7 +18,7 @@ class WorkerSequence:
                  block_table: list[int], num_computed_tokens: int, params, vocab_size: int,
                  block_tables: HostBlockTables, num_siblings: int = 0, table_row: int | None = None,
                  keep_history: bool = False, grammars: Grammars | None = None, lora: LoRARequest | None = None,
-                 pooling: PoolingParams | None = None):
+                 pooling: PoolingParams | None = None, images: tuple[ImageInput, ...] = ()):
         self.seq_id = seq_id
         self.index = index
         self.prompt_len = len(prompt_token_ids)
@@ -31,6 +32,7 @@ class WorkerSequence:
         self.vocab_size = vocab_size
         self.grammars = grammars
         self.lora = lora  # the adapter its tokens run through; None: the base model
+        self.images = images  # its prompt's images, whose features replace their placeholders (image_features.py)
         # An embedding request's: its prompt's states are pooled (pool_state holds its chunks so far), nothing sampled.
         self.pooling = pooling
         self.pool_state = PoolingState() if pooling is not None else None
@@ -72,7 +74,8 @@ class WorkerSequence:
                  keep_history: bool = False, grammars: Grammars | None = None) -> "WorkerSequence":
         return cls(new.seq_id, new.index, new.prompt_token_ids, new.output_token_ids, new.block_table,
                    new.num_computed_tokens, new.sampling_params, vocab_size, block_tables, new.num_siblings,
-                   keep_history=keep_history, grammars=grammars, lora=new.lora, pooling=new.pooling)
+                   keep_history=keep_history, grammars=grammars, lora=new.lora, pooling=new.pooling,
+                   images=new.images)
 
     def fork(self, child_seq_id: int, child_index: int) -> "WorkerSequence":
         """A child sharing everything so far; its own random stream from now on."""
@@ -80,7 +83,7 @@ class WorkerSequence:
                                self.token_ids[self.prompt_len:], self.block_table, self.num_computed_tokens,
                                self.params, self.vocab_size, self.block_tables,
                                table_row=self.block_tables.copy(self.table_row), grammars=self.grammars,
-                               lora=self.lora)
+                               lora=self.lora, images=self.images)
         child.history = self.history.copy() if self.history is not None else None
         return child
 

@@ -16,10 +16,12 @@ Then a CUDA worker warms up (cuda_startup.py).
 
 from __future__ import annotations
 
+import json
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
+import structlog
 import torch
 
 from services.worker.attention.cpu_kernels import cpu_kernels_unavailable_reason
@@ -34,7 +36,8 @@ from services.worker.lora_adapters import AdapterSlots
 from services.worker.model_config import ModelConfig
 from services.worker.model_factory import default_model_dir
 from services.worker.model_impl import chosen_impl, model_config_for, refuse_on_transformers_path
-from services.worker.model_loader import load_model
+from services.worker.model_loader import checkpoint_files, load_model
+from services.worker.multimodal_config import image_token_id_of
 from services.worker.models.transformers_model import load_transformers_model
 from services.worker.ngram_proposer import NgramProposer
 from services.worker.pooler import Pooler
@@ -43,6 +46,8 @@ from services.worker.tensor_parallel import TensorParallel, join_group
 from shared.config import EngineConfig
 from shared.hub import local_model_and_tokenizer
 from shared.pooling import read_pooler_config, resolve_runner
+
+log = structlog.get_logger(__name__)
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 BlockSwap = Callable[[torch.Tensor, torch.Tensor, list[tuple[int, int]]], None]  # (from pool, to pool, pairs)
@@ -66,6 +71,8 @@ class Weights:
     model_config: ModelConfig  # this rank's share (its heads, KV pools and MLP columns); one rank: the whole
     adapters: AdapterSlots | None
     draft: DraftModel | None  # speculative decoding's draft model, when that is the method
+    vision: torch.nn.Module | None = None  # a vision-language model's image encoder (None: text only)
+    image_token_id: int | None = None  # the placeholder its features replace in the prompt
 
 
 @dataclass(frozen=True)
@@ -157,7 +164,26 @@ def load_weights(config: EngineConfig, source: ModelSource, tp: TensorParallel, 
     spec = config.speculative_config
     draft = load_draft_model(spec.model, model_config, source.max_model_len, source.dtype, device) \
         if spec is not None and spec.method == "draft_model" else None
-    return Weights(model, model_config, adapters, draft)
+    vision, image_token_id = load_vision(source, tp, device)
+    return Weights(model, model_config, adapters, draft, vision, image_token_id)
+
+
+def load_vision(source: ModelSource, tp: TensorParallel, device: torch.device) -> tuple[torch.nn.Module | None,
+                                                                                         int | None]:
+    """A vision-language checkpoint's image encoder and image token (multimodal_config.py), when this worker serves
+    its images: natively and on one rank (else its text alone, and requests with images are refused)."""
+    raw = json.loads((source.model_dir / "config.json").read_text())
+    image_token_id = image_token_id_of(raw)
+    if image_token_id is None:
+        return None, None
+    if source.impl == "transformers" or tp.size > 1:
+        log.warning("serving the model's text only: images need the native implementation on one worker",
+                    model=str(source.model_dir))
+        return None, None
+    from services.worker.models.llava_vision import load_llava_vision
+
+    return load_llava_vision(source.model_dir, raw, checkpoint_files(source.model_dir), source.dtype, device), \
+        image_token_id
 
 
 def allocate_kv_cache(config: EngineConfig, source: ModelSource, weights: Weights, device: torch.device) -> KVCache:

@@ -117,12 +117,18 @@ class LlamaForCausalLM(nn.Module):
             tied = self.config.tie_word_embeddings
             self.packed_logits = PackedLinear(self.embed_tokens.weight, None) if tied else self.lm_head
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, attention,
-                meta: AttentionMetadata) -> torch.Tensor:
-        """Hidden states ``[T, hidden]`` after the final norm, one row per scheduled token."""
-        x, residual = self.embed_tokens(input_ids), None
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """The input embeddings of ``input_ids`` (``[T, hidden]``), as the first layer takes them."""
+        x = self.embed_tokens(input_ids)
         if self.config.embedding_multiplier is not None:  # Gemma, Granite
             x = x * self._embedding_multiplier(x.dtype)
+        return x
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, attention,
+                meta: AttentionMetadata, inputs_embeds: torch.Tensor | None = None) -> torch.Tensor:
+        """Hidden states ``[T, hidden]`` after the final norm, one row per scheduled token. ``inputs_embeds``:
+        the first layer's input, when it is not only the tokens' embeddings (images' features in their place)."""
+        x, residual = self.embed(input_ids) if inputs_embeds is None else inputs_embeds, None
         for layer in self.layers:
             x, residual = layer(x, residual, positions, attention, meta)
         if residual is None:  # no layers
