@@ -19,6 +19,7 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
+from services.gateway.image_prompts import ImagePrompts
 from services.scheduler.engine_core import EngineCore
 from services.scheduler.executor import InProcessExecutor
 from services.scheduler.local_workers import LocalWorkerGroup
@@ -36,6 +37,7 @@ from shared.grpc_errors import ServiceUnavailable
 from shared.hub import local_model_and_tokenizer
 from shared.logging import setup_logging
 from shared.lora import LoRARequest
+from shared.multimodal import ImageInput
 from shared.outputs import (ClassificationOutput, ClassificationRequestOutput, EmbeddingOutput, EmbeddingRequestOutput,
                             PoolingOutput, PoolingRequestOutput, RequestOutput, ScoringOutput, ScoringRequestOutput)
 from shared.pooling import PoolingParams, check_cross_encoder, score_pairs, token_limit
@@ -78,6 +80,7 @@ class LLM:
         self.engine = EngineCore(executor, limits, self.config.watermark, self.config.max_logprobs,
                                  self.config.enable_prefix_caching)
         self._request_ids = itertools.count()
+        self._image_prompts: ImagePrompts | None = None  # the model's processor, made at the first prompt with images
 
     @staticmethod
     def _start_workers(config: EngineConfig):
@@ -255,7 +258,9 @@ class LLM:
                     prompt = pooler.text(prompt)
                 elif isinstance(prompt, dict) and isinstance(prompt.get("prompt"), str):
                     prompt = {**prompt, "prompt": pooler.text(prompt["prompt"])}
-            text, token_ids = self._tokenize(prompt)
+            if isinstance(prompt, dict) and prompt.get("multi_modal_data") is not None:
+                raise ValueError("embeddings of prompts with images are not supported")
+            text, token_ids, _ = self._tokenize(prompt)
             token_ids = p.truncated(token_ids, self.engine.info.max_model_len)
             requests.append((text, EngineRequest(str(next(self._request_ids)), token_ids, lora=lora, pooling=p)))
         self._add_all([request for _, request in requests])
@@ -339,23 +344,51 @@ class LLM:
     def _request(self, prompt: PromptType, params: SamplingParams, lora: LoRARequest | None,
                  priority: int = 0) -> tuple[str | None, EngineRequest]:
         """(its text, its engine request) of a prompt, validated before a detokenizer per sequence is built."""
-        text, token_ids = self._tokenize(prompt)
+        text, token_ids, images = self._tokenize(prompt)
         if not isinstance(params, SamplingParams):
             raise ValueError(f"sampling_params must be SamplingParams, got {type(params).__name__}")
+        if images and params.truncate_prompt_tokens is not None:
+            raise ValueError("truncate_prompt_tokens cannot cut a prompt with images (it could cut one in two)")
         token_ids = params.truncated(token_ids, self.engine.info.max_model_len)
         params = params.with_bad_words_tokenized(lambda word: self.tokenizer(word, add_special_tokens=False).input_ids)
-        request = EngineRequest(str(next(self._request_ids)), token_ids, params, lora=lora, priority=priority)
+        request = EngineRequest(str(next(self._request_ids)), token_ids, params, lora=lora, priority=priority,
+                                images=images)
         validate(request, self.engine.request_limits)
         return text, request
 
-    def _tokenize(self, prompt: PromptType) -> tuple[str | None, list[int]]:
-        """(its text, its token ids) of a prompt: a string, or a dict with 'prompt' and/or 'prompt_token_ids'."""
+    def _tokenize(self, prompt: PromptType) -> tuple[str | None, list[int], tuple[ImageInput, ...]]:
+        """(its text, its token ids, its images) of a prompt: a string, or a dict with 'prompt' and/or
+        'prompt_token_ids', and with a 'prompt', vLLM's 'multi_modal_data' ({"image": a PIL image or a list})."""
         if isinstance(prompt, dict):
-            unknown = set(prompt) - {"prompt", "prompt_token_ids"}
+            unknown = set(prompt) - {"prompt", "prompt_token_ids", "multi_modal_data"}
             if unknown:
-                raise ValueError(f"prompt keys {sorted(unknown)} are not supported (only 'prompt' and 'prompt_token_ids')")
+                raise ValueError(f"prompt keys {sorted(unknown)} are not supported (only 'prompt', 'prompt_token_ids' "
+                                 "and 'multi_modal_data')")
             if "prompt" in prompt and not isinstance(prompt["prompt"], str):
                 raise ValueError(f"a prompt's 'prompt' must be a string, got {type(prompt['prompt']).__name__}")
+            if prompt.get("multi_modal_data") is not None:
+                return self._tokenize_with_images(prompt)
+        return (*self._tokenize_text(prompt), ())
+
+    def _tokenize_with_images(self, prompt: dict) -> tuple[str, list[int], tuple[ImageInput, ...]]:
+        data = prompt["multi_modal_data"]
+        if not isinstance(data, dict) or set(data) - {"image"}:
+            raise ValueError(f"multi_modal_data takes 'image' (a PIL image or a list of them), got {data!r:.100}")
+        if "prompt" not in prompt:
+            raise ValueError("a prompt with multi_modal_data needs its 'prompt' text, with a placeholder where each "
+                             "image goes (the model's processor expands it)")
+        images = data.get("image", [])
+        images = list(images) if isinstance(images, (list, tuple)) else [images]
+        if not images:
+            return (*self._tokenize_text(prompt), ())
+        if self._image_prompts is None:
+            if self.engine.info.image_token_id is None:
+                raise ValueError(f"{self.engine.info.model} takes no images: it is a text model")
+            self._image_prompts = ImagePrompts(self.engine.info.model, self.engine.info.image_token_id)
+        token_ids, inputs = self._image_prompts.process(prompt["prompt"], images)
+        return prompt["prompt"], token_ids, inputs
+
+    def _tokenize_text(self, prompt: PromptType) -> tuple[str | None, list[int]]:
         if isinstance(prompt, str):
             text, token_ids = prompt, self.tokenizer(prompt).input_ids
         elif isinstance(prompt, dict) and "prompt_token_ids" in prompt:

@@ -130,6 +130,13 @@ def gemma3_multimodal_dir(tiny_model_factory):
 
 
 @pytest.fixture(scope="session")
+def llava_dir(tiny_model_factory):
+    # LlavaForConditionalGeneration (LLaVA-1.5) over the tiny Llama: a 2-layer CLIP tower of 28-pixel images, 4
+    # patches of 14 (4 placeholder tokens an image), features from its second-to-last layer, the two-layer projector.
+    return tiny_model_factory("llava")
+
+
+@pytest.fixture(scope="session")
 def granite_dir(tiny_model_factory):
     # Granite 3's four multipliers (its 8B's embedding and residual ones, an attention scale of its own, logits
     # divided by 4), with biases on attention and the MLP.

@@ -182,7 +182,8 @@ def test_prompts_as_numpy_or_torch_ids_and_numpy_scalars_in_params(llm):
     ({"prompt_token_ids": "abc"}, SamplingParams(), "prompt_token_ids must be a sequence"),
     ({"prompt_token_ids": [1, 2.5]}, SamplingParams(), "prompt_token_ids must be a sequence"),
     ({"prompt": None}, SamplingParams(), "must be a string"),
-    ({"prompt": "hi", "multi_modal_data": {}}, SamplingParams(), "multi_modal_data"),
+    ({"prompt": "hi", "multi_modal_data": {"video": []}}, SamplingParams(), "multi_modal_data takes 'image'"),
+    ({"prompt": "hi", "multi_modal_data": {"image": [object()]}}, SamplingParams(), "takes no images"),
     ("hi", {"max_tokens": 2}, "sampling_params must be"),
 ])
 def test_malformed_generate_arguments_are_value_errors(llm, prompts, params, match):
