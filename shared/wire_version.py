@@ -28,7 +28,8 @@ from shared.grpc_errors import ServiceUnavailable
 # 17: WorkerInfo says how many of its host blocks are the prefix cache's offload tier, and a step's result
 #     which device blocks a swap-in failed to fill; SessionEvents carry the prefix caches' routing keys.
 # 18: prefill/decode disaggregation: plans carry pulls of another worker's blocks, and workers serve ReadBlocks.
-# 19: engine requests and new sequences carry images (shared/multimodal.py); WorkerInfo says the image token.
+# 19: engine requests and new sequences carry images (shared/multimodal.py); WorkerInfo and EngineInfo say the
+#     image token.
 INTERNAL_PROTOCOL_VERSION = 19
 
 

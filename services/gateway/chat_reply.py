@@ -10,10 +10,12 @@ from collections.abc import AsyncIterator
 from services.gateway.deltas import SeqDelta, TokenLogprob
 from services.gateway.logprob_format import chat_logprobs, vllm_prompt_logprobs
 from services.gateway.model import Model
-from services.gateway.protocol import ChatCompletionRequest, template_messages
+from services.gateway.media import load_image
+from services.gateway.protocol import ChatCompletionRequest, image_parts, template_messages
 from services.gateway.reply import Reply
 from services.gateway.tool_calls import tool_call
 from services.gateway.tool_parsers import ToolCallStream
+from shared.invalid_parameter import InvalidParameter
 from shared.sampling_params import SamplingParams
 
 
@@ -22,13 +24,24 @@ class ChatReply(Reply):
     id_prefix = "chatcmpl"
 
     @staticmethod
-    def prompts(model: Model, body: ChatCompletionRequest) -> tuple[list[list[int]], list[str]]:
-        text, ids = model.encode_chat(template_messages(body.messages),
+    def prompts(model: Model, body: ChatCompletionRequest) -> tuple[list[list[int]], list[str], list[tuple]]:
+        """The conversation's token ids, its text, and its images (fetched here: this runs off the event loop)."""
+        urls = image_parts(body.messages) if model.image_prompts is not None else []
+        if len(urls) > model.media.max_images_per_prompt:
+            raise InvalidParameter(f"hold {len(urls)} images; a prompt may hold at most "
+                                   f"{model.media.max_images_per_prompt} (--limit-mm-per-prompt)", "messages")
+        text, ids = model.encode_chat(template_messages(body.messages, model.image_placeholder),
                                       add_generation_prompt=body.add_generation_prompt,
                                       continue_final_message=body.continue_final_message,
                                       template_kwargs=body.chat_template_kwargs,
                                       tools=body.tools or None, chat_template=body.chat_template)
-        return [body.truncated(ids, model.max_model_len)], [text]
+        if not urls:
+            return [body.truncated(ids, model.max_model_len)], [text], [()]
+        if body.truncate_prompt_tokens is not None:
+            raise InvalidParameter("cannot cut a prompt with images (it could cut one in two)", "truncate_prompt_tokens")
+        images = [load_image(url, model.media, field) for url, field in urls]
+        ids, inputs = model.image_prompts.process(text, images, add_special_tokens=False)
+        return [ids], [text], [inputs]
 
     @staticmethod
     def checked_params(model: Model, body: ChatCompletionRequest) -> SamplingParams:

@@ -33,9 +33,9 @@ class CompletionReply(Reply):
         self._ids_sent: set[int] = set()  # the choices whose prompt_token_ids a chunk carried (return_token_ids)
 
     @staticmethod
-    def prompts(model: Model, body: CompletionRequest) -> tuple[list[list[int]], list[str]]:
-        """The prompts' token ids (truncate_prompt_tokens applied) and the texts an echo shows: as given,
-        unless truncation cut them (then the tokens kept, decoded)."""
+    def prompts(model: Model, body: CompletionRequest) -> tuple[list[list[int]], list[str], list[tuple]]:
+        """The prompts' token ids (truncate_prompt_tokens applied), the texts an echo shows (as given, unless
+        truncation cut them: then the tokens kept, decoded), and their images (none here)."""
         ids, texts = [], []
         for prompt in body.prompts():
             given = model.encode(prompt) if isinstance(prompt, str) else list(prompt)
@@ -45,7 +45,7 @@ class CompletionReply(Reply):
                 texts.append(prompt if isinstance(prompt, str) else "")
             else:
                 texts.append(prompt if isinstance(prompt, str) and kept is given else _echoed_text(model, kept))
-        return ids, texts
+        return ids, texts, [()] * len(ids)
 
     def deltas(self) -> AsyncIterator[SeqDelta]:
         return _nothing_generated(merge(self.runs)) if self.body.echo_only else merge(self.runs)

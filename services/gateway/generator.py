@@ -12,7 +12,9 @@ from collections.abc import Callable
 
 from services.gateway.api_keys import ApiKey
 from services.gateway.billing import Admission, Billing
+from services.gateway.image_prompts import ImagePrompts
 from services.gateway.lora_modules import LoRAModule, adapters_for
+from services.gateway.media import MediaOptions
 from services.gateway.metrics import GatewayMetrics
 from services.gateway.model import Model
 from services.gateway.model_files import ModelFiles
@@ -48,9 +50,11 @@ class Generator:
                  tool_parser: ToolCallParser | None = None,
                  lora_modules: list[LoRAModule] | None = None, trust_request_chat_template: bool = False,
                  reasoning_parser: ReasoningParser | None = None, return_tokens_as_token_ids: bool = False,
-                 tracing: Tracing | None = None):
-        """``lora_modules``: parse_lora_modules' adapters (--lora-modules); ``tracing``: --otlp-traces-endpoint's."""
+                 tracing: Tracing | None = None, media: MediaOptions = MediaOptions()):
+        """``lora_modules``: parse_lora_modules' adapters (--lora-modules); ``tracing``: --otlp-traces-endpoint's;
+        ``media``: how requests' image URLs are read."""
         self.client = client
+        self.media = media
         self.tracing = tracing  # None: nothing is traced
         self.return_tokens_as_token_ids = return_tokens_as_token_ids  # --return-tokens-as-token-ids
         self.reasoning_parser = reasoning_parser  # None: outputs are not split into reasoning and content
@@ -106,7 +110,17 @@ class Generator:
                      pooler=PoolerConfig.from_proto(info.pooler) if info.HasField("pooler") else None,
                      reasoning_parser=self.reasoning_parser, aliases=self.model_aliases, path=info.model,
                      return_tokens_as_token_ids=self.return_tokens_as_token_ids, max_loras=info.max_loras,
-                     generation_defaults=defaults, priority_scheduling=info.priority_scheduling)
+                     generation_defaults=defaults, priority_scheduling=info.priority_scheduling,
+                     image_prompts=await self._image_prompts(info, tokenizer_dir), media=self.media)
+
+    async def _image_prompts(self, info, tokenizer_dir) -> ImagePrompts | None:
+        """A vision-language model's processor, from its directory (where the tokenizer is)."""
+        if not info.HasField("image_token_id"):
+            return None
+        try:
+            return await asyncio.to_thread(ImagePrompts, tokenizer_dir, info.image_token_id)
+        except (OSError, ValueError) as exc:
+            raise ServiceUnavailable(f"cannot load the model's image processor from {tokenizer_dir}: {exc}") from exc
 
     @contextlib.asynccontextmanager
     async def admitted(self, api_key: ApiKey | None = None):

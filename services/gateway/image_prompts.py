@@ -22,9 +22,11 @@ class ImagePrompts:
         self.image_token_id = image_token_id
         self.placeholder = getattr(self.processor, "image_token", "<image>")  # what a prompt marks each image with
 
-    def process(self, text: str, images: list) -> tuple[list[int], tuple[ImageInput, ...]]:
+    def process(self, text: str, images: list, add_special_tokens: bool = True) -> tuple[list[int],
+                                                                                        tuple[ImageInput, ...]]:
         """The prompt's token ids (placeholders expanded) and its images, in order; InvalidParameter when the
-        text does not mark each image once, or an image cannot be read."""
+        text does not mark each image once, or an image cannot be read. ``add_special_tokens``: False for a chat
+        template's text, which holds its own."""
         from PIL import Image
 
         for index, image in enumerate(images):
@@ -35,7 +37,8 @@ class ImagePrompts:
             raise InvalidParameter(f"the prompt marks {marks} image(s) with {self.placeholder!r}, but {len(images)} "
                                    "were given: put the placeholder where each image goes", "prompt")
         try:
-            out = self.processor(text=[text], images=[image.convert("RGB") for image in images], return_tensors="np")
+            out = self.processor(text=[text], images=[image.convert("RGB") for image in images], return_tensors="np",
+                                 add_special_tokens=add_special_tokens)
         except (ValueError, OSError) as exc:
             raise InvalidParameter(f"the model's processor cannot take it: {exc}", "image") from exc
         token_ids = [int(t) for t in out["input_ids"][0]]

@@ -6,6 +6,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 
 from services.gateway.deltas import TokenLogprob, TopToken
+from services.gateway.image_prompts import ImagePrompts
+from services.gateway.media import MediaOptions
 from services.gateway.lora_modules import LoRAModule
 from services.gateway.reasoning_parsers import ReasoningParser
 from services.gateway.tool_parsers import ToolCallParser
@@ -39,6 +41,8 @@ class Model:
     priority_scheduling: bool = False  # the scheduler orders requests by their priority
     # the model's sampling defaults (--generation-config) for the fields a request leaves unset
     generation_defaults: GenerationDefaults = field(default_factory=GenerationDefaults)
+    image_prompts: ImagePrompts | None = None  # a vision-language model's processor; None: the model takes no images
+    media: MediaOptions = field(default_factory=MediaOptions)  # how image URLs are read (media.py)
     _token_strings: dict[int, str] = field(default_factory=dict)
 
     @property
@@ -47,7 +51,13 @@ class Model:
         return RequestLimits(max_model_len=self.max_model_len, vocab_size=self.vocab_size,
                              max_logprobs=self.max_logprobs, max_num_seqs=self.max_num_seqs,
                              eos_token_ids=self.eos_token_ids, max_loras=self.max_loras, pooler=self.pooler,
-                             model_name=self.name, priority_scheduling=self.priority_scheduling)
+                             model_name=self.name, priority_scheduling=self.priority_scheduling,
+                             image_token_id=self.image_prompts.image_token_id if self.image_prompts else None)
+
+    @property
+    def image_placeholder(self) -> str | None:
+        """What marks an image's place in a prompt's text (LLaVA's <image>); None: the model takes no images."""
+        return self.image_prompts.placeholder if self.image_prompts is not None else None
 
     def resolve(self, requested: str | None) -> LoRARequest | None:
         """The adapter a request's ``model`` names (None: the model itself, also when it names none)."""

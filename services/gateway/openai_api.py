@@ -34,9 +34,10 @@ async def answer(gen: Generator, body, request_id: str, api_key: ApiKey | None, 
         try:
             # (Off the event loop too: checking a structured output's grammar can take long.)
             params = await asyncio.to_thread(reply_class.checked_params, model, body)
-            prompts, texts = await gen.tokenized(reply_class.prompts, model, body)  # off the event loop
+            prompts, texts, images = await gen.tokenized(reply_class.prompts, model, body)  # off the event loop
             runs = await gen.start(model, engine_requests(request_id, prompts, params=params, cache_salt=body.cache_salt,
-                                                          lora=lora, priority=body.priority), admission=admission)
+                                                          lora=lora, priority=body.priority, images=images),
+                                   admission=admission)
         except InvalidParameter as exc:
             raise body.public_error(exc) from None
         reply = reply_class(model, body, reply_class.response_id(request_id), runs, texts)

@@ -92,6 +92,15 @@ class GatewayOptions:
     http_max_connections: int = option(
         _HTTP.max_connections, "client connections the HTTP server keeps open: a request on one beyond them gets "
                                "503 (with Retry-After) and the connection closes")
+    # Images in chat messages (media.py), as vLLM's flags.
+    limit_mm_per_prompt: str | None = option(
+        None, "the most images one prompt may hold, as JSON: '{\"image\": 4}' (default: 8)")
+    allowed_media_domains: list[str] | None = option(
+        None, "hosts (with their subdomains) whose http(s) image URLs the gateway fetches (default: any host)")
+    allowed_local_media_path: str | None = option(
+        None, "a folder whose files requests may name as file:// image URLs (default: no file URL is taken)")
+    media_fetch_timeout: float = option(10.0, "seconds an image URL may take to fetch")
+    max_image_bytes: int = option(20 << 20, "bytes an image may have, as sent or fetched")
     # vLLM's extra endpoints.
     enable_server_load_tracking: bool = option(
         False, "count the requests in flight at the endpoints that run the engine and serve the count at GET /load "

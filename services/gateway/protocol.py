@@ -74,12 +74,15 @@ class ChatMessage(BaseModel):
     role: str
     content: str | list[TextPart | dict] | None = None
 
-    def as_dict(self, i: int) -> dict:
-        """The message as a chat template reads it (the i-th of its request: errors say which)."""
+    def as_dict(self, i: int, image_placeholder: str | None = None) -> dict:
+        """The message as a chat template reads it (the i-th of its request: errors say which), each image part
+        as the model's placeholder text (``image_placeholder``; None: the model takes no images)."""
         check_message(i, self.role, self.content, self.model_extra or {})
         content = self.content
         if isinstance(content, list):
-            content = [part.model_dump() if isinstance(part, TextPart) else part for part in content]
+            content = [part.model_dump() if isinstance(part, TextPart)
+                       else _image_as_text(part, image_placeholder, f"messages[{i}].content[{j}]")
+                       for j, part in enumerate(content)]
         try:
             message = {"role": self.role, "content": message_text(content)}
         except ValueError as exc:
@@ -104,9 +107,42 @@ def _template_tool_call(call: Any) -> Any:
     return {**call, "function": {**function, "arguments": arguments}}
 
 
-def template_messages(messages: list[ChatMessage]) -> list[dict]:
+def template_messages(messages: list[ChatMessage], image_placeholder: str | None = None) -> list[dict]:
     """A request's messages as a chat template reads them."""
-    return [message.as_dict(i) for i, message in enumerate(messages)]
+    return [message.as_dict(i, image_placeholder) for i, message in enumerate(messages)]
+
+
+def image_parts(messages: list[ChatMessage]) -> list[tuple[str, str]]:
+    """(URL, the field holding it) of each image part, in the order the prompt holds them."""
+    found = []
+    for i, message in enumerate(messages):
+        if isinstance(message.content, list):
+            for j, part in enumerate(message.content):
+                if isinstance(part, dict) and part.get("type") == "image_url":
+                    found.append((_image_url(part, f"messages[{i}].content[{j}]"), f"messages[{i}].content[{j}]"))
+    return found
+
+
+def _image_as_text(part: Any, placeholder: str | None, field: str) -> Any:
+    """An image part as the text that marks its place (a part of another type as it is, for its own check)."""
+    if not (isinstance(part, dict) and part.get("type") == "image_url"):
+        return part
+    _image_url(part, field)
+    if placeholder is None:
+        raise InvalidParameter("is an image, but the model takes no images: it is a text model", field)
+    return {"type": "text", "text": placeholder}
+
+
+def _image_url(part: dict, field: str) -> str:
+    """OpenAI's image part: {"type": "image_url", "image_url": {"url": ..., "detail": "auto" | "low" | "high"}}."""
+    image = part.get("image_url")
+    if isinstance(image, str):  # (as vLLM also takes it)
+        image = {"url": image}
+    if not isinstance(image, dict) or not isinstance(image.get("url"), str) or set(image) - {"url", "detail"}:
+        raise InvalidParameter("must hold image_url: {\"url\": ..., \"detail\": ...}", field)
+    if image.get("detail", "auto") not in ("auto", "low", "high"):
+        raise InvalidParameter(f"has detail {image['detail']!r}; it is 'auto', 'low' or 'high'", field)
+    return image["url"]
 
 
 class ChatCompletionRequest(SamplingRequest):

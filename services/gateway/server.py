@@ -25,6 +25,7 @@ from services.gateway.health import serving_problem
 from services.gateway.http_limits import HttpLimits, make_room_for_connections
 from services.gateway.http_protocol import LimitedHttpProtocol
 from services.gateway.lora_modules import parse_lora_modules
+from services.gateway.media import MediaOptions
 from services.gateway.metrics import GatewayMetrics
 from services.gateway.model_files import ModelFiles
 from services.gateway.options import gateway_options
@@ -125,7 +126,8 @@ async def serve(args: argparse.Namespace) -> None:
     gen = Generator(client, metrics, args.served_model_name, files, args.max_concurrent_requests, limiter,
                     resume_policy, tool_parser, args.lora_modules, args.trust_request_chat_template,
                     REASONING_PARSERS[args.reasoning_parser] if args.reasoning_parser else None,
-                    return_tokens_as_token_ids=args.return_tokens_as_token_ids, tracing=tracing)
+                    return_tokens_as_token_ids=args.return_tokens_as_token_ids, tracing=tracing,
+                    media=MediaOptions.from_args(args))
     grpc_server, grpc_health = create_grpc_server(gen, f"{args.host}:{args.grpc_port}", auth)
     origins = tuple(o.strip() for o in args.allowed_origins.split(",") if o.strip())
     limits = HttpLimits.from_args(args)
@@ -201,6 +203,7 @@ def arguments_error(args: argparse.Namespace) -> str | None:
     try:
         parse_lora_modules(args.lora_modules)
         HttpLimits.from_args(args)
+        MediaOptions.from_args(args)
     except ValueError as exc:
         return str(exc)
     return None

@@ -15,7 +15,7 @@ from services.scheduler.cache_digest import CacheDigest
 from services.scheduler.executor import Executor
 from services.scheduler.scheduler import Scheduler, SchedulerLimits
 from services.scheduler.sequence import Sequence, SequenceUpdate
-from services.scheduler.stage import InFlightStep, Stage
+from services.scheduler.stage import Stage
 from shared.grpc_errors import AlreadyExists
 from shared.request import EngineRequest, RequestLimits, max_output_tokens, validate
 from shared.sampling_params import SamplingParams
@@ -42,7 +42,7 @@ class EngineCore:
         self.stage = Stage(executor, Scheduler(limits, blocks, self.info.eos_token_ids, self.info.max_model_len,
                                                new_seq_id=lambda: next(self._seq_ids), max_loras=self.info.max_loras))
         self.scheduler, self.stats = self.stage.scheduler, self.stage.stats
-        self._in_flight: deque[InFlightStep] = self.stage.in_flight  # submitted, results not applied yet
+        self._in_flight = self.stage.in_flight  # steps submitted whose results are not applied yet, oldest first
         self._seqs: dict[int, Sequence] = {}
         self._requests: dict[str, list[Sequence]] = {}
         self._seq_ids = itertools.count()

@@ -114,7 +114,8 @@ class SchedulerServicer(wire_grpc.SchedulerServicer):
                                max_num_seqs=self.loop.engine.scheduler.limits.max_num_seqs,
                                max_loras=info.max_loras,
                                priority_scheduling=self.loop.engine.scheduler.limits.scheduling_policy == "priority",
-                               pooler=info.pooler.to_proto() if info.pooler is not None else None)
+                               pooler=info.pooler.to_proto() if info.pooler is not None else None,
+                               image_token_id=info.image_token_id)
 
     def GetStats(self, request, context):
         with grpc_errors(context):

@@ -207,7 +207,7 @@ class EngineOutput(_message.Message):
     def __init__(self, key: _Optional[int] = ..., seq_index: _Optional[int] = ..., new_token_ids: _Optional[_Iterable[int]] = ..., new_logprobs: _Optional[_Iterable[_Union[PositionLogprobs, _Mapping]]] = ..., prompt_logprobs: _Optional[_Iterable[_Union[PositionLogprobs, _Mapping]]] = ..., finish_reason: _Optional[str] = ..., stop_token_id: _Optional[int] = ..., stop_string: _Optional[str] = ..., num_cached_tokens: _Optional[int] = ..., embedding: _Optional[_Iterable[float]] = ...) -> None: ...
 
 class EngineInfo(_message.Message):
-    __slots__ = ("model", "max_model_len", "vocab_size", "eos_token_ids", "num_kv_blocks", "block_size", "max_logprobs", "protocol_version", "max_num_seqs", "max_loras", "pooler", "priority_scheduling")
+    __slots__ = ("model", "max_model_len", "vocab_size", "eos_token_ids", "num_kv_blocks", "block_size", "max_logprobs", "protocol_version", "max_num_seqs", "max_loras", "pooler", "priority_scheduling", "image_token_id")
     MODEL_FIELD_NUMBER: _ClassVar[int]
     MAX_MODEL_LEN_FIELD_NUMBER: _ClassVar[int]
     VOCAB_SIZE_FIELD_NUMBER: _ClassVar[int]
@@ -220,6 +220,7 @@ class EngineInfo(_message.Message):
     MAX_LORAS_FIELD_NUMBER: _ClassVar[int]
     POOLER_FIELD_NUMBER: _ClassVar[int]
     PRIORITY_SCHEDULING_FIELD_NUMBER: _ClassVar[int]
+    IMAGE_TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
     model: str
     max_model_len: int
     vocab_size: int
@@ -232,7 +233,8 @@ class EngineInfo(_message.Message):
     max_loras: int
     pooler: PoolerInfo
     priority_scheduling: bool
-    def __init__(self, model: _Optional[str] = ..., max_model_len: _Optional[int] = ..., vocab_size: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., num_kv_blocks: _Optional[int] = ..., block_size: _Optional[int] = ..., max_logprobs: _Optional[int] = ..., protocol_version: _Optional[int] = ..., max_num_seqs: _Optional[int] = ..., max_loras: _Optional[int] = ..., pooler: _Optional[_Union[PoolerInfo, _Mapping]] = ..., priority_scheduling: _Optional[bool] = ...) -> None: ...
+    image_token_id: int
+    def __init__(self, model: _Optional[str] = ..., max_model_len: _Optional[int] = ..., vocab_size: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., num_kv_blocks: _Optional[int] = ..., block_size: _Optional[int] = ..., max_logprobs: _Optional[int] = ..., protocol_version: _Optional[int] = ..., max_num_seqs: _Optional[int] = ..., max_loras: _Optional[int] = ..., pooler: _Optional[_Union[PoolerInfo, _Mapping]] = ..., priority_scheduling: _Optional[bool] = ..., image_token_id: _Optional[int] = ...) -> None: ...
 
 class EngineStats(_message.Message):
     __slots__ = ("values", "histograms", "labels")

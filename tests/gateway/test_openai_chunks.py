@@ -65,9 +65,9 @@ def test_echo_shows_the_prompt_as_given_unless_truncation_cut_it():
     for keep, ids, text in [(None, [0, 1, 2, 3, 4], given), (100, [0, 1, 2, 3, 4], given),
                             (-1, [0, 1, 2, 3, 4], given), (2, [3, 4], "brown fox")]:
         body = CompletionRequest(prompt=given, echo=True, truncate_prompt_tokens=keep)
-        assert CompletionReply.prompts(model, body) == ([ids], [text]), keep
+        assert CompletionReply.prompts(model, body) == ([ids], [text], [()]), keep
     tokens = CompletionRequest(prompt=[1, 2, 3], echo=True, truncate_prompt_tokens=2)
-    assert CompletionReply.prompts(model, tokens) == ([[2, 3]], ["quick brown"])
+    assert CompletionReply.prompts(model, tokens) == ([[2, 3]], ["quick brown"], [()])
 
 
 def test_a_logprob_of_minus_infinity_is_minus_9999_as_vllm_s():

@@ -1,0 +1,157 @@
+"""Images in chat messages over HTTP, on a real LLaVA-1.5 stack (worker, scheduler, gateway processes): OpenAI's
+image_url parts as data: URLs, http(s) URLs the gateway fetches (from a server the test starts) and file: URLs
+under --allowed-local-media-path; greedy tokens equal transformers' on the same pixels; and every bad image gets a
+400 naming its field while the server keeps serving."""
+
+from __future__ import annotations
+
+import base64
+import functools
+import http.server
+import io
+import threading
+
+import pytest
+
+from tests import patient_http as httpx
+from tests.gateway.shared_stack import error_of, wait_blocks_free
+from tests.images import hf_greedy_with_images, picture
+from tests.oracle import assert_greedy_equal
+from tests.services_harness import Stack
+
+
+def png_bytes(image) -> bytes:
+    out = io.BytesIO()
+    image.save(out, format="PNG")
+    return out.getvalue()
+
+
+def data_url(image) -> str:
+    return "data:image/png;base64," + base64.b64encode(png_bytes(image)).decode()
+
+
+class ImageServer:
+    """http://127.0.0.1:<port>/<name>.png serves the given images (and /page.html a page: not an image)."""
+
+    def __init__(self, images: dict[str, bytes]):
+        files = {**{f"/{name}.png": (data, "image/png") for name, data in images.items()},
+                 "/page.html": (b"<html></html>", "text/html")}
+
+        class Handler(http.server.BaseHTTPRequestHandler):
+            def do_GET(self):
+                data, kind = files.get(self.path, (None, None))
+                if data is None:
+                    self.send_error(404)
+                    return
+                self.send_response(200)
+                self.send_header("Content-Type", kind)
+                self.send_header("Content-Length", str(len(data)))
+                self.end_headers()
+                self.wfile.write(data)
+
+            def log_message(self, *args):
+                pass
+
+        self.server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+        self.base = f"http://127.0.0.1:{self.server.server_address[1]}"
+
+    def close(self):
+        self.server.shutdown()
+        self.server.server_close()
+
+
+@pytest.fixture(scope="module")
+def images_folder(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("media")
+    (folder / "local.png").write_bytes(png_bytes(picture(11)))
+    (folder / "notes.txt").write_bytes(b"not an image")
+    return folder
+
+
+@pytest.fixture(scope="module")
+def llava_stack(llava_dir, images_folder, tmp_path_factory):
+    args = ("--allowed-local-media-path", str(images_folder), "--limit-mm-per-prompt", '{"image": 2}',
+            "--max-image-bytes", "200000", "--allowed-media-domains", "127.0.0.1", "--allowed-media-domains",
+            "localhost")
+    with Stack(llava_dir, tmp_path_factory.mktemp("llava-stack"), worker_args=("--block-size", "4"),
+               gateway_args=args) as stack:
+        yield stack
+
+
+@pytest.fixture(scope="module")
+def image_server():
+    server = ImageServer({"fetched": png_bytes(picture(12))})
+    yield server
+    server.close()
+
+
+def chat(stack, parts: list, max_tokens: int = 8) -> httpx.Response:
+    body = {"model": stack.model_name, "messages": [{"role": "user", "content": parts}], "temperature": 0,
+            "max_tokens": max_tokens, "ignore_eos": True, "return_token_ids": True}
+    return httpx.post(f"{stack.base_url}/v1/chat/completions", json=body, timeout=120)
+
+
+@functools.lru_cache(maxsize=None)
+def chat_text(model_dir: str, question: str, count: int) -> str:
+    """The prompt text the chat template makes of a user message with ``count`` images, then the question."""
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    content = "\n".join(["<image>"] * count + [question])
+    return tokenizer.apply_chat_template([{"role": "user", "content": content}], tokenize=False,
+                                         add_generation_prompt=True)
+
+
+def expect_transformers(llava_dir, reply, images: list, question: str):
+    assert reply.status_code == 200, reply.text
+    tokens = reply.json()["choices"][0]["token_ids"]
+    text = chat_text(str(llava_dir), question, len(images))
+    assert_greedy_equal(tokens, *hf_greedy_with_images(llava_dir, text, images, 8), what=question)
+
+
+def test_image_urls_of_each_kind_give_transformers_tokens(llava_stack, llava_dir, image_server, images_folder):
+    question = "What do you see?"
+    cases = [([picture(10)], [data_url(picture(10))]),
+             ([picture(12)], [f"{image_server.base}/fetched.png"]),
+             ([picture(11)], [f"file://{images_folder}/local.png"]),
+             ([picture(10), picture(12)], [data_url(picture(10)), f"{image_server.base}/fetched.png"])]
+    for images, urls in cases:
+        parts = [{"type": "image_url", "image_url": {"url": url, "detail": "auto"}} for url in urls]
+        expect_transformers(llava_dir, chat(llava_stack, parts + [{"type": "text", "text": question}]), images,
+                            question)
+    wait_blocks_free(llava_stack)
+
+
+@pytest.mark.parametrize("part, where, says", [
+    ({"type": "image_url", "image_url": {"url": "data:image/png;base64,bm90IGFuIGltYWdl"}}, "content[0]",
+     "not an image"),
+    ({"type": "image_url", "image_url": {"url": "data:text/plain;base64,aGk="}}, "content[0]", "data URL of an image"),
+    ({"type": "image_url", "image_url": {"url": "https://example.com/cat.png"}}, "content[0]", "allowed media"),
+    ({"type": "image_url", "image_url": {"url": "file:///etc/passwd"}}, "content[0]", "outside"),
+    ({"type": "image_url", "image_url": {"url": "ftp://127.0.0.1/x.png"}}, "content[0]", "scheme"),
+    ({"type": "image_url", "image_url": {"url": "{server}/page.html"}}, "content[0]", "not an image"),
+    ({"type": "image_url", "image_url": {"url": "{server}/missing.png"}}, "content[0]", "could not be fetched"),
+    ({"type": "image_url", "image_url": {"url": "{folder}/notes.txt"}}, "content[0]", "not an image"),
+    ({"type": "image_url", "image_url": {"url": "x", "detail": "huge"}}, "content[0]", "detail"),
+    ({"type": "image_url", "image_url": {"url": data_url(picture(13, (900, 900)))}}, "content[0]", "over the limit"),
+])
+def test_a_bad_image_gets_a_400_naming_its_part(llava_stack, image_server, images_folder, part, where, says):
+    url = part["image_url"]["url"].replace("{server}", image_server.base).replace("{folder}", f"file://{images_folder}")
+    part = {**part, "image_url": {**part["image_url"], "url": url}}
+    error = error_of(chat(llava_stack, [part, {"type": "text", "text": "and?"}]), 400)
+    assert error["param"] == f"messages[0].{where}" and says in error["message"], error
+    assert chat(llava_stack, [{"type": "text", "text": "still serving?"}]).status_code == 200
+
+
+def test_more_images_than_the_limit_are_refused(llava_stack):
+    parts = [{"type": "image_url", "image_url": {"url": data_url(picture(14))}}] * 3
+    error = error_of(chat(llava_stack, parts + [{"type": "text", "text": "three?"}]), 400)
+    assert "at most 2" in error["message"] and error["param"] == "messages"
+
+
+def test_an_image_sent_to_a_text_model_is_refused(stack):
+    body = {"model": stack.model_name, "max_tokens": 2, "messages": [{"role": "user", "content": [
+        {"type": "image_url", "image_url": {"url": data_url(picture(15))}}, {"type": "text", "text": "hi"}]}]}
+    error = error_of(httpx.post(f"{stack.base_url}/v1/chat/completions", json=body, timeout=60), 400)
+    assert error["param"] == "messages[0].content[0]" and "takes no images" in error["message"]
