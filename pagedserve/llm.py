@@ -20,6 +20,7 @@ import torch
 from tqdm import tqdm
 
 from services.gateway.image_prompts import ImagePrompts
+from services.gateway.media import MediaOptions, load_image
 from services.scheduler.engine_core import EngineCore
 from services.scheduler.executor import InProcessExecutor
 from services.scheduler.local_workers import LocalWorkerGroup
@@ -136,6 +137,11 @@ class LLM:
         """Generate for every prompt; outputs come back in input order. ``lora_request``: the adapter every
         prompt runs with, or one (or None) per prompt; the engine needs ``enable_lora=True``. ``priority``:
         one per prompt (lower runs first), with ``scheduling_policy="priority"``, as vLLM's."""
+        return self._generate(prompts, sampling_params, use_tqdm, lora_request, priority)
+
+    def _generate(self, prompts, sampling_params, use_tqdm: bool, lora_request, priority=None,
+                  add_special_tokens: bool = True) -> list[RequestOutput]:
+        """generate(); ``add_special_tokens``: False for a chat template's text, which holds its own."""
         prompts = self._prompt_list(prompts)
         if sampling_params is None:
             sampling_params = self.get_default_sampling_params()
@@ -144,7 +150,7 @@ class LLM:
         if priority is not None and len(priority) != len(prompts):
             raise ValueError(f"priority has {len(priority)} values for {len(prompts)} prompts; give one per prompt")
         priorities = [0] * len(prompts) if priority is None else list(priority)
-        requests = [self._request(prompt, p, lora, rank)
+        requests = [self._request(prompt, p, lora, rank, add_special_tokens)
                     for prompt, p, lora, rank in zip(prompts, params, loras, priorities)]
         trackers = [RequestTracker(request.request_id, text, request.prompt_token_ids, request.params, self.tokenizer)
                     for text, request in requests]
@@ -168,11 +174,47 @@ class LLM:
         conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
         if tools is not None and not (isinstance(tools, list) and all(isinstance(t, dict) for t in tools)):
             raise ValueError("tools must be a list of dicts (OpenAI's {'type': 'function', 'function': {...}})")
-        prompts = [render_chat(self.tokenizer, conv, add_generation_prompt, chat_template, continue_final_message,
-                               chat_template_kwargs, tools or None) for conv in conversations]
-        token_ids = [self.tokenizer(p, add_special_tokens=False).input_ids for p in prompts]
-        return self.generate([{"prompt": p, "prompt_token_ids": ids} for p, ids in zip(prompts, token_ids)],
-                             sampling_params, use_tqdm, lora_request)
+        prompts = []
+        for conversation in conversations:
+            messages, images = self._chat_images(conversation)
+            text = render_chat(self.tokenizer, messages, add_generation_prompt, chat_template, continue_final_message,
+                               chat_template_kwargs, tools or None)
+            prompts.append({"prompt": text, "multi_modal_data": {"image": images}} if images else text)
+        return self._generate(prompts, sampling_params, use_tqdm, lora_request, add_special_tokens=False)
+
+    def _chat_images(self, conversation: list[dict]) -> tuple[list[dict], list]:
+        """The conversation with each image part (OpenAI's image_url, or vLLM's image_pil holding a PIL image) as
+        the model's placeholder text, and the images in order."""
+        if not isinstance(conversation, list):
+            return conversation, []  # (render_chat says what is wrong with it)
+        messages, images = [], []
+        for i, message in enumerate(conversation):
+            content = message.get("content") if isinstance(message, dict) else None
+            if not isinstance(content, list) or not any(isinstance(p, dict) and p.get("type") in IMAGE_PARTS
+                                                        for p in content):
+                messages.append(message)
+                continue
+            placeholder = self._images().placeholder
+            parts = []
+            for j, part in enumerate(content):
+                kind = part.get("type") if isinstance(part, dict) else None
+                if kind == "image_pil":
+                    images.append(part.get("image_pil"))
+                elif kind == "image_url":
+                    url = part.get("image_url")
+                    url = url.get("url") if isinstance(url, dict) else url
+                    images.append(load_image(url, OFFLINE_MEDIA, f"messages[{i}].content[{j}]"))
+                parts.append({"type": "text", "text": placeholder} if kind in IMAGE_PARTS else part)
+            messages.append({**message, "content": parts})
+        return messages, images
+
+    def _images(self) -> ImagePrompts:
+        """The model's processor (ValueError for a text model)."""
+        if self._image_prompts is None:
+            if self.engine.info.image_token_id is None:
+                raise ValueError(f"{self.engine.info.model} takes no images: it is a text model")
+            self._image_prompts = ImagePrompts(self.engine.info.model, self.engine.info.image_token_id)
+        return self._image_prompts
 
     # --- embeddings ---------------------------------------------------------------------------------
 
@@ -342,9 +384,9 @@ class LLM:
         return loras
 
     def _request(self, prompt: PromptType, params: SamplingParams, lora: LoRARequest | None,
-                 priority: int = 0) -> tuple[str | None, EngineRequest]:
+                 priority: int = 0, add_special_tokens: bool = True) -> tuple[str | None, EngineRequest]:
         """(its text, its engine request) of a prompt, validated before a detokenizer per sequence is built."""
-        text, token_ids, images = self._tokenize(prompt)
+        text, token_ids, images = self._tokenize(prompt, add_special_tokens)
         if not isinstance(params, SamplingParams):
             raise ValueError(f"sampling_params must be SamplingParams, got {type(params).__name__}")
         if images and params.truncate_prompt_tokens is not None:
@@ -356,7 +398,8 @@ class LLM:
         validate(request, self.engine.request_limits)
         return text, request
 
-    def _tokenize(self, prompt: PromptType) -> tuple[str | None, list[int], tuple[ImageInput, ...]]:
+    def _tokenize(self, prompt: PromptType, add_special_tokens: bool = True
+                  ) -> tuple[str | None, list[int], tuple[ImageInput, ...]]:
         """(its text, its token ids, its images) of a prompt: a string, or a dict with 'prompt' and/or
         'prompt_token_ids', and with a 'prompt', vLLM's 'multi_modal_data' ({"image": a PIL image or a list})."""
         if isinstance(prompt, dict):
@@ -367,10 +410,11 @@ class LLM:
             if "prompt" in prompt and not isinstance(prompt["prompt"], str):
                 raise ValueError(f"a prompt's 'prompt' must be a string, got {type(prompt['prompt']).__name__}")
             if prompt.get("multi_modal_data") is not None:
-                return self._tokenize_with_images(prompt)
-        return (*self._tokenize_text(prompt), ())
+                return self._tokenize_with_images(prompt, add_special_tokens)
+        return (*self._tokenize_text(prompt, add_special_tokens), ())
 
-    def _tokenize_with_images(self, prompt: dict) -> tuple[str, list[int], tuple[ImageInput, ...]]:
+    def _tokenize_with_images(self, prompt: dict, add_special_tokens: bool
+                              ) -> tuple[str, list[int], tuple[ImageInput, ...]]:
         data = prompt["multi_modal_data"]
         if not isinstance(data, dict) or set(data) - {"image"}:
             raise ValueError(f"multi_modal_data takes 'image' (a PIL image or a list of them), got {data!r:.100}")
@@ -380,21 +424,18 @@ class LLM:
         images = data.get("image", [])
         images = list(images) if isinstance(images, (list, tuple)) else [images]
         if not images:
-            return (*self._tokenize_text(prompt), ())
-        if self._image_prompts is None:
-            if self.engine.info.image_token_id is None:
-                raise ValueError(f"{self.engine.info.model} takes no images: it is a text model")
-            self._image_prompts = ImagePrompts(self.engine.info.model, self.engine.info.image_token_id)
-        token_ids, inputs = self._image_prompts.process(prompt["prompt"], images)
+            return (*self._tokenize_text(prompt, add_special_tokens), ())
+        token_ids, inputs = self._images().process(prompt["prompt"], images, add_special_tokens)
         return prompt["prompt"], token_ids, inputs
 
-    def _tokenize_text(self, prompt: PromptType) -> tuple[str | None, list[int]]:
+    def _tokenize_text(self, prompt: PromptType, add_special_tokens: bool = True) -> tuple[str | None, list[int]]:
         if isinstance(prompt, str):
-            text, token_ids = prompt, self.tokenizer(prompt).input_ids
+            text, token_ids = prompt, self.tokenizer(prompt, add_special_tokens=add_special_tokens).input_ids
         elif isinstance(prompt, dict) and "prompt_token_ids" in prompt:
             text, token_ids = prompt.get("prompt"), _token_ids(prompt["prompt_token_ids"])
         elif isinstance(prompt, dict) and "prompt" in prompt:
-            text, token_ids = prompt["prompt"], self.tokenizer(prompt["prompt"]).input_ids
+            text, token_ids = prompt["prompt"], self.tokenizer(prompt["prompt"],
+                                                               add_special_tokens=add_special_tokens).input_ids
         else:
             raise ValueError(f"a prompt must be a string or a dict with 'prompt' or 'prompt_token_ids', got {prompt!r}")
         return text, token_ids
@@ -429,6 +470,10 @@ class LLM:
                         progress.update(1)
         finally:
             progress.close()
+
+
+IMAGE_PARTS = ("image_url", "image_pil")  # a chat message's image parts offline (vLLM's)
+OFFLINE_MEDIA = MediaOptions()  # image URLs in LLM.chat: data: and http(s) ones, as the gateway reads them by default
 
 
 def _token_ids(value) -> list[int]:

@@ -33,3 +33,14 @@ def hf_greedy_with_images(model_dir, text: str, images: list, max_new_tokens: in
                              return_dict_in_generate=True, output_logits=True)
     prompt_len = inputs["input_ids"].shape[1]
     return out.sequences[0, prompt_len:].tolist(), [torch.log_softmax(s[0].float(), dim=-1) for s in out.logits]
+
+
+@functools.lru_cache(maxsize=None)
+def chat_text(model_dir: str, question: str, count: int) -> str:
+    """The prompt text the chat template makes of a user message with ``count`` images, then the question."""
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    content = "\n".join(["<image>"] * count + [question])
+    return tokenizer.apply_chat_template([{"role": "user", "content": content}], tokenize=False,
+                                         add_generation_prompt=True)

@@ -94,6 +94,8 @@ class ResponsesRequest(BaseModel):
 
     def public_error(self, exc: InvalidParameter) -> InvalidParameter:
         exc = self.chat.public_error(exc)
+        if exc.param is not None and exc.param.startswith("messages["):  # a part of the chat made of the input
+            return InvalidParameter(str(exc), "input")
         name = _PUBLIC_NAMES.get(exc.param)
         if name is None:
             return exc
@@ -141,7 +143,7 @@ def _append_item(messages: list[dict], item: Any) -> None:
             raise InvalidParameter(f"an input message's role must be user, assistant, system or developer, "
                                    f"got {role!r}", "input")
         # developer is the newer name of system; chat templates know system.
-        messages.append({"role": "system" if role == "developer" else role, "content": _text(item.get("content"))})
+        messages.append({"role": "system" if role == "developer" else role, "content": _content(item.get("content"))})
     elif kind == "function_call":
         call = {"id": _required(item, "call_id"), "type": "function",
                 "function": {"name": _required(item, "name"), "arguments": _required(item, "arguments")}}
@@ -163,6 +165,23 @@ def _append_item(messages: list[dict], item: Any) -> None:
                                "function_call_output and reasoning are)", "input")
 
 
+def _content(content: Any) -> str | list[dict]:
+    """A message's content for chat: its text, or with input_image parts, chat's parts in their order."""
+    if not (isinstance(content, list) and any(isinstance(p, dict) and p.get("type") == "input_image" for p in content)):
+        return _text(content)
+    parts = []
+    for part in content:
+        if isinstance(part, dict) and part.get("type") == "input_image":
+            if not isinstance(part.get("image_url"), str):
+                raise InvalidParameter("an input_image part needs image_url (a data:, https: or file: URL); file_id "
+                                       "is not supported: this gateway keeps no files", "input")
+            parts.append({"type": "image_url", "image_url": {"url": part["image_url"],
+                                                             "detail": part.get("detail") or "auto"}})
+        else:
+            parts.append({"type": "text", "text": _text([part])})
+    return parts
+
+
 def _text(content: Any) -> str:
     """A message's text: a string, or its text parts joined."""
     if isinstance(content, str):
@@ -173,8 +192,8 @@ def _text(content: Any) -> str:
     for part in content:
         kind = part.get("type") if isinstance(part, dict) else None
         if kind not in ("input_text", "output_text", "text"):
-            raise InvalidParameter(f"content parts of type {kind!r} are not supported: this model reads text "
-                                   "(input_text, output_text)", "input")
+            raise InvalidParameter(f"content parts of type {kind!r} are not supported (input_text, output_text and "
+                                   "input_image are)", "input")
         if not isinstance(part.get("text"), str):
             raise InvalidParameter(f"an {kind} part needs text (a string)", "input")
         texts.append(part["text"])

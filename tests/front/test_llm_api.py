@@ -147,7 +147,7 @@ def test_chat_takes_openai_message_shapes_and_refuses_bad_ones_clearly(llm):
     assert "more" in empty.prompt
     for messages, match in (([{"role": 5, "content": "hi"}], "string 'role'"),
                             ([{"content": "hi"}], "string 'role'"),
-                            ([{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}], "text parts"),
+                            ([{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}], "takes no images"),
                             ([{"role": "user", "content": 7}], "message 0"),
                             ("hello", "list of dicts")):
         with pytest.raises(ValueError, match=match):

@@ -6,7 +6,6 @@ under --allowed-local-media-path; greedy tokens equal transformers' on the same 
 from __future__ import annotations
 
 import base64
-import functools
 import http.server
 import io
 import threading
@@ -15,7 +14,7 @@ import pytest
 
 from tests import patient_http as httpx
 from tests.gateway.shared_stack import error_of, wait_blocks_free
-from tests.images import hf_greedy_with_images, picture
+from tests.images import chat_text, hf_greedy_with_images, picture
 from tests.oracle import assert_greedy_equal
 from tests.services_harness import Stack
 
@@ -92,17 +91,6 @@ def chat(stack, parts: list, max_tokens: int = 8) -> httpx.Response:
     return httpx.post(f"{stack.base_url}/v1/chat/completions", json=body, timeout=120)
 
 
-@functools.lru_cache(maxsize=None)
-def chat_text(model_dir: str, question: str, count: int) -> str:
-    """The prompt text the chat template makes of a user message with ``count`` images, then the question."""
-    from transformers import AutoTokenizer
-
-    tokenizer = AutoTokenizer.from_pretrained(model_dir)
-    content = "\n".join(["<image>"] * count + [question])
-    return tokenizer.apply_chat_template([{"role": "user", "content": content}], tokenize=False,
-                                         add_generation_prompt=True)
-
-
 def expect_transformers(llava_dir, reply, images: list, question: str):
     assert reply.status_code == 200, reply.text
     tokens = reply.json()["choices"][0]["token_ids"]
@@ -155,3 +143,20 @@ def test_an_image_sent_to_a_text_model_is_refused(stack):
         {"type": "image_url", "image_url": {"url": data_url(picture(15))}}, {"type": "text", "text": "hi"}]}]}
     error = error_of(httpx.post(f"{stack.base_url}/v1/chat/completions", json=body, timeout=60), 400)
     assert error["param"] == "messages[0].content[0]" and "takes no images" in error["message"]
+
+
+def test_the_responses_api_takes_input_image_parts(llava_stack, llava_dir):
+    from transformers import AutoTokenizer
+
+    question = "What do you see?"
+    body = {"model": llava_stack.model_name, "temperature": 0, "max_output_tokens": 8, "ignore_eos": True,
+            "input": [{"role": "user", "content": [{"type": "input_image", "image_url": data_url(picture(16))},
+                                                   {"type": "input_text", "text": question}]}]}
+    reply = httpx.post(f"{llava_stack.base_url}/v1/responses", json=body, timeout=120)
+    assert reply.status_code == 200, reply.text
+    answer = reply.json()["output"][-1]["content"][0]["text"]
+    expected, _ = hf_greedy_with_images(llava_dir, chat_text(str(llava_dir), question, 1), [picture(16)], 8)
+    assert answer == AutoTokenizer.from_pretrained(str(llava_dir)).decode(expected)
+    bad = {**body, "input": [{"role": "user", "content": [{"type": "input_image", "file_id": "file-1"}]}]}
+    assert "file_id" in error_of(httpx.post(f"{llava_stack.base_url}/v1/responses", json=bad, timeout=60),
+                                 400)["message"]

@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 
 from pagedserve import LLM, SamplingParams
-from tests.images import hf_greedy_with_images, picture
+from tests.images import chat_text, hf_greedy_with_images, picture
 from tests.oracle import assert_greedy_equal
 
 GREEDY = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
@@ -134,3 +134,20 @@ def test_image_inputs_that_do_not_fit_their_prompt_are_refused_at_admission(llm)
         with pytest.raises(InvalidParameter, match=r"images\[0\]"):
             llm.engine.add_request(EngineRequest(f"bad {what}", token_ids, GREEDY, images=(tampered,)))
     assert llm.stats()["num_requests_waiting"] == 0
+
+
+def test_chat_takes_image_parts(llm, llava_dir):
+    """vLLM's image_pil parts and OpenAI's image_url ones (a data: URL), each where it stands in the message."""
+    import base64
+    import io
+
+    question = "What do you see?"
+    png = io.BytesIO()
+    picture(18).save(png, format="PNG")
+    url = "data:image/png;base64," + base64.b64encode(png.getvalue()).decode()
+    for part, image in (({"type": "image_pil", "image_pil": picture(17)}, picture(17)),
+                        ({"type": "image_url", "image_url": {"url": url}}, picture(18))):
+        messages = [{"role": "user", "content": [part, {"type": "text", "text": question}]}]
+        tokens = llm.chat(messages, GREEDY, use_tqdm=False)[0].outputs[0].token_ids
+        assert_greedy_equal(tokens, *hf_greedy_with_images(llava_dir, chat_text(str(llava_dir), question, 1), [image]),
+                            what=part["type"])
