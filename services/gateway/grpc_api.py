@@ -18,6 +18,7 @@ from services.gateway.deltas import SeqDelta, TokenLogprob
 from services.gateway.engine_requests import engine_requests, new_request_id
 from services.gateway.generator import Generator
 from services.gateway.grpc_tracing import call_span
+from services.gateway.media import decoded_image, load_image
 from services.gateway.prompt_bound import refuse_texts_too_long
 from shared.grpc_errors import ResourceExhausted, Unauthenticated, status_for
 from shared.invalid_parameter import InvalidParameter
@@ -90,12 +91,17 @@ class GenerationServicer(api_grpc.GenerationServicer):
                 except ValueError as exc:  # its messages name the field, as over HTTP
                     raise InvalidParameter.from_params_error(exc) from None
                 # Off the event loop, as over HTTP: a huge prompt must not stall the other streams.
-                prompt = await self.gen.tokenized(_encoded_text, model, request.text, params) \
-                    if request.WhichOneof("prompt") == "text" else list(request.token_ids.ids)
+                images = ()
+                if request.images:
+                    prompt, images = await self.gen.tokenized(_encoded_with_images, model, request, params)
+                elif request.WhichOneof("prompt") == "text":
+                    prompt = await self.gen.tokenized(_encoded_text, model, request.text, params)
+                else:
+                    prompt = list(request.token_ids.ids)
                 # The engine request keeps the client's id, so Abort(request_id) reaches it.
                 salt = request.cache_salt if request.HasField("cache_salt") else None
                 requests = engine_requests(engine_id, [prompt], unique=False, params=params, cache_salt=salt, lora=lora,
-                                           priority=request.priority)
+                                           priority=request.priority, images=[images])
                 (run,) = await self.gen.start(model, requests, on_submit=call.attach, admission=admission)
                 try:
                     await self._stream(context, request_id, run)
@@ -229,6 +235,23 @@ def _encoded_text(model, text: str, params: SamplingParams) -> list[int]:
     if params.truncate_prompt_tokens is None:
         refuse_texts_too_long(model, [("text", text)])
     return model.encode(text)
+
+
+def _encoded_with_images(model, request: api.GenerateRequest, params: SamplingParams) -> tuple[list[int], tuple]:
+    """The prompt's tokens and images, through the model's processor (blocking: fetches and decodes images)."""
+    if model.image_prompts is None:
+        raise InvalidParameter("were given, but the model takes no images: it is a text model", "images")
+    if request.WhichOneof("prompt") != "text":
+        raise InvalidParameter("a prompt with images must be text, with the model's placeholder where each goes",
+                               "text")
+    if len(request.images) > model.media.max_images_per_prompt:
+        raise InvalidParameter(f"holds {len(request.images)} images; a prompt may hold at most "
+                               f"{model.media.max_images_per_prompt} (--limit-mm-per-prompt)", "images")
+    if params.truncate_prompt_tokens is not None:
+        raise InvalidParameter("cannot cut a prompt with images (it could cut one in two)", "truncate_prompt_tokens")
+    images = [load_image(image.url, model.media, f"images[{i}]") if image.WhichOneof("source") == "url"
+              else decoded_image(image.data, model.media, f"images[{i}]") for i, image in enumerate(request.images)]
+    return model.image_prompts.process(request.text, images)
 
 
 def _pooling_inputs(model, request: api.EmbedRequest | api.ClassifyRequest) -> list[list[int]]:

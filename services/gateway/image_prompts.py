@@ -31,7 +31,8 @@ class ImagePrompts:
 
         for index, image in enumerate(images):
             if not isinstance(image, Image.Image):
-                raise InvalidParameter(f"must be a PIL image, got {type(image).__name__}", f"image[{index}]")
+                raise InvalidParameter(f"image[{index}] must be a PIL image, got {type(image).__name__}",
+                                       f"image[{index}]")
         marks = text.count(self.placeholder)
         if marks != len(images):
             raise InvalidParameter(f"the prompt marks {marks} image(s) with {self.placeholder!r}, but {len(images)} "
@@ -40,7 +41,7 @@ class ImagePrompts:
             out = self.processor(text=[text], images=[image.convert("RGB") for image in images], return_tensors="np",
                                  add_special_tokens=add_special_tokens)
         except (ValueError, OSError) as exc:
-            raise InvalidParameter(f"the model's processor cannot take it: {exc}", "image") from exc
+            raise InvalidParameter(f"the images cannot go through the model's processor: {exc}", "image") from exc
         token_ids = [int(t) for t in out["input_ids"][0]]
         pixels = np.ascontiguousarray(out["pixel_values"], dtype=np.float32)
         runs = placeholder_runs(token_ids, self.image_token_id)

@@ -42,6 +42,11 @@ class MediaOptions:
                    max_images_per_prompt=limits["image"])
 
 
+def _bad(why: str, field: str) -> InvalidParameter:
+    """An error of the request field holding the image, naming it."""
+    return InvalidParameter(f"{field} {why}", field)
+
+
 def parse_limits(text: str | None) -> dict[str, int]:
     """--limit-mm-per-prompt's JSON ('{"image": 4}'); ValueError for anything else."""
     if not text:
@@ -59,7 +64,7 @@ def parse_limits(text: str | None) -> dict[str, int]:
 def load_image(url: str, options: MediaOptions, field: str):
     """The image at ``url`` as a PIL image, decoded (blocking: call it off the event loop)."""
     if not isinstance(url, str) or not url:
-        raise InvalidParameter("must hold an image URL", field)
+        raise _bad("must hold an image URL", field)
     scheme = urllib.parse.urlsplit(url).scheme.lower()
     if scheme == "data":
         data = _data_url_bytes(url, field)
@@ -68,55 +73,59 @@ def load_image(url: str, options: MediaOptions, field: str):
     elif scheme == "file":
         data = _local_file(url, options, field)
     else:
-        raise InvalidParameter(f"has a URL of scheme {scheme or '(none)'!r}; images come as data:, https: or (where "
+        raise _bad(f"has a URL of scheme {scheme or '(none)'!r}; images come as data:, https: or (where "
                                "the server allows) file: URLs", field)
+    return decoded_image(data, options, field)
+
+
+def decoded_image(data: bytes, options: MediaOptions, field: str):
+    """An image file's bytes as a PIL image, decoded."""
     if len(data) > options.max_image_bytes:
-        raise InvalidParameter(f"is an image of {len(data)} bytes, over the limit of {options.max_image_bytes}",
-                               field)
+        raise _bad(f"is an image of {len(data)} bytes, over the limit of {options.max_image_bytes}", field)
     return _decoded(data, field)
 
 
 def _data_url_bytes(url: str, field: str) -> bytes:
     header, comma, payload = url[len("data:"):].partition(",")
     if not comma or not header.startswith("image/") or not header.endswith(";base64"):
-        raise InvalidParameter("must be a data URL of an image in base64 (data:image/png;base64,...)", field)
+        raise _bad("must be a data URL of an image in base64 (data:image/png;base64,...)", field)
     try:
         return base64.b64decode(payload, validate=True)
     except (binascii.Error, ValueError):
-        raise InvalidParameter("has a data URL whose payload is not base64", field) from None
+        raise _bad("has a data URL whose payload is not base64", field) from None
 
 
 def _fetch(url: str, options: MediaOptions, field: str) -> bytes:
     host = (urllib.parse.urlsplit(url).hostname or "").lower()
     if options.allowed_domains is not None and not any(host == d or host.endswith("." + d)
                                                        for d in options.allowed_domains):
-        raise InvalidParameter(f"names host {host!r}, outside the server's allowed media domains", field)
+        raise _bad(f"names host {host!r}, outside the server's allowed media domains", field)
     request = urllib.request.Request(url, headers={"User-Agent": "pagedserve"})
     try:
         with urllib.request.urlopen(request, timeout=options.fetch_timeout_s) as response:
             kind = response.headers.get_content_type()
             if not kind.startswith("image/"):
-                raise InvalidParameter(f"is served as {kind}, not an image", field)
+                raise _bad(f"is served as {kind}, not an image", field)
             data = response.read(options.max_image_bytes + 1)
     except InvalidParameter:
         raise
     except (urllib.error.URLError, OSError, ValueError) as exc:
         reason = getattr(exc, "reason", exc)
-        raise InvalidParameter(f"could not be fetched: {reason}", field) from None
+        raise _bad(f"could not be fetched: {reason}", field) from None
     return data
 
 
 def _local_file(url: str, options: MediaOptions, field: str) -> bytes:
     if options.allowed_local_path is None:
-        raise InvalidParameter("is a file URL, which this server does not take (--allowed-local-media-path)", field)
+        raise _bad("is a file URL, which this server does not take (--allowed-local-media-path)", field)
     path = Path(urllib.parse.unquote(urllib.parse.urlsplit(url).path)).resolve()
     if not path.is_relative_to(options.allowed_local_path):
-        raise InvalidParameter("names a file outside the server's allowed local media path", field)
+        raise _bad("names a file outside the server's allowed local media path", field)
     try:
         with path.open("rb") as file:
             return file.read(options.max_image_bytes + 1)
     except OSError as exc:
-        raise InvalidParameter(f"names a file that cannot be read: {exc.strerror}", field) from None
+        raise _bad(f"names a file that cannot be read: {exc.strerror}", field) from None
 
 
 def _decoded(data: bytes, field: str):
@@ -126,5 +135,5 @@ def _decoded(data: bytes, field: str):
         image = Image.open(io.BytesIO(data))
         image.load()
     except (UnidentifiedImageError, OSError, ValueError, Image.DecompressionBombError) as exc:
-        raise InvalidParameter(f"is not an image that can be read: {exc}", field) from None
+        raise _bad(f"is not an image that can be read: {exc}", field) from None
     return image

@@ -129,8 +129,13 @@ def _image_as_text(part: Any, placeholder: str | None, field: str) -> Any:
         return part
     _image_url(part, field)
     if placeholder is None:
-        raise InvalidParameter("is an image, but the model takes no images: it is a text model", field)
+        raise _bad("is an image, but the model takes no images: it is a text model", field)
     return {"type": "text", "text": placeholder}
+
+
+def _bad(why: str, field: str) -> InvalidParameter:
+    """An error of one part of a message, naming it."""
+    return InvalidParameter(f"{field} {why}", field)
 
 
 def _image_url(part: dict, field: str) -> str:
@@ -139,9 +144,9 @@ def _image_url(part: dict, field: str) -> str:
     if isinstance(image, str):  # (as vLLM also takes it)
         image = {"url": image}
     if not isinstance(image, dict) or not isinstance(image.get("url"), str) or set(image) - {"url", "detail"}:
-        raise InvalidParameter("must hold image_url: {\"url\": ..., \"detail\": ...}", field)
+        raise _bad("must hold image_url: {\"url\": ..., \"detail\": ...}", field)
     if image.get("detail", "auto") not in ("auto", "low", "high"):
-        raise InvalidParameter(f"has detail {image['detail']!r}; it is 'auto', 'low' or 'high'", field)
+        raise _bad(f"has detail {image['detail']!r}; it is 'auto', 'low' or 'high'", field)
     return image["url"]
 
 

@@ -160,3 +160,24 @@ def test_the_responses_api_takes_input_image_parts(llava_stack, llava_dir):
     bad = {**body, "input": [{"role": "user", "content": [{"type": "input_image", "file_id": "file-1"}]}]}
     assert "file_id" in error_of(httpx.post(f"{llava_stack.base_url}/v1/responses", json=bad, timeout=60),
                                  400)["message"]
+
+
+def test_the_public_grpc_api_takes_images(llava_stack, llava_dir, image_server):
+    import grpc
+
+    from shared.proto import pagedserve_api_pb2 as api
+    from shared.proto import pagedserve_api_pb2_grpc as api_grpc
+
+    text = "USER: <image>\nWhat is in the picture? ASSISTANT:"
+    params = api.SamplingParameters(temperature=0, max_tokens=8, ignore_eos=True)
+    with grpc.insecure_channel(f"127.0.0.1:{llava_stack.grpc_port}") as channel:
+        stub = api_grpc.GenerationStub(channel)
+        for image, source in ((picture(19), {"data": png_bytes(picture(19))}),
+                              (picture(12), {"url": f"{image_server.base}/fetched.png"})):
+            request = api.GenerateRequest(text=text, params=params, images=[api.Image(**source)])
+            tokens = [t for reply in stub.Generate(request, timeout=120) for t in reply.token_ids]
+            assert_greedy_equal(tokens, *hf_greedy_with_images(llava_dir, text, [image], 8), what=str(list(source)))
+        bad = api.GenerateRequest(text=text, params=params, images=[api.Image(data=b"not an image")])
+        with pytest.raises(grpc.RpcError) as error:
+            list(stub.Generate(bad, timeout=60))
+        assert error.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "images[0]" in error.value.details()
