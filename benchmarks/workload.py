@@ -28,7 +28,12 @@ def bench_workload(num_requests: int = 200, seed: int = 0, vocab_size: int = 320
 BENCH_ARCHITECTURES = {"llama": {}, "gemma2": dict(model_type="gemma2", head_dim=64, sliding_window=256,
                                                     attn_logit_softcapping=50.0, final_logit_softcapping=30.0,
                                                     query_pre_attn_scalar=64, tie_word_embeddings=True),
-                       "mistral": dict(model_type="mistral", sliding_window=256)}  # every layer windowed
+                       "mistral": dict(model_type="mistral", sliding_window=256),  # every layer windowed
+                       # LLaVA-1.5 over the bench Llama: a CLIP tower of 224-pixel images in 16-pixel patches (196
+                       # placeholder tokens an image), 8 layers of width 512 (25 M parameters).
+                       "llava": dict(model_type="llava", vision_config=dict(
+                           hidden_size=512, intermediate_size=2048, num_hidden_layers=8, num_attention_heads=8,
+                           image_size=224, patch_size=16, projection_dim=512))}
 
 
 def bench_model_dir(architecture: str = "llama") -> Path:

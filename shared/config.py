@@ -98,6 +98,9 @@ class EngineConfig:
     num_gpu_blocks_override: int | None = option(None, "exact KV-cache block count, for tests and experiments "
                                                        "(default: from the memory budget)")
     max_logprobs: int = option(20, "most logprobs a request may ask for", read_by=LIMIT)
+    encoder_cache_size: int | None = option(None, "rows of image features a vision-language model's worker keeps, "
+                                                  "by image (default: a step's token budget, at least the "
+                                                  "context); 0 keeps none: each step encodes the images it reads")
     watermark: float = option(0.01, "share of the KV blocks that admitting new requests leaves free", read_by=LIMIT)
     enable_prefix_caching: bool = option(True, "reuse the KV of full blocks whose prefix was computed before",
                                          read_by=LIMIT)
@@ -162,6 +165,8 @@ class EngineConfig:
                  "num_gpu_blocks_override", f"must be >= 1, got {self.num_gpu_blocks_override}")
         _require(0 <= self.watermark < 1, "watermark", f"must be in [0, 1), got {self.watermark}")
         _require(self.swap_space >= 0, "swap_space", f"must be >= 0 GiB, got {self.swap_space}")
+        _require(self.encoder_cache_size is None or self.encoder_cache_size >= 0, "encoder_cache_size",
+                 f"must be >= 0 rows, got {self.encoder_cache_size}")
         _require(self.kv_offloading_size >= 0, "kv_offloading_size", f"must be >= 0 GiB, got {self.kv_offloading_size}")
         _require(self.preemption_mode in (None, *PREEMPTION_MODES), "preemption_mode",
                  f"must be 'swap', 'recompute' or None, got {self.preemption_mode!r}")

@@ -15,13 +15,16 @@ from shared.multimodal import ImageInput
 
 
 def encoder_cache_rows(config, max_model_len: int) -> int:
-    """Its size, as vLLM sizes its encoder cache: a step's token budget of features, and at least a context's."""
+    """Its size: --encoder-cache-size, or as vLLM sizes its encoder cache, a step's token budget of features and
+    at least a context's."""
+    if config.encoder_cache_size is not None:
+        return config.encoder_cache_size
     return max(config.token_budget(max_model_len), max_model_len)
 
 
 class EncoderCache:
     def __init__(self, max_rows: int):
-        self.max_rows = max_rows  # rows of features kept (the newest image is kept whatever its size)
+        self.max_rows = max_rows  # rows of features kept (the newest image whatever its size; 0: none)
         self._features: OrderedDict[bytes, torch.Tensor] = OrderedDict()  # hash -> [rows, hidden], least recent first
         self._rows = 0
         self.num_encoded = 0  # images encoded (cache misses)
@@ -53,6 +56,8 @@ class EncoderCache:
         return found
 
     def _put(self, key: bytes, rows: torch.Tensor) -> None:
+        if not self.max_rows:
+            return  # a cache of no rows: every step encodes what it reads
         self._features[key] = rows
         self._rows += rows.shape[0]
         while self._rows > self.max_rows and len(self._features) > 1:

@@ -112,12 +112,13 @@ def _config(model_type: str, **kwargs: Any):
                "mixtral": MixtralConfig, "qwen2_moe": Qwen2MoeConfig, "qwen3_moe": Qwen3MoeConfig,
                "gemma": GemmaConfig, "gemma2": Gemma2Config, "gemma3_text": Gemma3TextConfig, "phi3": Phi3Config,
                "granite": GraniteConfig, "olmo2": Olmo2Config, "smollm3": SmolLM3Config}
-    if model_type == "llava":  # LLaVA-1.5 over the Llama asked for, with a small CLIP tower (4 patches of 14)
+    if model_type == "llava":  # LLaVA-1.5 over the Llama asked for, a small CLIP tower (4 patches of 14) unless given
         from transformers import CLIPVisionConfig, LlavaConfig
 
         image_token = kwargs.pop("image_token_index")
-        vision = CLIPVisionConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
-                                  image_size=28, patch_size=14, projection_dim=32)
+        vision = CLIPVisionConfig(**{**dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                            num_attention_heads=2, image_size=28, patch_size=14, projection_dim=32),
+                                     **kwargs.pop("vision_config", {})})
         return LlavaConfig(text_config=LlamaConfig(**kwargs), vision_config=vision, image_token_index=image_token,
                            vision_feature_layer=-2, vision_feature_select_strategy="default",
                            tie_word_embeddings=kwargs.get("tie_word_embeddings", False))

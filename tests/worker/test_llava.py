@@ -151,3 +151,17 @@ def test_chat_takes_image_parts(llm, llava_dir):
         tokens = llm.chat(messages, GREEDY, use_tqdm=False)[0].outputs[0].token_ids
         assert_greedy_equal(tokens, *hf_greedy_with_images(llava_dir, chat_text(str(llava_dir), question, 1), [image]),
                             what=part["type"])
+
+
+def test_without_an_encoder_cache_each_step_encodes_what_it_reads(llava_dir):
+    """--encoder-cache-size 0: a prefill cut through an image encodes it again at each chunk; tokens alike."""
+    engine = LLM(str(llava_dir), block_size=4, num_gpu_blocks_override=64, max_num_batched_tokens=3,
+                 enable_chunked_prefill=True, encoder_cache_size=0)
+    try:
+        text, images = PROMPTS[0]
+        assert_greedy_equal(generate(engine, text, images), *hf_greedy_with_images(llava_dir, text, images),
+                            what="no encoder cache")
+        cache = engine.engine.executor.worker.image_encoder.cache
+        assert cache.num_encoded >= 2 and cache.num_hits == 0  # its 4 placeholders span at least 2 steps of 3
+    finally:
+        engine.close()
