@@ -58,8 +58,8 @@ class Worker:
         self.step_timer = StepTimer(self.device)
         self.kv_puller = KVPuller()  # prefill/decode disaggregation: blocks read from prefill workers
         # A vision-language model's images: encoded as their placeholders are computed, kept by their hash.
-        self.image_encoder = ImageEncoder(weights.vision, encoder_cache_rows(config, source.max_model_len),
-                                          self.device) if weights.vision is not None else None
+        self.image_encoder = ImageEncoder(weights.vision, encoder_cache_rows(config, source.max_model_len)) \
+            if weights.vision is not None else None
         self.image_token_id = weights.image_token_id if weights.vision is not None else None
 
     def _keep_parts(self, source: ModelSource, weights: Weights, kv: KVCache) -> None:
@@ -250,11 +250,12 @@ class Worker:
                 self.decode_graphs.can_replay(scheduled):
             return self.decode_graphs.forward(scheduled, tables), list(range(len(batch) + 1))
         inputs = build_model_inputs(scheduled, self.config.block_size, self.device, tables)
-        embeds = None
-        if spans:
+        if spans:  # (images are served by the native models only, whose forward takes embeddings)
             embeds = self.model.embed(inputs.input_ids)
             self.image_encoder.fill(embeds, spans)
-        hidden = self.model(inputs.input_ids, inputs.positions, self.attention, inputs.meta, inputs_embeds=embeds)
+            hidden = self.model(inputs.input_ids, inputs.positions, self.attention, inputs.meta, inputs_embeds=embeds)
+        else:
+            hidden = self.model(inputs.input_ids, inputs.positions, self.attention, inputs.meta)
         return hidden, inputs.meta.query_start_loc.tolist()
 
     def _sample(self, batch: list[tuple[WorkerSequence, int]], hidden: torch.Tensor,
