@@ -26,8 +26,9 @@ class ImageInput:
     offset: int  # the prompt position of its first placeholder token
     length: int  # its placeholder tokens (the rows of features it becomes)
     pixel_values: bytes  # C-contiguous, little-endian
-    shape: tuple[int, ...]  # of the pixels, e.g. (3, 336, 336)
+    shape: tuple[int, ...]  # of the pixels, e.g. (3, 336, 336), or LLaVA-NeXT's (tiles, 3, 336, 336)
     dtype: str = "float32"
+    layout: tuple[int, ...] = ()  # what else its features depend on: LLaVA-NeXT the image's (height, width)
 
     @property
     def end(self) -> int:
@@ -36,17 +37,17 @@ class ImageInput:
 
     def to_proto(self) -> wire.ImageInput:
         return wire.ImageInput(hash=self.hash, offset=self.offset, length=self.length, pixel_values=self.pixel_values,
-                               shape=self.shape, dtype=self.dtype)
+                               shape=self.shape, dtype=self.dtype, layout=self.layout)
 
     @classmethod
     def from_proto(cls, m: wire.ImageInput) -> ImageInput:
         return cls(hash=m.hash, offset=m.offset, length=m.length, pixel_values=m.pixel_values, shape=tuple(m.shape),
-                   dtype=m.dtype)
+                   dtype=m.dtype, layout=tuple(m.layout))
 
 
-def pixels_hash(pixel_values: bytes, shape: Sequence[int], dtype: str) -> bytes:
+def pixels_hash(pixel_values: bytes, shape: Sequence[int], dtype: str, layout: Sequence[int] = ()) -> bytes:
     digest = hashlib.blake2b(digest_size=16)
-    digest.update(repr((tuple(shape), dtype)).encode())
+    digest.update(repr((tuple(shape), dtype, tuple(layout))).encode())
     digest.update(pixel_values)
     return digest.digest()
 
@@ -66,7 +67,7 @@ def check_images(images: Sequence[ImageInput], prompt_token_ids: list[int], imag
                 f"must have the image token ({image_token_id}) at each of its placeholder positions")
         require(image.dtype in ITEM_BYTES and len(image.pixel_values) == prod(image.shape) * ITEM_BYTES[image.dtype],
                 field, "has pixel values that do not match their shape and dtype")
-        require(image.hash == pixels_hash(image.pixel_values, image.shape, image.dtype), field,
+        require(image.hash == pixels_hash(image.pixel_values, image.shape, image.dtype, image.layout), field,
                 "has a hash that is not that of its pixels")
         end = image.end
 

@@ -137,6 +137,13 @@ def llava_dir(tiny_model_factory):
 
 
 @pytest.fixture(scope="session")
+def llava_next_dir(tiny_model_factory):
+    # LlavaNextForConditionalGeneration (LLaVA-NeXT): the same tower, each image as an overview and up to 2 by 2
+    # tiles (the resolution its size fits best), packed with a newline row after each row of patches.
+    return tiny_model_factory("llava_next", max_position_embeddings=1024)
+
+
+@pytest.fixture(scope="session")
 def granite_dir(tiny_model_factory):
     # Granite 3's four multipliers (its 8B's embedding and residual ones, an attention scale of its own, logits
     # divided by 4), with biases on attention and the MLP.

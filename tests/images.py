@@ -16,9 +16,9 @@ def picture(seed: int, size: tuple[int, int] = (40, 52)) -> Image.Image:
 
 @functools.lru_cache(maxsize=1)
 def hf_llava(model_dir: str):
-    from transformers import AutoProcessor, LlavaForConditionalGeneration
+    from transformers import AutoModelForImageTextToText, AutoProcessor
 
-    model = LlavaForConditionalGeneration.from_pretrained(model_dir, dtype=torch.float32, attn_implementation="eager")
+    model = AutoModelForImageTextToText.from_pretrained(model_dir, dtype=torch.float32, attn_implementation="eager")
     model.generation_config.eos_token_id = None
     model.generation_config.pad_token_id = 0
     return model.eval(), AutoProcessor.from_pretrained(model_dir)

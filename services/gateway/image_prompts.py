@@ -50,12 +50,25 @@ class ImagePrompts:
         if len(runs) != len(images) or pixels.shape[0] != len(images):
             raise InvalidParameter(f"the model's processor made {len(runs)} placeholder run(s) and {pixels.shape[0]} "
                                    f"image(s) of {len(images)}", "prompt")
+        sizes = [tuple(int(v) for v in size) for size in out["image_sizes"]] if "image_sizes" in out else None
         inputs = []
-        for (offset, length), image in zip(runs, pixels):
+        for index, ((offset, length), image) in enumerate(zip(runs, pixels)):
+            layout = sizes[index] if sizes is not None else ()
+            if sizes is not None:  # LLaVA-NeXT: the image's own tiles, not the batch's padding
+                image = np.ascontiguousarray(image[:self._num_tiles(layout)])
             data = image.tobytes()
-            inputs.append(ImageInput(hash=pixels_hash(data, image.shape, "float32"), offset=offset, length=length,
-                                     pixel_values=data, shape=tuple(image.shape)))
+            inputs.append(ImageInput(hash=pixels_hash(data, image.shape, "float32", layout), offset=offset,
+                                     length=length, pixel_values=data, shape=tuple(image.shape), layout=layout))
         return token_ids, tuple(inputs)
+
+    def _num_tiles(self, size: tuple[int, int]) -> int:
+        """LLaVA-NeXT: the tiles of an image of this size, its overview first (as its processor makes them)."""
+        from transformers.models.llava_next.modeling_llava_next import image_size_to_num_patches
+
+        images = self.processor.image_processor
+        crop = images.crop_size
+        side = crop if isinstance(crop, int) else crop["height"]  # (a dict, or transformers' SizeDict)
+        return image_size_to_num_patches(size, images.image_grid_pinpoints, side)
 
 
 def split_runs(runs: list[tuple[int, int]], count: int) -> list[tuple[int, int]]:

@@ -10,8 +10,6 @@ import torch
 from services.worker.encoder_cache import EncoderCache
 from shared.multimodal import ImageInput
 
-_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
-
 ImageSpan = tuple[int, ImageInput, int, int]  # (row of the step's inputs, image, its first feature row, rows)
 
 
@@ -31,10 +29,9 @@ def image_spans(batch) -> list[ImageSpan]:
 class ImageEncoder:
     """The vision encoder behind its cache."""
 
-    def __init__(self, vision: torch.nn.Module, max_rows: int, device: torch.device):
-        self.vision = vision
+    def __init__(self, vision: torch.nn.Module, max_rows: int):
+        self.vision = vision  # models/llava_vision.py: encode(images) -> each image's features
         self.cache = EncoderCache(max_rows)
-        self.device = device
 
     def fill(self, embeds: torch.Tensor, spans: list[ImageSpan]) -> None:
         """Write each span's features into ``embeds`` ``[T, hidden]`` at its rows."""
@@ -43,14 +40,5 @@ class ImageEncoder:
             embeds[row:row + count] = rows[first:first + count].to(embeds.dtype)
 
     def _encode(self, images: list[ImageInput]) -> list[torch.Tensor]:
-        """Each image's features, encoded in one batch per pixel shape."""
-        by_shape: dict[tuple, list[int]] = {}
-        for index, image in enumerate(images):
-            by_shape.setdefault((image.shape, image.dtype), []).append(index)
-        out: list[torch.Tensor | None] = [None] * len(images)
-        for (shape, dtype), indexes in by_shape.items():
-            pixels = torch.stack([torch.frombuffer(bytearray(images[i].pixel_values), dtype=_DTYPES[dtype]).view(shape)
-                                  for i in indexes]).to(self.device)
-            for i, features in zip(indexes, self.vision(pixels)):
-                out[i] = features
-        return out
+        """Each image's features, as the model's encoder makes them (models/llava_vision.py)."""
+        return self.vision.encode(images)

@@ -6,8 +6,9 @@ defaults: they are filled in here), the wrapper's dtype and tying apply, and its
 ``language_model.model.*`` (transformers v4) or ``model.language_model.*`` (v5), the head under
 ``language_model.lm_head`` or ``lm_head``; the language model loads them as its own and skips the others.
 
-- LLaVA-1.5 (``llava``, LlavaForConditionalGeneration): a language model of any family we serve (Llama,
-  Mistral, Qwen 2...), and images, encoded by models/llava_vision.py.
+- LLaVA-1.5 (``llava``, LlavaForConditionalGeneration) and LLaVA-NeXT (``llava_next``, its any-resolution
+  tiles): a language model of any family we serve (Llama, Mistral, Qwen 2...), and images, encoded by
+  models/llava_vision.py.
 - Gemma 3 from 4B up (``gemma3``, Gemma3ForConditionalGeneration), a ``gemma3_text`` language model: served for
   its text only, so far (requests with images are refused).
 """
@@ -17,13 +18,14 @@ from __future__ import annotations
 from typing import Any
 
 # The wrapper's model_type -> its language model's (None: the text_config says, Llama if it does not).
-TEXT_MODEL_OF = {"gemma3": "gemma3_text", "llava": None}
-TAKES_IMAGES = ("llava",)  # the wrappers whose images are served (the others: their text only)
+TEXT_MODEL_OF = {"gemma3": "gemma3_text", "llava": None, "llava_next": None}
+TAKES_IMAGES = ("llava", "llava_next")  # the wrappers whose images are served (the others: their text only)
 # Gemma3TextConfig's defaults for what the wrappers' text_config leave out (the rest our parser defaults alike).
 _TEXT_DEFAULTS = {"gemma3_text": dict(vocab_size=262_208, hidden_size=2304, intermediate_size=9216,
                                       num_hidden_layers=26, num_attention_heads=8, num_key_value_heads=4,
                                       head_dim=256, max_position_embeddings=131_072)}
-_SKIPPED_PREFIXES = ("vision_tower.", "multi_modal_projector.", "model.vision_tower.", "model.multi_modal_projector.")
+_SKIPPED_PREFIXES = ("vision_tower.", "multi_modal_projector.", "model.vision_tower.", "model.multi_modal_projector.",
+                     "image_newline", "model.image_newline")  # (LLaVA-NeXT's row separator: the image encoder's)
 _TEXT_PREFIXES = (("language_model.model.", "model."), ("model.language_model.", "model."),
                   ("language_model.lm_head.", "lm_head."))
 

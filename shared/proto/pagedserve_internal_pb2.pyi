@@ -45,20 +45,22 @@ class EngineRequest(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., params: _Optional[_Union[_pagedserve_api_pb2.SamplingParameters, _Mapping]] = ..., cache_salt: _Optional[str] = ..., resumed: _Optional[_Iterable[_Union[ResumedSequence, _Mapping]]] = ..., lora: _Optional[_Union[LoRAAdapter, _Mapping]] = ..., pooling: _Optional[_Union[_pagedserve_api_pb2.PoolingParameters, _Mapping]] = ..., priority: _Optional[int] = ..., arrival_time: _Optional[float] = ..., trace_context: _Optional[_Mapping[str, str]] = ..., images: _Optional[_Iterable[_Union[ImageInput, _Mapping]]] = ...) -> None: ...
 
 class ImageInput(_message.Message):
-    __slots__ = ("hash", "offset", "length", "pixel_values", "shape", "dtype")
+    __slots__ = ("hash", "offset", "length", "pixel_values", "shape", "dtype", "layout")
     HASH_FIELD_NUMBER: _ClassVar[int]
     OFFSET_FIELD_NUMBER: _ClassVar[int]
     LENGTH_FIELD_NUMBER: _ClassVar[int]
     PIXEL_VALUES_FIELD_NUMBER: _ClassVar[int]
     SHAPE_FIELD_NUMBER: _ClassVar[int]
     DTYPE_FIELD_NUMBER: _ClassVar[int]
+    LAYOUT_FIELD_NUMBER: _ClassVar[int]
     hash: bytes
     offset: int
     length: int
     pixel_values: bytes
     shape: _containers.RepeatedScalarFieldContainer[int]
     dtype: str
-    def __init__(self, hash: _Optional[bytes] = ..., offset: _Optional[int] = ..., length: _Optional[int] = ..., pixel_values: _Optional[bytes] = ..., shape: _Optional[_Iterable[int]] = ..., dtype: _Optional[str] = ...) -> None: ...
+    layout: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, hash: _Optional[bytes] = ..., offset: _Optional[int] = ..., length: _Optional[int] = ..., pixel_values: _Optional[bytes] = ..., shape: _Optional[_Iterable[int]] = ..., dtype: _Optional[str] = ..., layout: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class PoolerInfo(_message.Message):
     __slots__ = ("pooling_type", "normalize", "hidden_size", "matryoshka", "matryoshka_dimensions", "max_seq_length", "lowercase", "labels", "activation")

@@ -1,4 +1,4 @@
-"""Images in, text out, on LLaVA-1.5 (models/llava_vision.py): greedy tokens equal transformers' generate on the
+"""Images in, text out, on LLaVA-1.5 and LLaVA-NeXT (models/llava_vision.py): greedy tokens equal transformers' generate on the
 same checkpoint and pixels, with one and two images, images amid text, chunked prefill cutting through an image's
 placeholders, and preemption; the prefix cache hits the same image with the same text and misses another image;
 the encoder cache encodes a repeated image once; and bad image input gets a clear error."""
@@ -165,3 +165,20 @@ def test_without_an_encoder_cache_each_step_encodes_what_it_reads(llava_dir):
         assert cache.num_encoded >= 2 and cache.num_hits == 0  # its 4 placeholders span at least 2 steps of 3
     finally:
         engine.close()
+
+
+@pytest.mark.parametrize("budget", [None, 5])
+def test_llava_next_tiles_equal_transformers(llava_next_dir, budget):
+    """Images of several shapes (each its best-fitting tile layout), side by side and amid text, whole or with
+    chunked prefill cutting through their placeholders."""
+    options = {} if budget is None else {"max_num_batched_tokens": budget, "enable_chunked_prefill": True}
+    engine = LLM(str(llava_next_dir), block_size=4, num_gpu_blocks_override=256, **options)
+    try:
+        for text, images in [("Compare <image> with <image> please.", [picture(20, (40, 50)), picture(21, (90, 40))]),
+                             ("A wide one: <image>", [picture(22, (30, 100))]),
+                             ("<image> and a small square", [picture(23, (20, 20))])]:
+            assert_greedy_equal(generate(engine, text, images), *hf_greedy_with_images(llava_next_dir, text, images),
+                                what=f"{text} (budget {budget})")
+    finally:
+        engine.close()
+

@@ -1,7 +1,11 @@
-"""LLaVA-1.5's image encoder: a CLIP vision tower and LLaVA's two-layer projector, as transformers builds them
+"""LLaVA's image encoders: a CLIP vision tower and LLaVA's two-layer projector, as transformers builds them
 (the modules are transformers' own; the language model is ours, llama.py). An image's features are the tower's
 hidden states at ``vision_feature_layer``, without the CLS row under the "default" strategy, projected to the
 language model's width: one row per placeholder token the processor put in the prompt.
+
+LLaVA-NeXT encodes each image as tiles (an overview, then the tiles of the resolution its size fits best) and
+packs their features as transformers' LlavaNextModel.pack_image_features does: the tiles laid out as the
+image, the padding cut off, a learned newline row after each row of patches.
 """
 
 from __future__ import annotations
@@ -13,19 +17,23 @@ import torch
 from safetensors import safe_open
 from torch import nn
 
+from shared.multimodal import ImageInput
+
 # Where the checkpoint keeps each part (transformers v4 wrote the first, v5 the second), and where in a tower
 # saved by v4 the CLIPVisionModel's own parameters begin.
 _TOWER_PREFIXES = ("vision_tower.", "model.vision_tower.")
 _PROJECTOR_PREFIXES = ("multi_modal_projector.", "model.multi_modal_projector.")
+_NEWLINE_NAMES = ("image_newline", "model.image_newline")
 _TOWER_INNER = "vision_model."
+_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
 
 class LlavaVision(nn.Module):
     def __init__(self, raw_config: dict[str, Any]):
-        from transformers import AutoModel, LlavaConfig
+        from transformers import AutoModel
         from transformers.models.llava.modeling_llava import LlavaMultiModalProjector
 
-        config = LlavaConfig.from_dict(raw_config)
+        config = self.config_class().from_dict(raw_config)
         if not isinstance(config.vision_feature_layer, int):
             raise ValueError("a LLaVA checkpoint whose vision_feature_layer is a list is not supported yet")
         if config.vision_feature_select_strategy not in ("default", "full"):
@@ -33,18 +41,38 @@ class LlavaVision(nn.Module):
         super().__init__()
         self.feature_layer = config.vision_feature_layer
         self.drop_cls = config.vision_feature_select_strategy == "default"
+        self.config = config
         self.vision_tower = AutoModel.from_config(config.vision_config)
         self.multi_modal_projector = LlavaMultiModalProjector(config)
 
+    @staticmethod
+    def config_class():
+        from transformers import LlavaConfig
+
+        return LlavaConfig
+
     @torch.inference_mode()
     def forward(self, pixel_values: torch.Tensor) -> torch.Tensor:
-        """``[images, 3, H, W]`` -> ``[images, rows, hidden]``: each image's features."""
+        """``[crops, 3, H, W]`` -> ``[crops, rows, hidden]``: each crop's projected features."""
         dtype = self.multi_modal_projector.linear_1.weight.dtype
         out = self.vision_tower(pixel_values.to(dtype), output_hidden_states=True, return_dict=True)
         features = out.hidden_states[self.feature_layer]
         if self.drop_cls:
             features = features[:, 1:]
         return self.multi_modal_projector(features)
+
+    def encode(self, images: list[ImageInput]) -> list[torch.Tensor]:
+        """Each image's features ``[rows, hidden]``: one batch through the tower per pixel shape."""
+        by_shape: dict[tuple, list[int]] = {}
+        for index, image in enumerate(images):
+            by_shape.setdefault((image.shape, image.dtype), []).append(index)
+        out: list[torch.Tensor | None] = [None] * len(images)
+        device = self.multi_modal_projector.linear_1.weight.device
+        for (shape, dtype), indexes in by_shape.items():
+            pixels = torch.stack([pixels_of(images[i], dtype, shape) for i in indexes]).to(device)
+            for i, features in zip(indexes, self(pixels)):
+                out[i] = features
+        return out
 
     def load_checkpoint(self, files: list[Path]) -> None:
         """The tower's and projector's tensors from the checkpoint's safetensors files; ValueError if some are
@@ -57,6 +85,8 @@ class LlavaVision(nn.Module):
                         tower[inner.removeprefix(_TOWER_INNER)] = f.get_tensor(name)
                     elif (inner := _strip(name, _PROJECTOR_PREFIXES)) is not None:
                         projector[inner] = f.get_tensor(name)
+                    elif name in _NEWLINE_NAMES and hasattr(self, "image_newline"):
+                        self.image_newline.data.copy_(f.get_tensor(name))
         for part, state in ((self.vision_tower, tower), (self.multi_modal_projector, projector)):
             wanted = part.state_dict()
             missing = sorted(set(wanted) - set(state))
@@ -66,12 +96,42 @@ class LlavaVision(nn.Module):
             part.load_state_dict({name: state[name] for name in wanted})
 
 
+class LlavaNextVision(LlavaVision):
+    def __init__(self, raw_config: dict[str, Any]):
+        super().__init__(raw_config)
+        self.image_newline = nn.Parameter(torch.zeros(self.config.text_config.hidden_size))
+
+    @staticmethod
+    def config_class():
+        from transformers import LlavaNextConfig
+
+        return LlavaNextConfig
+
+    def encode(self, images: list[ImageInput]) -> list[torch.Tensor]:
+        """Each image's tiles through the tower together, then packed as the model lays them out."""
+        from transformers.models.llava_next.modeling_llava_next import LlavaNextModel
+
+        device = self.image_newline.device
+        out = []
+        for image in images:
+            tiles = self(pixels_of(image, image.dtype, image.shape).to(device))
+            packed, _ = LlavaNextModel.pack_image_features(
+                self, [tiles], torch.tensor([image.layout]), self.config.vision_feature_select_strategy,
+                image_newline=self.image_newline)
+            out.append(packed[0])
+        return out
+
+
+def pixels_of(image: ImageInput, dtype: str, shape: tuple[int, ...]) -> torch.Tensor:
+    return torch.frombuffer(bytearray(image.pixel_values), dtype=_DTYPES[dtype]).view(shape)
+
+
 def _strip(name: str, prefixes: tuple[str, ...]) -> str | None:
     return next((name[len(prefix):] for prefix in prefixes if name.startswith(prefix)), None)
 
 
 def load_llava_vision(model_dir: Path, raw_config: dict[str, Any], files: list[Path], dtype: torch.dtype,
                       device: torch.device) -> LlavaVision:
-    vision = LlavaVision(raw_config)
+    vision = (LlavaNextVision if raw_config.get("model_type") == "llava_next" else LlavaVision)(raw_config)
     vision.load_checkpoint(files)
     return vision.to(device=device, dtype=dtype).eval().requires_grad_(False)
