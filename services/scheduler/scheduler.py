@@ -69,6 +69,7 @@ class Scheduler:
         self.kv_pull_blocks = 0  # blocks pulled for them
         self.kv_pull_blocks_cached = 0  # blocks this stage's prefix cache held, so not pulled
         self._pulls: dict[str, list[tuple[int, int]]] = {}  # this plan's pulls, by source
+        self._encoder_budget = limits.max_num_batched_tokens  # left in the step being planned
         self.draft_acceptance = DraftAcceptance()  # speculative decoding's counts
         self._outputs = OutputProcessor(self, eos_token_ids, max_model_len, self.draft_acceptance, new_seq_id)
 
@@ -126,7 +127,9 @@ class Scheduler:
         4. Then, under the same conditions, waiting sequences in queue order (a recompute
            victim sits at its head) while the budget, max_num_seqs and free blocks (less a small
            watermark, kept while anything runs) allow; a prompt starts after its cached prefix. With chunked prefill a
-           prompt may take part of the budget left; without, it must fit whole.
+           prompt may take part of the budget left; without, it must fit whole. Images count too: the rows of
+           features of the images whose placeholders a step starts share one encoder budget, as many as the
+           token budget, and a chunk stops before an image it cannot afford (the step's first always fits).
         5. If nothing at all could be scheduled while sequences wait, the newest beam parked on
            its siblings' candidates is preempted: the blocks of beams that already reported are
            what the waiting siblings need (else beam groups could hold each other's blocks forever).
@@ -149,6 +152,7 @@ class Scheduler:
         self._step_id += 1
         plan, self._plan = self._plan, StepPlan(step_id=self._step_id + 1)
         budget = self.limits.max_num_batched_tokens
+        self._encoder_budget = budget  # rows of image features this step may encode (_within_encoder_budget)
         scheduled: dict[int, int] = {}
         preempted = False
         for seq in list(self.running):
@@ -157,7 +161,9 @@ class Scheduler:
             work = self._work_left(seq)
             if not work:
                 continue  # preempted just now, a beam waiting for its siblings, or its last token is coming
-            num_tokens = min(work, budget)
+            num_tokens = self._within_encoder_budget(seq, seq.num_planned_tokens, min(work, budget))
+            if not num_tokens:
+                continue  # its next tokens are an image the step has no encoder budget left for
             planned = seq.num_planned_tokens  # preempting others leaves it; preempting this one ends the loop
             allocation = None
             while seq.status is SequenceStatus.RUNNING:
@@ -301,7 +307,10 @@ class Scheduler:
             num_tokens = seq.num_tokens - num_cached
             if num_tokens > budget and not self.limits.enable_chunked_prefill:
                 break
-            num_tokens = min(num_tokens, budget)
+            wanted = min(num_tokens, budget)
+            num_tokens = self._within_encoder_budget(seq, num_cached, wanted)
+            if not num_tokens or num_tokens < wanted and not self.limits.enable_chunked_prefill:
+                break  # its images must wait for a step with encoder budget left
             total = num_cached + num_tokens
             # The watermark keeps room for running sequences to grow; with none, it protects nobody
             # (and a prompt needing nearly the whole cache, admissible as it is, would wait forever).
@@ -326,6 +335,19 @@ class Scheduler:
             scheduled[seq.seq_id] = num_tokens
             budget -= num_tokens
         return budget
+
+    def _within_encoder_budget(self, seq: Sequence, start: int, num_tokens: int) -> int:
+        """Of ``num_tokens`` from position ``start``, how many this step may compute so that the images whose
+        placeholders start among them fit the step's encoder budget (rows of features the worker encodes, as
+        many as the token budget): the chunk stops before the first image that does not fit. The step's first
+        image always fits, however large, so that no image waits forever."""
+        for image in seq.request.images:
+            if not start <= image.offset < start + num_tokens:
+                continue
+            if image.length > self._encoder_budget and self._encoder_budget < self.limits.max_num_batched_tokens:
+                return image.offset - start
+            self._encoder_budget -= image.length
+        return num_tokens
 
     def _pull(self, seq: Sequence, hits: CacheHit, num_tokens: int) -> None:
         """A handed-off sequence's table: what this stage caches of it, then blocks its KV is pulled into."""

@@ -1,0 +1,88 @@
+"""Images as the scheduler sees them: a step starts at most an encoder budget of image features (a chunk
+stops before an image it cannot afford, the step's first image always goes), and the prefix cache tells one
+image from another by hash. On the fake worker, whose tokens depend only on the sequence."""
+
+from __future__ import annotations
+
+import pytest
+
+from services.scheduler.engine_core import EngineCore
+from services.scheduler.executor import InProcessExecutor
+from services.scheduler.scheduler import SchedulerLimits
+from shared.multimodal import ImageInput, pixels_hash
+from shared.request import EngineRequest
+from shared.sampling_params import SamplingParams
+from tests.fake_worker import FakeWorker
+
+IMAGE = 99  # the placeholder token
+
+
+def image(seed: int, offset: int, length: int) -> ImageInput:
+    data = bytes([seed]) * 12
+    return ImageInput(hash=pixels_hash(data, (3,), "float32"), offset=offset, length=length, pixel_values=data,
+                      shape=(3,))
+
+
+def engine(budget: int, chunked: bool = True) -> tuple[EngineCore, FakeWorker]:
+    worker = FakeWorker(64, 4, vocab_size=200, image_token_id=IMAGE)
+    limits = SchedulerLimits(max_num_seqs=4, max_num_batched_tokens=budget, enable_chunked_prefill=chunked)
+    return EngineCore(InProcessExecutor(worker), limits), worker
+
+
+def request(request_id: str, images: list[ImageInput], length: int, max_tokens: int = 3) -> EngineRequest:
+    prompt = [5 + i % 7 for i in range(length)]
+    for img in images:
+        prompt[img.offset:img.end] = [IMAGE] * img.length
+    return EngineRequest(request_id, prompt, SamplingParams(max_tokens=max_tokens, ignore_eos=True),
+                         images=tuple(images))
+
+
+def run(core: EngineCore) -> None:
+    for _ in range(200):
+        if not core.has_unfinished():
+            return
+        core.step()
+    raise AssertionError("the engine stalled")
+
+
+def started_images(worker: FakeWorker, requests: dict[int, EngineRequest]) -> list[list[int]]:
+    """Per step, the rows of features of each image whose placeholders it starts."""
+    steps = []
+    for plan in worker.plans:
+        chunks = [(new.seq_id, new.num_computed_tokens, new.num_scheduled_tokens) for new in plan.new]
+        chunks += [(d.seq_id, d.num_computed_tokens, d.num_scheduled_tokens) for d in plan.running]
+        steps.append([img.length for seq_id, start, n in chunks for img in requests[seq_id].images
+                      if start <= img.offset < start + n])
+    return steps
+
+
+@pytest.mark.parametrize("budget, images", [
+    (6, [(1, 2), (3, 9), (13, 3)]),  # the second starts in the first chunk but reaches far past it
+    (10, [(2, 4), (8, 9), (19, 5)]),
+    (16, [(0, 6), (6, 6), (12, 6)])])
+def test_a_step_starts_images_within_its_encoder_budget(budget, images):
+    core, worker = engine(budget)
+    sent = {0: request("a", [image(i + 1, offset, length) for i, (offset, length) in enumerate(images)], 30),
+            1: request("b", [image(9, 0, 4)], 8)}
+    for req in sent.values():
+        core.add_request(req)
+    run(core)
+    steps = started_images(worker, sent)
+    assert all(sum(rows) <= budget or len(rows) == 1 for rows in steps), steps  # (one larger goes alone)
+    assert sum(map(sum, steps)) == sum(length for _, length in images) + 4  # every image started once
+
+
+def test_an_image_larger_than_the_budget_still_goes_alone():
+    core, worker = engine(4)
+    core.add_request(request("big", [image(5, 1, 9)], 12))
+    run(core)
+    assert [9] in started_images(worker, {0: request("big", [image(5, 1, 9)], 12)})
+
+
+def test_the_prefix_cache_tells_images_apart():
+    core, worker = engine(64)
+    for request_id, seed in (("first", 1), ("same", 1), ("other", 2)):
+        core.add_request(request(request_id, [image(seed, 4, 8)], 24))
+        run(core)
+    starts = [new.num_computed_tokens for plan in worker.plans for new in plan.new]
+    assert starts == [0, 20, 4]  # a hit up to the last block; another image: only the text before it
