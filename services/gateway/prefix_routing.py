@@ -11,6 +11,7 @@ read per request to the gateway's, and a dependency schedulers do not have.
 from __future__ import annotations
 
 from shared.block_hash import hash_full_blocks, routing_key
+from shared.multimodal import image_keys
 from shared.lora import prefix_cache_extra
 from shared.proto import pagedserve_internal_pb2 as wire
 from shared.request import EngineRequest
@@ -58,4 +59,5 @@ def prompt_keys(request: EngineRequest, block_size: int) -> list[int]:
     them (never the last token: the scheduler computes it whatever it holds)."""
     prompt = request.prompt_token_ids
     extra = prefix_cache_extra(request.cache_salt, request.lora)
-    return [routing_key(h) for h in hash_full_blocks(None, prompt[:len(prompt) - 1], block_size, extra)]
+    return [routing_key(h) for h in hash_full_blocks(None, prompt[:len(prompt) - 1], block_size, extra,
+                                                     image_keys(request.images))]

@@ -86,3 +86,14 @@ def test_the_prefix_cache_tells_images_apart():
         run(core)
     starts = [new.num_computed_tokens for plan in worker.plans for new in plan.new]
     assert starts == [0, 20, 4]  # a hit up to the last block; another image: only the text before it
+
+
+def test_the_gateway_routes_by_the_keys_the_scheduler_indexes():
+    from services.gateway.prefix_routing import prompt_keys
+
+    core, _ = engine(64)
+    routed = request("routed", [image(3, 4, 8)], 24)
+    core.add_request(routed)
+    run(core)
+    keys = prompt_keys(routed, 4)
+    assert len(keys) == 5 and set(keys) <= set(core.cached_keys())  # the image's blocks and those after it too
