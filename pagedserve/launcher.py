@@ -174,8 +174,8 @@ class Stack:
 
     def _spawn_stages(self, label: str, backend: int, envs: list[dict[str, str]],
                       cpus: list[list[int] | None]) -> list[Child]:
-        """A backend's prefill workers, then its decode workers (each restarts alone: the scheduler recomputes
-        what a lost one held)."""
+        """A backend's prefill workers, then its decode workers. Each restarts alone; meanwhile its scheduler's
+        engine has failed, and rebuilds on all of them once they answer (the gateway resumes the requests)."""
         children = []
         for i, env in enumerate(envs):
             role, number = ("prefill", i) if i < self.args.prefill_workers else ("decode", i - self.args.prefill_workers)

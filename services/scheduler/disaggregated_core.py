@@ -71,6 +71,14 @@ class DisaggregatedCore(EngineCore):
     def _check_blocks_suffice(self, prompt_len, params) -> None:
         super()._check_blocks_suffice(prompt_len, params)  # a decode worker holds the whole sequence
         limits = self.scheduler.limits
+        longest = prompt_len + (params.max_tokens or self.info.max_model_len - prompt_len)
+        for stage in self.decode[1:]:  # (the first is the engine core's own: checked above)
+            blocks = stage.scheduler.blocks
+            needed = blocks.most_blocks_held(longest, limits.max_num_batched_tokens
+                                             if limits.enable_chunked_prefill else None)
+            if needed > blocks.num_blocks:
+                raise ValueError(f"the request can grow to {longest} tokens, needing {needed} KV blocks at once, "
+                                 f"but a decode worker's cache has only {blocks.num_blocks}: it could never run")
         for stage in self.prefill:  # a prefill worker, the prompt
             blocks = stage.scheduler.blocks
             needed = blocks.most_blocks_held(prompt_len, limits.max_num_batched_tokens if limits.enable_chunked_prefill
@@ -81,7 +89,7 @@ class DisaggregatedCore(EngineCore):
 
     def _enqueue(self, seq: Sequence) -> None:
         stage = min(self.decode, key=lambda s: s.load) if seq.beam_group is not None else self._prefill_stage_for(seq)
-        for member in [*seq.siblings, *seq.pending_siblings]:
+        for member in [seq, *seq.pending_siblings]:  # (a resumed request's siblings come each on its own)
             self._stage_of[member.seq_id] = stage
         stage.scheduler.add(seq)
 
@@ -118,6 +126,7 @@ class DisaggregatedCore(EngineCore):
         if request_id not in self._requests:
             for seq in seqs:
                 self._stage_of.pop(seq.seq_id, None)
+                self.handoffs.dropped(seq)  # a sibling ended with its request while it waited for the decode stage
 
     # --- stepping ---------------------------------------------------------------------------------------
 
@@ -258,12 +267,15 @@ def _merge(name: str, first, other):
 
 def _check_alike(info: WorkerInfo, other: WorkerInfo, address: str) -> None:
     """The workers must run the same model alike: blocks move between them as they are."""
-    for name in ("model", "block_size", "max_model_len", "vocab_size", "dtype", "kv_window",
-                 "num_speculative_tokens", "max_loras", "pooler"):
+    for name in ("model", "block_size", "max_model_len", "vocab_size", "dtype", "kv_cache_dtype", "kv_window",
+                 "num_speculative_tokens", "max_loras", "pooler", "image_token_id"):
         if getattr(info, name) != getattr(other, name):
             raise ValueError(f"the worker at {address} differs from the first decode worker in {name}: "
                              f"{getattr(other, name)!r} against {getattr(info, name)!r}; prefill and decode workers "
                              "must serve the same model with the same settings")
+    if other.kv_scales_measured:
+        raise ValueError(f"the worker at {address} measures its own FP8 KV scales (--calculate-kv-scales): blocks "
+                         "moved between workers would be read with another worker's scales")
     if other.tensor_parallel_size > 1:
         raise ValueError(f"the worker at {address} is a tensor-parallel rank: prefill/decode disaggregation runs "
                          "one worker per stage")

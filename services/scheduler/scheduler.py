@@ -483,7 +483,10 @@ class Scheduler:
     def _hand_off_sampled(self) -> None:
         """A prefill stage's sequences that have just sampled (their first token, or the first after a resumption)
         leave it: the worker forgets them, their blocks stay held until the decode stage has pulled them."""
-        for seq in [s for s in self.running if s.output_token_ids and s.num_uncomputed_tokens == 1]:
+        # Every token computed but the one just sampled, and nothing in flight (a resumed sequence, which has
+        # outputs from the start, may be admitted whole in a plan made ahead: it waits for that step).
+        for seq in [s for s in self.running if s.output_token_ids and s.num_uncomputed_tokens == 1
+                    and not s.num_inflight_tokens and not s.num_placeholders]:
             self.running.remove(seq)
             if seq.known_to_worker:
                 self._plan.finished_seq_ids.append(seq.seq_id)

@@ -25,7 +25,8 @@ from shared.step_protocol import KVPull, StepPlan
 
 log = structlog.get_logger(__name__)
 
-CHUNK_BYTES = 4 << 20  # per BlockData message: far below gRPC's limit, and the receiver writes as they come
+CHUNK_BYTES = 4 << 20  # per BlockData message: far below gRPC's limit
+# (A pull's chunks are held in host memory from its fetch to its step: a plan's pulls are one step's prompts.)
 FETCH_TIMEOUT_S = 60.0  # a pull not read by then fails (its sequences are recomputed)
 GRPC_OPTIONS = [("grpc.max_send_message_length", 64 << 20), ("grpc.max_receive_message_length", 64 << 20)]
 
@@ -76,7 +77,9 @@ class KVPuller:
 
     def __init__(self):
         self._channels: dict[str, grpc.Channel] = {}
-        self._fetches: dict[int, list[Future]] = {}  # by step id: one per pull of the plan, in order
+        # By the plan (its id, and the plan itself: a plan of an earlier scheduler's stream with the same step id
+        # is never taken for it): one fetch per pull of the plan, in order.
+        self._fetches: dict[int, tuple[StepPlan, list[Future]]] = {}
         self._lock = threading.Lock()
         self._pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="kv-pull")
 
@@ -85,15 +88,15 @@ class KVPuller:
         if not plan.pulls:
             return
         with self._lock:
-            if plan.step_id not in self._fetches:
-                self._fetches[plan.step_id] = [self._pool.submit(self._fetch, pull) for pull in plan.pulls]
+            if id(plan) not in self._fetches:
+                self._fetches[id(plan)] = (plan, [self._pool.submit(self._fetch, pull) for pull in plan.pulls])
 
     def pull(self, plan: StepPlan, pools: list[torch.Tensor]) -> set[int]:
         """Write the plan's pulls into the pools (the compute thread, as the step starts); returns the blocks of
         the pulls that failed (unreachable source, a broken stream, blocks of another shape)."""
         self.prefetch(plan)
         with self._lock:
-            fetches = self._fetches.pop(plan.step_id)
+            _, fetches = self._fetches.pop(id(plan))
         unfilled: set[int] = set()
         for pull, fetch in zip(plan.pulls, fetches):
             try:
@@ -117,7 +120,7 @@ class KVPuller:
             return channel
 
     def forget(self) -> None:
-        """A new scheduler starts from nothing: fetches for the old one's plans are void (step ids restart)."""
+        """A new scheduler starts from nothing: fetches for the old one's plans, never run, are dropped."""
         with self._lock:
             self._fetches.clear()
 

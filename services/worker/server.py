@@ -239,6 +239,7 @@ def serve(config: EngineConfig, address: str, tensor_parallel_rank: int = 0,
     if tracing is not None:
         tracing.shutdown()  # the last steps' spans, to the collector
     leave_group(worker.tp)
+    worker.kv_puller.close()
     unfreeze_startup_objects()
     log.info("worker stopped")
 

@@ -92,7 +92,10 @@ class Worker:
                           max_loras=self.config.max_loras if self.adapters is not None else 0,
                           max_lora_rank=self.config.max_lora_rank if self.adapters is not None else 0,
                           pooler=self.pooler.config if self.pooler is not None else None, kv_window=self.kv_window,
-                          image_token_id=self.image_token_id)
+                          image_token_id=self.image_token_id,
+                          kv_cache_dtype=str(self.kv_pool.dtype).removeprefix("torch."),
+                          kv_scales_measured=bool(self.config.calculate_kv_scales)
+                          and self.kv_pool.dtype in (torch.float8_e4m3fn, torch.float8_e5m2))
 
     # --- one step ---------------------------------------------------------------------------------
 

@@ -290,3 +290,31 @@ def test_a_failed_pull_between_real_workers_is_recomputed(model_stages, llama_di
         assert_greedy_equal(tokens_out, *hf_greedy(llama_dir, prompt, 8), what=f"prompt of {len(prompt)}")
     assert failures and engine.get_stats()["num_failed_swap_ins"] == 1
     check_all_released(engine)
+
+
+@pytest.mark.parametrize("pipelined", [False, True])
+def test_resumed_requests_and_their_siblings_hand_off_only_once_computed(pipelined):
+    """A resumed request has outputs from the start: planned ahead whole, it must not leave the prefill stage
+    before that step is back. Its sequences come each on its own; an abort finds each where it is."""
+    from shared.resumption import Resumption
+
+    def requests():
+        params = SamplingParams(max_tokens=9, ignore_eos=True, n=2)
+        return [EngineRequest("resumed", tokens(31, 14), params, resumption=Resumption({0: [5, 6], 1: [7]})),
+                EngineRequest("fresh", tokens(32, 30), SamplingParams(max_tokens=6, ignore_eos=True))]
+
+    expected = run(colocated(), requests(), pipelined)
+    engine, _, _ = disaggregated(num_prefill=2, num_decode=2)
+    assert run(engine, requests(), pipelined) == expected
+    check_all_released(engine)
+    for steps in range(4):  # again, aborted as its sequences sit on different stages, waiting or running
+        engine.add_request(requests()[0])
+        for _ in range(steps):
+            engine.step()
+        engine.abort_request("resumed")
+        for _ in range(50):
+            if not (engine.has_unfinished() or engine.num_in_flight):
+                break
+            engine.step()
+        assert not any(stage.scheduler.waiting or stage.scheduler.running for stage in engine.stages)
+        check_all_released(engine)
