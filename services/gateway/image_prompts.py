@@ -45,11 +45,12 @@ class ImagePrompts:
         token_ids = [int(t) for t in out["input_ids"][0]]
         pixels = np.ascontiguousarray(out["pixel_values"], dtype=np.float32)
         runs = placeholder_runs(token_ids, self.image_token_id)
-        if len(runs) < len(images) and pixels.shape[0] == len(images):
-            runs = split_runs(runs, len(images))  # images side by side: equal pixels make equal runs
+        if len(runs) < len(images) and pixels.shape[0] == len(images) and "image_sizes" not in out:
+            runs = split_runs(runs, len(images))  # LLaVA-1.5's images side by side: equal pixels, equal runs
         if len(runs) != len(images) or pixels.shape[0] != len(images):
             raise InvalidParameter(f"the model's processor made {len(runs)} placeholder run(s) and {pixels.shape[0]} "
-                                   f"image(s) of {len(images)}", "prompt")
+                                   f"image(s) of {len(images)}: put text between images that stand side by side",
+                                   "prompt")
         sizes = [tuple(int(v) for v in size) for size in out["image_sizes"]] if "image_sizes" in out else None
         inputs = []
         for index, ((offset, length), image) in enumerate(zip(runs, pixels)):

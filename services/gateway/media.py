@@ -10,6 +10,7 @@ import base64
 import binascii
 import io
 import json
+import time
 import urllib.error
 import urllib.parse
 import urllib.request
@@ -19,6 +20,7 @@ from pathlib import Path
 from shared.invalid_parameter import InvalidParameter
 
 DEFAULT_LIMITS = {"image": 8}  # images a prompt may hold, unless --limit-mm-per-prompt says
+MAX_IMAGE_PIXELS = 50_000_000  # a decoded image's pixels (PIL's own bomb limit is 3.5 times that)
 
 
 @dataclass(frozen=True)
@@ -65,7 +67,10 @@ def load_image(url: str, options: MediaOptions, field: str):
     """The image at ``url`` as a PIL image, decoded (blocking: call it off the event loop)."""
     if not isinstance(url, str) or not url:
         raise _bad("must hold an image URL", field)
-    scheme = urllib.parse.urlsplit(url).scheme.lower()
+    try:
+        scheme = urllib.parse.urlsplit(url).scheme.lower()
+    except ValueError as exc:
+        raise _bad(f"is not a URL that can be read: {exc}", field) from None
     if scheme == "data":
         data = _data_url_bytes(url, field)
     elif scheme in ("http", "https"):
@@ -101,31 +106,56 @@ def _fetch(url: str, options: MediaOptions, field: str) -> bytes:
                                                        for d in options.allowed_domains):
         raise _bad(f"names host {host!r}, outside the server's allowed media domains", field)
     request = urllib.request.Request(url, headers={"User-Agent": "pagedserve"})
+    deadline = time.monotonic() + options.fetch_timeout_s
     try:
-        with urllib.request.urlopen(request, timeout=options.fetch_timeout_s) as response:
+        with _NO_REDIRECTS.open(request, timeout=options.fetch_timeout_s) as response:
             kind = response.headers.get_content_type()
             if not kind.startswith("image/"):
                 raise _bad(f"is served as {kind}, not an image", field)
-            data = response.read(options.max_image_bytes + 1)
+            data = bytearray()
+            while len(data) <= options.max_image_bytes:  # (a server that drips bytes gets the time limit too)
+                if time.monotonic() > deadline:
+                    raise _bad(f"took longer than {options.fetch_timeout_s:g} s to fetch", field)
+                chunk = response.read(min(1 << 16, options.max_image_bytes + 1 - len(data)))
+                if not chunk:
+                    break
+                data += chunk
     except InvalidParameter:
         raise
+    except urllib.error.HTTPError as exc:
+        raise _bad(f"could not be fetched: HTTP {exc.code}" + (" (redirects are not followed)"
+                                                              if 300 <= exc.code < 400 else ""), field) from None
     except (urllib.error.URLError, OSError, ValueError) as exc:
         reason = getattr(exc, "reason", exc)
         raise _bad(f"could not be fetched: {reason}", field) from None
-    return data
+    return bytes(data)
+
+
+class _RefuseRedirects(urllib.request.HTTPRedirectHandler):
+    """A redirect is not followed: it could lead outside --allowed-media-domains (to an internal address)."""
+
+    def redirect_request(self, req, fp, code, msg, headers, newurl):
+        return None
+
+
+_NO_REDIRECTS = urllib.request.build_opener(_RefuseRedirects)
 
 
 def _local_file(url: str, options: MediaOptions, field: str) -> bytes:
     if options.allowed_local_path is None:
         raise _bad("is a file URL, which this server does not take (--allowed-local-media-path)", field)
-    path = Path(urllib.parse.unquote(urllib.parse.urlsplit(url).path)).resolve()
-    if not path.is_relative_to(options.allowed_local_path):
-        raise _bad("names a file outside the server's allowed local media path", field)
     try:
+        path = Path(urllib.parse.unquote(urllib.parse.urlsplit(url).path)).resolve()
+        if not path.is_relative_to(options.allowed_local_path):
+            raise _bad("names a file outside the server's allowed local media path", field)
         with path.open("rb") as file:
             return file.read(options.max_image_bytes + 1)
+    except InvalidParameter:
+        raise
     except OSError as exc:
         raise _bad(f"names a file that cannot be read: {exc.strerror}", field) from None
+    except ValueError as exc:  # (a NUL in the path)
+        raise _bad(f"names a path that cannot be read: {exc}", field) from None
 
 
 def _decoded(data: bytes, field: str):
@@ -133,7 +163,12 @@ def _decoded(data: bytes, field: str):
 
     try:
         image = Image.open(io.BytesIO(data))
+        if image.width * image.height > MAX_IMAGE_PIXELS:  # (checked before decoding: a small file may hold a huge image)
+            raise _bad(f"is an image of {image.width} by {image.height} pixels, over the limit of "
+                       f"{MAX_IMAGE_PIXELS}", field)
         image.load()
+    except InvalidParameter:
+        raise
     except (UnidentifiedImageError, OSError, ValueError, Image.DecompressionBombError) as exc:
         raise _bad(f"is not an image that can be read: {exc}", field) from None
     return image

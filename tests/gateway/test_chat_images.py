@@ -181,3 +181,34 @@ def test_the_public_grpc_api_takes_images(llava_stack, llava_dir, image_server):
         with pytest.raises(grpc.RpcError) as error:
             list(stub.Generate(bad, timeout=60))
         assert error.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "images[0]" in error.value.details()
+
+
+def test_redirects_are_not_followed_and_huge_images_are_refused_before_decoding(llava_stack):
+    """A redirect could lead outside the allowed domains; a small file may hold a huge image."""
+    import http.server as server_module
+
+    class Redirect(server_module.BaseHTTPRequestHandler):
+        def do_GET(self):
+            self.send_response(302)
+            self.send_header("Location", "http://10.0.0.1/internal.png")
+            self.end_headers()
+
+        def log_message(self, *args):
+            pass
+
+    redirect = server_module.ThreadingHTTPServer(("127.0.0.1", 0), Redirect)
+    threading.Thread(target=redirect.serve_forever, daemon=True).start()
+    try:
+        url = f"http://127.0.0.1:{redirect.server_address[1]}/cat.png"
+        error = error_of(chat(llava_stack, [{"type": "image_url", "image_url": {"url": url}}]), 400)
+        assert "redirects are not followed" in error["message"] and error["param"] == "messages[0].content[0]"
+    finally:
+        redirect.shutdown()
+        redirect.server_close()
+    from PIL import Image
+
+    huge = io.BytesIO()
+    Image.new("1", (8000, 8000)).save(huge, format="PNG")  # a few kilobytes, 64 M pixels
+    url = "data:image/png;base64," + base64.b64encode(huge.getvalue()).decode()
+    error = error_of(chat(llava_stack, [{"type": "image_url", "image_url": {"url": url}}]), 400)
+    assert "pixels, over the limit" in error["message"]
