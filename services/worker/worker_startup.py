@@ -171,13 +171,14 @@ def load_weights(config: EngineConfig, source: ModelSource, tp: TensorParallel, 
 def load_vision(source: ModelSource, tp: TensorParallel, device: torch.device) -> tuple[torch.nn.Module | None,
                                                                                          int | None]:
     """A vision-language checkpoint's image encoder and image token (multimodal_config.py), when this worker serves
-    its images: natively and on one rank (else its text alone, and requests with images are refused)."""
+    its images: natively (else its text alone, and requests with images are refused). With tensor parallelism
+    every rank holds the whole encoder, as it holds the whole embedding table: each puts the same features in."""
     raw = json.loads((source.model_dir / "config.json").read_text())
     image_token_id = image_token_id_of(raw)
     if image_token_id is None:
         return None, None
-    if source.impl == "transformers" or tp.size > 1:
-        log.warning("serving the model's text only: images need the native implementation on one worker",
+    if source.impl == "transformers":
+        log.warning("serving the model's text only: images need the native implementation",
                     model=str(source.model_dir))
         return None, None
     from services.worker.models.llava_vision import load_llava_vision

@@ -182,3 +182,14 @@ def test_llava_next_tiles_equal_transformers(llava_next_dir, budget):
     finally:
         engine.close()
 
+
+
+def test_tensor_parallel_ranks_each_encode_the_images(llava_dir):
+    """Two ranks (worker processes), each with the whole vision encoder beside its share of the language model."""
+    engine = LLM(str(llava_dir), tensor_parallel_size=2, block_size=4, num_gpu_blocks_override=64)
+    try:
+        for text, images in PROMPTS[:2]:
+            assert_greedy_equal(generate(engine, text, images), *hf_greedy_with_images(llava_dir, text, images),
+                                what=f"{text} (2 ranks)")
+    finally:
+        engine.close()
