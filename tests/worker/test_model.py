@@ -104,8 +104,10 @@ def test_matches_transformers(fixture, request):
 @pytest.mark.parametrize("fixture", ["llama_dir", "olmo2_dir", "smollm3_dir"])
 def test_bfloat16_logits_equal_transformers_bfloat16(fixture, request):
     # Each step in transformers' dtype, in its order (OLMo 2 rotates in float32 and casts back): its logits,
-    # but for a last-bit rounding here and there (seen after other tests in the process: one bf16 step, 0.03).
-    # Rotating OLMo 2 in bf16 instead moved 78% of them, by 0.011 on average and up to 0.11.
+    # but for a last-bit rounding here and there. Alone they are equal; after other tests in the process the
+    # matrix products may block otherwise, and roundings spread: one bf16 step (0.03) at most, 0.0015 on
+    # average seen in CI (smollm3). Rotating OLMo 2 in bf16 instead moved 78% of them, by 0.011 on average
+    # (0.0086 over all of them) and up to 0.11: well above both bounds.
     from transformers import AutoModelForCausalLM
 
     model_dir = request.getfixturevalue(fixture)
@@ -115,7 +117,7 @@ def test_bfloat16_logits_equal_transformers_bfloat16(fixture, request):
     ours = PagedRunner(model, config, dtype=torch.bfloat16, num_blocks=40).step(dict(enumerate(prompts)))
     for i, prompt in enumerate(prompts):
         apart = (ours[i] - hf_logits(hf, prompt)).abs()
-        assert apart.mean() < 0.001 and apart.max() < 0.07, (apart.mean(), apart.max())
+        assert apart.mean() < 0.004 and apart.max() < 0.07, (apart.mean(), apart.max())
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
