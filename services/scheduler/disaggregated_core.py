@@ -18,7 +18,6 @@ from __future__ import annotations
 import queue
 import threading
 
-from services.scheduler.block_manager import BlockManager
 from services.scheduler.cache_digest import CacheDigest
 from services.scheduler.engine_core import EngineCore
 from services.scheduler.executor import Executor
@@ -57,14 +56,9 @@ class DisaggregatedCore(EngineCore):
             threading.Thread(target=self._wait_results, args=(stage,), name="step-results", daemon=True).start()
 
     def _stage(self, index: int, hands_off: bool, executor: Executor, address: str) -> Stage:
-        info = executor.worker_info()
-        blocks = BlockManager(info.num_kv_blocks, info.block_size, self._watermark, self._enable_prefix_caching,
-                              num_host_blocks=info.num_cpu_blocks, kv_window=info.kv_window,
-                              num_offload_blocks=info.num_cpu_offload_blocks)
-        scheduler = Scheduler(self.scheduler.limits, blocks, info.eos_token_ids, info.max_model_len,
-                              new_seq_id=lambda: next(self._seq_ids), max_loras=info.max_loras, hands_off=hands_off,
-                              request_stats=self.scheduler.request_stats)
-        return Stage(executor, scheduler, address, index)
+        return Stage.for_worker(executor, self.scheduler.limits, self._watermark, self._enable_prefix_caching,
+                                new_seq_id=lambda: next(self._seq_ids), hands_off=hands_off,
+                                request_stats=self.scheduler.request_stats, address=address, index=index)
 
     # --- where sequences go -----------------------------------------------------------------------------
 

@@ -10,7 +10,6 @@ import itertools
 from typing import TYPE_CHECKING
 
 from services.scheduler.beam_search import BeamGroup
-from services.scheduler.block_manager import BlockManager
 from services.scheduler.cache_digest import CacheDigest
 from services.scheduler.executor import Executor
 from services.scheduler.scheduler import Scheduler, SchedulerLimits
@@ -36,11 +35,8 @@ class EngineCore:
         self.executor = executor
         self.info: WorkerInfo = executor.worker_info()
         self.max_logprobs = max_logprobs
-        blocks = BlockManager(self.info.num_kv_blocks, self.info.block_size, watermark, enable_prefix_caching,
-                              num_host_blocks=self.info.num_cpu_blocks, kv_window=self.info.kv_window,
-                              num_offload_blocks=self.info.num_cpu_offload_blocks)
-        self.stage = Stage(executor, Scheduler(limits, blocks, self.info.eos_token_ids, self.info.max_model_len,
-                                               new_seq_id=lambda: next(self._seq_ids), max_loras=self.info.max_loras))
+        self.stage = Stage.for_worker(executor, limits, watermark, enable_prefix_caching,
+                                      new_seq_id=lambda: next(self._seq_ids))
         self.scheduler, self.stats = self.stage.scheduler, self.stage.stats
         self._in_flight = self.stage.in_flight  # steps submitted whose results are not applied yet, oldest first
         self._seqs: dict[int, Sequence] = {}

@@ -7,8 +7,10 @@ import time
 from collections import deque
 from dataclasses import dataclass
 
+from services.scheduler.block_manager import BlockManager
 from services.scheduler.executor import Executor
-from services.scheduler.scheduler import Scheduler
+from services.scheduler.request_stats import RequestStats
+from services.scheduler.scheduler import Scheduler, SchedulerLimits
 from services.scheduler.sequence import Sequence, SequenceUpdate
 from services.scheduler.stats import EngineStats
 from shared.step_protocol import StepPlan, StepResult
@@ -33,6 +35,19 @@ class Stage:
         self.stats = EngineStats(scheduler.blocks)
         self.in_flight: deque[InFlightStep] = deque()  # submitted, results not applied yet; oldest first
         self.last_done = 0.0  # perf_counter when the last result was applied
+
+    @classmethod
+    def for_worker(cls, executor: Executor, limits: SchedulerLimits, watermark: float, enable_prefix_caching: bool,
+                   new_seq_id, *, hands_off: bool = False, request_stats: RequestStats | None = None,
+                   address: str = "", index: int = 0) -> Stage:
+        """A stage whose block manager and scheduler are sized by what the worker reports."""
+        info = executor.worker_info()
+        blocks = BlockManager(info.num_kv_blocks, info.block_size, watermark, enable_prefix_caching,
+                              num_host_blocks=info.num_cpu_blocks, kv_window=info.kv_window,
+                              num_offload_blocks=info.num_cpu_offload_blocks)
+        scheduler = Scheduler(limits, blocks, info.eos_token_ids, info.max_model_len, new_seq_id=new_seq_id,
+                              max_loras=info.max_loras, hands_off=hands_off, request_stats=request_stats)
+        return cls(executor, scheduler, address, index)
 
     @property
     def hands_off(self) -> bool:
