@@ -181,10 +181,9 @@ def load_vision(source: ModelSource, tp: TensorParallel, device: torch.device) -
         log.warning("serving the model's text only: images need the native implementation",
                     model=str(source.model_dir))
         return None, None
-    from services.worker.models.llava_vision import load_llava_vision
+    from services.worker.models.vision_encoders import load_vision_encoder
 
-    return load_llava_vision(source.model_dir, raw, checkpoint_files(source.model_dir), source.dtype, device), \
-        image_token_id
+    return load_vision_encoder(raw, checkpoint_files(source.model_dir), source.dtype, device), image_token_id
 
 
 def allocate_kv_cache(config: EngineConfig, source: ModelSource, weights: Weights, device: torch.device) -> KVCache:

@@ -14,9 +14,9 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors import safe_open
 from torch import nn
 
+from services.worker.models.vision_parts import load_whole, pixels_of, read_part
 from shared.multimodal import ImageInput
 
 # Where the checkpoint keeps each part (transformers v4 wrote the first, v5 the second), and where in a tower
@@ -25,7 +25,6 @@ _TOWER_PREFIXES = ("vision_tower.", "model.vision_tower.")
 _PROJECTOR_PREFIXES = ("multi_modal_projector.", "model.multi_modal_projector.")
 _NEWLINE_NAMES = ("image_newline", "model.image_newline")
 _TOWER_INNER = "vision_model."
-_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
 
 class LlavaVision(nn.Module):
@@ -68,8 +67,8 @@ class LlavaVision(nn.Module):
             by_shape.setdefault((image.shape, image.dtype), []).append(index)
         out: list[torch.Tensor | None] = [None] * len(images)
         device = self.multi_modal_projector.linear_1.weight.device
-        for (shape, dtype), indexes in by_shape.items():
-            pixels = torch.stack([pixels_of(images[i], dtype, shape) for i in indexes]).to(device)
+        for indexes in by_shape.values():
+            pixels = torch.stack([pixels_of(images[i]) for i in indexes]).to(device)
             for i, features in zip(indexes, self(pixels)):
                 out[i] = features
         return out
@@ -77,29 +76,42 @@ class LlavaVision(nn.Module):
     def load_checkpoint(self, files: list[Path]) -> None:
         """The tower's and projector's tensors from the checkpoint's safetensors files; ValueError if some are
         missing."""
-        tower, projector = {}, {}
-        for file in files:
-            with safe_open(str(file), "pt") as f:
-                for name in f.keys():
-                    if (inner := _strip(name, _TOWER_PREFIXES)) is not None:
-                        tower[inner.removeprefix(_TOWER_INNER)] = f.get_tensor(name)
-                    elif (inner := _strip(name, _PROJECTOR_PREFIXES)) is not None:
-                        projector[inner] = f.get_tensor(name)
-                    elif name in _NEWLINE_NAMES and hasattr(self, "image_newline"):
-                        self.image_newline.data.copy_(f.get_tensor(name))
-        for part, state in ((self.vision_tower, tower), (self.multi_modal_projector, projector)):
-            wanted = part.state_dict()
-            missing = sorted(set(wanted) - set(state))
-            if missing:
-                raise ValueError(f"the checkpoint lacks the vision encoder's {', '.join(missing[:4])}"
-                                 + (f" and {len(missing) - 4} more" if len(missing) > 4 else ""))
-            part.load_state_dict({name: state[name] for name in wanted})
+        tower = read_part(files, _TOWER_PREFIXES)
+        load_whole(self.vision_tower, {name.removeprefix(_TOWER_INNER): value for name, value in tower.items()})
+        load_whole(self.multi_modal_projector, read_part(files, _PROJECTOR_PREFIXES))
+
+    def check(self, image: ImageInput) -> None:
+        """ValueError unless the image is one crop of the tower's size, with a placeholder per row of features."""
+        side = self.config.vision_config.image_size
+        rows = (side // self.config.vision_config.patch_size) ** 2 + (0 if self.drop_cls else 1)
+        if image.shape != (3, side, side) or image.length != rows:
+            raise ValueError(f"an image needs pixels (3, {side}, {side}) and {rows} placeholders; got pixels "
+                             f"{image.shape} and {image.length} placeholders")
 
 
 class LlavaNextVision(LlavaVision):
     def __init__(self, raw_config: dict[str, Any]):
         super().__init__(raw_config)
         self.image_newline = nn.Parameter(torch.zeros(self.config.text_config.hidden_size))
+
+    def load_checkpoint(self, files: list[Path]) -> None:
+        super().load_checkpoint(files)
+        newline = read_part(files, _NEWLINE_NAMES).get("")
+        if newline is None:
+            raise ValueError("the checkpoint lacks LLaVA-NeXT's image_newline")
+        self.image_newline.data.copy_(newline)
+
+    def check(self, image: ImageInput) -> None:
+        """ValueError unless the image is its size's tiles of the tower's size."""
+        from transformers.models.llava_next.modeling_llava_next import image_size_to_num_patches
+
+        side = self.config.vision_config.image_size
+        if len(image.layout) != 2 or min(image.layout) < 1:
+            raise ValueError(f"an image's layout must be its (height, width), got {image.layout}")
+        tiles = image_size_to_num_patches(image.layout, self.config.image_grid_pinpoints, side)
+        if image.shape != (tiles, 3, side, side):
+            raise ValueError(f"an image of size {image.layout} needs pixels ({tiles}, 3, {side}, {side}); got "
+                             f"{image.shape}")
 
     @staticmethod
     def config_class():
@@ -114,24 +126,9 @@ class LlavaNextVision(LlavaVision):
         device = self.image_newline.device
         out = []
         for image in images:
-            tiles = self(pixels_of(image, image.dtype, image.shape).to(device))
+            tiles = self(pixels_of(image).to(device))
             packed, _ = LlavaNextModel.pack_image_features(
                 self, [tiles], torch.tensor([image.layout]), self.config.vision_feature_select_strategy,
                 image_newline=self.image_newline)
             out.append(packed[0])
         return out
-
-
-def pixels_of(image: ImageInput, dtype: str, shape: tuple[int, ...]) -> torch.Tensor:
-    return torch.frombuffer(bytearray(image.pixel_values), dtype=_DTYPES[dtype]).view(shape)
-
-
-def _strip(name: str, prefixes: tuple[str, ...]) -> str | None:
-    return next((name[len(prefix):] for prefix in prefixes if name.startswith(prefix)), None)
-
-
-def load_llava_vision(model_dir: Path, raw_config: dict[str, Any], files: list[Path], dtype: torch.dtype,
-                      device: torch.device) -> LlavaVision:
-    vision = (LlavaNextVision if raw_config.get("model_type") == "llava_next" else LlavaVision)(raw_config)
-    vision.load_checkpoint(files)
-    return vision.to(device=device, dtype=dtype).eval().requires_grad_(False)
