@@ -134,7 +134,7 @@ class DecodeBuffers:
         for s in batch:
             pos = s.num_computed_tokens
             ids.append(s.token_ids[pos])
-            positions.append(pos)
+            positions.append(pos + s.rope_offset)
             slots.append(s.block_table[pos // block_size] * block_size + pos % block_size)
             lens.append(pos + 1)
         packed = torch.tensor([ids + [0] * pad, positions + [0] * pad, slots + [-1] * pad], dtype=torch.int64)

@@ -16,12 +16,13 @@ class ScheduledSequence:
     num_computed_tokens: int  # tokens already in the cache
     num_scheduled_tokens: int  # tokens to compute now, the drafts included
     draft_token_ids: list[int] = field(default_factory=list)  # computed after the sequence's own tokens
+    rope_offset: int = 0  # added to each token's index for its rotary position (M-RoPE's shift after images: mrope.py)
 
 
 @dataclass
 class ModelInputs:
     input_ids: torch.Tensor  # [T]
-    positions: torch.Tensor  # [T]
+    positions: torch.Tensor  # [T] rotary positions (M-RoPE steps with image tokens: [3, T], set by the worker)
     meta: AttentionMetadata
 
 
@@ -45,6 +46,8 @@ def build_model_inputs(batch: list[ScheduledSequence], block_size: int, device: 
     starts = torch.tensor([s.num_computed_tokens for s in batch], dtype=torch.int64)
     positions = starts[seq_of] + torch.arange(len(input_ids)) - query_start_loc[seq_of]
     slot_mapping = tables[seq_of, positions // block_size].long() * block_size + positions % block_size
+    if any(s.rope_offset for s in batch):
+        positions = positions + torch.tensor([s.rope_offset for s in batch], dtype=torch.int64)[seq_of]
     meta = AttentionMetadata(
         slot_mapping=slot_mapping.to(device),
         query_start_loc=query_start_loc.to(torch.int32).to(device),

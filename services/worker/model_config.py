@@ -91,6 +91,9 @@ class ModelConfig:
     # The multimodal checkpoint (its model_type) whose language model this is: its weights are unwrapped and
     # the vision tower's skipped (multimodal_config.py); None: a text model's own checkpoint.
     text_of: str | None = None
+    # M-RoPE (Qwen2-VL): how many of each head's rotary pairs take each of a token's three position components
+    # (time, height, width), in order; None: one position per token.
+    mrope_section: tuple[int, ...] | None = None
 
     def __post_init__(self) -> None:
         for name in ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
@@ -131,6 +134,10 @@ class ModelConfig:
         if self.rotary_dim < 2 or self.rotary_dim % 2:
             raise ValueError(f"partial_rotary_factor {self.partial_rotary_factor} leaves {self.rotary_dim} of "
                              f"head_dim {self.head_dim} to rotate: must be a positive even number")
+        section = self.mrope_section
+        if section is not None and (len(section) != 3 or sum(section) != self.rotary_dim // 2 or min(section) < 0):
+            raise ValueError(f"mrope_section {list(section)} must be three counts of rotary pairs adding up "
+                             f"to {self.rotary_dim // 2}")
         if self.rope_scaling is not None and self.rope_scaling["rope_type"] == "longrope":
             for name in ("short_factor", "long_factor"):
                 if len(self.rope_scaling[name]) != self.rotary_dim // 2:
@@ -229,6 +236,7 @@ class ModelConfig:
             local_rope_theta=local_rope_theta,
             partial_rotary_factor=rotary_share,
             text_of=text_of,
+            mrope_section=_mrope_section(raw),
             **(gemma_fields(raw, model_type) if gemma else {}),
             **(_granite_fields(raw) if model_type == "granite" else {}),
             **(_OLMO2_FIELDS if model_type == "olmo2" else {}),
@@ -270,6 +278,15 @@ def _granite_fields(raw: dict[str, Any]) -> dict[str, Any]:
                 residual_multiplier=float(raw.get("residual_multiplier", 1.0)),
                 attention_multiplier=float(raw.get("attention_multiplier", 1.0)),
                 logits_scaling=float(raw.get("logits_scaling", 1.0)))
+
+
+def _mrope_section(raw: dict[str, Any]) -> tuple[int, ...] | None:
+    section = raw.get("mrope_section")  # (multimodal_config.py takes it out of the rope dict)
+    if section is None:
+        return None
+    if not isinstance(section, list) or not all(isinstance(n, int) and not isinstance(n, bool) for n in section):
+        raise ValueError(f"mrope_section must be a list of integers, got {section!r}")
+    return tuple(section)
 
 
 def _parse_attention_layers(raw: dict[str, Any], model_type: str) -> tuple[int | None, tuple[str, ...]]:

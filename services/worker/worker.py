@@ -15,6 +15,7 @@ from services.worker.image_features import ImageEncoder, image_spans
 from services.worker.input_batch import ScheduledSequence, build_model_inputs
 from services.worker.kv_transfer import KVPuller
 from services.worker.model_loader import load_eos_token_ids
+from services.worker.mrope import MRopePositions
 from services.worker.sampler import Sampler
 from services.worker.step_timer import StepTimer
 from services.worker.worker_sequence import WorkerSequence
@@ -61,6 +62,10 @@ class Worker:
         self.image_encoder = ImageEncoder(weights.vision, encoder_cache_rows(config, source.max_model_len)) \
             if weights.vision is not None else None
         self.image_token_id = weights.image_token_id if weights.vision is not None else None
+        self._refused: list[SequenceOutput] = []  # this step's sequences whose images the encoder refused
+        # Qwen2-VL: the rotary positions of image placeholders and the text after them (mrope.py).
+        self.mrope = MRopePositions(weights.vision.spatial_merge_size) \
+            if weights.vision is not None and weights.model_config.mrope_section is not None else None
 
     def _keep_parts(self, source: ModelSource, weights: Weights, kv: KVCache) -> None:
         """What the steps read of the start-up's results, under the names they use."""
@@ -106,13 +111,14 @@ class Worker:
         for seq_id in plan.finished_seq_ids:
             self._drop(seq_id)
         unfilled = self._move_blocks(plan)
+        self._refused = []
         batch = self._apply_plan(plan)
         # Sequences whose tables name a block a swap-in left unfilled: their KV is not there, the scheduler
         # recomputes them.
         left_out = [seq.seq_id for seq, _ in batch if not unfilled.isdisjoint(seq.block_table)] if unfilled else []
         if left_out:
             batch = [(seq, n) for seq, n in batch if seq.seq_id not in left_out]
-        failed = self._load_adapters(batch) if self.adapters is not None else []
+        failed = self._refused + (self._load_adapters(batch) if self.adapters is not None else [])
         if failed:
             batch = [(seq, n) for seq, n in batch if not seq.failed]
         if not batch:
@@ -214,6 +220,8 @@ class Worker:
                                           keep_history=getattr(self.proposer, "needs_history", False),
                                           grammars=self.grammars)
             self._keep(seq)  # a sequence preempted by recompute comes back as new
+            if new.images and self._refuse_images(seq):
+                continue
             batch.append((seq, new.num_scheduled_tokens))
         for delta in plan.running:
             seq = self.seqs.get(delta.seq_id)
@@ -224,6 +232,21 @@ class Worker:
             seq.apply(delta, plan.step_id)
             batch.append((seq, delta.num_scheduled_tokens))
         return batch
+
+    def _refuse_images(self, seq: WorkerSequence) -> bool:
+        """Fails a new sequence whose images this model's encoder cannot take as they are (made by hand, or for
+        another model): an error output, its request ends."""
+        try:
+            if self.image_encoder is None:
+                raise ValueError("this worker's model takes no images")
+            for image in seq.images:
+                self.image_encoder.vision.check(image)
+        except ValueError as error:
+            seq.failed = True
+            self._refused.append(SequenceOutput(seq_id=seq.seq_id, token_id=None, error=f"images: {error}"))
+            log.warning("images_refused", seq_id=seq.seq_id, reason=str(error))
+            return True
+        return False
 
     def _keep(self, seq: WorkerSequence) -> None:
         self._drop(seq.seq_id)
@@ -243,8 +266,8 @@ class Worker:
     def _forward(self, batch: list[tuple[WorkerSequence, int]]) -> tuple[torch.Tensor, list[int]]:
         """The hidden states of every scheduled token, and where each sequence's rows start in them (one
         more entry at the end: the total)."""
-        scheduled = [ScheduledSequence(seq.token_ids, seq.block_table, seq.num_computed_tokens, n, seq.draft_token_ids)
-                     for seq, n in batch]
+        scheduled = [ScheduledSequence(seq.token_ids, seq.block_table, seq.num_computed_tokens, n, seq.draft_token_ids,
+                                       self._rope_offset(seq)) for seq, n in batch]
         tables = self.block_tables.gather([seq.table_row for seq, _ in batch])
         # The graphs were captured without adapters: a step that runs one goes eagerly.
         uses_adapters = self.adapters is not None and self.adapters.batch.mask is not None
@@ -254,12 +277,18 @@ class Worker:
             return self.decode_graphs.forward(scheduled, tables), list(range(len(batch) + 1))
         inputs = build_model_inputs(scheduled, self.config.block_size, self.device, tables)
         if spans:  # (images are served by the native models only, whose forward takes embeddings)
+            if self.mrope is not None:
+                inputs.positions = self.mrope.step_positions(batch).to(self.device)
             embeds = self.model.embed(inputs.input_ids)
             self.image_encoder.fill(embeds, spans)
             hidden = self.model(inputs.input_ids, inputs.positions, self.attention, inputs.meta, inputs_embeds=embeds)
         else:
             hidden = self.model(inputs.input_ids, inputs.positions, self.attention, inputs.meta)
         return hidden, inputs.meta.query_start_loc.tolist()
+
+    def _rope_offset(self, seq: WorkerSequence) -> int:
+        """M-RoPE's shift of the sequence's text tokens from here on (0 for other models)."""
+        return self.mrope.shift(seq.images, seq.num_computed_tokens) if self.mrope is not None and seq.images else 0
 
     def _sample(self, batch: list[tuple[WorkerSequence, int]], hidden: torch.Tensor,
                 query_start: list[int]) -> dict[int, SequenceOutput]:

@@ -204,12 +204,19 @@ class RotaryEmbedding(nn.Module):
     factors when that passes the pretraining length, as vLLM does. transformers switches per forward
     pass, by the longest position in it; the two agree for every sequence when the context stays within
     the pretraining length, and for sequences past it when it does not.
+
+    M-RoPE (``mrope_section``, Qwen2-VL) gives a token three positions (time, height, width): positions
+    ``[3, T]``, and each rotary pair takes its cos/sin from the component its section names. A step without
+    image tokens passes ``[T]``, all three alike, which is plain RoPE.
     """
 
     def __init__(self, head_dim: int, max_positions: int, theta: float, scaling: dict[str, Any] | None,
-                 rotary_dim: int | None = None, max_model_len: int | None = None, in_float32: bool = False):
+                 rotary_dim: int | None = None, max_model_len: int | None = None, in_float32: bool = False,
+                 mrope_section: tuple[int, ...] | None = None):
         """``in_float32``: rotate in float32 and cast back (OLMo 2), rather than in the activations' dtype."""
         super().__init__()
+        # Each dimension's section, twice over (each half of a head rotates by the same frequencies).
+        self.mrope_split = list(mrope_section) * 2 if mrope_section is not None else None
         self.in_float32 = in_float32
         self.head_dim, self.max_positions = head_dim, max_positions
         self.rotary_dim = rotary_dim or head_dim
@@ -231,7 +238,7 @@ class RotaryEmbedding(nn.Module):
 
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
                 ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Rotate ``q [T, H, D]`` and ``k [T, Hkv, D]`` by their tokens' positions ``[T]``.
+        """Rotate ``q [T, H, D]`` and ``k [T, Hkv, D]`` by their tokens' positions ``[T]`` (M-RoPE: or ``[3, T]``).
 
         On the CPU (fused kernel) q and k are rotated in place and returned; elsewhere new tensors.
         """
@@ -251,6 +258,9 @@ class RotaryEmbedding(nn.Module):
         return self._rotate(positions, q, k)
 
     def _rotate(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        if positions.dim() == 2:
+            cos, sin = self._sections(self._cos, positions), self._sections(self._sin, positions)
+            return q * cos + rotate_half(q) * sin, k * cos + rotate_half(k) * sin
         if _fused_on_cpu(q) and k.dtype == q.dtype and q.stride(-1) == 1 and k.stride(-1) == 1:
             # One in-place pass instead of gathers, cat, neg, four multiplies and two adds.
             cpu_layers.rotary_embedding(positions.long(), q, k, self._cos, self._sin)
@@ -258,3 +268,10 @@ class RotaryEmbedding(nn.Module):
         cos = self._cos[positions].unsqueeze(1)
         sin = self._sin[positions].unsqueeze(1)
         return q * cos + rotate_half(q) * sin, k * cos + rotate_half(k) * sin
+
+    def _sections(self, table: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """M-RoPE's ``[T, 1, D]`` cos or sin: each dimension's from the position component of its section."""
+        if self.mrope_split is None:
+            raise ValueError("three positions per token, but this model's rotary embedding has no M-RoPE sections")
+        parts = table[positions].split(self.mrope_split, dim=-1)  # each [3, T, its dimensions]
+        return torch.cat([part[i % 3] for i, part in enumerate(parts)], dim=-1).unsqueeze(1)

@@ -55,7 +55,7 @@ class LlamaForCausalLM(nn.Module):
         self.kv_replicas = kv_replicas
         self.rotary = RotaryEmbedding(config.head_dim, config.max_position_embeddings, config.rope_theta,
                                       config.rope_scaling, config.rotary_dim, max_model_len,
-                                      in_float32=config.rotate_in_float32)
+                                      in_float32=config.rotate_in_float32, mrope_section=config.mrope_section)
         # Gemma 3's sliding layers rotate with a base of their own.
         self.local_rotary = None if config.local_rope_theta is None else RotaryEmbedding(
             config.head_dim, config.max_position_embeddings, config.local_rope_theta, None)
