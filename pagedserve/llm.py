@@ -19,7 +19,7 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from services.gateway.image_prompts import ImagePrompts
+from services.gateway.image_prompts import ImagePrompts, image_prompts
 from services.gateway.media import MediaOptions, load_image
 from services.scheduler.engine_core import EngineCore
 from services.scheduler.executor import InProcessExecutor
@@ -194,7 +194,7 @@ class LLM:
                                                         for p in content):
                 messages.append(message)
                 continue
-            placeholder = self._images().placeholder
+            placeholder = self._images().chat_placeholder
             parts = []
             for j, part in enumerate(content):
                 kind = part.get("type") if isinstance(part, dict) else None
@@ -213,7 +213,7 @@ class LLM:
         if self._image_prompts is None:
             if self.engine.info.image_token_id is None:
                 raise ValueError(f"{self.engine.info.model} takes no images: it is a text model")
-            self._image_prompts = ImagePrompts(self.engine.info.model, self.engine.info.image_token_id)
+            self._image_prompts = image_prompts(self.engine.info.model, self.engine.info.image_token_id)
         return self._image_prompts
 
     # --- embeddings ---------------------------------------------------------------------------------

@@ -12,7 +12,7 @@ from collections.abc import Callable
 
 from services.gateway.api_keys import ApiKey
 from services.gateway.billing import Admission, Billing
-from services.gateway.image_prompts import ImagePrompts
+from services.gateway.image_prompts import ImagePrompts, image_prompts
 from services.gateway.lora_modules import LoRAModule, adapters_for
 from services.gateway.media import MediaOptions
 from services.gateway.metrics import GatewayMetrics
@@ -118,7 +118,7 @@ class Generator:
         if not info.HasField("image_token_id"):
             return None
         try:
-            return await asyncio.to_thread(ImagePrompts, tokenizer_dir, info.image_token_id)
+            return await asyncio.to_thread(image_prompts, tokenizer_dir, info.image_token_id)
         except (OSError, ValueError) as exc:
             raise ServiceUnavailable(f"cannot load the model's image processor from {tokenizer_dir}: {exc}") from exc
 

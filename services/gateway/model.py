@@ -57,7 +57,7 @@ class Model:
     @property
     def image_placeholder(self) -> str | None:
         """What marks an image's place in a prompt's text (LLaVA's <image>); None: the model takes no images."""
-        return self.image_prompts.placeholder if self.image_prompts is not None else None
+        return self.image_prompts.chat_placeholder if self.image_prompts is not None else None
 
     def resolve(self, requested: str | None) -> LoRARequest | None:
         """The adapter a request's ``model`` names (None: the model itself, also when it names none)."""
