@@ -144,6 +144,19 @@ def llava_next_dir(tiny_model_factory):
 
 
 @pytest.fixture(scope="session")
+def qwen2_vl_dir(tiny_model_factory):
+    # Qwen2VLForConditionalGeneration: a 2-layer tower of 14-pixel patches merged 2 by 2, images of 2 by 2 to 4 by 4
+    # placeholder tokens, and M-RoPE (rotary pairs 2, 3, 3 for time, height, width) over the tiny Qwen 2.
+    return tiny_model_factory("qwen2_vl")
+
+
+@pytest.fixture(scope="session")
+def qwen2_5_vl_dir(tiny_model_factory):
+    # Qwen2_5_VLForConditionalGeneration: the same, its tower's first layer attending within windows of 2 by 2 tokens.
+    return tiny_model_factory("qwen2_5_vl")
+
+
+@pytest.fixture(scope="session")
 def granite_dir(tiny_model_factory):
     # Granite 3's four multipliers (its 8B's embedding and residual ones, an attention scale of its own, logits
     # divided by 4), with biases on attention and the MLP.

@@ -17,11 +17,12 @@ from typing import Any
 
 import torch
 
+from services.worker.vision_model_factory import (VISION_MODEL_TYPES, add_image_tokens, save_processor,
+                                                   vision_config, vision_model)
 from shared.cache_dir import cache_root, made_once
 
 SPECIAL_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
 EOS_TOKEN, PAD_TOKEN = "<|im_end|>", "<|endoftext|>"
-IMAGE_TOKEN = "<image>"  # a vision-language model's image placeholder (LLaVA's)
 # ChatML. With tools, a system turn lists them (their function objects as JSON, one per line) and
 # says how to call one: Hermes' format, which `--tool-call-parser hermes` reads. An assistant turn's
 # earlier calls are written back in the same format.
@@ -112,20 +113,8 @@ def _config(model_type: str, **kwargs: Any):
                "mixtral": MixtralConfig, "qwen2_moe": Qwen2MoeConfig, "qwen3_moe": Qwen3MoeConfig,
                "gemma": GemmaConfig, "gemma2": Gemma2Config, "gemma3_text": Gemma3TextConfig, "phi3": Phi3Config,
                "granite": GraniteConfig, "olmo2": Olmo2Config, "smollm3": SmolLM3Config}
-    if model_type in ("llava", "llava_next"):  # over the Llama asked for; a small CLIP tower (4 patches of 14)
-        from transformers import CLIPVisionConfig, LlavaConfig, LlavaNextConfig
-
-        image_token = kwargs.pop("image_token_index")
-        vision = CLIPVisionConfig(**{**dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                                            num_attention_heads=2, image_size=28, patch_size=14, projection_dim=32),
-                                     **kwargs.pop("vision_config", {})})
-        common = dict(text_config=LlamaConfig(**kwargs), vision_config=vision, image_token_index=image_token,
-                      vision_feature_layer=-2, vision_feature_select_strategy="default",
-                      tie_word_embeddings=kwargs.get("tie_word_embeddings", False))
-        if model_type == "llava":
-            return LlavaConfig(**common)
-        side = vision.image_size  # LLaVA-NeXT: tiles of the tower's size, up to 2 by 2
-        return LlavaNextConfig(**common, image_grid_pinpoints=[[side, 2 * side], [2 * side, side], [2 * side, 2 * side]])
+    if model_type in VISION_MODEL_TYPES:  # over the Llama (Qwen2-VL: its Qwen 2) asked for
+        return vision_config(model_type, LlamaConfig, **kwargs)
     if model_type == "gemma3":  # a multimodal checkpoint: the text model asked for, beside a token vision tower
         from transformers import Gemma3Config, SiglipVisionConfig
 
@@ -173,9 +162,8 @@ def create_model_dir(path: str | Path, *, model_type: str = "llama", vocab_size:
 
     path = Path(path)
     tokenizer = train_tokenizer(vocab_size)
-    if model_type in ("llava", "llava_next"):  # its image placeholder, a token of its own
-        tokenizer.add_special_tokens({"additional_special_tokens": [IMAGE_TOKEN]})
-        extra_config["image_token_index"] = tokenizer.convert_tokens_to_ids(IMAGE_TOKEN)
+    if model_type in VISION_MODEL_TYPES:  # its image placeholder (and more), tokens of their own
+        extra_config.update(add_image_tokens(model_type, tokenizer))
     eos_ids = [tokenizer.convert_tokens_to_ids(EOS_TOKEN), tokenizer.convert_tokens_to_ids(PAD_TOKEN)]
     config = _config(
         model_type, vocab_size=max(vocab_size, len(tokenizer)), hidden_size=hidden_size,
@@ -186,10 +174,8 @@ def create_model_dir(path: str | Path, *, model_type: str = "llama", vocab_size:
         rope_scaling=rope_scaling, bos_token_id=None, eos_token_id=eos_ids[0], pad_token_id=eos_ids[1],
         **extra_config)
     torch_dtype = getattr(torch, dtype)
-    if model_type in ("llava", "llava_next"):
-        from transformers import LlavaForConditionalGeneration, LlavaNextForConditionalGeneration
-
-        model = (LlavaForConditionalGeneration if model_type == "llava" else LlavaNextForConditionalGeneration)(config)
+    if model_type in VISION_MODEL_TYPES:
+        model = vision_model(config)
     else:
         model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     _randomize(model, init_std, seed, norm_center=0.0 if model_type.startswith("gemma") else 1.0)
@@ -200,29 +186,10 @@ def create_model_dir(path: str | Path, *, model_type: str = "llama", vocab_size:
     save_kwargs = {} if max_shard_size is None else {"max_shard_size": max_shard_size}
     model.save_pretrained(path, **save_kwargs)
     tokenizer.save_pretrained(path)
-    if model_type in ("llava", "llava_next"):
-        _save_llava_processor(path, tokenizer, config)
+    if model_type in VISION_MODEL_TYPES:
+        save_processor(path, tokenizer, config)
     _check_saved_dtype(path, dtype)
     return path
-
-
-def _save_llava_processor(path: Path, tokenizer, config) -> None:
-    """The processor a LLaVA checkpoint ships: CLIP's preprocessing at the tower's size, and the placeholder
-    expanded to one token per patch (the CLS row dropped)."""
-    from transformers import LlavaNextProcessor, LlavaProcessor
-    from transformers.models.llava.image_processing_pil_llava import LlavaImageProcessorPil
-    from transformers.models.llava_next.image_processing_pil_llava_next import LlavaNextImageProcessorPil
-
-    size = config.vision_config.image_size
-    sizes = dict(size={"shortest_edge": size}, crop_size={"height": size, "width": size})
-    if config.model_type == "llava_next":  # tiles: the image's best fit among the checkpoint's resolutions
-        processor, images = LlavaNextProcessor, LlavaNextImageProcessorPil(
-            **sizes, image_grid_pinpoints=config.image_grid_pinpoints)
-    else:
-        processor, images = LlavaProcessor, LlavaImageProcessorPil(**sizes)
-    processor(image_processor=images, tokenizer=tokenizer, patch_size=config.vision_config.patch_size,
-              vision_feature_select_strategy=config.vision_feature_select_strategy,
-              num_additional_image_tokens=1).save_pretrained(path)
 
 
 def _check_saved_dtype(path: Path, dtype: str) -> None:

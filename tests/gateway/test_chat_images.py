@@ -98,6 +98,21 @@ def expect_transformers(llava_dir, reply, images: list, question: str):
     assert_greedy_equal(tokens, *hf_greedy_with_images(llava_dir, text, images, 8), what=question)
 
 
+def test_qwen2_vl_takes_images_of_any_size_in_chat(qwen2_vl_dir, tmp_path_factory):
+    """Qwen2-VL over HTTP: its images resized to grids of their own sizes, each part the vision-start, placeholder
+    and vision-end text its chat template writes, M-RoPE positions on the worker."""
+    question = "Which is wider?"
+    images = [picture(30, (60, 30)), picture(31, (70, 100))]
+    with Stack(qwen2_vl_dir, tmp_path_factory.mktemp("qwen2-vl-stack"), worker_args=("--block-size", "4")) as stack:
+        parts = [{"type": "image_url", "image_url": {"url": data_url(image)}} for image in images]
+        reply = chat(stack, parts + [{"type": "text", "text": question}])
+        assert reply.status_code == 200, reply.text
+        text = chat_text(str(qwen2_vl_dir), question, 2, "<|vision_start|><|image_pad|><|vision_end|>")
+        assert_greedy_equal(reply.json()["choices"][0]["token_ids"],
+                            *hf_greedy_with_images(qwen2_vl_dir, text, images, 8), what=question)
+        wait_blocks_free(stack)
+
+
 def test_image_urls_of_each_kind_give_transformers_tokens(llava_stack, llava_dir, image_server, images_folder):
     question = "What do you see?"
     cases = [([picture(10)], [data_url(picture(10))]),

@@ -122,6 +122,21 @@ def test_replays_equal_the_eager_pass_and_padding_writes_nothing(long_llama_dir)
         torch.testing.assert_close(replayed, expected, atol=1e-4, rtol=1e-4)
 
 
+def test_replays_rotate_by_each_sequences_shifted_position(long_llama_dir):
+    """M-RoPE's text after images (mrope.py) rotates at its index plus a shift: the graphs' buffers take it as the
+    eager inputs do."""
+    import dataclasses
+
+    model, config, backend, _ = model_and_backend(long_llama_dir)
+    graphs = capture(model, backend, ReplayByRerunning())
+    batch = random_decode_batch(3, BLOCK_SIZE, NUM_BLOCKS, config.vocab_size, 600, torch.Generator().manual_seed(1))
+    shifted = [dataclasses.replace(s, rope_offset=-(s.num_computed_tokens // 3)) for s in batch]
+    with torch.inference_mode():
+        replayed = graphs.forward(shifted).clone()
+    torch.testing.assert_close(replayed, eager(model, backend, shifted), atol=1e-4, rtol=1e-4)
+    assert not torch.allclose(replayed, eager(model, backend, batch), atol=1e-3)
+
+
 def test_only_decodes_up_to_the_largest_graph_replay(long_llama_dir):
     model, _, backend, _ = model_and_backend(long_llama_dir)
     graphs = capture(model, backend, ReplayByRerunning(), max_num_seqs=2)

@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 
 from pagedserve import LLM, SamplingParams
-from tests.images import chat_text, hf_greedy_with_images, picture
+from tests.images import assert_preempted_images_equal, chat_text, hf_greedy_with_images, picture
 from tests.oracle import assert_greedy_equal
 
 GREEDY = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
@@ -64,17 +64,7 @@ def test_chunked_prefill_cutting_through_an_image(llava_dir, budget):
 
 def test_preempted_sequences_with_images_come_back_right(llava_dir):
     """Few blocks for several requests at once: some are preempted (recomputed) and encode nothing anew."""
-    engine = LLM(str(llava_dir), block_size=4, num_gpu_blocks_override=24, preemption_mode="recompute")
-    try:
-        params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
-        prompts = [{"prompt": text, "multi_modal_data": {"image": images}} for text, images in PROMPTS * 2]
-        outputs = engine.generate(prompts, params, use_tqdm=False)
-        assert engine.stats()["num_preemptions"] > 0
-        for (text, images), output in zip(PROMPTS * 2, outputs):
-            assert_greedy_equal(output.outputs[0].token_ids, *hf_greedy_with_images(llava_dir, text, images, 24),
-                                what=text)
-    finally:
-        engine.close()
+    assert_preempted_images_equal(llava_dir, PROMPTS, num_blocks=24)
 
 
 def test_the_prefix_cache_hits_the_same_image_and_misses_another(llava_dir):

@@ -16,6 +16,7 @@ from pagedserve import LLM, SamplingParams
 from services.worker.model_loader import load_eos_token_ids
 from shared.structured_outputs import StructuredOutputs
 from shared.tokenizer import load_tokenizer
+from tests.engine_runs import run_to_end
 from tests.oracle import assert_greedy_equal, hf_model
 from tests.pipeline import Pipeline
 from shared.request import EngineRequest
@@ -194,12 +195,7 @@ def test_a_grammar_that_cannot_go_on_fails_its_request_and_no_other(llama_dir):
              for name, params in good.items()}
     for name, params in {**good, **bad}.items():
         engine.add_request(EngineRequest(name, prompt, params))
-    tokens, errors = {}, {}
-    while engine.has_unfinished():
-        for update in engine.step():
-            tokens.setdefault(update.request_id, []).extend(update.new_token_ids)
-            if update.error is not None:
-                errors[update.request_id] = update.error
+    tokens, errors = run_to_end(engine)
     assert set(errors) == set(bad)
     assert "allows no next token" in errors["dead-end"] and "cannot be used" in errors["no-compile"]
     assert {name: tokens[name] for name in good} == alone
