@@ -260,6 +260,28 @@ def compile_window_and_cap_variants(recorder: Recorder) -> None:
                     recorder.failed("paged_attention", e)
 
 
+def compile_key_limit_variants(recorder: Recorder) -> None:
+    """Gemma 3's prefill with images attending both ways (KEY_LIMIT): its 4B's heads (8 of 256, 4 KV heads), on its
+    sliding layers (a 1024-key window) and full ones, off and on split-K."""
+    import dataclasses
+
+    from services.worker.attention.triton_attention import paged_attention
+
+    shape = Shape(8, 4, 256)
+    q, pool, meta = attention_inputs(shape, torch.bfloat16, BATCHES["mixed"])
+    limits = torch.cat([torch.arange(length - new, length, dtype=torch.int32)
+                        for new, length in zip(meta.query_lens_cpu, meta.seq_lens_cpu)])
+    meta = dataclasses.replace(meta, key_limits=limits)
+    for window in (1024, None):
+        for split_k in (False, True):
+            recorder.case = f"{label(shape)} bfloat16 mixed key-limits window={window} split={split_k}"
+            try:
+                paged_attention(q, pool[0, 0], pool[0, 1], meta, shape.head_dim ** -0.5, window=window,
+                                split_k=split_k)
+            except Exception as e:
+                recorder.failed("paged_attention", e)
+
+
 def compile_fp8_kv_variants(recorder: Recorder, arch: int) -> None:
     """An FP8 KV cache (--kv-cache-dtype) under bfloat16 queries: e5m2 everywhere, e4m3 from sm_89 (Triton
     has no e4m3 before it), decode and mixed batches, off and on split-K."""
@@ -503,6 +525,7 @@ def main() -> int:
         compile_cache_ops(recorder, shape, dtype_name)
     compile_tuning_variants(recorder)
     compile_window_and_cap_variants(recorder)
+    compile_key_limit_variants(recorder)
     compile_fp8_kv_variants(recorder, args.arch)
     compile_experts(recorder, args.quick)
     compile_wna16_gemm(recorder)

@@ -10,7 +10,7 @@ from services.worker.attention import torch_ref
 from services.worker.attention.cpu_kernels import cpu_kernels_unavailable_reason
 from services.worker.attention.spec import AttentionSpec
 from services.worker.attention.torch_ref import TorchAttentionBackend, paged_attention_reference, write_kv
-from tests.attention_inputs import build_metadata
+from tests.attention_inputs import build_metadata, with_image_spans
 
 NAN = float("nan")
 
@@ -30,9 +30,10 @@ def run_case(batch: list[tuple[int, int]], backend: type, *, heads: int = 8, kv_
              block_size: int = 16, dtype: torch.dtype = torch.float32, layers: int = 2,
              order: str = "random", seed: int = 0, atol: float = 1e-5, rtol: float = 1e-5,
              monkeypatch: pytest.MonkeyPatch | None = None, windows: tuple[int | None, ...] = (),
-             softcap: float | None = None) -> None:
+             softcap: float | None = None, images: bool = False) -> None:
     """batch: (cached, new) tokens per sequence. Every layer of one step is checked against the oracle;
-    ``windows``: per layer (AttentionSpec's), ``softcap`` for all."""
+    ``windows``: per layer (AttentionSpec's), ``softcap`` for all; ``images``: spans of new tokens that see each
+    other both ways (Gemma 3's images)."""
     generator = torch.Generator().manual_seed(seed)
     needed = sum(-(-(c + n) // block_size) for c, n in batch)
     num_blocks = needed + 5
@@ -58,6 +59,8 @@ def run_case(batch: list[tuple[int, int]], backend: type, *, heads: int = 8, kv_
                      randn(prefix.num_tokens, kv_heads, dim), prefix.slot_mapping)
 
     meta = build_metadata(seqs, block_size)
+    if images:
+        meta = with_image_spans(meta, generator)
     spec = AttentionSpec(dim ** -0.5, windows, softcap)
     inputs, expected = [], []
     for layer, (k_cache, v_cache) in enumerate(pools):
@@ -123,6 +126,17 @@ def test_mixed_prefill_and_decode(backend, monkeypatch):
 ])
 def test_prefill(backend, batch, monkeypatch):
     run_case(batch, backend, monkeypatch=monkeypatch, order="reverse")
+
+
+@pytest.mark.parametrize("per_call", [False, True])
+def test_images_attending_both_ways(backend, per_call, monkeypatch):
+    """Spans of new tokens that see each other both ways, first chunks and after cached blocks, with and without
+    sliding windows, beside decodes; masks kept per step, or built per call."""
+    if per_call:
+        monkeypatch.setattr(torch_ref, "MASK_KEEP_ELEMENTS", 0)
+    for seed in range(3):
+        run_case([(0, 20), (16, 9), (7, 1), (0, 2), (33, 30)], backend, windows=(None, 12), seed=seed, images=True,
+                 monkeypatch=monkeypatch)
 
 
 def test_prefill_mask_built_per_call(backend, monkeypatch):

@@ -67,6 +67,7 @@ def test_every_kernel_compiles_without_spills_and_attention_is_pipelined(reports
     assert all(v["tile_copies"] >= 2 and v["tile_buffers"] >= 1
                for v in attention(report, "USE_DOT=True", "FP8_KV=False"))
     assert attention(report, "FP8_KV=True")  # an FP8 cache's binaries compile
+    assert attention(report, "KEY_LIMIT=True")  # and Gemma 3's images attending both ways
     # float32 runs its dots on CUDA cores; these tiles spilled kilobytes before FMA_ROWS / WIDE_WARPS.
     assert {v["dot"] for v in attention(report, "float32")} == {"fma"}
 

@@ -16,6 +16,7 @@ import torch  # noqa: E402
 triton = pytest.importorskip("triton")
 
 from services.worker.attention.metadata import AttentionMetadata  # noqa: E402
+from tests.attention_inputs import with_image_spans  # noqa: E402
 from services.worker.attention.selector import select_attention_backend  # noqa: E402
 from services.worker.attention.spec import AttentionSpec  # noqa: E402
 from services.worker.attention.torch_ref import (  # noqa: E402
@@ -79,12 +80,15 @@ def random_pools(num_blocks, block_size, num_kv_heads, head_dim, dtype, generato
 
 
 def check_attention(specs, *, block_size=8, num_heads=4, num_kv_heads=2, head_dim=32, dtype=torch.float32,
-                    order="random", seed=0, window=None, softcap=None, **kwargs):
+                    order="random", seed=0, window=None, softcap=None, images=False, **kwargs):
+    """``images``: spans of new tokens that see each other both ways (attention_inputs.with_image_spans)."""
     g = torch.Generator().manual_seed(seed)
     num_blocks = sum(-(-(c + n) // block_size) for c, n in specs) + 5
     pool = random_pools(num_blocks, block_size, num_kv_heads, head_dim, dtype, g)
     k_cache, v_cache = pool[0, 0], pool[0, 1]
     meta = make_batch(specs, block_size, num_blocks, g, order)
+    if images:
+        meta = with_image_spans(meta, g)
     # q as the model makes it: a strided view into a wider projection (last dim contiguous only).
     qkv = torch.randn(meta.num_tokens, (num_heads + 2) * head_dim, generator=g).to(dtype)
     q = qkv[:, :num_heads * head_dim].view(-1, num_heads, head_dim)
@@ -110,6 +114,15 @@ MIXED = [(0, 7), (12, 5), (33, 1), (20, 1), (0, 1), (5, 3)]  # prefill chunks af
 ])
 def test_attention_matches_reference(specs, block_size, order):
     check_attention(specs, block_size=block_size, order=order)
+
+
+@pytest.mark.parametrize("window, split_k", [(None, False), (None, True), (6, False), (6, True)])
+def test_images_attending_both_ways_match_reference(window, split_k):
+    """Prefill tokens whose key limits pass their own position (KEY_LIMIT), beside decodes, in tiles of several
+    queries, windowed or not, split or not."""
+    for seed in range(2):
+        check_attention([(0, 13), (9, 7), (20, 1), (3, 2)], block_size=4, seed=seed, window=window, images=True,
+                        split_k=split_k)
 
 
 @pytest.mark.parametrize("num_heads, num_kv_heads", [(2, 2), (4, 2), (8, 1)], ids=["gqa1", "gqa2", "gqa8"])

@@ -3,7 +3,9 @@
 The batch is flattened: the scheduled tokens of every sequence, one sequence
 after another. Each sequence's context is its cached tokens (already in the
 KV pool, read through its block table) followed by its new tokens; the new
-tokens attend causally among themselves.
+tokens attend causally among themselves, except where ``key_limits`` lets a
+token see further: the placeholders of an image that attends both ways (Gemma
+3's) each see the whole image, which a step computes whole.
 """
 
 from __future__ import annotations
@@ -23,6 +25,8 @@ class AttentionMetadata:
     seq_lens_cpu: list[int]  # per sequence, context length after this step (host copy)
     max_query_len: int  # the longest query in the batch
     max_seq_len: int  # the longest context in the batch
+    # [num_tokens] int32: the last key position each new token sees, where some see past their own; None: causal.
+    key_limits: torch.Tensor | None = None
 
     @property
     def num_seqs(self) -> int:

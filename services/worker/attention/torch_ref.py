@@ -59,10 +59,11 @@ def paged_attention_reference(q: torch.Tensor, k_cache: torch.Tensor, v_cache: t
         scores = torch.einsum("qhd,khd->hqk", query, keys) * scale
         if softcap is not None:
             scores = torch.tanh(scores / softcap) * softcap
-        # New token t sits at position context_len - query_len + t and sees keys up to it.
+        # New token t sits at position context_len - query_len + t and sees keys up to it (or its key limit).
         query_pos = torch.arange(context_len - query_len, context_len, device=q.device).unsqueeze(1)
         key_pos = torch.arange(context_len, device=q.device).unsqueeze(0)
-        hidden = key_pos > query_pos
+        last = query_pos if meta.key_limits is None else meta.key_limits[start:start + query_len].long().unsqueeze(1)
+        hidden = key_pos > last
         if window is not None:
             hidden |= key_pos <= query_pos - window
         scores = scores.masked_fill(hidden, float("-inf"))
@@ -102,6 +103,7 @@ class _Prefill:
     first_key: int  # the position of the first key attended (the first gathered block's first slot)
     causal: bool  # the plain causal mask is exact (new k/v only, no window cut): SDPA's is_causal
     mask: torch.Tensor | None  # additive [query_len, keys]; None when causal, or too large to keep (built per call)
+    key_limits: torch.Tensor | None = None  # [query_len]: the last key each sees, where some see past themselves
 
 
 @dataclass
@@ -112,15 +114,25 @@ class _StepPlan:
 
 
 def _causal_mask(query_len: int, context_len: int, num_keys: int, dtype: torch.dtype, device: torch.device,
-                 first_key: int = 0, window: int | None = None) -> torch.Tensor:
-    """Additive mask: new token t (at context_len - query_len + t) sees keys up to its own position (and,
-    with a window, none ``window`` or more before it); column j is the key at ``first_key + j``."""
+                 first_key: int = 0, window: int | None = None, key_limits: torch.Tensor | None = None) -> torch.Tensor:
+    """Additive mask: new token t (at context_len - query_len + t) sees keys up to its own position, or up to
+    ``key_limits[t]`` (and, with a window, none ``window`` or more before its position); column j is the key at
+    ``first_key + j``."""
     query_pos = torch.arange(context_len - query_len, context_len, device=device).unsqueeze(1)
     key_pos = torch.arange(first_key, first_key + num_keys, device=device).unsqueeze(0)
-    hidden = key_pos > query_pos
+    hidden = key_pos > (query_pos if key_limits is None else key_limits.long().unsqueeze(1))
     if window is not None:
         hidden |= key_pos <= query_pos - window
     return torch.zeros(query_len, num_keys, dtype=dtype, device=device).masked_fill_(hidden, float("-inf"))
+
+
+def _own_key_limits(meta: AttentionMetadata, start: int, query_len: int, first_query: int) -> torch.Tensor | None:
+    """The key limits of one sequence's new tokens, when some see past their own position; None: causal."""
+    if meta.key_limits is None:
+        return None
+    limits = meta.key_limits[start:start + query_len]
+    own = torch.arange(first_query, first_query + query_len, device=limits.device)
+    return limits if bool((limits != own).any()) else None
 
 
 def _first_key(context_len: int, window: int | None) -> int:
@@ -209,7 +221,8 @@ class TorchAttentionBackend:
                 continue
             first_query = context_len - query_len
             first_visible = _first_key(first_query + 1, window)  # what the chunk's first token sees
-            if context_len == query_len and (window is None or query_len <= window):
+            limits = _own_key_limits(meta, starts[i], query_len, first_query)
+            if context_len == query_len and (window is None or query_len <= window) and limits is None:
                 prefill.append(_Prefill(starts[i], query_len, context_len, blocks=None, first_key=0, causal=True,
                                         mask=None))
                 continue
@@ -222,9 +235,10 @@ class TorchAttentionBackend:
             first_key = first_block * block_size
             mask = None
             if query_len * num_keys <= MASK_KEEP_ELEMENTS:
-                mask = _causal_mask(query_len, context_len, num_keys, dtype, k_cache.device, first_key, window)
+                mask = _causal_mask(query_len, context_len, num_keys, dtype, k_cache.device, first_key, window,
+                                    limits)
             prefill.append(_Prefill(starts[i], query_len, context_len, blocks=blocks, first_key=first_key, causal=False,
-                                    mask=mask))
+                                    mask=mask, key_limits=limits))
         return _StepPlan(decode, prefill)
 
     def _plan_decodes(self, meta: AttentionMetadata, tables: torch.Tensor, order: list[int], rows: list[int],
@@ -323,7 +337,8 @@ class TorchAttentionBackend:
                 values = self._gather(v_cache, p.blocks, 1).flatten(0, 1).transpose(0, 1).unsqueeze(0)
             mask = p.mask
             if mask is None and not p.causal:
-                mask = _causal_mask(p.query_len, p.context_len, keys.shape[2], q.dtype, q.device, p.first_key, window)
+                mask = _causal_mask(p.query_len, p.context_len, keys.shape[2], q.dtype, q.device, p.first_key, window,
+                                    p.key_limits)
             attended = self._attend_codes(query, keys, values, scales, mask=mask, is_causal=p.causal,
                                           enable_gqa=enable_gqa)
             out[p.start:end] = attended[0].transpose(0, 1)

@@ -105,7 +105,8 @@ def _key_offsets(
 @triton.jit
 def _attend(
     q,  # [BLOCK_M, HEAD_DIM] the query tile
-    q_pos,  # [BLOCK_M] each row's position in its sequence (the last key it may see)
+    q_pos,  # [BLOCK_M] each row's position in its sequence (where its window ends)
+    q_last,  # [BLOCK_M] the last key position each row may see: its own, or with KEY_LIMIT its limit
     k_cache_ptr,  # [num_blocks, block_size, num_kv_heads, head_dim]
     v_cache_ptr,  # [num_blocks, block_size, num_kv_heads, head_dim]
     block_tables_ptr,  # [num_seqs, max_blocks] int32
@@ -136,7 +137,7 @@ def _attend(
         if SOFTCAP:
             # tanh(x) = 1 - 2 / (e^2x + 1): exact at both ends (no libdevice call, so the interpreter runs it).
             s = (1.0 - 2.0 / (tl.exp2(s * (2.0 * 1.4426950408889634)) + 1.0)) * softcap_log2
-        seen = k_ok[None, :] & (k_pos[None, :] <= q_pos[:, None])
+        seen = k_ok[None, :] & (k_pos[None, :] <= q_last[:, None])
         if SLIDING:
             seen = seen & (k_pos[None, :] > q_pos[:, None] - window)
         s = tl.where(seen, s, float("-inf"))
@@ -168,6 +169,7 @@ def _paged_attention_kernel(
     block_tables_ptr,  # [num_seqs, max_blocks] int32
     seq_lens_ptr,  # [num_seqs] int32: context length after this step
     query_start_ptr,  # [num_seqs + 1] int32
+    key_limits_ptr,  # KEY_LIMIT only: [num_tokens] int32, the last key position each token sees
     tile_seq_ptr,  # [num_tiles] int32: the sequence of each query tile
     tile_q0_ptr,  # [num_tiles] int32: the tile's first query index within its sequence
     scale_log2,  # softmax scale * log2(e); with SOFTCAP scale / cap (an FP8 cache's K scale included)
@@ -192,6 +194,7 @@ def _paged_attention_kernel(
     SLIDING: tl.constexpr,  # a sliding-window layer
     SOFTCAP: tl.constexpr,  # scores soft-capped
     FP8_KV: tl.constexpr,  # the pools hold FP8 codes (kv_quant.py)
+    KEY_LIMIT: tl.constexpr,  # some tokens see keys past their own position (an image attending both ways)
 ):
     tile = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -212,8 +215,13 @@ def _paged_attention_kernel(
     q = tl.load(q_ptr + token[:, None] * stride_qt + head[:, None] * stride_qh + dims[None, :],
                 mask=row_ok[:, None], other=0.0)
 
-    # No key after the tile's last query matters: it stops the loop early for prefill tiles.
-    kv_end = ctx - q_len + tl.minimum(q0 + BLOCK_M // GROUP_PAD, q_len)
+    if KEY_LIMIT:  # (a step with such tokens: their sequences' whole contexts are looped over, masked)
+        q_last = tl.load(key_limits_ptr + token, mask=row_ok, other=0)
+        kv_end = ctx
+    else:
+        q_last = q_pos
+        # No key after the tile's last query matters: it stops the loop early for prefill tiles.
+        kv_end = ctx - q_len + tl.minimum(q0 + BLOCK_M // GROUP_PAD, q_len)
     # Nor any key before the first one the tile's first query sees (rounded down to 16: aligned loads).
     if SLIDING:
         kv_begin = tl.maximum(ctx - q_len + q0 - window + 1, 0) // 16 * 16
@@ -229,7 +237,7 @@ def _paged_attention_kernel(
     else:
         lo = kv_begin
         hi = kv_end
-    acc, m, l = _attend(q, q_pos, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq, stride_bt, kv_head,
+    acc, m, l = _attend(q, q_pos, q_last, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq, stride_bt, kv_head,
                         stride_cb, stride_cs, stride_ch, lo, hi, scale_log2, softcap_log2, window,
                         BLOCK_M, BLOCK_N, BLOCK_SIZE, HEAD_DIM, USE_DOT, IEEE_DOT, DOT_FP32, SLIDING, SOFTCAP,
                         FP8_KV)
@@ -446,6 +454,10 @@ def _check_attention_inputs(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
     require(meta.block_tables.dim() == 2 and meta.block_tables.shape[0] == meta.num_seqs,
              f"meta.block_tables must be [num_seqs, max_blocks], got {tuple(meta.block_tables.shape)}")
     require(meta.query_start_loc.shape == (meta.num_seqs + 1,), "meta.query_start_loc must be [num_seqs + 1]")
+    if meta.key_limits is not None:
+        limits = meta.key_limits
+        require(limits.dtype == torch.int32 and limits.device == q.device and limits.shape == (q.shape[0],)
+                and limits.stride(0) == 1, "meta.key_limits must be a contiguous int32 [num_tokens] beside q")
     if out is not None:
         require(out.shape == q.shape and out.dtype == q.dtype and out.device == q.device,
                  "out must match q in shape, dtype and device")
@@ -453,10 +465,11 @@ def _check_attention_inputs(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
 
 
 def _kernel_flags(q: torch.Tensor, k_cache: torch.Tensor, plan: LaunchPlan, window: int | None,
-                  softcap: float | None) -> dict:
+                  softcap: float | None, key_limits: bool) -> dict:
     head_dim = q.shape[2]
     return dict(GROUP=q.shape[1] // k_cache.shape[2], GROUP_PAD=plan.group_pad, BLOCK_M=plan.block_q * plan.group_pad,
                 SLIDING=window is not None, SOFTCAP=softcap is not None, FP8_KV=k_cache.dtype in FP8_KV_DTYPES,
+                KEY_LIMIT=key_limits,
                 BLOCK_N=plan.block_n, BLOCK_SIZE=k_cache.shape[1], HEAD_DIM=head_dim, USE_DOT=head_dim >= MIN_DOT,
                 # IEEE for float32: TF32 would drift from the reference (16-bit inputs are exact anyway).
                 IEEE_DOT=q.dtype == torch.float32,
@@ -495,10 +508,11 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     grid = (plan.num_tiles, k_cache.shape[2], plan.num_splits)
     scale = scale * kv_scales[0]
     scales = (scale * LOG2E, 0.0) if softcap is None else (scale / softcap, softcap * LOG2E)
-    common = (q, k_cache, v_cache, meta.block_tables, meta.seq_lens, meta.query_start_loc, plan.tiles[0],
+    limits = meta.key_limits if meta.key_limits is not None else meta.seq_lens  # (unread without KEY_LIMIT)
+    common = (q, k_cache, v_cache, meta.block_tables, meta.seq_lens, meta.query_start_loc, limits, plan.tiles[0],
               plan.tiles[1], *scales, window or 0, kv_scales[1], q.stride(0), q.stride(1))
     pool_strides = (k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), meta.block_tables.stride(0))
-    flags = _kernel_flags(q, k_cache, plan, window, softcap)
+    flags = _kernel_flags(q, k_cache, plan, window, softcap, meta.key_limits is not None)
     if not plan.split:
         _paged_attention_kernel[grid](out, out, *common, out.stride(0), out.stride(1), 0, 0, 0, *pool_strides,
                                       SPLIT=False, **flags)
