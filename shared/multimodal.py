@@ -52,9 +52,11 @@ def pixels_hash(pixel_values: bytes, shape: Sequence[int], dtype: str, layout: S
     return digest.digest()
 
 
-def check_images(images: Sequence[ImageInput], prompt_token_ids: list[int], image_token_id: int | None) -> None:
+def check_images(images: Sequence[ImageInput], prompt_token_ids: list[int], image_token_id: int | None,
+                 max_length: int | None = None) -> None:
     """InvalidParameter unless every image's placeholders are image tokens of the prompt, in order, apart, and its
-    pixels are whole (a request from a gateway of another release, or made by hand, must not reach the worker)."""
+    pixels are whole (a request from a gateway of another release, or made by hand, must not reach the worker);
+    ``max_length``: the most placeholders an image may have (one step computes it whole)."""
     if not images:
         return
     require(image_token_id is not None, "images", "were given, but the model takes no images: it is a text model")
@@ -67,6 +69,9 @@ def check_images(images: Sequence[ImageInput], prompt_token_ids: list[int], imag
                 f"must have the image token ({image_token_id}) at each of its placeholder positions")
         require(image.dtype in ITEM_BYTES and len(image.pixel_values) == prod(image.shape) * ITEM_BYTES[image.dtype],
                 field, "has pixel values that do not match their shape and dtype")
+        require(max_length is None or image.length <= max_length, field,
+                f"has {image.length} placeholder tokens, but this model computes each image in one step, of at most "
+                f"{max_length} tokens: raise --max-num-batched-tokens")
         require(image.hash == pixels_hash(image.pixel_values, image.shape, image.dtype, image.layout), field,
                 "has a hash that is not that of its pixels")
         end = image.end

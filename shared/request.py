@@ -82,6 +82,9 @@ class RequestLimits:
     pooler: PoolerConfig | None = None  # set: a pooling model (embeddings or class scores, no generation)
     model_name: str | None = None  # how errors name the model
     image_token_id: int | None = None  # the placeholder of image features; None: the model takes no images
+    # The most placeholders an image may have: one step computes each image whole (Gemma 3's images attend both
+    # ways), within the step's token budget; None: any (chunks may end inside an image).
+    max_image_tokens: int | None = None
 
     @property
     def model(self) -> str:
@@ -101,7 +104,7 @@ def validate(request: EngineRequest, limits: RequestLimits) -> None:
             "requests are served first come, first served")
     require(type(request.priority) is int and PRIORITY_RANGE[0] <= request.priority <= PRIORITY_RANGE[1], "priority",
             f"must be an integer in [{PRIORITY_RANGE[0]}, {PRIORITY_RANGE[1]}], got {request.priority!r}")
-    check_images(request.images, request.prompt_token_ids, limits.image_token_id)
+    check_images(request.images, request.prompt_token_ids, limits.image_token_id, limits.max_image_tokens)
     if request.pooling is not None:
         _check_pooling(request, limits)
     else:

@@ -444,6 +444,8 @@ class WorkerInfo:
     image_token_id: int | None = None  # the placeholder of image features; None: the model takes no images
     kv_cache_dtype: str = ""  # how its KV cache stores K and V (--kv-cache-dtype as resolved, e.g. fp8_e4m3)
     kv_scales_measured: bool = False  # an FP8 cache whose scales it measured itself (--calculate-kv-scales)
+    # Each image's placeholders attend to each other both ways (Gemma 3): a step must compute an image whole.
+    whole_images: bool = False
 
     def to_proto(self) -> wire.WorkerInfo:
         return wire.WorkerInfo(model=self.model, num_kv_blocks=self.num_kv_blocks, block_size=self.block_size,
@@ -457,7 +459,7 @@ class WorkerInfo:
                                pooler=self.pooler.to_proto() if self.pooler is not None else None,
                                kv_window=self.kv_window, num_cpu_offload_blocks=self.num_cpu_offload_blocks,
                                image_token_id=self.image_token_id, kv_cache_dtype=self.kv_cache_dtype,
-                               kv_scales_measured=self.kv_scales_measured)
+                               kv_scales_measured=self.kv_scales_measured, whole_images=self.whole_images)
 
     @classmethod
     def from_proto(cls, m: wire.WorkerInfo) -> "WorkerInfo":
@@ -471,4 +473,5 @@ class WorkerInfo:
                    kv_window=m.kv_window if m.HasField("kv_window") else None,
                    num_cpu_offload_blocks=m.num_cpu_offload_blocks,
                    image_token_id=m.image_token_id if m.HasField("image_token_id") else None,
-                   kv_cache_dtype=m.kv_cache_dtype, kv_scales_measured=m.kv_scales_measured)
+                   kv_cache_dtype=m.kv_cache_dtype, kv_scales_measured=m.kv_scales_measured,
+                   whole_images=m.whole_images)

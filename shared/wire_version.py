@@ -30,7 +30,8 @@ from shared.grpc_errors import ServiceUnavailable
 # 18: prefill/decode disaggregation: plans carry pulls of another worker's blocks, and workers serve ReadBlocks.
 # 19: engine requests and new sequences carry images (shared/multimodal.py); WorkerInfo and EngineInfo say the
 #     image token.
-INTERNAL_PROTOCOL_VERSION = 19
+# 20: WorkerInfo says whether the model's images attend both ways (Gemma 3: a step computes an image whole).
+INTERNAL_PROTOCOL_VERSION = 20
 
 
 class IncompatiblePeer(ServiceUnavailable):

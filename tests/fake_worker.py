@@ -29,12 +29,14 @@ class FakeWorker:
     def __init__(self, num_blocks: int, block_size: int, max_model_len: int = 512, vocab_size: int = 100,
                  eos_token_ids: tuple[int, ...] = (0,), num_cpu_blocks: int = 0, num_speculative_tokens: int = 0,
                  kv_window: int | None = None, num_cpu_offload_blocks: int = 0,
-                 fail_swap_ins: int = 0, fail_pulls: int = 0, image_token_id: int | None = None):
+                 fail_swap_ins: int = 0, fail_pulls: int = 0, image_token_id: int | None = None,
+                 whole_images: bool = False):
         self.info = WorkerInfo(model="fake", num_kv_blocks=num_blocks, block_size=block_size,
                                max_model_len=max_model_len, vocab_size=vocab_size, eos_token_ids=eos_token_ids,
                                device="cpu", dtype="float32", num_cpu_blocks=num_cpu_blocks,
                                num_speculative_tokens=num_speculative_tokens, kv_window=kv_window,
-                               num_cpu_offload_blocks=num_cpu_offload_blocks, image_token_id=image_token_id)
+                               num_cpu_offload_blocks=num_cpu_offload_blocks, image_token_id=image_token_id,
+                               whole_images=whole_images)
         self.fail_swap_ins = fail_swap_ins  # steps with swap-ins left to fail
         self.fail_pulls = fail_pulls  # steps with pulls left to fail
         self.peers: dict[str, FakeWorker] = {}  # the workers pulls read from, by address

@@ -262,7 +262,7 @@ def _merge(name: str, first, other):
 def _check_alike(info: WorkerInfo, other: WorkerInfo, address: str) -> None:
     """The workers must run the same model alike: blocks move between them as they are."""
     for name in ("model", "block_size", "max_model_len", "vocab_size", "dtype", "kv_cache_dtype", "kv_window",
-                 "num_speculative_tokens", "max_loras", "pooler", "image_token_id"):
+                 "num_speculative_tokens", "max_loras", "pooler", "image_token_id", "whole_images"):
         if getattr(info, name) != getattr(other, name):
             raise ValueError(f"the worker at {address} differs from the first decode worker in {name}: "
                              f"{getattr(other, name)!r} against {getattr(info, name)!r}; prefill and decode workers "

@@ -48,7 +48,8 @@ class EngineCore:
             max_model_len=self.info.max_model_len, vocab_size=self.info.vocab_size, max_logprobs=max_logprobs,
             max_num_seqs=limits.max_num_seqs, eos_token_ids=self.info.eos_token_ids, max_loras=self.info.max_loras,
             pooler=self.info.pooler, priority_scheduling=limits.scheduling_policy == "priority",
-            image_token_id=self.info.image_token_id)
+            image_token_id=self.info.image_token_id,
+            max_image_tokens=limits.max_num_batched_tokens if self.info.whole_images else None)
         # Each request's spans (--otlp-traces-endpoint); None: untraced, at no cost per request or step.
         self.spans: RequestSpans | None = None
         if tracing is not None:

@@ -37,12 +37,15 @@ def _in_order(seq: Sequence) -> tuple[int, int, int]:
 class Scheduler:
     def __init__(self, limits: SchedulerLimits, block_manager: BlockManager, eos_token_ids: tuple[int, ...],
                  max_model_len: int, new_seq_id=None, max_loras: int = 0, hands_off: bool = False,
-                 request_stats: RequestStats | None = None):
+                 request_stats: RequestStats | None = None, whole_images: bool = False):
         """``max_loras``: the distinct LoRA adapters the worker runs in one step (0: none); ``new_seq_id``
         allocates ids for beams that fork. ``hands_off``: a prefill stage (prefill/decode disaggregation), whose
         sequences leave it once their prompt is computed and their first token sampled (take_handoffs);
-        ``request_stats``: the per-request times, shared by the stages a request passes through."""
+        ``request_stats``: the per-request times, shared by the stages a request passes through;
+        ``whole_images``: each image's placeholders attend to each other both ways (Gemma 3), so a step computes an
+        image whole: no prefill chunk ends inside one."""
         self.limits = limits
+        self.whole_images = whole_images
         self.hands_off = hands_off
         self._handed_off: list[Sequence] = []  # since the last take_handoffs
         self.max_loras = max_loras
@@ -340,13 +343,27 @@ class Scheduler:
         """Of ``num_tokens`` from position ``start``, how many this step may compute so that the images whose
         placeholders start among them fit the step's encoder budget (rows of features the worker encodes, as
         many as the token budget): the chunk stops before the first image that does not fit. The step's first
-        image always fits, however large, so that no image waits forever."""
+        image always fits, however large, so that no image waits forever. Images that must be computed whole
+        are not cut (_not_cutting_images)."""
+        if self.whole_images:
+            num_tokens = self._not_cutting_images(seq, start, num_tokens)
         for image in seq.request.images:
             if not start <= image.offset < start + num_tokens:
                 continue
             if image.length > self._encoder_budget and self._encoder_budget < self.limits.max_num_batched_tokens:
                 return image.offset - start
             self._encoder_budget -= image.length
+        return num_tokens
+
+    @staticmethod
+    def _not_cutting_images(seq: Sequence, start: int, num_tokens: int) -> int:
+        """Of ``num_tokens`` from ``start``, how many end the chunk outside every image: before an image it would
+        cut, or none when it starts inside one (a prefix-cache hit may end there) and cannot reach its end. (An
+        image never outgrows the step's budget: admission refuses it, RequestLimits.max_image_tokens.)"""
+        end = start + num_tokens
+        for image in seq.request.images:
+            if image.offset < end < image.end:
+                return max(image.offset - start, 0)
         return num_tokens
 
     def _pull(self, seq: Sequence, hits: CacheHit, num_tokens: int) -> None:

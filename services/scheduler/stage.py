@@ -46,7 +46,8 @@ class Stage:
                               num_host_blocks=info.num_cpu_blocks, kv_window=info.kv_window,
                               num_offload_blocks=info.num_cpu_offload_blocks)
         scheduler = Scheduler(limits, blocks, info.eos_token_ids, info.max_model_len, new_seq_id=new_seq_id,
-                              max_loras=info.max_loras, hands_off=hands_off, request_stats=request_stats)
+                              max_loras=info.max_loras, hands_off=hands_off, request_stats=request_stats,
+                              whole_images=info.whole_images)
         return cls(executor, scheduler, address, index)
 
     @property

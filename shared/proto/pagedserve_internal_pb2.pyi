@@ -308,7 +308,7 @@ class KVPull(_message.Message):
     def __init__(self, source: _Optional[str] = ..., moves: _Optional[_Iterable[_Union[BlockMove, _Mapping]]] = ...) -> None: ...
 
 class WorkerInfo(_message.Message):
-    __slots__ = ("model", "num_kv_blocks", "block_size", "max_model_len", "vocab_size", "eos_token_ids", "device", "dtype", "num_cpu_blocks", "protocol_version", "num_speculative_tokens", "tensor_parallel_rank", "tensor_parallel_size", "max_loras", "max_lora_rank", "pooler", "kv_window", "num_cpu_offload_blocks", "image_token_id", "kv_cache_dtype", "kv_scales_measured")
+    __slots__ = ("model", "num_kv_blocks", "block_size", "max_model_len", "vocab_size", "eos_token_ids", "device", "dtype", "num_cpu_blocks", "protocol_version", "num_speculative_tokens", "tensor_parallel_rank", "tensor_parallel_size", "max_loras", "max_lora_rank", "pooler", "kv_window", "num_cpu_offload_blocks", "image_token_id", "kv_cache_dtype", "kv_scales_measured", "whole_images")
     MODEL_FIELD_NUMBER: _ClassVar[int]
     NUM_KV_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
@@ -330,6 +330,7 @@ class WorkerInfo(_message.Message):
     IMAGE_TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
     KV_CACHE_DTYPE_FIELD_NUMBER: _ClassVar[int]
     KV_SCALES_MEASURED_FIELD_NUMBER: _ClassVar[int]
+    WHOLE_IMAGES_FIELD_NUMBER: _ClassVar[int]
     model: str
     num_kv_blocks: int
     block_size: int
@@ -351,7 +352,8 @@ class WorkerInfo(_message.Message):
     image_token_id: int
     kv_cache_dtype: str
     kv_scales_measured: bool
-    def __init__(self, model: _Optional[str] = ..., num_kv_blocks: _Optional[int] = ..., block_size: _Optional[int] = ..., max_model_len: _Optional[int] = ..., vocab_size: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., device: _Optional[str] = ..., dtype: _Optional[str] = ..., num_cpu_blocks: _Optional[int] = ..., protocol_version: _Optional[int] = ..., num_speculative_tokens: _Optional[int] = ..., tensor_parallel_rank: _Optional[int] = ..., tensor_parallel_size: _Optional[int] = ..., max_loras: _Optional[int] = ..., max_lora_rank: _Optional[int] = ..., pooler: _Optional[_Union[PoolerInfo, _Mapping]] = ..., kv_window: _Optional[int] = ..., num_cpu_offload_blocks: _Optional[int] = ..., image_token_id: _Optional[int] = ..., kv_cache_dtype: _Optional[str] = ..., kv_scales_measured: _Optional[bool] = ...) -> None: ...
+    whole_images: bool
+    def __init__(self, model: _Optional[str] = ..., num_kv_blocks: _Optional[int] = ..., block_size: _Optional[int] = ..., max_model_len: _Optional[int] = ..., vocab_size: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., device: _Optional[str] = ..., dtype: _Optional[str] = ..., num_cpu_blocks: _Optional[int] = ..., protocol_version: _Optional[int] = ..., num_speculative_tokens: _Optional[int] = ..., tensor_parallel_rank: _Optional[int] = ..., tensor_parallel_size: _Optional[int] = ..., max_loras: _Optional[int] = ..., max_lora_rank: _Optional[int] = ..., pooler: _Optional[_Union[PoolerInfo, _Mapping]] = ..., kv_window: _Optional[int] = ..., num_cpu_offload_blocks: _Optional[int] = ..., image_token_id: _Optional[int] = ..., kv_cache_dtype: _Optional[str] = ..., kv_scales_measured: _Optional[bool] = ..., whole_images: _Optional[bool] = ...) -> None: ...
 
 class NewSequence(_message.Message):
     __slots__ = ("request_id", "seq_id", "index", "prompt_token_ids", "output_token_ids", "sampling_params", "block_table", "num_computed_tokens", "num_scheduled_tokens", "num_siblings", "lora", "pooling", "trace_context", "images")

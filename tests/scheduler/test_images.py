@@ -23,8 +23,8 @@ def image(seed: int, offset: int, length: int) -> ImageInput:
                       shape=(3,))
 
 
-def engine(budget: int, chunked: bool = True) -> tuple[EngineCore, FakeWorker]:
-    worker = FakeWorker(64, 4, vocab_size=200, image_token_id=IMAGE)
+def engine(budget: int, chunked: bool = True, whole_images: bool = False) -> tuple[EngineCore, FakeWorker]:
+    worker = FakeWorker(64, 4, vocab_size=200, image_token_id=IMAGE, whole_images=whole_images)
     limits = SchedulerLimits(max_num_seqs=4, max_num_batched_tokens=budget, enable_chunked_prefill=chunked)
     return EngineCore(InProcessExecutor(worker), limits), worker
 
@@ -77,6 +77,46 @@ def test_an_image_larger_than_the_budget_still_goes_alone():
     core.add_request(request("big", [image(5, 1, 9)], 12))
     run(core)
     assert [9] in started_images(worker, {0: request("big", [image(5, 1, 9)], 12)})
+
+
+def chunks(worker: FakeWorker) -> list[tuple[int, int, int]]:
+    """(sequence, first position, tokens) of every prompt chunk the worker was sent."""
+    out = [(new.seq_id, new.num_computed_tokens, new.num_scheduled_tokens) for plan in worker.plans for new in plan.new]
+    return out + [(d.seq_id, d.num_computed_tokens, d.num_scheduled_tokens) for plan in worker.plans
+                  for d in plan.running if d.num_scheduled_tokens > 1]
+
+
+@pytest.mark.parametrize("budget", [4, 5, 7, 9])
+def test_images_that_attend_both_ways_are_never_cut(budget):
+    """Gemma 3's: no chunk ends inside an image, whatever the budget (at least the longest image), the prefix
+    cache's hits included; every sequence still finishes."""
+    core, worker = engine(budget, whole_images=True)
+    layouts = {"a": [(1, 4), (6, 3), (13, 4)], "b": [(0, 4), (4, 4)], "c": [(9, 2)]}
+    sent = {}
+    for seq_id, (request_id, layout) in enumerate(layouts.items()):
+        sent[seq_id] = request(request_id, [image(i + 1, offset, length) for i, (offset, length) in enumerate(layout)],
+                               20)
+        core.add_request(sent[seq_id])
+    run(core)
+    sent[3] = request("again", [image(i + 1, offset, length) for i, (offset, length) in enumerate(layouts["a"])], 20)
+    core.add_request(sent[3])
+    run(core)
+    assert (3, 16) in [(seq_id, start) for seq_id, start, _ in chunks(worker)]  # a hit that ends inside (13, 4)
+    for seq_id, start, n in chunks(worker):
+        for img in sent[seq_id].images:
+            assert not img.offset < start + n < img.end, (seq_id, start, n, img.offset, img.end)
+    assert core.get_stats()["kv_blocks_used"] == 0
+
+
+def test_an_image_that_attends_both_ways_must_fit_the_step():
+    from shared.invalid_parameter import InvalidParameter
+
+    core, _ = engine(4, whole_images=True)
+    with pytest.raises(InvalidParameter, match="raise --max-num-batched-tokens"):
+        core.add_request(request("big", [image(5, 1, 5)], 12))
+    cut, _ = engine(4)  # an image that attends causally may be cut: any length goes
+    cut.add_request(request("big", [image(5, 1, 5)], 12))
+    run(cut)
 
 
 def test_the_prefix_cache_tells_images_apart():
