@@ -70,6 +70,20 @@ def assert_preempted_images_equal(model_dir, prompts: list, num_blocks: int) -> 
         engine.close()
 
 
+def hf_prompt_logprobs(model_dir, text: str, images: list, both_ways: bool = True) -> torch.Tensor:
+    """transformers' log-probability of each prompt token after the first, in one forward pass; ``both_ways``:
+    with the processor's token types, so that Gemma 3's image placeholders attend to each other both ways (False:
+    causally, as text)."""
+    model, processor = hf_image_model(str(model_dir))
+    inputs = dict(processor(text=[text], images=images, return_tensors="pt"))
+    if not both_ways:
+        inputs.pop("token_type_ids")
+    with torch.no_grad():
+        logprobs = torch.log_softmax(model(**inputs).logits[0].float(), dim=-1)
+    ids = inputs["input_ids"][0]
+    return logprobs[:-1].gather(1, ids[1:, None])[:, 0]
+
+
 @functools.lru_cache(maxsize=None)
 def chat_text(model_dir: str, question: str, count: int, placeholder: str = "<image>") -> str:
     """The prompt text the chat template makes of a user message with ``count`` images (each the family's

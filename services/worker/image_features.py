@@ -26,6 +26,19 @@ def image_spans(batch) -> list[ImageSpan]:
     return spans
 
 
+def image_key_limits(positions: torch.Tensor, spans: list[ImageSpan], device: torch.device) -> torch.Tensor:
+    """For images that attend both ways (Gemma 3's): the last key each of the step's tokens sees (``[T]`` int32),
+    its own position, or its image's last for a placeholder. ``positions``: the step's ``[T]``. ValueError when the
+    step does not reach an image's end (the scheduler never cuts such an image)."""
+    limits = positions.to(device=device, dtype=torch.int32, copy=True)
+    for row, image, first, count in spans:
+        if first + count != image.length:
+            raise ValueError(f"the step computes {count} of an image's placeholders from its {first}th, not through "
+                             f"its last: its placeholders attend both ways, so a step must compute it whole")
+        limits[row:row + count] = image.end - 1
+    return limits
+
+
 class ImageEncoder:
     """The vision encoder behind its cache."""
 

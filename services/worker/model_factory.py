@@ -113,16 +113,8 @@ def _config(model_type: str, **kwargs: Any):
                "mixtral": MixtralConfig, "qwen2_moe": Qwen2MoeConfig, "qwen3_moe": Qwen3MoeConfig,
                "gemma": GemmaConfig, "gemma2": Gemma2Config, "gemma3_text": Gemma3TextConfig, "phi3": Phi3Config,
                "granite": GraniteConfig, "olmo2": Olmo2Config, "smollm3": SmolLM3Config}
-    if model_type in VISION_MODEL_TYPES:  # over the Llama (Qwen2-VL: its Qwen 2) asked for
-        return vision_config(model_type, LlamaConfig, **kwargs)
-    if model_type == "gemma3":  # a multimodal checkpoint: the text model asked for, beside a token vision tower
-        from transformers import Gemma3Config, SiglipVisionConfig
-
-        tie = kwargs.pop("tie_word_embeddings", True)
-        vision = SiglipVisionConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
-                                    image_size=28, patch_size=14)
-        return Gemma3Config(text_config=Gemma3TextConfig(**kwargs), vision_config=vision, mm_tokens_per_image=4,
-                            tie_word_embeddings=tie)
+    if model_type in VISION_MODEL_TYPES:  # over the Llama (Qwen2-VL: its Qwen 2; Gemma 3: its Gemma 3) asked for
+        return vision_config(model_type, Gemma3TextConfig if model_type == "gemma3" else LlamaConfig, **kwargs)
     if model_type not in classes:
         raise ValueError(f"unsupported model_type {model_type!r}; supported: {', '.join(classes)}")
     return classes[model_type](**kwargs)

@@ -13,8 +13,8 @@ defaults: they are filled in here), the wrapper's dtype and tying apply, and its
   M-RoPE's (three components per token, ``mrope_section`` of the rotary pairs each: mrope.py), and images encoded
   by models/qwen2_vl_vision.py. Their configs from before transformers v5 keep the language model's fields at the
   top level; v5 nests them as ``text_config`` of type ``qwen2_vl_text`` / ``qwen2_5_vl_text``.
-- Gemma 3 from 4B up (``gemma3``, Gemma3ForConditionalGeneration), a ``gemma3_text`` language model: served for
-  its text only, so far (requests with images are refused).
+- Gemma 3 from 4B up (``gemma3``, Gemma3ForConditionalGeneration), a ``gemma3_text`` language model, and images
+  encoded by models/gemma3_vision.py, whose placeholders attend to each other both ways.
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ from typing import Any
 
 # The wrapper's model_type -> its language model's (None: the text_config says, Llama if it does not).
 TEXT_MODEL_OF = {"gemma3": "gemma3_text", "llava": None, "llava_next": None, "qwen2_vl": "qwen2", "qwen2_5_vl": "qwen2"}
-TAKES_IMAGES = ("llava", "llava_next", "qwen2_vl", "qwen2_5_vl")
+TAKES_IMAGES = ("llava", "llava_next", "qwen2_vl", "qwen2_5_vl", "gemma3")
 # The wrappers whose text_config names a model_type of its own, and the wrappers that (before transformers v5)
 # wrote the language model's fields beside the vision_config rather than in a text_config.
 _NESTED_TEXT_TYPE = {"qwen2_vl": "qwen2_vl_text", "qwen2_5_vl": "qwen2_5_vl_text"}

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import structlog
 import torch
 
@@ -11,7 +13,7 @@ from services.worker.draft_model_proposer import DraftModelProposer
 from services.worker.grammar import Grammars
 from services.worker.host_block_tables import HostBlockTables
 from services.worker.encoder_cache import encoder_cache_rows
-from services.worker.image_features import ImageEncoder, image_spans
+from services.worker.image_features import ImageEncoder, image_key_limits, image_spans
 from services.worker.input_batch import ScheduledSequence, build_model_inputs
 from services.worker.kv_transfer import KVPuller
 from services.worker.model_loader import load_eos_token_ids
@@ -63,6 +65,8 @@ class Worker:
             if weights.vision is not None else None
         self.image_token_id = weights.image_token_id if weights.vision is not None else None
         self._refused: list[SequenceOutput] = []  # this step's sequences whose images the encoder refused
+        # Gemma 3: an image's placeholders attend to each other both ways (the scheduler never cuts one).
+        self._whole_images = weights.vision is not None and weights.vision.attends_both_ways
         # Qwen2-VL: the rotary positions of image placeholders and the text after them (mrope.py).
         self.mrope = MRopePositions(weights.vision.spatial_merge_size) \
             if weights.vision is not None and weights.model_config.mrope_section is not None else None
@@ -97,7 +101,7 @@ class Worker:
                           max_loras=self.config.max_loras if self.adapters is not None else 0,
                           max_lora_rank=self.config.max_lora_rank if self.adapters is not None else 0,
                           pooler=self.pooler.config if self.pooler is not None else None, kv_window=self.kv_window,
-                          image_token_id=self.image_token_id,
+                          image_token_id=self.image_token_id, whole_images=self._whole_images,
                           kv_cache_dtype=str(self.kv_pool.dtype).removeprefix("torch."),
                           kv_scales_measured=bool(self.config.calculate_kv_scales)
                           and self.kv_pool.dtype in (torch.float8_e4m3fn, torch.float8_e5m2))
@@ -279,6 +283,8 @@ class Worker:
         if spans:  # (images are served by the native models only, whose forward takes embeddings)
             if self.mrope is not None:
                 inputs.positions = self.mrope.step_positions(batch).to(self.device)
+            if self._whole_images:
+                inputs.meta = replace(inputs.meta, key_limits=image_key_limits(inputs.positions, spans, self.device))
             embeds = self.model.embed(inputs.input_ids)
             self.image_encoder.fill(embeds, spans)
             hidden = self.model(inputs.input_ids, inputs.positions, self.attention, inputs.meta, inputs_embeds=embeds)

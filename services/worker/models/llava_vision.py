@@ -28,6 +28,7 @@ _TOWER_INNER = "vision_model."
 
 
 class LlavaVision(nn.Module):
+    attends_both_ways = False  # its placeholders attend causally, as text does
     def __init__(self, raw_config: dict[str, Any]):
         from transformers import AutoModel
         from transformers.models.llava.modeling_llava import LlavaMultiModalProjector
@@ -66,7 +67,7 @@ class LlavaVision(nn.Module):
         for index, image in enumerate(images):
             by_shape.setdefault((image.shape, image.dtype), []).append(index)
         out: list[torch.Tensor | None] = [None] * len(images)
-        device = self.multi_modal_projector.linear_1.weight.device
+        device = next(self.parameters()).device
         for indexes in by_shape.values():
             pixels = torch.stack([pixels_of(images[i]) for i in indexes]).to(device)
             for i, features in zip(indexes, self(pixels)):

@@ -22,6 +22,7 @@ _TOWER_PREFIXES = ("visual.", "model.visual.")
 
 
 class Qwen2VLVision(nn.Module):
+    attends_both_ways = False  # its placeholders attend causally, as text does
     def __init__(self, raw_config: dict[str, Any]):
         super().__init__()
         config_class, tower_class = _classes(raw_config["model_type"])
