@@ -9,6 +9,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from services.worker.model_config import SUPPORTED_MODEL_TYPES, ModelConfig
+from services.worker.multimodal_config import TAKES_IMAGES
 from shared.config import MODEL_IMPLS
 from shared.json_file import read_json
 
@@ -84,6 +85,10 @@ def _refusal(config, remote: bool) -> str | None:
     if remote:
         return None  # its class is known once loaded: the probe checks its attention
     name = MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.get(config.model_type)
+    if name is None and config.model_type in TAKES_IMAGES:  # (Qwen2-VL's is an image-text-to-text class only)
+        from transformers.models.auto.modeling_auto import MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES
+
+        name = MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES.get(config.model_type)
     if name is None:
         return "transformers has no causal-LM class for it"
     if not getattr(getattr(transformers, name, None), "_supports_attention_backend", False):
@@ -93,12 +98,13 @@ def _refusal(config, remote: bool) -> str | None:
 
 def generic_model_config(config) -> ModelConfig:
     """A ModelConfig with the shape of transformers' config (only the fields the worker sizes memory by mean
-    anything on this path)."""
+    anything on this path; a vision-language model's from its language model's config, with M-RoPE's sections)."""
+    top, config = config, config.get_text_config()
     heads = config.num_attention_heads
     hidden = config.hidden_size
     kv_heads = getattr(config, "num_key_value_heads", None) or (1 if getattr(config, "multi_query", False) else heads)
     head_dim = getattr(config, "head_dim", None) or hidden // heads
-    dtype = getattr(config, "dtype", None) or getattr(config, "torch_dtype", None) or "float32"
+    dtype = getattr(top, "dtype", None) or getattr(top, "torch_dtype", None) or "float32"
     dtype = str(dtype).removeprefix("torch.")
     inner = next((v for v in (getattr(config, n, None) for n in ("intermediate_size", "n_inner", "ffn_dim"))
                   if isinstance(v, int)), 4 * hidden)
@@ -106,8 +112,17 @@ def generic_model_config(config) -> ModelConfig:
         model_type=config.model_type, hidden_size=hidden, intermediate_size=inner,
         num_hidden_layers=config.num_hidden_layers, num_attention_heads=heads, num_key_value_heads=kv_heads,
         head_dim=head_dim, vocab_size=config.vocab_size, rms_norm_eps=1e-6, rope_theta=10000.0, rope_scaling=None,
-        max_position_embeddings=_max_positions(config), tie_word_embeddings=bool(config.tie_word_embeddings),
-        qkv_bias=False, qk_norm=False, sliding_window=None, dtype=dtype if dtype in _DTYPES else "float32")
+        max_position_embeddings=_max_positions(config), tie_word_embeddings=bool(top.tie_word_embeddings),
+        qkv_bias=False, qk_norm=False, sliding_window=None, dtype=dtype if dtype in _DTYPES else "float32",
+        mrope_section=_mrope_section(config))
+
+
+def _mrope_section(config) -> tuple[int, ...] | None:
+    """M-RoPE's sections (Qwen2-VL), wherever this transformers release keeps them."""
+    for params in (getattr(config, "rope_parameters", None), getattr(config, "rope_scaling", None)):
+        if isinstance(params, dict) and params.get("mrope_section") is not None:
+            return tuple(params["mrope_section"])
+    return None
 
 
 _DTYPES = ("float32", "bfloat16", "float16")

@@ -164,25 +164,24 @@ def load_weights(config: EngineConfig, source: ModelSource, tp: TensorParallel, 
     spec = config.speculative_config
     draft = load_draft_model(spec.model, model_config, source.max_model_len, source.dtype, device) \
         if spec is not None and spec.method == "draft_model" else None
-    vision, image_token_id = load_vision(source, tp, device)
+    vision, image_token_id = load_vision(source, device, getattr(model, "hf", None))
     return Weights(model, model_config, adapters, draft, vision, image_token_id)
 
 
-def load_vision(source: ModelSource, tp: TensorParallel, device: torch.device) -> tuple[torch.nn.Module | None,
-                                                                                         int | None]:
-    """A vision-language checkpoint's image encoder and image token (multimodal_config.py), when this worker serves
-    its images: natively (else its text alone, and requests with images are refused). With tensor parallelism
-    every rank holds the whole encoder, as it holds the whole embedding table: each puts the same features in."""
+def load_vision(source: ModelSource, device: torch.device, hf_model: torch.nn.Module | None = None
+                ) -> tuple[torch.nn.Module | None, int | None]:
+    """A vision-language checkpoint's image encoder and image token (multimodal_config.py); (None, None) for a text
+    model. ``hf_model``: transformers' whole model (--model-impl transformers), whose vision modules the encoder
+    takes rather than loading its own. With tensor parallelism every rank holds the whole encoder, as it holds the
+    whole embedding table: each puts the same features in."""
     raw = json.loads((source.model_dir / "config.json").read_text())
     image_token_id = image_token_id_of(raw)
     if image_token_id is None:
         return None, None
-    if source.impl == "transformers":
-        log.warning("serving the model's text only: images need the native implementation",
-                    model=str(source.model_dir))
-        return None, None
-    from services.worker.models.vision_encoders import load_vision_encoder
+    from services.worker.models.vision_encoders import load_vision_encoder, vision_encoder_of
 
+    if hf_model is not None:
+        return vision_encoder_of(raw, hf_model), image_token_id
     return load_vision_encoder(raw, checkpoint_files(source.model_dir), source.dtype, device), image_token_id
 
 

@@ -200,3 +200,31 @@ def test_a_checkpoints_own_code_runs_with_trust_remote_code(llama_dir, tmp_path)
                                  return_dict_in_generate=True, output_logits=True)
     assert_greedy_equal(out.outputs[0].token_ids, ref.sequences[0, len(prompt):].tolist(),
                         [torch.log_softmax(step[0].float(), -1) for step in ref.logits], "remote code")
+
+
+@pytest.mark.parametrize("family, placeholder", [("llava_dir", "<image>"),
+                                                 ("qwen2_vl_dir", "<|vision_start|><|image_pad|><|vision_end|>"),
+                                                 ("gemma3_multimodal_dir", "<start_of_image>")])
+def test_images_through_transformers_own_code(family, placeholder, request):
+    """A vision-language checkpoint on this path: the image encoder shares transformers' own vision modules, its
+    features go in as embeddings, Qwen2-VL's M-RoPE positions and Gemma 3's both-way attention as natively, and a
+    chunk budget puts text and images in separate steps."""
+    from tests.images import hf_greedy_with_images, picture
+
+    model_dir = request.getfixturevalue(family)
+    llm = LLM(str(model_dir), model_impl="transformers", block_size=4, num_gpu_blocks_override=128,
+              max_num_batched_tokens=7, enable_chunked_prefill=True)
+    try:
+        worker = llm.engine.executor.worker
+        assert isinstance(worker.model, TransformersCausalLM)
+        shared = {id(p) for p in worker.model.hf.parameters()}
+        assert all(id(p) in shared for p in worker.image_encoder.vision.parameters())  # no weight held twice
+        params = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
+        for text, images in ((f"What is {placeholder} here?", [picture(1)]),
+                             (f"Compare {placeholder} with {placeholder} now.", [picture(2, (60, 30)),
+                                                                                picture(3, (100, 100))])):
+            tokens = llm.generate({"prompt": text, "multi_modal_data": {"image": images}}, params,
+                                  use_tqdm=False)[0].outputs[0].token_ids
+            assert_greedy_equal(tokens, *hf_greedy_with_images(model_dir, text, images), what=f"{family}: {text}")
+    finally:
+        llm.close()

@@ -54,7 +54,7 @@ class LlavaVision(nn.Module):
     @torch.inference_mode()
     def forward(self, pixel_values: torch.Tensor) -> torch.Tensor:
         """``[crops, 3, H, W]`` -> ``[crops, rows, hidden]``: each crop's projected features."""
-        dtype = self.multi_modal_projector.linear_1.weight.dtype
+        dtype = next(self.vision_tower.parameters()).dtype
         out = self.vision_tower(pixel_values.to(dtype), output_hidden_states=True, return_dict=True)
         features = out.hidden_states[self.feature_layer]
         if self.drop_cls:
@@ -80,6 +80,12 @@ class LlavaVision(nn.Module):
         tower = read_part(files, _TOWER_PREFIXES)
         load_whole(self.vision_tower, {name.removeprefix(_TOWER_INNER): value for name, value in tower.items()})
         load_whole(self.multi_modal_projector, read_part(files, _PROJECTOR_PREFIXES))
+
+    def take_modules(self, model: nn.Module) -> None:
+        """transformers' inner model's tower and projector (and LLaVA-NeXT's newline row), shared."""
+        self.vision_tower, self.multi_modal_projector = model.vision_tower, model.multi_modal_projector
+        if hasattr(self, "image_newline"):
+            self.image_newline = model.image_newline
 
     def check(self, image: ImageInput) -> None:
         """ValueError unless the image is one crop of the tower's size, with a placeholder per row of features."""

@@ -41,10 +41,14 @@ class PackedLinear(nn.Module):
         return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}"
 
 
-def pack_linear_layers(model: nn.Module) -> int:
-    """Replace every ``nn.Linear`` inside ``model`` by a ``PackedLinear``; returns how many."""
+def pack_linear_layers(model: nn.Module, skip: tuple[nn.Module, ...] = ()) -> int:
+    """Replace every ``nn.Linear`` inside ``model`` (but inside the modules of ``skip``) by a ``PackedLinear``;
+    returns how many."""
     replaced = 0
+    skipped = {id(module) for part in skip for module in part.modules()}
     for parent in list(model.modules()):
+        if id(parent) in skipped:
+            continue
         for name, child in list(parent.named_children()):
             if isinstance(child, nn.Linear):
                 setattr(parent, name, PackedLinear(child.weight, child.bias))

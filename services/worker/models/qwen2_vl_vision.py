@@ -54,6 +54,10 @@ class Qwen2VLVision(nn.Module):
                              f"{patches // self.spatial_merge_size ** 2} placeholders; got pixels {image.shape} "
                              f"and {image.length} placeholders")
 
+    def take_modules(self, model: nn.Module) -> None:
+        """transformers' inner model's tower, shared."""
+        self.visual = model.visual
+
     def load_checkpoint(self, files: list[Path]) -> None:
         load_whole(self.visual, read_part(files, _TOWER_PREFIXES))
 

@@ -113,12 +113,18 @@ class TransformersCausalLM(nn.Module):
     def attention_spec(self) -> AttentionSpec:
         return self.spec
 
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """The input embeddings of ``input_ids`` (``[T, hidden]``), as the model's own embedding makes them (Gemma's
+        scaled)."""
+        return self.hf.get_input_embeddings()(input_ids)
+
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, attention,
-                meta: AttentionMetadata) -> torch.Tensor:
-        """Hidden states ``[T, hidden]``, one row per scheduled token."""
+                meta: AttentionMetadata, inputs_embeds: torch.Tensor | None = None) -> torch.Tensor:
+        """Hidden states ``[T, hidden]``, one row per scheduled token. ``inputs_embeds``: the first layer's input
+        when images' features stand in their placeholders' place; ``positions`` ``[T]``, or M-RoPE's ``[3, T]``."""
         step = Step(attention, meta)
-        out = self.decoder(input_ids=input_ids[None], position_ids=positions[None], use_cache=False,
-                           **{STEP_KWARG: step})
+        tokens = {"input_ids": input_ids[None]} if inputs_embeds is None else {"inputs_embeds": inputs_embeds[None]}
+        out = self.decoder(**tokens, position_ids=positions.unsqueeze(-2), use_cache=False, **{STEP_KWARG: step})
         if step.calls != self.num_layers:
             raise RuntimeError(f"the model ran {step.calls} attention layers, its probe {self.num_layers}")
         return out.last_hidden_state[0]
@@ -138,7 +144,12 @@ class TransformersCausalLM(nn.Module):
         transposed) in oneDNN's layout, as the native models' (packed_linear.py)."""
         from transformers.pytorch_utils import Conv1D
 
-        pack_linear_layers(self.hf)
+        # A vision-language model's vision modules stay as they are: the image encoder shares them, and some
+        # (SigLIP's pooling head) read a Linear's weight themselves.
+        inner = getattr(self.hf, "model", None)
+        vision = tuple(part for name in ("vision_tower", "visual", "multi_modal_projector")
+                       if isinstance(part := getattr(inner, name, None), nn.Module))
+        pack_linear_layers(self.hf, skip=vision)
         for parent in list(self.hf.modules()):
             for name, child in list(parent.named_children()):
                 if isinstance(child, Conv1D):  # y = x @ W + b, W [in, out]
@@ -193,10 +204,20 @@ def attention_spec_of(calls: list[LayerCall]) -> AttentionSpec:
 
 
 def load_hf_model(model_dir: Path, dtype: torch.dtype, device: torch.device, trust_remote_code: bool) -> nn.Module:
-    from transformers import AutoModelForCausalLM
+    """transformers' model of the checkpoint: its causal LM, or for a vision-language checkpoint the whole model
+    (the worker's image encoder then shares its vision modules)."""
+    from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
+
+    from services.worker.model_impl import model_type_of
+    from services.worker.multimodal_config import TAKES_IMAGES
 
     register_paged_attention()
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype, attn_implementation=ATTENTION_NAME,
+    implementation: str | dict = ATTENTION_NAME
+    auto = AutoModelForCausalLM
+    if model_type_of(model_dir) in TAKES_IMAGES:  # the vision tower attends over a whole image, not the KV cache
+        auto, implementation = AutoModelForImageTextToText, {"": ATTENTION_NAME, "text_config": ATTENTION_NAME,
+                                                             "vision_config": "sdpa"}
+    model = auto.from_pretrained(model_dir, dtype=dtype, attn_implementation=implementation,
                                                  trust_remote_code=trust_remote_code, local_files_only=True)
     return model.to(device).eval().requires_grad_(False)  # (a device_map would need accelerate)
 
