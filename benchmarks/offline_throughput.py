@@ -112,6 +112,8 @@ def main() -> None:
     parser.add_argument("--hf-batch-size", type=int, default=32)
     parser.add_argument("--vllm-python", default=None, help="a Python with vllm installed (separate venv)")
     parser.add_argument("--vllm-block-size", type=int, default=32)
+    parser.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32",
+                        help="both engines' weights and activations (the bench model is saved in float32)")
     parser.add_argument("--model-impl", choices=("auto", "native", "transformers"), default="auto",
                         help="pagedserve's implementation of the model (benchmarks/model_impl.py compares them)")
     parser.add_argument("--architecture", choices=sorted(BENCH_ARCHITECTURES), default="llama",
@@ -119,6 +121,7 @@ def main() -> None:
     parser.add_argument("--model", default=None, help="a model directory instead of the bench model")
     parser.add_argument("--out", default=str(Path(__file__).with_name("results") / "offline_throughput.json"))
     args = parser.parse_args()
+    args.vllm_dtype = args.dtype
 
     torch.manual_seed(args.seed)
     model_dir = Path(args.model) if args.model else bench_model_dir(args.architecture)

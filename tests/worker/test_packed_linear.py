@@ -1,4 +1,4 @@
-"""oneDNN-packed projections (CPU, float32) against F.linear, and the model packed against unpacked."""
+"""oneDNN-packed projections (CPU, float32 and bfloat16) against F.linear, and the model packed against unpacked."""
 
 from __future__ import annotations
 
@@ -40,9 +40,31 @@ def test_pack_replaces_every_linear():
     torch.testing.assert_close(model(x), expected, atol=1e-5, rtol=1e-5)
 
 
-def test_can_pack_only_float32_on_cpu():
-    assert not can_pack(torch.bfloat16, CPU) and not can_pack(torch.float16, CPU)
+def test_can_pack_float32_and_native_bfloat16_on_cpu():
+    assert can_pack(torch.bfloat16, CPU) == torch.ops.mkldnn._is_mkldnn_bf16_supported()
+    assert not can_pack(torch.float16, CPU)
     assert not can_pack(torch.float32, torch.device("meta"))
+
+
+@pytest.mark.skipif(not can_pack(torch.bfloat16, CPU), reason="this CPU runs no bfloat16 oneDNN matmul natively")
+@pytest.mark.parametrize("rows", [1, 7, 64, 300])
+def test_packed_bfloat16_equals_f_linear_exactly(rows):
+    """The same oneDNN kernel, without the re-pack on every call: the same bits."""
+    generator = torch.Generator().manual_seed(rows)
+    weight = torch.randn(96, 80, generator=generator).bfloat16()
+    bias = torch.randn(96, generator=generator).bfloat16()
+    x = torch.randn(rows, 80, generator=generator).bfloat16()
+    assert torch.equal(PackedLinear(weight, bias)(x), F.linear(x, weight, bias))
+
+
+@pytest.mark.skipif(not can_pack(torch.bfloat16, CPU), reason="this CPU runs no bfloat16 oneDNN matmul natively")
+def test_a_bfloat16_model_is_packed_and_equals_unpacked(llama_dir):
+    packed, config = load_model(llama_dir, torch.bfloat16, CPU)
+    plain, _ = load_model(llama_dir, torch.bfloat16, CPU, pack=False)
+    assert packed.packed_logits is not None and not any(isinstance(m, nn.Linear) for m in packed.modules())
+    prompt = random_prompts(config.vocab_size, [17])[0]
+    runs = [PagedRunner(model, config, torch.bfloat16).step({0: prompt})[0] for model in (packed, plain)]
+    assert torch.equal(*runs)
 
 
 @pytest.mark.parametrize("fixture", ARCH_FIXTURES)

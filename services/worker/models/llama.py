@@ -105,7 +105,8 @@ class LlamaForCausalLM(nn.Module):
         return scales_from_checkpoint(self.kv_scales_found, self.config.num_hidden_layers)
 
     def pack_linear_weights(self) -> None:
-        """After loading, on CPU in float32: every projection, the logits head included, in oneDNN's layout.
+        """After loading, on CPU in float32 or bfloat16: every projection, the logits head included, in
+        oneDNN's layout.
 
         The tied head packs a copy and leaves the embedding as it is (lookups still need it).
         """

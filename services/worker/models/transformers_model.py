@@ -140,7 +140,7 @@ class TransformersCausalLM(nn.Module):
         return logits.float()
 
     def pack_linear_weights(self) -> None:
-        """On CPU in float32: transformers' Linear layers (and GPT-2's Conv1D, a Linear with its weight
+        """On CPU in float32 or bfloat16: transformers' Linear layers (and GPT-2's Conv1D, a Linear with its weight
         transposed) in oneDNN's layout, as the native models' (packed_linear.py)."""
         from transformers.pytorch_utils import Conv1D
 
