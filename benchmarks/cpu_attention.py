@@ -1,6 +1,6 @@
 """CPU attention microbenchmark: the pure-PyTorch backend against the C++-kernel backend.
 
-Bench-model shapes (8 query heads, 4 KV heads, head_dim 64, float32, block_size 16), 8 layers of
+Bench-model shapes (8 query heads, 4 KV heads, head_dim 64, float32 or --dtype, block_size 16), 8 layers of
 KV pools with every sequence's blocks scattered through them (so a step's K/V do not fit in cache,
 as in the engine). Each case runs whole steps (all layers, one metadata object) and reports the
 milliseconds per layer call (write_kv included) for the "torch" backend (gather + SDPA) and the
@@ -8,6 +8,7 @@ milliseconds per layer call (write_kv included) for the "torch" backend (gather 
 repeats (on a shared machine the best is the steadier number).
 
     python benchmarks/cpu_attention.py [--threads N] [--repeats 7] [--cases decode16,decode64,...] [--window W]
+                                       [--dtype bfloat16]
 
 ``--window W`` makes every layer a sliding-window layer of W keys (Mistral's kind); ``long16`` (16 decodes
 at 4096 keys) is where a window saves the most.
@@ -51,18 +52,18 @@ def make_metadata(seqs: list[tuple[list[int], int, int]]) -> AttentionMetadata:
         max_query_len=max(query_lens), max_seq_len=max(seq_lens))
 
 
-def make_case(batch: list[tuple[int, int]], generator: torch.Generator):
+def make_case(batch: list[tuple[int, int]], generator: torch.Generator, dtype: torch.dtype = torch.float32):
     """Pools for LAYERS layers (twice the blocks needed, scattered) and one step's inputs per layer."""
     needed = sum(-(-(c + n) // BLOCK_SIZE) for c, n in batch)
     num_blocks = 2 * needed
     free = torch.randperm(num_blocks, generator=generator).tolist()
     seqs = [([free.pop() for _ in range(-(-(c + n) // BLOCK_SIZE))], c, n) for c, n in batch]
-    pools = torch.randn(LAYERS, 2, num_blocks, BLOCK_SIZE, KV_HEADS, HEAD_DIM, generator=generator)
+    pools = torch.randn(LAYERS, 2, num_blocks, BLOCK_SIZE, KV_HEADS, HEAD_DIM, generator=generator).to(dtype)
     kv_caches = [(pools[layer, 0], pools[layer, 1]) for layer in range(LAYERS)]
     meta = make_metadata(seqs)
-    inputs = [(torch.randn(meta.num_tokens, HEADS, HEAD_DIM, generator=generator),
-               torch.randn(meta.num_tokens, KV_HEADS, HEAD_DIM, generator=generator),
-               torch.randn(meta.num_tokens, KV_HEADS, HEAD_DIM, generator=generator)) for _ in range(LAYERS)]
+    inputs = [(torch.randn(meta.num_tokens, HEADS, HEAD_DIM, generator=generator).to(dtype),
+               torch.randn(meta.num_tokens, KV_HEADS, HEAD_DIM, generator=generator).to(dtype),
+               torch.randn(meta.num_tokens, KV_HEADS, HEAD_DIM, generator=generator).to(dtype)) for _ in range(LAYERS)]
     return kv_caches, seqs, inputs
 
 
@@ -88,6 +89,7 @@ def main() -> None:
     parser.add_argument("--cases", default=None, help="comma-separated subset of the case names")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--window", type=int, default=None, help="every layer attends within this many keys")
+    parser.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32", help="queries and KV pools")
     args = parser.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -95,20 +97,22 @@ def main() -> None:
     all_cases = cases(generator)
     chosen = args.cases.split(",") if args.cases else list(all_cases)
     spec = AttentionSpec(HEAD_DIM ** -0.5, (args.window,) * LAYERS)
+    dtype = getattr(torch, args.dtype)
+    tolerance = 1e-4 if dtype == torch.float32 else 2e-2  # (bfloat16: the two backends round differently)
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads; H={HEADS} Hkv={KV_HEADS} D={HEAD_DIM} "
-          f"block_size={BLOCK_SIZE} float32, {LAYERS} layers, window {args.window}; ms per layer call over "
+          f"block_size={BLOCK_SIZE} {args.dtype}, {LAYERS} layers, window {args.window}; ms per layer call over "
           f"{args.repeats} steps")
     print(f"{'case':<13}{'seqs':>5}{'tokens':>7}{'ctx tokens':>11}  {'median: torch':>13}{'cpu':>8}{'speedup':>9}"
           f"  {'best: torch':>11}{'cpu':>8}{'speedup':>9}")
     with torch.inference_mode():
         for name in chosen:
             batch = all_cases[name]
-            kv_caches, seqs, inputs = make_case(batch, generator)
+            kv_caches, seqs, inputs = make_case(batch, generator, dtype)
             old, new = TorchAttentionBackend(kv_caches, spec), CpuAttentionBackend(kv_caches, spec)
             # Same inputs for both: writing the same k/v into the same slots again changes nothing.
             expected, got = step(old, inputs, make_metadata(seqs)), step(new, inputs, make_metadata(seqs))
             for a, b in zip(expected, got):
-                torch.testing.assert_close(b, a, atol=1e-4, rtol=1e-4)
+                torch.testing.assert_close(b, a, atol=tolerance, rtol=tolerance)
             times = {"old": [], "new": []}
             for _ in range(args.repeats):
                 for label, backend in (("old", old), ("new", new)):
