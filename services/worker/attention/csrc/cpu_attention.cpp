@@ -96,6 +96,32 @@ inline void for_each_token(const T* cache, const int32_t* table, int64_t begin, 
   }
 }
 
+// A work item: `heads` consecutive KV heads, from `first_kv`, of one decode's sequence.
+struct WorkItem {
+  int64_t row;       // the decode's query row
+  int64_t first_kv;  // its first KV head
+  int64_t len;       // the sequence's context
+  int64_t begin;     // its first key seen (a window's start, else 0)
+  const int32_t* table;
+};
+
+inline WorkItem work_item(int64_t item, int64_t splits, int64_t heads, const int64_t* rows, const int64_t* seqs,
+                          const int32_t* seq_lens, const int32_t* block_tables, const DecodeShape& s) {
+  const int64_t i = item / splits, seq = seqs[i], len = seq_lens[seq];
+  return {rows[i], (item % splits) * heads, len, s.window > 0 ? std::max<int64_t>(0, len - s.window) : 0,
+          block_tables + seq * s.table_stride};
+}
+
+// The item's `width` query heads, scaled, as float32 rows of D into q.
+template <typename T>
+inline void load_query(float* q, const T* query, const WorkItem& w, int64_t width, int64_t group, int64_t D,
+                       const DecodeShape& s) {
+  for (int64_t h = 0; h < width; ++h) {
+    const T* src = query + w.row * s.q_row_stride + (w.first_kv * group + h) * s.q_head_stride;
+    for (int64_t d = 0; d < D; ++d) q[h * D + d] = to_float(src[d]) * s.scale;
+  }
+}
+
 // One KV head's row of FP8 codes as floats (kD: the head size when known at compile time, else 0).
 template <int kD, typename C>
 inline void decode_row(float* dst, const C* codes, int64_t D) {
@@ -126,16 +152,11 @@ void decode_attention(T* out, const T* query, const C* key_cache, const C* value
     std::vector<float> q(width * D), acc(width * D), inv_sum(width), scores, decoded(D);
 #pragma omp for schedule(dynamic, 1)
     for (int64_t item = 0; item < s.num_items * splits; ++item) {
-      const int64_t i = item / splits, first_kv = (item % splits) * heads;
-      const int64_t row = rows[i], seq = seqs[i];
-      const int64_t len = seq_lens[seq];
-      const int64_t begin = s.window > 0 ? std::max<int64_t>(0, len - s.window) : 0;
+      const WorkItem w = work_item(item, splits, heads, rows, seqs, seq_lens, block_tables, s);
+      const int64_t row = w.row, first_kv = w.first_kv, len = w.len, begin = w.begin;
       const int64_t n = len - begin;  // keys seen
-      const int32_t* table = block_tables + seq * s.table_stride;
-      for (int64_t h = 0; h < width; ++h) {
-        const T* src = query + row * s.q_row_stride + (first_kv * group + h) * s.q_head_stride;
-        for (int64_t d = 0; d < D; ++d) q[h * D + d] = to_float(src[d]) * s.scale;
-      }
+      const int32_t* table = w.table;
+      load_query(q.data(), query, w, width, group, D, s);
       scores.resize(width * n);
 
       // Pass 1: scores[h][t] = q_h . k_t for the item's query heads h. FP8 codes are decoded once per KV
@@ -246,15 +267,10 @@ void decode_attention_blocked(T* out, const T* query, const T* key_cache, const 
     std::vector<float> q(width * kD), acc(width * kD), max(width), sum(width), scores(width * s.block_size);
 #pragma omp for schedule(dynamic, 1)
     for (int64_t item = 0; item < s.num_items * splits; ++item) {
-      const int64_t i = item / splits, first_kv = (item % splits) * heads;
-      const int64_t row = rows[i], seq = seqs[i];
-      const int64_t len = seq_lens[seq];
-      const int64_t begin = s.window > 0 ? std::max<int64_t>(0, len - s.window) : 0;
-      const int32_t* table = block_tables + seq * s.table_stride;
-      for (int64_t h = 0; h < width; ++h) {
-        const T* src = query + row * s.q_row_stride + (first_kv * group + h) * s.q_head_stride;
-        for (int64_t d = 0; d < kD; ++d) q[h * kD + d] = to_float(src[d]) * s.scale;
-      }
+      const WorkItem w = work_item(item, splits, heads, rows, seqs, seq_lens, block_tables, s);
+      const int64_t row = w.row, first_kv = w.first_kv, len = w.len, begin = w.begin;
+      const int32_t* table = w.table;
+      load_query(q.data(), query, w, width, group, kD, s);
       std::fill(acc.begin(), acc.end(), 0.f);
       std::fill(max.begin(), max.end(), -std::numeric_limits<float>::infinity());
       std::fill(sum.begin(), sum.end(), 0.f);
