@@ -3,6 +3,9 @@ weights and requests — (a) one request at a time, (b) left-padded static batch
 when a Python with vLLM is given (--vllm-python), vLLM's engine in a separate process.
 
     python benchmarks/offline_throughput.py --num-requests 200 [--vllm-python /path/to/venv/bin/python]
+        [--rounds 2] [--dtype bfloat16]
+
+With --rounds N (and --skip-hf) pagedserve and vLLM alternate N times; the ratio quoted is the median of the rounds'.
 
 Prints a table and writes JSON (benchmarks/results/offline_throughput.json by default).
 """
@@ -12,6 +15,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import statistics
 import subprocess
 import sys
 import time
@@ -119,6 +123,7 @@ def main() -> None:
     parser.add_argument("--architecture", choices=sorted(BENCH_ARCHITECTURES), default="llama",
                         help="the bench model's shape in this architecture (gemma2: windows and soft caps)")
     parser.add_argument("--model", default=None, help="a model directory instead of the bench model")
+    parser.add_argument("--rounds", type=int, default=1, help="pagedserve then vLLM, this many times (--skip-hf)")
     parser.add_argument("--out", default=str(Path(__file__).with_name("results") / "offline_throughput.json"))
     args = parser.parse_args()
     args.vllm_dtype = args.dtype
@@ -126,6 +131,9 @@ def main() -> None:
     torch.manual_seed(args.seed)
     model_dir = Path(args.model) if args.model else bench_model_dir(args.architecture)
     requests = workload_for(model_dir, args.num_requests, args.seed)
+    if args.rounds > 1:
+        alternate(model_dir, requests, args)
+        return
     results = {"pagedserve": run_pagedserve(model_dir, requests, args)}
     if not args.skip_hf:
         model = hf_model(model_dir)
@@ -137,6 +145,24 @@ def main() -> None:
         if vllm is not None:
             results["vllm"] = vllm
     report(results, args, len(requests))
+
+
+def alternate(model_dir: Path, requests: list[BenchRequest], args) -> None:
+    """pagedserve and vLLM in turn, args.rounds times; each round's tokens/s and the median ratio."""
+    if not args.vllm_python:
+        raise SystemExit("--rounds alternates with vLLM: give --vllm-python")
+    rounds = []
+    for index in range(args.rounds):
+        ours, theirs = run_pagedserve(model_dir, requests, args), run_vllm(args.vllm_python, model_dir, args)
+        if theirs is None:
+            raise SystemExit("vLLM's run failed (its error is above)")
+        tps = [r["output_tokens"] / r["elapsed_s"] for r in (ours, theirs)]
+        rounds.append({"pagedserve": ours, "vllm": theirs, "ratio": tps[0] / tps[1]})
+        print(f"round {index + 1}: pagedserve {tps[0]:.1f} tok/s, vLLM {tps[1]:.1f} tok/s, {tps[0] / tps[1]:.2f}x",
+              flush=True)
+    ratio = statistics.median(r["ratio"] for r in rounds)
+    print(f"pagedserve / vLLM ({args.dtype}), median of {args.rounds} rounds: {ratio:.2f}x")
+    write_report(args.out, {"num_requests": len(requests), "dtype": args.dtype, "rounds": rounds, "ratio": ratio})
 
 
 def report(results: dict, args, num_requests: int) -> None:
