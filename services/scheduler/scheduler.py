@@ -279,7 +279,10 @@ class Scheduler:
                 continue  # a parked beam: nothing to compute until its group decides
             if not self._adapter_fits(seq, adapters):
                 continue
-            num_tokens = min(seq.num_uncomputed_tokens, budget)
+            num_tokens = self._within_encoder_budget(seq, seq.num_planned_tokens,
+                                                     min(seq.num_uncomputed_tokens, budget))
+            if not num_tokens:
+                break  # its next tokens are an image this step cannot take (encoder budget, or a whole image)
             if not self.blocks.can_swap_in(seq.seq_id, seq.num_planned_tokens + num_tokens):
                 break
             plan.swap_in.extend(self.blocks.swap_in(seq.seq_id))

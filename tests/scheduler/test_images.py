@@ -23,9 +23,12 @@ def image(seed: int, offset: int, length: int) -> ImageInput:
                       shape=(3,))
 
 
-def engine(budget: int, chunked: bool = True, whole_images: bool = False) -> tuple[EngineCore, FakeWorker]:
-    worker = FakeWorker(64, 4, vocab_size=200, image_token_id=IMAGE, whole_images=whole_images)
-    limits = SchedulerLimits(max_num_seqs=4, max_num_batched_tokens=budget, enable_chunked_prefill=chunked)
+def engine(budget: int, chunked: bool = True, whole_images: bool = False, num_blocks: int = 64,
+           host_blocks: int = 0, preemption_mode: str | None = None) -> tuple[EngineCore, FakeWorker]:
+    worker = FakeWorker(num_blocks, 4, vocab_size=200, image_token_id=IMAGE, whole_images=whole_images,
+                        num_cpu_blocks=host_blocks)
+    limits = SchedulerLimits(max_num_seqs=4, max_num_batched_tokens=budget, enable_chunked_prefill=chunked,
+                             preemption_mode=preemption_mode)
     return EngineCore(InProcessExecutor(worker), limits), worker
 
 
@@ -83,7 +86,7 @@ def chunks(worker: FakeWorker) -> list[tuple[int, int, int]]:
     """(sequence, first position, tokens) of every prompt chunk the worker was sent."""
     out = [(new.seq_id, new.num_computed_tokens, new.num_scheduled_tokens) for plan in worker.plans for new in plan.new]
     return out + [(d.seq_id, d.num_computed_tokens, d.num_scheduled_tokens) for plan in worker.plans
-                  for d in plan.running if d.num_scheduled_tokens > 1]
+                  for d in plan.running]
 
 
 @pytest.mark.parametrize("budget", [4, 5, 7, 9])
@@ -106,6 +109,21 @@ def test_images_that_attend_both_ways_are_never_cut(budget):
         for img in sent[seq_id].images:
             assert not img.offset < start + n < img.end, (seq_id, start, n, img.offset, img.end)
     assert core.get_stats()["kv_blocks_used"] == 0
+
+
+def test_a_swapped_in_sequence_never_cuts_an_image_either():
+    """Sequences preempted by swap mid-prefill come back within the same rules."""
+    core, worker = engine(5, whole_images=True, num_blocks=10, host_blocks=64, preemption_mode="swap")
+    sent = {}
+    for seq_id in range(4):
+        layout = [(1 + seq_id, 4), (9, 4), (15, 3)]
+        sent[seq_id] = request(f"r{seq_id}", [image(i + 1, o, n) for i, (o, n) in enumerate(layout)], 20, 12)
+        core.add_request(sent[seq_id])
+    run(core)
+    assert core.scheduler.num_swaps_in > 0
+    for seq_id, start, n in chunks(worker):
+        for img in sent[seq_id].images:
+            assert not img.offset < start + n < img.end, (seq_id, start, n, img.offset, img.end)
 
 
 def test_an_image_that_attends_both_ways_must_fit_the_step():
