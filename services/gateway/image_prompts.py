@@ -56,8 +56,8 @@ class ImagePrompts:
         token_ids = [int(t) for t in out["input_ids"][0]]
         pixels = self._pixels(out)
         runs = placeholder_runs(token_ids, self.image_token_id)
-        if len(runs) < len(images) and len(pixels) == len(images) and "image_sizes" not in out:
-            runs = split_runs(runs, len(images))  # LLaVA-1.5's images side by side: equal pixels, equal runs
+        if len(runs) < len(images) and len(pixels) == len(images):
+            runs = split_runs(runs, self._run_lengths(out, len(images), runs))  # images side by side
         if len(runs) != len(images) or len(pixels) != len(images):
             raise InvalidParameter(f"the model's processor made {len(runs)} placeholder run(s) and {len(pixels)} "
                                    f"image(s) of {len(images)}: put text between images that stand side by side",
@@ -68,6 +68,12 @@ class ImagePrompts:
             inputs.append(ImageInput(hash=pixels_hash(data, image.shape, "float32", layout), offset=offset,
                                      length=length, pixel_values=data, shape=tuple(image.shape), layout=layout))
         return token_ids, tuple(inputs)
+
+    def _run_lengths(self, out: dict, count: int, runs: list[tuple[int, int]]) -> list[int] | None:
+        """How many placeholders each image has, where its features' rows are known from its pixels alone:
+        LLaVA-1.5's images, all one shape, have one length each (None: not known, LLaVA-NeXT's tiles)."""
+        total = sum(length for _, length in runs)
+        return None if "image_sizes" in out or total % count else [total // count] * count
 
     def _run_processor(self, text: str, images: list, add_special_tokens: bool) -> dict:
         return self.processor(text=[text], images=images, return_tensors="np", add_special_tokens=add_special_tokens)
@@ -115,22 +121,30 @@ class GridImagePrompts(ImagePrompts):
         out["input_ids"] = [self.tokenizer(expanded, add_special_tokens=add_special_tokens).input_ids]
         return out
 
+    def _run_lengths(self, out: dict, count: int, runs: list[tuple[int, int]]) -> list[int] | None:
+        """Each image's placeholders: its grid's merged tokens."""
+        merged = self.image_processor.merge_size ** 2
+        return [int(np.prod(grid)) // merged for grid in out["image_grid_thw"]]
+
     def _pixels(self, out: dict) -> list[tuple[np.ndarray, tuple[int, ...]]]:
         grids = [tuple(int(v) for v in grid) for grid in out["image_grid_thw"]]
         bounds = np.cumsum([0] + [int(np.prod(grid)) for grid in grids])
         return [(out["pixel_values"][bounds[i]:bounds[i + 1]], grid) for i, grid in enumerate(grids)]
 
 
-def split_runs(runs: list[tuple[int, int]], count: int) -> list[tuple[int, int]]:
-    """Runs of several images placed side by side, cut into ``count`` runs of one length (every image's pixels
-    have one shape here, so its features one number of rows); the runs as they are when they cannot be."""
-    total = sum(length for _, length in runs)
-    if total % count:
+def split_runs(runs: list[tuple[int, int]], lengths: list[int] | None) -> list[tuple[int, int]]:
+    """Runs of several images placed side by side, cut into one run per image of the given ``lengths``, in order;
+    the runs as they are when they cannot be (``lengths`` None, or not adding up run by run)."""
+    if lengths is None:
         return runs
-    each = total // count
-    if any(length % each for _, length in runs):
-        return runs
-    return [(offset + i * each, each) for offset, length in runs for i in range(length // each)]
+    out, pending = [], list(lengths)
+    for offset, length in runs:
+        while length > 0 and pending and pending[0] <= length:
+            out.append((offset, pending[0]))
+            offset, length = offset + pending[0], length - pending.pop(0)
+        if length:
+            return runs
+    return out if not pending else runs
 
 
 def placeholder_runs(token_ids: list[int], image_token_id: int) -> list[tuple[int, int]]:

@@ -23,11 +23,11 @@ from typing import Any
 
 # The wrapper's model_type -> its language model's (None: the text_config says, Llama if it does not).
 TEXT_MODEL_OF = {"gemma3": "gemma3_text", "llava": None, "llava_next": None, "qwen2_vl": "qwen2", "qwen2_5_vl": "qwen2"}
-TAKES_IMAGES = ("llava", "llava_next", "qwen2_vl", "qwen2_5_vl", "gemma3")
+TAKES_IMAGES = ("llava", "llava_next", "qwen2_vl", "qwen2_5_vl", "gemma3")  # the wrappers whose images are served
 # The wrappers whose text_config names a model_type of its own, and the wrappers that (before transformers v5)
 # wrote the language model's fields beside the vision_config rather than in a text_config.
 _NESTED_TEXT_TYPE = {"qwen2_vl": "qwen2_vl_text", "qwen2_5_vl": "qwen2_5_vl_text"}
-_TEXT_AT_TOP_LEVEL = ("qwen2_vl", "qwen2_5_vl")  # the wrappers whose images are served (the others: their text only)
+_TEXT_AT_TOP_LEVEL = ("qwen2_vl", "qwen2_5_vl")
 # Gemma3TextConfig's defaults for what the wrappers' text_config leave out (the rest our parser defaults alike).
 _TEXT_DEFAULTS = {"gemma3_text": dict(vocab_size=262_208, hidden_size=2304, intermediate_size=9216,
                                       num_hidden_layers=26, num_attention_heads=8, num_key_value_heads=4,

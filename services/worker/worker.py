@@ -280,7 +280,7 @@ class Worker:
                 self.decode_graphs.can_replay(scheduled):
             return self.decode_graphs.forward(scheduled, tables), list(range(len(batch) + 1))
         inputs = build_model_inputs(scheduled, self.config.block_size, self.device, tables)
-        if spans:  # (images are served by the native models only, whose forward takes embeddings)
+        if spans:  # (the image's features go in as embeddings: every model's forward takes them)
             if self.mrope is not None:
                 inputs.positions = self.mrope.step_positions(batch).to(self.device)
             if self._whole_images:

@@ -73,6 +73,17 @@ def test_mrope_positions_equal_transformers_over_any_slice(qwen2_vl_dir):
         assert mrope.shift(ours, length) == deltas.item()  # the generated text's
 
 
+def test_images_side_by_side_get_their_own_grids_placeholders(qwen2_vl_dir):
+    """Two placeholders with nothing between them make one run of tokens: it is cut by each image's grid, as
+    transformers' processor expands them, not into equal halves."""
+    _, processor = hf_image_model(str(qwen2_vl_dir))
+    images = [picture(7, (100, 100)), picture(8, (60, 30))]  # 16 and 6 placeholders
+    text = "<|vision_start|><|image_pad|><|image_pad|><|vision_end|> glued"
+    token_ids, placed = image_prompts(qwen2_vl_dir, processor.image_token_id).process(text, images)
+    assert token_ids == processor(text=[text], images=images, return_tensors="pt")["input_ids"][0].tolist()
+    assert [image.length for image in placed] == [16, 6] and placed[1].offset == placed[0].end
+
+
 @pytest.mark.parametrize("budget", [3, 7])
 def test_chunked_prefill_cutting_through_an_image(qwen2_vl_dir, budget):
     """Chunks end inside the placeholders and in the text after an image: each takes its own positions."""
@@ -152,11 +163,18 @@ def test_images_the_model_cannot_take_fail_their_request_alone(qwen2_vl_dir):
             bad = dataclasses.replace(image, layout=layout,
                                       hash=pixels_hash(image.pixel_values, image.shape, image.dtype, layout))
             engine.add_request(EngineRequest(name, token_ids, GREEDY, images=(bad,)))
+        half = (image.shape[0], image.shape[1] // 2)  # patches of half the values: whole bytes, the wrong patch
+        narrow = dataclasses.replace(image, shape=half, pixel_values=image.pixel_values[:len(image.pixel_values) // 2],
+                                     hash=pixels_hash(image.pixel_values[:len(image.pixel_values) // 2], half,
+                                                      image.dtype, image.layout))
+        engine.add_request(EngineRequest("narrow patches", token_ids, GREEDY, images=(narrow,)))
+        layouts["narrow patches"] = image.layout
         engine.add_request(EngineRequest("good", token_ids, GREEDY, images=(image,)))
         tokens, errors = run_to_end(engine)
         assert set(errors) == set(layouts)
         assert "multiples of 2" in errors["odd grid"] and "(1, height, width)" in errors["two frames"]
         assert "rows of patches" in errors["more patches than pixels"]
+        assert "of 1176 values" in errors["narrow patches"]
         assert_greedy_equal(tokens["good"], *hf_greedy_with_images(qwen2_vl_dir, text, images), what="beside them")
         assert engine.get_stats()["kv_blocks_used"] == 0
     finally:

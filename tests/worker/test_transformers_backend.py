@@ -211,14 +211,21 @@ def test_images_through_transformers_own_code(family, placeholder, request):
     chunk budget puts text and images in separate steps."""
     from tests.images import hf_greedy_with_images, picture
 
+    from services.worker.models.lora_linear import LoRALinear
+    from services.worker.models.packed_linear import PackedLinear
+
     model_dir = request.getfixturevalue(family)
     llm = LLM(str(model_dir), model_impl="transformers", block_size=4, num_gpu_blocks_override=128,
-              max_num_batched_tokens=7, enable_chunked_prefill=True)
+              max_num_batched_tokens=7, enable_chunked_prefill=True, enable_lora=True, max_lora_rank=8)
     try:
         worker = llm.engine.executor.worker
         assert isinstance(worker.model, TransformersCausalLM)
         shared = {id(p) for p in worker.model.hf.parameters()}
-        assert all(id(p) in shared for p in worker.image_encoder.vision.parameters())  # no weight held twice
+        vision = worker.image_encoder.vision
+        assert all(id(p) in shared for p in vision.parameters())  # no weight held twice
+        # Adapters and packing are the language model's: an adapter's rows are the step's tokens, not patches.
+        assert not any(isinstance(m, (LoRALinear, PackedLinear)) for m in vision.modules())
+        assert any(isinstance(m, LoRALinear) for m in worker.model.hf.modules())
         params = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
         for text, images in ((f"What is {placeholder} here?", [picture(1)]),
                              (f"Compare {placeholder} with {placeholder} now.", [picture(2, (60, 30)),

@@ -28,6 +28,9 @@ class Qwen2VLVision(nn.Module):
         config_class, tower_class = _classes(raw_config["model_type"])
         vision_config = config_class.from_dict(raw_config).vision_config
         self.spatial_merge_size = vision_config.spatial_merge_size
+        # A patch's pixel values: channels x frames x patch x patch (1176 for the released models).
+        self.patch_values = (vision_config.in_channels * vision_config.temporal_patch_size
+                             * vision_config.patch_size ** 2)
         self.visual = tower_class(vision_config)
 
     @torch.inference_mode()
@@ -48,11 +51,10 @@ class Qwen2VLVision(nn.Module):
             raise ValueError(f"an image's grid must be (1, height, width) in patches, height and width multiples "
                              f"of {self.spatial_merge_size}; got {image.layout}")
         patches = image.layout[1] * image.layout[2]
-        if len(image.shape) != 2 or image.shape[0] != patches or \
-                image.length * self.spatial_merge_size ** 2 != patches:
-            raise ValueError(f"an image of grid {image.layout} needs {patches} rows of patches and "
-                             f"{patches // self.spatial_merge_size ** 2} placeholders; got pixels {image.shape} "
-                             f"and {image.length} placeholders")
+        if image.shape != (patches, self.patch_values) or image.length * self.spatial_merge_size ** 2 != patches:
+            raise ValueError(f"an image of grid {image.layout} needs {patches} rows of patches of "
+                             f"{self.patch_values} values and {patches // self.spatial_merge_size ** 2} placeholders; "
+                             f"got pixels {image.shape} and {image.length} placeholders")
 
     def take_modules(self, model: nn.Module) -> None:
         """transformers' inner model's tower, shared."""

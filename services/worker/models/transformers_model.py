@@ -146,15 +146,19 @@ class TransformersCausalLM(nn.Module):
 
         # A vision-language model's vision modules stay as they are: the image encoder shares them, and some
         # (SigLIP's pooling head) read a Linear's weight themselves.
-        inner = getattr(self.hf, "model", None)
-        vision = tuple(part for name in ("vision_tower", "visual", "multi_modal_projector")
-                       if isinstance(part := getattr(inner, name, None), nn.Module))
-        pack_linear_layers(self.hf, skip=vision)
+        pack_linear_layers(self.hf, skip=self._vision_modules())
         for parent in list(self.hf.modules()):
             for name, child in list(parent.named_children()):
                 if isinstance(child, Conv1D):  # y = x @ W + b, W [in, out]
                     setattr(parent, name, PackedLinear(child.weight.t().contiguous(), child.bias))
         self.head = self.hf.get_output_embeddings()
+
+    def _vision_modules(self) -> tuple[nn.Module, ...]:
+        """A vision-language model's vision tower and projector (the image encoder's, shared): left out of
+        packing and of LoRA, whose adapters serve the language model's tokens."""
+        inner = getattr(self.hf, "model", None)
+        return tuple(part for name in ("vision_tower", "visual", "multi_modal_projector")
+                     if isinstance(part := getattr(inner, name, None), nn.Module))
 
     def use_fused_experts(self) -> None:
         """transformers' experts run its own way."""
@@ -167,8 +171,9 @@ class TransformersCausalLM(nn.Module):
 
         weight = self.hf.get_input_embeddings().weight
         batch, targets = LoRABatch(num_slots, weight.dtype, weight.device), {}
+        vision = {id(module) for part in self._vision_modules() for module in part.modules()}
         linear = [(name, parent, child_name, child) for name, parent in self.hf.named_modules()
-                  for child_name, child in parent.named_children()
+                  if id(parent) not in vision for child_name, child in parent.named_children()
                   if isinstance(child, (nn.Linear, PackedLinear, Conv1D)) and child is not self.head]
         for name, parent, child_name, child in linear:
             in_features, out_features = child.weight.shape if isinstance(child, Conv1D) else \

@@ -289,7 +289,7 @@ void decode_attention_blocked(T* out, const T* query, const T* key_cache, const 
           float block_max = -std::numeric_limits<float>::infinity();
           for (int64_t t = 0; t < count; ++t) block_max = std::max(block_max, sh[t]);
           const float new_max = std::max(max[h], block_max);
-          const float rescale = pagedserve_cpu::exp_clamped(max[h] - new_max);  // (0 before the first block)
+          const float rescale = pagedserve_cpu::exp_clamped(max[h] - new_max);  // (~0 at the first block: max was -inf)
           float block_sum = 0.f;
 #pragma omp simd reduction(+ : block_sum)
           for (int64_t t = 0; t < count; ++t) {
