@@ -55,10 +55,10 @@ def run_pagedserve(model_dir: Path, requests: list[BenchRequest], args) -> dict:
             "other_overhead_s": elapsed - stats["step_time_s"]}
 
 
-def hf_model(model_dir: Path):
+def hf_model(model_dir: Path, dtype: str = "float32"):
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32).eval()
+    model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=getattr(torch, dtype)).eval()
     model.generation_config.eos_token_id = None  # like ignore_eos
     model.generation_config.pad_token_id = 0
     return model
@@ -136,7 +136,7 @@ def main() -> None:
         return
     results = {"pagedserve": run_pagedserve(model_dir, requests, args)}
     if not args.skip_hf:
-        model = hf_model(model_dir)
+        model = hf_model(model_dir, args.dtype)
         results["hf_static_batch"] = run_hf_static_batches(model, requests, args.hf_batch_size)
         if not args.skip_hf_one_at_a_time:
             results["hf_one_at_a_time"] = run_hf_one_at_a_time(model, requests)

@@ -39,7 +39,14 @@ CLIENT = ("import argparse, sys\nfrom vllm.benchmarks import serve\nparser = arg
 
 
 def start_server(command: list[str], port: int, env: dict | None = None, timeout_s: float = 600) -> subprocess.Popen:
-    """A server process (in a group of its own), once its /v1/models answers."""
+    """A server process (in a group of its own), once its /v1/models answers; the port must be free first (else
+    a leftover server would be measured)."""
+    try:
+        urllib.request.urlopen(f"http://127.0.0.1:{port}/v1/models", timeout=1)
+    except OSError:
+        pass
+    else:
+        raise RuntimeError(f"something already answers on port {port}: stop it, or pass --port")
     proc = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env,
                             start_new_session=True)
     deadline = time.monotonic() + timeout_s
@@ -139,7 +146,7 @@ def main() -> None:
     ratios = {name: statistics.median(ours[name] / theirs[name] for ours, theirs in zip(runs["pagedserve"],
                                                                                         runs["vllm"]))
               for name in METRICS}
-    print("pagedserve / vLLM, median of the rounds: "
+    print("pagedserve / vLLM, median of the rounds (above 1 is better for throughput, below 1 for latencies): "
           + ", ".join(f"{name} {ratio:.2f}" for name, ratio in ratios.items()))
     write_report(args.out, {"args": vars(args), "runs": runs, "ratios": ratios})
 
