@@ -52,7 +52,10 @@ class SparseMoeBlock(nn.Module):
         self.fused = False  # the Triton kernel (fused_moe.py) instead of one matmul pair per expert
 
     def pack_experts(self) -> None:
-        """On the CPU in float32 or bfloat16: each expert's two projections in oneDNN's layout (see packed_linear)."""
+        """On the CPU in float32: each expert's two projections in oneDNN's layout (see packed_linear). bfloat16
+        experts stay stacked (the Triton kernel takes them under the interpreter; packing them is not measured)."""
+        if self.w13.dtype != torch.float32:
+            return
         # A copy each: oneDNN reorders a view of the stacked weight on every call instead of once.
         self.packed = [(PackedLinear(self.w13[e].clone(), None), PackedLinear(self.w2[e].clone(), None))
                        for e in range(self.moe.num_experts)]
