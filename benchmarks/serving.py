@@ -29,7 +29,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from benchmarks.workload import BenchRequest, bench_model_dir, bench_workload, write_report  # noqa: E402
+from benchmarks.workload import (  # noqa: E402
+    BenchRequest, bench_model_dir, bench_workload, wait_until_answering, write_report)
 from services.gateway.server import run_event_loop  # noqa: E402
 
 
@@ -219,18 +220,12 @@ def start_stack(model_dir: Path, port: int, *extra: str) -> subprocess.Popen:
     proc = subprocess.Popen([sys.executable, "-m", "pagedserve", "serve", "--model", str(model_dir),
                              "--port", str(port), "--grpc-port", str(port + 1), *extra],
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
-    deadline = time.monotonic() + 300
-    while time.monotonic() < deadline:
-        try:
-            with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=1) as response:
-                if response.status == 200:
-                    return proc
-        except OSError:
-            time.sleep(0.5)
-        if proc.poll() is not None:
-            raise RuntimeError("pagedserve serve exited while starting")
-    proc.kill()
-    raise TimeoutError("the stack did not become healthy")
+    try:
+        wait_until_answering(f"http://127.0.0.1:{port}/health", proc, 300, "pagedserve serve")
+    except TimeoutError:
+        proc.kill()
+        raise
+    return proc
 
 
 def cpu_seconds(pid: int) -> float:

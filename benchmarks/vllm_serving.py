@@ -21,13 +21,12 @@ import statistics
 import subprocess
 import sys
 import tempfile
-import time
 import urllib.request
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from benchmarks.workload import bench_model_dir, write_report  # noqa: E402
+from benchmarks.workload import bench_model_dir, wait_until_answering, write_report  # noqa: E402
 
 # What vLLM's client reports, as this script names it.
 METRICS = {"output_tok_s": "output_throughput", "req_s": "request_throughput", "ttft_p50_ms": "median_ttft_ms",
@@ -49,18 +48,12 @@ def start_server(command: list[str], port: int, env: dict | None = None, timeout
         raise RuntimeError(f"something already answers on port {port}: stop it, or pass --port")
     proc = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env,
                             start_new_session=True)
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        try:
-            with urllib.request.urlopen(f"http://127.0.0.1:{port}/v1/models", timeout=1) as response:
-                if response.status == 200:
-                    return proc
-        except OSError:
-            time.sleep(1)
-        if proc.poll() is not None:
-            raise RuntimeError(f"{command[:3]} exited while starting (code {proc.returncode})")
-    stop(proc)
-    raise TimeoutError(f"{command[:3]} did not start within {timeout_s:.0f} s")
+    try:
+        wait_until_answering(f"http://127.0.0.1:{port}/v1/models", proc, timeout_s, str(command[:3]))
+    except (RuntimeError, TimeoutError):
+        stop(proc)
+        raise
+    return proc
 
 
 def stop(proc: subprocess.Popen) -> None:

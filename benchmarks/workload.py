@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 import random
+import time
+import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -44,6 +46,22 @@ def bench_model_dir(architecture: str = "llama") -> Path:
     if architecture == "llama":
         return cached_model_dir("bench-model-v1", BENCH_MODEL)
     return cached_model_dir(f"bench-model-{architecture}-v1", {**BENCH_MODEL, **BENCH_ARCHITECTURES[architecture]})
+
+
+def wait_until_answering(url: str, proc, timeout_s: float, what: str) -> None:
+    """Poll ``url`` until it answers 200: RuntimeError if the process ``proc`` (a Popen) exits first, TimeoutError
+    after ``timeout_s`` (the caller stops it)."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        try:
+            with urllib.request.urlopen(url, timeout=1) as response:
+                if response.status == 200:
+                    return
+        except OSError:
+            time.sleep(0.5)
+        if proc.poll() is not None:
+            raise RuntimeError(f"{what} exited while starting (code {proc.returncode})")
+    raise TimeoutError(f"{what} did not start within {timeout_s:.0f} s")
 
 
 def write_report(out: str | Path, report: dict) -> Path:
