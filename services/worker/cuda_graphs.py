@@ -15,7 +15,13 @@ copied into fixed buffers first, and whatever the capture baked in must hold for
   gets the full length's split count, with short splits: more programs and partials than eager's
   two or so splits, all of it small next to the launches a replay saves). The plan is kept alive
   here: the graph holds its tile tensor's address;
-- the block-table width: the most blocks one sequence can hold.
+- the block-table width: the most blocks one sequence can hold;
+- with LoRA adapters, the adapter layers over every slot: each replay reads which slot each row uses from
+  a mask buffer (all false for a row without an adapter, whose output the adapters then leave exactly as
+  it was), so one graph serves any mix of adapters, and steps without one pay the small shrink and expand
+  over all slots;
+- with tensor parallelism, the all-reduces (NCCL, which a graph can hold): every rank captures the same
+  graphs and replays the same one each step, as each is sent the same batch.
 
 Prefill and mixed steps, and batches larger than the largest graph, run eagerly. Only a backend that
 reads every length from device tensors can be replayed (``supports_cuda_graphs``: the Triton one).
@@ -28,7 +34,7 @@ from __future__ import annotations
 import bisect
 import gc
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
 from typing import Callable, Protocol
 
@@ -37,6 +43,7 @@ import torch
 from services.worker.attention.metadata import AttentionMetadata
 from services.worker.attention.triton_attention import SPLIT_MIN_KEYS, LaunchPlan
 from services.worker.input_batch import ScheduledSequence, build_model_inputs, padded_block_tables
+from services.worker.models.lora_linear import LoRABatch
 
 MAX_CAPTURE_SIZE = 256  # larger decode batches keep the GPU busy without a graph
 SHORT_CONTEXT = 2 * SPLIT_MIN_KEYS - 1  # the longest context the split heuristic never splits
@@ -99,15 +106,20 @@ class DecodeBuffers:
     seq_lens: torch.Tensor  # [max_size] int32; padding rows 1
     block_tables: torch.Tensor  # [max_size, max_blocks_per_seq] int32
     query_start_loc: torch.Tensor  # [max_size + 1] int32: 0, 1, 2, ... (one token per sequence)
+    lora_mask: torch.Tensor | None  # [max_size, adapter slots] bool: row i uses slot j (None: no adapters)
 
     @classmethod
-    def allocate(cls, max_size: int, max_blocks: int, device: torch.device) -> "DecodeBuffers":
+    def allocate(cls, max_size: int, max_blocks: int, device: torch.device,
+                 lora_slots: int | None = None) -> "DecodeBuffers":
         with torch.inference_mode(False):  # plain tensors: steps may fill them in or out of inference mode
             packed = torch.zeros(3, max_size, dtype=torch.int64, device=device)
             packed[2] = -1
+            lora_mask = None if lora_slots is None else torch.zeros(max_size, lora_slots, dtype=torch.bool,
+                                                                    device=device)
             return cls(packed=packed, seq_lens=torch.ones(max_size, dtype=torch.int32, device=device),
                        block_tables=torch.zeros(max_size, max_blocks, dtype=torch.int32, device=device),
-                       query_start_loc=torch.arange(max_size + 1, dtype=torch.int32, device=device))
+                       query_start_loc=torch.arange(max_size + 1, dtype=torch.int32, device=device),
+                       lora_mask=lora_mask)
 
     @property
     def input_ids(self) -> torch.Tensor:
@@ -156,12 +168,14 @@ class _Graph:
 class DecodeGraphs:
     """The captured graphs of one worker, by (batch size, longest context of the class), and their buffers."""
 
-    def __init__(self, graphs: dict[tuple[int, int], _Graph], buffers: DecodeBuffers, block_size: int):
+    def __init__(self, graphs: dict[tuple[int, int], _Graph], buffers: DecodeBuffers, block_size: int,
+                 lora: LoRABatch | None = None):
         self.graphs = graphs
         self.sizes = sorted({size for size, _ in graphs})
         self.contexts = sorted({context for _, context in graphs})
         self.buffers = buffers
         self.block_size = block_size
+        self.lora = lora  # the adapters' step state, whose slots each replay reads (None: captured without)
 
     def can_replay(self, batch: list[ScheduledSequence]) -> bool:
         """A decode of at most the largest graph's size, every context and table within the graphs' reach."""
@@ -179,28 +193,34 @@ class DecodeGraphs:
         """Hidden states ``[len(batch), hidden]``: a view of the graph's output, valid until the next replay."""
         key = self.graph_for(batch)
         self.buffers.fill(batch, self.block_size, key[0], block_tables)
+        if self.lora is not None:  # the slots the worker set for this step
+            self.buffers.lora_mask[:key[0]].copy_(self.lora.decode_mask(key[0]))
         graph = self.graphs[key]
         graph.replay()
         return graph.output[:len(batch)]
 
 
 def capture_decode_graphs(model, attention, *, block_size: int, max_model_len: int, max_num_seqs: int,
-                          device: torch.device, capturer: GraphCapturer) -> DecodeGraphs:
+                          device: torch.device, capturer: GraphCapturer, lora: LoRABatch | None = None
+                          ) -> DecodeGraphs:
     """A graph per batch size in ``capture_sizes(max_num_seqs)`` and context class, largest first; call in
-    inference mode.
+    inference mode. ``lora``: the model's adapter state, when it has adapter layers (their slots then go in
+    through a mask buffer).
 
     Each runs eagerly once before its capture: the attention backend makes (and validates) its plan
     there, and any kernel not yet compiled is compiled outside the capture.
     """
     sizes = capture_sizes(max_num_seqs)
-    buffers = DecodeBuffers.allocate(sizes[-1], -(-max_model_len // block_size), device)
+    buffers = DecodeBuffers.allocate(sizes[-1], -(-max_model_len // block_size), device,
+                                     None if lora is None else lora.num_slots)
     graphs: dict[tuple[int, int], _Graph] = {}
     for size in reversed(sizes):
         for context in reversed(context_classes(max_model_len)):
             meta = buffers.metadata(size, context)
 
             def run(size=size, meta=meta) -> torch.Tensor:
-                return model(buffers.input_ids[:size], buffers.positions[:size], attention, meta)
+                with nullcontext() if lora is None else lora.every_slot(buffers.lora_mask[:size]):
+                    return model(buffers.input_ids[:size], buffers.positions[:size], attention, meta)
 
             run()
             plan = attention.plan_for(meta)
@@ -210,7 +230,7 @@ def capture_decode_graphs(model, attention, *, block_size: int, max_model_len: i
             replay, output = capturer.capture(run)
             graphs[size, context] = _Graph(replay=replay, output=output, meta=meta, plan=plan)
     _synchronize(device)
-    return DecodeGraphs(graphs, buffers, block_size)
+    return DecodeGraphs(graphs, buffers, block_size, lora)
 
 
 def check_decode_graphs(graphs: DecodeGraphs, model, attention, *, num_blocks: int, vocab_size: int,
@@ -219,7 +239,8 @@ def check_decode_graphs(graphs: DecodeGraphs, model, attention, *, num_blocks: i
     batch (its own inputs and plan); returns the largest row error relative to the row's norm, or raises
     ValueError past ``CHECK_TOLERANCE``.
 
-    Writes K/V into random blocks: call it before any sequence owns one.
+    Writes K/V into random blocks: call it before any sequence owns one. With adapters, each sequence runs
+    through a random slot or none (the same seed draws the same on every tensor-parallel rank).
     """
     generator = torch.Generator().manual_seed(seed)
     worst = 0.0
@@ -229,15 +250,25 @@ def check_decode_graphs(graphs: DecodeGraphs, model, attention, *, num_blocks: i
             batch = random_decode_batch(n, graphs.block_size, num_blocks, vocab_size, context, generator)
             if graphs.graph_for(batch) != (size, context):
                 raise RuntimeError(f"a check batch of {n} sequences up to {context} keys missed its graph")
+            if graphs.lora is not None:
+                graphs.lora.set_token_slots(random_adapter_slots(n, graphs.lora.num_slots, generator), [1] * n)
             replayed = graphs.forward(batch).float()
             inputs = build_model_inputs(batch, graphs.block_size, device)
             eager = model(inputs.input_ids, inputs.positions, attention, inputs.meta).float()
+            if graphs.lora is not None:
+                graphs.lora.clear()
             error = ((replayed - eager).norm(dim=-1) / eager.norm(dim=-1).clamp_min(1e-6)).max().item()
             if not error <= CHECK_TOLERANCE[dtype]:  # also catches NaN
                 raise ValueError(f"the decode graph for {size} sequences up to {context} keys differs from the eager "
                                  f"forward pass at {n} sequences: row error {error:.3g} of the row's norm")
             worst = max(worst, error)
     return worst
+
+
+def random_adapter_slots(size: int, num_slots: int, generator: torch.Generator) -> list[int | None]:
+    """A random slot or none (drawn as ``num_slots``) per sequence."""
+    drawn = torch.randint(0, num_slots + 1, (size,), generator=generator).tolist()
+    return [None if slot == num_slots else slot for slot in drawn]
 
 
 def random_decode_batch(size: int, block_size: int, num_blocks: int, vocab_size: int, longest: int,

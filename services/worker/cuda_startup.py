@@ -97,33 +97,43 @@ def _run_largest_step(built: BuiltWorker, token_budget: int, startup: CudaStartu
 
 
 def _wants_cuda_graphs(built: BuiltWorker) -> bool:
-    # Not with tensor parallelism yet: the graphs would have to capture the all-reduces too.
     # A pooling model never decodes: nothing to replay. transformers' modelling code (--model-impl
     # transformers) is not known to be capturable: it runs eagerly.
-    return (not built.config.enforce_eager and built.tp.size == 1 and built.source.pooler is None
-            and built.source.impl == "native"
+    return (not built.config.enforce_eager and built.source.pooler is None and built.source.impl == "native"
             and getattr(built.attention, "supports_cuda_graphs", False))
 
 
 def _capture_decode_graphs(built: BuiltWorker, startup: CudaStartup) -> DecodeGraphs | None:
-    """Decode graphs, checked against the eager pass; None (serve eagerly) when either fails."""
+    """Decode graphs, checked against the eager pass; None (serve eagerly) when either fails, on any rank.
+
+    Tensor-parallel ranks capture and check the same graphs over the same random batches, all-reducing as
+    they go; then they agree, so that all replay or none does. (A failure partway is the same on every
+    rank, as their shapes and code are: they reach the vote together.)"""
     from services.worker.cuda_graphs import CudaGraphCapturer, capture_decode_graphs, check_decode_graphs
 
     config, model, num_blocks = built.config, built.weights.model, built.kv.num_blocks
+    adapters = built.weights.adapters
     started = time.perf_counter()
+    graphs = None
     try:
         with torch.inference_mode():
             # A decode batch has a block of its own per sequence: no more sequences than blocks.
             graphs = capture_decode_graphs(model, built.attention, block_size=config.block_size,
                                            max_model_len=built.source.max_model_len,
                                            max_num_seqs=min(config.max_num_seqs, num_blocks),
-                                           device=built.device, capturer=CudaGraphCapturer())
+                                           device=built.device, capturer=CudaGraphCapturer(),
+                                           lora=None if adapters is None else adapters.batch)
             error = check_decode_graphs(graphs, model, built.attention, num_blocks=num_blocks,
                                         vocab_size=built.weights.model_config.vocab_size, dtype=built.source.dtype,
                                         device=built.device)
     except Exception as exc:  # a graph that cannot be trusted makes a slower worker, not a dead one
         log.warning("cuda_graphs_disabled", reason=repr(exc), fallback="eager", exc_info=True)
         torch.cuda.synchronize(built.device)  # but a broken CUDA context (a fault in a replay) is fatal: this raises
+        graphs = None
+    if not built.tp.all_agree(graphs is not None, built.device):
+        if graphs is not None:
+            log.warning("cuda_graphs_disabled", reason="another tensor-parallel rank could not capture them",
+                        fallback="eager")
         return None
     startup.seconds["cuda_graphs"] = time.perf_counter() - started
     log.info("cuda_graphs_captured", batch_sizes=graphs.sizes, context_classes=graphs.contexts,

@@ -41,6 +41,13 @@ class TensorParallel:
             torch.distributed.all_reduce(x)
         return x
 
+    def all_agree(self, yes: bool, device: torch.device) -> bool:
+        """Whether every rank said yes (one all-reduce); ``yes`` itself on a single rank."""
+        if self.size == 1:
+            return yes
+        votes = torch.tensor([int(yes)], dtype=torch.int32, device=device)
+        return int(self.all_reduce(votes).item()) == self.size
+
     def shard(self, config: ModelConfig) -> ModelConfig:
         """This rank's share of the model: its heads and intermediate columns."""
         if self.size == 1:

@@ -273,11 +273,8 @@ class Worker:
         scheduled = [ScheduledSequence(seq.token_ids, seq.block_table, seq.num_computed_tokens, n, seq.draft_token_ids,
                                        self._rope_offset(seq)) for seq, n in batch]
         tables = self.block_tables.gather([seq.table_row for seq, _ in batch])
-        # The graphs were captured without adapters: a step that runs one goes eagerly.
-        uses_adapters = self.adapters is not None and self.adapters.batch.mask is not None
         spans = image_spans(batch) if self.image_encoder is not None else []  # (images: their features go in)
-        if self.decode_graphs is not None and not uses_adapters and not spans and \
-                self.decode_graphs.can_replay(scheduled):
+        if self.decode_graphs is not None and not spans and self.decode_graphs.can_replay(scheduled):
             return self.decode_graphs.forward(scheduled, tables), list(range(len(batch) + 1))
         inputs = build_model_inputs(scheduled, self.config.block_size, self.device, tables)
         if spans:  # (the image's features go in as embeddings: every model's forward takes them)

@@ -67,10 +67,10 @@ def model_and_backend(model_dir):
     return model, config, TritonAttentionBackend(pools, model.attention_spec()), pools
 
 
-def capture(model, backend, capturer, max_num_seqs=4) -> DecodeGraphs:
+def capture(model, backend, capturer, max_num_seqs=4, lora=None) -> DecodeGraphs:
     with torch.inference_mode():
         return capture_decode_graphs(model, backend, block_size=BLOCK_SIZE, max_model_len=MAX_MODEL_LEN,
-                                     max_num_seqs=max_num_seqs, device=CPU, capturer=capturer)
+                                     max_num_seqs=max_num_seqs, device=CPU, capturer=capturer, lora=lora)
 
 
 def eager(model, backend, batch):
@@ -178,3 +178,103 @@ def test_engine_greedy_tokens_equal_with_and_without_graphs(long_llama_dir):
         results[graphs] = [o.outputs[0].token_ids for o in outputs]
         assert (capturer.replays > 0) == graphs
     assert results[True] == results[False]
+
+
+def random_adapters(model, num_slots: int, rank: int, seed: int):
+    """Adapter layers on the model, every slot holding random weights that change its outputs."""
+    batch, _ = model.add_lora(num_slots, rank)
+    g = torch.Generator().manual_seed(seed)
+    for module in model.modules():
+        if hasattr(module, "lora_a"):
+            module.lora_a.copy_(torch.randn(module.lora_a.shape, generator=g) * 0.2)
+            module.lora_b.copy_(torch.randn(module.lora_b.shape, generator=g) * 0.2)
+    return batch
+
+
+def test_replays_run_each_rows_own_adapter(long_llama_dir):
+    """Captured over every slot, a graph serves any mix of adapters: each row its own (padding and rows
+    without one: none), as the eager pass runs the step's."""
+    model, config, backend, _ = model_and_backend(long_llama_dir)
+    lora = random_adapters(model, num_slots=3, rank=4, seed=2)
+    graphs = capture(model, backend, ReplayByRerunning(), max_num_seqs=4, lora=lora)
+    assert graphs.lora is lora and graphs.buffers.lora_mask.shape == (4, 3)
+    g = torch.Generator().manual_seed(3)
+    # (Contexts of one key, where rows see nothing of each other, then longer ones, split.)
+    for n, slots, longest in ((4, [2, None, 0, 1], 1), (3, [None, 1, 1], 1), (4, [1, 0, None, 2], 600),
+                              (1, [None], 900), (2, [0, 2], MAX_MODEL_LEN)):
+        batch = random_decode_batch(n, BLOCK_SIZE, NUM_BLOCKS, config.vocab_size, longest, g)
+        lora.set_token_slots(slots, [1] * n)
+        with torch.inference_mode():
+            replayed = graphs.forward(batch).clone()
+        expected = eager(model, backend, batch)
+        torch.testing.assert_close(replayed, expected, atol=1e-4, rtol=1e-4)
+        lora.clear()
+        if longest == 1:
+            base = eager(model, backend, batch)
+            for row, slot in enumerate(slots):  # the adapters matter, row by row
+                assert torch.allclose(expected[row], base[row], atol=1e-3) == (slot is None)
+    options = dict(num_blocks=NUM_BLOCKS, vocab_size=config.vocab_size, dtype=torch.float32, device=CPU)
+    with torch.inference_mode():
+        assert check_decode_graphs(graphs, model, backend, **options) < 1e-4
+    assert lora.mask is None  # the check leaves no slots set
+
+
+def _replay_on_rank(rank: int, model_dir: str, rendezvous: str, out_dir: str) -> None:
+    """One of two tensor-parallel ranks (gloo): graphs captured with their all-reduces, checked, replayed."""
+    from services.worker.tensor_parallel import join_group, leave_group
+
+    tp = join_group(rank, 2, rendezvous, CPU)
+    try:
+        model, config = load_model(model_dir, torch.float32, CPU, tp=tp)
+        pools = allocate_kv_pools(config, NUM_BLOCKS, BLOCK_SIZE, torch.float32, CPU)
+        backend = TritonAttentionBackend(pools, model.attention_spec())
+        graphs = capture(model, backend, ReplayByRerunning(), max_num_seqs=2)
+        options = dict(num_blocks=NUM_BLOCKS, vocab_size=config.vocab_size, dtype=torch.float32, device=CPU)
+        with torch.inference_mode():
+            error = check_decode_graphs(graphs, model, backend, **options)
+            assert tp.all_agree(error < 1e-4, CPU)
+            batch = random_decode_batch(2, BLOCK_SIZE, NUM_BLOCKS, config.vocab_size, 1, torch.Generator())
+            torch.save(graphs.forward(batch).clone(), f"{out_dir}/rank{rank}.pt")
+    finally:
+        leave_group(tp)
+
+
+def test_replays_under_tensor_parallelism_equal_the_whole_model(long_llama_dir, tmp_path):
+    """Two ranks capture the same graphs, all-reduces inside, and agree; their replays equal the whole
+    model's eager pass on one rank."""
+    import torch.multiprocessing as mp
+
+    mp.start_processes(_replay_on_rank, args=(str(long_llama_dir), f"file://{tmp_path}/rendezvous", str(tmp_path)),
+                       nprocs=2, start_method="spawn")
+    model, config, backend, _ = model_and_backend(long_llama_dir)
+    batch = random_decode_batch(2, BLOCK_SIZE, NUM_BLOCKS, config.vocab_size, 1, torch.Generator())
+    expected = eager(model, backend, batch)  # one-key contexts: what the ranks' pools hold beside does not matter
+    for rank in (0, 1):
+        torch.testing.assert_close(torch.load(tmp_path / f"rank{rank}.pt"), expected, atol=1e-4, rtol=1e-4)
+
+
+def test_engine_greedy_tokens_with_adapters_equal_with_and_without_graphs(long_llama_dir, tmp_path):
+    from pagedserve import LLM, LoRARequest, SamplingParams
+    from tests.lora_adapters import make_adapter
+
+    adapters = [LoRARequest(name, str(make_adapter(long_llama_dir, tmp_path / name, rank=4, seed=seed, std=0.3)))
+                for seed, name in enumerate(("one", "two"))]
+    prompts = [[5, 17, 99, 3, 250, 41, 8, 77, 12], [42, 7, 19], list(range(100, 130)), [9, 9, 8]]
+    loras = [adapters[0], None, adapters[1], adapters[0]]
+    params = SamplingParams(temperature=0, max_tokens=5, ignore_eos=True)
+    results = {}
+    for graphs in (False, True):
+        llm = LLM(str(long_llama_dir), block_size=BLOCK_SIZE, num_gpu_blocks_override=NUM_BLOCKS,
+                  attention_backend="triton", enable_lora=True, max_loras=2, max_lora_rank=4)
+        worker = llm.engine.executor.worker
+        capturer = ReplayByRerunning()
+        if graphs:
+            worker.decode_graphs = capture(worker.model, worker.attention, capturer, lora=worker.adapters.batch)
+        outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False,
+                               lora_request=loras)
+        results[graphs] = [o.outputs[0].token_ids for o in outputs]
+        assert (capturer.replays > 0) == graphs
+    assert results[True] == results[False]
+    without = LLM(str(long_llama_dir), block_size=BLOCK_SIZE, num_gpu_blocks_override=NUM_BLOCKS)
+    plain = without.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in plain] != results[True]  # the adapters change the tokens

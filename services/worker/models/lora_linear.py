@@ -21,6 +21,8 @@ summed by the all-reduce that sums the layer's own (B (A_1 x_1 + A_2 x_2) = B A_
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
@@ -36,6 +38,7 @@ class LoRABatch:
         # [T, hi - lo] bool: token t uses slot lo + j; None: no token uses any.
         self.mask: torch.Tensor | None = None
         self.lo, self.hi = 0, 0  # the slots the step uses lie in [lo, hi)
+        self.sequence_slots: list[int | None] = []  # the step's, per sequence, as set_token_slots was told
 
     def set_token_slots(self, slots: list[int | None], counts: list[int]) -> None:
         """Sequence i's ``counts[i]`` consecutive tokens use slot ``slots[i]`` (None: the base model alone)."""
@@ -43,6 +46,7 @@ class LoRABatch:
         if not used:
             self.clear()
             return
+        self.sequence_slots = list(slots)
         self.lo, self.hi = min(used), max(used) + 1
         width = self.hi - self.lo
         per_token = torch.repeat_interleave(
@@ -52,7 +56,27 @@ class LoRABatch:
         self.mask = mask.bool().to(self.device)
 
     def clear(self) -> None:
-        self.mask, self.lo, self.hi = None, 0, 0
+        self.mask, self.lo, self.hi, self.sequence_slots = None, 0, 0, []
+
+    def decode_mask(self, size: int) -> torch.Tensor:
+        """``[size, num_slots]`` bool on the host: row i, the step's sequence i's slot (one token each, a decode);
+        rows past the step's sequences (a graph's padding) use none."""
+        mask = torch.zeros(size, self.num_slots, dtype=torch.bool)
+        for row, slot in enumerate(self.sequence_slots):
+            if slot is not None:
+                mask[row, slot] = True
+        return mask
+
+    @contextmanager
+    def every_slot(self, mask: torch.Tensor) -> Iterator[None]:
+        """The layers read ``mask [T, num_slots]`` over all slots while inside: how a decode graph is captured,
+        so that one graph serves any slots (its replays read the mask's buffer, refilled before each)."""
+        saved = self.mask, self.lo, self.hi
+        self.mask, self.lo, self.hi = mask, 0, self.num_slots
+        try:
+            yield
+        finally:
+            self.mask, self.lo, self.hi = saved
 
 
 class LoRALinear(nn.Module):
