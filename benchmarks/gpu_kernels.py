@@ -1241,18 +1241,29 @@ def report(bench: Bench) -> None:
     print(f"\nwrote {out}")
 
 
-def main() -> int:
-    args = parse_args()
+def cuda_or_smoke(args: argparse.Namespace, default_out: Path) -> bool:
+    """Sets up a smoke run (the interpreter, toy numbers kept away from ``default_out``); False, with why,
+    when a GPU run finds no GPU."""
+    script = Path(sys.argv[0]).name
     if args.cpu_smoke:
         os.environ["TRITON_INTERPRET"] = "1"  # before triton is imported
-        if Path(args.out).resolve() == DEFAULT_OUT.resolve():  # toy numbers never overwrite real ones
-            args.out = str(Path(tempfile.gettempdir()) / "gpu_kernels_smoke.json")
+        if Path(args.out).resolve() == default_out.resolve():  # toy numbers never overwrite real ones
+            args.out = str(Path(tempfile.gettempdir()) / f"{default_out.stem}_smoke.json")
     import torch
 
     if not args.cpu_smoke and not torch.cuda.is_available():
-        print("gpu_kernels.py needs a CUDA GPU and none is visible (torch.cuda.is_available() is False); "
+        print(f"{script} needs a CUDA GPU and none is visible (torch.cuda.is_available() is False); "
               "use --cpu-smoke to check the script itself under the Triton interpreter", file=sys.stderr)
+        return False
+    return True
+
+
+def main() -> int:
+    args = parse_args()
+    if not cuda_or_smoke(args, DEFAULT_OUT):
         return 2
+    import torch
+
     try:
         import triton  # noqa: F401
     except ImportError:

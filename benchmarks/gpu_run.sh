@@ -8,6 +8,9 @@
 # then one call of the device tool:
 #     run(command="bash benchmarks/gpu_run.sh", carry=[".whl"], timeout_s=590)
 # or, for the quantized GEMMs (issue 31): run(command="bash benchmarks/gpu_run.sh quant", ...)
+# or, for the engine at real size (issue 34: a Llama-3-8B shape in bfloat16, 8 minutes at most):
+#     run(command="bash benchmarks/gpu_run.sh real", carry=[".whl"], timeout_s=560)
+#   which leaves gpu.txt, gpu_real_size.{log,json} under $OUT.
 # It leaves gpu.txt, scheduler_overhead.{log,json}, gpu_kernels.log and gpu_kernels.json under $OUT: the
 # issue's five sections, then the decode and prefill tuning sweeps, all within 515 s of this script's
 # start; then moe_layer.{log,json} (the fused experts kernel against transformers' loop, about 20 s) by
@@ -33,6 +36,12 @@ export PYTHONPATH="/tmp/site:$PWD" PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TRANSFORM
 { nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv || true  # a note, not a step to stop on
   python3 -c "import torch, triton, transformers; print(torch.__version__, triton.__version__, transformers.__version__)"
 } | tee "$OUT/gpu.txt"
+if [[ "${1:-}" == real ]]; then
+    # The checkpoint (16 GB) goes to local disk; every section is done by 480 s after this script's start.
+    python3 benchmarks/gpu_real_size.py --model-dir /tmp/real-size-model --deadline $((START + 480 - $(date +%s))) \
+        --out "$OUT/gpu_real_size.json" 2>&1 | tee "$OUT/gpu_real_size.log"
+    exit
+fi
 # The scheduler's time per step on this host's CPU (about 10 s), beside the GPU's step times below.
 python3 benchmarks/scheduler_overhead.py --batch 32 256 --steps 100 --out "$OUT/scheduler_overhead.json" \
     > "$OUT/scheduler_overhead.log" 2>&1 || true
