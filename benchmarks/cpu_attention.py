@@ -30,6 +30,7 @@ from services.worker.attention.cpu_attention import CpuAttentionBackend  # noqa:
 from services.worker.attention.metadata import AttentionMetadata  # noqa: E402
 from services.worker.attention.spec import AttentionSpec  # noqa: E402
 from services.worker.attention.torch_ref import TorchAttentionBackend  # noqa: E402
+from services.worker.cpu_tuning import advise_huge_pages  # noqa: E402
 
 HEADS, KV_HEADS, HEAD_DIM, LAYERS, BLOCK_SIZE = 8, 4, 64, 8, 16
 
@@ -58,7 +59,10 @@ def make_case(batch: list[tuple[int, int]], generator: torch.Generator, dtype: t
     num_blocks = 2 * needed
     free = torch.randperm(num_blocks, generator=generator).tolist()
     seqs = [([free.pop() for _ in range(-(-(c + n) // BLOCK_SIZE))], c, n) for c, n in batch]
-    pools = torch.randn(LAYERS, 2, num_blocks, BLOCK_SIZE, KV_HEADS, HEAD_DIM, generator=generator).to(dtype)
+    # Laid out, and backed by huge pages, as the worker's pools are (kv_cache.allocate_kv_pools).
+    pools = torch.empty(LAYERS, 2, num_blocks, BLOCK_SIZE, KV_HEADS, HEAD_DIM, dtype=dtype)
+    advise_huge_pages(pools)
+    pools.copy_(torch.randn(pools.shape, generator=generator))
     kv_caches = [(pools[layer, 0], pools[layer, 1]) for layer in range(LAYERS)]
     meta = make_metadata(seqs)
     inputs = [(torch.randn(meta.num_tokens, HEADS, HEAD_DIM, generator=generator).to(dtype),

@@ -202,13 +202,15 @@ def test_soft_capped_scores(backend, windows, monkeypatch):
 
 @pytest.mark.parametrize("dim", [64, 128, 256])
 @pytest.mark.parametrize("dtype, tolerance", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
-def test_decodes_over_many_blocks_with_caps_and_windows(backend, dim, dtype, tolerance, monkeypatch):
+@pytest.mark.parametrize("heads", [8, 6, 2])
+def test_decodes_over_many_blocks_with_caps_and_windows(backend, dim, dtype, tolerance, heads, monkeypatch):
     """The head sizes the CPU kernel runs a block at a time under an online softmax (AVX-512): contexts of many
-    blocks, a window starting inside a block, a cap that bends nearly every score; many decodes (all KV heads per
-    work item) and few (one KV head each)."""
-    for batch in ([(c, 1) for c in DECODE_LENGTHS], [(150, 1), (61, 1)]):
-        run_case(batch, backend, heads=8, kv_heads=2, dim=dim, dtype=dtype, softcap=2.0, windows=(None, 37),
-                 seed=dim, atol=tolerance, rtol=tolerance, monkeypatch=monkeypatch)
+    blocks (each block's sweeps prefetching two blocks on), a window starting inside a block, a cap that bends
+    nearly every score; many decodes (all KV heads per work item) and few (one KV head each); groups of 4, 3 and 1
+    query heads per KV head (the sweeps take them in pairs, then one)."""
+    for batch in ([(c, 1) for c in DECODE_LENGTHS], [(150, 1), (61, 1), (33, 1)]):
+        run_case(batch, backend, heads=heads, kv_heads=2, dim=dim, dtype=dtype, softcap=2.0, windows=(None, 37),
+                 seed=dim + heads, atol=tolerance, rtol=tolerance, monkeypatch=monkeypatch)
 
 
 def test_soft_capped_scores_a_few_queries_at_a_time(backend, monkeypatch):

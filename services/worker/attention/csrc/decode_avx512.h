@@ -2,19 +2,28 @@
 // targets AVX-512 and the cache holds the query's own float32 or bfloat16).
 //
 // The generic loops walk a token at a time over every query head, accumulating into memory; these walk one
-// block of tokens at a time, and within it one query head at a time, so a head's query (pass 1) or its
-// output accumulator (pass 2) stays in registers across the block's tokens. The block's K (or V) rows come
-// from memory for the first head and from L1 for the others. The same arithmetic as the generic loops up to
-// the order of float additions.
+// block of tokens at a time, and within it a pair of query heads at a time (heads of one KV head), so their
+// queries (pass 1) or output accumulators (pass 2) stay in registers across the block's tokens, and each K
+// or V row is loaded and widened once per pair. The same arithmetic as the generic loops up to the order of
+// float additions.
 #pragma once
 
 #if defined(__AVX512F__)
 
 #include <immintrin.h>
 
+#include <type_traits>
+
 #include <c10/util/BFloat16.h>
 
 namespace pagedserve_cpu {
+
+// Asks for one KV head's row of a later block (into L2: into L1 it would evict the block in use).
+template <int kD, typename T>
+inline void prefetch_head_row(const T* row) {
+  const char* p = reinterpret_cast<const char*>(row);
+  for (int64_t offset = 0; offset < kD * static_cast<int64_t>(sizeof(T)); offset += 64) __builtin_prefetch(p + offset, 0, 1);
+}
 
 // 16 consecutive values as float32 lanes.
 inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
@@ -24,52 +33,93 @@ inline __m512 load16(const c10::BFloat16* p) {
   return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
 }
 
-// q . k over kD dimensions (q already scaled, float32).
-template <int kD, typename T>
-inline float dot_row(const __m512 (&q)[kD / 16], const T* k) {
-  __m512 acc = _mm512_mul_ps(q[0], load16(k));
+// How many query heads of a group one sweep over a block's rows serves: each K or V row is loaded (and, in
+// bfloat16, widened) once for all of them, their queries or accumulators in registers (2 x kD / 16 of the 32).
+template <int kD>
+constexpr int64_t kHeadsPerSweep = kD <= 128 ? 2 : 1;
+
+// Pass 1 for the tokens [first, first + count) of one block: scores[h][t] for query heads h0 .. h0 + kH - 1
+// (of KV head kv). `rows`: the block's row for its first token, at KV head 0; strides in elements. `next`: the
+// next block's rows, whose row of each token swept is prefetched (nullptr: none).
+template <int kD, int kH, typename T>
+inline void sweep_scores(const float* q, int64_t h0, int64_t kv, const T* rows, int64_t first, int64_t count,
+                         int64_t token_stride, int64_t head_stride, float* scores, int64_t n, int64_t t0,
+                         const T* next) {
+  __m512 qv[kH][kD / 16];
 #pragma GCC unroll 16
-  for (int c = 1; c < kD / 16; ++c) acc = _mm512_fmadd_ps(q[c], load16(k + 16 * c), acc);
-  return _mm512_reduce_add_ps(acc);
+  for (int c = 0; c < kD / 16; ++c) {
+    for (int i = 0; i < kH; ++i) qv[i][c] = _mm512_loadu_ps(q + (h0 + i) * kD + 16 * c);
+  }
+  for (int64_t t = first; t < first + count; ++t) {
+    if (next != nullptr) prefetch_head_row<kD>(next + t * token_stride + kv * head_stride);
+    const T* k = rows + t * token_stride + kv * head_stride;
+    __m512 acc[kH];
+    const __m512 k0 = load16(k);
+    for (int i = 0; i < kH; ++i) acc[i] = _mm512_mul_ps(qv[i][0], k0);
+#pragma GCC unroll 16
+    for (int c = 1; c < kD / 16; ++c) {
+      const __m512 kc = load16(k + 16 * c);
+      for (int i = 0; i < kH; ++i) acc[i] = _mm512_fmadd_ps(qv[i][c], kc, acc[i]);
+    }
+    for (int i = 0; i < kH; ++i) scores[(h0 + i) * n + t0 + t - first] = _mm512_reduce_add_ps(acc[i]);
+  }
 }
 
-// Pass 1 for the tokens [first, first + count) of one block: scores[h][t] for query heads h of KV head kv.
-// `rows`: the block's row for its first token, at KV head 0; `token_stride`, `head_stride` in elements.
+// sweep(heads, h0, next) over the query heads of KV head kv: pairs, then one, as std::integral_constant heads;
+// the first sweep gets `next` (it prefetches the KV head's rows of a later block), the others nullptr.
+template <int kD, typename T, typename Sweep>
+inline void for_each_sweep(int64_t group, int64_t kv, const T* next, Sweep&& sweep) {
+  constexpr int64_t kH = kHeadsPerSweep<kD>;
+  int64_t g = 0;
+  for (; g + kH <= group; g += kH) sweep(std::integral_constant<int, kH>{}, kv * group + g, g == 0 ? next : nullptr);
+  for (; g < group; ++g) sweep(std::integral_constant<int, 1>{}, kv * group + g, g == 0 ? next : nullptr);
+}
+
 template <int kD, typename T>
 inline void block_scores(const float* q, int64_t group, int64_t kv, const T* rows, int64_t first, int64_t count,
-                         int64_t token_stride, int64_t head_stride, float* scores, int64_t n, int64_t t0) {
-  for (int64_t g = 0; g < group; ++g) {
-    const int64_t h = kv * group + g;
-    __m512 qv[kD / 16];
+                         int64_t token_stride, int64_t head_stride, float* scores, int64_t n, int64_t t0,
+                         const T* next) {
+  for_each_sweep<kD>(group, kv, next, [&](auto heads, int64_t h0, const T* prefetch) {
+    sweep_scores<kD, decltype(heads)::value>(q, h0, kv, rows, first, count, token_stride, head_stride, scores, n,
+                                             t0, prefetch);
+  });
+}
+
+// Pass 2 for the same tokens: acc[h] += p[h][t] v_t for query heads h0 .. h0 + kH - 1.
+template <int kD, int kH, typename T>
+inline void sweep_values(float* acc, int64_t h0, int64_t kv, const T* rows, int64_t first, int64_t count,
+                         int64_t token_stride, int64_t head_stride, const float* scores, int64_t n, int64_t t0,
+                         const T* next) {
+  __m512 av[kH][kD / 16];
 #pragma GCC unroll 16
-    for (int c = 0; c < kD / 16; ++c) qv[c] = _mm512_loadu_ps(q + h * kD + 16 * c);
-    float* sh = scores + h * n + t0;
-    for (int64_t t = first; t < first + count; ++t) {
-      sh[t - first] = dot_row<kD>(qv, rows + t * token_stride + kv * head_stride);
+  for (int c = 0; c < kD / 16; ++c) {
+    for (int i = 0; i < kH; ++i) av[i][c] = _mm512_loadu_ps(acc + (h0 + i) * kD + 16 * c);
+  }
+  for (int64_t t = first; t < first + count; ++t) {
+    __m512 p[kH];
+    for (int i = 0; i < kH; ++i) p[i] = _mm512_set1_ps(scores[(h0 + i) * n + t0 + t - first]);
+    if (next != nullptr) prefetch_head_row<kD>(next + t * token_stride + kv * head_stride);
+    const T* v = rows + t * token_stride + kv * head_stride;
+#pragma GCC unroll 16
+    for (int c = 0; c < kD / 16; ++c) {
+      const __m512 vc = load16(v + 16 * c);
+      for (int i = 0; i < kH; ++i) av[i][c] = _mm512_fmadd_ps(p[i], vc, av[i][c]);
     }
+  }
+#pragma GCC unroll 16
+  for (int c = 0; c < kD / 16; ++c) {
+    for (int i = 0; i < kH; ++i) _mm512_storeu_ps(acc + (h0 + i) * kD + 16 * c, av[i][c]);
   }
 }
 
-// Pass 2 for the same tokens: acc[h] += p[h][t] v_t for query heads h of KV head kv.
 template <int kD, typename T>
 inline void block_values(float* acc, int64_t group, int64_t kv, const T* rows, int64_t first, int64_t count,
-                         int64_t token_stride, int64_t head_stride, const float* scores, int64_t n, int64_t t0) {
-  for (int64_t g = 0; g < group; ++g) {
-    const int64_t h = kv * group + g;
-    float* ah = acc + h * kD;
-    __m512 av[kD / 16];
-#pragma GCC unroll 16
-    for (int c = 0; c < kD / 16; ++c) av[c] = _mm512_loadu_ps(ah + 16 * c);
-    const float* ph = scores + h * n + t0;
-    for (int64_t t = first; t < first + count; ++t) {
-      const __m512 p = _mm512_set1_ps(ph[t - first]);
-      const T* v = rows + t * token_stride + kv * head_stride;
-#pragma GCC unroll 16
-      for (int c = 0; c < kD / 16; ++c) av[c] = _mm512_fmadd_ps(p, load16(v + 16 * c), av[c]);
-    }
-#pragma GCC unroll 16
-    for (int c = 0; c < kD / 16; ++c) _mm512_storeu_ps(ah + 16 * c, av[c]);
-  }
+                         int64_t token_stride, int64_t head_stride, const float* scores, int64_t n, int64_t t0,
+                         const T* next) {
+  for_each_sweep<kD>(group, kv, next, [&](auto heads, int64_t h0, const T* prefetch) {
+    sweep_values<kD, decltype(heads)::value>(acc, h0, kv, rows, first, count, token_stride, head_stride, scores, n,
+                                             t0, prefetch);
+  });
 }
 
 }  // namespace pagedserve_cpu
