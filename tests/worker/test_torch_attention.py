@@ -260,3 +260,57 @@ def test_cpu_kernel_refuses_indices_outside_its_tensors():
         args = dict(tables=tables, lens=lens, rows=rows, seqs=seqs) | change
         with pytest.raises(error, match=message):
             paged_decode_attention(out, q, pool, pool, args["tables"], args["lens"], args["rows"], args["seqs"], 1.0)
+
+
+@pytest.mark.parametrize("dim", [64, 128, 256])
+@pytest.mark.parametrize("heads", [8, 6, 2])
+@pytest.mark.parametrize("dtype, tolerance", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
+def test_prefills_in_the_cpu_kernel(dim, heads, dtype, tolerance, monkeypatch):
+    """The C++ prefill kernel (csrc/prefill_attention.cpp) takes every causal prefill of the step: first chunks
+    and chunks after a cached prefix, across many 16-row and 16-key tiles, with prefixes that end mid-tile,
+    beside decodes; groups of 4, 3 and 1 query heads per KV head."""
+    if cpu_kernels_unavailable_reason() is not None:
+        pytest.skip(cpu_kernels_unavailable_reason())
+    from services.worker.attention import cpu_attention
+    from services.worker.attention.cpu_attention import CpuAttentionBackend
+
+    if not cpu_attention.has_prefill_attention():
+        pytest.skip("the CPU kernels were built without AVX-512")
+    calls = []
+    kernel = cpu_attention.prefill_attention
+    monkeypatch.setattr(cpu_attention, "prefill_attention", lambda *args: (calls.append(args[5]), kernel(*args)))
+    batch = [(0, 70), (45, 33), (0, 17), (100, 1), (3, 16), (16, 50), (0, 2)]
+    run_case(batch, CpuAttentionBackend, heads=heads, kv_heads=2, dim=dim, dtype=dtype, seed=dim + heads,
+             atol=tolerance, rtol=tolerance)
+    assert sorted(calls) == sorted(2 * [c + n for c, n in batch if n > 1])  # 2 layers, every prefill
+
+
+def test_prefill_kernel_reads_strided_rows_and_refuses_bad_input():
+    """New K/V as the model hands them (views into one fused projection output) give SDPA's causal attention;
+    bad arguments raise, as the decode kernel's do."""
+    if cpu_kernels_unavailable_reason() is not None:
+        pytest.skip(cpu_kernels_unavailable_reason())
+    import torch.nn.functional as F
+
+    from services.worker.attention.cpu_kernels import has_prefill_attention, prefill_attention
+
+    if not has_prefill_attention():
+        pytest.skip("the CPU kernels were built without AVX-512")
+    g = torch.Generator().manual_seed(3)
+    length, heads, kv_heads, dim = 53, 4, 2, 64
+    fused = torch.randn(length, heads + 2 * kv_heads, dim, generator=g)
+    q, k, v = fused.split([heads, kv_heads, kv_heads], dim=1)
+    out = torch.full_like(q, NAN)
+    table = torch.zeros(1, dtype=torch.int32)
+    prefill_attention(out, q, k.unsqueeze(0), v.unsqueeze(0), table, length, dim ** -0.5)
+    expected = F.scaled_dot_product_attention(q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1),
+                                              is_causal=True, enable_gqa=True).transpose(0, 1)
+    torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-5)
+    pool = torch.zeros(4, 16, kv_heads, dim)
+    with pytest.raises(IndexError, match="block id 9"):
+        prefill_attention(out, q, pool, pool, torch.tensor([0, 9, 1, 2], dtype=torch.int32), length, 1.0)
+    with pytest.raises(ValueError, match="context length 70"):
+        prefill_attention(out, q, pool, pool, torch.tensor([0, 1, 2, 3], dtype=torch.int32), 70, 1.0)
+    with pytest.raises(ValueError, match="one dtype"):
+        prefill_attention(out, q, pool.bfloat16(), pool.bfloat16(), torch.tensor([0, 1, 2, 3], dtype=torch.int32),
+                          length, 1.0)

@@ -1,9 +1,12 @@
-"""The CPU backend: decodes in the C++ kernel that reads K/V blocks in place, the rest as the torch backend.
+"""The CPU backend: decodes in the C++ kernel that reads K/V blocks in place, prompts in a C++ prefill kernel,
+the rest as the torch backend.
 
 Decode attention is memory-bound: the torch backend gathers each sequence's blocks into a buffer
 and SDPA reads them back, so every K/V byte crosses the memory bus three times; the kernel in
-csrc/cpu_attention.cpp reads it once (benchmarks/cpu_attention.py compares them). Prefill chunks
-are compute-bound and keep the torch backend's SDPA path.
+csrc/cpu_attention.cpp reads it once (benchmarks/cpu_attention.py compares them). Prefill is
+compute-bound: csrc/prefill_attention.cpp lays it out as small matrix multiplies (AVX-512), which
+torch's fused SDPA kernel runs at a third of the speed on a few hundred tokens. What it does not take
+(sliding windows, soft caps, images' two-way spans, FP8 codes, other head sizes) keeps SDPA.
 """
 
 from __future__ import annotations
@@ -12,11 +15,14 @@ from dataclasses import dataclass
 
 import torch
 
-from services.worker.attention.cpu_kernels import cpu_kernels_unavailable_reason, paged_decode_attention
+from services.worker.attention.cpu_kernels import (
+    cpu_kernels_unavailable_reason, has_prefill_attention, paged_decode_attention, prefill_attention)
 from services.worker.attention.kv_quant import KVScales
 from services.worker.attention.metadata import AttentionMetadata
 from services.worker.attention.spec import AttentionSpec
-from services.worker.attention.torch_ref import TorchAttentionBackend
+from services.worker.attention.torch_ref import TorchAttentionBackend, _Prefill
+
+PREFILL_HEAD_SIZES = (64, 128, 256)  # what the prefill kernel is compiled for
 
 
 @dataclass
@@ -38,6 +44,8 @@ class CpuAttentionBackend(TorchAttentionBackend):
         if reason is not None:
             raise ValueError(f"attention_backend='cpu' cannot run here: {reason}; use 'torch' or 'auto'")
         super().__init__(kv_caches, spec, kv_scales)
+        self._prefill_kernel = has_prefill_attention() and spec.logit_softcap is None
+        self._one_block = torch.zeros(1, dtype=torch.int32)  # a first chunk's new K/V, read as one block
 
     def _plan_decodes(self, meta: AttentionMetadata, tables: torch.Tensor, order: list[int], rows: list[int],
                       dtype: torch.dtype, k_cache: torch.Tensor, window: int | None) -> list[_Decodes]:
@@ -50,3 +58,30 @@ class CpuAttentionBackend(TorchAttentionBackend):
             paged_decode_attention(out, q, k_cache, v_cache, d.block_tables, d.seq_lens, d.rows, d.seqs,
                                    self.spec.scale * scales[0], window=d.window, softcap=self.spec.logit_softcap,
                                    v_scale=scales[1])
+
+    def _prefill(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
+                 v_cache: torch.Tensor, prefills: list[_Prefill], out: torch.Tensor, window: int | None,
+                 scales: tuple[float, float]) -> None:
+        """Causal prefills in the C++ kernel where it applies, the others as the torch backend runs them."""
+        if not self._kernel_prefills(q, k_cache, window):
+            super()._prefill(q, k, v, k_cache, v_cache, prefills, out, window, scales)
+            return
+        rest = [p for p in prefills if p.key_limits is not None]  # (images that attend both ways)
+        for p in prefills:
+            if p.key_limits is not None:
+                continue
+            end = p.start + p.query_len
+            if p.blocks is None:  # the context is the new tokens: their K/V rows as the one block
+                keys, values = k[p.start:end].unsqueeze(0), v[p.start:end].unsqueeze(0)
+                if keys.stride() != values.stride():
+                    keys, values = keys.contiguous(), values.contiguous()
+                table = self._one_block
+            else:
+                keys, values, table = k_cache, v_cache, p.blocks.to(torch.int32)
+            prefill_attention(out[p.start:end], q[p.start:end], keys, values, table, p.context_len, self.spec.scale)
+        if rest:
+            super()._prefill(q, k, v, k_cache, v_cache, rest, out, window, scales)
+
+    def _kernel_prefills(self, q: torch.Tensor, k_cache: torch.Tensor, window: int | None) -> bool:
+        return (self._prefill_kernel and window is None and q.dtype in (torch.float32, torch.bfloat16)
+                and k_cache.dtype == q.dtype and q.shape[-1] in PREFILL_HEAD_SIZES)

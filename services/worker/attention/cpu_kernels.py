@@ -37,7 +37,8 @@ from services.worker.attention.build_once import build_once
 from services.worker.attention.file_lock import LockTimeout
 
 # Decode attention; the models' fused elementwise layers (wrapped in services/worker/models/cpu_layers.py).
-SOURCES = [Path(__file__).with_name("csrc") / name for name in ("cpu_attention.cpp", "cpu_layers.cpp")]
+SOURCES = [Path(__file__).with_name("csrc") / name
+           for name in ("cpu_attention.cpp", "cpu_layers.cpp", "prefill_attention.cpp")]
 LIBRARY = "pagedserve_cpu"  # the torch.library namespace the sources register
 
 
@@ -61,6 +62,23 @@ def paged_decode_attention(out: torch.Tensor, query: torch.Tensor, key_cache: to
     getattr(torch.ops, LIBRARY).paged_decode_attention(out, query, key_cache, value_cache, block_tables,
                                                        seq_lens, rows, seqs, scale, window or 0, softcap or 0.0,
                                                        v_scale)
+
+
+def has_prefill_attention() -> bool:
+    """Whether the kernels were built with prefill_attention's AVX-512 loops (else it refuses every call)."""
+    return cpu_kernels_unavailable_reason() is None and getattr(torch.ops, LIBRARY).has_prefill_attention()
+
+
+def prefill_attention(out: torch.Tensor, query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
+                      block_table: torch.Tensor, context_len: int, scale: float) -> None:
+    """Writes ``out``: one sequence's new tokens ``query`` attending causally over its first ``context_len``
+    keys, which ``block_table`` finds in the pools (new token i sits at context_len - L + i).
+
+    out, query [L, H, D] (unit stride along D), D 64, 128 or 256; key_cache, value_cache [N, B, Hkv, D] with the
+    same strides (unit along D) and the query's dtype, float32 or bfloat16; block_table [>= context_len / B]
+    int32, contiguous.
+    """
+    getattr(torch.ops, LIBRARY).prefill_attention(out, query, key_cache, value_cache, block_table, context_len, scale)
 
 
 @functools.cache
