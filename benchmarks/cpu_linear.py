@@ -1,7 +1,7 @@
 """CPU projection microbenchmark: ``F.linear`` against the oneDNN-packed ``PackedLinear``.
 
 The bench model's projections (qkv, o, gate_up, down, logits head) at decode-sized and
-prefill-sized row counts, float32, interleaved repeats; reports GFLOPS (best of the repeats, the
+prefill-sized row counts, float32 (or --dtype bfloat16), interleaved repeats; reports GFLOPS (best of the repeats, the
 steadier number on a shared machine) and the packed/plain ratio.
 
     python benchmarks/cpu_linear.py [--threads 2] [--repeats 20] [--out results/cpu_linear.json]
@@ -42,17 +42,19 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--repeats", type=int, default=20)
+    parser.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
     parser.add_argument("--out", default=str(Path(__file__).with_name("results") / "cpu_linear.json"))
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
+    dtype = getattr(torch, args.dtype)
     rows_out = []
     print(f"{'layer':8} {'rows':>5} {'F.linear':>9} {'packed':>9} {'ratio':>6}   (GFLOPS)")
     with torch.inference_mode():
         for name, out_features, in_features in SHAPES:
-            weight = torch.randn(out_features, in_features) * in_features ** -0.5
+            weight = (torch.randn(out_features, in_features) * in_features ** -0.5).to(dtype)
             packed = PackedLinear(weight, None)
             for rows in ROWS:
-                x = torch.randn(rows, in_features)
+                x = torch.randn(rows, in_features).to(dtype)
                 flops = 2 * rows * in_features * out_features
                 plain_s = best_seconds(lambda: F.linear(x, weight), args.repeats)
                 packed_s = best_seconds(lambda: packed(x), args.repeats)
@@ -61,7 +63,7 @@ def main() -> None:
                 rows_out.append(row)
                 print(f"{name:8} {rows:5d} {row['f_linear_gflops']:9.0f} {row['packed_gflops']:9.0f} "
                       f"{row['ratio']:6.2f}")
-    print(f"wrote {write_report(args.out, {'threads': args.threads, 'rows': rows_out})}")
+    print(f"wrote {write_report(args.out, {'threads': args.threads, 'dtype': args.dtype, 'rows': rows_out})}")
 
 
 if __name__ == "__main__":
