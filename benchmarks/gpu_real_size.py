@@ -401,8 +401,10 @@ def section_lora(bench: RealSizeBench, record: dict) -> None:
     prompts = [{"prompt_token_ids": [rng.randrange(1000) for _ in range(rng.randint(4, 40))]} for _ in range(count)]
     loras = ([adapters[0], None, adapters[1]] * count)[:count]
     params = SamplingParams(temperature=0, max_tokens=bench.sizes(32, 4), ignore_eos=True)
-    options = dict(enable_lora=True, max_loras=2, max_lora_rank=8, attention_backend="triton",
-                   **(dict(num_gpu_blocks_override=256) if bench.smoke else dict(gpu_memory_utilization=0.3)))
+    # (On the CPU no graph is captured: the smoke run takes the fast backend, not the interpreted kernels.)
+    options = dict(enable_lora=True, max_loras=2, max_lora_rank=8,
+                   **(dict(num_gpu_blocks_override=256) if bench.smoke else
+                      dict(gpu_memory_utilization=0.3, attention_backend="triton")))
     tokens = {}
     for eager in (False, True):
         llm = LLM(str(model_dir), enforce_eager=eager, **options)
