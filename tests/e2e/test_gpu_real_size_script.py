@@ -15,7 +15,7 @@ import sys
 
 import pytest
 
-from tests.services_harness import REPO, RUN_LIMIT_S
+from tests.services_harness import REPO, RUN_LIMIT_S, free_port
 
 try:  # (the version from the metadata: importing triton here would decide interpreted or compiled)
     TRITON_VERSION = importlib.metadata.version("triton")
@@ -28,7 +28,7 @@ if tuple(int(part) for part in TRITON_VERSION.split(".")[:2]) < (3, 7):
 def test_every_section_runs_and_reports(tmp_path):
     out = tmp_path / "real.json"
     run = subprocess.run([sys.executable, str(REPO / "benchmarks" / "gpu_real_size.py"), "--cpu-smoke", "--out",
-                          str(out), "--model-dir", str(tmp_path / "model"), "--port", "8361"],
+                          str(out), "--model-dir", str(tmp_path / "model"), "--port", str(free_port(span=2))],
                          cwd=REPO, capture_output=True, text=True, timeout=RUN_LIMIT_S)
     assert run.returncode == 0, run.stdout[-6000:] + run.stderr[-3000:]
     sections = json.loads(out.read_text())["sections"]
