@@ -15,19 +15,17 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import os
 import random
 import signal
 import statistics
 import sys
 import time
-import urllib.request
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from benchmarks.serving import engine_stats, one_request, percentiles, start_stack  # noqa: E402
+from benchmarks.serving import engine_stats, one_request, percentiles, served_model, start_stack  # noqa: E402
 from benchmarks.workload import BenchRequest, bench_model_dir, write_report  # noqa: E402
 
 SETUPS = {"colocated": ("--data-parallel-size", "2"),
@@ -77,8 +75,7 @@ def run_setup(model_dir: Path, setup: str, streams, burst, args) -> dict:
                         "--max-num-batched-tokens", str(args.max_num_batched_tokens))
     base_url = f"http://127.0.0.1:{args.port}/v1"
     try:
-        with urllib.request.urlopen(f"{base_url}/models", timeout=5) as response:
-            model = json.loads(response.read())["data"][0]["id"]
+        model = served_model(base_url)
         report = asyncio.run(run_workload(f"{base_url}/completions", model, streams, burst))
         report["engine"] = {k: v for k, v in engine_stats(base_url).items()
                             if k in ("num_kv_pulls", "kv_pull_blocks", "num_preemptions", "prefix_cache_hits")}

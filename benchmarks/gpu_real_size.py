@@ -35,7 +35,6 @@ import signal
 import sys
 import tempfile
 import time
-import urllib.request
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -349,7 +348,7 @@ def stack_arguments(bench: RealSizeBench) -> list[str]:
 
 
 def section_serving(bench: RealSizeBench, record: dict) -> None:
-    from benchmarks.serving import process_names, run_offline, run_serving, start_stack
+    from benchmarks.serving import process_names, run_offline, run_serving, served_model, start_stack
     from benchmarks.workload import BenchRequest
 
     started_worker(bench)
@@ -363,8 +362,7 @@ def section_serving(bench: RealSizeBench, record: dict) -> None:
     stack = start_stack(bench.model_dir, bench.args.port, *stack_arguments(bench))
     try:
         base_url = f"http://127.0.0.1:{bench.args.port}/v1"
-        with urllib.request.urlopen(f"{base_url}/models", timeout=5) as response:
-            model = json.loads(response.read())["data"][0]["id"]
+        model = served_model(base_url)
         processes = process_names(stack.pid)
         load = SimpleNamespace(request_rate=None, concurrency=len(requests), seed=bench.args.seed)
         warm_up = [BenchRequest(r.prompt_token_ids, 16) for r in requests[:2]]

@@ -28,7 +28,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from benchmarks.serving import engine_stats, percentiles, start_stack  # noqa: E402
+from benchmarks.serving import engine_stats, percentiles, served_model, start_stack  # noqa: E402
 from benchmarks.workload import bench_model_dir, write_report  # noqa: E402
 
 SETTINGS = {"encoder cache": (), "no encoder cache": ("--encoder-cache-size", "0")}
@@ -68,8 +68,7 @@ def run_setting(model_dir: Path, setting: str, urls: list[str], args) -> dict:
                         str(args.max_num_batched_tokens), "--num-gpu-blocks-override", str(args.blocks))
     base_url = f"http://127.0.0.1:{args.port}/v1"
     try:
-        with urllib.request.urlopen(f"{base_url}/models", timeout=5) as response:
-            model = json.loads(response.read())["data"][0]["id"]
+        model = served_model(base_url)
         one_chat(base_url, model, -1, urls[0], 1)  # warm: the gateway's processor, the first encoding
         before = engine_stats(base_url)
         started = time.perf_counter()

@@ -13,18 +13,16 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import os
 import random
 import signal
 import statistics
 import sys
-import urllib.request
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from benchmarks.serving import engine_stats, run_load, start_stack, summarize  # noqa: E402
+from benchmarks.serving import engine_stats, run_load, served_model, start_stack, summarize  # noqa: E402
 from benchmarks.workload import BenchRequest, bench_model_dir, write_report  # noqa: E402
 
 POLICIES = ("prompt-hash", "cached-prefix")
@@ -50,8 +48,7 @@ def run_policy(model_dir: Path, policy: str, requests: list[BenchRequest], args)
                         "--num-gpu-blocks-override", str(args.blocks_per_scheduler))
     base_url = f"http://127.0.0.1:{port}/v1"
     try:
-        with urllib.request.urlopen(f"{base_url}/models", timeout=5) as response:
-            model = json.loads(response.read())["data"][0]["id"]
+        model = served_model(base_url)
         before = engine_stats(base_url)
         results, elapsed = asyncio.run(run_load(base_url, model, requests, None, args.concurrency, args.seed))
         after = engine_stats(base_url)

@@ -29,7 +29,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import httpx2 as httpx  # noqa: E402
 
-from benchmarks.serving import process_names, start_stack  # noqa: E402
+from benchmarks.serving import process_names, served_model, start_stack  # noqa: E402
 from benchmarks.workload import bench_model_dir, bench_workload, write_report  # noqa: E402
 
 
@@ -115,8 +115,7 @@ def one_mode(model_dir: Path, port: int, prompts, args, resume: bool) -> dict:
     extra = [] if resume else ["--max-resumes", "0"]
     serve = start_stack(model_dir, port, *extra, *args.serve_arg)
     try:
-        with urllib.request.urlopen(f"http://127.0.0.1:{port}/v1/models", timeout=60) as reply:  # loads the tokenizer
-            model = json.loads(reply.read())["data"][0]["id"]
+        model = served_model(f"http://127.0.0.1:{port}/v1")
         run_batch(port, model, prompts[:2], 8)  # warm-up: first touches of the pools
         clean, clean_s, _ = run_batch(port, model, prompts, args.max_tokens)
         assert all(s.error is None for s in clean), [s.error for s in clean]

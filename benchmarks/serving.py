@@ -228,6 +228,13 @@ def start_stack(model_dir: Path, port: int, *extra: str) -> subprocess.Popen:
     return proc
 
 
+def served_model(base_url: str) -> str:
+    """The id of the model a stack serves, from ``{base_url}/models``. A generous timeout: the gateway's first
+    answer loads the tokenizer, seconds on a busy machine."""
+    with urllib.request.urlopen(f"{base_url}/models", timeout=60) as response:
+        return json.loads(response.read())["data"][0]["id"]
+
+
 def cpu_seconds(pid: int) -> float:
     """User + system CPU time a process has used so far (Linux /proc)."""
     fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
@@ -294,8 +301,7 @@ def main() -> None:
         base_url = f"http://127.0.0.1:{args.port}/v1"
     rounds = []
     try:
-        with urllib.request.urlopen(f"{base_url}/models", timeout=5) as response:
-            model = args.model or json.loads(response.read())["data"][0]["id"]
+        model = args.model or served_model(base_url)
         processes = process_names(stack.pid) if stack is not None else {}
         processes[os.getpid()] = "load generator"
         if args.warmup:  # first touches of the KV pools and allocator arenas, on both sides
