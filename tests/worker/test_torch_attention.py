@@ -204,7 +204,7 @@ def test_soft_capped_scores(backend, windows, monkeypatch):
 @pytest.mark.parametrize("dtype, tolerance", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
 @pytest.mark.parametrize("heads", [8, 6, 2])
 def test_decodes_over_many_blocks_with_caps_and_windows(backend, dim, dtype, tolerance, heads, monkeypatch):
-    """The head sizes the CPU kernel runs a block at a time under an online softmax (AVX-512): contexts of many
+    """The head sizes the CPU kernel runs a block at a time under an online softmax (AVX-512, AVX2): contexts of many
     blocks (each block's sweeps prefetching two blocks on), a window starting inside a block, a cap that bends
     nearly every score; many decodes (all KV heads per work item) and few (one KV head each); groups of 4, 3 and 1
     query heads per KV head (the sweeps take them in pairs, then one)."""
@@ -267,7 +267,8 @@ def test_cpu_kernel_refuses_indices_outside_its_tensors():
 @pytest.mark.parametrize("dtype, tolerance", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
 def test_prefills_in_the_cpu_kernel(dim, heads, dtype, tolerance, monkeypatch):
     """The C++ prefill kernel (csrc/prefill_attention.cpp) takes every causal prefill of the step: first chunks
-    and chunks after a cached prefix, across many 16-row and 16-key tiles, with prefixes that end mid-tile,
+    and chunks after a cached prefix, across many tiles of rows and keys (16 x 16 with
+    AVX-512, 12 x 8 with AVX2), with prefixes that end mid-tile,
     beside decodes; groups of 4, 3 and 1 query heads per KV head."""
     if cpu_kernels_unavailable_reason() is not None:
         pytest.skip(cpu_kernels_unavailable_reason())
@@ -275,7 +276,7 @@ def test_prefills_in_the_cpu_kernel(dim, heads, dtype, tolerance, monkeypatch):
     from services.worker.attention.cpu_attention import CpuAttentionBackend
 
     if not cpu_attention.has_prefill_attention():
-        pytest.skip("the CPU kernels were built without AVX-512")
+        pytest.skip("the CPU kernels were built without AVX-512 or AVX2")
     calls = []
     kernel = cpu_attention.prefill_attention
     monkeypatch.setattr(cpu_attention, "prefill_attention", lambda *args: (calls.append(args[5]), kernel(*args)))
@@ -295,7 +296,7 @@ def test_prefill_kernel_reads_strided_rows_and_refuses_bad_input():
     from services.worker.attention.cpu_kernels import has_prefill_attention, prefill_attention
 
     if not has_prefill_attention():
-        pytest.skip("the CPU kernels were built without AVX-512")
+        pytest.skip("the CPU kernels were built without AVX-512 or AVX2")
     g = torch.Generator().manual_seed(3)
     length, heads, kv_heads, dim = 53, 4, 2, 64
     fused = torch.randn(length, heads + 2 * kv_heads, dim, generator=g)

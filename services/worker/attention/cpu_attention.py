@@ -4,7 +4,7 @@ the rest as the torch backend.
 Decode attention is memory-bound: the torch backend gathers each sequence's blocks into a buffer
 and SDPA reads them back, so every K/V byte crosses the memory bus three times; the kernel in
 csrc/cpu_attention.cpp reads it once (benchmarks/cpu_attention.py compares them). Prefill is
-compute-bound: csrc/prefill_attention.cpp lays it out as small matrix multiplies (AVX-512), which
+compute-bound: csrc/prefill_attention.cpp lays it out as small matrix multiplies (AVX-512 or AVX2), which
 torch's fused SDPA kernel runs at a third of the speed on a few hundred tokens. What it does not take
 (sliding windows, soft caps, images' two-way spans, FP8 codes, other head sizes) keeps SDPA.
 """

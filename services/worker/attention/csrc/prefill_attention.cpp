@@ -1,12 +1,13 @@
-// Causal prefill attention for CPUs with AVX-512: one sequence's new tokens over its paged context (the
+// Causal prefill attention for CPUs with AVX-512 or AVX2 (simd.h): one sequence's new tokens over its paged context (the
 // cached prefix, if any, and themselves), float32 or bfloat16, head sizes that are multiples of 16.
 //
 // torch's fused CPU kernel (SDPA) runs the bench prompts (a few hundred tokens) at 40-60 GFLOPS here; this
 // one is laid out as a small matrix multiply. For each KV head, its keys go once into a float32 buffer
-// transposed ([D, keys]) and its values into one [keys, D]. A work item is one query head and 16 query rows;
-// for each tile of 16 keys it computes the 16 x 16 scores with one fused multiply-add per (row, dimension):
-// a broadcast query element times 16 keys' values of that dimension. An online softmax (running maximum and
-// sum per row) turns them into weights, and the output rows take the 16 value rows the same way. Tiles past a
+// transposed ([D, keys]) and its values into one [keys, D]. A work item is one query head and kRows query rows
+// (16 with AVX-512, 12 with AVX2: the rows' scores and two more fill the vector registers); for each tile of
+// kLanes keys it computes the kRows x kLanes scores with one fused multiply-add per (row, dimension): a
+// broadcast query element times the tile's keys' values of that dimension. An online softmax (running maximum and
+// sum per row) turns them into weights, and the output rows take the tile's value rows the same way. Tiles past a
 // row's own position are skipped, and the diagonal tile is masked.
 //
 // Query row i sits at position context_len - query_len + i and sees keys 0 .. that position. The block table
@@ -18,6 +19,7 @@
 #include <omp.h>
 #include <torch/library.h>
 
+#include "simd.h"
 #include "vec_math.h"
 
 #include <algorithm>
@@ -25,14 +27,7 @@
 #include <limits>
 #include <vector>
 
-#if defined(__AVX512F__)
-#include <immintrin.h>
-#endif
-
 namespace {
-
-constexpr int64_t kRows = 16;  // query rows per work item
-constexpr int64_t kKeys = 16;  // keys per tile: one vector of scores per row
 
 struct PrefillShape {
   int64_t query_len, context_len;
@@ -43,7 +38,12 @@ struct PrefillShape {
   float scale;
 };
 
-#if defined(__AVX512F__)
+#if PAGEDSERVE_SIMD
+
+using pagedserve_cpu::simd::Vec;
+namespace simd = pagedserve_cpu::simd;
+constexpr int64_t kRows = simd::kLanes == 16 ? 16 : 12;  // query rows per work item
+constexpr int64_t kKeys = simd::kLanes;                   // keys per tile: one vector of scores per row
 
 // KV head kv's keys as kt[d * padded + j] and values as vf[j * kD + d], float32; keys past the context zero.
 template <typename T, int kD>
@@ -82,29 +82,27 @@ void attend_rows(T* out, const T* query, const float* kt, const float* vf, int64
   }
   const int64_t last_key = offset + std::min(r0 + kRows, s.query_len) - 1;  // the last row's own position
   for (int64_t k0 = 0; k0 <= last_key; k0 += kKeys) {
-    __m512 scores[kRows];
-    for (int64_t r = 0; r < kRows; ++r) scores[r] = _mm512_setzero_ps();
+    Vec scores[kRows];
+    for (int64_t r = 0; r < kRows; ++r) scores[r] = simd::zero();
     for (int64_t d = 0; d < kD; ++d) {
-      const __m512 keys = _mm512_loadu_ps(kt + d * padded + k0);
+      const Vec keys = simd::load(kt + d * padded + k0);
 #pragma GCC unroll 16
-      for (int64_t r = 0; r < kRows; ++r) scores[r] = _mm512_fmadd_ps(_mm512_set1_ps(q[r][d]), keys, scores[r]);
+      for (int64_t r = 0; r < kRows; ++r) scores[r] = simd::fmadd(simd::broadcast(q[r][d]), keys, scores[r]);
     }
-    const __m512i lanes = _mm512_add_epi32(_mm512_set1_epi32(static_cast<int32_t>(k0)),
-                                           _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15));
     const bool all_seen = k0 + kKeys - 1 <= offset + r0;  // below the diagonal: no row masks any of these keys
     for (int64_t r = 0; r < kRows; ++r) {
       // Keys past the row's own position weigh nothing (the row's first key, 0, is always seen): their
       // weight comes out of the exponential as 0 (the score -inf, clamped to e^-87 below, then dropped).
-      const __mmask16 seen = all_seen ? __mmask16(0xFFFF)
-                                      : _mm512_cmple_epi32_mask(lanes, _mm512_set1_epi32(static_cast<int32_t>(offset + r0 + r)));
-      const float new_max = std::max(max[r], _mm512_mask_reduce_max_ps(seen, scores[r]));
-      _mm512_storeu_ps(p[r], _mm512_sub_ps(scores[r], _mm512_set1_ps(new_max)));
+      const int64_t seen = all_seen ? kKeys : offset + r0 + r - k0 + 1;  // the tile's first `seen` keys
+      const Vec seen_scores = simd::keep_first(scores[r], seen, -std::numeric_limits<float>::infinity());
+      const float new_max = std::max(max[r], simd::reduce_max(seen_scores));
+      simd::store(p[r], simd::sub(scores[r], simd::broadcast(new_max)));
       const float rescale = pagedserve_cpu::exp_clamped(max[r] - new_max);  // (~0 at the first tile)
 #pragma omp simd
       for (int64_t j = 0; j < kKeys; ++j) p[r][j] = pagedserve_cpu::exp_clamped(p[r][j]);
-      const __m512 weights = _mm512_maskz_mov_ps(seen, _mm512_loadu_ps(p[r]));
-      _mm512_storeu_ps(p[r], weights);
-      const float tile_sum = _mm512_reduce_add_ps(weights);
+      const Vec weights = simd::keep_first(simd::load(p[r]), seen, 0.f);
+      simd::store(p[r], weights);
+      const float tile_sum = simd::reduce_add(weights);
       sum[r] = sum[r] * rescale + tile_sum;
       max[r] = new_max;
       if (rescale != 1.f) {
@@ -112,15 +110,15 @@ void attend_rows(T* out, const T* query, const float* kt, const float* vf, int64
         for (int64_t d = 0; d < kD; ++d) acc[r][d] *= rescale;
       }
     }
-    for (int64_t c = 0; c < kD; c += 16) {
-      __m512 out_rows[kRows];
-      for (int64_t r = 0; r < kRows; ++r) out_rows[r] = _mm512_load_ps(acc[r] + c);
+    for (int64_t c = 0; c < kD; c += simd::kLanes) {
+      Vec out_rows[kRows];
+      for (int64_t r = 0; r < kRows; ++r) out_rows[r] = simd::load(acc[r] + c);
       for (int64_t j = 0; j < kKeys; ++j) {
-        const __m512 values = _mm512_loadu_ps(vf + (k0 + j) * kD + c);
+        const Vec values = simd::load(vf + (k0 + j) * kD + c);
 #pragma GCC unroll 16
-        for (int64_t r = 0; r < kRows; ++r) out_rows[r] = _mm512_fmadd_ps(_mm512_set1_ps(p[r][j]), values, out_rows[r]);
+        for (int64_t r = 0; r < kRows; ++r) out_rows[r] = simd::fmadd(simd::broadcast(p[r][j]), values, out_rows[r]);
       }
-      for (int64_t r = 0; r < kRows; ++r) _mm512_store_ps(acc[r] + c, out_rows[r]);
+      for (int64_t r = 0; r < kRows; ++r) simd::store(acc[r] + c, out_rows[r]);
     }
   }
   for (int64_t r = 0; r < kRows && r0 + r < s.query_len; ++r) {
@@ -159,12 +157,12 @@ void prefill_for_head_size(T* out, const T* query, const T* key_cache, const T* 
   }
 }
 
-#endif  // __AVX512F__
+#endif  // PAGEDSERVE_SIMD
 
 void prefill_attention(at::Tensor out, const at::Tensor& query, const at::Tensor& key_cache,
                        const at::Tensor& value_cache, const at::Tensor& block_table, int64_t context_len,
                        double scale) {
-#if defined(__AVX512F__)
+#if PAGEDSERVE_SIMD
   TORCH_CHECK_VALUE(query.dim() == 3 && out.sizes() == query.sizes() && query.stride(2) == 1 && out.stride(2) == 1,
                     "query and out must be [L, H, D] with unit stride along D");
   TORCH_CHECK_VALUE(key_cache.dim() == 4 && key_cache.sizes() == value_cache.sizes() &&
@@ -204,12 +202,12 @@ void prefill_attention(at::Tensor out, const at::Tensor& query, const at::Tensor
       TORCH_CHECK_VALUE(false, "prefill_attention supports float32 and bfloat16, not ", query.scalar_type());
   }
 #else
-  TORCH_CHECK(false, "prefill_attention needs a build for AVX-512");
+  TORCH_CHECK(false, "prefill_attention needs a build for AVX-512 or AVX2");
 #endif
 }
 
 bool has_prefill_attention() {
-#if defined(__AVX512F__)
+#if PAGEDSERVE_SIMD
   return true;
 #else
   return false;

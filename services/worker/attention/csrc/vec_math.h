@@ -16,7 +16,7 @@ inline float float_of_bits(uint32_t u) {
 // e^x in a form the compiler vectorizes (libm's expf is a scalar call): Cody-Waite reduction
 // x = n ln2 + r, Cephes' degree-6 polynomial for e^r, 2^n put in the exponent bits. Within a few ulp
 // of expf; x is clamped to [-87.3, 88.3] so that 2^n stays a normal float (no inf, no 0). n is rounded
-// by adding and subtracting 1.5 * 2^23: GCC does not vectorize std::floor unless -fno-trapping-math.
+// by adding and subtracting 1.5 * 2^23, which vectorizes everywhere (std::floor needs SSE4.1 to).
 inline float exp_clamped(float x) {
   x = std::min(std::max(x, -87.3f), 88.3f);
   const float n = (x * 1.44269504088896341f + 12582912.f) - 12582912.f;

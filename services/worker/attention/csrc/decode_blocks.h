@@ -1,20 +1,18 @@
-// Paged decode attention's inner loops with AVX-512 (included by cpu_attention.cpp; used when the build
-// targets AVX-512 and the cache holds the query's own float32 or bfloat16).
+// Paged decode attention's inner loops in vector registers (included by cpu_attention.cpp; used when the build
+// targets AVX-512 or AVX2, simd.h, and the cache holds the query's own float32 or bfloat16).
 //
 // The generic loops walk a token at a time over every query head, accumulating into memory; these walk one
-// block of tokens at a time, and within it a pair of query heads at a time (heads of one KV head), so their
-// queries (pass 1) or output accumulators (pass 2) stay in registers across the block's tokens, and each K
-// or V row is loaded and widened once per pair. The same arithmetic as the generic loops up to the order of
-// float additions.
+// block of tokens at a time, and within it a pair of query heads at a time (heads of one KV head) where the
+// registers hold them, so their queries (pass 1) or output accumulators (pass 2) stay in registers across the
+// block's tokens, and each K or V row is loaded and widened once per pair. The same arithmetic as the generic
+// loops up to the order of float additions.
 #pragma once
 
-#if defined(__AVX512F__)
+#include "simd.h"
 
-#include <immintrin.h>
+#if PAGEDSERVE_SIMD
 
 #include <type_traits>
-
-#include <c10/util/BFloat16.h>
 
 namespace pagedserve_cpu {
 
@@ -25,18 +23,15 @@ inline void prefetch_head_row(const T* row) {
   for (int64_t offset = 0; offset < kD * static_cast<int64_t>(sizeof(T)); offset += 64) __builtin_prefetch(p + offset, 0, 1);
 }
 
-// 16 consecutive values as float32 lanes.
-inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
-inline __m512 load16(const c10::BFloat16* p) {
-  // A bfloat16 is the high half of a float32: widen to 32 bits, shift into place.
-  const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
-}
+using simd::Vec;
+constexpr int kLanes = simd::kLanes;
 
 // How many query heads of a group one sweep over a block's rows serves: each K or V row is loaded (and, in
-// bfloat16, widened) once for all of them, their queries or accumulators in registers (2 x kD / 16 of the 32).
+// bfloat16, widened) once for all of them, their queries or accumulators in registers. Two where their
+// 2 x kD / kLanes registers are at most half of them (AVX-512: head sizes 64 and 128; AVX2: none of the
+// compiled ones, 64 to 256), else one.
 template <int kD>
-constexpr int64_t kHeadsPerSweep = kD <= 128 ? 2 : 1;
+constexpr int64_t kHeadsPerSweep = 2 * kD / kLanes <= simd::kRegisters / 2 ? 2 : 1;
 
 // Pass 1 for the tokens [first, first + count) of one block: scores[h][t] for query heads h0 .. h0 + kH - 1
 // (of KV head kv). `rows`: the block's row for its first token, at KV head 0; strides in elements. `next`: the
@@ -45,23 +40,23 @@ template <int kD, int kH, typename T>
 inline void sweep_scores(const float* q, int64_t h0, int64_t kv, const T* rows, int64_t first, int64_t count,
                          int64_t token_stride, int64_t head_stride, float* scores, int64_t n, int64_t t0,
                          const T* next) {
-  __m512 qv[kH][kD / 16];
+  Vec qv[kH][kD / kLanes];
 #pragma GCC unroll 16
-  for (int c = 0; c < kD / 16; ++c) {
-    for (int i = 0; i < kH; ++i) qv[i][c] = _mm512_loadu_ps(q + (h0 + i) * kD + 16 * c);
+  for (int c = 0; c < kD / kLanes; ++c) {
+    for (int i = 0; i < kH; ++i) qv[i][c] = simd::load(q + (h0 + i) * kD + kLanes * c);
   }
   for (int64_t t = first; t < first + count; ++t) {
     if (next != nullptr) prefetch_head_row<kD>(next + t * token_stride + kv * head_stride);
     const T* k = rows + t * token_stride + kv * head_stride;
-    __m512 acc[kH];
-    const __m512 k0 = load16(k);
-    for (int i = 0; i < kH; ++i) acc[i] = _mm512_mul_ps(qv[i][0], k0);
+    Vec acc[kH];
+    const Vec k0 = simd::load(k);
+    for (int i = 0; i < kH; ++i) acc[i] = simd::mul(qv[i][0], k0);
 #pragma GCC unroll 16
-    for (int c = 1; c < kD / 16; ++c) {
-      const __m512 kc = load16(k + 16 * c);
-      for (int i = 0; i < kH; ++i) acc[i] = _mm512_fmadd_ps(qv[i][c], kc, acc[i]);
+    for (int c = 1; c < kD / kLanes; ++c) {
+      const Vec kc = simd::load(k + kLanes * c);
+      for (int i = 0; i < kH; ++i) acc[i] = simd::fmadd(qv[i][c], kc, acc[i]);
     }
-    for (int i = 0; i < kH; ++i) scores[(h0 + i) * n + t0 + t - first] = _mm512_reduce_add_ps(acc[i]);
+    for (int i = 0; i < kH; ++i) scores[(h0 + i) * n + t0 + t - first] = simd::reduce_add(acc[i]);
   }
 }
 
@@ -90,25 +85,25 @@ template <int kD, int kH, typename T>
 inline void sweep_values(float* acc, int64_t h0, int64_t kv, const T* rows, int64_t first, int64_t count,
                          int64_t token_stride, int64_t head_stride, const float* scores, int64_t n, int64_t t0,
                          const T* next) {
-  __m512 av[kH][kD / 16];
+  Vec av[kH][kD / kLanes];
 #pragma GCC unroll 16
-  for (int c = 0; c < kD / 16; ++c) {
-    for (int i = 0; i < kH; ++i) av[i][c] = _mm512_loadu_ps(acc + (h0 + i) * kD + 16 * c);
+  for (int c = 0; c < kD / kLanes; ++c) {
+    for (int i = 0; i < kH; ++i) av[i][c] = simd::load(acc + (h0 + i) * kD + kLanes * c);
   }
   for (int64_t t = first; t < first + count; ++t) {
-    __m512 p[kH];
-    for (int i = 0; i < kH; ++i) p[i] = _mm512_set1_ps(scores[(h0 + i) * n + t0 + t - first]);
+    Vec p[kH];
+    for (int i = 0; i < kH; ++i) p[i] = simd::broadcast(scores[(h0 + i) * n + t0 + t - first]);
     if (next != nullptr) prefetch_head_row<kD>(next + t * token_stride + kv * head_stride);
     const T* v = rows + t * token_stride + kv * head_stride;
 #pragma GCC unroll 16
-    for (int c = 0; c < kD / 16; ++c) {
-      const __m512 vc = load16(v + 16 * c);
-      for (int i = 0; i < kH; ++i) av[i][c] = _mm512_fmadd_ps(p[i], vc, av[i][c]);
+    for (int c = 0; c < kD / kLanes; ++c) {
+      const Vec vc = simd::load(v + kLanes * c);
+      for (int i = 0; i < kH; ++i) av[i][c] = simd::fmadd(p[i], vc, av[i][c]);
     }
   }
 #pragma GCC unroll 16
-  for (int c = 0; c < kD / 16; ++c) {
-    for (int i = 0; i < kH; ++i) _mm512_storeu_ps(acc + (h0 + i) * kD + 16 * c, av[i][c]);
+  for (int c = 0; c < kD / kLanes; ++c) {
+    for (int i = 0; i < kH; ++i) simd::store(acc + (h0 + i) * kD + kLanes * c, av[i][c]);
   }
 }
 
@@ -124,4 +119,4 @@ inline void block_values(float* acc, int64_t group, int64_t kv, const T* rows, i
 
 }  // namespace pagedserve_cpu
 
-#endif  // __AVX512F__
+#endif  // PAGEDSERVE_SIMD

@@ -1,0 +1,93 @@
+// One vector of float32 lanes for the CPU kernels' hand-written inner loops, on whichever x86 vector unit the
+// build targets (-march=native): AVX-512 (16 lanes, 32 registers) or AVX2 with FMA (8 lanes, 16 registers).
+// AVX2 matters because AMD's server CPUs before Zen 4, and many cloud machines with them, have no AVX-512.
+// PAGEDSERVE_SIMD is 0 on any other CPU; the kernels keep scalar loops (which the compiler vectorizes) for it.
+#pragma once
+
+#if defined(__AVX512F__)
+#define PAGEDSERVE_SIMD 512
+#elif defined(__AVX2__) && defined(__FMA__)
+#define PAGEDSERVE_SIMD 256
+#else
+#define PAGEDSERVE_SIMD 0
+#endif
+
+#if PAGEDSERVE_SIMD
+
+#include <immintrin.h>
+
+#include <c10/util/BFloat16.h>
+
+#include <algorithm>
+#include <cstdint>
+
+namespace pagedserve_cpu::simd {
+
+#if PAGEDSERVE_SIMD == 512
+
+using Vec = __m512;
+constexpr int kLanes = 16;
+constexpr int kRegisters = 32;
+
+inline Vec load(const float* p) { return _mm512_loadu_ps(p); }
+inline Vec load(const c10::BFloat16* p) {
+  // A bfloat16 is the high half of a float32: widen to 32 bits, shift into place.
+  const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
+}
+inline void store(float* p, Vec v) { _mm512_storeu_ps(p, v); }
+inline Vec broadcast(float x) { return _mm512_set1_ps(x); }
+inline Vec zero() { return _mm512_setzero_ps(); }
+inline Vec mul(Vec a, Vec b) { return _mm512_mul_ps(a, b); }
+inline Vec sub(Vec a, Vec b) { return _mm512_sub_ps(a, b); }
+inline Vec fmadd(Vec a, Vec b, Vec c) { return _mm512_fmadd_ps(a, b, c); }
+inline float reduce_add(Vec v) { return _mm512_reduce_add_ps(v); }
+inline float reduce_max(Vec v) { return _mm512_reduce_max_ps(v); }
+
+// v's first `kept` lanes (clamped to 0 .. kLanes), the others `fill`.
+inline Vec keep_first(Vec v, int64_t kept, float fill) {
+  const int64_t n = std::clamp<int64_t>(kept, 0, kLanes);
+  const __mmask16 mask = n == kLanes ? __mmask16(0xFFFF) : __mmask16((1u << n) - 1);
+  return _mm512_mask_blend_ps(mask, _mm512_set1_ps(fill), v);
+}
+
+#else  // AVX2
+
+using Vec = __m256;
+constexpr int kLanes = 8;
+constexpr int kRegisters = 16;
+
+inline Vec load(const float* p) { return _mm256_loadu_ps(p); }
+inline Vec load(const c10::BFloat16* p) {
+  const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(raw), 16));
+}
+inline void store(float* p, Vec v) { _mm256_storeu_ps(p, v); }
+inline Vec broadcast(float x) { return _mm256_set1_ps(x); }
+inline Vec zero() { return _mm256_setzero_ps(); }
+inline Vec mul(Vec a, Vec b) { return _mm256_mul_ps(a, b); }
+inline Vec sub(Vec a, Vec b) { return _mm256_sub_ps(a, b); }
+inline Vec fmadd(Vec a, Vec b, Vec c) { return _mm256_fmadd_ps(a, b, c); }
+inline float reduce_add(Vec v) {
+  __m128 x = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  x = _mm_add_ps(x, _mm_movehl_ps(x, x));
+  return _mm_cvtss_f32(_mm_add_ss(x, _mm_movehdup_ps(x)));
+}
+inline float reduce_max(Vec v) {
+  __m128 x = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  x = _mm_max_ps(x, _mm_movehl_ps(x, x));
+  return _mm_cvtss_f32(_mm_max_ss(x, _mm_movehdup_ps(x)));
+}
+
+inline Vec keep_first(Vec v, int64_t kept, float fill) {
+  const int32_t n = static_cast<int32_t>(std::clamp<int64_t>(kept, 0, kLanes));
+  const __m256i lanes = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+  const __m256 mask = _mm256_castsi256_ps(_mm256_cmpgt_epi32(_mm256_set1_epi32(n), lanes));
+  return _mm256_blendv_ps(_mm256_set1_ps(fill), v, mask);
+}
+
+#endif
+
+}  // namespace pagedserve_cpu::simd
+
+#endif  // PAGEDSERVE_SIMD
