@@ -29,7 +29,7 @@ from services.worker.attention.kv_quant import KVScales, MeasuredKVScales, kv_ca
 from services.worker.attention.selector import select_attention_backend
 from services.worker.attention.spec import kv_window
 from services.worker.block_moves import swap_blocks, whole_pool
-from services.worker.cpu_tuning import keep_large_allocations_in_heap
+from services.worker.cpu_tuning import keep_large_allocations_in_heap, runs_emulated
 from services.worker.draft_model_proposer import DraftModel, DraftModelProposer, load_draft_model
 from services.worker.kv_cache import allocate_host_pool, allocate_kv_pools, bytes_per_block, num_host_blocks, num_kv_blocks
 from services.worker.lora_adapters import AdapterSlots
@@ -144,6 +144,19 @@ def place_on_device(name: str) -> torch.device:
     return device
 
 
+def warn_if_emulated(dtype: torch.dtype, device: torch.device) -> bool:
+    """Logs a warning where this CPU has no instructions for the model's dtype (a bfloat16 checkpoint with
+    --dtype auto on a CPU before AVX512-BF16, say): it serves, several times slower than float32 would.
+    Returns whether it warned."""
+    if not runs_emulated(dtype, device):
+        return False
+    name = str(dtype).removeprefix("torch.")
+    log.warning("dtype_emulated_on_this_cpu", dtype=name,
+                hint=f"this CPU has no {name} matrix instructions (oneDNN's test): --dtype float32 runs several "
+                     "times faster here")
+    return True
+
+
 def join_tensor_parallel(config: EngineConfig, source: ModelSource, rank: int, init_method: str | None,
                          device: torch.device) -> TensorParallel:
     """With config.tensor_parallel_size > 1, this rank meets the others at ``init_method`` (tcp://host:port)."""
@@ -152,6 +165,7 @@ def join_tensor_parallel(config: EngineConfig, source: ModelSource, rank: int, i
 
 
 def load_weights(config: EngineConfig, source: ModelSource, tp: TensorParallel, device: torch.device) -> Weights:
+    warn_if_emulated(source.dtype, device)
     pooler = source.pooler
     if source.impl == "transformers":
         model, model_config = load_transformers_model(source.model_dir, source.model_config, source.dtype, device,

@@ -28,3 +28,22 @@ def test_huge_page_advice_on_a_large_tensor():
     assert advise_huge_pages(tensor) is True
     tensor.fill_(1.5)  # still ordinary memory
     assert float(tensor.sum()) == 1.5 * tensor.numel()
+
+
+@pytest.mark.parametrize("dtype, probe", [(torch.bfloat16, "_is_mkldnn_bf16_supported"),
+                                          (torch.float16, "_is_mkldnn_fp16_supported")])
+@pytest.mark.parametrize("native", [True, False])
+def test_half_precision_without_cpu_instructions_warns(dtype, probe, native, monkeypatch):
+    from structlog.testing import capture_logs
+
+    from services.worker.worker_startup import warn_if_emulated
+
+    monkeypatch.setattr(torch.ops.mkldnn, probe, lambda: native)
+    with capture_logs() as logs:
+        assert warn_if_emulated(dtype, torch.device("cpu")) is (not native)
+        assert warn_if_emulated(torch.float32, torch.device("cpu")) is False
+        assert warn_if_emulated(dtype, torch.device("meta")) is False  # (a GPU's dtype is its own affair)
+    warned = [entry for entry in logs if entry["event"] == "dtype_emulated_on_this_cpu"]
+    assert len(warned) == (0 if native else 1)
+    if warned:
+        assert warned[0]["log_level"] == "warning" and "--dtype float32" in warned[0]["hint"]
