@@ -1,5 +1,6 @@
 // Paged decode attention's inner loops in vector registers (included by cpu_attention.cpp; used when the build
-// targets AVX-512 or AVX2, simd.h, and the cache holds the query's own float32 or bfloat16).
+// targets AVX-512 or AVX2, simd.h, and the cache holds the query's own float32 or bfloat16; with AVX2 bfloat16
+// only, as decode_for_head_size says).
 //
 // The generic loops walk a token at a time over every query head, accumulating into memory; these walk one
 // block of tokens at a time, and within it a pair of query heads at a time (heads of one KV head) where the
@@ -28,8 +29,8 @@ constexpr int kLanes = simd::kLanes;
 
 // How many query heads of a group one sweep over a block's rows serves: each K or V row is loaded (and, in
 // bfloat16, widened) once for all of them, their queries or accumulators in registers. Two where their
-// 2 x kD / kLanes registers are at most half of them (AVX-512: head sizes 64 and 128; AVX2: none of the
-// compiled ones, 64 to 256), else one.
+// 2 x kD / kLanes registers are at most half of them (AVX-512: head sizes 64 and 128; AVX2's 16 registers
+// hold no pair of the head sizes compiled, 64 and up), else one.
 template <int kD>
 constexpr int64_t kHeadsPerSweep = 2 * kD / kLanes <= simd::kRegisters / 2 ? 2 : 1;
 
