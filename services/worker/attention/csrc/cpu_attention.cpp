@@ -6,8 +6,9 @@
 // share a KV head are handled together so each K/V row is read once for all of them. Items are
 // dealt out longest context first, dynamically, on torch's own OpenMP pool (the extension links
 // the libgomp torch already loaded).
-// With AVX-512 or AVX2 (simd.h) and a float32 or bfloat16 cache (decode_attention_blocked) K and V are read together, a block
-// at a time, under an online softmax. Otherwise (FP8 codes, other CPUs) scores for the whole context are kept
+// With AVX-512 and a float32 or bfloat16 cache, or AVX2 and a bfloat16 one (simd.h, decode_attention_blocked), K and V
+// are read together, a block at a time, under an online softmax. Otherwise (FP8 codes, float32 with AVX2, other
+// CPUs) scores for the whole context are kept
 // (context x group floats per thread), so the softmax is exact two-pass: pass 1 reads K, pass 2 reads V. With a sliding window the context is the
 // sequence's last `window` tokens; with a soft cap each score s becomes cap * tanh(s / cap).
 // An FP8 cache (kv_quant.py) holds codes: each KV head's row is decoded once per token (fp8_to_float),
