@@ -22,6 +22,7 @@ import signal
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 import urllib.parse
 import urllib.request
@@ -216,15 +217,18 @@ def run_serving(base_url: str, model: str, requests: list[BenchRequest], args, p
 
 
 def start_stack(model_dir: Path, port: int, *extra: str) -> subprocess.Popen:
-    """`pagedserve serve` (with extra arguments), once healthy; in a process group of its own."""
+    """`pagedserve serve` (with extra arguments), once healthy; in a process group of its own. If it exits or
+    hangs while starting, the error ends with the last of what it wrote to stderr."""
+    log = tempfile.TemporaryFile()
     proc = subprocess.Popen([sys.executable, "-m", "pagedserve", "serve", "--model", str(model_dir),
                              "--port", str(port), "--grpc-port", str(port + 1), *extra],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+                            stdout=subprocess.DEVNULL, stderr=log, start_new_session=True)
     try:
         wait_until_answering(f"http://127.0.0.1:{port}/health", proc, 300, "pagedserve serve")
-    except TimeoutError:
+    except (RuntimeError, TimeoutError) as exc:
         proc.kill()
-        raise
+        log.seek(0)
+        raise type(exc)(f"{exc}; its stderr ended:\n{log.read()[-3000:].decode(errors='replace')}") from exc
     return proc
 
 
