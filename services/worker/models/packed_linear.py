@@ -18,6 +18,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from services.worker.cpu_tuning import runs_emulated
+
 # oneDNN chooses its blocking for a typical row count; any row count still works.
 ROWS_HINT = 256
 
@@ -25,7 +27,7 @@ ROWS_HINT = 256
 def can_pack(dtype: torch.dtype, device: torch.device) -> bool:
     if device.type != "cpu" or not torch.backends.mkldnn.is_available():
         return False
-    return dtype == torch.float32 or dtype == torch.bfloat16 and torch.ops.mkldnn._is_mkldnn_bf16_supported()
+    return dtype in (torch.float32, torch.bfloat16) and not runs_emulated(dtype, device)
 
 
 class PackedLinear(nn.Module):
