@@ -304,3 +304,57 @@ def test_silu_and_mul_errors():
         cpu_layers.silu_and_mul(randn(3, 8).double())
     with pytest.raises(ValueError, match="out must be"):
         cpu_layers.silu_and_mul(randn(3, 8), out=torch.empty(3, 8))
+
+
+# ---- greedy argmax --------------------------------------------------------------------------------
+
+
+def argmax_into_poison(scores: torch.Tensor) -> torch.Tensor:
+    """The op itself, into an output poisoned beforehand (the wrapper allocates a fresh one)."""
+    out = torch.full((scores.shape[0],), -7, dtype=torch.int64)
+    getattr(torch.ops, cpu_layers.LIBRARY).argmax_rows(out, scores)
+    return out
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("rows, width", [(1, 1), (3, 255), (5, 257), (64, 32000), (300, 700)])
+def test_argmax_rows_equals_torch_argmax(dtype, rows, width):
+    # bfloat16's 8-bit mantissa makes equal largest values common at 32000 wide: the first must win.
+    scores = randn(rows, width, dtype=dtype, seed=rows * 1000 + width) * 4
+    assert torch.equal(argmax_into_poison(scores), scores.argmax(-1))
+    assert torch.equal(cpu_layers.argmax_rows(scores), scores.argmax(-1))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_argmax_rows_breaks_ties_and_orders_nan_as_torch_does(dtype):
+    inf = float("inf")
+    scores = torch.zeros(8, 600, dtype=dtype)
+    scores[0, [5, 300]] = 3.0  # equal largest values in different chunks: the first
+    scores[1, [7, 400, 599]] = NAN  # NaN above everything, the first of them
+    scores[1, 2] = inf
+    scores[2] = -inf  # nothing above -inf: index 0
+    scores[3, 0] = -0.0  # -0 equals +0: the first zero
+    scores[4, 599] = 1.0  # the last position
+    scores[5, 256] = 1.0  # the first of a chunk
+    scores[6, 255] = inf
+    scores[7, 0], scores[7, 599] = NAN, inf
+    expected = scores.argmax(-1)
+    assert expected.tolist() == [5, 7, 0, 0, 599, 256, 255, 0]
+    assert torch.equal(argmax_into_poison(scores), expected)
+
+
+def test_argmax_rows_takes_rows_apart_in_memory():
+    wide = randn(9, 1200, seed=3)
+    scores = wide[:, 100:1100]  # rows 1200 apart, 1000 wide: a slice of a bigger batch
+    assert torch.equal(argmax_into_poison(scores), scores.argmax(-1))
+
+
+def test_argmax_rows_errors():
+    with pytest.raises(ValueError, match="float32, bfloat16 or float16"):
+        cpu_layers.argmax_rows(randn(3, 8).double())
+    with pytest.raises(ValueError, match="n > 0"):
+        cpu_layers.argmax_rows(randn(3, 0))
+    with pytest.raises(ValueError, match="unit stride"):
+        cpu_layers.argmax_rows(randn(8, 3).t())
+    with pytest.raises(ValueError, match=r"\[rows, n\]"):
+        cpu_layers.argmax_rows(randn(8))

@@ -108,6 +108,19 @@ def int8_epilogue(acc: torch.Tensor, row_scales: torch.Tensor | None, bias: torc
     return out
 
 
+def argmax_rows(scores: torch.Tensor) -> torch.Tensor:
+    """int64 ``[rows]``: each row's argmax of ``scores [rows, n]`` (unit stride along n), exactly as
+    ``torch.argmax`` chooses (the first of equal largest values; the first NaN, where a row has one), read in
+    the scores' own dtype: bfloat16 logits need no float32 copy."""
+    _require(scores.device.type == "cpu", "scores must be on the CPU")
+    _require(scores.dtype in DTYPES, f"scores must be float32, bfloat16 or float16, got {scores.dtype}")
+    _require(scores.dim() == 2 and scores.shape[1] > 0 and scores.stride(1) == 1,
+             f"scores must be [rows, n] with n > 0 and unit stride along n, got {tuple(scores.shape)}")
+    out = torch.empty(scores.shape[0], dtype=torch.int64)
+    _ops().argmax_rows(out, scores)
+    return out
+
+
 def _check_norm(x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor) -> None:
     _require(all(t.device.type == "cpu" for t in (x, weight, out)), "every tensor must be on the CPU")
     _require(x.dtype in DTYPES, f"x must be float32, bfloat16 or float16, got {x.dtype}")

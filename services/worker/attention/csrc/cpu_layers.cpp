@@ -1,5 +1,6 @@
 // Fused elementwise layers for CPUs: RMSNorm (optionally with the residual add before it), neox rotary
-// embedding, and SiLU-and-mul. PyTorch runs each of these as several kernels, every one a full pass over
+// embedding, and SiLU-and-mul; also the int8 matmul's row quantization and epilogue, and the sampler's
+// greedy argmax (exactly torch.argmax's choice). PyTorch runs each of these as several kernels, every one a full pass over
 // memory with its own temporary; here each token's row is read once and written once. Built at run
 // time together with cpu_attention.cpp by services/worker/attention/cpu_kernels.py.
 //
@@ -17,6 +18,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <limits>
 
 // No fused multiply-adds in this file: torch rounds every product before the add that follows it
 // (q * cos + rotate_half(q) * sin is three kernels), and an FMA would skip that rounding.
@@ -366,6 +368,64 @@ void int8_epilogue(at::Tensor out, const at::Tensor& acc, const c10::optional<at
   });
 }
 
+// ---- Greedy argmax -------------------------------------------------------------------------------
+
+// Whether x is the value a row's argmax looks for: its largest value, or (a row holding one) NaN, which
+// torch.argmax orders above everything.
+template <bool kNan>
+inline bool is_target(float x, float largest) { return kNan ? x != x : x == largest; }
+
+// The first position in x[0, n) holding the target: chunks a vector loop can test, then one scalar scan.
+template <bool kNan, typename Fmt, typename S = typename Fmt::Storage>
+int64_t first_target(const S* x, int64_t n, float largest) {
+  constexpr int64_t kChunk = 256;
+  for (int64_t start = 0; start < n; start += kChunk) {
+    const int64_t end = std::min(n, start + kChunk);
+    int hits = 0;
+#pragma omp simd reduction(+ : hits)
+    for (int64_t i = start; i < end; ++i) hits += is_target<kNan>(Fmt::load(x[i]), largest);
+    if (hits) {
+      for (int64_t i = start; i < end; ++i) {
+        if (is_target<kNan>(Fmt::load(x[i]), largest)) return i;
+      }
+    }
+  }
+  return 0;  // not reached: the row's largest value (or its NaN) is in it
+}
+
+// torch.argmax of one row x[0, n), n > 0: the first of equal largest values, or the first NaN.
+template <typename Fmt, typename S = typename Fmt::Storage>
+int64_t argmax_row(const S* x, int64_t n) {
+  float largest = -std::numeric_limits<float>::infinity();
+  int nans = 0;
+#pragma omp simd reduction(max : largest) reduction(+ : nans)
+  for (int64_t i = 0; i < n; ++i) {
+    const float v = Fmt::load(x[i]);
+    largest = std::max(largest, v);  // a NaN may or may not win here: counted apart
+    nans += v != v;
+  }
+  return nans ? first_target<true, Fmt>(x, n, largest) : first_target<false, Fmt>(x, n, largest);
+}
+
+// out[r] = argmax of row r of scores [rows, n] (n > 0, unit stride along n): the sampler's greedy tokens,
+// read straight from the logits in the model's dtype (no float32 copy), the rows shared across threads.
+void argmax_rows(at::Tensor out, const at::Tensor& scores) {
+  TORCH_CHECK(scores.dim() == 2 && scores.size(1) > 0 && scores.stride(1) == 1,
+              "scores must be [rows, n] with n > 0 and unit stride along n");
+  TORCH_CHECK(out.scalar_type() == at::kLong && out.dim() == 1 && out.size(0) == scores.size(0) &&
+                  out.is_contiguous(),
+              "out must be contiguous int64 [rows]");
+  TORCH_CHECK(out.device().is_cpu() && scores.device().is_cpu(), "every tensor must be on the CPU");
+  const int64_t rows = scores.size(0), n = scores.size(1), row_stride = scores.stride(0);
+  dispatch_float_types(scores.scalar_type(), "argmax_rows", [&](auto fmt) {
+    using Fmt = decltype(fmt);
+    const auto* src = data<Fmt>(scores);
+    int64_t* dst = out.data_ptr<int64_t>();
+#pragma omp parallel for if (rows * n > kParallelGrain)
+    for (int64_t r = 0; r < rows; ++r) dst[r] = argmax_row<Fmt>(src + r * row_stride, n);
+  });
+}
+
 }  // namespace
 
 // A fragment: cpu_attention.cpp holds the namespace's TORCH_LIBRARY block.
@@ -376,6 +436,7 @@ TORCH_LIBRARY_FRAGMENT(pagedserve_cpu, m) {
   m.def("silu_and_mul(Tensor(a!) out, Tensor gate_up) -> ()");
   m.def("quantize_rows_uint8(Tensor(a!) codes, Tensor(b!) scales, Tensor x, float static_scale) -> ()");
   m.def("int8_epilogue(Tensor(a!) out, Tensor acc, Tensor? row_scales, Tensor? bias) -> ()");
+  m.def("argmax_rows(Tensor(a!) out, Tensor scores) -> ()");
 }
 
 TORCH_LIBRARY_IMPL(pagedserve_cpu, CPU, m) {
@@ -385,4 +446,5 @@ TORCH_LIBRARY_IMPL(pagedserve_cpu, CPU, m) {
   m.impl("silu_and_mul", &silu_and_mul);
   m.impl("quantize_rows_uint8", &quantize_rows_uint8);
   m.impl("int8_epilogue", &int8_epilogue);
+  m.impl("argmax_rows", &argmax_rows);
 }
