@@ -34,6 +34,7 @@ from services.worker.kv_cache import allocate_host_pool, allocate_kv_pools
 from services.worker.model_loader import load_model
 from services.worker.models.llama import LlamaForCausalLM
 from services.worker.model_config import ModelConfig
+from services.worker.sampler import greedy_tokens
 
 
 @dataclass
@@ -130,7 +131,7 @@ class DraftModelProposer:
         ends = inputs.meta.query_start_loc[1:].long() - 1
         if rows is not None:
             ends = ends[torch.tensor(rows, dtype=torch.int64, device=ends.device)]
-        return self.draft.model.compute_logits(hidden[ends]).argmax(dim=-1).tolist()
+        return greedy_tokens(self.draft.model.compute_logits(hidden[ends])).tolist()
 
     def _tables_with_scratch(self, seqs, proposing: list[int], tables: HostBlockTables) -> torch.Tensor:
         """The batch's block tables, each proposing sequence's followed by its scratch blocks."""

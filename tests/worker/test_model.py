@@ -130,9 +130,9 @@ def test_half_precision_runs(dtype, fixture, request):
     prompt = random_prompts(config.vocab_size, [11])[0]
     logits = PagedRunner(model, config, dtype=dtype).step({0: prompt})[0]
     expected = PagedRunner(reference, config).step({0: prompt})[0]
-    assert logits.dtype == torch.float32 and torch.isfinite(logits).all()
+    assert logits.dtype == dtype and torch.isfinite(logits).all()  # the sampler widens them where it must
     # Half precision drifts, but must stay close to float32 relative to the logits' spread.
-    assert (logits - expected).abs().max() < 0.25 * expected.std()
+    assert (logits.float() - expected).abs().max() < 0.25 * expected.std()
     assert (logits.argmax(-1) == expected.argmax(-1)).float().mean() >= 0.8
 
 

@@ -54,6 +54,29 @@ def test_greedy_is_argmax(batch, seed):
     assert sample_tokens(Sampler(V, [EOS]), logits, states) == logits.argmax(-1).tolist()
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_greedy_rows_take_the_argmax_of_logits_in_the_models_dtype(dtype):
+    # A half-precision model's logits reach the sampler as they are: an all-greedy batch takes their argmax
+    # without a float32 copy, any other batch widens them first; both choose as argmax of the float32 values.
+    logits = (torch.randn(6, V, generator=torch.Generator().manual_seed(4)) * 3).to(dtype)
+    expected = logits.float().argmax(-1).tolist()
+    greedy = [make_state(temperature=0.0) for _ in range(6)]
+    assert sample_tokens(Sampler(V, [EOS]), logits, greedy) == expected
+    with_logprobs = greedy[:5] + [make_state(temperature=0.0, logprobs=2)]
+    samples = Sampler(V, [EOS]).sample(logits, with_logprobs)
+    assert [token for token, _ in samples] == expected and samples[5][1] is not None
+
+
+def test_only_argmax_rows_are_those_no_stage_touches():
+    assert make_state(temperature=0.0).only_argmax
+    assert make_state(temperature=1e-6, min_tokens=2, output=(4, 5)).only_argmax
+    touched = [dict(temperature=1.0), dict(temperature=0.0, logprobs=0), dict(temperature=0.0, logit_bias={3: 1.0}),
+               dict(temperature=0.0, allowed_token_ids=[3, 4]), dict(temperature=0.0, min_tokens=1),
+               dict(temperature=0.0, presence_penalty=0.5), dict(temperature=0.0, repetition_penalty=1.1),
+               dict(temperature=0.0, bad_words=["x"], bad_words_token_ids=[[7]])]
+    assert not any(make_state(**params).only_argmax for params in touched)
+
+
 def test_tiny_temperature_behaves_like_greedy():
     logits = torch.randn(64, V, generator=torch.Generator().manual_seed(1)) * 3
     expected = logits.argmax(-1).tolist()

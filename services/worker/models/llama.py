@@ -224,8 +224,8 @@ class LlamaForCausalLM(nn.Module):
         return batch, targets
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """Float32 logits ``[N, vocab]`` for the rows of ``hidden`` that need sampling (soft-capped where the
-        model says: Gemma 2)."""
+        """Logits ``[N, vocab]`` in the model's dtype for the rows of ``hidden`` that need sampling (soft-capped
+        where the model says: Gemma 2); the sampler widens them to float32 where it needs to."""
         if self.packed_logits is not None:
             logits = self.packed_logits(hidden)
         else:
@@ -235,7 +235,7 @@ class LlamaForCausalLM(nn.Module):
         cap = self.config.final_logit_softcap
         if cap is not None:  # in the model's dtype, as transformers caps them
             logits = torch.tanh(logits / cap) * cap
-        return logits.float()
+        return logits
 
     def classify(self, pooled: torch.Tensor) -> torch.Tensor:
         """A classifier's float32 logits ``[N, num_labels]`` for pooled float32 states ``[N, hidden]`` (in the
