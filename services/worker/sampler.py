@@ -166,7 +166,8 @@ class SamplingState:
 
 def greedy_tokens(scores: Tensor) -> Tensor:
     """Each row's argmax of ``scores [B, V]``, as torch.argmax chooses; on a CPU by the C++ kernel, which reads
-    bfloat16 as it is and spreads the rows over the threads (torch's takes 12 ms for 200 rows of 32000 there)."""
+    bfloat16 as it is and spreads the rows over the threads (200 rows of 32000 on 2 cores: 0.44 ms, where
+    torch's took 3.8 ms in float32 and 12 ms in bfloat16)."""
     if scores.device.type == "cpu" and scores.dtype in cpu_layers.DTYPES and scores.shape[-1] > 0 \
             and scores.stride(-1) == 1 and cpu_layers.available():
         return cpu_layers.argmax_rows(scores)

@@ -137,7 +137,7 @@ class TransformersCausalLM(nn.Module):
             logits = logits / self.logits_scaling
         if self.final_logit_softcap is not None:
             logits = torch.tanh(logits / self.final_logit_softcap) * self.final_logit_softcap
-        return logits  # in the model's dtype, as LlamaModel.compute_logits
+        return logits  # in the model's dtype, as LlamaForCausalLM.compute_logits returns them
 
     def pack_linear_weights(self) -> None:
         """On CPU in float32 or bfloat16: transformers' Linear layers (and GPT-2's Conv1D, a Linear with its weight

@@ -1,7 +1,7 @@
 // Fused elementwise layers for CPUs: RMSNorm (optionally with the residual add before it), neox rotary
 // embedding, and SiLU-and-mul; also the int8 matmul's row quantization and epilogue, and the sampler's
-// greedy argmax (exactly torch.argmax's choice). PyTorch runs each of these as several kernels, every one a full pass over
-// memory with its own temporary; here each token's row is read once and written once. Built at run
+// greedy argmax (exactly torch.argmax's choice). PyTorch runs each of these as several kernels, every one
+// a full pass over memory with its own temporary; here each token's row is read once and written once. Built at run
 // time together with cpu_attention.cpp by services/worker/attention/cpu_kernels.py.
 //
 // Each op reproduces the arithmetic of the PyTorch code in services/worker/models/layers.py (the Hugging
