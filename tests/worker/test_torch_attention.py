@@ -315,3 +315,42 @@ def test_prefill_kernel_reads_strided_rows_and_refuses_bad_input():
     with pytest.raises(ValueError, match="one dtype"):
         prefill_attention(out, q, pool.bfloat16(), pool.bfloat16(), torch.tensor([0, 1, 2, 3], dtype=torch.int32),
                           length, 1.0)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float8_e4m3fn])
+def test_the_cpu_kernels_kv_write_fills_the_slots_index_put_fills(dtype):
+    """csrc/write_kv.cpp against torch_ref.write_kv: new rows as the model hands them (views into one fused
+    projection output), into poisoned pools, at scattered slots; an FP8 cache's codes compared as bytes."""
+    if cpu_kernels_unavailable_reason() is not None:
+        pytest.skip(cpu_kernels_unavailable_reason())
+    from services.worker.attention.cpu_kernels import write_kv as kernel_write_kv
+
+    g = torch.Generator().manual_seed(11)
+    tokens, kv_heads, dim, blocks, block_size = 300, 2, 64, 40, 16
+    fused = torch.randn(tokens, 4 + 2 * kv_heads, dim, generator=g).to(dtype)
+    _, k, v = fused.split([4, kv_heads, kv_heads], dim=1)
+    slots = torch.randperm(blocks * block_size, generator=g)[:tokens]
+    pools = [torch.full((blocks, block_size, kv_heads, dim), NAN).to(dtype) for _ in range(4)]
+    write_kv(pools[0], pools[1], k, v, slots)
+    kernel_write_kv(pools[2], pools[3], k, v, slots)
+    for expected, actual in ((pools[0], pools[2]), (pools[1], pools[3])):
+        assert torch.equal(expected.view(torch.uint8), actual.view(torch.uint8))
+
+
+def test_the_cpu_kernels_kv_write_refuses_bad_input():
+    if cpu_kernels_unavailable_reason() is not None:
+        pytest.skip(cpu_kernels_unavailable_reason())
+    from services.worker.attention.cpu_kernels import write_kv as kernel_write_kv
+
+    pool = torch.zeros(4, 16, 2, 64)
+    rows = torch.randn(3, 2, 64)
+    with pytest.raises(IndexError, match="slot 64"):
+        kernel_write_kv(pool, pool.clone(), rows, rows, torch.tensor([0, 64, 1]))
+    with pytest.raises(IndexError, match="slot -1"):
+        kernel_write_kv(pool, pool.clone(), rows, rows, torch.tensor([0, -1, 1]))
+    with pytest.raises(ValueError, match="heads next to each other"):
+        kernel_write_kv(pool, pool.clone(), rows.transpose(0, 1).contiguous().transpose(0, 1), rows,
+                        torch.tensor([0, 1, 2]))
+    with pytest.raises(ValueError, match="shape and dtype"):
+        kernel_write_kv(pool, pool.clone(), rows.bfloat16(), rows.bfloat16(), torch.tensor([0, 1, 2]))
+    assert not pool.any()  # nothing written by a refused call

@@ -36,9 +36,10 @@ import torch
 from services.worker.attention.build_once import build_once
 from services.worker.attention.file_lock import LockTimeout
 
-# Decode attention; the models' fused elementwise layers (wrapped in services/worker/models/cpu_layers.py).
+# Decode attention; the models' fused elementwise layers (wrapped in services/worker/models/cpu_layers.py);
+# prefill attention; the K/V cache write.
 SOURCES = [Path(__file__).with_name("csrc") / name
-           for name in ("cpu_attention.cpp", "cpu_layers.cpp", "prefill_attention.cpp")]
+           for name in ("cpu_attention.cpp", "cpu_layers.cpp", "prefill_attention.cpp", "write_kv.cpp")]
 LIBRARY = "pagedserve_cpu"  # the torch.library namespace the sources register
 
 
@@ -62,6 +63,14 @@ def paged_decode_attention(out: torch.Tensor, query: torch.Tensor, key_cache: to
     getattr(torch.ops, LIBRARY).paged_decode_attention(out, query, key_cache, value_cache, block_tables,
                                                        seq_lens, rows, seqs, scale, window or 0, softcap or 0.0,
                                                        v_scale)
+
+
+def write_kv(key_cache: torch.Tensor, value_cache: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+             slot_mapping: torch.Tensor) -> None:
+    """``key_cache`` / ``value_cache`` token row ``slot_mapping[t]`` = ``key[t]`` / ``value[t]`` (torch_ref.write_kv's
+    index_put, one copy a token). Caches [N, B, Hkv, D] contiguous; key, value [T, Hkv, D] of their dtype, each
+    token's heads adjacent (strides [any, D, 1]); slot_mapping int64 [T] within N * B (IndexError if not)."""
+    getattr(torch.ops, LIBRARY).write_kv(key_cache, value_cache, key, value, slot_mapping)
 
 
 def has_prefill_attention() -> bool:

@@ -178,7 +178,7 @@ class TorchAttentionBackend:
         scales = self.kv_scales.of_step(layer, k, v)
         if is_fp8(k_cache):  # the codes go in the cache, and the prefill attends over them as the decodes will
             k, v = quantize_kv(k, scales[0], k_cache.dtype), quantize_kv(v, scales[1], v_cache.dtype)
-        write_kv(k_cache, v_cache, k, v, meta.slot_mapping)
+        self._write_kv(k_cache, v_cache, k, v, meta.slot_mapping)
         window = self.spec.window(layer)
         plan = self._step_plan(meta, q.dtype, k_cache, window)
         out = torch.empty_like(q)
@@ -187,6 +187,10 @@ class TorchAttentionBackend:
         if plan.prefill:
             self._prefill(q, k, v, k_cache, v_cache, plan.prefill, out, window, scales)
         return out
+
+    def _write_kv(self, k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                  slot_mapping: torch.Tensor) -> None:
+        write_kv(k_cache, v_cache, k, v, slot_mapping)
 
     # ---- per-step plan, shared by all layers of one window ----------------------------------------
 
