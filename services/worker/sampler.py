@@ -117,7 +117,7 @@ class SamplingState:
         """Whether this row's token is the raw logits' argmax: greedy, no logprobs, and no processing stage
         (each of Sampler._processed_scores's) that would change a score."""
         return (self.params.temperature < GREEDY_TEMPERATURE and self.params.logprobs is None
-                and self.bias_row is None and not self.bad_words and self._counts is None and self.grammar is None
+                and self.bias_row is None and not self.bad_words and not self.penalised and self.grammar is None
                 and self._num_output_tokens >= self.params.min_tokens)
 
     @property
