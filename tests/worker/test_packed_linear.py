@@ -8,14 +8,14 @@ import torch.nn.functional as F
 from torch import nn
 
 from services.worker.model_loader import load_model
-from services.worker.models.packed_linear import PackedLinear, can_pack, pack_linear_layers
+from services.worker.models.packed_linear import EXACT_ROWS, PackedLinear, can_pack, pack_linear_layers, padded_rows
 from tests.worker.test_model import ARCH_FIXTURES, PagedRunner, random_prompts
 
 CPU = torch.device("cpu")
 pytestmark = pytest.mark.skipif(not can_pack(torch.float32, CPU), reason="oneDNN is not available")
 
 
-@pytest.mark.parametrize("rows", [0, 1, 7, 256, 1000])
+@pytest.mark.parametrize("rows", [0, 1, 7, 33, 45, 256, 300, 1000])
 @pytest.mark.parametrize("bias", [False, True])
 def test_packed_linear_matches_f_linear(rows, bias):
     generator = torch.Generator().manual_seed(rows)
@@ -29,6 +29,23 @@ def test_packed_linear_takes_strided_inputs():
     weight, x = torch.randn(64, 32), torch.randn(10, 64)[:, ::2]  # rows with stride 64, columns 2 apart
     assert not x.is_contiguous()
     torch.testing.assert_close(PackedLinear(weight, None)(x), F.linear(x, weight), atol=1e-5, rtol=1e-5)
+
+
+def test_padded_rows_are_few_and_close_above_the_exact_ones():
+    sizes = {rows: padded_rows(rows) for rows in range(0, 8193)}
+    assert all(sizes[rows] == rows for rows in range(EXACT_ROWS + 1))
+    assert all(rows <= padded <= rows * 17 / 16 for rows, padded in sizes.items())
+    assert all(padded_rows(padded) == padded for padded in sizes.values())  # a padded size needs no more
+    assert len(set(sizes.values())) == EXACT_ROWS + 1 + 16 * 8  # sixteen an octave, 32 to 8192
+
+
+def test_padded_rows_keep_the_input_shape_and_leave_the_input_alone():
+    weight, x = torch.randn(24, 64), torch.randn(3, 17, 128)[..., ::2]  # 51 rows, padded to 52
+    before = x.clone()
+    out = PackedLinear(weight, None)(x)
+    assert padded_rows(51) == 52 and out.shape == (3, 17, 24) and out.is_contiguous()
+    torch.testing.assert_close(out, F.linear(x, weight), atol=1e-5, rtol=1e-5)
+    assert torch.equal(x, before)
 
 
 def test_pack_replaces_every_linear():
