@@ -280,10 +280,30 @@ def test_prefills_in_the_cpu_kernel(dim, heads, dtype, tolerance, monkeypatch):
     calls = []
     kernel = cpu_attention.prefill_attention
     monkeypatch.setattr(cpu_attention, "prefill_attention", lambda *args: (calls.append(args[5]), kernel(*args)))
+    monkeypatch.setattr(cpu_attention, "sdpa_multiplies_on_amx", lambda: False)  # (the kernel, on any CPU)
     batch = [(0, 70), (45, 33), (0, 17), (100, 1), (3, 16), (16, 50), (0, 2)]
     run_case(batch, CpuAttentionBackend, heads=heads, kv_heads=2, dim=dim, dtype=dtype, seed=dim + heads,
              atol=tolerance, rtol=tolerance)
     assert sorted(calls) == sorted(2 * [c + n for c, n in batch if n > 1])  # 2 layers, every prefill
+
+
+@pytest.mark.parametrize("dtype, tolerance", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
+def test_bfloat16_prefills_go_to_sdpa_where_the_cpu_has_amx(dtype, tolerance, monkeypatch):
+    if cpu_kernels_unavailable_reason() is not None:
+        pytest.skip(cpu_kernels_unavailable_reason())
+    from services.worker.attention import cpu_attention
+    from services.worker.attention.cpu_attention import CpuAttentionBackend
+
+    if not cpu_attention.has_prefill_attention():
+        pytest.skip("the CPU kernels were built without AVX-512 or AVX2")
+    calls = []
+    kernel = cpu_attention.prefill_attention
+    monkeypatch.setattr(cpu_attention, "prefill_attention", lambda *args: (calls.append(args[5]), kernel(*args)))
+    monkeypatch.setattr(cpu_attention, "sdpa_multiplies_on_amx", lambda: True)
+    batch = [(0, 40), (21, 19), (30, 1)]
+    run_case(batch, CpuAttentionBackend, heads=4, kv_heads=2, dim=64, dtype=dtype, seed=7, atol=tolerance,
+             rtol=tolerance)
+    assert len(calls) == (0 if dtype == torch.bfloat16 else 4)  # float32: the kernel still, 2 layers x 2
 
 
 def test_prefill_kernel_reads_strided_rows_and_refuses_bad_input():

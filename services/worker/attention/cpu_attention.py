@@ -5,8 +5,9 @@ Decode attention is memory-bound: the torch backend gathers each sequence's bloc
 and SDPA reads them back, so every K/V byte crosses the memory bus three times; the kernel in
 csrc/cpu_attention.cpp reads it once (benchmarks/cpu_attention.py compares them). Prefill is
 compute-bound: csrc/prefill_attention.cpp lays it out as small matrix multiplies (AVX-512 or AVX2), which
-torch's fused SDPA kernel runs at a third of the speed on a few hundred tokens. What it does not take
-(sliding windows, soft caps, images' two-way spans, FP8 codes, other head sizes) keeps SDPA.
+torch's fused SDPA kernel runs at a third of the speed on a few hundred tokens, except bfloat16 on a CPU with
+AMX, whose tiles SDPA uses. What it does not take (that case, sliding windows, soft caps, images' two-way
+spans, FP8 codes, other head sizes) keeps SDPA.
 """
 
 from __future__ import annotations
@@ -23,6 +24,13 @@ from services.worker.attention.spec import AttentionSpec
 from services.worker.attention.torch_ref import TorchAttentionBackend, _Prefill
 
 PREFILL_HEAD_SIZES = (64, 128, 256)  # what the prefill kernel is compiled for
+
+
+def sdpa_multiplies_on_amx() -> bool:
+    """Whether this CPU has AMX, whose tiles torch's fused SDPA kernel multiplies bfloat16 on: there SDPA runs
+    bfloat16 prefills faster than the C++ kernel's vector loops (measured on a Xeon with AMX, 2 threads,
+    benchmarks/cpu_attention.py: prefill_mix 8.2 against 9.9 ms, first_chunks 3.6 against 5.6)."""
+    return getattr(torch.cpu, "_is_amx_tile_supported", lambda: False)()
 
 
 @dataclass
@@ -45,6 +53,7 @@ class CpuAttentionBackend(TorchAttentionBackend):
             raise ValueError(f"attention_backend='cpu' cannot run here: {reason}; use 'torch' or 'auto'")
         super().__init__(kv_caches, spec, kv_scales)
         self._prefill_kernel = has_prefill_attention() and spec.logit_softcap is None
+        self._bfloat16_prefills_in_sdpa = sdpa_multiplies_on_amx()
         self._one_block = torch.zeros(1, dtype=torch.int32)  # a first chunk's new K/V, read as one block
 
     def _write_kv(self, k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
@@ -92,5 +101,6 @@ class CpuAttentionBackend(TorchAttentionBackend):
             super()._prefill(q, k, v, k_cache, v_cache, rest, out, window, scales)
 
     def _kernel_prefills(self, q: torch.Tensor, k_cache: torch.Tensor, window: int | None) -> bool:
-        return (self._prefill_kernel and window is None and q.dtype in (torch.float32, torch.bfloat16)
+        kernel_dtypes = (torch.float32,) if self._bfloat16_prefills_in_sdpa else (torch.float32, torch.bfloat16)
+        return (self._prefill_kernel and window is None and q.dtype in kernel_dtypes
                 and k_cache.dtype == q.dtype and q.shape[-1] in PREFILL_HEAD_SIZES)
