@@ -262,6 +262,22 @@ def test_cpu_kernel_refuses_indices_outside_its_tensors():
             paged_decode_attention(out, q, pool, pool, args["tables"], args["lens"], args["rows"], args["seqs"], 1.0)
 
 
+def count_prefill_kernel_calls(monkeypatch, *, amx: bool) -> list[int]:
+    """The context length of each call the CPU backend makes to the prefill kernel from now on, with the CPU
+    taken to have AMX or not (skips where the kernel is not built)."""
+    if cpu_kernels_unavailable_reason() is not None:
+        pytest.skip(cpu_kernels_unavailable_reason())
+    from services.worker.attention import cpu_attention
+
+    if not cpu_attention.has_prefill_attention():
+        pytest.skip("the CPU kernels were built without AVX-512 or AVX2")
+    calls = []
+    kernel = cpu_attention.prefill_attention
+    monkeypatch.setattr(cpu_attention, "prefill_attention", lambda *args: (calls.append(args[5]), kernel(*args)))
+    monkeypatch.setattr(cpu_attention, "sdpa_multiplies_on_amx", lambda: amx)
+    return calls
+
+
 @pytest.mark.parametrize("dim", [64, 128, 256])
 @pytest.mark.parametrize("heads", [8, 6, 2])
 @pytest.mark.parametrize("dtype, tolerance", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
@@ -270,17 +286,9 @@ def test_prefills_in_the_cpu_kernel(dim, heads, dtype, tolerance, monkeypatch):
     and chunks after a cached prefix, across many tiles of rows and keys (16 x 16 with
     AVX-512, 12 x 8 with AVX2), with prefixes that end mid-tile,
     beside decodes; groups of 4, 3 and 1 query heads per KV head."""
-    if cpu_kernels_unavailable_reason() is not None:
-        pytest.skip(cpu_kernels_unavailable_reason())
-    from services.worker.attention import cpu_attention
     from services.worker.attention.cpu_attention import CpuAttentionBackend
 
-    if not cpu_attention.has_prefill_attention():
-        pytest.skip("the CPU kernels were built without AVX-512 or AVX2")
-    calls = []
-    kernel = cpu_attention.prefill_attention
-    monkeypatch.setattr(cpu_attention, "prefill_attention", lambda *args: (calls.append(args[5]), kernel(*args)))
-    monkeypatch.setattr(cpu_attention, "sdpa_multiplies_on_amx", lambda: False)  # (the kernel, on any CPU)
+    calls = count_prefill_kernel_calls(monkeypatch, amx=False)  # (the kernel, on any CPU)
     batch = [(0, 70), (45, 33), (0, 17), (100, 1), (3, 16), (16, 50), (0, 2)]
     run_case(batch, CpuAttentionBackend, heads=heads, kv_heads=2, dim=dim, dtype=dtype, seed=dim + heads,
              atol=tolerance, rtol=tolerance)
@@ -289,17 +297,9 @@ def test_prefills_in_the_cpu_kernel(dim, heads, dtype, tolerance, monkeypatch):
 
 @pytest.mark.parametrize("dtype, tolerance", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
 def test_bfloat16_prefills_go_to_sdpa_where_the_cpu_has_amx(dtype, tolerance, monkeypatch):
-    if cpu_kernels_unavailable_reason() is not None:
-        pytest.skip(cpu_kernels_unavailable_reason())
-    from services.worker.attention import cpu_attention
     from services.worker.attention.cpu_attention import CpuAttentionBackend
 
-    if not cpu_attention.has_prefill_attention():
-        pytest.skip("the CPU kernels were built without AVX-512 or AVX2")
-    calls = []
-    kernel = cpu_attention.prefill_attention
-    monkeypatch.setattr(cpu_attention, "prefill_attention", lambda *args: (calls.append(args[5]), kernel(*args)))
-    monkeypatch.setattr(cpu_attention, "sdpa_multiplies_on_amx", lambda: True)
+    calls = count_prefill_kernel_calls(monkeypatch, amx=True)
     batch = [(0, 40), (21, 19), (30, 1)]
     run_case(batch, CpuAttentionBackend, heads=4, kv_heads=2, dim=64, dtype=dtype, seed=7, atol=tolerance,
              rtol=tolerance)
