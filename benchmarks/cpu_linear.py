@@ -20,6 +20,7 @@ import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
 from benchmarks.workload import write_report  # noqa: E402
+from services.worker.cpu_tuning import keep_large_allocations_in_heap  # noqa: E402
 from services.worker.models.packed_linear import PackedLinear  # noqa: E402
 
 # (name, out_features, in_features) of the bench model: hidden 512, 8 + 2 * 4 heads of 64, MLP 1408.
@@ -46,6 +47,7 @@ def main() -> None:
     parser.add_argument("--out", default=str(Path(__file__).with_name("results") / "cpu_linear.json"))
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
+    keep_large_allocations_in_heap()  # as the worker does: outputs not page-faulted afresh on every call
     dtype = getattr(torch, args.dtype)
     rows_out = []
     print(f"{'layer':8} {'rows':>5} {'F.linear':>9} {'packed':>9} {'ratio':>6}   (GFLOPS)")

@@ -24,7 +24,7 @@ from services.worker.cpu_tuning import runs_emulated
 # oneDNN chooses its blocking for a typical row count; any row count still works.
 ROWS_HINT = 256
 EXACT_ROWS = 32  # row counts run as they are (padded_rows)
-SIZES_PER_OCTAVE = 16  # padded sizes between one power of two and the next (a power of two itself)
+SIZES_PER_OCTAVE = 16  # padded sizes from one power of two to the next (a power of two, at most EXACT_ROWS)
 
 
 def padded_rows(rows: int) -> int:
