@@ -81,7 +81,12 @@ def test_a_bfloat16_model_is_packed_and_equals_unpacked(llama_dir):
     assert packed.packed_logits is not None and not any(isinstance(m, nn.Linear) for m in packed.modules())
     prompt = random_prompts(config.vocab_size, [17])[0]
     runs = [PagedRunner(model, config, torch.bfloat16).step({0: prompt})[0] for model in (packed, plain)]
-    assert torch.equal(*runs)
+    # Not bit for bit: in some processes (1 run in 20-30 of this file on a Xeon with AMX) oneDNN takes another
+    # kernel for F.linear's re-packed weights, whose additions in another order round a bfloat16 here and there
+    # an ulp apart; through the layers the logits then differ by a few ulps (seen: 0.055 where they reach 6).
+    # A wrong layout would differ by as much as the logits themselves.
+    scale = runs[1].float().abs().max().item()
+    torch.testing.assert_close(runs[0].float(), runs[1].float(), atol=0.03 * scale, rtol=0)
 
 
 @pytest.mark.parametrize("fixture", ARCH_FIXTURES)
