@@ -15,9 +15,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import os
 import random
-import signal
 import statistics
 import sys
 import time
@@ -25,7 +23,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from benchmarks.serving import engine_stats, one_request, percentiles, served_model, start_stack  # noqa: E402
+from benchmarks.serving import (  # noqa: E402
+    engine_stats, one_request, percentiles, served_model, start_stack, stop_stack)
 from benchmarks.workload import BenchRequest, bench_model_dir, write_report  # noqa: E402
 
 SETUPS = {"colocated": ("--data-parallel-size", "2"),
@@ -80,8 +79,7 @@ def run_setup(model_dir: Path, setup: str, streams, burst, args) -> dict:
         report["engine"] = {k: v for k, v in engine_stats(base_url).items()
                             if k in ("num_kv_pulls", "kv_pull_blocks", "num_preemptions", "prefix_cache_hits")}
     finally:
-        os.killpg(stack.pid, signal.SIGTERM)
-        stack.wait(timeout=60)
+        stop_stack(stack)
     return report
 
 

@@ -29,9 +29,7 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import random
-import signal
 import sys
 import tempfile
 import time
@@ -348,7 +346,7 @@ def stack_arguments(bench: RealSizeBench) -> list[str]:
 
 
 def section_serving(bench: RealSizeBench, record: dict) -> None:
-    from benchmarks.serving import process_names, run_offline, run_serving, served_model, start_stack
+    from benchmarks.serving import process_names, run_offline, run_serving, served_model, start_stack, stop_stack
     from benchmarks.workload import BenchRequest
 
     started_worker(bench)
@@ -375,8 +373,7 @@ def section_serving(bench: RealSizeBench, record: dict) -> None:
         run_serving(base_url, model, warm_up, load, processes)  # first-use costs
         served = record["serving"] = run_serving(base_url, model, requests, load, processes)
     finally:
-        os.killpg(stack.pid, signal.SIGTERM)
-        stack.wait(timeout=60)
+        stop_stack(stack)
     ratio = record["serving_over_offline"] = served["tokens_per_s"] / offline["tokens_per_s"]
     record["target_met"] = ratio >= SERVING_TARGET
     print(f"  stack: {served['tokens_per_s']:.0f} tok/s, {served['requests_per_s']:.2f} req/s, "

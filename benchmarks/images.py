@@ -15,8 +15,6 @@ import argparse
 import base64
 import io
 import json
-import os
-import signal
 import statistics
 import sys
 import time
@@ -28,7 +26,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from benchmarks.serving import engine_stats, percentiles, served_model, start_stack  # noqa: E402
+from benchmarks.serving import engine_stats, percentiles, served_model, start_stack, stop_stack  # noqa: E402
 from benchmarks.workload import bench_model_dir, write_report  # noqa: E402
 
 SETTINGS = {"encoder cache": (), "no encoder cache": ("--encoder-cache-size", "0")}
@@ -78,8 +76,7 @@ def run_setting(model_dir: Path, setting: str, urls: list[str], args) -> dict:
         elapsed = time.perf_counter() - started
         after = engine_stats(base_url)
     finally:
-        os.killpg(stack.pid, signal.SIGTERM)
-        stack.wait(timeout=60)
+        stop_stack(stack)
     return {"elapsed_s": elapsed, "requests_per_s": args.num_requests / elapsed,
             "ttft_s": percentiles([r["ttft"] for r in results]),
             "prompt_tokens_computed": after.get("prompt_tokens_computed", 0) - before.get("prompt_tokens_computed", 0)}

@@ -13,16 +13,15 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import os
 import random
-import signal
 import statistics
 import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from benchmarks.serving import engine_stats, run_load, served_model, start_stack, summarize  # noqa: E402
+from benchmarks.serving import (  # noqa: E402
+    engine_stats, run_load, served_model, start_stack, stop_stack, summarize)
 from benchmarks.workload import BenchRequest, bench_model_dir, write_report  # noqa: E402
 
 POLICIES = ("prompt-hash", "cached-prefix")
@@ -53,8 +52,7 @@ def run_policy(model_dir: Path, policy: str, requests: list[BenchRequest], args)
         results, elapsed = asyncio.run(run_load(base_url, model, requests, None, args.concurrency, args.seed))
         after = engine_stats(base_url)
     finally:
-        os.killpg(stack.pid, signal.SIGTERM)
-        stack.wait(timeout=60)
+        stop_stack(stack)
     delta = {k: after.get(k, 0.0) - before.get(k, 0.0) for k in
              ("prefix_cache_queries", "prefix_cache_hits", "prompt_tokens_computed", "num_preemptions")}
     report = summarize(results, elapsed)

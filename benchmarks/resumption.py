@@ -29,7 +29,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import httpx2 as httpx  # noqa: E402
 
-from benchmarks.serving import process_names, served_model, start_stack  # noqa: E402
+from benchmarks.serving import process_names, served_model, start_stack, stop_stack  # noqa: E402
 from benchmarks.workload import bench_model_dir, bench_workload, write_report  # noqa: E402
 
 
@@ -124,8 +124,7 @@ def one_mode(model_dir: Path, port: int, prompts, args, resume: bool) -> dict:
                                            lambda: os.kill(victim, signal.SIGKILL), args.kill_after)
         resumed = resumed_requests(port)
     finally:
-        os.killpg(serve.pid, signal.SIGTERM)
-        serve.wait(timeout=60)
+        stop_stack(serve)
     completed = [s for s in hit if s.error is None and s.finish == "length"]
     same = sum(s.text == c.text for s, c in zip(hit, clean) if s in completed)
     pauses = [s.longest_gap_s for s in completed]

@@ -32,6 +32,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from benchmarks.workload import (  # noqa: E402
     BenchRequest, bench_model_dir, bench_workload, wait_until_answering, write_report)
+from pagedserve.launcher import STOP_ORDER, STOP_WAIT_S  # noqa: E402
 from services.gateway.server import run_event_loop  # noqa: E402
 
 
@@ -232,6 +233,18 @@ def start_stack(model_dir: Path, port: int, *extra: str) -> subprocess.Popen:
     return proc
 
 
+def stop_stack(stack: subprocess.Popen) -> None:
+    """SIGTERM to the stack's process group, then as long as the launcher's ordered stop may take (each stage
+    STOP_WAIT_S, the children of a stage at once); anything left after that is killed. (A fixed 60 s wait was
+    shorter than that stop: a loaded machine, with a restarted worker still starting, ran past it.)"""
+    os.killpg(stack.pid, signal.SIGTERM)
+    try:
+        stack.wait(timeout=len(STOP_ORDER) * STOP_WAIT_S + 10)
+    except subprocess.TimeoutExpired:
+        os.killpg(stack.pid, signal.SIGKILL)
+        stack.wait()
+
+
 def served_model(base_url: str) -> str:
     """The id of the model a stack serves, from ``{base_url}/models``. A generous timeout: the gateway's first
     answer loads the tokenizer, seconds on a busy machine."""
@@ -320,8 +333,7 @@ def main() -> None:
                       f"{mean_tps(one['serving']):.1f} tok/s, ratio {one['serving_over_offline']:.3f}", file=sys.stderr)
     finally:
         if stack is not None:
-            os.killpg(stack.pid, signal.SIGTERM)
-            stack.wait(timeout=60)
+            stop_stack(stack)
     report["rounds"] = rounds
     report["serving"] = rounds[-1]["serving"][-1]  # the last run in full; every run is in "rounds"
     if llm is not None:

@@ -60,6 +60,10 @@ MAX_RESTARTS_PER_MINUTE = 3
 MAX_FAILED_STARTS = 3
 
 
+STOP_ORDER = ("gateway", "scheduler", "worker")  # front to back: stop intake, drain, release
+STOP_WAIT_S = 40.0  # what each child gets to stop after SIGTERM before it is killed
+
+
 @dataclass
 class Child:
     """One process of the stack: what to run again should it crash, and how to tell it is up."""
@@ -274,13 +278,13 @@ class Stack:
         # A second Ctrl-C must not cut the ordered shutdown short and leave children behind.
         for sig in (signal.SIGINT, signal.SIGTERM):
             signal.signal(sig, signal.SIG_IGN)
-        for command in ("gateway", "scheduler", "worker"):  # front to back: stop intake, drain, release
+        for command in STOP_ORDER:
             procs = [c.proc for c in self.children.values() if c.command == command and c.proc.poll() is None]
             for proc in procs:
                 proc.send_signal(signal.SIGTERM)
             for proc in procs:
                 try:
-                    proc.wait(timeout=40)
+                    proc.wait(timeout=STOP_WAIT_S)
                 except subprocess.TimeoutExpired:
                     proc.kill()
                     proc.wait()
