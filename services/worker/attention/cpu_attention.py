@@ -53,7 +53,8 @@ class CpuAttentionBackend(TorchAttentionBackend):
             raise ValueError(f"attention_backend='cpu' cannot run here: {reason}; use 'torch' or 'auto'")
         super().__init__(kv_caches, spec, kv_scales)
         self._prefill_kernel = has_prefill_attention() and spec.logit_softcap is None
-        self._bfloat16_prefills_in_sdpa = sdpa_multiplies_on_amx()
+        # (bfloat16 prefills run faster in SDPA where it multiplies on AMX)
+        self._prefill_dtypes = (torch.float32,) if sdpa_multiplies_on_amx() else (torch.float32, torch.bfloat16)
         self._one_block = torch.zeros(1, dtype=torch.int32)  # a first chunk's new K/V, read as one block
 
     def _write_kv(self, k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
@@ -101,6 +102,5 @@ class CpuAttentionBackend(TorchAttentionBackend):
             super()._prefill(q, k, v, k_cache, v_cache, rest, out, window, scales)
 
     def _kernel_prefills(self, q: torch.Tensor, k_cache: torch.Tensor, window: int | None) -> bool:
-        kernel_dtypes = (torch.float32,) if self._bfloat16_prefills_in_sdpa else (torch.float32, torch.bfloat16)
-        return (self._prefill_kernel and window is None and q.dtype in kernel_dtypes
+        return (self._prefill_kernel and window is None and q.dtype in self._prefill_dtypes
                 and k_cache.dtype == q.dtype and q.shape[-1] in PREFILL_HEAD_SIZES)
