@@ -4,6 +4,8 @@ PyTorch runs RMSNorm as six kernels, rotary as a dozen and SiLU-and-mul as two, 
 memory with its own temporary; these do one pass per row. They reproduce the per-element arithmetic
 of the PyTorch code in layers.py (see the C++ source for the one last-bit difference, RMSNorm's sum).
 ``available()`` builds the kernels on first use (services/worker/attention/cpu_kernels.py).
+Each wrapper checks its arguments (ValueError), formatting a message only when a check fails: they run in
+every layer on every step.
 """
 
 from __future__ import annotations
@@ -35,10 +37,11 @@ def fused_add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Te
     """``residual += x`` in place, then returns ``rms_norm(residual)``; x and residual contiguous ``[..., N]``."""
     out = x.new_empty(x.shape) if out is None else out
     _check_norm(x, weight, out)
-    _require(x.is_contiguous() and residual.is_contiguous(), "x and residual must be contiguous")
-    _require(residual.shape == x.shape and residual.dtype == x.dtype and residual.device.type == "cpu",
-             f"residual must be a CPU tensor shaped {tuple(x.shape)} of {x.dtype}, "
-             f"got {tuple(residual.shape)} {residual.dtype} on {residual.device}")
+    if not (x.is_contiguous() and residual.is_contiguous()):
+        raise ValueError("x and residual must be contiguous")
+    if not (residual.shape == x.shape and residual.dtype == x.dtype and residual.device.type == "cpu"):
+        raise ValueError(f"residual must be a CPU tensor shaped {tuple(x.shape)} of {x.dtype}, "
+                         f"got {tuple(residual.shape)} {residual.dtype} on {residual.device}")
     _ops().fused_add_rms_norm(out, x, residual, weight, eps)
     return out
 
@@ -50,33 +53,42 @@ def rotary_embedding(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, 
     positions int64 [T]; cos, sin contiguous [max_positions, D] of q's dtype; q, k need unit stride
     along D only. A position outside the table raises IndexError.
     """
-    _require(all(t.device.type == "cpu" for t in (positions, q, k, cos, sin)), "every tensor must be on the CPU")
-    _require(q.dtype in DTYPES, f"q must be float32, bfloat16 or float16, got {q.dtype}")
-    _require(k.dtype == q.dtype and cos.dtype == q.dtype and sin.dtype == q.dtype,
-             f"q, k, cos and sin must share one dtype, got {q.dtype}, {k.dtype}, {cos.dtype}, {sin.dtype}")
-    _require(q.dim() == 3 and k.dim() == 3 and k.shape[0] == q.shape[0] and k.shape[2] == q.shape[2],
-             f"q and k must be [T, H, D] and [T, Hkv, D], got {tuple(q.shape)} and {tuple(k.shape)}")
-    _require(q.shape[2] % 2 == 0, f"head_dim must be even, got {q.shape[2]}")
-    _require(q.stride(2) == 1 and k.stride(2) == 1, "q and k need unit stride along head_dim")
-    _require(positions.dtype == torch.int64 and positions.shape == (q.shape[0],) and positions.is_contiguous(),
-             f"positions must be contiguous int64 [{q.shape[0]}], got {positions.dtype} {tuple(positions.shape)}")
-    _require(cos.dim() == 2 and cos.shape == sin.shape and cos.shape[1] == q.shape[2]
-             and cos.is_contiguous() and sin.is_contiguous(),
-             f"cos and sin must be contiguous [max_positions, {q.shape[2]}], "
-             f"got {tuple(cos.shape)} and {tuple(sin.shape)}")
+    if not all(t.device.type == "cpu" for t in (positions, q, k, cos, sin)):
+        raise ValueError("every tensor must be on the CPU")
+    if q.dtype not in DTYPES:
+        raise ValueError(f"q must be float32, bfloat16 or float16, got {q.dtype}")
+    if not (k.dtype == q.dtype and cos.dtype == q.dtype and sin.dtype == q.dtype):
+        raise ValueError(f"q, k, cos and sin must share one dtype, got {q.dtype}, {k.dtype}, {cos.dtype}, {sin.dtype}")
+    if not (q.dim() == 3 and k.dim() == 3 and k.shape[0] == q.shape[0] and k.shape[2] == q.shape[2]):
+        raise ValueError(f"q and k must be [T, H, D] and [T, Hkv, D], got {tuple(q.shape)} and {tuple(k.shape)}")
+    if q.shape[2] % 2:
+        raise ValueError(f"head_dim must be even, got {q.shape[2]}")
+    if not (q.stride(2) == 1 and k.stride(2) == 1):
+        raise ValueError("q and k need unit stride along head_dim")
+    if not (positions.dtype == torch.int64 and positions.shape == (q.shape[0],) and positions.is_contiguous()):
+        raise ValueError(f"positions must be contiguous int64 [{q.shape[0]}], "
+                         f"got {positions.dtype} {tuple(positions.shape)}")
+    if not (cos.dim() == 2 and cos.shape == sin.shape and cos.shape[1] == q.shape[2]
+            and cos.is_contiguous() and sin.is_contiguous()):
+        raise ValueError(f"cos and sin must be contiguous [max_positions, {q.shape[2]}], "
+                         f"got {tuple(cos.shape)} and {tuple(sin.shape)}")
     _ops().rotary_embedding(positions, q, k, cos, sin)
 
 
 def silu_and_mul(gate_up: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
     """``silu(gate) * up`` for ``gate_up [T, 2I] = [gate | up]`` (unit stride along 2I) -> out ``[T, I]``."""
-    _require(gate_up.device.type == "cpu", "gate_up must be on the CPU")
-    _require(gate_up.dtype in DTYPES, f"gate_up must be float32, bfloat16 or float16, got {gate_up.dtype}")
-    _require(gate_up.dim() == 2 and gate_up.shape[1] % 2 == 0 and gate_up.stride(1) == 1,
-             f"gate_up must be [T, 2 * I] with unit stride along its last dimension, got {tuple(gate_up.shape)}")
+    if gate_up.device.type != "cpu":
+        raise ValueError("gate_up must be on the CPU")
+    if gate_up.dtype not in DTYPES:
+        raise ValueError(f"gate_up must be float32, bfloat16 or float16, got {gate_up.dtype}")
+    if not (gate_up.dim() == 2 and gate_up.shape[1] % 2 == 0 and gate_up.stride(1) == 1):
+        raise ValueError(f"gate_up must be [T, 2 * I] with unit stride along its last dimension, "
+                         f"got {tuple(gate_up.shape)}")
     shape = (gate_up.shape[0], gate_up.shape[1] // 2)
     out = gate_up.new_empty(shape) if out is None else out
-    _require(out.shape == shape and out.dtype == gate_up.dtype and out.is_contiguous() and out.device.type == "cpu",
-             f"out must be a contiguous CPU tensor {shape} of {gate_up.dtype}, got {tuple(out.shape)} {out.dtype}")
+    if not (out.shape == shape and out.dtype == gate_up.dtype and out.is_contiguous() and out.device.type == "cpu"):
+        raise ValueError(f"out must be a contiguous CPU tensor {shape} of {gate_up.dtype}, "
+                         f"got {tuple(out.shape)} {out.dtype}")
     _ops().silu_and_mul(out, gate_up)
     return out
 
@@ -85,10 +97,14 @@ def quantize_rows_uint8(x: torch.Tensor, static_scale: float | None = None) -> t
     """``x [T, N]`` (unit stride along N) -> (uint8 codes ``[T, N]``, float32 scales ``[T, 1]``): each row's
     int8 codes (int8_linear.quantize_per_token, or by ``static_scale`` where given) plus 128, as oneDNN's int8
     matmul takes activations."""
-    _require(static_scale is None or static_scale > 0, f"static_scale must be positive, got {static_scale}")
-    _require(x.device.type == "cpu", "x must be on the CPU")
-    _require(x.dtype in DTYPES, f"x must be float32, bfloat16 or float16, got {x.dtype}")
-    _require(x.dim() == 2 and x.stride(1) == 1, f"x must be [T, N] with unit stride along N, got {tuple(x.shape)}")
+    if not (static_scale is None or static_scale > 0):
+        raise ValueError(f"static_scale must be positive, got {static_scale}")
+    if x.device.type != "cpu":
+        raise ValueError("x must be on the CPU")
+    if x.dtype not in DTYPES:
+        raise ValueError(f"x must be float32, bfloat16 or float16, got {x.dtype}")
+    if not (x.dim() == 2 and x.stride(1) == 1):
+        raise ValueError(f"x must be [T, N] with unit stride along N, got {tuple(x.shape)}")
     codes = torch.empty(x.shape, dtype=torch.uint8)
     scales = torch.empty(x.shape[0], 1, dtype=torch.float32)
     _ops().quantize_rows_uint8(codes, scales, x, static_scale or 0.0)
@@ -99,10 +115,12 @@ def int8_epilogue(acc: torch.Tensor, row_scales: torch.Tensor | None, bias: torc
                   dtype: torch.dtype) -> torch.Tensor:
     """``(acc * row_scales + bias).to(dtype)`` in one pass: the int8 matmul's float32 product ``acc [T, N]``
     (contiguous), each token's scale ``[T, 1]`` (None: 1), ``bias [N]`` (taken in ``dtype``)."""
-    _require(dtype in DTYPES, f"dtype must be float32, bfloat16 or float16, got {dtype}")
-    _require(acc.dtype == torch.float32 and acc.dim() == 2 and acc.is_contiguous(),
-             f"acc must be contiguous float32 [T, N], got {acc.dtype} {tuple(acc.shape)}")
-    _require(bias is None or bias.shape == acc.shape[1:], f"bias must be [{acc.shape[1]}]")
+    if dtype not in DTYPES:
+        raise ValueError(f"dtype must be float32, bfloat16 or float16, got {dtype}")
+    if not (acc.dtype == torch.float32 and acc.dim() == 2 and acc.is_contiguous()):
+        raise ValueError(f"acc must be contiguous float32 [T, N], got {acc.dtype} {tuple(acc.shape)}")
+    if not (bias is None or bias.shape == acc.shape[1:]):
+        raise ValueError(f"bias must be [{acc.shape[1]}]")
     out = torch.empty(acc.shape, dtype=dtype)  # never acc itself: the op's schema says they do not alias
     _ops().int8_epilogue(out, acc, row_scales, None if bias is None else bias.to(dtype).contiguous())
     return out
@@ -112,30 +130,30 @@ def argmax_rows(scores: torch.Tensor) -> torch.Tensor:
     """int64 ``[rows]``: each row's argmax of ``scores [rows, n]`` (unit stride along n), exactly as
     ``torch.argmax`` chooses (the first of equal largest values; the first NaN, where a row has one), read in
     the scores' own dtype: bfloat16 logits need no float32 copy."""
-    _require(scores.device.type == "cpu", "scores must be on the CPU")
-    _require(scores.dtype in DTYPES, f"scores must be float32, bfloat16 or float16, got {scores.dtype}")
-    _require(scores.dim() == 2 and scores.shape[1] > 0 and scores.stride(1) == 1,
-             f"scores must be [rows, n] with n > 0 and unit stride along n, got {tuple(scores.shape)}")
+    if scores.device.type != "cpu":
+        raise ValueError("scores must be on the CPU")
+    if scores.dtype not in DTYPES:
+        raise ValueError(f"scores must be float32, bfloat16 or float16, got {scores.dtype}")
+    if not (scores.dim() == 2 and scores.shape[1] > 0 and scores.stride(1) == 1):
+        raise ValueError(f"scores must be [rows, n] with n > 0 and unit stride along n, got {tuple(scores.shape)}")
     out = torch.empty(scores.shape[0], dtype=torch.int64)
     _ops().argmax_rows(out, scores)
     return out
 
 
 def _check_norm(x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor) -> None:
-    _require(all(t.device.type == "cpu" for t in (x, weight, out)), "every tensor must be on the CPU")
-    _require(x.dtype in DTYPES, f"x must be float32, bfloat16 or float16, got {x.dtype}")
-    _require(weight.dtype == x.dtype and out.dtype == x.dtype,
-             f"x, weight and out must share one dtype, got {x.dtype}, {weight.dtype}, {out.dtype}")
-    _require(x.dim() >= 1 and weight.shape == x.shape[-1:] and weight.is_contiguous(),
-             f"weight must be contiguous [{x.shape[-1] if x.dim() else '?'}], got {tuple(weight.shape)}")
-    _require(x.stride(-1) == 1, "x needs unit stride along its last dimension")
-    _require(out.shape == x.shape and out.is_contiguous(),
-             f"out must be contiguous {tuple(x.shape)}, got {tuple(out.shape)}")
-
-
-def _require(condition: bool, message: str) -> None:
-    if not condition:
-        raise ValueError(message)
+    if not (x.device.type == "cpu" and weight.device.type == "cpu" and out.device.type == "cpu"):
+        raise ValueError("every tensor must be on the CPU")
+    if x.dtype not in DTYPES:
+        raise ValueError(f"x must be float32, bfloat16 or float16, got {x.dtype}")
+    if not (weight.dtype == x.dtype and out.dtype == x.dtype):
+        raise ValueError(f"x, weight and out must share one dtype, got {x.dtype}, {weight.dtype}, {out.dtype}")
+    if not (x.dim() >= 1 and weight.shape == x.shape[-1:] and weight.is_contiguous()):
+        raise ValueError(f"weight must be contiguous [{x.shape[-1] if x.dim() else '?'}], got {tuple(weight.shape)}")
+    if x.stride(-1) != 1:
+        raise ValueError("x needs unit stride along its last dimension")
+    if not (out.shape == x.shape and out.is_contiguous()):
+        raise ValueError(f"out must be contiguous {tuple(x.shape)}, got {tuple(out.shape)}")
 
 
 def _ops():
