@@ -53,7 +53,9 @@ class Attention(nn.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         if self.rotary[0] is not None:
             q, k = self.rotary[0](positions, q, k)
-        out = attention.forward(self.layer, q, k, v.contiguous(), meta)
+        # v stays a view of the projection, strided as k is: the backends take each token's heads at any row
+        # stride, and the CPU prefill kernel reads a first chunk's k and v in place only when their strides agree.
+        out = attention.forward(self.layer, q, k, v, meta)
         return self.tp.all_reduce(self.o_proj(out.reshape(-1, self.q_size)))
 
 
