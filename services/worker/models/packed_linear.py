@@ -16,7 +16,6 @@ results). oneDNN's float16 reorder needs CPU features many machines lack.
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from services.worker.cpu_tuning import runs_emulated
@@ -65,7 +64,9 @@ class PackedLinear(nn.Module):
         padded = padded_rows(rows)
         if padded == rows:
             return torch.ops.mkldnn._linear_pointwise(x, self.packed_weight, self.bias, "none", [], "")
-        x_padded = F.pad(x.reshape(rows, self.in_features), (0, 0, 0, padded - rows))
+        x_padded = x.new_empty(padded, self.in_features)  # (F.pad would write every row twice)
+        x_padded[:rows].copy_(x.reshape(rows, self.in_features))
+        x_padded[rows:].zero_()
         out = torch.ops.mkldnn._linear_pointwise(x_padded, self.packed_weight, self.bias, "none", [], "")
         return out[:rows].view(*x.shape[:-1], self.out_features)
 
