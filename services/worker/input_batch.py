@@ -42,7 +42,10 @@ def build_model_inputs(batch: list[ScheduledSequence], block_size: int, device: 
     query_start_loc = torch.zeros(len(batch) + 1, dtype=torch.int64)
     torch.cumsum(query_lens_t, 0, out=query_start_loc[1:])
     # Token t of the flat batch belongs to sequence seq_of[t] and sits at its position positions[t].
-    seq_of = torch.repeat_interleave(torch.arange(len(batch)), query_lens_t)
+    if min(query_lens) == max(query_lens) == 1:  # one token each (decodes): repeat_interleave took ~0.7 ms
+        seq_of = torch.arange(len(batch))
+    else:
+        seq_of = torch.repeat_interleave(torch.arange(len(batch)), query_lens_t)
     starts = torch.tensor([s.num_computed_tokens for s in batch], dtype=torch.int64)
     positions = starts[seq_of] + torch.arange(len(input_ids)) - query_start_loc[seq_of]
     slot_mapping = tables[seq_of, positions // block_size].long() * block_size + positions % block_size
