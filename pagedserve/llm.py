@@ -33,6 +33,7 @@ from services.worker.model_config import ModelConfig
 from services.worker.model_factory import default_model_dir
 from services.worker.model_impl import chosen_impl, refuse_on_transformers_path
 from shared.config import EngineConfig
+from shared.gc_heap import heap_frozen_while_running
 from shared.generation_defaults import read_generation_defaults
 from shared.grpc_errors import ServiceUnavailable
 from shared.hub import local_model_and_tokenizer
@@ -454,22 +455,23 @@ class LLM:
 
     def _run(self, trackers: list[RequestTracker], use_tqdm: bool) -> None:
         by_id = {tracker.request_id: tracker for tracker in trackers}
-        progress = tqdm(total=len(trackers), desc="Generating", disable=not use_tqdm, dynamic_ncols=True)
-        try:
+        with (tqdm(total=len(trackers), desc="Generating", disable=not use_tqdm, dynamic_ncols=True) as progress,
+              heap_frozen_while_running()):
             while self.engine.has_unfinished():
                 for update in self.engine.step():
-                    tracker = by_id.get(update.request_id)
-                    if tracker is None:
-                        continue
-                    if update.error is not None:  # (generate aborts the others)
-                        raise ValueError(f"request {tracker.request_id} failed: {update.error}")
-                    stop = tracker.apply(update)
-                    if stop is not None:
-                        self.engine.finish_by_stop_string(update.request_id, update.seq_index, stop)
-                    if tracker.finished:
-                        progress.update(1)
-        finally:
-            progress.close()
+                    self._apply(update, by_id.get(update.request_id), progress)
+
+    def _apply(self, update, tracker: RequestTracker | None, progress: tqdm) -> None:
+        """One engine output applied to its request's tracker (None: not one of this call's requests)."""
+        if tracker is None:
+            return
+        if update.error is not None:  # (generate aborts the others)
+            raise ValueError(f"request {tracker.request_id} failed: {update.error}")
+        stop = tracker.apply(update)
+        if stop is not None:
+            self.engine.finish_by_stop_string(update.request_id, update.seq_index, stop)
+        if tracker.finished:
+            progress.update(1)
 
 
 IMAGE_PARTS = ("image_url", "image_pil")  # a chat message's image parts offline (vLLM's)

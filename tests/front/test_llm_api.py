@@ -2,9 +2,13 @@
 
 from __future__ import annotations
 
+import gc
+import weakref
+
 import pytest
 
 from pagedserve import LLM, SamplingParams
+from shared.gc_heap import heap_frozen_while_running
 
 
 @pytest.fixture(scope="module")
@@ -286,3 +290,48 @@ def test_truncate_prompt_tokens_keeps_the_prompt_s_last_tokens(llm):
         with pytest.raises(ValueError, match=name):
             SamplingParams(**{name: value})
     assert SamplingParams.from_proto(SamplingParams(truncate_prompt_tokens=-1).to_proto()).truncate_prompt_tokens == -1
+
+
+def test_generate_freezes_the_heap_only_while_it_runs(llm, monkeypatch):
+    # Full collections would walk the model and tokenizer again during a run; after it, or when it fails,
+    # everything is collectable as before.
+    counts = []
+    real_step = llm.engine.step
+    monkeypatch.setattr(llm.engine, "step", lambda: counts.append(gc.get_freeze_count()) or real_step())
+    assert gc.get_freeze_count() == 0
+    llm.generate("Hello there", SamplingParams(temperature=0, max_tokens=3, ignore_eos=True), use_tqdm=False)
+    assert counts and all(c > 0 for c in counts) and gc.get_freeze_count() == 0
+    monkeypatch.setattr(llm.engine, "step", _failing_step)
+    with pytest.raises(RuntimeError, match="step failed"):
+        llm.generate("Hello there", SamplingParams(max_tokens=3), use_tqdm=False)
+    assert gc.get_freeze_count() == 0
+
+
+def _failing_step():
+    raise RuntimeError("step failed")
+
+
+def test_a_heap_frozen_before_the_run_stays_as_it_was():
+    gc.freeze()
+    try:
+        frozen = gc.get_freeze_count()
+        with heap_frozen_while_running():
+            assert gc.get_freeze_count() == frozen
+        assert gc.get_freeze_count() == frozen
+    finally:
+        gc.unfreeze()
+
+
+class _Node:
+    pass
+
+
+def test_garbage_made_while_frozen_is_collected():
+    freed = []
+    with heap_frozen_while_running():
+        cycle = _Node()
+        cycle.self = cycle  # only the collector frees it
+        weakref.finalize(cycle, freed.append, "cycle")
+        del cycle
+        gc.collect()
+        assert freed == ["cycle"]
