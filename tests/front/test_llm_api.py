@@ -311,15 +311,15 @@ def _failing_step():
     raise RuntimeError("step failed")
 
 
-def test_a_heap_frozen_before_the_run_stays_as_it_was():
-    gc.freeze()
-    try:
-        frozen = gc.get_freeze_count()
-        with heap_frozen_while_running():
-            assert gc.get_freeze_count() == frozen
-        assert gc.get_freeze_count() == frozen
-    finally:
-        gc.unfreeze()
+def test_a_heap_frozen_before_the_run_stays_as_it_was(monkeypatch):
+    # (The count itself moves whenever a frozen object is freed: what matters is that nothing freezes or thaws.)
+    calls = []
+    monkeypatch.setattr(gc, "get_freeze_count", lambda: 1000)
+    monkeypatch.setattr(gc, "freeze", lambda: calls.append("freeze"))
+    monkeypatch.setattr(gc, "unfreeze", lambda: calls.append("unfreeze"))
+    with heap_frozen_while_running():
+        pass
+    assert calls == []
 
 
 class _Node:
