@@ -26,6 +26,7 @@ from services.scheduler.executor import InProcessExecutor
 from services.scheduler.local_workers import LocalWorkerGroup
 from services.scheduler.request_tracker import RequestTracker
 from services.scheduler.scheduler import SchedulerLimits
+from services.scheduler.sequence import SequenceUpdate
 from services.scheduler.tensor_parallel_executor import TensorParallelExecutor
 from services.worker.tensor_parallel import TensorParallel
 from services.worker.worker import Worker
@@ -461,7 +462,7 @@ class LLM:
                 for update in self.engine.step():
                     self._apply(update, by_id.get(update.request_id), progress)
 
-    def _apply(self, update, tracker: RequestTracker | None, progress: tqdm) -> None:
+    def _apply(self, update: SequenceUpdate, tracker: RequestTracker | None, progress: tqdm) -> None:
         """One engine output applied to its request's tracker (None: not one of this call's requests)."""
         if tracker is None:
             return
