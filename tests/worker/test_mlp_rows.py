@@ -1,4 +1,4 @@
-"""The MLP on the CPU takes a long step's rows in parts (decoder.CPU_MLP_ROWS): the same output, fewer bytes alive."""
+"""The MLP on the CPU takes a long step's rows in parts (decoder.CPU_MLP_BYTES): the same output, fewer bytes alive."""
 
 from __future__ import annotations
 
@@ -21,6 +21,12 @@ def make_mlp(seed: int) -> MLP:
     return mlp
 
 
+def parts_of_16_rows(monkeypatch) -> None:
+    """make_mlp's gate/up rows are 160 float32s: 16 of them fit 10240 bytes, and 16 is a power of two."""
+    monkeypatch.setattr(decoder, "CPU_MLP_BYTES", 16 * 160 * 4 + 100)
+    monkeypatch.setattr(decoder, "CPU_MLP_MIN_ROWS", 1)
+
+
 def rows_seen(mlp: MLP) -> list[int]:
     """Records the rows of every gate/up product the MLP runs."""
     seen, project = [], mlp.gate_up_proj.forward
@@ -35,7 +41,7 @@ def rows_seen(mlp: MLP) -> list[int]:
 
 @pytest.mark.parametrize("rows", [16, 17, 40, 48])
 def test_a_packed_mlp_takes_long_steps_in_parts_with_the_same_output(rows, monkeypatch):
-    monkeypatch.setattr(decoder, "CPU_MLP_ROWS", 16)
+    parts_of_16_rows(monkeypatch)
     plain, packed = make_mlp(rows), make_mlp(rows)
     assert pack_linear_layers(packed) == 2
     x = torch.randn(rows, 48)
@@ -49,9 +55,22 @@ def test_a_packed_mlp_takes_long_steps_in_parts_with_the_same_output(rows, monke
 
 def test_unpacked_projections_take_the_step_whole(monkeypatch):
     """A LoRA wrapper, or any projection but a packed one, may read the whole step's tokens at once."""
-    monkeypatch.setattr(decoder, "CPU_MLP_ROWS", 16)
+    parts_of_16_rows(monkeypatch)
     mlp = make_mlp(0)
     seen = rows_seen(mlp)
     with torch.inference_mode():
         mlp(torch.randn(40, 48))
     assert seen == [40]
+
+
+@pytest.mark.parametrize("dtype, rows", [(torch.float32, 1024), (torch.bfloat16, 2048)])
+def test_the_bench_model_s_parts_are_a_power_of_two_of_rows_within_the_budget(dtype, rows):
+    mlp = MLP(512, 1408, bias=False, tp=TensorParallel())  # gate/up rows of 2816 values
+    assert mlp._rows_per_part(torch.empty(0, 512, dtype=dtype)) == rows
+    assert rows * 2816 * dtype.itemsize <= decoder.CPU_MLP_BYTES < 2 * rows * 2816 * dtype.itemsize
+
+
+def test_wide_mlps_keep_the_fewest_rows_oneDNN_runs_well():
+    with torch.device("meta"):  # (its weights would take 768 MB)
+        mlp = MLP(64, 1 << 20, bias=False, tp=TensorParallel())  # 8 MiB a float32 row of gate/up
+    assert mlp._rows_per_part(torch.empty(0, 64)) == decoder.CPU_MLP_MIN_ROWS

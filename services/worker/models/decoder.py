@@ -60,10 +60,12 @@ class Attention(nn.Module):
         return self.tp.all_reduce(self.o_proj(out.reshape(-1, self.q_size)))
 
 
-# Rows of a CPU MLP computed at once. A 4096-token prefill chunk's gate/up product of the bench model is 46 MB in
-# float32: past glibc's 32 MiB mmap ceiling, so each layer page-faults a fresh mapping, and past the caches before
-# the activation reads it back. 1024 rows keep it at 11.5 MB (benchmarks/RESULTS.md: the MLP 9 % faster).
-CPU_MLP_ROWS = 1024
+# How much gate/up product a CPU MLP makes at once. Whole, a 4096-token prefill chunk's is 46 MB for the bench model
+# in float32: past glibc's 32 MiB mmap ceiling, so each layer page-faults a fresh mapping, and past the caches before
+# the activation reads it back. In parts of at most 16 MiB (a power of two of rows: 1024 there) the MLP ran 9 %
+# faster (benchmarks/RESULTS.md). Never fewer rows than CPU_MLP_MIN_ROWS, where oneDNN's products stay near peak.
+CPU_MLP_BYTES = 16 << 20
+CPU_MLP_MIN_ROWS = 128
 
 
 class MLP(nn.Module):
@@ -73,20 +75,26 @@ class MLP(nn.Module):
         ``activation``: the gate's (SwiGLU's silu, or Gemma's tanh-approximated GELU)."""
         super().__init__()
         self.tp, self.reduce = tp, reduce
+        self.intermediate_size = intermediate_size
         self.gate_up_proj = nn.Linear(hidden_size, 2 * intermediate_size, bias=bias)
         self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=bias and tp.rank == 0)
         self.act_and_mul = GATED_ACTIVATIONS[activation]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """``x [T, hidden]`` -> ``[T, hidden]``."""
-        if x.shape[0] > CPU_MLP_ROWS and self._rows_independent():
-            out = torch.cat([self._product(part) for part in x.split(CPU_MLP_ROWS)])
+        if self._rows_independent() and x.shape[0] > self._rows_per_part(x):
+            out = torch.cat([self._product(part) for part in x.split(self._rows_per_part(x))])
         else:
             out = self._product(x)
         return self.tp.all_reduce(out) if self.reduce else out
 
     def _product(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(self.act_and_mul(self.gate_up_proj(x)))
+
+    def _rows_per_part(self, x: torch.Tensor) -> int:
+        """The most rows whose gate/up product fits CPU_MLP_BYTES, a power of two (CPU_MLP_MIN_ROWS at least)."""
+        fit = CPU_MLP_BYTES // (2 * self.intermediate_size * x.element_size())
+        return max(CPU_MLP_MIN_ROWS, 1 << (max(fit, 1).bit_length() - 1))
 
     def _rows_independent(self) -> bool:
         """Whether the projections are plain packed CPU products, which may take a step's rows in parts (a LoRA
