@@ -75,17 +75,14 @@ class MLP(nn.Module):
         ``activation``: the gate's (SwiGLU's silu, or Gemma's tanh-approximated GELU)."""
         super().__init__()
         self.tp, self.reduce = tp, reduce
-        self.intermediate_size = intermediate_size
         self.gate_up_proj = nn.Linear(hidden_size, 2 * intermediate_size, bias=bias)
         self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=bias and tp.rank == 0)
         self.act_and_mul = GATED_ACTIVATIONS[activation]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """``x [T, hidden]`` -> ``[T, hidden]``."""
-        if self._rows_independent() and x.shape[0] > self._rows_per_part(x):
-            out = torch.cat([self._product(part) for part in x.split(self._rows_per_part(x))])
-        else:
-            out = self._product(x)
+        rows = self._rows_per_part(x) if self._rows_independent() else x.shape[0]
+        out = torch.cat([self._product(part) for part in x.split(rows)]) if x.shape[0] > rows else self._product(x)
         return self.tp.all_reduce(out) if self.reduce else out
 
     def _product(self, x: torch.Tensor) -> torch.Tensor:
@@ -93,7 +90,7 @@ class MLP(nn.Module):
 
     def _rows_per_part(self, x: torch.Tensor) -> int:
         """The most rows whose gate/up product fits CPU_MLP_BYTES, a power of two (CPU_MLP_MIN_ROWS at least)."""
-        fit = CPU_MLP_BYTES // (2 * self.intermediate_size * x.element_size())
+        fit = CPU_MLP_BYTES // (self.gate_up_proj.out_features * x.element_size())
         return max(CPU_MLP_MIN_ROWS, 1 << (max(fit, 1).bit_length() - 1))
 
     def _rows_independent(self) -> bool:
