@@ -10,7 +10,9 @@ def grpc_healthy(address: str) -> bool:
     import grpc
     from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-    with grpc.insecure_channel(address) as channel:
+    from shared.grpc_channels import RECONNECT_OPTIONS
+
+    with grpc.insecure_channel(address, options=RECONNECT_OPTIONS) as channel:
         try:
             reply = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=2)
         except grpc.RpcError:

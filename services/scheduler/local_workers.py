@@ -27,6 +27,7 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from shared.config import EngineConfig
+from shared.grpc_channels import RECONNECT_OPTIONS
 from shared.options import command_line, options_of
 
 
@@ -75,7 +76,7 @@ def engine_flags(config: EngineConfig) -> list[str]:
 def wait_grpc_serving(address: str, deadline: float, check_alive: Callable[[], None]) -> bool:
     """Whether the service at ``address`` says SERVING before ``deadline`` (monotonic); ``check_alive``
     raises when the process behind it has died meanwhile."""
-    with grpc.insecure_channel(address, options=PROMPT_RECONNECT) as channel:
+    with grpc.insecure_channel(address, options=RECONNECT_OPTIONS) as channel:
         stub = health_pb2_grpc.HealthStub(channel)
         while time.monotonic() < deadline:
             check_alive()
@@ -87,12 +88,6 @@ def wait_grpc_serving(address: str, deadline: float, check_alive: Callable[[], N
                 pass
             time.sleep(0.2)
     return False
-
-
-# While nothing listens yet a channel backs off between connection attempts, by default by up to
-# 120 s: a service that took a minute to start was seen serving many seconds before the wait noticed.
-PROMPT_RECONNECT = (("grpc.initial_reconnect_backoff_ms", 200), ("grpc.min_reconnect_backoff_ms", 200),
-                    ("grpc.max_reconnect_backoff_ms", 1000))
 
 
 def terminate_with_parent() -> None:

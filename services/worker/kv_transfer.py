@@ -19,6 +19,7 @@ import structlog
 import torch
 
 from services.worker.block_moves import as_bytes, check_whole_pool, require
+from shared.grpc_channels import channel_options
 from shared.proto import pagedserve_internal_pb2 as wire
 from shared.proto import pagedserve_internal_pb2_grpc as wire_grpc
 from shared.step_protocol import KVPull, StepPlan
@@ -28,7 +29,7 @@ log = structlog.get_logger(__name__)
 CHUNK_BYTES = 4 << 20  # per BlockData message: far below gRPC's limit
 # (A pull's chunks are held in host memory from its fetch to its step: a plan's pulls are one step's prompts.)
 FETCH_TIMEOUT_S = 60.0  # a pull not read by then fails (its sequences are recomputed)
-GRPC_OPTIONS = [("grpc.max_send_message_length", 64 << 20), ("grpc.max_receive_message_length", 64 << 20)]
+GRPC_OPTIONS = channel_options(64 << 20)
 
 
 def _bytes_per_block(pool: torch.Tensor) -> int:

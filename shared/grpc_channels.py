@@ -1,0 +1,19 @@
+"""The options of every gRPC channel and server between pagedserve's own services, declared once."""
+
+from __future__ import annotations
+
+# A peer that is not up yet (a worker still loading its weights, a scheduler restarting) is tried again at
+# least once a second. gRPC's default backs off for up to two minutes: a worker that took a minute to load
+# was used many seconds after it said SERVING, and a restarted scheduler likewise.
+RECONNECT_OPTIONS = (("grpc.initial_reconnect_backoff_ms", 200), ("grpc.min_reconnect_backoff_ms", 200),
+                     ("grpc.max_reconnect_backoff_ms", 1000))
+
+
+def message_limits(max_bytes: int) -> list[tuple[str, int]]:
+    """Both directions' message limit: a step's plan or result, a KV block stream's message."""
+    return [("grpc.max_send_message_length", max_bytes), ("grpc.max_receive_message_length", max_bytes)]
+
+
+def channel_options(max_message_bytes: int) -> list[tuple[str, int]]:
+    """A channel to another pagedserve service."""
+    return [*message_limits(max_message_bytes), *RECONNECT_OPTIONS]
