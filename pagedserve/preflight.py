@@ -10,8 +10,6 @@ from pathlib import Path
 
 from services.gateway.lora_modules import parse_lora_modules
 from services.worker.model_impl import chosen_impl, model_config_for, refuse_on_transformers_path
-from services.worker.quantization.gguf_checkpoint import gguf_names
-from services.worker.quantization.method import read_quantization
 from shared.gguf_view import GGUF_FILE
 from shared.hub import local_model_and_tokenizer, names_a_hub_repo
 from shared.lora import read_adapter_config
@@ -39,6 +37,10 @@ def model_error(args) -> str | None:
     run (natively, or through transformers as --model-impl allows) is refused here, naming the file."""
     if not args.model:
         return None
+    # Here, not above: they import torch (seconds), which a mistake in the flags or the Hub id need not wait for.
+    from services.worker.quantization.gguf_checkpoint import gguf_names
+    from services.worker.quantization.method import read_quantization
+
     model_dir = Path(args.model)
     try:
         if (model_dir / GGUF_FILE).is_file():
