@@ -54,7 +54,7 @@ def test_every_section_runs_and_checks_pass(tmp_path):
         assert row["paged_graph_us"] > 0 and row["sdpa_graph_us"] > 0 and "speed_vs_sdpa_graph" in row
     assert isinstance(results["targets"]["decode_speed_met_graph"], bool)
     tune = sections["tune"]["cases"]
-    assert [(case["batch"], case["ctx"]) for case in tune] == [(1, 1040), (2, 32)]
+    assert [(case["batch"], case["ctx"]) for case in tune] == [(1, 520), (2, 32)]
     for case in tune:
         variants = case["variants"]
         assert variants[0]["default"] and all(v.get("ok") for v in variants), variants
