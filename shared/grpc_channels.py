@@ -4,9 +4,10 @@ from __future__ import annotations
 
 # A peer that is not up yet (a worker still loading its weights, a scheduler restarting) is tried again at
 # least once a second. gRPC's default backs off for up to two minutes: a worker that took a minute to load
-# was used many seconds after it said SERVING, and a restarted scheduler likewise.
-RECONNECT_OPTIONS = (("grpc.initial_reconnect_backoff_ms", 200), ("grpc.min_reconnect_backoff_ms", 200),
-                     ("grpc.max_reconnect_backoff_ms", 1000))
+# was used many seconds after it said SERVING, and a restarted scheduler likewise. (Not
+# grpc.min_reconnect_backoff_ms: gRPC takes it as the shortest time a connection attempt may take, and with
+# a short one a peer slow to answer, far away or on a loaded host, would never be reached.)
+RECONNECT_OPTIONS = (("grpc.initial_reconnect_backoff_ms", 200), ("grpc.max_reconnect_backoff_ms", 1000))
 
 
 def message_limits(max_bytes: int) -> list[tuple[str, int]]:
