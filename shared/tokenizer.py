@@ -15,6 +15,9 @@ def import_tokenizer_library() -> None:
     """Import transformers' tokenizers (seconds: it imports torch too), e.g. while waiting for a backend."""
     with _IMPORT_LOCK:
         from transformers import AutoTokenizer  # noqa: F401
+        # AutoTokenizer reads the model's config too, and every model's config class imports what Llama's
+        # does (its validators and activations: another second and a half, else paid after the backend answers).
+        from transformers import LlamaConfig  # noqa: F401
 
 
 def load_tokenizer(path: str | Path):
