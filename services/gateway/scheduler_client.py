@@ -14,14 +14,14 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from services.gateway.scheduler_session import Session, SubmitStream
-from shared.grpc_channels import channel_options
+from shared.grpc_channels import STEP_MESSAGE_BYTES, channel_options
 from shared.grpc_errors import ServiceUnavailable, error_from_status
 from shared.proto import pagedserve_api_pb2 as api
 from shared.proto import pagedserve_internal_pb2 as wire
 from shared.proto import pagedserve_internal_pb2_grpc as wire_grpc
 from shared.request import EngineRequest
 
-CHANNEL_OPTIONS = channel_options(64 << 20)
+CHANNEL_OPTIONS = channel_options(STEP_MESSAGE_BYTES)
 
 
 class SchedulerClient:

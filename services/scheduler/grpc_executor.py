@@ -13,7 +13,7 @@ from collections import deque
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from shared.grpc_channels import channel_options, message_limits
+from shared.grpc_channels import STEP_MESSAGE_BYTES, channel_options
 from shared.grpc_errors import ServiceUnavailable
 from shared.proto import pagedserve_internal_pb2 as wire
 from shared.proto import pagedserve_internal_pb2_grpc as wire_grpc
@@ -21,13 +21,12 @@ from shared.step_protocol import StepPlan, StepResult, WorkerInfo
 from shared.wire_version import IncompatiblePeer, check_peer_version
 
 _CLOSE = object()
-GRPC_OPTIONS = message_limits(256 << 20)  # the scheduler's server takes the same
 
 
 class GrpcExecutor:
     def __init__(self, address: str, connect_timeout_s: float = 60.0):
         self.address = address
-        self._channel = grpc.insecure_channel(address, options=channel_options(256 << 20))
+        self._channel = grpc.insecure_channel(address, options=channel_options(STEP_MESSAGE_BYTES))
         self._stub = wire_grpc.WorkerStub(self._channel)
         try:
             grpc.channel_ready_future(self._channel).result(timeout=connect_timeout_s)

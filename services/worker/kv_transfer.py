@@ -29,7 +29,7 @@ log = structlog.get_logger(__name__)
 CHUNK_BYTES = 4 << 20  # per BlockData message: far below gRPC's limit
 # (A pull's chunks are held in host memory from its fetch to its step: a plan's pulls are one step's prompts.)
 FETCH_TIMEOUT_S = 60.0  # a pull not read by then fails (its sequences are recomputed)
-GRPC_OPTIONS = channel_options(64 << 20)
+CHANNEL_OPTIONS = channel_options(64 << 20)  # room for CHUNK_BYTES, or one block larger than that
 
 
 def _bytes_per_block(pool: torch.Tensor) -> int:
@@ -117,7 +117,7 @@ class KVPuller:
         with self._lock:
             channel = self._channels.get(address)
             if channel is None:
-                channel = self._channels[address] = grpc.insecure_channel(address, options=GRPC_OPTIONS)
+                channel = self._channels[address] = grpc.insecure_channel(address, options=CHANNEL_OPTIONS)
             return channel
 
     def forget(self) -> None:

@@ -20,7 +20,7 @@ from grpc_reflection.v1alpha import reflection
 from services.worker.options import worker_options
 from shared.config import EngineConfig
 from shared.gc_heap import freeze_startup_objects, unfreeze_startup_objects
-from shared.grpc_channels import message_limits
+from shared.grpc_channels import STEP_MESSAGE_BYTES, message_limits
 from shared.grpc_errors import ServiceUnavailable, grpc_errors
 from shared.logging import setup_logging
 from shared.option_env import apply_env_defaults
@@ -245,7 +245,7 @@ def serve(config: EngineConfig, address: str, tensor_parallel_rank: int = 0,
     log.info("worker stopped")
 
 
-GRPC_OPTIONS = message_limits(256 << 20)
+GRPC_OPTIONS = message_limits(STEP_MESSAGE_BYTES)
 
 
 def build_parser() -> argparse.ArgumentParser:
