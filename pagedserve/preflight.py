@@ -37,13 +37,12 @@ def model_error(args) -> str | None:
     run (natively, or through transformers as --model-impl allows) is refused here, naming the file."""
     if not args.model:
         return None
-    # Here, not above: they import torch (seconds), which a mistake in the flags or the Hub id need not wait for.
-    from services.worker.quantization.gguf_checkpoint import gguf_names
-    from services.worker.quantization.method import read_quantization
-
     model_dir = Path(args.model)
     try:
         if (model_dir / GGUF_FILE).is_file():
+            # Imported where needed, here and below: they import torch (seconds), which no other mistake waits for.
+            from services.worker.quantization.gguf_checkpoint import gguf_names
+
             gguf_names(model_dir / GGUF_FILE)  # an architecture or tensor type not built: refused by name
         impl = chosen_impl(args.model_impl, model_dir)
         model_config_for(impl, model_dir, args.trust_remote_code)
@@ -51,6 +50,8 @@ def model_error(args) -> str | None:
             refuse_on_transformers_path(args.tensor_parallel_size, resolve_runner(args.runner, model_dir) == "pooling",
                                        args.quantization)
         else:
+            from services.worker.quantization.method import read_quantization
+
             read_quantization(model_dir, args.quantization)  # a method or scheme not built: likewise
     except (FileNotFoundError, ValueError) as exc:
         return str(exc)
