@@ -132,9 +132,11 @@ def one_mode(model_dir: Path, port: int, prompts, args, resume: bool) -> dict:
                                                lambda: os.kill(victim, signal.SIGKILL), args.kill_after)
             if crashed_at is not None:
                 break
+            if errors := sorted({s.error for s in hit if s.error is not None}):
+                raise RuntimeError(f"a stream failed before the kill: {errors}")
         else:
-            raise RuntimeError(f"in {KILL_TRIES} batches the kill never found every stream in flight: "
-                               "raise --max-tokens")
+            raise RuntimeError(f"in {KILL_TRIES} batches the kill never found every stream in flight: raise "
+                               "--max-tokens, or lower --concurrency to what the server runs at once")
         resumed = resumed_requests(port)
     finally:
         stop_stack(serve)
