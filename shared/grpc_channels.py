@@ -23,3 +23,6 @@ def message_limits(max_bytes: int) -> list[tuple[str, int]]:
 def channel_options(max_message_bytes: int) -> list[tuple[str, int]]:
     """A channel to another pagedserve service."""
     return [*message_limits(max_message_bytes), *RECONNECT_OPTIONS]
+
+
+SERVER_OPTIONS = message_limits(STEP_MESSAGE_BYTES)  # the scheduler's and the worker's gRPC servers

@@ -26,7 +26,7 @@ from services.scheduler.stats import stats_to_proto
 from services.scheduler.tensor_parallel_executor import TensorParallelExecutor, group_info
 from shared.config import EngineConfig, token_budget
 from shared.gc_heap import freeze_startup_objects, unfreeze_startup_objects
-from shared.grpc_channels import STEP_MESSAGE_BYTES, message_limits
+from shared.grpc_channels import SERVER_OPTIONS
 from shared.grpc_errors import ServiceUnavailable, grpc_errors
 from shared.logging import setup_logging
 from shared.option_env import apply_env_defaults
@@ -195,7 +195,7 @@ def serve(args: argparse.Namespace) -> None:
     freeze_startup_objects()
     loop = EngineLoop(engine, async_scheduling=args.async_scheduling)
     servicer = SchedulerServicer(loop, args.max_logprobs)
-    server = grpc.server(futures.ThreadPoolExecutor(max_workers=args.max_streams), options=message_limits(STEP_MESSAGE_BYTES))
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=args.max_streams), options=SERVER_OPTIONS)
     wire_grpc.add_SchedulerServicer_to_server(servicer, server)
     health_servicer = health.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)

@@ -20,7 +20,7 @@ from grpc_reflection.v1alpha import reflection
 from services.worker.options import worker_options
 from shared.config import EngineConfig
 from shared.gc_heap import freeze_startup_objects, unfreeze_startup_objects
-from shared.grpc_channels import STEP_MESSAGE_BYTES, message_limits
+from shared.grpc_channels import SERVER_OPTIONS
 from shared.grpc_errors import ServiceUnavailable, grpc_errors
 from shared.logging import setup_logging
 from shared.option_env import apply_env_defaults
@@ -220,7 +220,7 @@ def serve(config: EngineConfig, address: str, tensor_parallel_rank: int = 0,
 
     worker = Worker(config, tensor_parallel_rank, distributed_init_method)
     freeze_startup_objects()  # the model's modules and parameters, among others
-    server = grpc.server(futures.ThreadPoolExecutor(max_workers=4), options=GRPC_OPTIONS)
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=4), options=SERVER_OPTIONS)
     compute = ComputeThread()
     wire_grpc.add_WorkerServicer_to_server(WorkerServicer(worker, compute, tracing), server)
     health_servicer = health.HealthServicer()
@@ -243,9 +243,6 @@ def serve(config: EngineConfig, address: str, tensor_parallel_rank: int = 0,
     worker.kv_puller.close()
     unfreeze_startup_objects()
     log.info("worker stopped")
-
-
-GRPC_OPTIONS = message_limits(STEP_MESSAGE_BYTES)
 
 
 def build_parser() -> argparse.ArgumentParser:
