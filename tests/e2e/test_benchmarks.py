@@ -33,6 +33,19 @@ def test_offline_throughput_runs_the_bench_workload(tmp_path, llama_dir):
     assert result["output_tokens"] > 0 and result["num_steps"] > 0 and result["num_preemptions"] == 0
 
 
+def test_projection_shapes_times_every_product_of_a_run(tmp_path, llama_dir):
+    out = tmp_path / "projection_shapes.json"
+    subprocess.run([sys.executable, str(REPO / "benchmarks" / "projection_shapes.py"), "--num-requests", "3",
+                    "--model", str(llama_dir), "--repeats", "1", "--flush-mib", "8", "--out", str(out)], cwd=REPO,
+                   check=True, timeout=RUN_LIMIT_S, stdout=subprocess.DEVNULL)
+    report = json.loads(out.read_text())
+    assert {g["layer"] for g in report["groups"]} == {"qkv_proj", "o_proj", "gate_up_proj", "down_proj", "lm_head"}
+    assert all(g["calls"] > 0 and g["flop"] > 0 and g["run_s"] > 0 and g["hot_s"] > 0 and g["cold_s"] > 0
+               for g in report["groups"])
+    assert report["total_flop"] == sum(g["flop"] for g in report["groups"])
+    assert report["peak_gflops"] > 0 and report["run_gflops"] > 0
+
+
 def test_model_impl_runs_both_implementations(tmp_path, llama_dir):
     out = tmp_path / "model_impl.json"
     subprocess.run([sys.executable, str(REPO / "benchmarks" / "model_impl.py"), "--model", str(llama_dir),
