@@ -25,7 +25,7 @@
 #include <algorithm>
 #include <cstdint>
 #include <limits>
-#include <vector>
+#include <memory>
 
 namespace {
 
@@ -145,7 +145,10 @@ void prefill(T* out, const T* query, const T* key_cache, const T* value_cache, c
   const int64_t group = s.num_heads / s.num_kv_heads;
   const int64_t tiles = (s.query_len + kRows - 1) / kRows;
   const int64_t key_tiles = padded / kKeys, head_items = group * tiles;
-  std::vector<float> kt(s.num_kv_heads * kD * padded), vf(s.num_kv_heads * padded * kD);  // every KV head's
+  // Every KV head's, left unset (every element is written below; zeroing tens of MiB for a long context would
+  // be a serial pass before the parallel region).
+  const std::unique_ptr<float[]> kt(new float[s.num_kv_heads * kD * padded]);
+  const std::unique_ptr<float[]> vf(new float[s.num_kv_heads * padded * kD]);
   // One parallel region per call (each costs a fork and a join of the threads): every head's keys widened, then
   // every head's rows attended.
 #pragma omp parallel
@@ -153,14 +156,15 @@ void prefill(T* out, const T* query, const T* key_cache, const T* value_cache, c
 #pragma omp for schedule(static)
     for (int64_t item = 0; item < s.num_kv_heads * key_tiles; ++item) {
       const int64_t kv = item / key_tiles;
-      widen_key_tile<T, kD>(kt.data() + kv * kD * padded, vf.data() + kv * padded * kD, padded,
+      widen_key_tile<T, kD>(kt.get() + kv * kD * padded, vf.get() + kv * padded * kD, padded,
                             item % key_tiles * kKeys, key_cache, value_cache, table, kv, s);
     }
-    // A KV head at a time (its keys stay in cache), and within it the last rows, which see the most keys, first.
+    // A KV head at a time (both threads read the same head's keys), and within it the last rows, which see the
+    // most keys, first.
 #pragma omp for schedule(dynamic, 1)
     for (int64_t item = 0; item < s.num_kv_heads * head_items; ++item) {
       const int64_t kv = item / head_items, tile = tiles - 1 - item % head_items / group;
-      attend_rows<T, kD>(out, query, kt.data() + kv * kD * padded, vf.data() + kv * padded * kD, padded,
+      attend_rows<T, kD>(out, query, kt.get() + kv * kD * padded, vf.get() + kv * padded * kD, padded,
                          kv * group + item % head_items % group, tile * kRows, s);
     }
   }
