@@ -4,14 +4,15 @@ the caches went through them (cold), as in a decode step, where each layer's K/V
 
     python benchmarks/projection_shapes.py [--num-requests 200] [--dtype bfloat16] [--flush-mib 256]
 
-Prints, per projection and row count (padded as PackedLinear runs them, in buckets), the seconds and GFLOPS of
-each, then the run's total against the best hot GFLOPS at 128 rows or more (the measured peak). Writes JSON
+Prints, per projection and row count (padded as PackedLinear runs them, in buckets; the FLOPs count those rows),
+the seconds and GFLOPS of each, then the run's total against the best hot GFLOPS at 128 rows or more (the measured peak). Writes JSON
 (benchmarks/results/projection_shapes.json by default). CPU only (oneDNN's packed products).
 """
 
 from __future__ import annotations
 
 import argparse
+import statistics
 import sys
 import time
 from collections import defaultdict
@@ -91,7 +92,7 @@ def median_seconds(fn, repeats: int, flush: torch.Tensor | None) -> float:
         start = time.perf_counter()
         fn()
         seconds.append(time.perf_counter() - start)
-    return sorted(seconds)[len(seconds) // 2]
+    return statistics.median(seconds)
 
 
 def summarise(calls: dict, alone: dict) -> list[dict]:

@@ -42,7 +42,6 @@ def test_projection_shapes_times_every_product_of_a_run(tmp_path, llama_dir):
     assert {g["layer"] for g in report["groups"]} == {"qkv_proj", "o_proj", "gate_up_proj", "down_proj", "lm_head"}
     assert all(g["calls"] > 0 and g["flop"] > 0 and g["run_s"] > 0 and g["hot_s"] > 0 and g["cold_s"] > 0
                for g in report["groups"])
-    assert report["total_flop"] == sum(g["flop"] for g in report["groups"])
     assert report["peak_gflops"] > 0 and report["run_gflops"] > 0
 
 
