@@ -959,15 +959,15 @@ def run_engine(bench: Bench, model_dir: Path, requests, backend: str, warm: bool
                compiles: list[str] | None = None, enforce_eager: bool = False) -> tuple[list, float, dict]:
     """(token ids per request, seconds, the worker: whether its decode steps replayed CUDA graphs, its
     start-up steps' times (kernel warm-up, graph capture and check) and its largest step's memory)."""
-    from pagedserve import LLM, SamplingParams
+    from benchmarks.workload import greedy_inputs
+    from pagedserve import LLM
 
     options = dict(num_gpu_blocks_override=256) if bench.smoke else dict(gpu_memory_utilization=0.5)
     llm = LLM(str(model_dir), attention_backend=backend, enforce_eager=enforce_eager, **options)
     worker = llm.engine.executor.worker
     facts = {"graphs": worker.decode_graphs is not None, "startup_s": dict(worker.startup_seconds),
              "startup_memory": dict(worker.startup_memory)}
-    prompts = [{"prompt_token_ids": r.prompt_token_ids} for r in requests]
-    params = [SamplingParams(temperature=0, max_tokens=r.output_len, ignore_eos=True) for r in requests]
+    prompts, params = greedy_inputs(requests)
     if warm:
         llm.generate(prompts[:2], params[:2], use_tqdm=False)  # compiles the kernels
     bench.synchronize()

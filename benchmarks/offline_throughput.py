@@ -26,18 +26,17 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import torch  # noqa: E402
 
 from benchmarks.workload import (  # noqa: E402
-    BENCH_ARCHITECTURES, BenchRequest, bench_model_dir, workload_for, write_report)
+    BENCH_ARCHITECTURES, BenchRequest, bench_model_dir, greedy_inputs, workload_for, write_report)
 
 
 def run_pagedserve(model_dir: Path, requests: list[BenchRequest], args) -> dict:
-    from pagedserve import LLM, SamplingParams
+    from pagedserve import LLM
 
     llm = LLM(str(model_dir), block_size=args.block_size, max_num_seqs=args.max_num_seqs,
               max_num_batched_tokens=args.max_num_batched_tokens, model_impl=getattr(args, "model_impl", "auto"),
               kv_cache_dtype=getattr(args, "kv_cache_dtype", "auto"),
               kv_cache_memory_bytes=getattr(args, "kv_cache_memory_bytes", None), dtype=getattr(args, "dtype", "auto"))
-    prompts = [{"prompt_token_ids": r.prompt_token_ids} for r in requests]
-    params = [SamplingParams(temperature=0, max_tokens=r.output_len, ignore_eos=True) for r in requests]
+    prompts, params = greedy_inputs(requests)
     llm.generate(prompts[:4], params[:4], use_tqdm=False)  # warm-up
     before = llm.stats()
     start = time.perf_counter()

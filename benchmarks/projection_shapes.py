@@ -22,7 +22,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import torch  # noqa: E402
 
-from benchmarks.workload import bench_model_dir, workload_for, write_report  # noqa: E402
+from benchmarks.workload import bench_model_dir, greedy_inputs, workload_for, write_report  # noqa: E402
 from services.worker.models import packed_linear  # noqa: E402
 
 BUCKETS = (32, 128, 512, 2048)  # upper bounds of the row buckets; above the last, one more
@@ -49,15 +49,13 @@ def record_products(model_dir: Path, args) -> dict[tuple[str, int, int, int], li
         entry[1] += seconds
         return out
 
-    from pagedserve import LLM, SamplingParams
+    from pagedserve import LLM
 
     llm = LLM(str(model_dir), dtype=args.dtype)
     model = llm.engine.executor.worker.model  # (the in-process worker's)
     names.update((id(m), name.rsplit(".", 1)[-1]) for name, m in model.named_modules()
                  if isinstance(m, packed_linear.PackedLinear))
-    requests = workload_for(model_dir, args.num_requests, args.seed)
-    prompts = [{"prompt_token_ids": r.prompt_token_ids} for r in requests]
-    params = [SamplingParams(temperature=0, max_tokens=r.output_len, ignore_eos=True) for r in requests]
+    prompts, params = greedy_inputs(workload_for(model_dir, args.num_requests, args.seed))
     packed_linear.PackedLinear.forward = timed
     try:
         llm.generate(prompts[:4], params[:4], use_tqdm=False)  # warm-up

@@ -31,7 +31,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from benchmarks.workload import (  # noqa: E402
-    BenchRequest, bench_model_dir, bench_workload, wait_until_answering, write_report)
+    BenchRequest, bench_model_dir, bench_workload, greedy_inputs, wait_until_answering, write_report)
 from pagedserve.launcher import STOP_ORDER, STOP_WAIT_S  # noqa: E402
 from services.gateway.server import run_event_loop  # noqa: E402
 
@@ -167,10 +167,7 @@ def offline_engine(model_dir: Path):
 
 
 def run_offline(llm, requests: list[BenchRequest]) -> dict:
-    from pagedserve import SamplingParams
-
-    prompts = [{"prompt_token_ids": r.prompt_token_ids} for r in requests]
-    params = [SamplingParams(temperature=0, max_tokens=r.output_len, ignore_eos=True) for r in requests]
+    prompts, params = greedy_inputs(requests)
     before = llm.stats()
     start = time.perf_counter()
     llm.generate(prompts, params, use_tqdm=False)

@@ -48,6 +48,15 @@ def bench_model_dir(architecture: str = "llama") -> Path:
     return cached_model_dir(f"bench-model-{architecture}-v1", {**BENCH_MODEL, **BENCH_ARCHITECTURES[architecture]})
 
 
+def greedy_inputs(requests: list[BenchRequest]) -> tuple[list[dict], list]:
+    """pagedserve's ``LLM.generate`` inputs for the bench requests: (prompts as token ids, sampling parameters:
+    greedy, each to its output length, ignoring EOS)."""
+    from pagedserve import SamplingParams
+
+    return ([{"prompt_token_ids": r.prompt_token_ids} for r in requests],
+            [SamplingParams(temperature=0, max_tokens=r.output_len, ignore_eos=True) for r in requests])
+
+
 def wait_until_answering(url: str, proc, timeout_s: float, what: str) -> None:
     """Poll ``url`` until it answers 200: RuntimeError if the process ``proc`` (a Popen) exits first, TimeoutError
     after ``timeout_s`` (the caller stops it)."""
