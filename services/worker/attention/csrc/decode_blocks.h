@@ -34,6 +34,9 @@ constexpr int kLanes = simd::kLanes;
 template <int kD>
 constexpr int64_t kHeadsPerSweep = 2 * kD / kLanes <= simd::kRegisters / 2 ? 2 : 1;
 
+// Rows are read 2 x kLanes values at a time (simd::load_two): a bfloat16 row's even values, then its odd ones, so
+// q and acc hold each head's values in that order (simd::split_position).
+
 // Pass 1 for the tokens [first, first + count) of one block: scores[h][t] for query heads h0 .. h0 + kH - 1
 // (of KV head kv). `rows`: the block's row for its first token, at KV head 0; strides in elements. `next`: the
 // next block's rows, whose row of each token swept is prefetched (nullptr: none).
@@ -41,6 +44,7 @@ template <int kD, int kH, typename T>
 inline void sweep_scores(const float* q, int64_t h0, int64_t kv, const T* rows, int64_t first, int64_t count,
                          int64_t token_stride, int64_t head_stride, float* scores, int64_t n, int64_t t0,
                          const T* next) {
+  static_assert(kD % (2 * kLanes) == 0, "rows are read 2 x kLanes values at a time");
   Vec qv[kH][kD / kLanes];
 #pragma GCC unroll 16
   for (int c = 0; c < kD / kLanes; ++c) {
@@ -49,13 +53,13 @@ inline void sweep_scores(const float* q, int64_t h0, int64_t kv, const T* rows, 
   for (int64_t t = first; t < first + count; ++t) {
     if (next != nullptr) prefetch_head_row<kD>(next + t * token_stride + kv * head_stride);
     const T* k = rows + t * token_stride + kv * head_stride;
-    Vec acc[kH];
-    const Vec k0 = simd::load(k);
-    for (int i = 0; i < kH; ++i) acc[i] = simd::mul(qv[i][0], k0);
+    Vec acc[kH], lo, hi;
+    simd::load_two(k, lo, hi);
+    for (int i = 0; i < kH; ++i) acc[i] = simd::fmadd(qv[i][1], hi, simd::mul(qv[i][0], lo));
 #pragma GCC unroll 16
-    for (int c = 1; c < kD / kLanes; ++c) {
-      const Vec kc = simd::load(k + kLanes * c);
-      for (int i = 0; i < kH; ++i) acc[i] = simd::fmadd(qv[i][c], kc, acc[i]);
+    for (int c = 2; c < kD / kLanes; c += 2) {
+      simd::load_two(k + kLanes * c, lo, hi);
+      for (int i = 0; i < kH; ++i) acc[i] = simd::fmadd(qv[i][c + 1], hi, simd::fmadd(qv[i][c], lo, acc[i]));
     }
     for (int i = 0; i < kH; ++i) scores[(h0 + i) * n + t0 + t - first] = simd::reduce_add(acc[i]);
   }
@@ -86,6 +90,7 @@ template <int kD, int kH, typename T>
 inline void sweep_values(float* acc, int64_t h0, int64_t kv, const T* rows, int64_t first, int64_t count,
                          int64_t token_stride, int64_t head_stride, const float* scores, int64_t n, int64_t t0,
                          const T* next) {
+  static_assert(kD % (2 * kLanes) == 0, "rows are read 2 x kLanes values at a time");
   Vec av[kH][kD / kLanes];
 #pragma GCC unroll 16
   for (int c = 0; c < kD / kLanes; ++c) {
@@ -97,9 +102,13 @@ inline void sweep_values(float* acc, int64_t h0, int64_t kv, const T* rows, int6
     if (next != nullptr) prefetch_head_row<kD>(next + t * token_stride + kv * head_stride);
     const T* v = rows + t * token_stride + kv * head_stride;
 #pragma GCC unroll 16
-    for (int c = 0; c < kD / kLanes; ++c) {
-      const Vec vc = simd::load(v + kLanes * c);
-      for (int i = 0; i < kH; ++i) av[i][c] = simd::fmadd(p[i], vc, av[i][c]);
+    for (int c = 0; c < kD / kLanes; c += 2) {
+      Vec lo, hi;
+      simd::load_two(v + kLanes * c, lo, hi);
+      for (int i = 0; i < kH; ++i) {
+        av[i][c] = simd::fmadd(p[i], lo, av[i][c]);
+        av[i][c + 1] = simd::fmadd(p[i], hi, av[i][c + 1]);
+      }
     }
   }
 #pragma GCC unroll 16

@@ -20,6 +20,7 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <type_traits>
 
 namespace pagedserve_cpu::simd {
 
@@ -34,6 +35,14 @@ inline Vec load(const c10::BFloat16* p) {
   // A bfloat16 is the high half of a float32: widen to 32 bits, shift into place.
   const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
   return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
+}
+// 2 x kLanes bfloat16 in one load, as two vectors: the even-indexed values (each shifted into its float's high
+// half) and the odd-indexed ones (already there: a pair is one 32-bit lane, the odd value its high half). Two
+// integer operations for 2 x kLanes values, where load() takes two per kLanes.
+inline void load_split(const c10::BFloat16* p, Vec& even, Vec& odd) {
+  const __m512i raw = _mm512_loadu_si512(p);
+  even = _mm512_castsi512_ps(_mm512_slli_epi32(raw, 16));
+  odd = _mm512_castsi512_ps(_mm512_and_si512(raw, _mm512_set1_epi32(static_cast<int>(0xFFFF0000u))));
 }
 inline void store(float* p, Vec v) { _mm512_storeu_ps(p, v); }
 inline Vec broadcast(float x) { return _mm512_set1_ps(x); }
@@ -62,6 +71,11 @@ inline Vec load(const c10::BFloat16* p) {
   const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
   return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(raw), 16));
 }
+inline void load_split(const c10::BFloat16* p, Vec& even, Vec& odd) {
+  const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  even = _mm256_castsi256_ps(_mm256_slli_epi32(raw, 16));
+  odd = _mm256_castsi256_ps(_mm256_and_si256(raw, _mm256_set1_epi32(static_cast<int>(0xFFFF0000u))));
+}
 inline void store(float* p, Vec v) { _mm256_storeu_ps(p, v); }
 inline Vec broadcast(float x) { return _mm256_set1_ps(x); }
 inline Vec zero() { return _mm256_setzero_ps(); }
@@ -87,6 +101,26 @@ inline Vec keep_first(Vec v, int64_t kept, float fill) {
 }
 
 #endif
+
+// Two vectors from the 2 x kLanes values at p, in the order split_position gives: float32 in order (two loads);
+// bfloat16 its even-indexed values, then its odd-indexed ones (load_split).
+inline void load_two(const float* p, Vec& first, Vec& second) {
+  first = load(p);
+  second = load(p + kLanes);
+}
+inline void load_two(const c10::BFloat16* p, Vec& first, Vec& second) { load_split(p, first, second); }
+
+// Where value d of a row of T sits once load_two has read the row, 2 x kLanes values at a time: float32's in
+// place; bfloat16's within its chunk of 2 x kLanes, the even ones first.
+template <typename T>
+constexpr int64_t split_position(int64_t d) {
+  if constexpr (std::is_same_v<T, float>) {
+    return d;
+  } else {
+    const int64_t chunk = d - d % (2 * kLanes), r = d % (2 * kLanes);
+    return chunk + (r % 2) * kLanes + r / 2;
+  }
+}
 
 }  // namespace pagedserve_cpu::simd
 
