@@ -8,7 +8,8 @@
 // kLanes keys it computes the kRows x kLanes scores with one fused multiply-add per (row, dimension): a
 // broadcast query element times the tile's keys' values of that dimension. An online softmax (running maximum and
 // sum per row) turns them into weights, and the output rows take the tile's value rows the same way. Tiles past a
-// row's own position are skipped, and the diagonal tile is masked.
+// row's own position are skipped, and the diagonal tile is masked. With AVX512-BF16, bfloat16 keys stay bfloat16,
+// transposed a pair of dimensions at a time, and the scores take one dot-product instruction per pair (kPairs).
 //
 // Query row i sits at position context_len - query_len + i and sees keys 0 .. that position. The block table
 // is the sequence's, its new tokens' K/V already written to the pools; or, for a prompt's first chunk, the
@@ -24,8 +25,10 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <cstring>
 #include <limits>
 #include <memory>
+#include <type_traits>
 
 namespace {
 
@@ -45,60 +48,108 @@ namespace simd = pagedserve_cpu::simd;
 constexpr int64_t kRows = simd::kLanes == 16 ? 16 : 12;  // query rows per work item
 constexpr int64_t kKeys = simd::kLanes;                   // keys per tile: one vector of scores per row
 
-// KV head kv's keys j0 .. j0 + kKeys - 1 into kt[d * padded + j] and their values into vf[j * kD + d], float32; keys
-// past the context zero. Each key row is widened with vector loads into a small buffer, then written out a
-// dimension at a time: one vector store of kKeys keys per dimension, where a key at a time scattered kD scalar
-// stores over kD cache lines (measured in the engine: a quarter of the kernel's time in bfloat16).
+// bfloat16 scores by AVX512-BF16's dot product of pairs (vdpbf16ps: 32 products into 16 float32 sums, each
+// product exact, each sum rounded as an FMA's): half the instructions of widening to float32 and one FMA per
+// dimension. Keys are then kept as pairs of dimensions, one 32-bit word per key and pair, and the query unscaled
+// (the scale multiplies the scores).
+#if PAGEDSERVE_SIMD == 512 && defined(__AVX512BF16__)
+template <typename T>
+constexpr bool kPairs = std::is_same_v<T, c10::BFloat16>;
+#else
+template <typename T>
+constexpr bool kPairs = false;
+#endif
+// What a transposed key buffer holds per key and dimension (float32) or pair of dimensions (two bfloat16).
+template <typename T>
+using KeyWord = std::conditional_t<kPairs<T>, uint32_t, float>;
 template <typename T, int kD>
-void widen_key_tile(float* kt, float* vf, int64_t padded, int64_t j0, const T* key_cache, const T* value_cache,
+constexpr int64_t kKeyWords = kPairs<T> ? kD / 2 : kD;  // words per key
+
+// KV head kv's keys j0 .. j0 + kKeys - 1 into kt[w * padded + j] (w: a dimension, or a pair of them, KeyWord) and
+// their values into vf[j * kD + d], float32; keys past the context zero. Each key row goes with vector loads into a
+// small buffer, then out a word at a time: one vector store of kKeys keys per word, where a key at a time scattered
+// kD scalar stores over kD cache lines (measured in the engine: a quarter of the kernel's time in bfloat16).
+template <typename T, int kD>
+void widen_key_tile(KeyWord<T>* kt, float* vf, int64_t padded, int64_t j0, const T* key_cache, const T* value_cache,
                     const int32_t* table, int64_t kv, const PrefillShape& s) {
-  alignas(64) float keys[kKeys][kD];
+  constexpr int64_t kWords = kKeyWords<T, kD>;
+  alignas(64) KeyWord<T> keys[kKeys][kWords];
   for (int64_t i = 0; i < kKeys; ++i) {
     const int64_t j = j0 + i;
     float* values = vf + j * kD;
     if (j >= s.context_len) {
-      std::fill(keys[i], keys[i] + kD, 0.f);
+      std::fill(keys[i], keys[i] + kWords, KeyWord<T>{0});
       std::fill(values, values + kD, 0.f);
       continue;
     }
     const int64_t at = table[j / s.block_size] * s.cache_block_stride + (j % s.block_size) * s.cache_token_stride +
                        kv * s.cache_head_stride;
+    if constexpr (kPairs<T>) {
+      std::memcpy(keys[i], key_cache + at, kD * sizeof(T));  // a pair of bfloat16 is one word
+    }
     for (int64_t c = 0; c < kD; c += simd::kLanes) {
-      simd::store(keys[i] + c, simd::load(key_cache + at + c));
+      if constexpr (!kPairs<T>) simd::store(keys[i] + c, simd::load(key_cache + at + c));
       simd::store(values + c, simd::load(value_cache + at + c));
     }
   }
-  for (int64_t d = 0; d < kD; ++d) {
-    float* dst = kt + d * padded + j0;
+  for (int64_t w = 0; w < kWords; ++w) {
+    KeyWord<T>* dst = kt + w * padded + j0;
 #pragma omp simd
-    for (int64_t i = 0; i < kKeys; ++i) dst[i] = keys[i][d];
+    for (int64_t i = 0; i < kKeys; ++i) dst[i] = keys[i][w];
+  }
+}
+
+// scores[r] = the kRows query rows' dot products with keys k0 .. k0 + kKeys - 1 (kt as widen_key_tile writes it;
+// q as attend_rows holds it: scaled float32 rows, or kPairs' unscaled words).
+template <typename T, int kD>
+inline void tile_scores(Vec* scores, const KeyWord<T>* kt, int64_t padded, int64_t k0,
+                        const KeyWord<T> (&q)[kRows][kKeyWords<T, kD>], float scale) {
+  for (int64_t r = 0; r < kRows; ++r) scores[r] = simd::zero();
+#if PAGEDSERVE_SIMD == 512 && defined(__AVX512BF16__)
+  if constexpr (kPairs<T>) {
+    for (int64_t w = 0; w < kD / 2; ++w) {
+      const __m512bh keys = (__m512bh)_mm512_loadu_si512(kt + w * padded + k0);
+#pragma GCC unroll 16
+      for (int64_t r = 0; r < kRows; ++r) {
+        scores[r] = _mm512_dpbf16_ps(scores[r], (__m512bh)_mm512_set1_epi32(static_cast<int>(q[r][w])), keys);
+      }
+    }
+    for (int64_t r = 0; r < kRows; ++r) scores[r] = simd::mul(scores[r], simd::broadcast(scale));
+    return;
+  }
+#endif
+  if constexpr (!kPairs<T>) {
+    for (int64_t d = 0; d < kD; ++d) {
+      const Vec keys = simd::load(kt + d * padded + k0);
+#pragma GCC unroll 16
+      for (int64_t r = 0; r < kRows; ++r) scores[r] = simd::fmadd(simd::broadcast(q[r][d]), keys, scores[r]);
+    }
   }
 }
 
 // One work item: query head h, rows [r0, r0 + kRows) (those past query_len computed, not written).
 template <typename T, int kD>
-void attend_rows(T* out, const T* query, const float* kt, const float* vf, int64_t padded, int64_t h, int64_t r0,
+void attend_rows(T* out, const T* query, const KeyWord<T>* kt, const float* vf, int64_t padded, int64_t h, int64_t r0,
                  const PrefillShape& s) {
   const int64_t offset = s.context_len - s.query_len;
-  alignas(64) float q[kRows][kD];
+  alignas(64) KeyWord<T> q[kRows][kKeyWords<T, kD>];
   alignas(64) float acc[kRows][kD] = {};
   alignas(64) float p[kRows][kKeys];
   float max[kRows], sum[kRows] = {};
   for (int64_t r = 0; r < kRows; ++r) {
     const int64_t row = std::min(r0 + r, s.query_len - 1);  // (rows past the end repeat the last one)
     const T* src = query + row * s.q_row_stride + h * s.q_head_stride;
-    for (int64_t d = 0; d < kD; ++d) q[r][d] = static_cast<float>(src[d]) * s.scale;
+    if constexpr (kPairs<T>) {
+      std::memcpy(q[r], src, kD * sizeof(T));
+    } else {
+      for (int64_t d = 0; d < kD; ++d) q[r][d] = static_cast<float>(src[d]) * s.scale;
+    }
     max[r] = -std::numeric_limits<float>::infinity();
   }
   const int64_t last_key = offset + std::min(r0 + kRows, s.query_len) - 1;  // the last row's own position
   for (int64_t k0 = 0; k0 <= last_key; k0 += kKeys) {
     Vec scores[kRows];
-    for (int64_t r = 0; r < kRows; ++r) scores[r] = simd::zero();
-    for (int64_t d = 0; d < kD; ++d) {
-      const Vec keys = simd::load(kt + d * padded + k0);
-#pragma GCC unroll 16
-      for (int64_t r = 0; r < kRows; ++r) scores[r] = simd::fmadd(simd::broadcast(q[r][d]), keys, scores[r]);
-    }
+    tile_scores<T, kD>(scores, kt, padded, k0, q, s.scale);
     const bool all_seen = k0 + kKeys - 1 <= offset + r0;  // below the diagonal: no row masks any of these keys
     for (int64_t r = 0; r < kRows; ++r) {
       // Keys past the row's own position weigh nothing (the row's first key, 0, is always seen): their
@@ -147,7 +198,8 @@ void prefill(T* out, const T* query, const T* key_cache, const T* value_cache, c
   const int64_t key_tiles = padded / kKeys, head_items = group * tiles;
   // Every KV head's, left unset (every element is written below; zeroing tens of MiB for a long context would
   // be a serial pass before the parallel region).
-  const std::unique_ptr<float[]> kt(new float[s.num_kv_heads * kD * padded]);
+  constexpr int64_t kWords = kKeyWords<T, kD>;
+  const std::unique_ptr<KeyWord<T>[]> kt(new KeyWord<T>[s.num_kv_heads * kWords * padded]);
   const std::unique_ptr<float[]> vf(new float[s.num_kv_heads * padded * kD]);
   // One parallel region per call (each costs a fork and a join of the threads): every head's keys widened, then
   // every head's rows attended.
@@ -156,7 +208,7 @@ void prefill(T* out, const T* query, const T* key_cache, const T* value_cache, c
 #pragma omp for schedule(static)
     for (int64_t item = 0; item < s.num_kv_heads * key_tiles; ++item) {
       const int64_t kv = item / key_tiles;
-      widen_key_tile<T, kD>(kt.get() + kv * kD * padded, vf.get() + kv * padded * kD, padded,
+      widen_key_tile<T, kD>(kt.get() + kv * kWords * padded, vf.get() + kv * padded * kD, padded,
                             item % key_tiles * kKeys, key_cache, value_cache, table, kv, s);
     }
     // A KV head at a time (both threads read the same head's keys), and within it the last rows, which see the
@@ -164,7 +216,7 @@ void prefill(T* out, const T* query, const T* key_cache, const T* value_cache, c
 #pragma omp for schedule(dynamic, 1)
     for (int64_t item = 0; item < s.num_kv_heads * head_items; ++item) {
       const int64_t kv = item / head_items, tile = tiles - 1 - item % head_items / group;
-      attend_rows<T, kD>(out, query, kt.get() + kv * kD * padded, vf.get() + kv * padded * kD, padded,
+      attend_rows<T, kD>(out, query, kt.get() + kv * kWords * padded, vf.get() + kv * padded * kD, padded,
                          kv * group + item % head_items % group, tile * kRows, s);
     }
   }
