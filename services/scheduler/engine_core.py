@@ -35,13 +35,15 @@ class EngineCore:
         self.executor = executor
         self.info: WorkerInfo = executor.worker_info()
         self.max_logprobs = max_logprobs
+        self._seq_ids = itertools.count()
+        # (the counter's own method, not a closure over self: a cycle through the engine would keep the worker,
+        # and with it the KV cache, in memory after the last reference goes, until a full collection)
         self.stage = Stage.for_worker(executor, limits, watermark, enable_prefix_caching,
-                                      new_seq_id=lambda: next(self._seq_ids))
+                                      new_seq_id=self._seq_ids.__next__)
         self.scheduler, self.stats = self.stage.scheduler, self.stage.stats
         self._in_flight = self.stage.in_flight  # steps submitted whose results are not applied yet, oldest first
         self._seqs: dict[int, Sequence] = {}
         self._requests: dict[str, list[Sequence]] = {}
-        self._seq_ids = itertools.count()
         self._arrivals = itertools.count()
         # What validate holds each request to at admission.
         self.request_limits = RequestLimits(

@@ -335,3 +335,22 @@ def test_garbage_made_while_frozen_is_collected():
         del cycle
         gc.collect()
         assert freed == ["cycle"]
+
+
+def _worker_of_a_finished_llm(llama_dir) -> weakref.ref:
+    llm = LLM(str(llama_dir), block_size=8, max_num_batched_tokens=64)
+    llm.generate("Hello there", SamplingParams(temperature=0, max_tokens=3, ignore_eos=True), use_tqdm=False)
+    return weakref.ref(llm.engine.executor.worker)
+
+
+def test_an_llm_frees_its_worker_and_kv_cache_with_its_last_reference(llama_dir):
+    # No cycle through the engine: the KV cache (GiBs at real size) goes with the LLM, not at some later
+    # full collection, so a second LLM made in the same process does not run beside the first one's memory.
+    enabled = gc.isenabled()
+    gc.collect()
+    gc.disable()
+    try:
+        assert _worker_of_a_finished_llm(llama_dir)() is None
+    finally:
+        if enabled:
+            gc.enable()
