@@ -6,7 +6,8 @@
 // block of tokens at a time, and within it a pair of query heads at a time (heads of one KV head) where the
 // registers hold them, so their queries (pass 1) or output accumulators (pass 2) stay in registers across the
 // block's tokens, and each K or V row is loaded and widened once per pair. The same arithmetic as the generic
-// loops up to the order of float additions.
+// loops up to the order of float additions. Rows are read 2 x kLanes values at a time (simd::load_two): a bfloat16
+// row's even values, then its odd ones, so q and acc hold each head's values in that order (simd::split_position).
 #pragma once
 
 #include "simd.h"
@@ -33,9 +34,6 @@ constexpr int kLanes = simd::kLanes;
 // hold no pair of the head sizes compiled, 64 and up), else one.
 template <int kD>
 constexpr int64_t kHeadsPerSweep = 2 * kD / kLanes <= simd::kRegisters / 2 ? 2 : 1;
-
-// Rows are read 2 x kLanes values at a time (simd::load_two): a bfloat16 row's even values, then its odd ones, so
-// q and acc hold each head's values in that order (simd::split_position).
 
 // Pass 1 for the tokens [first, first + count) of one block: scores[h][t] for query heads h0 .. h0 + kH - 1
 // (of KV head kv). `rows`: the block's row for its first token, at KV head 0; strides in elements. `next`: the
