@@ -337,6 +337,34 @@ def test_prefill_kernel_reads_strided_rows_and_refuses_bad_input():
                           length, 1.0)
 
 
+@pytest.mark.parametrize("dim", [64, 128])
+def test_bfloat16_prefill_kernel_is_as_exact_as_its_output_rounding(dim):
+    """bfloat16 scores (AVX512-BF16's pair dot products, where the build has them) lose nothing the float32 sums do
+    not: against float64 attention over the same bfloat16 values, each output is off by little more than its own
+    rounding to bfloat16 (a scale 1 % off fails this; the engine-wide tolerance of 2e-2 lets it through)."""
+    if cpu_kernels_unavailable_reason() is not None:
+        pytest.skip(cpu_kernels_unavailable_reason())
+    from services.worker.attention.cpu_kernels import has_prefill_attention, prefill_attention
+
+    if not has_prefill_attention():
+        pytest.skip("the CPU kernels were built without AVX-512 or AVX2")
+    g = torch.Generator().manual_seed(dim)
+    length, heads, kv_heads = 300, 8, 4
+    q = (2 * torch.randn(length, heads, dim, generator=g)).bfloat16()
+    k = (2 * torch.randn(length, kv_heads, dim, generator=g)).bfloat16()
+    v = torch.randn(length, kv_heads, dim, generator=g).bfloat16()
+    out = torch.full_like(q, NAN)
+    prefill_attention(out, q, k.unsqueeze(0), v.unsqueeze(0), torch.zeros(1, dtype=torch.int32), length, dim ** -0.5)
+    keys, values = (t.double().repeat_interleave(heads // kv_heads, dim=1) for t in (k, v))
+    scores = torch.einsum("ihd,jhd->hij", q.double(), keys) * dim ** -0.5
+    scores = scores.masked_fill(torch.ones(length, length, dtype=torch.bool).triu(1), float("-inf"))
+    expected = torch.einsum("hij,jhd->ihd", scores.softmax(-1), values)
+    error = (out.double() - expected).abs()
+    rounding = (expected.bfloat16().double() - expected).abs()
+    assert error.mean() <= 1.05 * rounding.mean() + 1e-6
+    assert (error <= expected.abs() * 2 ** -8 + 2 ** -12).all()
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float8_e4m3fn])
 def test_the_cpu_kernels_kv_write_fills_the_slots_index_put_fills(dtype):
     """csrc/write_kv.cpp against torch_ref.write_kv: new rows as the model hands them (views into one fused
