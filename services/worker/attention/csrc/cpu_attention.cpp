@@ -32,6 +32,7 @@
 #include <cstdint>
 #include <cstring>
 #include <limits>
+#include <optional>
 #include <vector>
 
 namespace {
@@ -226,7 +227,8 @@ void decode_attention(T* out, const T* query, const C* key_cache, const C* value
 // visit(k_rows, v_rows, first, count, k_next, v_next) for each block holding the item's tokens begin..len-1:
 // its tokens first..first+count-1, the rows pointing at its token 0, KV head `first_kv`, in each pool; and the
 // same rows of the block kBlocksAhead on, for the sweeps to prefetch a row at a time as they go; past the item's
-// last block, the first blocks of the item the thread runs next (`following`; nullptr: none, and no prefetch).
+// last block, the first blocks of the item the thread runs next (`following()`, asked only then: nullptr when
+// there is none, and no prefetch).
 // 2 blocks on read 20-22 GB/s of scattered bfloat16 blocks here, 1 block 17, 3 blocks 12-17: the hardware
 // prefetchers lose the stream at every block, and a whole block's prefetches issued at once fill the miss buffers
 // and stall the loads of the block in use (measured: the kernel then reads memory and computes by turns, at half
@@ -240,8 +242,8 @@ inline int64_t block_offset(const WorkItem& w, int64_t i, const DecodeShape& s) 
   return b * s.block_size < w.len ? w.table[b] * s.cache_block_stride + w.first_kv * s.cache_head_stride : -1;
 }
 
-template <typename T, typename Visit>
-inline void for_each_block(const T* key_cache, const T* value_cache, const WorkItem& w, const WorkItem* following,
+template <typename T, typename Following, typename Visit>
+inline void for_each_block(const T* key_cache, const T* value_cache, const WorkItem& w, Following&& following,
                            const DecodeShape& s, Visit&& visit) {
   const int64_t blocks = (w.len + s.block_size - 1) / s.block_size - w.begin / s.block_size;
   for (int64_t i = 0; i < blocks; ++i) {
@@ -249,8 +251,9 @@ inline void for_each_block(const T* key_cache, const T* value_cache, const WorkI
     const int64_t first = std::max<int64_t>(w.begin - start, 0);
     const int64_t here = block_offset(w, i, s);
     const int64_t ahead = i + kBlocksAhead;
+    const WorkItem* after = ahead < blocks ? nullptr : following();
     const int64_t next = ahead < blocks ? block_offset(w, ahead, s)
-                         : following != nullptr ? block_offset(*following, ahead - blocks, s) : -1;
+                         : after != nullptr ? block_offset(*after, ahead - blocks, s) : -1;
     visit(key_cache + here, value_cache + here, first, std::min(s.block_size, w.len - start) - first,
           next >= 0 ? key_cache + next : nullptr, next >= 0 ? value_cache + next : nullptr);
   }
@@ -280,24 +283,33 @@ void decode_attention_blocked(T* out, const T* query, const T* key_cache, const 
   const int64_t heads = s.num_items >= 4 * omp_get_max_threads() ? s.num_kv_heads : 1;
   const int64_t splits = s.num_kv_heads / heads;
   const int64_t num_work = s.num_items * splits;
-  // Items are dealt out dynamically, each thread claiming its next one when it starts one: it then knows whose
-  // blocks to prefetch while it ends this one (for_each_block).
+  // Items are dealt out dynamically; a thread claims its next one as its current one nears its end, so that it
+  // knows whose blocks to prefetch (for_each_block), and no sooner: an item claimed early could wait while other
+  // threads run out of work (a lone decode split by KV heads over many threads).
   std::atomic<int64_t> unclaimed{0};
 #pragma omp parallel
   {
     const int64_t width = heads * group;
     std::vector<float> q(width * kD), acc(width * kD), max(width), sum(width), scores(width * s.block_size);
-    for (int64_t item = unclaimed.fetch_add(1), next_item; item < num_work; item = next_item) {
-      next_item = unclaimed.fetch_add(1);
+    std::optional<int64_t> claimed;  // the next item, once claimed
+    WorkItem next{};
+    auto following = [&]() -> const WorkItem* {
+      if (!claimed) {
+        claimed = unclaimed.fetch_add(1);
+        if (*claimed < num_work) next = work_item(*claimed, splits, heads, rows, seqs, seq_lens, block_tables, s);
+      }
+      return *claimed < num_work ? &next : nullptr;
+    };
+    for (int64_t item = unclaimed.fetch_add(1); item < num_work;
+         item = claimed ? *claimed : unclaimed.fetch_add(1)) {
+      claimed.reset();
       const WorkItem w = work_item(item, splits, heads, rows, seqs, seq_lens, block_tables, s);
-      const WorkItem following = next_item < num_work
-          ? work_item(next_item, splits, heads, rows, seqs, seq_lens, block_tables, s) : w;
       const int64_t row = w.row, first_kv = w.first_kv;
       load_query_split(q.data(), query, w, width, group, kD, s);
       std::fill(acc.begin(), acc.end(), 0.f);
       std::fill(max.begin(), max.end(), -std::numeric_limits<float>::infinity());
       std::fill(sum.begin(), sum.end(), 0.f);
-      for_each_block(key_cache, value_cache, w, next_item < num_work ? &following : nullptr, s,
+      for_each_block(key_cache, value_cache, w, following, s,
                      [&](const T* k_rows, const T* v_rows, int64_t first, int64_t count, const T* k_next,
                          const T* v_next) {
         const int64_t bs = s.block_size;
