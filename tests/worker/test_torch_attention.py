@@ -337,7 +337,7 @@ def test_prefill_kernel_reads_strided_rows_and_refuses_bad_input():
                           length, 1.0)
 
 
-@pytest.mark.parametrize("dim", [64, 128])
+@pytest.mark.parametrize("dim", [64, 128, 256])
 def test_bfloat16_prefill_kernel_is_as_exact_as_its_output_rounding(dim):
     """bfloat16 scores (AVX512-BF16's pair dot products, where the build has them) lose nothing the float32 sums do
     not: against float64 attention over the same bfloat16 values, each output is off by little more than its own
