@@ -115,13 +115,13 @@ inline WorkItem work_item(int64_t item, int64_t splits, int64_t heads, const int
           block_tables + seq * s.table_stride};
 }
 
-// The item's `width` query heads, scaled, as float32 rows of D into q.
-template <typename T>
+// The item's `width` query heads, scaled, as float32 rows of D into q, value d of a row at position(d) in it.
+template <typename T, typename Position>
 inline void load_query(float* q, const T* query, const WorkItem& w, int64_t width, int64_t group, int64_t D,
-                       const DecodeShape& s) {
+                       const DecodeShape& s, Position&& position) {
   for (int64_t h = 0; h < width; ++h) {
     const T* src = query + w.row * s.q_row_stride + (w.first_kv * group + h) * s.q_head_stride;
-    for (int64_t d = 0; d < D; ++d) q[h * D + d] = to_float(src[d]) * s.scale;
+    for (int64_t d = 0; d < D; ++d) q[h * D + position(d)] = to_float(src[d]) * s.scale;
   }
 }
 
@@ -159,7 +159,7 @@ void decode_attention(T* out, const T* query, const C* key_cache, const C* value
       const int64_t row = w.row, first_kv = w.first_kv, len = w.len, begin = w.begin;
       const int64_t n = len - begin;  // keys seen
       const int32_t* table = w.table;
-      load_query(q.data(), query, w, width, group, D, s);
+      load_query(q.data(), query, w, width, group, D, s, [](int64_t d) { return d; });
       scores.resize(width * n);
 
       // Pass 1: scores[h][t] = q_h . k_t for the item's query heads h. FP8 codes are decoded once per KV
@@ -251,25 +251,14 @@ inline void for_each_block(const T* key_cache, const T* value_cache, const WorkI
     const int64_t first = std::max<int64_t>(w.begin - start, 0);
     const int64_t here = block_offset(w, i, s);
     const int64_t ahead = i + kBlocksAhead;
-    const WorkItem* after = ahead < blocks ? nullptr : following();
-    const int64_t next = ahead < blocks ? block_offset(w, ahead, s)
-                         : after != nullptr ? block_offset(*after, ahead - blocks, s) : -1;
+    const WorkItem* owner = ahead < blocks ? &w : following();  // whose block lies kBlocksAhead on
+    const int64_t next = owner == nullptr ? -1 : block_offset(*owner, ahead < blocks ? ahead : ahead - blocks, s);
     visit(key_cache + here, value_cache + here, first, std::min(s.block_size, w.len - start) - first,
           next >= 0 ? key_cache + next : nullptr, next >= 0 ? value_cache + next : nullptr);
   }
 }
 
 using pagedserve_cpu::simd::split_position;
-
-// load_query with each head's values in the order the sweeps read a K or V row (decode_blocks.h).
-template <typename T>
-inline void load_query_split(float* q, const T* query, const WorkItem& w, int64_t width, int64_t group, int64_t D,
-                             const DecodeShape& s) {
-  for (int64_t h = 0; h < width; ++h) {
-    const T* src = query + w.row * s.q_row_stride + (w.first_kv * group + h) * s.q_head_stride;
-    for (int64_t d = 0; d < D; ++d) q[h * D + split_position<T>(d)] = to_float(src[d]) * s.scale;
-  }
-}
 
 // decode_attention for a float32 or bfloat16 cache with AVX-512 or AVX2, in one pass over K and V together (an online
 // softmax: each block's scores rescale the running maximum, sum and output), a block at a time: its K and V rows
@@ -305,7 +294,8 @@ void decode_attention_blocked(T* out, const T* query, const T* key_cache, const 
       claimed.reset();
       const WorkItem w = work_item(item, splits, heads, rows, seqs, seq_lens, block_tables, s);
       const int64_t row = w.row, first_kv = w.first_kv;
-      load_query_split(q.data(), query, w, width, group, kD, s);
+      // (each head's values in the order the sweeps read a K or V row, decode_blocks.h)
+      load_query(q.data(), query, w, width, group, kD, s, split_position<T>);
       std::fill(acc.begin(), acc.end(), 0.f);
       std::fill(max.begin(), max.end(), -std::numeric_limits<float>::infinity());
       std::fill(sum.begin(), sum.end(), 0.f);
