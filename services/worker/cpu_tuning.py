@@ -53,6 +53,11 @@ def advise_huge_pages(tensor: torch.Tensor) -> bool:
         return False
 
 
+def has_amx() -> bool:
+    """Whether this CPU has AMX tiles, which oneDNN's (and torch's fused attention's) bfloat16 products use."""
+    return getattr(torch.cpu, "_is_amx_tile_supported", lambda: False)()
+
+
 def runs_emulated(dtype: torch.dtype, device: torch.device) -> bool:
     """Whether matrix multiplies in ``dtype`` on ``device`` lack the CPU's own instructions for it (oneDNN's
     test: bfloat16 needs AVX512-BF16 or AMX, float16 AVX512-FP16 or AMX-FP16). They then run converted a few

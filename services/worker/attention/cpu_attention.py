@@ -21,6 +21,7 @@ from services.worker.attention.cpu_kernels import (
 from services.worker.attention.kv_quant import KVScales
 from services.worker.attention.metadata import AttentionMetadata
 from services.worker.attention.spec import AttentionSpec
+from services.worker.cpu_tuning import has_amx
 from services.worker.attention.torch_ref import TorchAttentionBackend, _Prefill
 
 PREFILL_HEAD_SIZES = (64, 128, 256)  # what the prefill kernel is compiled for
@@ -30,7 +31,7 @@ def sdpa_multiplies_on_amx() -> bool:
     """Whether this CPU has AMX, whose tiles torch's fused SDPA kernel multiplies bfloat16 on: there SDPA runs
     bfloat16 prefills faster than the C++ kernel's vector loops (measured on a Xeon with AMX, 2 threads,
     benchmarks/cpu_attention.py: prefill_mix 8.2 against 9.9 ms, first_chunks 3.6 against 5.6)."""
-    return getattr(torch.cpu, "_is_amx_tile_supported", lambda: False)()
+    return has_amx()
 
 
 @dataclass

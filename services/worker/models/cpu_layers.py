@@ -141,6 +141,37 @@ def argmax_rows(scores: torch.Tensor) -> torch.Tensor:
     return out
 
 
+def has_bf16_linear() -> bool:
+    """Whether the kernels were built with bf16_linear's dot products (a CPU with AVX512-BF16)."""
+    return available() and _ops().has_bf16_linear()
+
+
+def pack_bf16_linear_weight(weight: torch.Tensor) -> torch.Tensor:
+    """``weight [out, in]`` bfloat16 (``in`` even) in bf16_linear's panels (csrc/bf16_linear.cpp)."""
+    if not (weight.dim() == 2 and weight.dtype == torch.bfloat16 and weight.device.type == "cpu"):
+        raise ValueError(f"weight must be a 2-d bfloat16 CPU tensor, got {weight.dtype} {tuple(weight.shape)}")
+    if weight.shape[1] % 2:
+        raise ValueError(f"in_features must be even, got {weight.shape[1]}")
+    return _ops().pack_bf16_linear_weight(weight)
+
+
+def bf16_linear(x: torch.Tensor, packed: torch.Tensor, out_features: int,
+                bias: torch.Tensor | None = None) -> torch.Tensor:
+    """``x [T, in] @ W.T + bias`` -> bfloat16 ``[T, out_features]``: x bfloat16 with unit stride along ``in``,
+    ``packed`` pack_bf16_linear_weight(W), ``bias`` float32 ``[out_features]`` or None."""
+    if not (x.dim() == 2 and x.dtype == torch.bfloat16 and x.device.type == "cpu" and x.stride(1) == 1):
+        raise ValueError(f"x must be a bfloat16 CPU tensor [T, in] with unit stride along in, "
+                         f"got {x.dtype} {tuple(x.shape)}")
+    if not (packed.dim() == 4 and packed.shape[1] * 2 == x.shape[1]
+            and (packed.shape[0] - 1) * packed.shape[2] < out_features <= packed.shape[0] * packed.shape[2]):
+        raise ValueError(f"packed {tuple(packed.shape)} is no packed weight of {out_features} x {x.shape[1]}")
+    if not (bias is None or (bias.dtype == torch.float32 and bias.shape == (out_features,) and bias.is_contiguous())):
+        raise ValueError(f"bias must be contiguous float32 [{out_features}]")
+    out = torch.empty(x.shape[0], out_features, dtype=torch.bfloat16)
+    _ops().bf16_linear(out, x, packed, bias)
+    return out
+
+
 def _check_norm(x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor) -> None:
     if not (x.device.type == "cpu" and weight.device.type == "cpu" and out.device.type == "cpu"):
         raise ValueError("every tensor must be on the CPU")
