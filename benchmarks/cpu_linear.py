@@ -3,7 +3,7 @@
 The bench model's projections (qkv, o, gate_up, down, logits head) at decode-sized and
 prefill-sized row counts, float32 (or --dtype bfloat16), interleaved repeats; reports GFLOPS (best of the repeats, the
 steadier number on a shared machine) and the packed/plain ratio. PackedLinear is oneDNN on the packed weight, except
-bfloat16 on a CPU with AVX512-BF16 and no AMX, where it runs csrc/bf16_linear.cpp. With ``--flush-mib N`` every call
+on a CPU with AVX512-BF16 and no AMX, where it runs services/worker/attention/csrc/panel_linear.cpp. With ``--flush-mib N`` every call
 follows N MiB written through the caches, so the weights come from memory, as in a decode step (the median is
 reported then: the best would be a call the flush missed).
 
@@ -81,7 +81,7 @@ def main() -> None:
                 print(f"{name:8} {rows:5d} {row['f_linear_gflops']:9.0f} {row['onednn_gflops']:9.0f} "
                       f"{row['packed_gflops']:9.0f} {row['ratio']:6.2f}")
     report = {"threads": args.threads, "dtype": args.dtype, "flush_mib": args.flush_mib,
-              "bf16_kernel": packed.bf16_kernel, "rows": rows_out}
+              "panel_kernel": packed.panel_kernel, "rows": rows_out}
     print(f"wrote {write_report(args.out, report)}")
 
 

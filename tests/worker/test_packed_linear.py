@@ -9,7 +9,7 @@ from torch import nn
 
 from services.worker.model_loader import load_model
 from services.worker.models.packed_linear import (EXACT_ROWS, PackedLinear, can_pack, pack_linear_layers, padded_rows,
-                                                  uses_bf16_kernel)
+                                                  uses_panel_kernel)
 from tests.worker.test_model import ARCH_FIXTURES, PagedRunner, random_prompts
 
 CPU = torch.device("cpu")
@@ -65,8 +65,8 @@ def test_can_pack_float32_and_native_bfloat16_on_cpu():
 
 
 @pytest.mark.skipif(not can_pack(torch.bfloat16, CPU), reason="this CPU runs no bfloat16 oneDNN matmul natively")
-@pytest.mark.skipif(uses_bf16_kernel(torch.zeros(2, 2, dtype=torch.bfloat16)),
-                    reason="bfloat16 runs in csrc/bf16_linear.cpp here (test_bf16_linear.py)")
+@pytest.mark.skipif(uses_panel_kernel(torch.zeros(2, 2, dtype=torch.bfloat16)),
+                    reason="bfloat16 runs in csrc/panel_linear.cpp here (test_panel_linear.py)")
 @pytest.mark.parametrize("rows", [1, 7, 64, 300])
 def test_packed_bfloat16_equals_f_linear_exactly(rows):
     """The same oneDNN kernel, without the re-pack on every call: the same bits."""

@@ -36,10 +36,10 @@ import torch
 from services.worker.attention.build_once import build_once
 from services.worker.attention.file_lock import LockTimeout
 
-# Decode attention; the models' fused elementwise layers and bfloat16 projections (wrapped in
+# Decode attention; the models' fused elementwise layers and panel projections (wrapped in
 # services/worker/models/cpu_layers.py); prefill attention; the K/V cache write.
 SOURCES = [Path(__file__).with_name("csrc") / name
-           for name in ("cpu_attention.cpp", "cpu_layers.cpp", "bf16_linear.cpp", "prefill_attention.cpp",
+           for name in ("cpu_attention.cpp", "cpu_layers.cpp", "panel_linear.cpp", "prefill_attention.cpp",
                         "write_kv.cpp")]
 LIBRARY = "pagedserve_cpu"  # the torch.library namespace the sources register
 

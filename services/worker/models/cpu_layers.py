@@ -141,34 +141,40 @@ def argmax_rows(scores: torch.Tensor) -> torch.Tensor:
     return out
 
 
-def has_bf16_linear() -> bool:
-    """Whether the kernels were built with bf16_linear's dot products (a CPU with AVX512-BF16)."""
-    return available() and _ops().has_bf16_linear()
+PANEL_DTYPES = (torch.float32, torch.bfloat16)
 
 
-def pack_bf16_linear_weight(weight: torch.Tensor) -> torch.Tensor:
-    """``weight [out, in]`` bfloat16 (``in`` even) in bf16_linear's panels (csrc/bf16_linear.cpp)."""
-    if not (weight.dim() == 2 and weight.dtype == torch.bfloat16 and weight.device.type == "cpu"):
-        raise ValueError(f"weight must be a 2-d bfloat16 CPU tensor, got {weight.dtype} {tuple(weight.shape)}")
-    if weight.shape[1] % 2:
-        raise ValueError(f"in_features must be even, got {weight.shape[1]}")
-    return _ops().pack_bf16_linear_weight(weight)
+def has_panel_linear(dtype: torch.dtype) -> bool:
+    """Whether the kernels were built with panel_linear for ``dtype`` (float32: AVX-512; bfloat16: AVX512-BF16)."""
+    return dtype in PANEL_DTYPES and available() and _ops().has_panel_linear(dtype)
 
 
-def bf16_linear(x: torch.Tensor, packed: torch.Tensor, out_features: int,
-                bias: torch.Tensor | None = None) -> torch.Tensor:
-    """``x [T, in] @ W.T + bias`` -> bfloat16 ``[T, out_features]``: x bfloat16 with unit stride along ``in``,
-    ``packed`` pack_bf16_linear_weight(W), ``bias`` float32 ``[out_features]`` or None."""
-    if not (x.dim() == 2 and x.dtype == torch.bfloat16 and x.device.type == "cpu" and x.stride(1) == 1):
-        raise ValueError(f"x must be a bfloat16 CPU tensor [T, in] with unit stride along in, "
+def pack_panel_weight(weight: torch.Tensor) -> torch.Tensor:
+    """``weight [out, in]`` (float32, or bfloat16 with ``in`` even) in panel_linear's panels
+    (csrc/panel_linear.cpp)."""
+    if not (weight.dim() == 2 and weight.dtype in PANEL_DTYPES and weight.device.type == "cpu"):
+        raise ValueError(f"weight must be a 2-d float32 or bfloat16 CPU tensor, got {weight.dtype} "
+                         f"{tuple(weight.shape)}")
+    if weight.dtype == torch.bfloat16 and weight.shape[1] % 2:
+        raise ValueError(f"a bfloat16 weight's in_features must be even, got {weight.shape[1]}")
+    return _ops().pack_panel_weight(weight)
+
+
+def panel_linear(x: torch.Tensor, packed: torch.Tensor, out_features: int,
+                 bias: torch.Tensor | None = None) -> torch.Tensor:
+    """``x [T, in] @ W.T + bias`` -> ``[T, out_features]`` of x's dtype: x with unit stride along ``in``,
+    ``packed`` pack_panel_weight(W) of x's dtype, ``bias`` float32 ``[out_features]`` or None."""
+    if not (x.dim() == 2 and x.dtype in PANEL_DTYPES and x.device.type == "cpu" and x.stride(1) == 1):
+        raise ValueError(f"x must be a float32 or bfloat16 CPU tensor [T, in] with unit stride along in, "
                          f"got {x.dtype} {tuple(x.shape)}")
-    if not (packed.dim() == 4 and packed.shape[1] * 2 == x.shape[1]
+    if not (packed.dim() == 4 and packed.dtype == x.dtype and packed.shape[1] * packed.shape[3] == x.shape[1]
             and (packed.shape[0] - 1) * packed.shape[2] < out_features <= packed.shape[0] * packed.shape[2]):
-        raise ValueError(f"packed {tuple(packed.shape)} is no packed weight of {out_features} x {x.shape[1]}")
+        raise ValueError(f"packed {packed.dtype} {tuple(packed.shape)} is no packed weight of {out_features} x "
+                         f"{x.shape[1]} in {x.dtype}")
     if not (bias is None or (bias.dtype == torch.float32 and bias.shape == (out_features,) and bias.is_contiguous())):
         raise ValueError(f"bias must be contiguous float32 [{out_features}]")
-    out = torch.empty(x.shape[0], out_features, dtype=torch.bfloat16)
-    _ops().bf16_linear(out, x, packed, bias)
+    out = torch.empty(x.shape[0], out_features, dtype=x.dtype)
+    _ops().panel_linear(out, x, packed, bias)
     return out
 
 

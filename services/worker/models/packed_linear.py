@@ -12,10 +12,11 @@ AMX): bfloat16 ``F.linear`` reaches oneDNN too, but re-packs the weight on every
 a third or more at the row counts of decode steps (64 rows: 235 against 368 GFLOPS; the same
 results). oneDNN's float16 reorder needs CPU features many machines lack.
 
-bfloat16 on a CPU with AVX512-BF16 but no AMX (AMD's Zen 4 and later, Intel's Cooper Lake) runs in the C++ kernel
-of csrc/bf16_linear.cpp instead, on weights packed for it: at a decode step's row counts, where every layer's
-weights come from memory, oneDNN's kernels stall on them (the bench workload's projections: 12.7 s in oneDNN,
-11.4-11.8 s in the kernel, benchmarks/projection_shapes.py).
+On a CPU with AVX512-BF16 but no AMX (AMD's Zen 4 and later, Intel's Cooper Lake) both dtypes run in the C++
+kernel of csrc/panel_linear.cpp instead, on weights packed for it: at a decode step's row counts, where every
+layer's weights come from memory, oneDNN's kernels stall on them (the bench workload's bfloat16 projections: 12.7 s
+in oneDNN, 11.4-11.8 s in the kernel, benchmarks/projection_shapes.py). Where AMX multiplies bfloat16, oneDNN's tiles
+are faster; and the kernel was measured against oneDNN only on Zen 4, so other AVX-512 CPUs keep oneDNN.
 """
 
 from __future__ import annotations
@@ -55,35 +56,36 @@ def can_pack(dtype: torch.dtype, device: torch.device) -> bool:
     return dtype in (torch.float32, torch.bfloat16) and not runs_emulated(dtype, device)
 
 
-def uses_bf16_kernel(weight: torch.Tensor) -> bool:
-    """Whether a packed ``weight [out, in]`` runs in csrc/bf16_linear.cpp: bfloat16, ``in`` even, on a CPU whose
-    kernels were built with AVX512-BF16 and which has no AMX (whose tiles oneDNN multiplies on, faster)."""
-    return (weight.dtype == torch.bfloat16 and weight.device.type == "cpu" and weight.shape[1] % 2 == 0
-            and not has_amx() and cpu_layers.has_bf16_linear())
+def uses_panel_kernel(weight: torch.Tensor) -> bool:
+    """Whether a packed ``weight [out, in]`` runs in csrc/panel_linear.cpp: float32, or bfloat16 with ``in`` even, on
+    a CPU whose kernels were built with AVX512-BF16 and which has no AMX (see the module's docstring)."""
+    return (weight.device.type == "cpu" and weight.dtype in cpu_layers.PANEL_DTYPES
+            and (weight.dtype != torch.bfloat16 or weight.shape[1] % 2 == 0)
+            and not has_amx() and cpu_layers.has_panel_linear(torch.bfloat16))  # (AVX512-BF16 implies AVX-512)
 
 
 class PackedLinear(nn.Module):
-    """``y = x @ W.T + b`` with ``W [out, in]`` held in oneDNN's blocked layout, or bf16_linear's (uses_bf16_kernel)."""
+    """``y = x @ W.T + b`` with ``W [out, in]`` held in oneDNN's blocked layout, or panel_linear's (uses_panel_kernel)."""
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None):
         super().__init__()
         self.out_features, self.in_features = weight.shape
         self.bias = None if bias is None else bias.detach()
-        self.bf16_kernel = uses_bf16_kernel(weight)
-        if self.bf16_kernel:
-            self.packed_weight = cpu_layers.pack_bf16_linear_weight(weight.detach())
+        self.panel_kernel = uses_panel_kernel(weight)
+        if self.panel_kernel:
+            self.packed_weight = cpu_layers.pack_panel_weight(weight.detach())
             # (F.linear adds a bfloat16 layer's bias in float32 before its one rounding; so does the kernel)
-            self.bias32 = None if bias is None else self.bias.to(torch.bfloat16).float().contiguous()
+            self.bias32 = None if bias is None else self.bias.to(weight.dtype).float().contiguous()
         else:
             self.packed_weight = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), ROWS_HINT)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """``x [..., in]`` (any strides) -> ``[..., out]``."""
         rows = x.numel() // self.in_features
-        if self.bf16_kernel:  # (any row count: the kernel compiles nothing per shape, so no padding)
+        if self.panel_kernel:  # (any row count: the kernel compiles nothing per shape, so no padding)
             flat = x.reshape(rows, self.in_features)
             flat = flat if flat.stride(1) == 1 else flat.contiguous()
-            out = cpu_layers.bf16_linear(flat, self.packed_weight, self.out_features, self.bias32)
+            out = cpu_layers.panel_linear(flat, self.packed_weight, self.out_features, self.bias32)
             return out.view(*x.shape[:-1], self.out_features)
         padded = padded_rows(rows)
         if padded == rows:
