@@ -34,17 +34,29 @@ SHAPES = [("qkv", 1024, 512), ("o", 512, 512), ("gate_up", 2816, 512), ("down", 
 ROWS = [16, 64, 128, 256, 1024, 4096]
 
 
-def seconds(fn, repeats: int, flush: torch.Tensor | None) -> float:
-    """The best of ``repeats`` calls, or with a flush before each, their median."""
+def best_seconds(fn, repeats: int) -> float:
     fn()
+    best = float("inf")
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        best = min(best, time.perf_counter() - start)
+    return best
+
+
+def cold_seconds(fn, repeats: int, flush: torch.Tensor) -> float:
+    """The median of ``repeats`` calls, each after ``flush`` is written through the caches."""
     times = []
     for _ in range(repeats):
-        if flush is not None:
-            flush.add_(1)
+        flush.add_(1)
         start = time.perf_counter()
         fn()
         times.append(time.perf_counter() - start)
-    return min(times) if flush is None else statistics.median(times)
+    return statistics.median(times)
+
+
+def seconds(fn, repeats: int, flush: torch.Tensor | None) -> float:
+    return best_seconds(fn, repeats) if flush is None else cold_seconds(fn, repeats, flush)
 
 
 def main() -> None:

@@ -21,8 +21,8 @@ from services.worker.attention.cpu_kernels import (
 from services.worker.attention.kv_quant import KVScales
 from services.worker.attention.metadata import AttentionMetadata
 from services.worker.attention.spec import AttentionSpec
-from services.worker.cpu_tuning import has_amx
 from services.worker.attention.torch_ref import TorchAttentionBackend, _Prefill
+from services.worker.cpu_tuning import has_amx
 
 PREFILL_HEAD_SIZES = (64, 128, 256)  # what the prefill kernel is compiled for
 
