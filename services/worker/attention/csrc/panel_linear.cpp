@@ -14,7 +14,7 @@
 // bfloat16 2: the pair vdpbf16ps multiplies with a broadcast pair of x). One 64-byte load gives 16 columns of a
 // group. A panel (K kPanel values: 64-128 KiB at K = 512) is read from start to end, which the hardware prefetchers
 // stream. Columns past N (the last panel's padding) are zero weights, never stored. Each output is accumulated in
-// float32 over the input dimensions in order (bfloat16: in pairs), the bias added, then rounded to the output
+// float32, from its bias, over the input dimensions in order (bfloat16: in pairs), then rounded once to the output
 // dtype (bfloat16: to nearest even). vdpbf16ps counts subnormal inputs (below 1.2e-38) as zero and flushes
 // subnormal sums: no weight or activation of a working model is that small.
 
