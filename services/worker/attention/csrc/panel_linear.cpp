@@ -28,7 +28,6 @@
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
-#include <type_traits>
 #include <utility>
 
 #if defined(__AVX512F__)
@@ -185,7 +184,7 @@ inline void panel_block(const T* x, int64_t x_stride, int64_t rows, const T* pan
 template <typename T>
 void multiply(T* out, const T* x, int64_t x_stride, const T* weights, const float* bias, int64_t tokens, int64_t n,
               int64_t groups, int64_t panels) {
-  const int64_t panel_values = groups * kPanel * (std::is_same_v<T, float> ? 1 : 2);
+  const int64_t panel_values = groups * 4 * Lanes<T>::kValues;  // (a group: the 4 loads panel_rows makes)
 #pragma omp parallel if (tokens * n * groups > 16384)
   {
     const int64_t threads = omp_get_num_threads(), thread = omp_get_thread_num();
