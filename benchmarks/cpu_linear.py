@@ -3,7 +3,8 @@
 The bench model's projections (qkv, o, gate_up, down, logits head) at decode-sized and
 prefill-sized row counts, float32 (or --dtype bfloat16), interleaved repeats; reports GFLOPS (best of the repeats, the
 steadier number on a shared machine) and the packed/plain ratio. PackedLinear is oneDNN on the packed weight, except
-on a CPU with AVX512-BF16 and no AMX, where it runs services/worker/attention/csrc/panel_linear.cpp. With ``--flush-mib N`` every call
+where packed_linear.uses_panel_kernel picks services/worker/attention/csrc/panel_linear.cpp (AVX512-BF16 without
+AMX; float32 without AVX-512). With ``--flush-mib N`` every call
 follows N MiB written through the caches, so the weights come from memory, as in a decode step (the median is
 reported then: the best would be a call the flush missed).
 

@@ -58,6 +58,11 @@ def has_amx() -> bool:
     return getattr(torch.cpu, "_is_amx_tile_supported", lambda: False)()
 
 
+def has_avx512() -> bool:
+    """Whether this CPU has AVX-512 (the C++ kernels, built for it with -march=native, then use its 32 registers)."""
+    return getattr(torch.cpu, "_is_avx512_supported", lambda: False)()
+
+
 def runs_emulated(dtype: torch.dtype, device: torch.device) -> bool:
     """Whether matrix multiplies in ``dtype`` on ``device`` lack the CPU's own instructions for it (oneDNN's
     test: bfloat16 needs AVX512-BF16 or AMX, float16 AVX512-FP16 or AMX-FP16). They then run converted a few

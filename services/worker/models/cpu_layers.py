@@ -145,7 +145,8 @@ PANEL_DTYPES = (torch.float32, torch.bfloat16)
 
 
 def has_panel_linear(dtype: torch.dtype) -> bool:
-    """Whether the kernels were built with panel_linear for ``dtype`` (float32: AVX-512; bfloat16: AVX512-BF16)."""
+    """Whether the kernels were built with panel_linear for ``dtype`` (float32: AVX-512 or AVX2; bfloat16:
+    AVX512-BF16)."""
     return dtype in PANEL_DTYPES and available() and _ops().has_panel_linear(dtype)
 
 

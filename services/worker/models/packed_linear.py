@@ -16,7 +16,9 @@ On a CPU with AVX512-BF16 but no AMX (AMD's Zen 4 and later, Intel's Cooper Lake
 kernel of csrc/panel_linear.cpp instead, on weights packed for it: at a decode step's row counts, where every
 layer's weights come from memory, oneDNN's kernels stall on them (the bench workload's bfloat16 projections: 12.7 s
 in oneDNN, 11.4-11.8 s in the kernel, benchmarks/projection_shapes.py). Where AMX multiplies bfloat16, oneDNN's tiles
-are faster; and the kernel was measured against oneDNN only on Zen 4, so other AVX-512 CPUs keep oneDNN.
+are faster; and the kernel was measured against oneDNN only on Zen 4, so other AVX-512 CPUs keep oneDNN. On a CPU
+without AVX-512 float32 runs in the kernel's AVX2 build, for the same reason: a Zen 4 whose AVX-512 the hypervisor
+hid ran the bench workload 7 % faster with it (589.6 against 632.7 tok/s, medians of 3 alternated runs).
 """
 
 from __future__ import annotations
@@ -24,7 +26,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from services.worker.cpu_tuning import has_amx, runs_emulated
+from services.worker.cpu_tuning import has_amx, has_avx512, runs_emulated
 from services.worker.models import cpu_layers
 
 # oneDNN chooses its blocking for a typical row count; any row count still works.
@@ -57,11 +59,14 @@ def can_pack(dtype: torch.dtype, device: torch.device) -> bool:
 
 
 def uses_panel_kernel(weight: torch.Tensor) -> bool:
-    """Whether a packed ``weight [out, in]`` runs in csrc/panel_linear.cpp: float32, or bfloat16 with ``in`` even, on
-    a CPU whose kernels were built with AVX512-BF16 and which has no AMX (see the module's docstring)."""
-    return (weight.device.type == "cpu" and weight.dtype in cpu_layers.PANEL_DTYPES
-            and (weight.dtype != torch.bfloat16 or weight.shape[1] % 2 == 0)
-            and not has_amx() and cpu_layers.has_panel_linear(torch.bfloat16))  # (AVX512-BF16 implies AVX-512)
+    """Whether a packed ``weight [out, in]`` runs in csrc/panel_linear.cpp (the module's docstring says why): float32
+    on a CPU with AVX2 but no AVX-512, and float32 or bfloat16 with ``in`` even on one with AVX512-BF16 but no AMX."""
+    if weight.device.type != "cpu" or weight.dtype not in cpu_layers.PANEL_DTYPES or has_amx():
+        return False
+    if weight.dtype == torch.float32 and not has_avx512():
+        return cpu_layers.has_panel_linear(torch.float32)  # (the AVX2 build's kernel)
+    return ((weight.dtype != torch.bfloat16 or weight.shape[1] % 2 == 0)
+            and cpu_layers.has_panel_linear(torch.bfloat16))  # (AVX512-BF16 implies AVX-512)
 
 
 class PackedLinear(nn.Module):

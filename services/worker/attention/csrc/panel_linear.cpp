@@ -1,5 +1,5 @@
-// Projections y = x W^T + b in float32 (AVX-512 FMA) and bfloat16 (AVX512-BF16's vdpbf16ps) on weights packed in
-// panels. Built at run time with the other kernels (services/worker/attention/cpu_kernels.py); used by
+// Projections y = x W^T + b in float32 (AVX-512 or AVX2 FMA) and bfloat16 (AVX512-BF16's vdpbf16ps) on weights
+// packed in panels. Built at run time with the other kernels (services/worker/attention/cpu_kernels.py); used by
 // services/worker/models/packed_linear.py on CPUs where it was measured faster than oneDNN (its docstring says
 // which).
 //
@@ -7,13 +7,14 @@
 // memory (the step's K/V stream evicts them) and oneDNN's blocked kernels stall on them. Measured on a Zen 4 (2
 // threads, the bench workload, benchmarks/projection_shapes.py): the run's bfloat16 projections 11.4-11.8 s
 // against oneDNN's 12.7. Alone (benchmarks/cpu_linear.py) it is within a few percent of oneDNN at every size the
-// engine runs, faster at the smallest.
+// engine runs, faster at the smallest. The AVX2 build (float32 only) ran the bench workload 7 % faster than oneDNN
+// on a Zen 4 whose AVX-512 the hypervisor hid.
 //
 // The weights are packed once into panels of kPanel output columns: panel p holds columns [p kPanel,
 // (p + 1) kPanel) as [K / G groups][kPanel columns][G], G the input dimensions one 32-bit lane holds (float32 1,
-// bfloat16 2: the pair vdpbf16ps multiplies with a broadcast pair of x). One 64-byte load gives 16 columns of a
-// group. A panel (K kPanel values: 64-128 KiB at K = 512) is read from start to end, which the hardware prefetchers
-// stream. Columns past N (the last panel's padding) are zero weights, never stored. Each output is accumulated in
+// bfloat16 2: the pair vdpbf16ps multiplies with a broadcast pair of x). One vector load gives kLanes columns of
+// a group. kPanel is what the registers allow: 64 columns with AVX-512's 32, 16 with AVX2's 16. A panel (K kPanel
+// values: 32-128 KiB at K = 512) is read from start to end, which the hardware prefetchers stream. Columns past N (the last panel's padding) are zero weights, never stored. Each output is accumulated in
 // float32, from its bias, over the input dimensions in order (bfloat16: in pairs), then rounded once to the output
 // dtype (bfloat16: to nearest even). vdpbf16ps counts subnormal inputs (below 1.2e-38) as zero and flushes
 // subnormal sums: no weight or activation of a working model is that small.
@@ -30,21 +31,27 @@
 #include <cstring>
 #include <utility>
 
-#if defined(__AVX512F__)
-#include <immintrin.h>
-#endif
+#include "simd.h"
 
 namespace {
 
-constexpr int64_t kPanel = 64;      // output columns a panel: 4 vectors of 16 float32 accumulators per row
-constexpr int64_t kRows = 6;        // rows a micro-kernel call: 6 x 4 accumulators + 4 weight vectors + 1 broadcast
+#if PAGEDSERVE_SIMD
+namespace simd = pagedserve_cpu::simd;
+// Vectors of accumulators a row: kRows x kVectors accumulators, kVectors weight vectors and one broadcast fill the
+// registers (AVX-512: 24 + 4 + 1 of 32; AVX2: 12 + 2 + 1 of 16).
+constexpr int64_t kVectors = simd::kRegisters == 32 ? 4 : 2;
+constexpr int64_t kPanel = kVectors * simd::kLanes;  // output columns a panel
+#else
+constexpr int64_t kPanel = 64;  // (packing only: this build has no kernel)
+#endif
+constexpr int64_t kRows = 6;        // rows a micro-kernel call
 constexpr int64_t kRowBlock = 192;  // rows whose x (K values each) a thread keeps in L2 while sweeping the panels
 
 // Input dimensions a 32-bit lane of a packed panel holds.
 inline int64_t group_of(at::ScalarType dtype) { return dtype == at::kBFloat16 ? 2 : 1; }
 
 bool has_panel_linear(at::ScalarType dtype) {
-#if defined(__AVX512F__)
+#if PAGEDSERVE_SIMD
   if (dtype == at::kFloat) return true;
 #endif
 #if defined(__AVX512F__) && defined(__AVX512BF16__)
@@ -86,26 +93,23 @@ at::Tensor pack_panel_weight(const at::Tensor& weight) {
   return packed;
 }
 
-#if defined(__AVX512F__)
+#if PAGEDSERVE_SIMD
 
-// Which of vector j's 16 columns lie within the panel's first `cols`.
-inline __mmask16 columns_kept(int64_t cols, int j) {
-  const int64_t kept = std::clamp<int64_t>(cols - 16 * j, 0, 16);
-  return kept == 16 ? __mmask16(0xFFFF) : __mmask16((1u << kept) - 1);
-}
+// How many of vector j's kLanes columns lie within the panel's first `cols`.
+inline int64_t columns_kept(int64_t cols, int64_t j) { return cols - simd::kLanes * j; }
 
-// How a dtype's group of input dimensions multiplies: W, 16 columns of a group (one 64-byte load, kValues values);
-// X, a row's group broadcast to every lane; multiply_add, acc += X W over the group.
+// How a dtype's group of input dimensions multiplies: W, kLanes columns of a group (one vector load, kValues
+// values); X, a row's group broadcast to every lane; multiply_add, acc += X W over the group.
 template <typename T>
 struct Lanes;
 
 template <>
 struct Lanes<float> {
-  using W = __m512;
-  static constexpr int64_t kValues = 16;
-  static W load(const float* w) { return _mm512_loadu_ps(w); }
-  static W broadcast(const float* x, int64_t g) { return _mm512_set1_ps(x[g]); }
-  static __m512 multiply_add(__m512 acc, W x, W w) { return _mm512_fmadd_ps(x, w, acc); }
+  using W = simd::Vec;
+  static constexpr int64_t kValues = simd::kLanes;
+  static W load(const float* w) { return simd::load(w); }
+  static W broadcast(const float* x, int64_t g) { return simd::broadcast(x[g]); }
+  static simd::Vec multiply_add(simd::Vec acc, W x, W w) { return simd::fmadd(x, w, acc); }
 };
 
 #if defined(__AVX512BF16__)
@@ -123,10 +127,10 @@ struct Lanes<c10::BFloat16> {
 };
 #endif
 
-inline void store_columns(float* out, __mmask16 kept, __m512 v) { _mm512_mask_storeu_ps(out, kept, v); }
+inline void store_columns(float* out, int64_t kept, simd::Vec v) { simd::store_first(out, v, kept); }
 #if defined(__AVX512BF16__)
-inline void store_columns(c10::BFloat16* out, __mmask16 kept, __m512 v) {
-  _mm256_mask_storeu_epi16(out, kept, (__m256i)_mm512_cvtneps_pbh(v));
+inline void store_columns(c10::BFloat16* out, int64_t kept, __m512 v) {
+  _mm256_mask_storeu_epi16(out, simd::first_lanes(kept), (__m256i)_mm512_cvtneps_pbh(v));
 }
 #endif
 
@@ -136,26 +140,30 @@ template <int kR, typename T>
 inline void panel_rows(const T* x, int64_t x_stride, const T* panel, int64_t groups, const float* bias, T* out,
                        int64_t out_stride, int64_t cols) {
   using L = Lanes<T>;
-  __m512 acc[kR][4];
-  for (int j = 0; j < 4; ++j) {
-    acc[0][j] = bias != nullptr ? _mm512_maskz_loadu_ps(columns_kept(cols, j), bias + 16 * j) : _mm512_setzero_ps();
+  simd::Vec acc[kR][kVectors];
+#pragma GCC unroll 4
+  for (int j = 0; j < kVectors; ++j) {
+    acc[0][j] = bias != nullptr ? simd::load_first(bias + simd::kLanes * j, columns_kept(cols, j)) : simd::zero();
+#pragma GCC unroll 6
     for (int r = 1; r < kR; ++r) acc[r][j] = acc[0][j];
   }
   for (int64_t g = 0; g < groups; ++g) {
-    const T* w = panel + g * 4 * L::kValues;
-    const typename L::W w0 = L::load(w), w1 = L::load(w + L::kValues), w2 = L::load(w + 2 * L::kValues),
-                        w3 = L::load(w + 3 * L::kValues);
+    const T* w = panel + g * kVectors * L::kValues;
+    typename L::W wv[kVectors];
+#pragma GCC unroll 4
+    for (int j = 0; j < kVectors; ++j) wv[j] = L::load(w + j * L::kValues);
 #pragma GCC unroll 6
     for (int r = 0; r < kR; ++r) {
       const typename L::W xv = L::broadcast(x + r * x_stride, g);
-      acc[r][0] = L::multiply_add(acc[r][0], xv, w0);
-      acc[r][1] = L::multiply_add(acc[r][1], xv, w1);
-      acc[r][2] = L::multiply_add(acc[r][2], xv, w2);
-      acc[r][3] = L::multiply_add(acc[r][3], xv, w3);
+#pragma GCC unroll 4
+      for (int j = 0; j < kVectors; ++j) acc[r][j] = L::multiply_add(acc[r][j], xv, wv[j]);
     }
   }
   for (int r = 0; r < kR; ++r) {
-    for (int j = 0; j < 4; ++j) store_columns(out + r * out_stride + 16 * j, columns_kept(cols, j), acc[r][j]);
+#pragma GCC unroll 4
+    for (int j = 0; j < kVectors; ++j) {
+      store_columns(out + r * out_stride + simd::kLanes * j, columns_kept(cols, j), acc[r][j]);
+    }
   }
 }
 
@@ -184,7 +192,7 @@ inline void panel_block(const T* x, int64_t x_stride, int64_t rows, const T* pan
 template <typename T>
 void multiply(T* out, const T* x, int64_t x_stride, const T* weights, const float* bias, int64_t tokens, int64_t n,
               int64_t groups, int64_t panels) {
-  const int64_t panel_values = groups * 4 * Lanes<T>::kValues;  // (a group: the 4 loads panel_rows makes)
+  const int64_t panel_values = groups * kVectors * Lanes<T>::kValues;  // (a group: the loads panel_rows makes)
 #pragma omp parallel if (tokens * n * groups > 16384)
   {
     const int64_t threads = omp_get_num_threads(), thread = omp_get_thread_num();
@@ -227,7 +235,7 @@ void panel_linear(at::Tensor out, const at::Tensor& x, const at::Tensor& packed,
   for (const at::Tensor* t : {&std::as_const(out), &x, &packed}) {
     TORCH_CHECK(t->device().is_cpu(), "every tensor must be on the CPU");
   }
-#if defined(__AVX512F__)
+#if PAGEDSERVE_SIMD
   const float* b = bias.has_value() ? bias->data_ptr<float>() : nullptr;
   if (dtype == at::kFloat) {
     multiply(out.data_ptr<float>(), x.data_ptr<float>(), x.stride(0), packed.data_ptr<float>(), b, tokens, n,

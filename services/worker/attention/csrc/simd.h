@@ -54,11 +54,17 @@ inline float reduce_add(Vec v) { return _mm512_reduce_add_ps(v); }
 inline float reduce_max(Vec v) { return _mm512_reduce_max_ps(v); }
 
 // v's first `kept` lanes (clamped to 0 .. kLanes), the others `fill`.
-inline Vec keep_first(Vec v, int64_t kept, float fill) {
+inline __mmask16 first_lanes(int64_t kept) {
   const int64_t n = std::clamp<int64_t>(kept, 0, kLanes);
-  const __mmask16 mask = n == kLanes ? __mmask16(0xFFFF) : __mmask16((1u << n) - 1);
-  return _mm512_mask_blend_ps(mask, _mm512_set1_ps(fill), v);
+  return n == kLanes ? __mmask16(0xFFFF) : __mmask16((1u << n) - 1);
 }
+inline Vec keep_first(Vec v, int64_t kept, float fill) {
+  return _mm512_mask_blend_ps(first_lanes(kept), _mm512_set1_ps(fill), v);
+}
+// The first `kept` lanes (clamped to 0 .. kLanes) from p, zero in the others; nothing past them is read.
+inline Vec load_first(const float* p, int64_t kept) { return _mm512_maskz_loadu_ps(first_lanes(kept), p); }
+// v's first `kept` lanes to p; the memory past them is left as it is.
+inline void store_first(float* p, Vec v, int64_t kept) { _mm512_mask_storeu_ps(p, first_lanes(kept), v); }
 
 #else  // AVX2
 
@@ -93,11 +99,23 @@ inline float reduce_max(Vec v) {
   return _mm_cvtss_f32(_mm_max_ss(x, _mm_movehdup_ps(x)));
 }
 
-inline Vec keep_first(Vec v, int64_t kept, float fill) {
+inline __m256i first_lanes(int64_t kept) {  // (a lane is kept where its sign bit is set)
   const int32_t n = static_cast<int32_t>(std::clamp<int64_t>(kept, 0, kLanes));
-  const __m256i lanes = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
-  const __m256 mask = _mm256_castsi256_ps(_mm256_cmpgt_epi32(_mm256_set1_epi32(n), lanes));
-  return _mm256_blendv_ps(_mm256_set1_ps(fill), v, mask);
+  return _mm256_cmpgt_epi32(_mm256_set1_epi32(n), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+}
+inline Vec keep_first(Vec v, int64_t kept, float fill) {
+  return _mm256_blendv_ps(_mm256_set1_ps(fill), v, _mm256_castsi256_ps(first_lanes(kept)));
+}
+// (vmaskmovps is slow on AMD's cores, so whole vectors take the plain load and store)
+inline Vec load_first(const float* p, int64_t kept) {
+  return kept >= kLanes ? _mm256_loadu_ps(p) : _mm256_maskload_ps(p, first_lanes(kept));
+}
+inline void store_first(float* p, Vec v, int64_t kept) {
+  if (kept >= kLanes) {
+    _mm256_storeu_ps(p, v);
+  } else {
+    _mm256_maskstore_ps(p, first_lanes(kept), v);
+  }
 }
 
 #endif
