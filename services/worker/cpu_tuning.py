@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import ctypes
 import ctypes.util
+import functools
+from pathlib import Path
 
 import torch
 
@@ -61,6 +63,25 @@ def has_amx() -> bool:
 def has_avx512() -> bool:
     """Whether this CPU has AVX-512 (the C++ kernels, built for it with -march=native, then use its 32 registers)."""
     return getattr(torch.cpu, "_is_avx512_supported", lambda: False)()
+
+
+@functools.cache
+def l2_cache_bytes(cache_dir: Path = Path("/sys/devices/system/cpu/cpu0/cache")) -> int | None:
+    """One core's L2 cache in bytes (CPU 0's, as Linux reports it); None where it does not say."""
+    for index in sorted(cache_dir.glob("index*")):
+        try:
+            if (index / "level").read_text().strip() == "2":
+                return cache_size_bytes((index / "size").read_text())
+        except (OSError, ValueError):
+            continue
+    return None
+
+
+def cache_size_bytes(text: str) -> int:
+    """sysfs's cache size (``512K``, ``1024K``, ``2M``) in bytes."""
+    text = text.strip().upper()
+    unit = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}.get(text[-1:], 1)
+    return int(text[:-1] if unit > 1 else text) * unit
 
 
 def runs_emulated(dtype: torch.dtype, device: torch.device) -> bool:

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from services.worker.cpu_tuning import advise_huge_pages, keep_large_allocations_in_heap
+from services.worker.cpu_tuning import advise_huge_pages, cache_size_bytes, keep_large_allocations_in_heap, l2_cache_bytes
 
 
 @pytest.mark.skipif(platform.libc_ver()[0] != "glibc", reason="mallopt is glibc's")
@@ -47,3 +47,19 @@ def test_half_precision_without_cpu_instructions_warns(dtype, probe, native, mon
     assert len(warned) == (0 if native else 1)
     if warned:
         assert warned[0]["log_level"] == "warning" and "--dtype float32" in warned[0]["hint"]
+
+
+@pytest.mark.parametrize("text, size", [("512K\n", 512 << 10), ("1024K", 1 << 20), ("2M", 2 << 20), ("65536", 65536)])
+def test_cache_sizes_as_sysfs_writes_them(text, size):
+    assert cache_size_bytes(text) == size
+
+
+def test_the_l2_is_the_level_2_entry_of_sysfs(tmp_path):
+    for index, (level, kind, size) in enumerate([(1, "Data", "32K"), (1, "Instruction", "32K"), (2, "Unified", "1024K"),
+                                                 (3, "Unified", "32768K")]):
+        entry = tmp_path / f"index{index}"
+        entry.mkdir()
+        for name, value in (("level", level), ("type", kind), ("size", size)):
+            (entry / name).write_text(f"{value}\n")
+    assert l2_cache_bytes.__wrapped__(tmp_path) == 1 << 20
+    assert l2_cache_bytes.__wrapped__(tmp_path / "absent") is None

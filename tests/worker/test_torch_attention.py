@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from services.worker.attention import torch_ref
+from services.worker.attention import cpu_kernels
 from services.worker.attention.cpu_kernels import cpu_kernels_unavailable_reason
 from services.worker.attention.spec import AttentionSpec
 from services.worker.attention.torch_ref import TorchAttentionBackend, paged_attention_reference, write_kv
@@ -15,14 +16,17 @@ from tests.attention_inputs import build_metadata, with_image_spans
 NAN = float("nan")
 
 
-@pytest.fixture(params=["torch", "cpu"])
-def backend(request) -> type:
+@pytest.fixture(params=["torch", "cpu-blocked", "cpu-two-pass"])
+def backend(request, monkeypatch) -> type:
+    """The torch backend, or the C++ one with its decodes reading K and V a block at a time or in two passes
+    (cpu_kernels.decode_reads_blocks picks one by CPU; each CPU runs both here)."""
     if request.param == "torch":
         return TorchAttentionBackend
     reason = cpu_kernels_unavailable_reason()
     if reason is not None:
         pytest.skip(reason)
     from services.worker.attention.cpu_attention import CpuAttentionBackend
+    monkeypatch.setattr(cpu_kernels, "decode_reads_blocks", lambda dtype: request.param == "cpu-blocked")
     return CpuAttentionBackend
 
 

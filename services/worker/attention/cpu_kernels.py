@@ -35,6 +35,7 @@ import torch
 
 from services.worker.attention.build_once import build_once
 from services.worker.attention.file_lock import LockTimeout
+from services.worker.cpu_tuning import has_avx512, l2_cache_bytes
 
 # Decode attention; the models' fused elementwise layers and panel projections (wrapped in
 # services/worker/models/cpu_layers.py); prefill attention; the K/V cache write.
@@ -47,6 +48,26 @@ LIBRARY = "pagedserve_cpu"  # the torch.library namespace the sources register
 def cpu_kernels_unavailable_reason() -> str | None:
     """Why the C++ kernels cannot run in this process; None once they are loaded."""
     return _build()
+
+
+BLOCKED_DECODE_MIN_L2 = 1 << 20  # without AVX-512, float32 decodes read blocks where a core's L2 is this or more
+
+
+@functools.cache
+def decode_reads_blocks(dtype: torch.dtype) -> bool:
+    """Whether paged_decode_attention reads a ``dtype`` cache's K and V together, a block at a time under an online
+    softmax, rather than in two passes (K, then V); the results agree to float32 rounding.
+
+    Measured with benchmarks/cpu_attention.py (2 threads, the bench model's shapes, ms a layer call): the blocked
+    loops win with AVX-512 at both dtypes, and for bfloat16 with AVX2 (16 % less on a Zen 3). float32 with AVX2 is
+    the one split: they lost on a Zen 3 with 512 KiB of L2 a core (decode200 10.1 against 8.4 ms) and won on a Zen 4
+    whose AVX-512 the hypervisor hid, 1 MiB of L2 (7.3-8.6 against 8.5-9.7). Both are AVX2 to the compiler (GCC 12
+    takes either for a Zen 3), and the L2 size is the difference the process can read, so it decides.
+    """
+    if dtype != torch.float32 or has_avx512():
+        return True
+    l2 = l2_cache_bytes()
+    return l2 is not None and l2 >= BLOCKED_DECODE_MIN_L2
 
 
 def paged_decode_attention(out: torch.Tensor, query: torch.Tensor, key_cache: torch.Tensor,
@@ -63,7 +84,7 @@ def paged_decode_attention(out: torch.Tensor, query: torch.Tensor, key_cache: to
     """
     getattr(torch.ops, LIBRARY).paged_decode_attention(out, query, key_cache, value_cache, block_tables,
                                                        seq_lens, rows, seqs, scale, window or 0, softcap or 0.0,
-                                                       v_scale)
+                                                       v_scale, decode_reads_blocks(query.dtype))
 
 
 def write_kv(key_cache: torch.Tensor, value_cache: torch.Tensor, key: torch.Tensor, value: torch.Tensor,

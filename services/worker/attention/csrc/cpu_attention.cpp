@@ -6,10 +6,11 @@
 // share a KV head are handled together so each K/V row is read once for all of them. Items are
 // dealt out longest context first, dynamically, on torch's own OpenMP pool (the extension links
 // the libgomp torch already loaded).
-// With AVX-512 and a float32 or bfloat16 cache, or AVX2 and a bfloat16 one (simd.h, decode_attention_blocked), K and V
-// are read together, a block at a time, under an online softmax. Otherwise (FP8 codes, float32 with AVX2, other
-// CPUs) scores for the whole context are kept
-// (context x group floats per thread), so the softmax is exact two-pass: pass 1 reads K, pass 2 reads V. With a sliding window the context is the
+// With a float32 or bfloat16 cache on AVX-512 or AVX2 (simd.h, decode_attention_blocked), K and V can be read together,
+// a block at a time, under an online softmax; the caller says whether (`blocked`: cpu_kernels.decode_reads_blocks
+// says which is faster on which CPU). Otherwise (FP8 codes, float16, other CPUs, or not `blocked`) scores for the
+// whole context are kept (context x group floats per thread), so the softmax is exact two-pass: pass 1 reads K,
+// pass 2 reads V. With a sliding window the context is the
 // sequence's last `window` tokens; with a soft cap each score s becomes cap * tanh(s / cap).
 // An FP8 cache (kv_quant.py) holds codes: each KV head's row is decoded once per token (fp8_to_float),
 // K's scale comes folded into `scale` and V's multiplies the output.
@@ -79,6 +80,7 @@ struct DecodeShape {
   int64_t window;         // keys seen per query, itself included; 0: all of them
   float softcap;          // 0: scores uncapped
   float v_scale;          // what the output is multiplied by: an FP8 cache's V scale, else 1
+  bool blocked;           // K and V a block at a time where decode_attention_blocked takes the cache, else two passes
 };
 
 // visit(row, i) for the i-th of a sequence's tokens begin..len-1 in order, where row points at the
@@ -349,17 +351,15 @@ void decode_for_head_size(T* out, const T* query, const C* key_cache, const C* v
                           const int32_t* block_tables, const int32_t* seq_lens, const int64_t* rows,
                           const int64_t* seqs, const DecodeShape& s) {
 #if PAGEDSERVE_SIMD
-  // Measured on a Zen 3 (AVX2, 32 KB L1): with a float32 cache the two-pass loops take 17 % less time than the
-  // blocked ones (a block's K and V, 16 tokens of 1 KB each in the bench model, fill the L1 together); with
-  // bfloat16 the blocked ones take 16 % less. With AVX-512 the blocked ones win at both.
-  constexpr bool kBlocked =
-      std::is_same_v<T, c10::BFloat16> || (std::is_same_v<T, float> && pagedserve_cpu::simd::kLanes == 16);
-  if constexpr (std::is_same_v<C, T> && kBlocked) {
-    switch (s.head_dim) {
-      case 64: return decode_attention_blocked<T, 64>(out, query, key_cache, value_cache, block_tables, seq_lens, rows, seqs, s);
-      case 128: return decode_attention_blocked<T, 128>(out, query, key_cache, value_cache, block_tables, seq_lens, rows, seqs, s);
-      case 256: return decode_attention_blocked<T, 256>(out, query, key_cache, value_cache, block_tables, seq_lens, rows, seqs, s);
-      default: break;
+  constexpr bool kHasBlocked = std::is_same_v<T, c10::BFloat16> || std::is_same_v<T, float>;
+  if constexpr (std::is_same_v<C, T> && kHasBlocked) {
+    if (s.blocked) {
+      switch (s.head_dim) {
+        case 64: return decode_attention_blocked<T, 64>(out, query, key_cache, value_cache, block_tables, seq_lens, rows, seqs, s);
+        case 128: return decode_attention_blocked<T, 128>(out, query, key_cache, value_cache, block_tables, seq_lens, rows, seqs, s);
+        case 256: return decode_attention_blocked<T, 256>(out, query, key_cache, value_cache, block_tables, seq_lens, rows, seqs, s);
+        default: break;
+      }
     }
   }
 #endif
@@ -444,7 +444,7 @@ void check_indices(int64_t num_tokens, int64_t num_blocks, int64_t block_size, c
 void paged_decode_attention(at::Tensor out, const at::Tensor& query, const at::Tensor& key_cache,
                             const at::Tensor& value_cache, const at::Tensor& block_tables,
                             const at::Tensor& seq_lens, const at::Tensor& rows, const at::Tensor& seqs,
-                            double scale, int64_t window, double softcap, double v_scale) {
+                            double scale, int64_t window, double softcap, double v_scale, bool blocked) {
   check_layout(out, query, key_cache, value_cache, block_tables, seq_lens, rows, seqs);
   TORCH_CHECK_VALUE(window >= 0 && softcap >= 0, "window and softcap must be >= 0 (0: none)");
   check_indices(query.size(0), key_cache.size(0), key_cache.size(1), block_tables, seq_lens, rows, seqs);
@@ -453,7 +453,7 @@ void paged_decode_attention(at::Tensor out, const at::Tensor& query, const at::T
                           query.stride(1),       out.stride(0),         out.stride(1),
                           key_cache.stride(0),   key_cache.stride(1),   key_cache.stride(2),
                           block_tables.stride(0), static_cast<float>(scale), window,
-                          static_cast<float>(softcap), static_cast<float>(v_scale)};
+                          static_cast<float>(softcap), static_cast<float>(v_scale), blocked};
   const auto* tables = block_tables.data_ptr<int32_t>();
   const auto* lens = seq_lens.data_ptr<int32_t>();
   const auto* row_ptr = rows.data_ptr<int64_t>();
@@ -482,7 +482,7 @@ void paged_decode_attention(at::Tensor out, const at::Tensor& query, const at::T
 TORCH_LIBRARY(pagedserve_cpu, m) {
   m.def("paged_decode_attention(Tensor(a!) out, Tensor query, Tensor key_cache, Tensor value_cache, "
         "Tensor block_tables, Tensor seq_lens, Tensor rows, Tensor seqs, float scale, int window, "
-        "float softcap, float v_scale) -> ()");
+        "float softcap, float v_scale, bool blocked) -> ()");
 }
 
 TORCH_LIBRARY_IMPL(pagedserve_cpu, CPU, m) { m.impl("paged_decode_attention", &paged_decode_attention); }
