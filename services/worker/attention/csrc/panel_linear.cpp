@@ -14,7 +14,8 @@
 // (p + 1) kPanel) as [K / G groups][kPanel columns][G], G the input dimensions one 32-bit lane holds (float32 1,
 // bfloat16 2: the pair vdpbf16ps multiplies with a broadcast pair of x). One vector load gives kLanes columns of
 // a group. kPanel is what the registers allow: 64 columns with AVX-512's 32, 16 with AVX2's 16. A panel (K kPanel
-// values: 32-128 KiB at K = 512) is read from start to end, which the hardware prefetchers stream. Columns past N (the last panel's padding) are zero weights, never stored. Each output is accumulated in
+// values: 32-128 KiB at K = 512) is read from start to end, which the hardware prefetchers stream. Columns past N
+// (the last panel's padding) are zero weights, never stored. Each output is accumulated in
 // float32, from its bias, over the input dimensions in order (bfloat16: in pairs), then rounded once to the output
 // dtype (bfloat16: to nearest even). vdpbf16ps counts subnormal inputs (below 1.2e-38) as zero and flushes
 // subnormal sums: no weight or activation of a working model is that small.
