@@ -8,7 +8,11 @@ milliseconds per layer call (write_kv included) for the "torch" backend (gather 
 repeats (on a shared machine the best is the steadier number).
 
     python benchmarks/cpu_attention.py [--threads N] [--repeats 7] [--cases decode16,decode64,...] [--window W]
-                                       [--dtype bfloat16]
+                                       [--dtype bfloat16] [--loops]
+
+``--loops`` times the decode kernel's two loops against each other instead: "two-pass" (K, then V) in the
+first column, "blocked" (K and V a block at a time) in the second, both the cpu backend, interleaved step by
+step. It is how ``cpu_kernels.decode_reads_blocks`` was decided for each kind of CPU (docs/performance.md).
 
 ``--window W`` makes every layer a sliding-window layer of W keys (Mistral's kind); ``long16`` (16 decodes
 at 4096 keys) is where a window saves the most.
@@ -26,6 +30,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import torch  # noqa: E402
 
+from services.worker.attention import cpu_kernels  # noqa: E402
 from services.worker.attention.cpu_attention import CpuAttentionBackend  # noqa: E402
 from services.worker.attention.metadata import AttentionMetadata  # noqa: E402
 from services.worker.attention.spec import AttentionSpec  # noqa: E402
@@ -82,8 +87,15 @@ def cases(generator: torch.Generator) -> dict[str, list[tuple[int, int]]]:
             "prefill_mix": prefill_mix, "first_chunks": [(0, 128)] * 16, "long16": [(4095, 1)] * 16}
 
 
-def step(backend, inputs, meta) -> list[torch.Tensor]:
-    return [backend.forward(layer, *inputs[layer], meta) for layer in range(LAYERS)]
+def step(backend, inputs, meta, blocked: bool | None = None) -> list[torch.Tensor]:
+    """One step's layer calls; ``blocked`` True / False forces the decode kernel's loops (None: the CPU's choice)."""
+    chosen = cpu_kernels.decode_reads_blocks
+    if blocked is not None:  # (the op's wrapper looks the function up on every call)
+        cpu_kernels.decode_reads_blocks = lambda dtype: blocked
+    try:
+        return [backend.forward(layer, *inputs[layer], meta) for layer in range(LAYERS)]
+    finally:
+        cpu_kernels.decode_reads_blocks = chosen
 
 
 def main() -> None:
@@ -94,6 +106,8 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--window", type=int, default=None, help="every layer attends within this many keys")
     parser.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32", help="queries and KV pools")
+    parser.add_argument("--loops", action="store_true",
+                        help="the decode kernel's two-pass loops against its blocked ones, instead of torch against cpu")
     args = parser.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -106,29 +120,32 @@ def main() -> None:
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads; H={HEADS} Hkv={KV_HEADS} D={HEAD_DIM} "
           f"block_size={BLOCK_SIZE} {args.dtype}, {LAYERS} layers, window {args.window}; ms per layer call over "
           f"{args.repeats} steps")
-    print(f"{'case':<13}{'seqs':>5}{'tokens':>7}{'ctx tokens':>11}  {'median: torch':>13}{'cpu':>8}{'speedup':>9}"
-          f"  {'best: torch':>11}{'cpu':>8}{'speedup':>9}")
+    first, second = ("2-pass", "blocks") if args.loops else ("torch", "cpu")
+    print(f"{'case':<13}{'seqs':>5}{'tokens':>7}{'ctx tokens':>11}  {'median: ' + first:>14}{second:>8}{'speedup':>9}"
+          f"  {'best: ' + first:>12}{second:>8}{'speedup':>9}")
     with torch.inference_mode():
         for name in chosen:
             batch = all_cases[name]
             kv_caches, seqs, inputs = make_case(batch, generator, dtype)
-            old, new = TorchAttentionBackend(kv_caches, spec), CpuAttentionBackend(kv_caches, spec)
+            cpu = CpuAttentionBackend(kv_caches, spec)
+            runs = ((("old", cpu, False), ("new", cpu, True)) if args.loops
+                    else (("old", TorchAttentionBackend(kv_caches, spec), None), ("new", cpu, None)))
             # Same inputs for both: writing the same k/v into the same slots again changes nothing.
-            expected, got = step(old, inputs, make_metadata(seqs)), step(new, inputs, make_metadata(seqs))
+            expected, got = (step(backend, inputs, make_metadata(seqs), blocked) for _, backend, blocked in runs)
             for a, b in zip(expected, got):
                 torch.testing.assert_close(b, a, atol=tolerance, rtol=tolerance)
             times = {"old": [], "new": []}
             for _ in range(args.repeats):
-                for label, backend in (("old", old), ("new", new)):
+                for label, backend, blocked in runs:
                     meta = make_metadata(seqs)  # a fresh metadata object per step, as in the engine
                     start = time.perf_counter()
-                    step(backend, inputs, meta)
+                    step(backend, inputs, meta, blocked)
                     times[label].append((time.perf_counter() - start) / LAYERS * 1e3)
             old_ms, new_ms = statistics.median(times["old"]), statistics.median(times["new"])
             old_best, new_best = min(times["old"]), min(times["new"])
             print(f"{name:<13}{len(batch):>5}{sum(n for _, n in batch):>7}{sum(c + n for c, n in batch):>11}"
-                  f"  {old_ms:>13.2f}{new_ms:>8.2f}{old_ms / new_ms:>8.1f}x"
-                  f"  {old_best:>11.2f}{new_best:>8.2f}{old_best / new_best:>8.1f}x", flush=True)
+                  f"  {old_ms:>14.2f}{new_ms:>8.2f}{old_ms / new_ms:>8.2f}x"
+                  f"  {old_best:>12.2f}{new_best:>8.2f}{old_best / new_best:>8.2f}x", flush=True)
 
 
 if __name__ == "__main__":

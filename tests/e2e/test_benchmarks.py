@@ -227,3 +227,11 @@ def test_cpu_attention_checks_both_backends_with_a_window():
                           "decode16,prefill_mix", "--repeats", "1", "--window", "100"],
                          cwd=REPO, check=True, timeout=RUN_LIMIT_S, capture_output=True, text=True)
     assert "window 100" in run.stdout and "prefill_mix" in run.stdout
+
+
+def test_cpu_attention_compares_the_decode_loops():
+    # --loops checks that the kernel's two decode loops agree, then times one against the other.
+    run = subprocess.run([sys.executable, str(REPO / "benchmarks" / "cpu_attention.py"), "--cases", "decode16",
+                          "--repeats", "1", "--loops"],
+                         cwd=REPO, check=True, timeout=RUN_LIMIT_S, capture_output=True, text=True)
+    assert "median: 2-pass" in run.stdout and "decode16" in run.stdout
