@@ -107,7 +107,7 @@ def main() -> None:
     parser.add_argument("--window", type=int, default=None, help="every layer attends within this many keys")
     parser.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32", help="queries and KV pools")
     parser.add_argument("--loops", action="store_true",
-                        help="the decode kernel's two-pass loops against its blocked ones, instead of torch against cpu")
+                        help="the decode kernel's two-pass loops against its blocked ones (not torch against cpu)")
     args = parser.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)

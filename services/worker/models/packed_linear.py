@@ -16,9 +16,9 @@ On a CPU with AVX512-BF16 but no AMX (AMD's Zen 4 and later, Intel's Cooper Lake
 kernel of csrc/panel_linear.cpp instead, on weights packed for it: at a decode step's row counts, where every
 layer's weights come from memory, oneDNN's kernels stall on them (the bench workload's bfloat16 projections: 12.7 s
 in oneDNN, 11.4-11.8 s in the kernel, benchmarks/projection_shapes.py). Where AMX multiplies bfloat16, oneDNN's tiles
-are faster; and the kernel was measured against oneDNN only on Zen 4, so other AVX-512 CPUs keep oneDNN. On a CPU
-without AVX-512 float32 runs in the kernel's AVX2 build, for the same reason: a Zen 4 whose AVX-512 the hypervisor
-hid ran the bench workload 7 % faster with it (632.7 against 589.6 tok/s, medians of 3 alternated runs).
+are faster; and the kernel was measured against oneDNN only on Zen 4 and Zen 5, so other AVX-512 CPUs keep oneDNN.
+On a CPU without AVX-512 float32 runs in the kernel's AVX2 build, for the same reason: a Zen 4 whose AVX-512 the
+hypervisor hid ran the bench workload 7 % faster with it (632.7 against 589.6 tok/s, medians of 3 alternated runs).
 """
 
 from __future__ import annotations
