@@ -84,7 +84,8 @@ def cases(generator: torch.Generator) -> dict[str, list[tuple[int, int]]]:
                    + [(256, 256), (512, 128), (48, 200)]  # chunks after cached blocks
                    + decode(32))  # decodes riding along
     return {"decode16": decode(16), "decode64": decode(64), "decode200": decode(200),
-            "prefill_mix": prefill_mix, "first_chunks": [(0, 128)] * 16, "long16": [(4095, 1)] * 16}
+            "prefill_mix": prefill_mix, "first_chunks": [(0, 128)] * 16, "prompt512": [(0, 512)],
+            "long16": [(4095, 1)] * 16}
 
 
 def step(backend, inputs, meta, blocked: bool | None = None) -> list[torch.Tensor]:

@@ -2,14 +2,16 @@
 // cached prefix, if any, and themselves), float32 or bfloat16, head sizes that are multiples of 16.
 //
 // torch's fused CPU kernel (SDPA) runs the bench prompts (a few hundred tokens) at 40-60 GFLOPS here; this
-// one is laid out as a small matrix multiply. For each KV head, its keys go once into a float32 buffer
-// transposed ([D, keys]) and its values into one [keys, D]. A work item is one query head and kRows query rows
-// (16 with AVX-512, 12 with AVX2: the rows' scores and two more fill the vector registers); for each tile of
-// kLanes keys it computes the kRows x kLanes scores with one fused multiply-add per (row, dimension): a
-// broadcast query element times the tile's keys' values of that dimension. An online softmax (running maximum and
-// sum per row) turns them into weights, and the output rows take the tile's value rows the same way. Tiles past a
-// row's own position are skipped, and the diagonal tile is masked. With AVX512-BF16, bfloat16 keys stay bfloat16,
-// transposed a pair of dimensions at a time, and the scores take one dot-product instruction per pair (kPairs).
+// one is laid out as a small matrix multiply. For each KV head, its keys and values go once into float32 buffers
+// [keys, D]. A work item is one query head and kRows = kLanes query rows, transposed so that a vector holds one
+// dimension of every row. For each tile of kKeys keys (16 with AVX-512, 12 with AVX2: their scores and the query
+// vector fill the registers) it computes the kKeys vectors of scores with one fused multiply-add per (key,
+// dimension): a broadcast key element times the rows' query values of that dimension. With the rows in the lanes,
+// the online softmax (running maximum and sum per row) is whole-vector arithmetic, with no sum or maximum across
+// lanes (that took 45 % of the kernel when rows were vectors' worth of keys). The output rows take the tile's value
+// rows, each row's weight broadcast. Tiles past a row's own position are skipped, and the diagonal tile is
+// masked. With AVX512-BF16, bfloat16 keys and queries stay bfloat16, a pair of dimensions to a 32-bit word, and
+// the scores take one dot-product instruction per pair (kPairs).
 //
 // Query row i sits at position context_len - query_len + i and sees keys 0 .. that position. The block table
 // is the sequence's, its new tokens' K/V already written to the pools; or, for a prompt's first chunk, the
@@ -45,13 +47,13 @@ struct PrefillShape {
 
 using pagedserve_cpu::simd::Vec;
 namespace simd = pagedserve_cpu::simd;
-constexpr int64_t kRows = simd::kLanes == 16 ? 16 : 12;  // query rows per work item
-constexpr int64_t kKeys = simd::kLanes;                   // keys per tile: one vector of scores per row
+constexpr int64_t kRows = simd::kLanes;                   // query rows per work item: a lane each
+constexpr int64_t kKeys = simd::kLanes == 16 ? 16 : 12;  // keys per tile: a vector of scores (over the rows) each
 
 // bfloat16 scores by AVX512-BF16's dot product of pairs (vdpbf16ps: 32 products into 16 float32 sums, each
 // product exact, each sum rounded as an FMA's): half the instructions of widening to float32 and one FMA per
-// dimension. Keys are then kept as pairs of dimensions, one 32-bit word per key and pair, and the query unscaled
-// (the scale multiplies the scores).
+// dimension. Keys and queries are then kept as pairs of dimensions, one 32-bit word per pair, and the query
+// unscaled (the scale multiplies the scores).
 #if PAGEDSERVE_SIMD == 512 && defined(__AVX512BF16__)
 template <typename T>
 constexpr bool kPairs = std::is_same_v<T, c10::BFloat16>;
@@ -59,132 +61,141 @@ constexpr bool kPairs = std::is_same_v<T, c10::BFloat16>;
 template <typename T>
 constexpr bool kPairs = false;
 #endif
-// What a transposed key buffer holds per key and dimension (float32) or pair of dimensions (two bfloat16).
+// What a key or query buffer holds per dimension (float32) or pair of dimensions (two bfloat16).
 template <typename T>
 using KeyWord = std::conditional_t<kPairs<T>, uint32_t, float>;
 template <typename T, int kD>
 constexpr int64_t kKeyWords = kPairs<T> ? kD / 2 : kD;  // words per key
 
-// KV head kv's keys j0 .. j0 + kKeys - 1 into kt[w * padded + j] (w: a dimension, or a pair of them, KeyWord) and
-// their values into vf[j * kD + d], float32; keys past the context zero. Each key row goes with vector loads into a
-// small buffer, then out a word at a time: one vector store of kKeys keys per word, where a key at a time scattered
-// kD scalar stores over kD cache lines (measured in the engine: a quarter of the kernel's time in bfloat16).
+// KV head kv's keys j0 .. j0 + kKeys - 1 into kf[j * kKeyWords + w] (w: a dimension, or a pair of them, KeyWord)
+// and their values into vf[j * kD + d], float32; keys past the context zero. Rows stay rows: the scores take a
+// key's words one at a time, broadcast (tile_scores).
 template <typename T, int kD>
-void widen_key_tile(KeyWord<T>* kt, float* vf, int64_t padded, int64_t j0, const T* key_cache, const T* value_cache,
+void widen_key_tile(KeyWord<T>* kf, float* vf, int64_t j0, const T* key_cache, const T* value_cache,
                     const int32_t* table, int64_t kv, const PrefillShape& s) {
   constexpr int64_t kWords = kKeyWords<T, kD>;
-  alignas(64) KeyWord<T> keys[kKeys][kWords];
-  for (int64_t i = 0; i < kKeys; ++i) {
-    const int64_t j = j0 + i;
+  for (int64_t j = j0; j < j0 + kKeys; ++j) {
+    KeyWord<T>* keys = kf + j * kWords;
     float* values = vf + j * kD;
     if (j >= s.context_len) {
-      std::fill(keys[i], keys[i] + kWords, KeyWord<T>{0});
+      std::fill(keys, keys + kWords, KeyWord<T>{0});
       std::fill(values, values + kD, 0.f);
       continue;
     }
     const int64_t at = table[j / s.block_size] * s.cache_block_stride + (j % s.block_size) * s.cache_token_stride +
                        kv * s.cache_head_stride;
     if constexpr (kPairs<T>) {
-      std::memcpy(keys[i], key_cache + at, kD * sizeof(T));  // a pair of bfloat16 is one word
+      std::memcpy(keys, key_cache + at, kD * sizeof(T));  // a pair of bfloat16 is one word
     }
     for (int64_t c = 0; c < kD; c += simd::kLanes) {
-      if constexpr (!kPairs<T>) simd::store(keys[i] + c, simd::load(key_cache + at + c));
+      if constexpr (!kPairs<T>) simd::store(keys + c, simd::load(key_cache + at + c));
       simd::store(values + c, simd::load(value_cache + at + c));
     }
   }
-  for (int64_t w = 0; w < kWords; ++w) {
-    KeyWord<T>* dst = kt + w * padded + j0;
-#pragma omp simd
-    for (int64_t i = 0; i < kKeys; ++i) dst[i] = keys[i][w];
-  }
 }
 
-// scores[r] = the kRows query rows' dot products with keys k0 .. k0 + kKeys - 1 (kt as widen_key_tile writes it;
-// q as attend_rows holds it: scaled float32 rows, or kPairs' unscaled words).
+// scores[j] = key j's dot products with the kRows query rows (a lane each), for keys k0 .. k0 + kKeys - 1 of kf
+// (as widen_key_tile writes it), qt the rows transposed (qt[w][r]: scaled float32, or kPairs' unscaled words).
+// One vector load of a query word serves every key of the tile, each key's word broadcast to the rows.
 template <typename T, int kD>
-inline void tile_scores(Vec* scores, const KeyWord<T>* kt, int64_t padded, int64_t k0,
-                        const KeyWord<T> (&q)[kRows][kKeyWords<T, kD>], float scale) {
-  for (int64_t r = 0; r < kRows; ++r) scores[r] = simd::zero();
+inline void tile_scores(Vec (&scores)[kKeys], const KeyWord<T>* kf, int64_t k0,
+                        const KeyWord<T> (&qt)[kKeyWords<T, kD>][kRows], float scale) {
+  constexpr int64_t kWords = kKeyWords<T, kD>;
+  const KeyWord<T>* keys = kf + k0 * kWords;
+  for (int64_t j = 0; j < kKeys; ++j) scores[j] = simd::zero();
 #if PAGEDSERVE_SIMD == 512 && defined(__AVX512BF16__)
   if constexpr (kPairs<T>) {
-    for (int64_t w = 0; w < kD / 2; ++w) {
-      const __m512bh keys = (__m512bh)_mm512_loadu_si512(kt + w * padded + k0);
+    for (int64_t w = 0; w < kWords; ++w) {
+      const __m512bh rows = (__m512bh)_mm512_load_si512(qt[w]);
 #pragma GCC unroll 16
-      for (int64_t r = 0; r < kRows; ++r) {
-        scores[r] = _mm512_dpbf16_ps(scores[r], (__m512bh)_mm512_set1_epi32(static_cast<int>(q[r][w])), keys);
+      for (int64_t j = 0; j < kKeys; ++j) {
+        scores[j] = _mm512_dpbf16_ps(scores[j], (__m512bh)_mm512_set1_epi32(static_cast<int>(keys[j * kWords + w])),
+                                     rows);
       }
     }
-    for (int64_t r = 0; r < kRows; ++r) scores[r] = simd::mul(scores[r], simd::broadcast(scale));
+    for (int64_t j = 0; j < kKeys; ++j) scores[j] = simd::mul(scores[j], simd::broadcast(scale));
     return;
   }
 #endif
   if constexpr (!kPairs<T>) {
     for (int64_t d = 0; d < kD; ++d) {
-      const Vec keys = simd::load(kt + d * padded + k0);
+      const Vec rows = simd::load(qt[d]);
 #pragma GCC unroll 16
-      for (int64_t r = 0; r < kRows; ++r) scores[r] = simd::fmadd(simd::broadcast(q[r][d]), keys, scores[r]);
+      for (int64_t j = 0; j < kKeys; ++j) scores[j] = simd::fmadd(simd::broadcast(keys[j * kWords + d]), rows, scores[j]);
     }
   }
 }
 
-// One work item: query head h, rows [r0, r0 + kRows) (those past query_len computed, not written).
+// One work item: query head h, rows [r0, r0 + kRows) (those past query_len computed, not written). The rows are
+// the lanes of every vector of the softmax, so its maxima, sums and rescaling are whole-vector operations, with
+// no reduction across lanes.
 template <typename T, int kD>
-void attend_rows(T* out, const T* query, const KeyWord<T>* kt, const float* vf, int64_t padded, int64_t h, int64_t r0,
+void attend_rows(T* out, const T* query, const KeyWord<T>* kf, const float* vf, int64_t h, int64_t r0,
                  const PrefillShape& s) {
+  constexpr int64_t kWords = kKeyWords<T, kD>;
   const int64_t offset = s.context_len - s.query_len;
-  alignas(64) KeyWord<T> q[kRows][kKeyWords<T, kD>];
+  alignas(64) KeyWord<T> qt[kWords][kRows];
   alignas(64) float acc[kRows][kD] = {};
-  alignas(64) float p[kRows][kKeys];
-  float max[kRows], sum[kRows] = {};
+  // A tile's weights p[j][r], key by key; p[kKeys] the rows' rescaling (e^(old max - new max)).
+  alignas(64) float p[kKeys + 1][kRows];
+  alignas(64) float sums[kRows];
   for (int64_t r = 0; r < kRows; ++r) {
     const int64_t row = std::min(r0 + r, s.query_len - 1);  // (rows past the end repeat the last one)
     const T* src = query + row * s.q_row_stride + h * s.q_head_stride;
-    if constexpr (kPairs<T>) {
-      std::memcpy(q[r], src, kD * sizeof(T));
-    } else {
-      for (int64_t d = 0; d < kD; ++d) q[r][d] = static_cast<float>(src[d]) * s.scale;
-    }
-    max[r] = -std::numeric_limits<float>::infinity();
-  }
-  const int64_t last_key = offset + std::min(r0 + kRows, s.query_len) - 1;  // the last row's own position
-  for (int64_t k0 = 0; k0 <= last_key; k0 += kKeys) {
-    Vec scores[kRows];
-    tile_scores<T, kD>(scores, kt, padded, k0, q, s.scale);
-    const bool all_seen = k0 + kKeys - 1 <= offset + r0;  // below the diagonal: no row masks any of these keys
-    for (int64_t r = 0; r < kRows; ++r) {
-      // Keys past the row's own position weigh nothing (the row's first key, 0, is always seen): their
-      // weight comes out of the exponential as 0 (the score -inf, clamped to e^-87 below, then dropped).
-      const int64_t seen = all_seen ? kKeys : offset + r0 + r - k0 + 1;  // the tile's first `seen` keys
-      const Vec seen_scores = simd::keep_first(scores[r], seen, -std::numeric_limits<float>::infinity());
-      const float new_max = std::max(max[r], simd::reduce_max(seen_scores));
-      simd::store(p[r], simd::sub(scores[r], simd::broadcast(new_max)));
-      const float rescale = pagedserve_cpu::exp_clamped(max[r] - new_max);  // (~0 at the first tile)
-#pragma omp simd
-      for (int64_t j = 0; j < kKeys; ++j) p[r][j] = pagedserve_cpu::exp_clamped(p[r][j]);
-      const Vec weights = simd::keep_first(simd::load(p[r]), seen, 0.f);
-      simd::store(p[r], weights);
-      const float tile_sum = simd::reduce_add(weights);
-      sum[r] = sum[r] * rescale + tile_sum;
-      max[r] = new_max;
-      if (rescale != 1.f) {
-#pragma omp simd
-        for (int64_t d = 0; d < kD; ++d) acc[r][d] *= rescale;
+    for (int64_t w = 0; w < kWords; ++w) {
+      if constexpr (kPairs<T>) {
+        std::memcpy(&qt[w][r], src + 2 * w, sizeof(KeyWord<T>));
+      } else {
+        qt[w][r] = static_cast<float>(src[w]) * s.scale;
       }
     }
+  }
+  Vec max = simd::broadcast(-std::numeric_limits<float>::infinity()), sum = simd::zero();
+  const int64_t last_key = offset + std::min(r0 + kRows, s.query_len) - 1;  // the last row's own position
+  for (int64_t k0 = 0; k0 <= last_key; k0 += kKeys) {
+    Vec scores[kKeys];
+    tile_scores<T, kD>(scores, kf, k0, qt, s.scale);
+    // Key k0 + j is seen by the rows from lane k0 + j - offset - r0 on (the row's own position and later ones);
+    // below the diagonal every row sees every key. The first tile's key 0 is seen by every row.
+    const bool all_seen = k0 + kKeys - 1 <= offset + r0;
+    if (!all_seen) {
+      for (int64_t j = 0; j < kKeys; ++j) {
+        scores[j] = simd::keep_from(scores[j], k0 + j - offset - r0, -std::numeric_limits<float>::infinity());
+      }
+    }
+    Vec tile_max = scores[0];
+    for (int64_t j = 1; j < kKeys; ++j) tile_max = simd::max(tile_max, scores[j]);
+    const Vec new_max = simd::max(max, tile_max);
+    for (int64_t j = 0; j < kKeys; ++j) simd::store(p[j], simd::sub(scores[j], new_max));
+    simd::store(p[kKeys], simd::sub(max, new_max));  // (~-inf at the first tile: e^ of it ~0)
+    float* flat = &p[0][0];
+#pragma omp simd
+    for (int64_t i = 0; i < (kKeys + 1) * kRows; ++i) flat[i] = pagedserve_cpu::exp_clamped(flat[i]);
+    // Unseen keys' weights are exactly 0 (their -inf scores came out of the clamped exponential as e^-87).
+    Vec tile_sum = simd::zero();
+    for (int64_t j = 0; j < kKeys; ++j) {
+      if (!all_seen) simd::store(p[j], simd::keep_from(simd::load(p[j]), k0 + j - offset - r0, 0.f));
+      tile_sum = simd::add(tile_sum, simd::load(p[j]));
+    }
+    const Vec rescale = simd::load(p[kKeys]);
+    sum = simd::fmadd(sum, rescale, tile_sum);
+    max = new_max;
     for (int64_t c = 0; c < kD; c += simd::kLanes) {
       Vec out_rows[kRows];
-      for (int64_t r = 0; r < kRows; ++r) out_rows[r] = simd::load(acc[r] + c);
+#pragma GCC unroll 16
+      for (int64_t r = 0; r < kRows; ++r) out_rows[r] = simd::mul(simd::load(acc[r] + c), simd::broadcast(p[kKeys][r]));
       for (int64_t j = 0; j < kKeys; ++j) {
         const Vec values = simd::load(vf + (k0 + j) * kD + c);
 #pragma GCC unroll 16
-        for (int64_t r = 0; r < kRows; ++r) out_rows[r] = simd::fmadd(simd::broadcast(p[r][j]), values, out_rows[r]);
+        for (int64_t r = 0; r < kRows; ++r) out_rows[r] = simd::fmadd(simd::broadcast(p[j][r]), values, out_rows[r]);
       }
       for (int64_t r = 0; r < kRows; ++r) simd::store(acc[r] + c, out_rows[r]);
     }
   }
+  simd::store(sums, sum);
   for (int64_t r = 0; r < kRows && r0 + r < s.query_len; ++r) {
     T* dst = out + (r0 + r) * s.out_row_stride + h * s.out_head_stride;
-    const float inv = 1.f / sum[r];
+    const float inv = 1.f / sums[r];
     for (int64_t d = 0; d < kD; ++d) dst[d] = static_cast<T>(acc[r][d] * inv);
   }
 }
@@ -199,7 +210,7 @@ void prefill(T* out, const T* query, const T* key_cache, const T* value_cache, c
   // Every KV head's, left unset (every element is written below; zeroing tens of MiB for a long context would
   // be a serial pass before the parallel region).
   constexpr int64_t kWords = kKeyWords<T, kD>;
-  const std::unique_ptr<KeyWord<T>[]> kt(new KeyWord<T>[s.num_kv_heads * kWords * padded]);
+  const std::unique_ptr<KeyWord<T>[]> kf(new KeyWord<T>[s.num_kv_heads * padded * kWords]);
   const std::unique_ptr<float[]> vf(new float[s.num_kv_heads * padded * kD]);
   // One parallel region per call (each costs a fork and a join of the threads): every head's keys widened, then
   // every head's rows attended.
@@ -208,15 +219,15 @@ void prefill(T* out, const T* query, const T* key_cache, const T* value_cache, c
 #pragma omp for schedule(static)
     for (int64_t item = 0; item < s.num_kv_heads * key_tiles; ++item) {
       const int64_t kv = item / key_tiles;
-      widen_key_tile<T, kD>(kt.get() + kv * kWords * padded, vf.get() + kv * padded * kD, padded,
-                            item % key_tiles * kKeys, key_cache, value_cache, table, kv, s);
+      widen_key_tile<T, kD>(kf.get() + kv * padded * kWords, vf.get() + kv * padded * kD, item % key_tiles * kKeys,
+                            key_cache, value_cache, table, kv, s);
     }
     // A KV head at a time (both threads read the same head's keys), and within it the last rows, which see the
     // most keys, first.
 #pragma omp for schedule(dynamic, 1)
     for (int64_t item = 0; item < s.num_kv_heads * head_items; ++item) {
       const int64_t kv = item / head_items, tile = tiles - 1 - item % head_items / group;
-      attend_rows<T, kD>(out, query, kt.get() + kv * kWords * padded, vf.get() + kv * padded * kD, padded,
+      attend_rows<T, kD>(out, query, kf.get() + kv * padded * kWords, vf.get() + kv * padded * kD,
                          kv * group + item % head_items % group, tile * kRows, s);
     }
   }

@@ -47,19 +47,21 @@ inline void load_split(const c10::BFloat16* p, Vec& even, Vec& odd) {
 inline void store(float* p, Vec v) { _mm512_storeu_ps(p, v); }
 inline Vec broadcast(float x) { return _mm512_set1_ps(x); }
 inline Vec zero() { return _mm512_setzero_ps(); }
+inline Vec add(Vec a, Vec b) { return _mm512_add_ps(a, b); }
 inline Vec mul(Vec a, Vec b) { return _mm512_mul_ps(a, b); }
 inline Vec sub(Vec a, Vec b) { return _mm512_sub_ps(a, b); }
+inline Vec max(Vec a, Vec b) { return _mm512_max_ps(a, b); }
 inline Vec fmadd(Vec a, Vec b, Vec c) { return _mm512_fmadd_ps(a, b, c); }
 inline float reduce_add(Vec v) { return _mm512_reduce_add_ps(v); }
-inline float reduce_max(Vec v) { return _mm512_reduce_max_ps(v); }
 
-// v's first `kept` lanes (clamped to 0 .. kLanes), the others `fill`.
+// The mask of the first `kept` lanes (clamped to 0 .. kLanes).
 inline __mmask16 first_lanes(int64_t kept) {
   const int64_t n = std::clamp<int64_t>(kept, 0, kLanes);
   return n == kLanes ? __mmask16(0xFFFF) : __mmask16((1u << n) - 1);
 }
-inline Vec keep_first(Vec v, int64_t kept, float fill) {
-  return _mm512_mask_blend_ps(first_lanes(kept), _mm512_set1_ps(fill), v);
+// v's lanes from `first` on (clamped to 0 .. kLanes), the others `fill`.
+inline Vec keep_from(Vec v, int64_t first, float fill) {
+  return _mm512_mask_blend_ps(first_lanes(first), v, _mm512_set1_ps(fill));
 }
 // The first `kept` lanes (clamped to 0 .. kLanes) from p, zero in the others; nothing past them is read.
 inline Vec load_first(const float* p, int64_t kept) { return _mm512_maskz_loadu_ps(first_lanes(kept), p); }
@@ -85,26 +87,23 @@ inline void load_split(const c10::BFloat16* p, Vec& even, Vec& odd) {
 inline void store(float* p, Vec v) { _mm256_storeu_ps(p, v); }
 inline Vec broadcast(float x) { return _mm256_set1_ps(x); }
 inline Vec zero() { return _mm256_setzero_ps(); }
+inline Vec add(Vec a, Vec b) { return _mm256_add_ps(a, b); }
 inline Vec mul(Vec a, Vec b) { return _mm256_mul_ps(a, b); }
 inline Vec sub(Vec a, Vec b) { return _mm256_sub_ps(a, b); }
+inline Vec max(Vec a, Vec b) { return _mm256_max_ps(a, b); }
 inline Vec fmadd(Vec a, Vec b, Vec c) { return _mm256_fmadd_ps(a, b, c); }
 inline float reduce_add(Vec v) {
   __m128 x = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
   x = _mm_add_ps(x, _mm_movehl_ps(x, x));
   return _mm_cvtss_f32(_mm_add_ss(x, _mm_movehdup_ps(x)));
 }
-inline float reduce_max(Vec v) {
-  __m128 x = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  x = _mm_max_ps(x, _mm_movehl_ps(x, x));
-  return _mm_cvtss_f32(_mm_max_ss(x, _mm_movehdup_ps(x)));
-}
 
 inline __m256i first_lanes(int64_t kept) {  // (a lane is kept where its sign bit is set)
   const int32_t n = static_cast<int32_t>(std::clamp<int64_t>(kept, 0, kLanes));
   return _mm256_cmpgt_epi32(_mm256_set1_epi32(n), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
 }
-inline Vec keep_first(Vec v, int64_t kept, float fill) {
-  return _mm256_blendv_ps(_mm256_set1_ps(fill), v, _mm256_castsi256_ps(first_lanes(kept)));
+inline Vec keep_from(Vec v, int64_t first, float fill) {
+  return _mm256_blendv_ps(v, _mm256_set1_ps(fill), _mm256_castsi256_ps(first_lanes(first)));
 }
 // (vmaskmovps is slow on AMD's cores, so whole vectors take the plain load and store)
 inline Vec load_first(const float* p, int64_t kept) {
