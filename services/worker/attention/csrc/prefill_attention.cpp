@@ -8,10 +8,10 @@
 // vector fill the registers) it computes the kKeys vectors of scores with one fused multiply-add per (key,
 // dimension): a broadcast key element times the rows' query values of that dimension. With the rows in the lanes,
 // the online softmax (running maximum and sum per row) is whole-vector arithmetic, with no sum or maximum across
-// lanes (that took 45 % of the kernel when rows were vectors' worth of keys). The output rows take the tile's value
-// rows, each row's weight broadcast. Tiles past a row's own position are skipped, and the diagonal tile is
-// masked. With AVX512-BF16, bfloat16 keys and queries stay bfloat16, a pair of dimensions to a 32-bit word, and
-// the scores take one dot-product instruction per pair (kPairs).
+// lanes (when each row had a vector of scores, those reductions took about 45 % of the kernel's samples). The
+// output rows take the tile's value rows, each row's weight broadcast. Tiles past a row's own position are
+// skipped, and the diagonal tile is masked. With AVX512-BF16, bfloat16 keys and queries stay bfloat16, a pair of
+// dimensions to a 32-bit word, and the scores take one dot-product instruction per pair (kPairs).
 //
 // Query row i sits at position context_len - query_len + i and sees keys 0 .. that position. The block table
 // is the sequence's, its new tokens' K/V already written to the pools; or, for a prompt's first chunk, the
@@ -121,7 +121,9 @@ inline void tile_scores(Vec (&scores)[kKeys], const KeyWord<T>* kf, int64_t k0,
     for (int64_t d = 0; d < kD; ++d) {
       const Vec rows = simd::load(qt[d]);
 #pragma GCC unroll 16
-      for (int64_t j = 0; j < kKeys; ++j) scores[j] = simd::fmadd(simd::broadcast(keys[j * kWords + d]), rows, scores[j]);
+      for (int64_t j = 0; j < kKeys; ++j) {
+        scores[j] = simd::fmadd(simd::broadcast(keys[j * kWords + d]), rows, scores[j]);
+      }
     }
   }
 }
