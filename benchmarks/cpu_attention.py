@@ -90,13 +90,13 @@ def cases(generator: torch.Generator) -> dict[str, list[tuple[int, int]]]:
 
 def step(backend, inputs, meta, blocked: bool | None = None) -> list[torch.Tensor]:
     """One step's layer calls; ``blocked`` True / False forces the decode kernel's loops (None: the CPU's choice)."""
-    chosen = cpu_kernels.decode_reads_blocks
+    saved = cpu_kernels.decode_reads_blocks
     if blocked is not None:  # (the op's wrapper looks the function up on every call)
         cpu_kernels.decode_reads_blocks = lambda dtype: blocked
     try:
         return [backend.forward(layer, *inputs[layer], meta) for layer in range(LAYERS)]
     finally:
-        cpu_kernels.decode_reads_blocks = chosen
+        cpu_kernels.decode_reads_blocks = saved
 
 
 def main() -> None:

@@ -2,16 +2,17 @@
 // cached prefix, if any, and themselves), float32 or bfloat16, head sizes that are multiples of 16.
 //
 // torch's fused CPU kernel (SDPA) runs the bench prompts (a few hundred tokens) at 40-60 GFLOPS here; this
-// one is laid out as a small matrix multiply. For each KV head, its keys and values go once into float32 buffers
-// [keys, D]. A work item is one query head and kRows = kLanes query rows, transposed so that a vector holds one
-// dimension of every row. For each tile of kKeys keys (16 with AVX-512, 12 with AVX2: their scores and the query
-// vector fill the registers) it computes the kKeys vectors of scores with one fused multiply-add per (key,
-// dimension): a broadcast key element times the rows' query values of that dimension. With the rows in the lanes,
-// the online softmax (running maximum and sum per row) is whole-vector arithmetic, with no sum or maximum across
-// lanes (when each row had a vector of scores, those reductions took about 45 % of the kernel's samples). The
-// output rows take the tile's value rows, each row's weight broadcast. Tiles past a row's own position are
-// skipped, and the diagonal tile is masked. With AVX512-BF16, bfloat16 keys and queries stay bfloat16, a pair of
-// dimensions to a 32-bit word, and the scores take one dot-product instruction per pair (kPairs).
+// one is laid out as a small matrix multiply. For each KV head, its keys and values go once into buffers [keys, D]
+// (float32; kPairs' keys as words of two bfloat16). A work item is one query head and kRows = kLanes query rows,
+// transposed so that a vector holds one dimension of every row. For each tile of kKeys keys (16 with AVX-512, where
+// 24 measured slower; 12 with AVX2: with the query vector and a broadcast, 14 of its 16 registers) it computes
+// the kKeys vectors of scores with one fused multiply-add per (key, dimension): a broadcast key element times the
+// rows' query values of that dimension. With the rows in the lanes, the online softmax (running maximum and sum
+// per row) is whole-vector arithmetic, with no sum or maximum across lanes (when each row had a vector of scores,
+// those reductions took about 45 % of the kernel's samples). The output rows take the tile's value rows, each
+// row's weight broadcast. Tiles past a row's own position are skipped, and the diagonal tile is masked. With
+// AVX512-BF16, bfloat16 keys and queries stay bfloat16, a pair of dimensions to a 32-bit word, and the scores
+// take one dot-product instruction per pair (kPairs).
 //
 // Query row i sits at position context_len - query_len + i and sees keys 0 .. that position. The block table
 // is the sequence's, its new tokens' K/V already written to the pools; or, for a prompt's first chunk, the
@@ -169,7 +170,7 @@ void attend_rows(T* out, const T* query, const KeyWord<T>* kf, const float* vf, 
     for (int64_t j = 1; j < kKeys; ++j) tile_max = simd::max(tile_max, scores[j]);
     const Vec new_max = simd::max(max, tile_max);
     for (int64_t j = 0; j < kKeys; ++j) simd::store(p[j], simd::sub(scores[j], new_max));
-    simd::store(p[kKeys], simd::sub(max, new_max));  // (~-inf at the first tile: e^ of it ~0)
+    simd::store(p[kKeys], simd::sub(max, new_max));  // (-inf at the first tile: its clamped e^ is ~1e-38)
     float* flat = &p[0][0];
 #pragma omp simd
     for (int64_t i = 0; i < (kKeys + 1) * kRows; ++i) flat[i] = pagedserve_cpu::exp_clamped(flat[i]);
