@@ -287,8 +287,8 @@ def count_prefill_kernel_calls(monkeypatch, *, amx: bool) -> list[int]:
 @pytest.mark.parametrize("dtype, tolerance", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
 def test_prefills_in_the_cpu_kernel(dim, heads, dtype, tolerance, monkeypatch):
     """The C++ prefill kernel (csrc/prefill_attention.cpp) takes every causal prefill of the step: first chunks
-    and chunks after a cached prefix, across many tiles of rows and keys (16 x 16 with
-    AVX-512, 12 x 8 with AVX2), with prefixes that end mid-tile,
+    and chunks after a cached prefix, across many tiles of rows and keys (16 rows x 16 keys with
+    AVX-512, 8 x 12 with AVX2), with prefixes that end mid-tile,
     beside decodes; groups of 4, 3 and 1 query heads per KV head."""
     from services.worker.attention.cpu_attention import CpuAttentionBackend
 
