@@ -125,13 +125,16 @@ class DraftModelProposer:
     def _greedy(self, batch: list[ScheduledSequence], block_tables: torch.Tensor, rows: list[int] | None) -> list[int]:
         """One draft forward pass; the argmax after the last token of each sequence in ``rows`` (all: None)."""
         inputs = build_model_inputs(batch, self.block_size, self.device, block_tables)
-        hidden = self.draft.model(inputs.input_ids, inputs.positions, self.attention, inputs.meta)
-        if rows is not None and not rows:
-            return []
         ends = inputs.meta.query_start_loc[1:].long() - 1
         if rows is not None:
             ends = ends[torch.tensor(rows, dtype=torch.int64, device=ends.device)]
-        return greedy_tokens(self.draft.model.compute_logits(hidden[ends])).tolist()
+        # The last layer only for those rows (services/worker/output_rows.py), one at least: no kernel meets an
+        # empty input, and the pass still fills the cache.
+        hidden = self.draft.model(inputs.input_ids, inputs.positions, self.attention, inputs.meta,
+                                  output_rows=ends if len(ends) else ends.new_tensor([len(inputs.input_ids) - 1]))
+        if not len(ends):
+            return []
+        return greedy_tokens(self.draft.model.compute_logits(hidden)).tolist()
 
     def _tables_with_scratch(self, seqs, proposing: list[int], tables: HostBlockTables) -> torch.Tensor:
         """The batch's block tables, each proposing sequence's followed by its scratch blocks."""

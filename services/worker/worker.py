@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import replace
+from itertools import accumulate
 
 import structlog
 import torch
@@ -18,6 +19,7 @@ from services.worker.input_batch import ScheduledSequence, build_model_inputs
 from services.worker.kv_transfer import KVPuller
 from services.worker.model_loader import load_eos_token_ids
 from services.worker.mrope import MRopePositions
+from services.worker.output_rows import PromptRows, StepHidden, rows_read
 from services.worker.sampler import Sampler
 from services.worker.step_timer import StepTimer
 from services.worker.worker_sequence import WorkerSequence
@@ -130,10 +132,12 @@ class Worker:
                               recompute_seq_ids=left_out)
         self.step_timer.start()
         computed_before = [seq.num_computed_tokens for seq, _ in batch]
+        query_start = list(accumulate((n for _, n in batch), initial=0))
+        prompt_rows, sampling = self._outputs_wanted(batch, query_start)
         with torch.inference_mode():
-            hidden, query_start = self._forward(batch)
+            hidden = self._forward(batch, self._rows_to_compute(batch, query_start, prompt_rows, sampling))
             self.step_timer.forward_done()
-            outputs = self._sample(batch, hidden, query_start)
+            outputs = self._sample(batch, hidden, query_start, prompt_rows, sampling)
             for seq, num_tokens in batch:
                 seq.finish_verification(num_tokens, self.config.block_size)
             self.step_timer.sampling_done()
@@ -267,16 +271,26 @@ class Worker:
             self._drop(seq_id)
         self.kv_puller.forget()
 
-    def _forward(self, batch: list[tuple[WorkerSequence, int]]) -> tuple[torch.Tensor, list[int]]:
-        """The hidden states of every scheduled token, and where each sequence's rows start in them (one
-        more entry at the end: the total)."""
+    def _rows_to_compute(self, batch, query_start, prompt_rows, sampling) -> list[int] | None:
+        """The step rows whose final hidden states the outputs read (output_rows.py), or None for every row: where
+        that is all of them (decodes), for a pooling model (it pools every row), and with LoRA adapters (their
+        mask covers every row of the step)."""
+        if self.pooler is not None or self.adapters is not None:
+            return None
+        rows = rows_read(query_start, prompt_rows, sampling)
+        # (a step of prompt chunks alone still computes one row: no kernel meets an empty input)
+        return None if len(rows) == query_start[-1] else rows or [query_start[-1] - 1]
+
+    def _forward(self, batch: list[tuple[WorkerSequence, int]], rows: list[int] | None) -> StepHidden:
+        """The final hidden states of step rows ``rows`` (None: of every scheduled token); others may come too."""
         scheduled = [ScheduledSequence(seq.token_ids, seq.block_table, seq.num_computed_tokens, n, seq.draft_token_ids,
                                        self._rope_offset(seq)) for seq, n in batch]
         tables = self.block_tables.gather([seq.table_row for seq, _ in batch])
         spans = image_spans(batch) if self.image_encoder is not None else []  # (images: their features go in)
         if self.decode_graphs is not None and not spans and self.decode_graphs.can_replay(scheduled):
-            return self.decode_graphs.forward(scheduled, tables), list(range(len(batch) + 1))
+            return StepHidden(self.decode_graphs.forward(scheduled, tables), None)
         inputs = build_model_inputs(scheduled, self.config.block_size, self.device, tables)
+        output_rows = None if rows is None else torch.tensor(rows, dtype=torch.int64).to(self.device)
         if spans:  # (the image's features go in as embeddings: every model's forward takes them)
             if self.mrope is not None:
                 inputs.positions = self.mrope.step_positions(batch).to(self.device)
@@ -284,37 +298,44 @@ class Worker:
                 inputs.meta = replace(inputs.meta, key_limits=image_key_limits(inputs.positions, spans, self.device))
             embeds = self.model.embed(inputs.input_ids)
             self.image_encoder.fill(embeds, spans)
-            hidden = self.model(inputs.input_ids, inputs.positions, self.attention, inputs.meta, inputs_embeds=embeds)
+            hidden = self.model(inputs.input_ids, inputs.positions, self.attention, inputs.meta, inputs_embeds=embeds,
+                                output_rows=output_rows)
         else:
-            hidden = self.model(inputs.input_ids, inputs.positions, self.attention, inputs.meta)
-        return hidden, inputs.meta.query_start_loc.tolist()
+            hidden = self.model(inputs.input_ids, inputs.positions, self.attention, inputs.meta,
+                                output_rows=output_rows)
+        return StepHidden(hidden, rows)
 
     def _rope_offset(self, seq: WorkerSequence) -> int:
         """M-RoPE's shift of the sequence's text tokens from here on (0 for other models)."""
         return self.mrope.shift(seq.images, seq.num_computed_tokens) if self.mrope is not None and seq.images else 0
 
-    def _sample(self, batch: list[tuple[WorkerSequence, int]], hidden: torch.Tensor,
-                query_start: list[int]) -> dict[int, SequenceOutput]:
-        """Logits only where needed: each finishing sequence's last token(s), and prompt rows asked for.
-        The outputs by batch index."""
-        rows: list[int] = []
-        sampling: list[tuple[int, WorkerSequence]] = []  # (batch index, seq) that sample a token
-        prompt_rows: list[tuple[int, WorkerSequence, int, int]] = []  # (batch index, seq, first row, count)
+    def _outputs_wanted(self, batch: list[tuple[WorkerSequence, int]], query_start: list[int]
+                        ) -> tuple[list[PromptRows], list[tuple[int, WorkerSequence]]]:
+        """Where logits are needed: the rows of prompt logprobs asked for, and the ``(batch index, sequence)`` of
+        each sequence that samples a token (its last scheduled token is its last, drafts aside). Neither for
+        a pooling model."""
+        prompt_rows: list[PromptRows] = []
+        sampling: list[tuple[int, WorkerSequence]] = []
         if self.pooler is not None:
-            return self._pool(batch, hidden, query_start)
+            return prompt_rows, sampling
         for i, (seq, num_tokens) in enumerate(batch):
             start, end = seq.num_computed_tokens, seq.num_computed_tokens + num_tokens
             if seq.params.prompt_logprobs is not None and start < seq.prompt_len - 1:
-                count = min(end, seq.prompt_len - 1) - start
-                prompt_rows.append((i, seq, len(rows), count))
-                rows.extend(range(query_start[i], query_start[i] + count))
+                prompt_rows.append((i, seq, query_start[i], min(end, seq.prompt_len - 1) - start))
             if end == len(seq.token_ids) + len(seq.draft_token_ids):
                 sampling.append((i, seq))
+        return prompt_rows, sampling
+
+    def _sample(self, batch: list[tuple[WorkerSequence, int]], hidden: StepHidden, query_start: list[int],
+                prompt_rows: list[PromptRows], sampling: list[tuple[int, WorkerSequence]]) -> dict[int, SequenceOutput]:
+        """Logits only where needed (_outputs_wanted); a pooling model's embeddings. The outputs by batch index."""
+        if self.pooler is not None:
+            return self._pool(batch, hidden.states, query_start)
         sample_rows = [query_start[i + 1] - 1 for i, _ in sampling]
         involved = sorted({i for i, *_ in prompt_rows} | {i for i, _ in sampling})
         outputs = {i: SequenceOutput(seq_id=batch[i][0].seq_id, token_id=None) for i in involved}
         if prompt_rows:
-            self._prompt_logprobs(hidden, rows, prompt_rows, outputs)
+            self._prompt_logprobs(hidden, prompt_rows, outputs)
         if sampling:
             self._sample_tokens(hidden, sampling, sample_rows, outputs)
         return outputs
@@ -368,7 +389,7 @@ class Worker:
         sampled = []
         chunk = self.config.max_num_seqs
         for first in range(0, len(rows), chunk):
-            logits = self.model.compute_logits(hidden[rows[first:first + chunk]])
+            logits = self.model.compute_logits(hidden.take(rows[first:first + chunk]))
             sampled += self.sampler.sample(logits, states[first:first + chunk])
             del logits  # before the next chunk's
         taken = 0
@@ -400,7 +421,7 @@ class Worker:
         # append_last_sample stands for one token: a plan made ahead must never follow accepted drafts.
         seq.last_sample = None if accepted else out.token_id
 
-    def _prompt_logprobs(self, hidden, rows, prompt_rows, outputs) -> None:
+    def _prompt_logprobs(self, hidden: StepHidden, prompt_rows: list[PromptRows], outputs) -> None:
         """Logits for max_num_seqs prompt rows at a time: a step's whole token budget of [rows, vocab]
         logits could take gigabytes that the start-up's largest step (largest_step.py) never set aside."""
         chunk = self.config.max_num_seqs
@@ -409,7 +430,8 @@ class Worker:
             targets = seq.token_ids[start + 1:start + 1 + count]
             positions = []
             for offset in range(0, count, chunk):
-                logits = self.model.compute_logits(hidden[rows[first + offset:first + min(offset + chunk, count)]])
+                logits = self.model.compute_logits(hidden.take(list(range(first + offset,
+                                                                          first + min(offset + chunk, count)))))
                 positions += self.sampler.prompt_logprobs(logits, targets[offset:offset + chunk],
                                                           seq.params.prompt_logprobs)
                 del logits  # before the next chunk's

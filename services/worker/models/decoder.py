@@ -42,8 +42,10 @@ class Attention(nn.Module):
         self.qk_norm, self.qk_norm_per_head = config.qk_norm, config.qk_norm_per_head
         self.rotary = [rotary]  # in a list so the shared module is not registered once per layer
 
-    def forward(self, x: torch.Tensor, positions: torch.Tensor, attention, meta: AttentionMetadata
-                ) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, positions: torch.Tensor, attention, meta: AttentionMetadata,
+                output_rows: torch.Tensor | None = None) -> torch.Tensor:
+        """``x [T, hidden]`` -> ``[T, hidden]``, or only the rows ``output_rows`` (int64 indices into the T) from
+        the output projection on: every row's K and V still go into the cache."""
         q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         if self.qk_norm and not self.qk_norm_per_head:
             q, k = self.q_norm(q), self.k_norm(k)
@@ -56,8 +58,10 @@ class Attention(nn.Module):
             q, k = self.rotary[0](positions, q, k)
         # v stays a view of the projection, strided as k is: the backends take each token's heads at any row
         # stride, and the CPU prefill kernel reads a first chunk's k and v in place only when their strides agree.
-        out = attention.forward(self.layer, q, k, v, meta)
-        return self.tp.all_reduce(self.o_proj(out.reshape(-1, self.q_size)))
+        out = attention.forward(self.layer, q, k, v, meta).reshape(-1, self.q_size)
+        if output_rows is not None:
+            out = out.index_select(0, output_rows)
+        return self.tp.all_reduce(self.o_proj(out))
 
 
 # How much gate/up product a CPU MLP makes at once. Whole, a 4096-token prefill chunk's is 46 MB for the bench model
@@ -127,21 +131,24 @@ class DecoderLayer(nn.Module):
         self.mlp = build_mlp(config, layer, tp)
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None, positions: torch.Tensor, attention,
-                meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
-        """``(mlp output, residual)``, whose sum is the layer's output (HF: ``x + mlp(norm(x))``).
+                meta: AttentionMetadata, output_rows: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(mlp output, residual)``, whose sum is the layer's output (HF: ``x + mlp(norm(x))``); only the rows
+        ``output_rows`` of it where given (the model's last layer: output_rows.py says why).
 
         The sum is left to the next norm, which adds it in the same pass (vLLM's fused_add_rms_norm);
         the first layer gets ``residual=None``. On the CPU ``residual`` is updated in place.
         """
         if self.placement == "post":  # HF: x + post_ff(mlp(x)), x = residual + post_attn(attention(residual))
             stream = x if residual is None else x + residual
-            stream = stream + self.post_attention_layernorm(self.self_attn(stream, positions, attention, meta))
+            attended = self.self_attn(stream, positions, attention, meta, output_rows)
+            stream = self._rows(stream, output_rows) + self.post_attention_layernorm(attended)
             return self.post_feedforward_layernorm(self.mlp(stream)), stream
         if residual is None:
             residual, h = x, self.input_layernorm(x)
         else:
             h, residual = self.input_layernorm.forward_with_residual(x, residual)
-        h = self.self_attn(h, positions, attention, meta)
+        h = self.self_attn(h, positions, attention, meta, output_rows)
+        residual = self._rows(residual, output_rows)
         if self.residual_multiplier != 1.0:  # Granite scales both outputs before the residual add
             h = h * self.residual_multiplier
         if self.placement == "sandwich":  # HF: x + post_ff(mlp(pre_ff(x))), x = residual + post_attn(attention)
@@ -151,3 +158,7 @@ class DecoderLayer(nn.Module):
         h, residual = self.post_attention_layernorm.forward_with_residual(h, residual)
         h = self.mlp(h)
         return (h * self.residual_multiplier if self.residual_multiplier != 1.0 else h), residual
+
+    @staticmethod
+    def _rows(x: torch.Tensor, rows: torch.Tensor | None) -> torch.Tensor:
+        return x if rows is None else x.index_select(0, rows)

@@ -126,14 +126,18 @@ class LlamaForCausalLM(nn.Module):
         return x
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, attention,
-                meta: AttentionMetadata, inputs_embeds: torch.Tensor | None = None) -> torch.Tensor:
-        """Hidden states ``[T, hidden]`` after the final norm, one row per scheduled token. ``inputs_embeds``:
-        the first layer's input, when it is not only the tokens' embeddings (images' features in their place)."""
+                meta: AttentionMetadata, inputs_embeds: torch.Tensor | None = None,
+                output_rows: torch.Tensor | None = None) -> torch.Tensor:
+        """Hidden states ``[T, hidden]`` after the final norm, one row per scheduled token, or only the rows
+        ``output_rows`` (int64 indices into the T, on the model's device): the last layer computes no others past
+        its attention (services/worker/output_rows.py says why). ``inputs_embeds``: the first layer's input, when
+        it is not only the tokens' embeddings (images' features in their place)."""
         x, residual = self.embed(input_ids) if inputs_embeds is None else inputs_embeds, None
-        for layer in self.layers:
-            x, residual = layer(x, residual, positions, attention, meta)
+        last = len(self.layers) - 1
+        for index, layer in enumerate(self.layers):
+            x, residual = layer(x, residual, positions, attention, meta, output_rows if index == last else None)
         if residual is None:  # no layers
-            return self.norm(x)
+            return self.norm(x if output_rows is None else x.index_select(0, output_rows))
         return self.norm.forward_with_residual(x, residual)[0]
 
     def use_int8_linears(self, stored_int8: Iterable[str], static: bool = False) -> frozenset[str]:

@@ -119,15 +119,18 @@ class TransformersCausalLM(nn.Module):
         return self.hf.get_input_embeddings()(input_ids)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, attention,
-                meta: AttentionMetadata, inputs_embeds: torch.Tensor | None = None) -> torch.Tensor:
-        """Hidden states ``[T, hidden]``, one row per scheduled token. ``inputs_embeds``: the first layer's input
-        when images' features stand in their placeholders' place; ``positions`` ``[T]``, or M-RoPE's ``[3, T]``."""
+                meta: AttentionMetadata, inputs_embeds: torch.Tensor | None = None,
+                output_rows: torch.Tensor | None = None) -> torch.Tensor:
+        """Hidden states ``[T, hidden]``, one row per scheduled token, or only the rows ``output_rows`` (computed for
+        every row: the modelling code runs its layers whole). ``inputs_embeds``: the first layer's input when
+        images' features stand in their placeholders' place; ``positions`` ``[T]``, or M-RoPE's ``[3, T]``."""
         step = Step(attention, meta)
         tokens = {"input_ids": input_ids[None]} if inputs_embeds is None else {"inputs_embeds": inputs_embeds[None]}
         out = self.decoder(**tokens, position_ids=positions.unsqueeze(-2), use_cache=False, **{STEP_KWARG: step})
         if step.calls != self.num_layers:
             raise RuntimeError(f"the model ran {step.calls} attention layers, its probe {self.num_layers}")
-        return out.last_hidden_state[0]
+        hidden = out.last_hidden_state[0]
+        return hidden if output_rows is None else hidden.index_select(0, output_rows)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         logits = self.head(hidden)
