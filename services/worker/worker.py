@@ -273,9 +273,8 @@ class Worker:
 
     def _rows_to_compute(self, batch, query_start, prompt_rows, sampling) -> list[int] | None:
         """The step rows whose final hidden states the outputs read (output_rows.py), or None for every row: where
-        that is all of them (decodes), for a pooling model (it pools every row), and with LoRA adapters (their
-        mask covers every row of the step)."""
-        if self.pooler is not None or self.adapters is not None:
+        that is all of them (decodes), and for a pooling model (it pools every row)."""
+        if self.pooler is not None:
             return None
         rows = rows_read(query_start, prompt_rows, sampling)
         # (a step of prompt chunks alone still computes one row: no kernel meets an empty input)
@@ -291,6 +290,8 @@ class Worker:
             return StepHidden(self.decode_graphs.forward(scheduled, tables), None)
         inputs = build_model_inputs(scheduled, self.config.block_size, self.device, tables)
         output_rows = None if rows is None else torch.tensor(rows, dtype=torch.int64).to(self.device)
+        if output_rows is not None and self.adapters is not None:
+            self.adapters.batch.keep_output_rows(output_rows)
         if spans:  # (the image's features go in as embeddings: every model's forward takes them)
             if self.mrope is not None:
                 inputs.positions = self.mrope.step_positions(batch).to(self.device)

@@ -69,6 +69,35 @@ def test_the_last_layer_computes_the_rows_asked_for_as_a_whole_pass_does(fixture
     assert seen[-layers:] == [sum(lengths)] * (layers - 1) + [len(rows)]
 
 
+def test_adapters_follow_their_tokens_into_the_output_rows(llama_dir, tmp_path):
+    """With LoRA, the last layer's projections past attention take the mask's rows of the output rows."""
+    from services.worker.lora_adapters import AdapterSlots
+    from services.worker.tensor_parallel import TensorParallel
+    from shared.lora import LoRARequest
+    from tests.lora_adapters import make_adapter
+
+    model, config = load_model(llama_dir, torch.float32, CPU)
+    slots = AdapterSlots(model, num_slots=2, max_rank=8, tp=TensorParallel())
+    one, two = (LoRARequest(name, str(make_adapter(llama_dir, tmp_path / name, seed=seed)))
+                for name, seed in (("one", 1), ("two", 2)))
+    assigned, failed = slots.slots_for([one, None, two])
+    assert not failed
+    lengths, rows = [5, 4, 6], torch.tensor([4, 8, 13, 14])
+    slots.batch.set_token_slots(assigned, lengths)
+    whole = run_step(model, config, lengths, [0, 0, 0], seed=3)
+    slots.batch.set_token_slots(assigned, lengths)
+    slots.batch.keep_output_rows(rows)
+    part = run_step(model, config, lengths, [0, 0, 0], seed=3, output_rows=rows)
+    torch.testing.assert_close(part, whole[rows], atol=1e-5, rtol=1e-5)
+    slots.batch.clear()
+    without = run_step(model, config, lengths, [0, 0, 0], seed=3, output_rows=rows)
+    assert not torch.allclose(without[[0, 2, 3]], part[[0, 2, 3]], atol=1e-3), "the adapters changed nothing"
+    torch.testing.assert_close(without[1], part[1], atol=1e-5, rtol=1e-5)  # (its sequence has none)
+    slots.batch.set_token_slots(assigned, lengths)
+    with pytest.raises(RuntimeError, match="a projection of 3 rows in a step of 15 tokens"):
+        slots.batch.mask_for(3)
+
+
 def seq(drafts: int = 0):
     return SimpleNamespace(draft_token_ids=[7] * drafts)
 

@@ -39,6 +39,9 @@ class LoRABatch:
         self.mask: torch.Tensor | None = None
         self.lo, self.hi = 0, 0  # the slots the step uses lie in [lo, hi)
         self.sequence_slots: list[int | None] = []  # the step's, per sequence, as set_token_slots was told
+        # The mask's rows for the step's output rows, which alone run the last layer past its attention
+        # (services/worker/output_rows.py); None: every row runs every layer.
+        self.output_mask: torch.Tensor | None = None
 
     def set_token_slots(self, slots: list[int | None], counts: list[int]) -> None:
         """Sequence i's ``counts[i]`` consecutive tokens use slot ``slots[i]`` (None: the base model alone)."""
@@ -54,9 +57,23 @@ class LoRABatch:
         # One column more for "no adapter", then dropped: those rows are all zero.
         mask = F.one_hot(per_token, width + 1)[:, :width]
         self.mask = mask.bool().to(self.device)
+        self.output_mask = None
+
+    def keep_output_rows(self, rows: torch.Tensor) -> None:
+        """The step's last layer runs only ``rows`` (ascending indices into its tokens, fewer than all) past its
+        attention; the mask's rows for them."""
+        self.output_mask = None if self.mask is None else self.mask.index_select(0, rows)
+
+    def mask_for(self, rows: int) -> torch.Tensor:
+        """The mask for a projection of ``rows`` rows: every token's, or the output rows' (keep_output_rows)."""
+        if rows == self.mask.shape[0]:
+            return self.mask
+        if self.output_mask is None or rows != self.output_mask.shape[0]:
+            raise RuntimeError(f"a projection of {rows} rows in a step of {self.mask.shape[0]} tokens")
+        return self.output_mask
 
     def clear(self) -> None:
-        self.mask, self.lo, self.hi, self.sequence_slots = None, 0, 0, []
+        self.mask, self.lo, self.hi, self.sequence_slots, self.output_mask = None, 0, 0, [], None
 
     def decode_mask(self, size: int) -> torch.Tensor:
         """``[size, num_slots]`` bool on the host: row i, the step's sequence i's slot (one token each, a decode);
@@ -105,7 +122,8 @@ class LoRALinear(nn.Module):
         rows = slice(batch.lo * per_slot, batch.hi * per_slot)
         shrunk = F.linear(flat_x, self.lora_a[rows])
         # Selected, not multiplied by 0/1: an inf in another slot's product (float16 overflow) times 0 is NaN.
-        shrunk = torch.where(batch.mask[:, :, None], shrunk.view(flat_x.shape[0], batch.hi - batch.lo, per_slot), 0)
+        mask = batch.mask_for(flat_x.shape[0])
+        shrunk = torch.where(mask[:, :, None], shrunk.view(flat_x.shape[0], batch.hi - batch.lo, per_slot), 0)
         shrunk = shrunk.view(flat_x.shape[0], -1)
         flat_out.addmm_(shrunk, self.lora_b[rows])
         return out
