@@ -215,9 +215,9 @@ def decode_batch(worker, batch: int, context: int, generator: random.Random):
 
 
 def forward_and_logits(worker, batch) -> None:
-    """The step's device work as the worker does it: graphs where they replay, and the sampled rows' logits. Every
-    row runs through every layer, so that prefill_flops counts what runs (the worker's own steps take the last
-    layer past attention for the sampled rows only: services/worker/output_rows.py)."""
+    """The step's device work as the worker does it (graphs where they replay, and the sampled rows' logits), but
+    for one thing: every row runs through every layer, so that prefill_flops counts what runs (the worker's own
+    steps take the last layer past attention for the sampled rows only: services/worker/output_rows.py)."""
     from services.worker.input_batch import build_model_inputs
 
     graphs = worker.decode_graphs

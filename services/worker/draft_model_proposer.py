@@ -129,9 +129,10 @@ class DraftModelProposer:
         if rows is not None:
             ends = ends[torch.tensor(rows, dtype=torch.int64, device=ends.device)]
         # The last layer only for those rows (services/worker/output_rows.py), one at least: no kernel meets an
-        # empty input, and the pass still fills the cache.
+        # empty input, and the pass still fills the cache. (Every row: no selection to make.)
+        output_rows = ends if len(ends) else ends.new_tensor([len(inputs.input_ids) - 1])
         hidden = self.draft.model(inputs.input_ids, inputs.positions, self.attention, inputs.meta,
-                                  output_rows=ends if len(ends) else ends.new_tensor([len(inputs.input_ids) - 1]))
+                                  output_rows=None if len(output_rows) == len(inputs.input_ids) else output_rows)
         if not len(ends):
             return []
         return greedy_tokens(self.draft.model.compute_logits(hidden)).tolist()

@@ -2,11 +2,11 @@
 
 Every row of a step goes through every layer's attention, whose K and V the cache keeps; but past the last
 layer's attention a row matters only if an output reads its hidden state: a sampled token's (with drafts, the
-last ``len(drafts) + 1`` rows of its sequence) or a prompt logprob's. A prompt chunk is sampled at its last row
-only, so the last layer's output projection, MLP and the final norm run on one row of each chunk instead of all.
-On the bench workload (8 layers; two thirds of the tokens are prompt tokens) that is 5.5 % of the projections'
-multiply-adds (benchmarks/RESULTS.md). Each row's states are computed as before: nothing in those layers mixes
-rows.
+last ``len(drafts) + 1`` rows of its sequence) or a prompt logprob's. A prompt is sampled at its last row only,
+so the last layer's output projection, MLP and the final norm run on one row of a prompt's final chunk and on
+none of an earlier chunk's. On the bench workload (8 layers; two thirds of the tokens are prompt tokens) that is
+5.5 % of the projections' multiply-adds (benchmarks/RESULTS.md). Each row's states are computed as before, up to
+the rounding of products of another row count: nothing in those layers mixes rows.
 """
 
 from __future__ import annotations

@@ -135,7 +135,7 @@ class Worker:
         query_start = list(accumulate((n for _, n in batch), initial=0))
         prompt_rows, sampling = self._outputs_wanted(batch, query_start)
         with torch.inference_mode():
-            hidden = self._forward(batch, self._rows_to_compute(batch, query_start, prompt_rows, sampling))
+            hidden = self._forward(batch, self._rows_to_compute(query_start, prompt_rows, sampling))
             self.step_timer.forward_done()
             outputs = self._sample(batch, hidden, query_start, prompt_rows, sampling)
             for seq, num_tokens in batch:
@@ -271,7 +271,8 @@ class Worker:
             self._drop(seq_id)
         self.kv_puller.forget()
 
-    def _rows_to_compute(self, batch, query_start, prompt_rows, sampling) -> list[int] | None:
+    def _rows_to_compute(self, query_start: list[int], prompt_rows: list[PromptRows],
+                         sampling: list[tuple[int, WorkerSequence]]) -> list[int] | None:
         """The step rows whose final hidden states the outputs read (output_rows.py), or None for every row: where
         that is all of them (decodes), and for a pooling model (it pools every row)."""
         if self.pooler is not None:

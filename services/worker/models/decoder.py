@@ -99,7 +99,7 @@ class MLP(nn.Module):
 
     def _rows_independent(self) -> bool:
         """Whether the projections are plain packed CPU products, which may take a step's rows in parts (a LoRA
-        wrapper reads a mask over the whole step's tokens)."""
+        wrapper reads a mask over the whole step's tokens, or its output rows')."""
         return isinstance(self.gate_up_proj, PackedLinear) and isinstance(self.down_proj, PackedLinear)
 
 

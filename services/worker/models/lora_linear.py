@@ -64,12 +64,12 @@ class LoRABatch:
         attention; the mask's rows for them."""
         self.output_mask = None if self.mask is None else self.mask.index_select(0, rows)
 
-    def mask_for(self, rows: int) -> torch.Tensor:
-        """The mask for a projection of ``rows`` rows: every token's, or the output rows' (keep_output_rows)."""
-        if rows == self.mask.shape[0]:
+    def mask_for(self, num_rows: int) -> torch.Tensor:
+        """The mask for a projection of ``num_rows`` rows: every token's, or the output rows' (keep_output_rows)."""
+        if num_rows == self.mask.shape[0]:
             return self.mask
-        if self.output_mask is None or rows != self.output_mask.shape[0]:
-            raise RuntimeError(f"a projection of {rows} rows in a step of {self.mask.shape[0]} tokens")
+        if self.output_mask is None or num_rows != self.output_mask.shape[0]:
+            raise RuntimeError(f"a projection of {num_rows} rows in a step of {self.mask.shape[0]} tokens")
         return self.output_mask
 
     def clear(self) -> None:
@@ -88,12 +88,12 @@ class LoRABatch:
     def every_slot(self, mask: torch.Tensor) -> Iterator[None]:
         """The layers read ``mask [T, num_slots]`` over all slots while inside: how a decode graph is captured,
         so that one graph serves any slots (its replays read the mask's buffer, refilled before each)."""
-        saved = self.mask, self.lo, self.hi
-        self.mask, self.lo, self.hi = mask, 0, self.num_slots
+        saved = self.mask, self.lo, self.hi, self.output_mask
+        self.mask, self.lo, self.hi, self.output_mask = mask, 0, self.num_slots, None
         try:
             yield
         finally:
-            self.mask, self.lo, self.hi = saved
+            self.mask, self.lo, self.hi, self.output_mask = saved
 
 
 class LoRALinear(nn.Module):
